@@ -1,0 +1,14 @@
+// The op schemas, defined once for every device. Kernels are registered per device in
+// csrc/ops/<device>/; fake (meta) kernels and autograd are registered from Python.
+#include <torch/csrc/stable/library.h>
+
+STABLE_TORCH_LIBRARY(rope, m) {
+  // Rotated copy of x. cos/sin: (..., rotary_dim/2), broadcastable to x.shape[:-1].
+  m.def("apply(Tensor x, Tensor cos, Tensor sin, bool interleaved=False) -> Tensor");
+  // Gradient of apply w.r.t. x: the inverse rotation of grad.
+  m.def("apply_backward(Tensor grad, Tensor cos, Tensor sin, bool interleaved=False) -> Tensor");
+  // In-place rotation of query and key by cos/sin rows gathered at `positions`.
+  m.def(
+      "apply_(Tensor(a!) query, Tensor(b!)? key, Tensor positions, Tensor cos_sin_cache, "
+      "bool interleaved=False) -> ()");
+}

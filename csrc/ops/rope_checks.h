@@ -1,0 +1,27 @@
+// Argument validation shared by every device's kernels. Each check names the argument and what
+// was expected, and runs before any output is written, so a rejected call changes nothing.
+#pragma once
+
+#include <optional>
+
+#include <torch/csrc/stable/tensor.h>
+
+#include "rope_geometry.h"
+
+namespace rope {
+
+using torch::stable::Tensor;
+
+// rope.apply(x, cos, sin) and rope.apply_backward(grad, cos, sin): `x_name` is the name of the
+// rotated argument in the calling op's schema ("x" or "grad").
+ApplyGeometry check_apply(const Tensor& x, const Tensor& cos, const Tensor& sin, const char* op,
+                          const char* x_name);
+
+// rope.apply_(query, key, positions, cos_sin_cache). Shapes and dtypes only: the range of the
+// positions is data and is checked by each device where it reads them.
+InplaceGeometry check_apply_inplace(const Tensor& query, const std::optional<Tensor>& key,
+                                    const Tensor& positions, const Tensor& cos_sin_cache);
+
+bool is_supported_float(torch::headeronly::ScalarType t);
+
+}  // namespace rope

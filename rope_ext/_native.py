@@ -1,0 +1,58 @@
+"""Loads the compiled op libraries, or records why none serves.
+
+ROPE_EXT_BACKEND=reference skips loading them; the ops are then defined from Python and backed
+by rope_ext.reference on every device.
+"""
+
+import importlib
+import os
+import warnings
+
+import torch
+
+BACKEND_ENV = "ROPE_EXT_BACKEND"
+_DEVICE_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+
+# Set by load(): the module that registered the native kernels, or why there is none.
+loaded_from = None
+load_error = None
+
+
+def requested_backend():
+    value = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if value not in ("auto", "native", "reference"):
+        warnings.warn(f"{BACKEND_ENV}={value!r} is not one of auto, native, reference; using auto")
+        value = "auto"
+    return value
+
+
+def load():
+    """Imports rope_ext._C (whose static initializers register the ops); returns True if the
+    native library serves."""
+    global loaded_from, load_error
+    if requested_backend() == "reference":
+        load_error = f"{BACKEND_ENV}=reference"
+        return False
+    try:
+        module = importlib.import_module("rope_ext._C")
+    except ImportError as e:
+        load_error = f"{type(e).__name__}: {e}"
+        warnings.warn(
+            "rope_ext: the compiled library rope_ext._C could not be loaded "
+            f"({load_error}); torch.ops.rope.* fall back to the pure-PyTorch reference. "
+            "Build it with `make build` (or `pip install .`).",
+            stacklevel=3,
+        )
+        return False
+    loaded_from = module.__file__
+    return True
+
+
+def has_kernel(device_type):
+    """True if a native kernel for rope::apply is registered for this device type."""
+    key = _DEVICE_KEYS.get(device_type)
+    return (
+        loaded_from is not None
+        and key is not None
+        and torch._C._dispatch_has_kernel_for_dispatch_key("rope::apply", key)
+    )

@@ -1,0 +1,16 @@
+"""The op schemas, as csrc/ops/rope.cpp defines them.
+
+Used only to define the ops from Python when the native library is not loaded, so that
+`torch.ops.rope.*` exists either way; a test checks that both definitions agree.
+"""
+
+SCHEMAS = {
+    "apply": "apply(Tensor x, Tensor cos, Tensor sin, bool interleaved=False) -> Tensor",
+    "apply_backward": (
+        "apply_backward(Tensor grad, Tensor cos, Tensor sin, bool interleaved=False) -> Tensor"
+    ),
+    "apply_": (
+        "apply_(Tensor(a!) query, Tensor(b!)? key, Tensor positions, Tensor cos_sin_cache, "
+        "bool interleaved=False) -> ()"
+    ),
+}

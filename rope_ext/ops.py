@@ -1,0 +1,30 @@
+"""The public functions. Each calls its torch.ops.rope op; the dispatcher picks the native kernel
+for the tensors' device, or the reference where none is registered (see `backend`)."""
+
+import torch
+
+from . import _native
+
+
+def apply_rope(x, cos, sin, *, interleaved=False):
+    """RoPE of x, returned as a new tensor of x's shape and dtype.
+
+    x: (..., head_dim), float16/bfloat16/float32/float64, any strides.
+    cos, sin: (..., rotary_dim/2), equal shapes, broadcastable to x.shape[:-1]; any float dtype.
+    interleaved: pairs (x[2i], x[2i+1]) if True, (x[i], x[i + rotary_dim/2]) if False.
+    Dims >= rotary_dim are copied unchanged. Differentiable w.r.t. x, cos and sin.
+    """
+    return torch.ops.rope.apply(x, cos, sin, interleaved)
+
+
+def apply_rope_(query, key, positions, cos_sin_cache, *, interleaved=False):
+    """Rotates query (..., Hq, D) and key (..., Hk, D) (or None) in place by the rows of
+    cos_sin_cache (max_position, rotary_dim) at positions (query.shape[:-2], int32/int64).
+    Returns (query, key)."""
+    torch.ops.rope.apply_(query, key, positions, cos_sin_cache, interleaved)
+    return query, key
+
+
+def backend(device="cpu"):
+    """Which implementation serves tensors on `device`: "native" or "reference"."""
+    return "native" if _native.has_kernel(torch.device(device).type) else "reference"
