@@ -104,6 +104,7 @@ def strided_cases(dtype):
     # bf16 / float64 tables are cast to the arithmetic type on the host.
     yield "bf16_tables", bshd, cos4.bfloat16(), sin4.bfloat16(), True
     yield "f64_tables", bshd, cos4.double(), sin4.double(), True
+    yield "zero_rotary_dim", bshd, cos4[..., :0], sin4[..., :0], True  # a pure copy
     yield "one_dim_x", torch.randn(D, dtype=dtype), cos_v[2, 0], sin_v[2, 0], True
     yield "head_dim_stride_padded", torch.randn(S, 3, D + 8, dtype=dtype)[..., :D], cos_v, sin_v, True
     yield "head_dim_stride_odd", torch.randn(S, 3, D + 3, dtype=dtype)[..., :D], cos_v, sin_v, False
