@@ -79,8 +79,10 @@ def configure_environment():
     """Sets CUDA_HOME and TORCH_CUDA_ARCH_LIST for torch.utils.cpp_extension, which reads them
     at import (it would otherwise guess /usr/local from a stray nvcc and fail to link)."""
     build, why = want_cuda()
+    home = cuda_home()
+    if home:
+        os.environ["CUDA_HOME"] = home
     if build:
-        os.environ["CUDA_HOME"] = cuda_home()
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
     return build, why
 

@@ -26,6 +26,9 @@ _loaded = False
 def load():
     global _loaded
     if not _loaded:
+        import build_config
+
+        build_config.configure_environment()  # CUDA_HOME: no "guessing /usr/local" warning
         from torch.utils.cpp_extension import load as cpp_load
 
         os.makedirs(BUILD_DIR, exist_ok=True)

@@ -196,6 +196,7 @@ def test_apply_inplace_strided_and_table_dtypes(dtype):
         q, k, positions, cache = inplace_case(dtype, D, D, 4, 2, torch.int64, (), cache_dtype)
         check_inplace(q, k, positions, cache, True)
     q, k, positions, cache = inplace_case(dtype, D, 64, 4, 2, torch.int64, (3,))
+    positions = positions.t().contiguous().t()  # column-major: two lead dims that do not merge
     expected_q, expected_k = q.clone(), k.clone()
     cuda_sim.apply_(expected_q, expected_k, positions, cache)
     plan = cuda_sim.apply_(q, k, positions, cache, max_blocks=2, force_idx64=True)
