@@ -115,4 +115,7 @@ step "summary (${SECONDS}s)"
   echo
   grep -v "^#" "$OUT/bench.txt" 2>/dev/null
 } | tee "$OUT/summary.txt"
-[ "$LIBS" != "none" ] && [ "$CUDA_TESTS" = "0" ]
+status=1
+[ "$LIBS" != "none" ] && [ "$CUDA_TESTS" = "0" ] && status=0
+sleep 1  # let tee flush the log
+exit "$status"

@@ -80,10 +80,12 @@ Tensor apply_host(const Tensor& x, const Tensor& cos_in, const Tensor& sin_in, b
                   Runner&& run, int64_t max_blocks = kMaxBlocks) {
   const char* op = kInverse ? "rope.apply_backward" : "rope.apply";
   const char* x_name = kInverse ? "grad" : "x";
-  check_apply(x, cos_in, sin_in, op, x_name);
+  ApplyGeometry g = check_apply(x, cos_in, sin_in, op, x_name);
   const Tensor cos = tables_as_opmath(cos_in, x.scalar_type());
   const Tensor sin = tables_as_opmath(sin_in, x.scalar_type());
-  const ApplyGeometry g = check_apply(x, cos, sin, op, x_name);  // strides of the cast tables
+  if (cos.scalar_type() != cos_in.scalar_type()) {
+    g = check_apply(x, cos, sin, op, x_name);  // the strides of the cast tables
+  }
   Tensor out = torch::stable::new_empty(x, x.sizes());
   if (g.rows == 0 || g.head_dim == 0) return out;
   ROPE_DISPATCH_FLOATING(x.scalar_type(), "rope.apply", [&] {
@@ -107,10 +109,12 @@ template <class Runner>
 void apply_inplace_host(const Tensor& query, const std::optional<Tensor>& key,
                         const Tensor& positions, const Tensor& cache_in, bool interleaved,
                         Runner&& run, int64_t max_blocks = kMaxBlocks) {
-  check_apply_inplace(query, key, positions, cache_in);
+  InplaceGeometry g = check_apply_inplace(query, key, positions, cache_in);
   if (position_checking_enabled()) check_positions_on_host(positions, cache_in.size(0));
   const Tensor cache = tables_as_opmath(cache_in, query.scalar_type());
-  const InplaceGeometry g = check_apply_inplace(query, key, positions, cache);
+  if (cache.scalar_type() != cache_in.scalar_type()) {
+    g = check_apply_inplace(query, key, positions, cache);  // the strides of the cast cache
+  }
   if (g.tokens == 0 || g.half == 0 || g.q_heads + g.k_heads == 0) return;
   ROPE_DISPATCH_FLOATING(query.scalar_type(), "rope.apply_", [&] {
     using x_t = scalar_t;
