@@ -20,6 +20,7 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-results}"
 mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 BUDGET="${GPU_CHECK_BUDGET_S:-420}"
 SECONDS=0
@@ -68,6 +69,22 @@ if torch.cuda.is_available():
 EOF
 }
 
+build_here() {
+  MAX_JOBS="$(nproc)" ROPE_EXT_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0+PTX}" \
+    timeout 360 "$PY" setup.py build_ext --inplace >>"$OUT/build.log" 2>&1
+}
+
+# setuptools < 77 rejects pyproject.toml's SPDX license string; the build itself does not need
+# the project metadata, so then build from a copy without pyproject.toml.
+build_libs() {
+  build_here && return 0
+  grep -q "project.license" "$OUT/build.log" || return 1
+  echo "old setuptools: building from a copy without pyproject.toml"
+  local tmp; tmp="$(mktemp -d)"
+  cp -r setup.py build_config.py csrc rope_ext "$tmp"/
+  (cd "$tmp" && build_here) && cp "$tmp"/rope_ext/*.so rope_ext/
+}
+
 step "1. libraries"
 LIBS="none"
 if [ "${GPU_CHECK_REBUILD:-0}" != "1" ] && libs_ok; then
@@ -76,8 +93,7 @@ else
   echo "rebuilding against the local torch (log: $OUT/build.log)"
   stash="$(mktemp -d)"
   mv rope_ext/*.so "$stash"/ 2>/dev/null || true
-  if MAX_JOBS="$(nproc)" ROPE_EXT_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0+PTX}" \
-      timeout 360 "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1 && libs_ok; then
+  if build_libs && libs_ok; then
     LIBS="rebuilt here"
   else
     tail -30 "$OUT/build.log"
