@@ -125,17 +125,20 @@ def test_cuda_graph_capture_and_replay():
 def test_non_default_stream():
     x = torch.randn(2048, 32, 128, dtype=torch.float32, device=DEV)
     cos, sin = tables(torch.arange(2048, device=DEV).view(2048, 1), 128, device=DEV)
+    cache = rope_ext.cos_sin_cache(2048, 128, device=DEV)
+    positions = torch.arange(2048, device=DEV)
     want = reference_apply(x, cos, sin, False)
+    y = torch.full_like(x, float("nan"))
+    q = torch.full_like(x, float("nan"))
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        # produced on s and consumed on s: correct only if the kernel runs on s
-        y = x * 1.0
-        torch.cuda._sleep(1_000_000)
+        # s is held up, then fills y and q: a kernel that ran on another stream would read NaN
+        torch.cuda._sleep(2_000_000)
+        y.copy_(x)
+        q.copy_(x)
         out = torch.ops.rope.apply(y, cos, sin, False)
-        q = y.clone()
-        torch.ops.rope.apply_(q, None, torch.arange(2048, device=DEV),
-                              rope_ext.cos_sin_cache(2048, 128, device=DEV), False)
+        torch.ops.rope.apply_(q, None, positions, cache, False)
         done = torch.cuda.Event()
         done.record(s)
     done.synchronize()
