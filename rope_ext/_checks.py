@@ -9,8 +9,17 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+# The C++ ScalarType names, so messages read the same on every path.
+_DTYPE_NAMES = {
+    torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float32: "Float", torch.float64: "Double",
+    torch.int8: "Char", torch.uint8: "Byte", torch.int16: "Short", torch.int32: "Int",
+    torch.int64: "Long", torch.bool: "Bool", torch.complex64: "ComplexFloat",
+    torch.complex128: "ComplexDouble",
+}
+
+
 def _dt(t):
-    return str(t.dtype).replace("torch.", "")
+    return _DTYPE_NAMES.get(t.dtype, str(t.dtype).replace("torch.", ""))
 
 
 def _shape(t):

@@ -15,7 +15,7 @@ def _tables(shape=(5, 1, 8)):
 
 @pytest.mark.parametrize("impl", APPLY)
 @pytest.mark.parametrize("case,match", [
-    ("int_x", r"x must be float16, bfloat16, float32 or float64, got Long|int64"),
+    ("int_x", r"x must be float16, bfloat16, float32 or float64, got Long"),
     ("int_cos", r"cos must be float16, bfloat16, float32 or float64"),
     ("shape_mismatch", r"cos and sin must have the same shape"),
     ("dtype_mismatch", r"cos and sin must have the same dtype"),
@@ -62,7 +62,7 @@ def _inplace_args():
     ("key_dtype", r"key must have the dtype of query"),
     ("key_lead", r"key must have shape \(\.\.\., num_kv_heads, head_dim\) with the leading dims"),
     ("key_head_dim", r"key must have shape"),
-    ("float_positions", r"positions must be int32 or int64, got Float|float32"),
+    ("float_positions", r"positions must be int32 or int64, got Float"),
     ("positions_shape", r"positions must have shape query.shape\[:-2\]"),
     ("positions_high", r"positions must lie in \[0, 10\) .* got 10 at flat index 3"),
     ("positions_negative", r"positions must lie in \[0, 10\) .* got -1 at flat index 5"),
