@@ -296,3 +296,17 @@ def test_from_config_qwen2vl_mrope():
 def test_from_config_errors(cfg, match):
     with pytest.raises(ValueError, match=match):
         rope_ext.RotaryEmbedding.from_config(cfg)
+
+
+def test_readme_example_runs():
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md")) as f:
+        text = f.read()
+    m = re.search(r"<!-- dropin-example -->\n```python\n(.*?)```", text, re.S)
+    assert m, "README lost its drop-in example"
+    code = m.group(1)
+    assert "RotaryEmbedding.from_config" in code and "assert_close" in code
+    exec(compile(code, "README.md:dropin-example", "exec"), {})
