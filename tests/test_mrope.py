@@ -151,12 +151,15 @@ BAD = [
     ("positions_negative", r"rope.mrope_: positions must lie in \[0, 20\) .*got -1 at flat index 14"),
     ("key_heads_dim", r"rope.mrope_: key must have shape \(..., num_kv_heads, head_dim\)"),
     ("rotary_too_big", r"rope.mrope_: rotary_dim = cos_sin_cache.size\(1\) = 32 must be even and <= head_dim = 16"),
+    ("int_query", r"rope.mrope_: query must be float16, bfloat16, float32 or float64, got Long"),
+    ("query_1d", r"rope.mrope_: query must have shape \(\.\.\., num_heads, head_dim\), got \[16\]"),
+    ("key_dtype", r"rope.mrope_: key must have the dtype of query \(Float\), got Double"),
+    ("cache_int", r"rope.mrope_: cos_sin_cache must be float16, bfloat16, float32 or float64, got Long"),
+    ("device", r"rope.mrope_: positions must be on the same device as query \(cpu\), got meta"),
 ]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("case, match", BAD)
-def test_bad_input_raises_and_changes_nothing(impl, case, match):
+def bad_case(case):
     q = torch.randn(5, 2, 16)
     k = torch.randn(5, 1, 16)
     pos = torch.randint(0, 20, (3, 5))
@@ -184,9 +187,50 @@ def test_bad_input_raises_and_changes_nothing(impl, case, match):
         k = torch.randn(5, 1, 8)
     elif case == "rotary_too_big":
         cache = rope_ext.cos_sin_cache(20, 32)
+    elif case == "int_query":
+        q, k = q.long(), k.long()
+    elif case == "query_1d":
+        q = q[0, 0]
+    elif case == "key_dtype":
+        k = k.double()
+    elif case == "cache_int":
+        cache = cache.long()
+    elif case == "device":
+        pos = pos.to("meta")
+    return q, k, pos, cache, sections
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case, match", BAD)
+def test_bad_input_raises_and_changes_nothing(impl, case, match):
+    q, k, pos, cache, sections = bad_case(case)
     q0, k0 = q.clone(), k.clone()
     with pytest.raises(RuntimeError, match=match):
         IMPLS[impl](q, k, pos, cache, sections)
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+
+
+@pytest.mark.parametrize("case", [c for c, _ in BAD if c != "device"])
+def test_native_and_reference_messages_are_identical(case):
+    # The Python checks mirror csrc/ops/mrope_checks.cpp word for word (C++ adds a location prefix).
+    messages = []
+    for impl in IMPLS.values():
+        q, k, pos, cache, sections = bad_case(case)
+        with pytest.raises(RuntimeError) as e:
+            impl(q, k, pos, cache, sections)
+        msg = str(e.value)
+        messages.append(msg[msg.index("rope.mrope_:"):].splitlines()[0])
+    assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bad_position_late_in_a_large_batch_changes_nothing(impl):
+    q, k = torch.randn(4000, 2, 64), torch.randn(4000, 1, 64)
+    pos = torch.randint(0, 100, (3, 4000))
+    pos[2, -1] = 100  # the very last value read
+    q0, k0 = q.clone(), k.clone()
+    with pytest.raises(RuntimeError, match="at flat index 11999"):
+        IMPLS[impl](q, k, pos, rope_ext.cos_sin_cache(100, 64), [8, 12, 12])
     assert torch.equal(q, q0) and torch.equal(k, k0)
 
 
