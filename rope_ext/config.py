@@ -78,12 +78,15 @@ def rope_kwargs_from_config(config, *, interleaved=None, max_position=None):
     mrope_section = None
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type"))
-        if kind in _NEEDS_ORIGINAL and scaling.get("original_max_position_embeddings") is None:
+        explicit_original = scaling.get("original_max_position_embeddings") is not None
+        if kind in _NEEDS_ORIGINAL and not explicit_original:
             original = _get(config, "original_max_position_embeddings", max_pos)
             if original is not None:
                 scaling["original_max_position_embeddings"] = original
-        if kind in ("longrope", "su") and scaling.get("factor") is None and max_pos is not None:
-            # Phi-3: the extension ratio is the config's, whatever length the table gets.
+        # Without `factor`, the extension ratio is the config's (Phi-3 longrope, DeepSeek-V3 yarn),
+        # whatever length the table gets.
+        derive_factor = kind in ("longrope", "su") or (kind == "yarn" and explicit_original)
+        if derive_factor and scaling.get("factor") is None and max_pos is not None:
             scaling["factor"] = max_pos / scaling["original_max_position_embeddings"]
         mrope_section = scaling.get("mrope_section")
         if kind in (None, "default") and mrope_section is None and "factor" not in scaling:

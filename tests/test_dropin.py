@@ -234,6 +234,12 @@ def test_from_config_fills_original_length_and_rope_parameters():
                                                                scaling={"rope_type": "linear", "factor": 2.0}))
     m = rope_ext.RotaryEmbedding.from_config(dict(cfg, rope_parameters={"rope_type": "default", "rope_theta": 5.0}))
     assert m.scaling is None and m.base == 5.0
+    # yarn with the original length but no factor: max_position_embeddings / original.
+    cfg = dict(hidden_size=64, num_attention_heads=2, max_position_embeddings=4096,
+               rope_scaling={"rope_type": "yarn", "original_max_position_embeddings": 1024})
+    m = rope_ext.RotaryEmbedding.from_config(cfg, max_position=64)
+    assert m.scaling["factor"] == 4.0
+    assert m.cos_sin_cache[0, 0].item() == pytest.approx(0.1 * math.log(4.0) + 1, rel=1e-7)
 
 
 def test_from_config_phi3_longrope():
