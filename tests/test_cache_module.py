@@ -30,9 +30,10 @@ def test_cache_dtype_and_device_arguments():
     assert c[3, 1].item() == pytest.approx(math.cos(theta), abs=1e-15)
 
 
-def test_scaling_not_yet_supported_is_explicit():
-    with pytest.raises(NotImplementedError):
-        rope_ext.cos_sin_cache(16, 8, scaling={"rope_type": "linear", "factor": 2.0})
+def test_unknown_scaling_is_explicit():
+    # The supported scalings are tested in test_scaling.py.
+    with pytest.raises(ValueError, match="unknown rope scaling type"):
+        rope_ext.cos_sin_cache(16, 8, scaling={"rope_type": "not-a-scaling", "factor": 2.0})
 
 
 @pytest.mark.parametrize("interleaved", [False, True])

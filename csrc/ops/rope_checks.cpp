@@ -140,7 +140,11 @@ ApplyGeometry check_apply(const Tensor& x, const Tensor& cos, const Tensor& sin,
 
 InplaceGeometry check_apply_inplace(const Tensor& query, const std::optional<Tensor>& key,
                                     const Tensor& positions, const Tensor& cache) {
-  const char* op = "rope.apply_";
+  return check_apply_inplace(query, key, positions, cache, "rope.apply_");
+}
+
+InplaceGeometry check_apply_inplace(const Tensor& query, const std::optional<Tensor>& key,
+                                    const Tensor& positions, const Tensor& cache, const char* op) {
   check_float(query, op, "query");
   STD_TORCH_CHECK(query.dim() >= 2, op,
                   ": query must have shape (..., num_heads, head_dim), got ", shape_str(query));
