@@ -13,9 +13,11 @@ from . import reference  # noqa: E402
 from .cache import cos_sin_cache  # noqa: E402
 from .modules import RotaryEmbedding  # noqa: E402
 from .ops import apply_rope, apply_rope_, backend  # noqa: E402
+from .ops import apply_mrope_  # noqa: E402
 
 __all__ = [
     "__version__",
+    "apply_mrope_",
     "apply_rope",
     "apply_rope_",
     "backend",

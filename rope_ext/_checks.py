@@ -9,8 +9,17 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+# The C++ ScalarType names, so messages read the same on every path.
+_DTYPE_NAMES = {
+    torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float32: "Float", torch.float64: "Double",
+    torch.int8: "Char", torch.uint8: "Byte", torch.int16: "Short", torch.int32: "Int",
+    torch.int64: "Long", torch.bool: "Bool", torch.complex64: "ComplexFloat",
+    torch.complex128: "ComplexDouble",
+}
+
+
 def _dt(t):
-    return str(t.dtype).replace("torch.", "")
+    return _DTYPE_NAMES.get(t.dtype, str(t.dtype).replace("torch.", ""))
 
 
 def _shape(t):
@@ -61,8 +70,7 @@ def check_apply(x, cos, sin, op="rope.apply", x_name="x"):
         )
 
 
-def check_apply_inplace(query, key, positions, cache):
-    op = "rope.apply_"
+def check_apply_inplace(query, key, positions, cache, op="rope.apply_"):
     _check_float(query, op, "query")
     if query.dim() < 2:
         _fail(f"{op}: query must have shape (..., num_heads, head_dim), got {_shape(query)}")
@@ -92,6 +100,30 @@ def check_apply_inplace(query, key, positions, cache):
         _fail(
             f"{op}: rotary_dim = cos_sin_cache.size(1) = {rotary_dim} must be even and <= "
             f"head_dim = {query.shape[-1]}"
+        )
+
+
+def check_mrope(query, key, positions, cache, mrope_section):
+    """rope.mrope_: mirrors csrc/ops/mrope_checks.cpp."""
+    op = "rope.mrope_"
+    if query.dim() < 2:
+        _fail(f"{op}: query must have shape (..., num_heads, head_dim), got {_shape(query)}")
+    if positions.dim() != query.dim() - 1 or positions.shape[0] != 3 or positions.shape[1:] != query.shape[:-2]:
+        _fail(
+            f"{op}: positions must have shape (3,) + query.shape[:-2] (temporal, height, width; "
+            f"query is {_shape(query)}), got {_shape(positions)}"
+        )
+    check_apply_inplace(query, key, positions[0], cache, op=op)
+    sections = list(mrope_section)
+    if len(sections) != 3:
+        _fail(f"{op}: mrope_section must have 3 entries (temporal, height, width), got {sections}")
+    if any(s < 0 for s in sections):
+        _fail(f"{op}: mrope_section entries must be >= 0, got {sections}")
+    half = cache.shape[1] // 2
+    if sum(sections) != half:
+        _fail(
+            f"{op}: mrope_section {sections} must sum to rotary_dim/2 = cos_sin_cache.size(1)/2 = "
+            f"{half}, got {sum(sections)}"
         )
 
 

@@ -29,6 +29,10 @@ def _reference_apply_(query, key, positions, cos_sin_cache, interleaved=False):
     reference.apply_rope_(query, key, positions, cos_sin_cache, interleaved=interleaved)
 
 
+def _reference_mrope_(query, key, positions, cos_sin_cache, mrope_section, interleaved=False):
+    reference.apply_mrope_(query, key, positions, cos_sin_cache, mrope_section, interleaved=interleaved)
+
+
 def register_reference_kernels():
     """The reference serves every device that has no kernel of its own (a backend key such as
     CPU or CUDA registered by a native library wins over CompositeExplicitAutograd)."""
@@ -36,6 +40,7 @@ def register_reference_kernels():
     lib.impl("apply", _reference_apply, "CompositeExplicitAutograd")
     lib.impl("apply_backward", _reference_apply_backward, "CompositeExplicitAutograd")
     lib.impl("apply_", _reference_apply_, "CompositeExplicitAutograd")
+    lib.impl("mrope_", _reference_mrope_, "CompositeExplicitAutograd")
     _libraries.append(lib)
 
 
@@ -51,6 +56,10 @@ def _fake_apply_backward(grad, cos, sin, interleaved=False):
 
 def _fake_apply_(query, key, positions, cos_sin_cache, interleaved=False):
     _checks.check_apply_inplace(query, key, positions, cos_sin_cache)
+
+
+def _fake_mrope_(query, key, positions, cos_sin_cache, mrope_section, interleaved=False):
+    _checks.check_mrope(query, key, positions, cos_sin_cache, mrope_section)
 
 
 def _interleaved(inputs):
@@ -89,6 +98,7 @@ def register_python_side():
     torch.library.register_fake("rope::apply", _fake_apply)
     torch.library.register_fake("rope::apply_backward", _fake_apply_backward)
     torch.library.register_fake("rope::apply_", _fake_apply_)
+    torch.library.register_fake("rope::mrope_", _fake_mrope_)
     torch.library.register_autograd("rope::apply", _backward_apply, setup_context=_setup_apply)
     torch.library.register_autograd(
         "rope::apply_backward", _backward_apply_backward, setup_context=_setup_apply

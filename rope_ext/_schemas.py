@@ -13,4 +13,8 @@ SCHEMAS = {
         "apply_(Tensor(a!) query, Tensor(b!)? key, Tensor positions, Tensor cos_sin_cache, "
         "bool interleaved=False) -> ()"
     ),
+    "mrope_": (
+        "mrope_(Tensor(a!) query, Tensor(b!)? key, Tensor positions, Tensor cos_sin_cache, "
+        "int[] mrope_section, bool interleaved=False) -> ()"
+    ),
 }

@@ -2,6 +2,8 @@
 
 import torch
 
+from .scaling import rope_parameters
+
 
 def inv_frequencies(rotary_dim, base=10000.0, *, device=None):
     """w_i = base^(-2i/rotary_dim) for i < rotary_dim/2, in float64."""
@@ -19,14 +21,19 @@ def _check_table_args(max_position, rotary_dim, base):
 
 
 def cos_sin_cache(max_position, rotary_dim, *, base=10000.0, scaling=None, dtype=torch.float32,
-                  device=None):
+                  device=None, seq_len=None):
     """The (max_position, rotary_dim) table: cos in the first rotary_dim/2 columns, sin in the
     rest. Angles and cos/sin are computed in float64 and rounded once to `dtype`, so the table is
-    exact to the stored dtype's rounding even at position 1,000,000."""
+    exact to the stored dtype's rounding even at position 1,000,000.
+
+    scaling: a config's `rope_scaling` dict (linear, dynamic, yarn, llama3, longrope; see
+    rope_ext.scaling), or None. Its attention factor multiplies cos and sin.
+    seq_len: the sequence length the table serves, for `dynamic` and `longrope` (default
+    max_position)."""
     _check_table_args(max_position, rotary_dim, base)
-    if scaling is not None:
-        raise NotImplementedError("cos_sin_cache: scaling is not supported yet (pass scaling=None)")
-    inv_freq = inv_frequencies(rotary_dim, base, device=device)
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
+        raise ValueError(f"cos_sin_cache: seq_len must be a positive int or None, got {seq_len!r}")
+    inv_freq, attention = rope_parameters(scaling, rotary_dim, base, max_position, seq_len, device)
     pos = torch.arange(max_position, dtype=torch.float64, device=device)
     angles = torch.outer(pos, inv_freq)
-    return torch.cat((angles.cos(), angles.sin()), dim=-1).to(dtype)
+    return (torch.cat((angles.cos(), angles.sin()), dim=-1) * attention).to(dtype)

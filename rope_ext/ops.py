@@ -25,6 +25,15 @@ def apply_rope_(query, key, positions, cos_sin_cache, *, interleaved=False):
     return query, key
 
 
+def apply_mrope_(query, key, positions, cos_sin_cache, mrope_section, *, interleaved=False):
+    """Multimodal RoPE (Qwen2-VL family) in place: positions (3,) + query.shape[:-2] hold the
+    (temporal, height, width) components; mrope_section (3 ints summing to rotary_dim/2) splits
+    the pairs, in order, into 3 groups and group j is rotated by the angle of component j.
+    Tokens whose 3 components are equal get exactly apply_rope_. Returns (query, key)."""
+    torch.ops.rope.mrope_(query, key, positions, cos_sin_cache, list(mrope_section), interleaved)
+    return query, key
+
+
 def backend(device="cpu"):
     """Which implementation serves tensors on `device`: "native" or "reference"."""
     return "native" if _native.has_kernel(torch.device(device).type) else "reference"

@@ -9,7 +9,7 @@ import torch
 from . import _checks
 from .cache import cos_sin_cache  # noqa: F401  (the table is the same computation on every path)
 
-__all__ = ["apply_rope", "apply_rope_backward", "apply_rope_", "cos_sin_cache", "table_grads"]
+__all__ = ["apply_mrope_", "apply_rope", "apply_rope_backward", "apply_rope_", "cos_sin_cache", "table_grads"]
 
 
 def _acc_dtype(dtype):
@@ -76,6 +76,32 @@ def apply_rope_(query, key, positions, cos_sin_cache, *, interleaved=False):
     half = cos_sin_cache.shape[1] // 2
     rows = cos_sin_cache[positions.long()].unsqueeze(-2)  # (..., 1, rotary_dim)
     cos, sin = rows[..., :half], rows[..., half:]
+    for t in (query, key):
+        if t is not None:
+            t.copy_(_rotate(t, cos, sin, interleaved, inverse=False))
+    return query, key
+
+
+def mrope_tables(positions, cos_sin_cache, mrope_section):
+    """cos, sin of shape positions.shape[1:] + (rotary_dim/2,): pair i of a token takes its
+    angle from the position component j of the section that holds i."""
+    half = cos_sin_cache.shape[1] // 2
+    cos_parts, sin_parts, lo = [], [], 0
+    for j, n in enumerate(mrope_section):
+        rows = cos_sin_cache[positions[j].long()]  # (..., rotary_dim)
+        cos_parts.append(rows[..., lo : lo + n])
+        sin_parts.append(rows[..., half + lo : half + lo + n])
+        lo += n
+    return torch.cat(cos_parts, dim=-1), torch.cat(sin_parts, dim=-1)
+
+
+def apply_mrope_(query, key, positions, cos_sin_cache, mrope_section, *, interleaved=False):
+    """Multimodal RoPE in place: positions (3,) + query.shape[:-2] (temporal, height, width);
+    mrope_section splits the rotary_dim/2 pairs, in order, into 3 groups."""
+    _checks.check_mrope(query, key, positions, cos_sin_cache, mrope_section)
+    _checks.check_positions_in_range(positions, cos_sin_cache.shape[0], op="rope.mrope_")
+    cos, sin = mrope_tables(positions, cos_sin_cache, mrope_section)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
     for t in (query, key):
         if t is not None:
             t.copy_(_rotate(t, cos, sin, interleaved, inverse=False))

@@ -11,7 +11,9 @@ import torch
 import build_config
 import rope_ext
 
-OPS = ["rope::apply", "rope::apply_backward", "rope::apply_"]
+from rope_ext._schemas import SCHEMAS  # noqa: E402
+
+OPS = [f"rope::{name}" for name in SCHEMAS]  # every op, including any added later
 
 
 def cuda_expected():

@@ -11,4 +11,9 @@ STABLE_TORCH_LIBRARY(rope, m) {
   m.def(
       "apply_(Tensor(a!) query, Tensor(b!)? key, Tensor positions, Tensor cos_sin_cache, "
       "bool interleaved=False) -> ()");
+  // Multimodal RoPE (Qwen2-VL): positions (3, ...) = (temporal, height, width); mrope_section
+  // splits the rotary_dim/2 pairs, in order, into 3 groups, group j rotated by component j.
+  m.def(
+      "mrope_(Tensor(a!) query, Tensor(b!)? key, Tensor positions, Tensor cos_sin_cache, "
+      "int[] mrope_section, bool interleaved=False) -> ()");
 }

@@ -28,8 +28,14 @@ std::string shape_str(const Tensor& t) {
 
 std::string dtype_str(const Tensor& t) { return torch::headeronly::toString(t.scalar_type()); }
 
+// Spelled as Python's str(torch.device) so messages match the Python paths.
 std::string device_str(const Tensor& t) {
-  return t.is_cuda() ? "cuda:" + std::to_string(t.get_device_index()) : (t.is_cpu() ? "cpu" : "other");
+  using torch::headeronly::DeviceType;
+  const auto type = t.device().type();
+  if (type == DeviceType::CPU) return "cpu";
+  if (type == DeviceType::Meta) return "meta";
+  const std::string name = type == DeviceType::CUDA ? "cuda" : "device type " + std::to_string(int(type));
+  return name + ":" + std::to_string(t.get_device_index());
 }
 
 void check_float(const Tensor& t, const char* op, const char* name) {
@@ -134,7 +140,11 @@ ApplyGeometry check_apply(const Tensor& x, const Tensor& cos, const Tensor& sin,
 
 InplaceGeometry check_apply_inplace(const Tensor& query, const std::optional<Tensor>& key,
                                     const Tensor& positions, const Tensor& cache) {
-  const char* op = "rope.apply_";
+  return check_apply_inplace(query, key, positions, cache, "rope.apply_");
+}
+
+InplaceGeometry check_apply_inplace(const Tensor& query, const std::optional<Tensor>& key,
+                                    const Tensor& positions, const Tensor& cache, const char* op) {
   check_float(query, op, "query");
   STD_TORCH_CHECK(query.dim() >= 2, op,
                   ": query must have shape (..., num_heads, head_dim), got ", shape_str(query));

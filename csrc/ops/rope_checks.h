@@ -21,6 +21,10 @@ ApplyGeometry check_apply(const Tensor& x, const Tensor& cos, const Tensor& sin,
 // positions is data and is checked by each device where it reads them.
 InplaceGeometry check_apply_inplace(const Tensor& query, const std::optional<Tensor>& key,
                                     const Tensor& positions, const Tensor& cos_sin_cache);
+// The same checks, reported under another op's name (rope.mrope_ validates through it).
+InplaceGeometry check_apply_inplace(const Tensor& query, const std::optional<Tensor>& key,
+                                    const Tensor& positions, const Tensor& cos_sin_cache,
+                                    const char* op);
 
 bool is_supported_float(torch::headeronly::ScalarType t);
 

@@ -1,0 +1,119 @@
+"""rope.apply / rope_ext.apply_rope against an independent float64 oracle."""
+
+import pytest
+import torch
+
+import rope_ext
+from conftest import DTYPES, assert_close
+from rope_oracle import rope, table_for
+
+IMPLS = {
+    "op": rope_ext.apply_rope,
+    "reference": rope_ext.reference.apply_rope,
+}
+
+
+def tables(positions, rotary_dim, dtype):
+    cos, sin = table_for(positions, rotary_dim)
+    return cos.to(dtype), sin.to(dtype)
+
+
+# (x shape, cos shape builder) pairs covering the broadcast layouts models use.
+B, H, S = 2, 3, 5
+
+
+def _layouts(rotary_dim):
+    h = rotary_dim // 2
+    pos_s = torch.randint(0, 4096, (S,))
+    pos_bs = torch.randint(0, 4096, (B, S))
+    return {
+        "BHSD_11Sh": ((B, H, S), table_for(pos_s, rotary_dim), (1, 1, S, h)),
+        "BSHD_S1h": ((B, S, H), table_for(pos_s, rotary_dim), (S, 1, h)),
+        "BSHD_BS1h": ((B, S, H), table_for(pos_bs, rotary_dim), (B, S, 1, h)),
+        "SD_Sh": ((S,), table_for(pos_s, rotary_dim), (S, h)),
+    }
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("layout", ["BHSD_11Sh", "BSHD_S1h", "BSHD_BS1h", "SD_Sh"])
+@pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (80, 32), (128, 128), (96, 48)])
+def test_matches_oracle(impl, dtype, interleaved, layout, head_dim, rotary_dim):
+    lead, (cos64, sin64), cos_shape = _layouts(rotary_dim)[layout]
+    x = torch.randn(*lead, head_dim, dtype=dtype)
+    table_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    cos = cos64.reshape(cos_shape).to(table_dtype)
+    sin = sin64.reshape(cos_shape).to(table_dtype)
+    out = IMPLS[impl](x, cos, sin, interleaved=interleaved)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert_close(out, rope(x, cos, sin, interleaved), dtype)
+    # The pass-through dims are copied bit for bit.
+    assert torch.equal(out[..., rotary_dim:], x[..., rotary_dim:])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("x_dtype,table_dtype", [
+    (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float64),
+    (torch.float32, torch.float16), (torch.float32, torch.float64), (torch.float64, torch.float32),
+])
+def test_mixed_table_dtypes(impl, x_dtype, table_dtype):
+    x = torch.randn(4, 7, 64, dtype=x_dtype)
+    cos, sin = tables(torch.randint(0, 100, (4, 1)), 64, table_dtype)
+    out = IMPLS[impl](x, cos, sin)
+    # Math is in float32 (float64 for float64 x) on the table values as stored.
+    assert_close(out, rope(x, cos, sin, False), x_dtype)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_contiguous_inputs(impl, interleaved, dtype):
+    T, Hq, Hk, D = 9, 4, 2, 64
+    qkv = torch.randn(T, (Hq + 2 * Hk) * D, dtype=dtype)
+    q = qkv[:, : Hq * D].view(T, Hq, D)  # a strided view into a fused qkv buffer
+    k = qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
+    strided_last = torch.randn(T, Hq, 2 * D, dtype=dtype)[..., ::2]  # last dim not contiguous
+    transposed = torch.randn(Hq, T, D, dtype=dtype).transpose(0, 1)
+    pos = torch.randint(0, 1000, (T,))
+    cos, sin = tables(pos, 48, torch.float32)
+    cos_nc = torch.randn(48 // 2, T).t()  # non-contiguous table
+    sin_nc = torch.randn(48 // 2, T).t()
+    for x in (q, k, strided_last, transposed):
+        assert not x.is_contiguous()
+        out = IMPLS[impl](x, cos.unsqueeze(1), sin.unsqueeze(1), interleaved=interleaved)
+        assert out.is_contiguous()
+        assert_close(out, rope(x, cos.unsqueeze(1), sin.unsqueeze(1), interleaved), dtype)
+        out = IMPLS[impl](x, cos_nc.unsqueeze(1), sin_nc.unsqueeze(1), interleaved=interleaved)
+        assert_close(out, rope(x, cos_nc.unsqueeze(1), sin_nc.unsqueeze(1), interleaved), dtype)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_large_parallel_rows(impl):
+    # Enough rows to be split across threads; offsets must stay right at every chunk start.
+    x = torch.randn(3, 700, 5, 128)
+    cos, sin = tables(torch.randint(0, 10_000, (700,)), 128, torch.float32)
+    out = IMPLS[impl](x, cos[:, None], sin[:, None], interleaved=True)
+    assert_close(out, rope(x, cos[:, None], sin[:, None], True), torch.float32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_empty_and_degenerate_shapes(impl):
+    cos, sin = tables(torch.arange(3), 8, torch.float32)
+    x = torch.randn(0, 3, 8)
+    assert IMPLS[impl](x, cos, sin).shape == (0, 3, 8)
+    x1 = torch.randn(8)  # no leading dims at all
+    c1, s1 = tables(torch.tensor(7), 8, torch.float32)
+    assert_close(IMPLS[impl](x1, c1, s1), rope(x1, c1, s1, False), torch.float32)
+
+
+def test_backward_op_is_inverse_rotation():
+    x = torch.randn(2, 6, 4, 64, dtype=torch.float64)
+    cos, sin = tables(torch.randint(0, 500, (6,)), 64, torch.float64)
+    for interleaved in (False, True):
+        y = torch.ops.rope.apply(x, cos[:, None], sin[:, None], interleaved)
+        back = torch.ops.rope.apply_backward(y, cos[:, None], sin[:, None], interleaved)
+        assert_close(back, x, torch.float64)
+        expected = rope(x, cos[:, None], sin[:, None], interleaved, inverse=True)
+        assert_close(torch.ops.rope.apply_backward(x, cos[:, None], sin[:, None], interleaved),
+                     expected, torch.float64)

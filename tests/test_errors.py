@@ -1,0 +1,131 @@
+"""Every bad input raises a clear error that names the argument, and changes nothing."""
+
+import pytest
+import torch
+
+import rope_ext
+
+APPLY = {"op": rope_ext.apply_rope, "reference": rope_ext.reference.apply_rope}
+INPLACE = {"op": rope_ext.apply_rope_, "reference": rope_ext.reference.apply_rope_}
+
+
+def _tables(shape=(5, 1, 8)):
+    return torch.randn(shape), torch.randn(shape)
+
+
+@pytest.mark.parametrize("impl", APPLY)
+@pytest.mark.parametrize("case,match", [
+    ("int_x", r"x must be float16, bfloat16, float32 or float64, got Long"),
+    ("int_cos", r"cos must be float16, bfloat16, float32 or float64"),
+    ("shape_mismatch", r"cos and sin must have the same shape"),
+    ("dtype_mismatch", r"cos and sin must have the same dtype"),
+    ("no_broadcast", r"cos and sin of shape \[4, 1, 8\] must broadcast to x.shape"),
+    ("too_many_dims", r"cos and sin of shape .* must broadcast"),
+    ("rotary_too_big", r"rotary_dim = 2 \* cos.size\(-1\) = 18 must be <= head_dim = x.size\(-1\) = 16"),
+    ("device", r"cos must be on the same device as x"),
+])
+def test_apply_rejects(impl, case, match):
+    x = torch.randn(5, 3, 16)
+    cos, sin = _tables()
+    if case == "int_x":
+        x = x.long()
+    elif case == "int_cos":
+        cos = cos.long()
+    elif case == "shape_mismatch":
+        sin = sin[:4]
+    elif case == "dtype_mismatch":
+        sin = sin.double()
+    elif case == "no_broadcast":
+        cos, sin = _tables((4, 1, 8))
+    elif case == "too_many_dims":
+        cos, sin = _tables((2, 5, 3, 8))
+    elif case == "rotary_too_big":
+        cos, sin = _tables((5, 1, 9))
+    elif case == "device":
+        cos = cos.to("meta")
+    with pytest.raises(RuntimeError, match=match):
+        APPLY[impl](x, cos, sin)
+
+
+def _inplace_args():
+    q = torch.randn(6, 4, 32)
+    k = torch.randn(6, 2, 32)
+    pos = torch.randint(0, 10, (6,))
+    cache = rope_ext.cos_sin_cache(10, 32)
+    return q, k, pos, cache
+
+
+@pytest.mark.parametrize("impl", INPLACE)
+@pytest.mark.parametrize("case,match", [
+    ("int_query", r"query must be float16, bfloat16, float32 or float64"),
+    ("query_1d", r"query must have shape \(\.\.\., num_heads, head_dim\)"),
+    ("key_dtype", r"key must have the dtype of query"),
+    ("key_lead", r"key must have shape \(\.\.\., num_kv_heads, head_dim\) with the leading dims"),
+    ("key_head_dim", r"key must have shape"),
+    ("float_positions", r"positions must be int32 or int64, got Float"),
+    ("positions_shape", r"positions must have shape query.shape\[:-2\]"),
+    ("positions_high", r"positions must lie in \[0, 10\) .* got 10 at flat index 3"),
+    ("positions_negative", r"positions must lie in \[0, 10\) .* got -1 at flat index 5"),
+    ("cache_dims", r"cos_sin_cache must have shape \(max_position, rotary_dim\)"),
+    ("cache_int", r"cos_sin_cache must be float16, bfloat16, float32 or float64"),
+    ("rotary_odd", r"rotary_dim = cos_sin_cache.size\(1\) = 31 must be even and <= head_dim = 32"),
+    ("rotary_too_big", r"rotary_dim = cos_sin_cache.size\(1\) = 34 must be even"),
+    ("device", r"positions must be on the same device as query"),
+])
+def test_apply_inplace_rejects_and_changes_nothing(impl, case, match):
+    q, k, pos, cache = _inplace_args()
+    if case == "int_query":
+        q = q.long()
+        k = k.long()
+    elif case == "query_1d":
+        q = q[0, 0]
+    elif case == "key_dtype":
+        k = k.double()
+    elif case == "key_lead":
+        k = k[:5]
+    elif case == "key_head_dim":
+        k = k[..., :16]
+    elif case == "float_positions":
+        pos = pos.float()
+    elif case == "positions_shape":
+        pos = pos[:5]
+    elif case == "positions_high":
+        pos[3] = 10
+    elif case == "positions_negative":
+        pos[5] = -1
+    elif case == "cache_dims":
+        cache = cache[None]
+    elif case == "cache_int":
+        cache = cache.long()
+    elif case == "rotary_odd":
+        cache = cache[:, :31]
+    elif case == "rotary_too_big":
+        cache = torch.randn(10, 34)
+    elif case == "device":
+        pos = pos.to("meta")
+    q0, k0 = q.clone(), k.clone()
+    with pytest.raises(RuntimeError, match=match):
+        INPLACE[impl](q, k, pos, cache)
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+
+
+@pytest.mark.parametrize("impl", INPLACE)
+def test_bad_position_late_in_a_large_batch_changes_nothing(impl):
+    # The bad position sits after many good ones: no token may be rotated before the check.
+    q = torch.randn(5000, 2, 64)
+    k = torch.randn(5000, 1, 64)
+    pos = torch.randint(0, 100, (5000,))
+    pos[-1] = 100
+    q0, k0 = q.clone(), k.clone()
+    with pytest.raises(RuntimeError, match="positions must lie in"):
+        INPLACE[impl](q, k, pos, rope_ext.cos_sin_cache(100, 64))
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+
+
+def test_cos_sin_cache_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="rotary_dim must be a positive even int"):
+        rope_ext.cos_sin_cache(10, 7)
+    with pytest.raises(ValueError, match="max_position must be a positive int"):
+        rope_ext.cos_sin_cache(0, 8)
+    with pytest.raises(ValueError, match="base must be > 0"):
+        rope_ext.cos_sin_cache(10, 8, base=-1.0)

@@ -1,0 +1,76 @@
+"""The pure-PyTorch reference serves when the native library is disabled or missing."""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import rope_ext
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests")
+
+# Runs in a fresh interpreter: checks which path serves, then the ops against the oracle.
+CHECK = textwrap.dedent("""
+    import warnings, sys
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        import rope_ext
+        import rope_ext  # a second import must not warn again
+    import torch
+    from rope_oracle import rope
+    print("WARNINGS", len([w for w in caught if "rope_ext" in str(w.message)]))
+    print("BACKEND", rope_ext.backend("cpu"))
+    x = torch.randn(3, 5, 2, 32, dtype=torch.float64, requires_grad=True)
+    cos, sin = torch.randn(5, 1, 12, dtype=torch.float64), torch.randn(5, 1, 12, dtype=torch.float64)
+    y = torch.ops.rope.apply(x, cos, sin, True)
+    torch.testing.assert_close(y, rope(x, cos, sin, True))
+    (g,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    torch.testing.assert_close(g, rope(torch.ones_like(y), cos, sin, True, inverse=True))
+    q, k = torch.randn(5, 4, 32), torch.randn(5, 1, 32)
+    q0 = q.clone()
+    pos = torch.tensor([0, 9, 3, 2, 1])
+    cache = rope_ext.cos_sin_cache(10, 32)
+    torch.ops.rope.apply_(q, k, pos, cache, False)
+    rows = cache.double()[pos].unsqueeze(1)
+    torch.testing.assert_close(q.double(), rope(q0, rows[..., :16], rows[..., 16:], False), rtol=1e-6, atol=1e-6)
+    try:
+        torch.ops.rope.apply_(q, k, pos + 1, cache, False)
+    except RuntimeError as e:
+        assert "positions must lie in [0, 10)" in str(e), e
+    else:
+        raise AssertionError("out-of-range position accepted")
+    torch.library.opcheck(torch.ops.rope.apply.default, (x.detach(), cos, sin, False))
+    print("OK")
+""")
+
+
+def _run(env_extra, cwd, pythonpath):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([pythonpath, TESTS]), **env_extra)
+    res = subprocess.run([sys.executable, "-c", CHECK], cwd=cwd, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout
+
+
+@pytest.mark.skipif(rope_ext.backend("cpu") != "native", reason="the native library is not built")
+def test_native_serves_cpu_by_default(tmp_path):
+    out = _run({"ROPE_EXT_BACKEND": "auto"}, tmp_path, ROOT)
+    assert "BACKEND native" in out and "WARNINGS 0" in out and "OK" in out
+
+
+def test_backend_env_reference_disables_native(tmp_path):
+    out = _run({"ROPE_EXT_BACKEND": "reference"}, tmp_path, ROOT)
+    assert "BACKEND reference" in out and "WARNINGS 0" in out and "OK" in out
+
+
+def test_missing_native_library_falls_back_with_one_warning(tmp_path):
+    # A copy of the package without any compiled library, imported from outside the tree.
+    pkg = tmp_path / "site" / "rope_ext"
+    shutil.copytree(os.path.join(ROOT, "rope_ext"), pkg,
+                    ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__"))
+    out = _run({"ROPE_EXT_BACKEND": "auto"}, tmp_path, str(tmp_path / "site"))
+    assert "BACKEND reference" in out and "WARNINGS 1" in out and "OK" in out
