@@ -8,11 +8,19 @@ and every Python >= 3.10. Build in place for development with
 
 import glob
 import os
+import sys
 
 from setuptools import find_packages, setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import build_config  # noqa: E402
+
+# Before torch.utils.cpp_extension is imported: it reads CUDA_HOME and the arch list at import.
+BUILD_CUDA, CUDA_REASON = build_config.configure_environment()
+
+from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: E402
+
 TORCH_TARGET_VERSION = "0x020a000000000000"  # torch 2.10: the oldest torch the binary must load in
 PY_LIMITED_API = "0x030a0000"  # Python 3.10
 
@@ -38,6 +46,32 @@ def cpu_extension():
     )
 
 
+def cuda_extension():
+    """The CUDA kernels, in their own library (rope_ext._C_cuda) so that rope_ext._C loads
+    under a CPU-only torch. It compiles the shared host-side checks once more
+    (csrc/ops/cuda/rope_checks_cuda.cpp) but not the schemas, which only rope_ext._C defines."""
+    from torch.utils.cpp_extension import CUDAExtension
+
+    return CUDAExtension(
+        "rope_ext._C_cuda",
+        sources("csrc/cuda_module.cpp", "csrc/ops/cuda/*.cpp", "csrc/ops/cuda/*.cu"),
+        extra_compile_args={
+            "cxx": CXX_FLAGS,
+            "nvcc": ["-O3", "-std=c++17", "-DUSE_CUDA", *STABLE_ABI_FLAGS],
+        },
+        py_limited_api=True,
+    )
+
+
+def ext_modules():
+    mods = [cpu_extension()]
+    if BUILD_CUDA:
+        mods.append(cuda_extension())
+    else:
+        print(f"rope_ext: building without the CUDA kernels ({CUDA_REASON})", file=sys.stderr)
+    return mods
+
+
 version = {}
 with open(os.path.join(HERE, "rope_ext", "_version.py")) as f:
     exec(f.read(), version)
@@ -46,7 +80,7 @@ setup(
     name="rope_ext",
     version=version["__version__"],
     packages=find_packages(include=["rope_ext", "rope_ext.*"]),
-    ext_modules=[cpu_extension()],
+    ext_modules=ext_modules(),
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )

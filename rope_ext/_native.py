@@ -16,6 +16,9 @@ _DEVICE_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 # Set by load(): the module that registered the native kernels, or why there is none.
 loaded_from = None
 load_error = None
+# The same for the CUDA kernels (rope_ext._C_cuda), loaded only under a CUDA build of torch.
+cuda_loaded_from = None
+cuda_load_error = None
 
 
 def requested_backend():
@@ -45,7 +48,29 @@ def load():
         )
         return False
     loaded_from = module.__file__
+    _load_cuda()
     return True
+
+
+def _load_cuda():
+    """Imports rope_ext._C_cuda (CUDA kernels only; the schemas come from rope_ext._C) where
+    torch has CUDA. Without it CUDA tensors are served by the reference."""
+    global cuda_loaded_from, cuda_load_error
+    if not torch.version.cuda:
+        cuda_load_error = "torch is a CPU-only build"
+        return
+    try:
+        module = importlib.import_module("rope_ext._C_cuda")
+    except ImportError as e:
+        cuda_load_error = f"{type(e).__name__}: {e}"
+        if torch.cuda.is_available():
+            warnings.warn(
+                "rope_ext: the CUDA library rope_ext._C_cuda could not be loaded "
+                f"({cuda_load_error}); CUDA tensors fall back to the pure-PyTorch reference.",
+                stacklevel=4,
+            )
+        return
+    cuda_loaded_from = module.__file__
 
 
 def has_kernel(device_type):

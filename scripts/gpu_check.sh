@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# `make gpu-check`: the CUDA kernels on a real GPU, in one unattended run of a few minutes.
+#
+# Made for the H200 box the device tool lends (torch 2.11 cu130, nvcc, ninja, no internet; this
+# repository copied in, with the libraries built here carried along:
+#   carry: ["rope_ext/_C.abi3.so", "rope_ext/_C_cuda.abi3.so"]).
+#   1. libraries: use the carried ones (stable ABI: built against torch 2.14, they load in 2.11)
+#      if they load and pass a smoke test on the GPU; else rebuild against the local torch.
+#   2. the CUDA tests (tests/test_cuda_device.py, test_cuda_build.py)
+#   3. the GPU benchmark (bench/gpu_bench.py)
+#   4. the rest of the test suite, if time is left
+# Everything goes to $OUT (default ./gpu-results): log, env, build log, junit xml, bench json.
+# Exit status: 0 only if the libraries serve CUDA and the CUDA tests pass.
+#
+# Knobs: PYTHON=...             interpreter with torch (default: first of python3, python)
+#        GPU_CHECK_REBUILD=1    skip the carried libraries, rebuild
+#        GPU_CHECK_DRY=1        no GPU here: run every step anyway (benchmark on the CPU, tiny)
+#        GPU_CHECK_BUDGET_S=420 stop starting new steps after this many seconds
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu-results}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+BUDGET="${GPU_CHECK_BUDGET_S:-420}"
+SECONDS=0
+step() { echo; echo "=== [${SECONDS}s] $*"; }
+
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+  for c in python3 python; do
+    if command -v "$c" >/dev/null 2>&1 && "$c" -c "import torch" 2>/dev/null; then PY="$c"; break; fi
+  done
+fi
+[ -n "$PY" ] || { echo "gpu_check: no python with torch found (set PYTHON=...)"; exit 2; }
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+step "environment"
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || echo "no nvidia-smi"
+  "$PY" -c "import sys, torch; print('python', sys.version.split()[0]); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.is_available() and torch.cuda.get_device_name())"
+  command -v nvcc >/dev/null && nvcc --version | tail -1 || echo "no nvcc on PATH"
+  ls -la rope_ext/*.so 2>&1
+} | tee "$OUT/env.txt"
+
+# True if rope_ext loads both libraries, CUDA is served natively, and (with a GPU) one call of
+# each op agrees with the float64 reference.
+libs_ok() {
+  "$PY" - <<'EOF'
+import torch, rope_ext
+from rope_ext import _native
+print("rope_ext._C:", _native.loaded_from or _native.load_error)
+print("rope_ext._C_cuda:", _native.cuda_loaded_from or _native.cuda_load_error)
+assert rope_ext.backend("cuda") == "native", "CUDA is not served by the native kernels"
+if torch.cuda.is_available():
+    x = torch.randn(7, 5, 128, device="cuda", dtype=torch.bfloat16)
+    cache = rope_ext.cos_sin_cache(64, 128, device="cuda")
+    pos = torch.randint(0, 64, (7,), device="cuda")
+    rows = cache[pos][:, None]
+    out = torch.ops.rope.apply(x, rows[..., :64], rows[..., 64:], False)
+    ref = rope_ext.reference.apply_rope(x.double(), rows[..., :64].double(), rows[..., 64:].double())
+    torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1.6e-2)
+    q = x.clone()
+    torch.ops.rope.apply_(q, None, pos, cache, False)
+    torch.testing.assert_close(q.double(), ref, rtol=1e-2, atol=1.6e-2)
+    torch.cuda.synchronize()
+    print("smoke test on", torch.cuda.get_device_name(), "passed")
+EOF
+}
+
+build_here() {
+  MAX_JOBS="$(nproc)" ROPE_EXT_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0+PTX}" \
+    timeout 360 "$PY" setup.py build_ext --inplace >>"$OUT/build.log" 2>&1
+}
+
+# setuptools < 77 rejects pyproject.toml's SPDX license string; the build itself does not need
+# the project metadata, so then build from a copy without pyproject.toml.
+build_libs() {
+  build_here && return 0
+  grep -q "project.license" "$OUT/build.log" || return 1
+  echo "old setuptools: building from a copy without pyproject.toml"
+  local tmp; tmp="$(mktemp -d)"
+  cp -r setup.py build_config.py csrc rope_ext "$tmp"/
+  (cd "$tmp" && build_here) && cp "$tmp"/rope_ext/*.so rope_ext/
+}
+
+step "1. libraries"
+LIBS="none"
+if [ "${GPU_CHECK_REBUILD:-0}" != "1" ] && libs_ok; then
+  LIBS="carried (built elsewhere, loaded unchanged)"
+else
+  echo "rebuilding against the local torch (log: $OUT/build.log)"
+  stash="$(mktemp -d)"
+  mv rope_ext/*.so "$stash"/ 2>/dev/null || true
+  if build_libs && libs_ok; then
+    LIBS="rebuilt here"
+  else
+    tail -30 "$OUT/build.log"
+    echo "gpu_check: no working CUDA library; the remaining steps show what the fallback does"
+  fi
+fi
+echo "libraries: $LIBS"
+
+step "2. CUDA tests"
+timeout 300 "$PY" -m pytest tests/test_cuda_device.py tests/test_cuda_build.py -q -rs \
+  -p no:cacheprovider --junitxml="$OUT/tests_cuda.xml" 2>&1 | tee "$OUT/tests_cuda.txt"
+CUDA_TESTS=$?
+
+step "3. GPU benchmark"
+BENCH_ARGS=(--json "$OUT/bench.json")
+if [ "${GPU_CHECK_DRY:-0}" = "1" ]; then BENCH_ARGS+=(--device cpu --small --iters 3 --warmup 1); fi
+timeout 300 "$PY" bench/gpu_bench.py "${BENCH_ARGS[@]}" 2> >(grep -v "^W[0-9]" >&2) | tee "$OUT/bench.txt"
+BENCH=$?
+
+step "4. the rest of the test suite"
+REST="skipped (time budget)"
+left=$((BUDGET - SECONDS))
+if [ "$left" -gt 30 ]; then
+  timeout "$left" "$PY" -m pytest tests -q -p no:cacheprovider --junitxml="$OUT/tests_rest.xml" \
+    --ignore=tests/test_cuda_device.py --ignore=tests/test_cuda_build.py 2>&1 | tail -15 | tee "$OUT/tests_rest.txt"
+  REST="exit ${PIPESTATUS[0]}"
+fi
+
+step "summary (${SECONDS}s)"
+{
+  echo "libraries:   $LIBS"
+  echo "CUDA tests:  exit $CUDA_TESTS  ($(tail -1 "$OUT/tests_cuda.txt"))"
+  echo "benchmark:   exit $BENCH"
+  echo "rest:        $REST"
+  echo
+  grep -v "^#" "$OUT/bench.txt" 2>/dev/null
+} | tee "$OUT/summary.txt"
+status=1
+[ "$LIBS" != "none" ] && [ "$CUDA_TESTS" = "0" ] && status=0
+sleep 1  # let tee flush the log
+exit "$status"

@@ -1,0 +1,214 @@
+"""The CUDA kernels on a GPU (skipped where torch sees none; `make gpu-check` runs them).
+
+Against the float64 reference for every op, dtype, layout and partial rotary, on strided views
+and GQA; outputs poisoned so that every element is proven written; CUDA graph capture; a
+non-default stream; out-of-range positions and the checking mode; autograd, opcheck and
+torch.compile on CUDA; and a tensor past 2^31 elements (64-bit indexing) where memory allows.
+"""
+
+import pytest
+import torch
+
+import rope_ext
+from cuda_testing import (
+    DTYPES,
+    assert_close,
+    fused_qkv,
+    reference_apply,
+    reference_apply_,
+    tables,
+)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+DEV = "cuda"
+LAYOUTS = [False, True]
+
+
+@pytest.fixture(autouse=True)
+def native_cuda():
+    assert rope_ext.backend(DEV) == "native", (
+        f"the CUDA kernels are not loaded: {rope_ext._native.cuda_load_error}"
+    )
+
+
+def poison_allocator(nbytes=64 << 20):
+    """Leaves NaN bytes in the caching allocator's free blocks, so a fresh output that a kernel
+    forgets to write shows up as NaN."""
+    torch.empty(nbytes // 4, dtype=torch.float32, device=DEV).fill_(float("nan"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("interleaved", LAYOUTS, ids=["half_split", "interleaved"])
+@pytest.mark.parametrize("inverse", [False, True], ids=["apply", "apply_backward"])
+def test_apply_matches_reference(dtype, interleaved, inverse):
+    op = torch.ops.rope.apply_backward if inverse else torch.ops.rope.apply
+    S = 37
+    for head_dim, rot in [(64, 64), (80, 80), (96, 32), (128, 128), (256, 64), (100, 26)]:
+        x = torch.randn(3, S, 5, head_dim, dtype=dtype, device=DEV)
+        cos, sin = tables(torch.arange(S, device=DEV).view(S, 1), rot, device=DEV)
+        views = [
+            ("contiguous", x),
+            ("bhsd_view", x.transpose(1, 2)),
+            ("last_dim_stride_2", torch.randn(3, S, 5, 2 * head_dim, dtype=dtype, device=DEV)[..., ::2]),
+        ]
+        for name, xv in views:
+            c, s = (cos.transpose(0, 1), sin.transpose(0, 1)) if name == "bhsd_view" else (cos, sin)
+            poison_allocator()
+            out = op(xv, c, s, interleaved)
+            assert not out.isnan().any(), name
+            assert_close(out, reference_apply(xv, c, s, interleaved, inverse), dtype)
+            assert torch.equal(out[..., rot:], xv[..., rot:]), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("interleaved", LAYOUTS, ids=["half_split", "interleaved"])
+def test_apply_inplace_gqa_matches_reference(dtype, interleaved):
+    for head_dim, rot in [(64, 64), (128, 128), (96, 32), (80, 26)]:
+        for pos_dtype, lead in [(torch.int64, ()), (torch.int32, (2,))]:
+            q, k = fused_qkv(57, 8, 2, head_dim, dtype, device=DEV, lead=lead)
+            positions = torch.randint(0, 1000, (*lead, 57), dtype=pos_dtype, device=DEV)
+            cache = rope_ext.cos_sin_cache(1000, rot, device=DEV)
+            want_q, want_k = reference_apply_(q, k, positions, cache, interleaved)
+            q0, k0 = q.clone(), k.clone()
+            torch.ops.rope.apply_(q, k, positions, cache, interleaved)
+            assert_close(q, want_q, dtype)
+            assert_close(k, want_k, dtype)
+            assert torch.equal(q[..., rot:], q0[..., rot:]) and torch.equal(k[..., rot:], k0[..., rot:])
+
+
+def test_apply_inplace_key_none_and_table_dtypes():
+    q = torch.randn(33, 4, 128, dtype=torch.bfloat16, device=DEV)
+    positions = torch.randint(0, 64, (33,), device=DEV)
+    for cache_dtype in (torch.float32, torch.float64, torch.bfloat16):
+        cache = rope_ext.cos_sin_cache(64, 128, dtype=cache_dtype, device=DEV)
+        qq = q.clone()
+        torch.ops.rope.apply_(qq, None, positions, cache, False)
+        assert_close(qq, reference_apply_(q, None, positions, cache, False)[0], torch.bfloat16)
+
+
+def test_matches_cpu_kernels():
+    x = torch.randn(4, 9, 6, 128, dtype=torch.float32)
+    cos, sin = tables(torch.arange(9).view(9, 1), 96)
+    out = torch.ops.rope.apply(x.to(DEV), cos.to(DEV), sin.to(DEV), False).cpu()
+    torch.testing.assert_close(out, torch.ops.rope.apply(x, cos, sin, False), rtol=1e-6, atol=1e-6)
+
+
+def test_cuda_graph_capture_and_replay():
+    q, k = fused_qkv(64, 8, 2, 128, torch.bfloat16, device=DEV)
+    positions = torch.arange(64, device=DEV)
+    cache = rope_ext.cos_sin_cache(4096, 128, device=DEV)
+    x = torch.randn(64, 8, 128, dtype=torch.bfloat16, device=DEV)
+    cos, sin = tables(torch.arange(64, device=DEV).view(64, 1), 128, device=DEV)
+    # warm up on a side stream, as torch.cuda.graph expects
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.ops.rope.apply(x, cos, sin, False)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.rope.apply(x, cos, sin, False)
+        torch.ops.rope.apply_(q, k, positions, cache, False)
+    for _ in range(2):  # replay with new data in the captured buffers
+        x.copy_(torch.randn_like(x))
+        q.copy_(torch.randn_like(q))
+        k.copy_(torch.randn_like(k))
+        positions.copy_(torch.randint(0, 4096, (64,), device=DEV))
+        want_q, want_k = reference_apply_(q, k, positions, cache, False)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, reference_apply(x, cos, sin, False), torch.bfloat16)
+        assert_close(q, want_q, torch.bfloat16)
+        assert_close(k, want_k, torch.bfloat16)
+
+
+def test_non_default_stream():
+    x = torch.randn(2048, 32, 128, dtype=torch.float32, device=DEV)
+    cos, sin = tables(torch.arange(2048, device=DEV).view(2048, 1), 128, device=DEV)
+    cache = rope_ext.cos_sin_cache(2048, 128, device=DEV)
+    positions = torch.arange(2048, device=DEV)
+    want = reference_apply(x, cos, sin, False)
+    y = torch.full_like(x, float("nan"))
+    q = torch.full_like(x, float("nan"))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        # s is held up, then fills y and q: a kernel that ran on another stream would read NaN
+        torch.cuda._sleep(2_000_000)
+        y.copy_(x)
+        q.copy_(x)
+        out = torch.ops.rope.apply(y, cos, sin, False)
+        torch.ops.rope.apply_(q, None, positions, cache, False)
+        done = torch.cuda.Event()
+        done.record(s)
+    done.synchronize()
+    assert_close(out, want, torch.float32)
+    assert_close(q, want, torch.float32)
+
+
+def test_other_device_index_guard():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("one GPU")
+    x = torch.randn(8, 4, 64, device="cuda:1")
+    cos, sin = tables(torch.arange(8, device="cuda:1").view(8, 1), 64, device="cuda:1")
+    out = torch.ops.rope.apply(x, cos, sin, False)
+    assert out.device == x.device
+    assert_close(out, reference_apply(x, cos, sin, False), torch.float32)
+
+
+def test_out_of_range_positions_skipped_or_raised(monkeypatch):
+    monkeypatch.delenv("ROPE_EXT_CHECK_POSITIONS", raising=False)
+    q, k = fused_qkv(16, 4, 2, 64, torch.float32, device=DEV)
+    cache = rope_ext.cos_sin_cache(32, 64, device=DEV)
+    positions = torch.randint(0, 32, (16,), device=DEV)
+    positions[3], positions[7] = -5, 32
+    q0, k0 = q.clone(), k.clone()
+    torch.ops.rope.apply_(q, k, positions, cache, False)
+    for t in range(16):
+        assert torch.equal(q[t], q0[t]) == (t in (3, 7)), t
+    monkeypatch.setenv("ROPE_EXT_CHECK_POSITIONS", "1")
+    q, k = q0.clone(), k0.clone()
+    with pytest.raises(RuntimeError, match=r"positions must lie in \[0, 32\).*got -5 at flat index 3"):
+        torch.ops.rope.apply_(q, k, positions, cache, False)
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+
+
+def test_autograd_opcheck_and_compile():
+    x = torch.randn(2, 16, 4, 64, dtype=torch.float64, device=DEV, requires_grad=True)
+    cos, sin = tables(torch.arange(16, device=DEV).view(16, 1), 64, dtype=torch.float64, device=DEV)
+    cos.requires_grad_()
+    sin.requires_grad_()
+    torch.autograd.gradcheck(lambda a, c, s: torch.ops.rope.apply(a, c, s, False), (x, cos, sin))
+    torch.library.opcheck(torch.ops.rope.apply.default, (x.detach(), cos.detach(), sin.detach(), True))
+    q, k = fused_qkv(16, 4, 2, 64, torch.float32, device=DEV)
+    torch.library.opcheck(
+        torch.ops.rope.apply_.default,
+        (q.clone(), k.clone(), torch.arange(16, device=DEV), rope_ext.cos_sin_cache(16, 64, device=DEV), False),
+    )
+    f = torch.compile(lambda a, c, s: torch.ops.rope.apply(a, c, s, False) * 2, fullgraph=True)
+    xd = x.detach().float()
+    assert_close(f(xd, cos.detach(), sin.detach()), reference_apply(xd, cos, sin, False) * 2, torch.float32)
+
+
+def test_more_than_2_pow_31_elements():
+    # 64-bit indexing: a bf16 x of 2^31 + 2^20 elements (4.3 GB) and its output.
+    free, _ = torch.cuda.mem_get_info()
+    if free < 12 << 30:
+        pytest.skip("needs 12 GB of free GPU memory")
+    rows = (2**31 + 2**20) // 128
+    x = torch.empty(rows, 128, dtype=torch.bfloat16, device=DEV).normal_()
+    cache = rope_ext.cos_sin_cache(8192, 128, device=DEV)
+    cos, sin = cache[:, :64], cache[:, 64:]
+    # one table row per 4096 rows: broadcast through a [rows/4096, 1, 64] view
+    xv = x.view(rows // 4096, 4096, 128)
+    c, s = cos[: rows // 4096].unsqueeze(1), sin[: rows // 4096].unsqueeze(1)
+    out = torch.ops.rope.apply(xv, c, s, False)
+    for lo in (0, rows // 4096 - 1):  # first and last blocks of rows (past 2^31 elements)
+        assert_close(out[lo], reference_apply(xv[lo], c[lo], s[lo], False), torch.bfloat16)
+    del out
+    positions = (torch.arange(rows, device=DEV) % 4096).view(rows // 4096, 4096)
+    q = xv.view(rows // 4096, 4096, 1, 128)
+    tail_before = q[-1].clone()
+    torch.ops.rope.apply_(q, None, positions, cache, False)
+    want = reference_apply_(tail_before, None, positions[-1], cache, False)[0]
+    assert_close(q[-1], want, torch.bfloat16)

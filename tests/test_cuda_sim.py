@@ -1,0 +1,241 @@
+"""The CUDA kernels' code, proven on the CPU: tests/sim/rope_cuda_sim.cpp runs the CUDA ops' host
+code and per-thread kernel code over every thread of the launch grid the host code plans, with
+every memory access checked (in bounds of its operand, aligned, each output element written once
+by one thread). Here its results are compared with the float64 reference and, bit for bit, with
+the CPU kernels (same math in the same precision, no FMA contraction on the CPU build), on odd
+shapes: head_dim 64..256, partial rotary with tails that are not a multiple of the vector width,
+strided views, broadcasting, GQA, int32/int64 positions, every dtype.
+
+No GPU needed: this runs in `make test`. It needs a C++ compiler (the simulator is built once,
+cached under build/rope_cuda_sim/).
+"""
+
+import pytest
+import torch
+
+import cuda_sim
+import rope_ext
+from cuda_testing import (
+    DTYPES,
+    assert_close,
+    fused_qkv,
+    reference_apply,
+    reference_apply_,
+    tables,
+    vec_width,
+)
+
+HEAD_DIMS = [64, 80, 96, 128, 256]
+# Not a multiple of any vector width: output rows and pass-through dims start misaligned.
+ODD_HEAD_DIMS = [66, 100]
+LAYOUTS = [False, True]
+
+
+def rotary_dims(head_dim):
+    # full; about a quarter (GPT-NeoX); 26: 13 pairs, a tail for every vector width (2, 4, 8).
+    return sorted({head_dim, 2 * (head_dim // 8), 26})
+
+
+def native_cpu():
+    return rope_ext.backend("cpu") == "native"
+
+
+def check_against_cpu_and_reference(out, x, cos, sin, interleaved, inverse=False):
+    assert out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous()
+    assert_close(out, reference_apply(x, cos, sin, interleaved, inverse), x.dtype)
+    if native_cpu():
+        op = torch.ops.rope.apply_backward if inverse else torch.ops.rope.apply
+        torch.testing.assert_close(out, op(x, cos, sin, interleaved), rtol=0, atol=0)
+    rot = 2 * cos.shape[-1]
+    assert torch.equal(out[..., rot:], x[..., rot:])  # pass-through dims bit-exact
+
+
+def expect_vec(dtype, head_dim, half, interleaved):
+    w = vec_width(dtype)
+    return head_dim % w == 0 and (2 * half) % w == 0 and (interleaved or half % w == 0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def simulator():
+    cuda_sim.load()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS + ODD_HEAD_DIMS)
+@pytest.mark.parametrize("interleaved", LAYOUTS, ids=["half_split", "interleaved"])
+def test_apply_every_head_dim_and_rotary_dim(dtype, head_dim, interleaved):
+    B, S, H = 2, 5, 3
+    for rot in rotary_dims(head_dim):
+        x = torch.randn(B, S, H, head_dim, dtype=dtype)
+        cos, sin = tables(torch.arange(S).view(S, 1), rot)  # [S, 1, rot/2], float32
+        out, plan = cuda_sim.apply(x, cos, sin, interleaved)
+        check_against_cpu_and_reference(out, x, cos, sin, interleaved)
+        assert plan.vec == expect_vec(dtype, head_dim, rot // 2, interleaved), (rot, plan)
+        assert (plan.vector_accesses > 0) == plan.vec
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("interleaved", LAYOUTS, ids=["half_split", "interleaved"])
+def test_apply_backward(dtype, interleaved):
+    for head_dim, rot in [(128, 128), (80, 26), (64, 32)]:
+        g = torch.randn(3, 4, head_dim, dtype=dtype)
+        cos, sin = tables(torch.arange(3).view(3, 1), rot)
+        out, _ = cuda_sim.apply(g, cos, sin, interleaved, inverse=True)
+        check_against_cpu_and_reference(out, g, cos, sin, interleaved, inverse=True)
+
+
+def strided_cases(dtype):
+    """(name, x, cos, sin, vectorized?) for layouts other than a contiguous x."""
+    D, S = 128, 6
+    cache = rope_ext.cos_sin_cache(S, D)  # [S, D]: cos | sin halves, non-contiguous slices
+    cos_v, sin_v = cache[:, : D // 2].unsqueeze(1), cache[:, D // 2 :].unsqueeze(1)
+    q, k = fused_qkv(S, 4, 2, D, dtype)
+    yield "fused_qkv_query", q, cos_v, sin_v, True
+    yield "fused_qkv_key", k, cos_v, sin_v, True
+    bshd = torch.randn(2, S, 3, D, dtype=dtype)
+    cos4, sin4 = tables(torch.arange(S).view(1, S, 1).expand(2, S, 1), D)  # [B, S, 1, r/2]
+    yield "bshd_full_tables", bshd, cos4, sin4, True
+    bhsd = bshd.transpose(1, 2)  # [B, H, S, D] view, tables [1, 1, S, r/2]
+    c, s = tables(torch.arange(S).view(1, 1, S), D)
+    yield "bhsd_transposed_view", bhsd, c, s, True
+    yield "last_dim_stride_2", torch.randn(S, 3, 2 * D, dtype=dtype)[..., ::2], cos_v, sin_v, False
+    flat = torch.randn(S * 3 * D + 1, dtype=dtype)
+    yield "misaligned_storage_offset", flat[1:].view(S, 3, D), cos_v, sin_v, False
+    # bf16 / float64 tables are cast to the arithmetic type on the host.
+    yield "bf16_tables", bshd, cos4.bfloat16(), sin4.bfloat16(), True
+    yield "f64_tables", bshd, cos4.double(), sin4.double(), True
+    yield "zero_rotary_dim", bshd, cos4[..., :0], sin4[..., :0], True  # a pure copy
+    yield "one_dim_x", torch.randn(D, dtype=dtype), cos_v[2, 0], sin_v[2, 0], True
+    yield "head_dim_stride_padded", torch.randn(S, 3, D + 8, dtype=dtype)[..., :D], cos_v, sin_v, True
+    yield "head_dim_stride_odd", torch.randn(S, 3, D + 3, dtype=dtype)[..., :D], cos_v, sin_v, False
+    # aligned input rows (stride 104) but head_dim 98: output rows are misaligned
+    x98 = torch.randn(S, 3, 104, dtype=dtype)[..., :98]
+    c96, s96 = cos_v[..., :48], sin_v[..., :48]
+    yield "out_rows_misaligned", x98, c96, s96, dtype == torch.float64
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("interleaved", LAYOUTS, ids=["half_split", "interleaved"])
+def test_apply_strided_views_and_broadcasting(dtype, interleaved):
+    for name, x, cos, sin, vec in strided_cases(dtype):
+        out, plan = cuda_sim.apply(x, cos, sin, interleaved)
+        check_against_cpu_and_reference(out, x, cos, sin, interleaved)
+        if dtype == torch.float64 and name == "head_dim_stride_odd":
+            vec = False  # stride 131 is odd whatever the width
+        assert plan.vec == vec, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_apply_grid_stride_and_64bit_index_paths(dtype):
+    # Fewer blocks than rows: blocks stride over rows. force_idx64: the 64-bit index math that
+    # tensors with more than 2^32 rows take, on a small tensor.
+    x = torch.randn(7, 5, 3, 96, dtype=dtype)[:, 1:]
+    cos, sin = tables(torch.arange(5)[1:].view(4, 1), 96)
+    expected, full = cuda_sim.apply(x, cos, sin, False)
+    for max_blocks in (1, 2):
+        out, plan = cuda_sim.apply(x, cos, sin, False, max_blocks=max_blocks, force_idx64=True)
+        assert plan.grid == max_blocks < full.grid and not plan.idx32
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def inplace_case(dtype, head_dim, rot, hq, hk, pos_dtype, lead, cache_dtype=torch.float32):
+    T = 5
+    q, k = fused_qkv(T, hq, hk, head_dim, dtype, lead=lead)
+    if hk == 0:
+        k = None
+    max_pos = 40
+    positions = torch.randint(0, max_pos, (*lead, T), dtype=pos_dtype)
+    cache = rope_ext.cos_sin_cache(max_pos, rot, dtype=cache_dtype)
+    return q, k, positions, cache
+
+
+def check_inplace(q, k, positions, cache, interleaved):
+    q0, k0 = q.clone(), None if k is None else k.clone()
+    want_q, want_k = reference_apply_(q0, k0, positions, cache, interleaved)
+    plan = cuda_sim.apply_(q, k, positions, cache, interleaved)
+    rot = cache.shape[1]
+    for got, before, want in ((q, q0, want_q), (k, k0, want_k)):
+        if got is None:
+            continue
+        assert_close(got, want, got.dtype)
+        assert torch.equal(got[..., rot:], before[..., rot:])
+    if native_cpu():
+        cq, ck = q0.clone(), None if k0 is None else k0.clone()
+        torch.ops.rope.apply_(cq, ck, positions, cache, interleaved)
+        torch.testing.assert_close(q, cq, rtol=0, atol=0)
+        if k is not None:
+            torch.testing.assert_close(k, ck, rtol=0, atol=0)
+    return plan
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS + ODD_HEAD_DIMS)
+@pytest.mark.parametrize("interleaved", LAYOUTS, ids=["half_split", "interleaved"])
+def test_apply_inplace_gqa_every_head_dim(dtype, head_dim, interleaved):
+    for rot in rotary_dims(head_dim):
+        for hq, hk, pos_dtype, lead in [(4, 2, torch.int64, ()), (3, 1, torch.int32, (2,)), (2, 0, torch.int64, ())]:
+            q, k, positions, cache = inplace_case(dtype, head_dim, rot, hq, hk, pos_dtype, lead)
+            plan = check_inplace(q, k, positions, cache, interleaved)
+            w = vec_width(dtype)
+            # rows start at multiples of head_dim (fused qkv): aligned iff head_dim % w == 0
+            assert plan.vec == (head_dim % w == 0 and (interleaved or (rot // 2) % w == 0)), (rot, plan)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_apply_inplace_strided_and_table_dtypes(dtype):
+    D = 96
+    # positions as a strided view, separate (contiguous) q and k, a transposed cache view,
+    # float64 and bfloat16 caches (cast on the host), grid striding.
+    q = torch.randn(6, 4, D, dtype=dtype)
+    k = torch.randn(6, 2, 2 * D, dtype=dtype)[..., ::2]  # unit stride lost: scalar path
+    positions = torch.randint(0, 30, (12,), dtype=torch.int32)[::2]
+    cache_t = rope_ext.cos_sin_cache(30, D).t().contiguous().t()  # column-major cache
+    plan = check_inplace(q, k, positions, cache_t, False)
+    assert not plan.vec
+    for cache_dtype in (torch.float64, torch.bfloat16):
+        q, k, positions, cache = inplace_case(dtype, D, D, 4, 2, torch.int64, (), cache_dtype)
+        check_inplace(q, k, positions, cache, True)
+    q, k, positions, cache = inplace_case(dtype, D, 64, 4, 2, torch.int64, (3,))
+    positions = positions.t().contiguous().t()  # column-major: two lead dims that do not merge
+    expected_q, expected_k = q.clone(), k.clone()
+    cuda_sim.apply_(expected_q, expected_k, positions, cache)
+    plan = cuda_sim.apply_(q, k, positions, cache, max_blocks=2, force_idx64=True)
+    assert plan.grid == 2 and not plan.idx32
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+
+
+def test_apply_inplace_out_of_range_positions_are_skipped(monkeypatch):
+    monkeypatch.delenv("ROPE_EXT_CHECK_POSITIONS", raising=False)
+    q, k, positions, cache = inplace_case(torch.float32, 64, 64, 4, 2, torch.int64, ())
+    positions[1], positions[3] = -1, cache.shape[0]  # one below, one at max_position
+    q0, k0 = q.clone(), k.clone()
+    cuda_sim.apply_(q, k, positions, cache)  # the simulator proves no cache read outside it
+    for t in range(q.shape[0]):
+        changed = not torch.equal(q[t], q0[t]) and not torch.equal(k[t], k0[t])
+        assert changed == (t not in (1, 3)), t
+
+
+@pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64], ids=str)
+def test_apply_inplace_checking_mode_raises_and_changes_nothing(monkeypatch, pos_dtype):
+    monkeypatch.setenv("ROPE_EXT_CHECK_POSITIONS", "1")
+    q, k, positions, cache = inplace_case(torch.float32, 64, 64, 4, 2, pos_dtype, (2,))
+    positions[1, 2] = cache.shape[0]
+    q0, k0 = q.clone(), k.clone()
+    msg = r"rope.apply_: positions must lie in \[0, 40\) .*got 40 at flat index 7"
+    with pytest.raises(RuntimeError, match=msg):
+        cuda_sim.apply_(q, k, positions, cache)
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+    if native_cpu():  # the same message as the CPU kernel
+        with pytest.raises(RuntimeError, match=msg):
+            torch.ops.rope.apply_(q, k, positions, cache)
+    positions[1, 2] = 0
+    check_inplace(q, k, positions, cache, False)  # in range: runs normally with checking on
+
+
+def test_launch_plan_shapes():
+    # The prefill shape of the benchmark: bf16, 32 q + 8 kv heads, head_dim 128.
+    q, k = fused_qkv(16, 32, 8, 128, torch.bfloat16)
+    plan = cuda_sim.apply_(q, k, torch.arange(16), rope_ext.cos_sin_cache(16, 128))
+    assert plan.vec and plan.block == (8, 40, 1) and plan.grid == 16 and plan.rot_chunks == 8
+    out, plan = cuda_sim.apply(q, *tables(torch.arange(16).view(16, 1), 128), False)
+    assert plan.vec and plan.block == (8, 32, 1) and plan.grid == 16  # 512 rows / 32 per block
