@@ -22,13 +22,15 @@ NAME = "rope_ext_jit"
 # Mirrors setup.py: the stable ABI of torch 2.10, so the JIT build obeys the same rules as the wheel.
 TORCH_TARGET_VERSION = "0x020a000000000000"
 CFLAGS = ["-O3", "-std=c++17", "-fno-math-errno", f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}"]
-CUDA_CFLAGS = ["-O3", "-std=c++17", f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}"]
+CUDA_CFLAGS = ["-O3", "-std=c++17", "-DUSE_CUDA", f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}"]
 
 SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(SOURCE_ROOT, "csrc")
-# Same globs as setup.py, less csrc/module.cpp (the Python module init, not needed by a plain library).
+# Same globs as setup.py, less csrc/module.cpp (the Python module init, not needed by a plain
+# library). One library holds every device, so of csrc/ops/cuda only the kernels (*.cu) join: the
+# host-side checks are already in csrc/ops/*.cpp (as in CMakeLists.txt).
 CPU_PATTERNS = ("ops/*.cpp", "ops/cpu/*.cpp")
-CUDA_PATTERNS = ("ops/cuda/*.cu", "ops/cuda/*.cpp")
+CUDA_PATTERNS = ("ops/cuda/*.cu",)
 
 
 def requested():

@@ -118,12 +118,15 @@ def main():
         assert _native.loaded_by == args.expect_loaded_by, (_native.loaded_by, _native.loaded_from)
     assert rope_ext.backend("cpu") == "native", _native.load_error
     native = os.path.realpath(_native.loaded_from)
-    mapped = mapped_rope_libraries(extra=(native,))
-    assert mapped == {native}, f"expected only {native} mapped, found {mapped}"
+    # The compiled path may hold the CUDA kernels in a second library (rope_ext._C_cuda).
+    cuda = getattr(_native, "cuda_loaded_from", None) if _native.loaded_by == "compiled" else None
+    expected = {native} | ({os.path.realpath(cuda)} if cuda else set())
+    mapped = mapped_rope_libraries(extra=tuple(expected))
+    assert mapped == expected, f"expected only {expected} mapped, found {mapped}"
     if args.preload:
         assert native == os.path.realpath(args.preload), native
     expected_places = [(args.expect_under, os.path.realpath(rope_ext.__file__))]
-    expected_places += [(args.expect_under or args.expect_library_under, native)]
+    expected_places += [(args.expect_under or args.expect_library_under, p) for p in expected]
     for place, path in expected_places:
         if place:
             under = os.path.realpath(place) + os.sep
