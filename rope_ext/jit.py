@@ -15,8 +15,12 @@ import glob
 import os
 import shlex
 import shutil
+import sys
+import warnings
 
 JIT_ENV = "ROPE_EXT_JIT"
+JIT_CUDA_ENV = "ROPE_EXT_JIT_CUDA"
+DEFAULT_CUDA_ARCHS = "9.0+PTX"
 NAME = "rope_ext_jit"
 
 # Mirrors setup.py: the stable ABI of torch 2.10, so the JIT build obeys the same rules as the wheel.
@@ -45,20 +49,54 @@ def _glob(patterns):
     return sorted(p for pat in patterns for p in glob.glob(os.path.join(CSRC, pat)))
 
 
+def _default_cuda_home():
+    """torch.utils.cpp_extension reads CUDA_HOME once, at import, and without it guesses from any
+    nvcc on PATH (often wrongly, e.g. /usr/local); point it at the usual toolkit first."""
+    if "torch.utils.cpp_extension" in sys.modules or os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    if os.path.isfile("/usr/local/cuda/bin/nvcc"):
+        os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
+
 def _cuda_wanted():
-    """CUDA sources join the JIT build only where they can run and nvcc can be found: CI and
-    CPU-only machines build the CPU kernels alone, which keeps the JIT build short."""
+    """Whether the CUDA kernels join the JIT build. ROPE_EXT_JIT_CUDA=1 forces them (an error if
+    impossible), 0 leaves them out; by default they join where torch sees a GPU and nvcc is found.
+    CI and CPU-only machines build the CPU kernels alone, which keeps the JIT build short."""
     import torch
     from torch.utils import cpp_extension
 
-    if not _glob(CUDA_PATTERNS) or torch.version.cuda is None or not torch.cuda.is_available():
+    forced = os.environ.get(JIT_CUDA_ENV, "").strip()
+    if forced == "0":
         return False
     home = cpp_extension.CUDA_HOME
-    return home is not None and os.path.exists(os.path.join(home, "bin", "nvcc"))
+    missing = [
+        why
+        for why, bad in (
+            ("no sources in csrc/ops/cuda", not _glob(CUDA_PATTERNS)),
+            ("torch is a CPU-only build", torch.version.cuda is None),
+            ("nvcc not found (set CUDA_HOME)", not (home and os.path.isfile(os.path.join(home, "bin", "nvcc")))),
+        )
+        if bad
+    ]
+    if forced == "1":
+        if missing:
+            raise RuntimeError(f"{JIT_CUDA_ENV}=1 but the CUDA kernels cannot be built: " + "; ".join(missing))
+        return True
+    if not torch.cuda.is_available():
+        return False
+    if missing:
+        warnings.warn(
+            "rope_ext JIT: building without the CUDA kernels (" + "; ".join(missing) + "); "
+            "CUDA tensors are served by the reference",
+            stacklevel=3,
+        )
+        return False
+    return True
 
 
 def check_prerequisites():
     """Raises RuntimeError naming what is missing (sources, ninja, a C++ compiler) before any build."""
+    _default_cuda_home()
     from torch.utils import cpp_extension
 
     if not os.path.isdir(os.path.join(CSRC, "ops")):
@@ -110,6 +148,9 @@ def load(verbose=False):
     from torch.utils import cpp_extension
 
     with_cuda = _cuda_wanted()
+    if with_cuda and not torch.cuda.is_available():
+        # Nothing to detect the archs from (a forced build without a GPU): setup.py's default.
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
     sources = _glob(CPU_PATTERNS) + (_glob(CUDA_PATTERNS) if with_cuda else [])
     python_defs = [lib for lib in _registrations._libraries if lib.kind == "DEF"]
     for lib in python_defs:  # the library's STABLE_TORCH_LIBRARY defines the same schemas
@@ -125,9 +166,11 @@ def load(verbose=False):
             is_python_module=False,
             verbose=verbose,
         )
-    except BaseException:
+    except BaseException as e:
         if python_defs:  # keep torch.ops.rope.* defined (reference-backed) as before the attempt
             _registrations.define_schemas_from_python()
+        if isinstance(e, Exception):
+            raise RuntimeError(f"rope_ext JIT build of {CSRC} failed: {e}") from e
         raise
     _native.loaded_from = path
     _native.loaded_by = "jit"

@@ -112,3 +112,24 @@ def test_jit_flags_match_setup_py():
         pytest.skip("no setup.py beside an installed copy")
     with open(setup_py) as f:
         assert f'TORCH_TARGET_VERSION = "{jit.TORCH_TARGET_VERSION}"' in f.read()
+
+
+@needs_sources
+def test_failed_jit_build_leaves_the_reference_serving(tmp_path):
+    # `false` is a compiler that exists and always fails: the build breaks after the Python
+    # definitions were dropped for the library's, so they must come back.
+    code = (
+        "import torch, rope_ext\n"
+        "try:\n    rope_ext.jit.load()\n"
+        "except RuntimeError as e:\n    print('build failed:', str(e).splitlines()[0])\n"
+        "else:\n    raise SystemExit('the build with CXX=false succeeded')\n"
+        "assert rope_ext.backend('cpu') == 'reference' and rope_ext._native.loaded_from is None\n"
+        "x = torch.randn(2, 3, 8)\n"
+        "t = rope_ext.cos_sin_cache(4, 8)[:2, None]\n"
+        "torch.testing.assert_close(torch.ops.rope.apply(x, t[..., :4], t[..., 4:], False),\n"
+        "                           rope_ext.reference.apply_rope(x, t[..., :4], t[..., 4:]))\n"
+    )
+    env = {"ROPE_EXT_BACKEND": "reference", "CXX": "false", "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    result = run(["-c", code], env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"build failed: rope_ext JIT build of {jit.CSRC} failed" in result.stdout, result.stdout

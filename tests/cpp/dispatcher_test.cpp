@@ -76,6 +76,58 @@ using ApplyFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tenso
 using ApplyInplaceFn = void(at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
                             const at::Tensor&, bool);
 
+// Every op, each dtype and layout, on one device, against the float64 reference on that device.
+template <typename Apply, typename ApplyInplace>
+void check_ops(Apply& apply, Apply& apply_backward, ApplyInplace& apply_inplace,
+               at::DeviceType device) {
+  const std::vector<at::ScalarType> dtypes = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16};
+  for (auto dtype : dtypes) {
+    for (bool interleaved : {false, true}) {
+      const std::string tag = c10::DeviceTypeName(device) + " " + c10::toString(dtype) +
+                            (interleaved ? " interleaved" : " half-split");
+
+      // apply / apply_backward: x [B,S,H,D] sliced from a wider buffer (non-contiguous), partial
+      // rotary (24 of 40 dims), float32 cos/sin [S,1,r/2] broadcast over batch and heads.
+      auto buffer = at::randn({2, 7, 3, 48}, at::TensorOptions().dtype(dtype).device(device));
+      auto x = buffer.narrow(-1, 4, 40);
+      auto table = cos_sin_cache(16, 24).to(device).narrow(0, 5, 7).unsqueeze(1);
+      auto cos = table.narrow(-1, 0, 12), sin = table.narrow(-1, 12, 12);
+      auto y = apply.call(x, cos, sin, interleaved);
+      expect(y.scalar_type() == dtype && y.sizes() == x.sizes(), "rope::apply keeps shape and dtype " + tag);
+      expect_close(y, reference(x, cos, sin, interleaved), dtype, "rope::apply " + tag);
+      expect(at::equal(y.narrow(-1, 24, 16), x.narrow(-1, 24, 16)), "rope::apply pass-through dims " + tag);
+      expect_close(apply_backward.call(x, cos, sin, interleaved),
+                   reference(x, cos, sin, interleaved, /*inverse=*/true), dtype,
+                   "rope::apply_backward " + tag);
+
+      // apply_: query/key (GQA: 4 and 2 heads) as views into one fused [T, 4+2+2, D] buffer,
+      // int64 then int32 positions; the value heads must stay untouched.
+      for (auto pos_dtype : {at::kLong, at::kInt}) {
+        auto qkv = at::randn({9, 8, 32}, at::TensorOptions().dtype(dtype).device(device));
+        auto query = qkv.narrow(1, 0, 4), key = qkv.narrow(1, 4, 2);
+        auto value = qkv.narrow(1, 6, 2).clone();
+        auto cache = cos_sin_cache(64, 32).to(device);
+        auto positions = at::randint(0, 64, {9}, at::TensorOptions().dtype(pos_dtype).device(device));
+        auto rows = cache.index_select(0, positions.to(at::kLong)).unsqueeze(1);
+        auto c = rows.narrow(-1, 0, 16), s = rows.narrow(-1, 16, 16);
+        auto expected_q = reference(query, c, s, interleaved);
+        auto expected_k = reference(key, c, s, interleaved);
+        std::optional<at::Tensor> key_arg = key;
+        apply_inplace.call(query, key_arg, positions, cache, interleaved);
+        const std::string ptag = tag + (pos_dtype == at::kLong ? " int64" : " int32");
+        expect_close(query, expected_q, dtype, "rope::apply_ query " + ptag);
+        expect_close(key, expected_k, dtype, "rope::apply_ key " + ptag);
+        expect(at::equal(qkv.narrow(1, 6, 2), value), "rope::apply_ leaves the value heads alone " + ptag);
+
+        auto q_only = at::randn({9, 4, 32}, at::TensorOptions().dtype(dtype).device(device));
+        auto expected_q_only = reference(q_only, c, s, interleaved);
+        apply_inplace.call(q_only, std::nullopt, positions, cache, interleaved);
+        expect_close(q_only, expected_q_only, dtype, "rope::apply_ without key " + ptag);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -103,51 +155,19 @@ int main(int argc, char** argv) {
   auto apply_backward = dispatcher.findSchemaOrThrow("rope::apply_backward", "").typed<ApplyFn>();
   auto apply_inplace = dispatcher.findSchemaOrThrow("rope::apply_", "").typed<ApplyInplaceFn>();
 
-  const std::vector<at::ScalarType> dtypes = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16};
-  for (auto dtype : dtypes) {
-    for (bool interleaved : {false, true}) {
-      const std::string tag = std::string(c10::toString(dtype)) + (interleaved ? " interleaved" : " half-split");
-
-      // apply / apply_backward: x [B,S,H,D] sliced from a wider buffer (non-contiguous), partial
-      // rotary (24 of 40 dims), float32 cos/sin [S,1,r/2] broadcast over batch and heads.
-      auto buffer = at::randn({2, 7, 3, 48}, at::TensorOptions().dtype(dtype));
-      auto x = buffer.narrow(-1, 4, 40);
-      auto table = cos_sin_cache(16, 24).narrow(0, 5, 7).unsqueeze(1);
-      auto cos = table.narrow(-1, 0, 12), sin = table.narrow(-1, 12, 12);
-      auto y = apply.call(x, cos, sin, interleaved);
-      expect(y.scalar_type() == dtype && y.sizes() == x.sizes(), "rope::apply keeps shape and dtype " + tag);
-      expect_close(y, reference(x, cos, sin, interleaved), dtype, "rope::apply " + tag);
-      expect(at::equal(y.narrow(-1, 24, 16), x.narrow(-1, 24, 16)), "rope::apply pass-through dims " + tag);
-      expect_close(apply_backward.call(x, cos, sin, interleaved),
-                   reference(x, cos, sin, interleaved, /*inverse=*/true), dtype,
-                   "rope::apply_backward " + tag);
-
-      // apply_: query/key (GQA: 4 and 2 heads) as views into one fused [T, 4+2+2, D] buffer,
-      // int64 then int32 positions; the value heads must stay untouched.
-      for (auto pos_dtype : {at::kLong, at::kInt}) {
-        auto qkv = at::randn({9, 8, 32}, at::TensorOptions().dtype(dtype));
-        auto query = qkv.narrow(1, 0, 4), key = qkv.narrow(1, 4, 2);
-        auto value = qkv.narrow(1, 6, 2).clone();
-        auto cache = cos_sin_cache(64, 32);
-        auto positions = at::randint(0, 64, {9}, at::TensorOptions().dtype(pos_dtype));
-        auto rows = cache.index_select(0, positions.to(at::kLong)).unsqueeze(1);
-        auto c = rows.narrow(-1, 0, 16), s = rows.narrow(-1, 16, 16);
-        auto expected_q = reference(query, c, s, interleaved);
-        auto expected_k = reference(key, c, s, interleaved);
-        std::optional<at::Tensor> key_arg = key;
-        apply_inplace.call(query, key_arg, positions, cache, interleaved);
-        const std::string ptag = tag + (pos_dtype == at::kLong ? " int64" : " int32");
-        expect_close(query, expected_q, dtype, "rope::apply_ query " + ptag);
-        expect_close(key, expected_k, dtype, "rope::apply_ key " + ptag);
-        expect(at::equal(qkv.narrow(1, 6, 2), value), "rope::apply_ leaves the value heads alone " + ptag);
-
-        auto q_only = at::randn({9, 4, 32}, at::TensorOptions().dtype(dtype));
-        auto expected_q_only = reference(q_only, c, s, interleaved);
-        apply_inplace.call(q_only, std::nullopt, positions, cache, interleaved);
-        expect_close(q_only, expected_q_only, dtype, "rope::apply_ without key " + ptag);
-      }
-    }
+  check_ops(apply, apply_backward, apply_inplace, at::kCPU);
+#ifdef ROPE_EXT_EXPECT_CUDA
+  // Built with the CUDA kernels: they must be registered, and where a GPU is present, correct.
+  for (const char* name : {"rope::apply", "rope::apply_backward", "rope::apply_"}) {
+    expect(dispatcher.findSchemaOrThrow(name, "").hasKernelForDispatchKey(c10::DispatchKey::CUDA),
+           std::string(name) + " has a CUDA kernel after loading");
   }
+  if (at::hasCUDA()) {
+    check_ops(apply, apply_backward, apply_inplace, at::kCUDA);
+  } else {
+    std::printf("no GPU: CUDA kernels registered, not run\n");
+  }
+#endif
 
   // Bad input: a clear error through the dispatcher, naming the argument, and no crash.
   auto x = at::randn({4, 8});
