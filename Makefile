@@ -53,12 +53,13 @@ $(WHEEL_STAMP): $(DEPS_STAMP) $(NATIVE_SRC) $(PACKAGE_SRC)
 
 wheel: $(WHEEL_STAMP)
 
-wheel-test: $(WHEEL_STAMP) build
+wheel-test: $(WHEEL_STAMP)
 	ROPE_EXT_WHEEL="$$(ls dist/rope_ext-*.whl)" $(PY) -m pytest tests/test_wheel.py -q
 
 # One wheel across torch versions: the wheel built against torch 2.14.1 (above), installed in its
 # own venv beside torch 2.13.0, runs the test suite there. The tests run from a copy of the tree
-# without rope_ext/, so that the installed wheel is what they import.
+# whose rope_ext/ is a link to the installed package, so that the wheel is what they import.
+TORCH213       := 2.13.0
 TORCH213_VENV  := .venv-torch2.13
 TORCH213_PY    := $(TORCH213_VENV)/bin/python
 TORCH213_DEPS  := $(TORCH213_VENV)/.deps-installed
@@ -67,7 +68,7 @@ TORCH213_TREE  := build/torch2.13-tests
 
 $(TORCH213_DEPS): requirements.txt
 	test -x $(TORCH213_PY) || $(PYTHON_BOOT) -m venv $(TORCH213_VENV)
-	$(TORCH213_PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0 \
+	$(TORCH213_PY) -m pip install --quiet --disable-pip-version-check torch==$(TORCH213) \
 		$$(grep -E '^(pytest|numpy)==' requirements.txt)
 	touch $@
 
@@ -79,8 +80,9 @@ $(TORCH213_WHEEL): $(TORCH213_DEPS) $(WHEEL_STAMP)
 
 torch213-test: $(TORCH213_WHEEL)
 	rm -rf $(TORCH213_TREE) && mkdir -p $(TORCH213_TREE)
-	tar -c --exclude=__pycache__ tests csrc setup.py pyproject.toml requirements.txt | tar -x -C $(TORCH213_TREE)
-	cd $(TORCH213_TREE) && ROPE_EXT_EXPECT_INSTALLED=2.13.0 $(CURDIR)/$(TORCH213_PY) -m pytest tests -q -p no:cacheprovider
+	tar -c --exclude=__pycache__ tests csrc setup.py pyproject.toml requirements.txt README.md | tar -x -C $(TORCH213_TREE)
+	ln -s "$$($(TORCH213_PY) -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')/rope_ext" $(TORCH213_TREE)/rope_ext
+	cd $(TORCH213_TREE) && ROPE_EXT_EXPECT_INSTALLED=$(TORCH213) $(CURDIR)/$(TORCH213_PY) -m pytest tests -q -p no:cacheprovider
 
 # JIT loading: tests/test_jit.py builds csrc/ with torch.utils.cpp_extension (cached per checkout
 # under build/torch_extensions) and runs the ops through it. Part of `make test` too.
@@ -99,7 +101,7 @@ $(CMAKE_DIR)/CMakeCache.txt: $(DEPS_STAMP)
 cmake-build: $(CMAKE_DIR)/CMakeCache.txt
 	cmake --build $(CMAKE_DIR) -j $(MAX_JOBS)
 
-cmake-test: cmake-build build
+cmake-test: cmake-build
 	ctest --test-dir $(CMAKE_DIR) --output-on-failure
 	ROPE_EXT_CMAKE_LIB=$(CMAKE_LIB) $(PY) -m pytest tests/test_cmake_library.py -q
 

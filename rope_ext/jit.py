@@ -28,7 +28,7 @@ TORCH_TARGET_VERSION = "0x020a000000000000"
 CFLAGS = ["-O3", "-std=c++17", "-fno-math-errno", f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}"]
 CUDA_CFLAGS = ["-O3", "-std=c++17", "-DUSE_CUDA", f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}"]
 
-SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 CSRC = os.path.join(SOURCE_ROOT, "csrc")
 # Same globs as setup.py, less csrc/module.cpp (the Python module init, not needed by a plain
 # library). One library holds every device, so of csrc/ops/cuda only the kernels (*.cu) join: the
