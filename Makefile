@@ -12,7 +12,7 @@ NATIVE_SRC  := setup.py $(shell find csrc -type f \( -name '*.cpp' -o -name '*.h
 LIB         := rope_ext/_C.abi3.so
 export MAX_JOBS ?= 2
 
-.PHONY: all venv build run test clean wheel wheel-test torch213-test jit-test cmake-build cmake-test packaging-test
+.PHONY: all venv build run test clean
 
 all: build
 
@@ -39,6 +39,7 @@ clean:
 	rm -rf build dist *.egg-info rope_ext/*.so
 
 # ---- Three ways in (README "Installing and loading"): a wheel, JIT loading, CMake/libtorch ----
+.PHONY: wheel wheel-test torch213-test jit-test cmake-build cmake-test packaging-test
 
 # The wheel: built against the installed torch, no build isolation; it reuses the object files of
 # `make build` (same build/temp dir and flags). build/lib* is cleared so that nothing stale

@@ -12,13 +12,13 @@ import torch
 
 BACKEND_ENV = "ROPE_EXT_BACKEND"
 _DEVICE_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+# How the native library came: "compiled" (rope_ext._C), "jit" (rope_ext.jit) or "preloaded"
+# (registered before rope_ext was imported, e.g. torch.ops.load_library of the CMake build).
+loaded_by = None
 
 # Set by load(): the module that registered the native kernels, or why there is none.
 loaded_from = None
 load_error = None
-# How the native library came: "compiled" (rope_ext._C), "jit" (rope_ext.jit) or "preloaded"
-# (registered before rope_ext was imported, e.g. torch.ops.load_library of the CMake build).
-loaded_by = None
 
 
 def requested_backend():
@@ -57,8 +57,19 @@ def load():
             stacklevel=3,
         )
         return False
-    loaded_from, loaded_by = module.__file__, "compiled"
+    loaded_by = "compiled"
+    loaded_from = module.__file__
     return True
+
+
+def has_kernel(device_type):
+    """True if a native kernel for rope::apply is registered for this device type."""
+    key = _DEVICE_KEYS.get(device_type)
+    return (
+        loaded_from is not None
+        and key is not None
+        and torch._C._dispatch_has_kernel_for_dispatch_key("rope::apply", key)
+    )
 
 
 def _preloaded_library():
@@ -85,13 +96,3 @@ def refuse_foreign_library(what):
             f"rope_ext: {what} would load a second copy of the rope ops, but {preloaded} already "
             "registered them in this process; use that library, or load only one copy."
         )
-
-
-def has_kernel(device_type):
-    """True if a native kernel for rope::apply is registered for this device type."""
-    key = _DEVICE_KEYS.get(device_type)
-    return (
-        loaded_from is not None
-        and key is not None
-        and torch._C._dispatch_has_kernel_for_dispatch_key("rope::apply", key)
-    )
