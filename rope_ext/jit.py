@@ -142,7 +142,7 @@ def load(verbose=False):
             "library) to use the JIT build."
         )
     check_prerequisites()
-    _native.refuse_foreign_library("rope_ext.jit.load")
+    _native.refuse_foreign_library(f"{JIT_ENV}=1" if requested() else "rope_ext.jit.load")
 
     import torch
     from torch.utils import cpp_extension

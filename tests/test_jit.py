@@ -52,8 +52,11 @@ def test_preloaded_library_is_used_not_loaded_twice(tmp_path):
     shutil.copy(_native.loaded_from, lib)
     result = run([SMOKE, "--preload", str(lib), "--expect-loaded-by", "preloaded"])
     assert result.returncode == 0, result.stdout + result.stderr
-    refused = run(["-c", f"import torch; torch.ops.load_library({str(lib)!r}); import rope_ext; rope_ext.jit.load()"])
-    assert refused.returncode == 1 and "second copy" in refused.stderr, refused.stderr
+    # ROPE_EXT_JIT=1 would build and load a second copy: refused before any build.
+    code = f"import torch; torch.ops.load_library({str(lib)!r}); import rope_ext"
+    refused = run(["-c", code], env=jit_env(ROPE_EXT_JIT="1"))
+    assert refused.returncode == 1, refused.stderr
+    assert f"ROPE_EXT_JIT=1 would load a second copy of the rope ops, but {lib}" in refused.stderr, refused.stderr
 
 
 @needs_sources
