@@ -52,7 +52,9 @@ def _glob(patterns):
 def _default_cuda_home():
     """torch.utils.cpp_extension reads CUDA_HOME once, at import, and without it guesses from any
     nvcc on PATH (often wrongly, e.g. /usr/local); point it at the usual toolkit first."""
-    if "torch.utils.cpp_extension" in sys.modules or os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+    if "torch.utils.cpp_extension" in sys.modules:
+        return
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
         return
     if os.path.isfile("/usr/local/cuda/bin/nvcc"):
         os.environ["CUDA_HOME"] = "/usr/local/cuda"
@@ -69,18 +71,21 @@ def _cuda_wanted():
     if forced == "0":
         return False
     home = cpp_extension.CUDA_HOME
+    has_nvcc = bool(home) and os.path.isfile(os.path.join(home, "bin", "nvcc"))
     missing = [
         why
         for why, bad in (
             ("no sources in csrc/ops/cuda", not _glob(CUDA_PATTERNS)),
             ("torch is a CPU-only build", torch.version.cuda is None),
-            ("nvcc not found (set CUDA_HOME)", not (home and os.path.isfile(os.path.join(home, "bin", "nvcc")))),
+            ("nvcc not found (set CUDA_HOME)", not has_nvcc),
         )
         if bad
     ]
     if forced == "1":
         if missing:
-            raise RuntimeError(f"{JIT_CUDA_ENV}=1 but the CUDA kernels cannot be built: " + "; ".join(missing))
+            raise RuntimeError(
+                f"{JIT_CUDA_ENV}=1 but the CUDA kernels cannot be built: " + "; ".join(missing)
+            )
         return True
     if not torch.cuda.is_available():
         return False

@@ -66,18 +66,20 @@ def check_ops(torch, rope_ext):
             x = torch.randn(2, 7, 4, 32, dtype=dtype)
             table = rope_ext.cos_sin_cache(16, 24, dtype=torch.float32)[3:10]
             cos, sin = table[:, None, :12], table[:, None, 12:]
+            exact = (x.double(), cos.double(), sin.double())
             out = torch.ops.rope.apply(x, cos, sin, interleaved)
-            close(torch, out, ref.apply_rope(x.double(), cos.double(), sin.double(), interleaved=interleaved), dtype)
+            close(torch, out, ref.apply_rope(*exact, interleaved=interleaved), dtype)
             assert torch.equal(out[..., 24:], x[..., 24:]), "pass-through dims changed"
 
             back = torch.ops.rope.apply_backward(x, cos, sin, interleaved)
-            close(torch, back, ref.apply_rope_backward(x.double(), cos.double(), sin.double(), interleaved=interleaved), dtype)
+            close(torch, back, ref.apply_rope_backward(*exact, interleaved=interleaved), dtype)
 
-            xg = x.detach().double().requires_grad_()
-            rope_ext.apply_rope(xg, cos.double(), sin.double(), interleaved=interleaved).square().sum().backward()
-            xr = x.detach().double().requires_grad_()
-            ref.apply_rope(xr, cos.double(), sin.double(), interleaved=interleaved).square().sum().backward()
-            close(torch, xg.grad, xr.grad, torch.float64)
+            grads = []
+            for fn in (rope_ext.apply_rope, ref.apply_rope):  # native autograd vs the reference's
+                xg = exact[0].clone().requires_grad_()
+                fn(xg, *exact[1:], interleaved=interleaved).square().sum().backward()
+                grads.append(xg.grad)
+            close(torch, grads[0], grads[1], torch.float64)
 
             # in place: GQA, query/key strided views into one fused qkv buffer, int32 positions
             qkv = torch.randn(9, 8 + 2 + 2, 32, dtype=dtype)

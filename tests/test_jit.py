@@ -20,7 +20,7 @@ needs_sources = pytest.mark.skipif(
 
 
 def run(args, env=None, cwd=None):
-    full_env = {k: v for k, v in os.environ.items() if k not in ("ROPE_EXT_JIT", "ROPE_EXT_BACKEND")}
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("ROPE_EXT_")}
     full_env["PYTHONPATH"] = jit.SOURCE_ROOT
     full_env.update(env or {})
     return subprocess.run(
@@ -30,7 +30,8 @@ def run(args, env=None, cwd=None):
 
 def jit_env(**extra):
     # Cached per checkout, so that parallel checkouts do not rebuild each other's copy.
-    return {"TORCH_EXTENSIONS_DIR": os.path.join(jit.SOURCE_ROOT, "build", "torch_extensions"), **extra}
+    cache = os.path.join(jit.SOURCE_ROOT, "build", "torch_extensions")
+    return {"TORCH_EXTENSIONS_DIR": cache, **extra}
 
 
 def test_second_copy_after_compiled_library_is_refused():
@@ -56,7 +57,8 @@ def test_preloaded_library_is_used_not_loaded_twice(tmp_path):
     code = f"import torch; torch.ops.load_library({str(lib)!r}); import rope_ext"
     refused = run(["-c", code], env=jit_env(ROPE_EXT_JIT="1"))
     assert refused.returncode == 1, refused.stderr
-    assert f"ROPE_EXT_JIT=1 would load a second copy of the rope ops, but {lib}" in refused.stderr, refused.stderr
+    expected = f"ROPE_EXT_JIT=1 would load a second copy of the rope ops, but {lib}"
+    assert expected in refused.stderr, refused.stderr
 
 
 @needs_sources
@@ -70,7 +72,8 @@ def test_missing_ninja_is_a_clear_error(tmp_path):
 def test_missing_compiler_is_a_clear_error(tmp_path):
     if shutil.which("ninja") is None:
         pytest.skip("ninja is missing too, which is reported first")
-    result = run(["-c", "import rope_ext"], env=jit_env(ROPE_EXT_JIT="1", CXX=str(tmp_path / "no-c++")))
+    env = jit_env(ROPE_EXT_JIT="1", CXX=str(tmp_path / "no-c++"))
+    result = run(["-c", "import rope_ext"], env=env)
     assert result.returncode == 1
     assert "RuntimeError: rope_ext JIT build needs a C++17 compiler" in result.stderr, result.stderr
 
@@ -78,7 +81,8 @@ def test_missing_compiler_is_a_clear_error(tmp_path):
 @needs_sources
 def test_jit_build_serves_the_ops_and_is_cached():
     env = jit_env(ROPE_EXT_JIT="1")
-    first = run([SMOKE, "--expect-loaded-by", "jit", "--expect-library-under", env["TORCH_EXTENSIONS_DIR"]], env=env)
+    args = ["--expect-loaded-by", "jit", "--expect-library-under", env["TORCH_EXTENSIONS_DIR"]]
+    first = run([SMOKE, *args], env=env)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "rope_ext._C" not in first.stdout
     # Nothing changed: ninja has nothing to rebuild.
