@@ -5,7 +5,7 @@
                         [--expect-under DIR] [--expect-library-under DIR]
 
 Checks that rope_ext (and its native library) came from where the caller expects, then runs every
-op against rope_ext.reference. Prints "OK <loaded_by> <loaded_from>" on success.
+op (apply, apply_backward and its autograd, apply_, mrope_) against rope_ext.reference. Prints "OK <loaded_by> <loaded_from>" on success.
 """
 
 import argparse
@@ -93,6 +93,16 @@ def check_ops(torch, rope_ext):
             close(torch, query, eq, dtype)
             close(torch, key, ek, dtype)
             assert torch.equal(qkv[:, 10:], value_before), "apply_ wrote outside query/key"
+
+            # multimodal: positions (3, B, S), sections of the 16 pairs of a 32-of-40-dim rotary part
+            query, key = torch.randn(2, 5, 4, 40, dtype=dtype), torch.randn(2, 5, 2, 40, dtype=dtype)
+            positions = torch.randint(0, 32, (3, 2, 5))
+            cache = rope_ext.cos_sin_cache(32, 32, dtype=torch.float32)
+            eq, ek = query.double().clone(), key.double().clone()
+            ref.apply_mrope_(eq, ek, positions, cache.double(), [4, 6, 6], interleaved=interleaved)
+            torch.ops.rope.mrope_(query, key, positions, cache, [4, 6, 6], interleaved)
+            close(torch, query, eq, dtype)
+            close(torch, key, ek, dtype)
 
 
 def main():

@@ -1,6 +1,7 @@
 // Loads the CMake-built op library the way a Python-less runtime does (dlopen), then calls every
-// rope op through c10::Dispatcher and compares with a float64 reference computed here from the
-// formulas of ROPE.md. Usage: rope_dispatcher_test <path to librope_ops.so>. Exit status 0 = pass.
+// rope op (apply, apply_backward, apply_, mrope_) through c10::Dispatcher and compares with a
+// float64 reference computed here from the formulas of ROPE.md.
+// Usage: rope_dispatcher_test <path to librope_ops.so>. Exit status 0 = pass.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <dlfcn.h>
@@ -75,55 +76,105 @@ at::Tensor cos_sin_cache(int64_t max_position, int64_t rotary_dim) {
 using ApplyFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool);
 using ApplyInplaceFn = void(at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
                             const at::Tensor&, bool);
+using MropeFn = void(at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+                     const at::Tensor&, c10::ArrayRef<int64_t>, bool);
 
-// Every op, each dtype and layout, on one device, against the float64 reference on that device.
-template <typename Apply, typename ApplyInplace>
-void check_ops(Apply& apply, Apply& apply_backward, ApplyInplace& apply_inplace,
-               at::DeviceType device) {
-  const std::vector<at::ScalarType> dtypes = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16};
-  for (auto dtype : dtypes) {
+const char* const kOps[] = {"rope::apply", "rope::apply_backward", "rope::apply_", "rope::mrope_"};
+const at::ScalarType kDtypes[] = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16};
+
+// Set once the library is loaded (the handles exist only then).
+std::optional<c10::TypedOperatorHandle<ApplyFn>> apply_op, apply_backward_op;
+std::optional<c10::TypedOperatorHandle<ApplyInplaceFn>> apply_inplace_op;
+std::optional<c10::TypedOperatorHandle<MropeFn>> mrope_op;
+
+std::string tag_of(at::DeviceType device, at::ScalarType dtype, bool interleaved) {
+  return c10::DeviceTypeName(device) + " " + c10::toString(dtype) +
+         (interleaved ? " interleaved" : " half-split");
+}
+
+// apply / apply_backward: x [B,S,H,D] sliced from a wider buffer (non-contiguous), partial rotary
+// (24 of 40 dims), float32 cos/sin [S,1,r/2] broadcast over batch and heads.
+void check_apply(at::DeviceType device, at::ScalarType dtype, bool interleaved) {
+  const std::string tag = tag_of(device, dtype, interleaved);
+  auto buffer = at::randn({2, 7, 3, 48}, at::TensorOptions().dtype(dtype).device(device));
+  auto x = buffer.narrow(-1, 4, 40);
+  auto table = cos_sin_cache(16, 24).to(device).narrow(0, 5, 7).unsqueeze(1);
+  auto cos = table.narrow(-1, 0, 12), sin = table.narrow(-1, 12, 12);
+  auto y = apply_op->call(x, cos, sin, interleaved);
+  expect(y.scalar_type() == dtype && y.sizes() == x.sizes(), "rope::apply keeps shape and dtype " + tag);
+  expect_close(y, reference(x, cos, sin, interleaved), dtype, "rope::apply " + tag);
+  expect(at::equal(y.narrow(-1, 24, 16), x.narrow(-1, 24, 16)), "rope::apply pass-through dims " + tag);
+  expect_close(apply_backward_op->call(x, cos, sin, interleaved),
+               reference(x, cos, sin, interleaved, /*inverse=*/true), dtype,
+               "rope::apply_backward " + tag);
+}
+
+// apply_: query/key (GQA: 4 and 2 heads) as views into one fused [T, 4+2+2, D] buffer, int64 and
+// int32 positions, with and without key; the value heads must stay untouched.
+void check_apply_inplace(at::DeviceType device, at::ScalarType dtype, bool interleaved) {
+  for (auto pos_dtype : {at::kLong, at::kInt}) {
+    const std::string tag = tag_of(device, dtype, interleaved) + (pos_dtype == at::kLong ? " int64" : " int32");
+    auto qkv = at::randn({9, 8, 32}, at::TensorOptions().dtype(dtype).device(device));
+    auto query = qkv.narrow(1, 0, 4), key = qkv.narrow(1, 4, 2);
+    auto value = qkv.narrow(1, 6, 2).clone();
+    auto cache = cos_sin_cache(64, 32).to(device);
+    auto positions = at::randint(0, 64, {9}, at::TensorOptions().dtype(pos_dtype).device(device));
+    auto rows = cache.index_select(0, positions.to(at::kLong)).unsqueeze(1);
+    auto c = rows.narrow(-1, 0, 16), s = rows.narrow(-1, 16, 16);
+    auto expected_q = reference(query, c, s, interleaved);
+    auto expected_k = reference(key, c, s, interleaved);
+    apply_inplace_op->call(query, key, positions, cache, interleaved);
+    expect_close(query, expected_q, dtype, "rope::apply_ query " + tag);
+    expect_close(key, expected_k, dtype, "rope::apply_ key " + tag);
+    expect(at::equal(qkv.narrow(1, 6, 2), value), "rope::apply_ leaves the value heads alone " + tag);
+
+    auto q_only = at::randn({9, 4, 32}, at::TensorOptions().dtype(dtype).device(device));
+    auto expected_q_only = reference(q_only, c, s, interleaved);
+    apply_inplace_op->call(q_only, std::nullopt, positions, cache, interleaved);
+    expect_close(q_only, expected_q_only, dtype, "rope::apply_ without key " + tag);
+  }
+}
+
+// mrope_: positions (3, B, S) = (temporal, height, width); mrope_section {4, 6, 6} splits the 16
+// pairs of a 32-dim rotary part (of 40 dims) into 3 groups, group j rotated by component j.
+void check_mrope(at::DeviceType device, at::ScalarType dtype, bool interleaved) {
+  const std::string tag = tag_of(device, dtype, interleaved);
+  const std::vector<int64_t> section = {4, 6, 6};
+  auto opts = at::TensorOptions().dtype(dtype).device(device);
+  auto query = at::randn({2, 5, 4, 40}, opts), key = at::randn({2, 5, 2, 40}, opts);
+  auto cache = cos_sin_cache(32, 32).to(device);
+  auto positions = at::randint(0, 32, {3, 2, 5}, at::TensorOptions().dtype(at::kLong).device(device));
+  std::vector<at::Tensor> cos_parts, sin_parts;
+  int64_t lo = 0;
+  for (int j = 0; j < 3; ++j) {
+    auto rows = at::embedding(cache, positions.select(0, j));  // (B, S, rotary_dim)
+    cos_parts.push_back(rows.narrow(-1, lo, section[j]));
+    sin_parts.push_back(rows.narrow(-1, 16 + lo, section[j]));
+    lo += section[j];
+  }
+  auto c = at::cat(cos_parts, -1).unsqueeze(-2), s = at::cat(sin_parts, -1).unsqueeze(-2);
+  auto expected_q = reference(query, c, s, interleaved);
+  auto expected_k = reference(key, c, s, interleaved);
+  mrope_op->call(query, key, positions, cache, section, interleaved);
+  expect_close(query, expected_q, dtype, "rope::mrope_ query " + tag);
+  expect_close(key, expected_k, dtype, "rope::mrope_ key " + tag);
+}
+
+// Every op with a kernel for this device, each dtype and layout.
+void check_device(at::DeviceType device, c10::DispatchKey key) {
+  auto& dispatcher = c10::Dispatcher::singleton();
+  auto has = [&](const char* name) {
+    bool yes = dispatcher.findSchemaOrThrow(name, "").hasKernelForDispatchKey(key);
+    if (!yes) std::printf("%s: no %s kernel, not checked\n", name, c10::DeviceTypeName(device).c_str());
+    return yes;
+  };
+  const bool apply = has("rope::apply") && has("rope::apply_backward");
+  const bool inplace = has("rope::apply_"), mrope = has("rope::mrope_");
+  for (auto dtype : kDtypes) {
     for (bool interleaved : {false, true}) {
-      const std::string tag = c10::DeviceTypeName(device) + " " + c10::toString(dtype) +
-                            (interleaved ? " interleaved" : " half-split");
-
-      // apply / apply_backward: x [B,S,H,D] sliced from a wider buffer (non-contiguous), partial
-      // rotary (24 of 40 dims), float32 cos/sin [S,1,r/2] broadcast over batch and heads.
-      auto buffer = at::randn({2, 7, 3, 48}, at::TensorOptions().dtype(dtype).device(device));
-      auto x = buffer.narrow(-1, 4, 40);
-      auto table = cos_sin_cache(16, 24).to(device).narrow(0, 5, 7).unsqueeze(1);
-      auto cos = table.narrow(-1, 0, 12), sin = table.narrow(-1, 12, 12);
-      auto y = apply.call(x, cos, sin, interleaved);
-      expect(y.scalar_type() == dtype && y.sizes() == x.sizes(), "rope::apply keeps shape and dtype " + tag);
-      expect_close(y, reference(x, cos, sin, interleaved), dtype, "rope::apply " + tag);
-      expect(at::equal(y.narrow(-1, 24, 16), x.narrow(-1, 24, 16)), "rope::apply pass-through dims " + tag);
-      expect_close(apply_backward.call(x, cos, sin, interleaved),
-                   reference(x, cos, sin, interleaved, /*inverse=*/true), dtype,
-                   "rope::apply_backward " + tag);
-
-      // apply_: query/key (GQA: 4 and 2 heads) as views into one fused [T, 4+2+2, D] buffer,
-      // int64 then int32 positions; the value heads must stay untouched.
-      for (auto pos_dtype : {at::kLong, at::kInt}) {
-        auto qkv = at::randn({9, 8, 32}, at::TensorOptions().dtype(dtype).device(device));
-        auto query = qkv.narrow(1, 0, 4), key = qkv.narrow(1, 4, 2);
-        auto value = qkv.narrow(1, 6, 2).clone();
-        auto cache = cos_sin_cache(64, 32).to(device);
-        auto positions = at::randint(0, 64, {9}, at::TensorOptions().dtype(pos_dtype).device(device));
-        auto rows = cache.index_select(0, positions.to(at::kLong)).unsqueeze(1);
-        auto c = rows.narrow(-1, 0, 16), s = rows.narrow(-1, 16, 16);
-        auto expected_q = reference(query, c, s, interleaved);
-        auto expected_k = reference(key, c, s, interleaved);
-        std::optional<at::Tensor> key_arg = key;
-        apply_inplace.call(query, key_arg, positions, cache, interleaved);
-        const std::string ptag = tag + (pos_dtype == at::kLong ? " int64" : " int32");
-        expect_close(query, expected_q, dtype, "rope::apply_ query " + ptag);
-        expect_close(key, expected_k, dtype, "rope::apply_ key " + ptag);
-        expect(at::equal(qkv.narrow(1, 6, 2), value), "rope::apply_ leaves the value heads alone " + ptag);
-
-        auto q_only = at::randn({9, 4, 32}, at::TensorOptions().dtype(dtype).device(device));
-        auto expected_q_only = reference(q_only, c, s, interleaved);
-        apply_inplace.call(q_only, std::nullopt, positions, cache, interleaved);
-        expect_close(q_only, expected_q_only, dtype, "rope::apply_ without key " + ptag);
-      }
+      if (apply) check_apply(device, dtype, interleaved);
+      if (inplace) check_apply_inplace(device, dtype, interleaved);
+      if (mrope) check_mrope(device, dtype, interleaved);
     }
   }
 }
@@ -146,26 +197,29 @@ int main(int argc, char** argv) {
   at::manual_seed(seed);
   std::printf("loaded %s; seed %llu\n", argv[1], static_cast<unsigned long long>(seed));
 
-  for (const char* name : {"rope::apply", "rope::apply_backward", "rope::apply_"}) {
+  for (const char* name : kOps) {
     auto op = dispatcher.findSchema({name, ""});
     expect(op.has_value() && op->hasKernelForDispatchKey(c10::DispatchKey::CPU),
            std::string(name) + " has a CPU kernel after loading");
+    if (!op.has_value()) return 1;
   }
-  auto apply = dispatcher.findSchemaOrThrow("rope::apply", "").typed<ApplyFn>();
-  auto apply_backward = dispatcher.findSchemaOrThrow("rope::apply_backward", "").typed<ApplyFn>();
-  auto apply_inplace = dispatcher.findSchemaOrThrow("rope::apply_", "").typed<ApplyInplaceFn>();
+  apply_op = dispatcher.findSchemaOrThrow("rope::apply", "").typed<ApplyFn>();
+  apply_backward_op = dispatcher.findSchemaOrThrow("rope::apply_backward", "").typed<ApplyFn>();
+  apply_inplace_op = dispatcher.findSchemaOrThrow("rope::apply_", "").typed<ApplyInplaceFn>();
+  mrope_op = dispatcher.findSchemaOrThrow("rope::mrope_", "").typed<MropeFn>();
 
-  check_ops(apply, apply_backward, apply_inplace, at::kCPU);
+  check_device(at::kCPU, c10::DispatchKey::CPU);
 #ifdef ROPE_EXT_EXPECT_CUDA
-  // Built with the CUDA kernels: they must be registered, and where a GPU is present, correct.
-  for (const char* name : {"rope::apply", "rope::apply_backward", "rope::apply_"}) {
-    expect(dispatcher.findSchemaOrThrow(name, "").hasKernelForDispatchKey(c10::DispatchKey::CUDA),
-           std::string(name) + " has a CUDA kernel after loading");
+  // Built with CUDA kernels: they must be registered, and where a GPU is present, correct.
+  int cuda_ops = 0;
+  for (const char* name : kOps) {
+    cuda_ops += dispatcher.findSchemaOrThrow(name, "").hasKernelForDispatchKey(c10::DispatchKey::CUDA);
   }
+  expect(cuda_ops > 0, "built with CUDA kernels, but no rope op has a CUDA kernel");
   if (at::hasCUDA()) {
-    check_ops(apply, apply_backward, apply_inplace, at::kCUDA);
+    check_device(at::kCUDA, c10::DispatchKey::CUDA);
   } else {
-    std::printf("no GPU: CUDA kernels registered, not run\n");
+    std::printf("no GPU: %d ops have CUDA kernels, not run\n", cuda_ops);
   }
 #endif
 
@@ -173,7 +227,7 @@ int main(int argc, char** argv) {
   auto x = at::randn({4, 8});
   auto wide = at::randn({4, 5});  // rotary_dim 10 > head_dim 8
   try {
-    apply.call(x, wide, wide, false);
+    apply_op->call(x, wide, wide, false);
     expect(false, "rope::apply accepted rotary_dim > head_dim");
   } catch (const std::exception& e) {
     expect(std::string(e.what()).find("rotary_dim") != std::string::npos,
