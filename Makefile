@@ -45,3 +45,74 @@ gpu-check:
 
 clean:
 	rm -rf build dist *.egg-info rope_ext/*.so
+
+# ---- Three ways in (README "Installing and loading"): a wheel, JIT loading, CMake/libtorch ----
+.PHONY: wheel wheel-test torch213-test jit-test cmake-build cmake-test packaging-test
+
+# The wheel: built against the installed torch, no build isolation; it reuses the object files of
+# `make build` (same build/temp dir and flags). build/lib* is cleared so that nothing stale
+# (a deleted module, an old library) can slip into the wheel.
+WHEEL_STAMP := dist/.wheel-built
+PACKAGE_SRC := pyproject.toml README.md $(wildcard rope_ext/*.py)
+
+$(WHEEL_STAMP): $(DEPS_STAMP) $(NATIVE_SRC) $(PACKAGE_SRC)
+	rm -rf build/lib.* dist/rope_ext-*.whl
+	$(PY) -m pip wheel . --no-build-isolation --no-deps --no-index --quiet -w dist
+	touch $@
+
+wheel: $(WHEEL_STAMP)
+
+wheel-test: $(WHEEL_STAMP)
+	ROPE_EXT_WHEEL="$$(ls dist/rope_ext-*.whl)" $(PY) -m pytest tests/test_wheel.py -q
+
+# One wheel across torch versions: the wheel built against torch 2.14.1 (above), installed in its
+# own venv beside torch 2.13.0, runs the test suite there. The tests run from a copy of the tree
+# whose rope_ext/ is a link to the installed package, so that the wheel is what they import.
+TORCH213       := 2.13.0
+TORCH213_VENV  := .venv-torch2.13
+TORCH213_PY    := $(TORCH213_VENV)/bin/python
+TORCH213_DEPS  := $(TORCH213_VENV)/.deps-installed
+TORCH213_WHEEL := $(TORCH213_VENV)/.wheel-installed
+TORCH213_TREE  := build/torch2.13-tests
+
+$(TORCH213_DEPS): requirements.txt
+	test -x $(TORCH213_PY) || $(PYTHON_BOOT) -m venv $(TORCH213_VENV)
+	$(TORCH213_PY) -m pip install --quiet --disable-pip-version-check torch==$(TORCH213) \
+		$$(grep -E '^(pytest|numpy)==' requirements.txt)
+	touch $@
+
+$(TORCH213_WHEEL): $(TORCH213_DEPS) $(WHEEL_STAMP)
+	$(TORCH213_PY) -m pip install --quiet --disable-pip-version-check --no-index --force-reinstall \
+		--no-deps "$$(ls dist/rope_ext-*.whl)"
+	$(TORCH213_PY) -m pip check
+	touch $@
+
+torch213-test: $(TORCH213_WHEEL)
+	rm -rf $(TORCH213_TREE) && mkdir -p $(TORCH213_TREE)
+	tar -c --exclude=__pycache__ tests csrc setup.py pyproject.toml requirements.txt README.md | tar -x -C $(TORCH213_TREE)
+	ln -s "$$($(TORCH213_PY) -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')/rope_ext" $(TORCH213_TREE)/rope_ext
+	cd $(TORCH213_TREE) && ROPE_EXT_EXPECT_INSTALLED=$(TORCH213) $(CURDIR)/$(TORCH213_PY) -m pytest tests -q -p no:cacheprovider
+
+# JIT loading: tests/test_jit.py builds csrc/ with torch.utils.cpp_extension (cached per checkout
+# under build/torch_extensions) and runs the ops through it. Part of `make test` too.
+jit-test: $(DEPS_STAMP) build
+	$(PY) -m pytest tests/test_jit.py -q
+
+# CMake/libtorch: the op library with no Python, a C++ test through c10::Dispatcher (ctest), and
+# torch.ops.load_library of that library from Python. Python only tells CMake where torch is.
+CMAKE_DIR := build/cmake
+CMAKE_LIB := $(CMAKE_DIR)/librope_ops.so
+
+$(CMAKE_DIR)/CMakeCache.txt: $(DEPS_STAMP)
+	cmake -S . -B $(CMAKE_DIR) -DCMAKE_BUILD_TYPE=Release \
+		-DCMAKE_PREFIX_PATH="$$($(PY) -c 'import os, torch; print(os.path.dirname(torch.__file__))')"
+
+cmake-build: $(CMAKE_DIR)/CMakeCache.txt
+	cmake --build $(CMAKE_DIR) -j $(MAX_JOBS)
+
+cmake-test: cmake-build
+	ctest --test-dir $(CMAKE_DIR) --output-on-failure
+	ROPE_EXT_CMAKE_LIB=$(CMAKE_LIB) $(PY) -m pytest tests/test_cmake_library.py -q
+
+# Everything CI checks beyond `make test`.
+packaging-test: wheel-test torch213-test cmake-test

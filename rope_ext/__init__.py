@@ -9,7 +9,7 @@ if not _native.load():
 _registrations.register_reference_kernels()
 _registrations.register_python_side()
 
-from . import reference  # noqa: E402
+from . import jit, reference  # noqa: E402
 from .cache import cos_sin_cache  # noqa: E402
 from .modules import RotaryEmbedding  # noqa: E402
 from .ops import apply_rope, apply_rope_, backend  # noqa: E402

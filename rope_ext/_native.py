@@ -12,6 +12,9 @@ import torch
 
 BACKEND_ENV = "ROPE_EXT_BACKEND"
 _DEVICE_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+# How the native library came: "compiled" (rope_ext._C), "jit" (rope_ext.jit) or "preloaded"
+# (registered before rope_ext was imported, e.g. torch.ops.load_library of the CMake build).
+loaded_by = None
 
 # Set by load(): the module that registered the native kernels, or why there is none.
 loaded_from = None
@@ -31,8 +34,18 @@ def requested_backend():
 
 def load():
     """Imports rope_ext._C (whose static initializers register the ops); returns True if the
-    native library serves."""
-    global loaded_from, load_error
+    native library serves. With ROPE_EXT_JIT=1 the JIT build of csrc/ serves instead; if a library
+    loaded before rope_ext already registered the ops, that one serves."""
+    global loaded_from, load_error, loaded_by
+    from . import jit
+
+    if jit.requested():
+        jit.load(verbose=jit.requested() == "verbose")
+        return True
+    preloaded = _preloaded_library()
+    if preloaded is not None:  # loading rope_ext._C too would register the ops twice
+        loaded_from, loaded_by = preloaded, "preloaded"
+        return True
     if requested_backend() == "reference":
         load_error = f"{BACKEND_ENV}=reference"
         return False
@@ -47,6 +60,7 @@ def load():
             stacklevel=3,
         )
         return False
+    loaded_by = "compiled"
     loaded_from = module.__file__
     _load_cuda()
     return True
@@ -81,3 +95,29 @@ def has_kernel(device_type):
         and key is not None
         and torch._C._dispatch_has_kernel_for_dispatch_key("rope::apply", key)
     )
+
+
+def _preloaded_library():
+    """If another library already defined the rope ops in C++ before rope_ext loaded any, its path
+    (or a description); None otherwise."""
+    from . import _registrations
+
+    if any(lib.kind == "DEF" for lib in _registrations._libraries):
+        return None  # rope_ext defined them from Python itself
+    try:
+        torch._C._dispatch_find_schema_or_throw("rope::apply", "")
+    except RuntimeError:
+        return None
+    libs = sorted(torch.ops.loaded_libraries)
+    return libs[0] if len(libs) == 1 else "a library loaded before rope_ext (" + ", ".join(libs) + ")"
+
+
+def refuse_foreign_library(what):
+    """Raises if a library that rope_ext did not load already defines the rope ops: loading a
+    second copy would register them twice, which aborts the process."""
+    preloaded = _preloaded_library() if loaded_from is None else None
+    if preloaded is not None:
+        raise RuntimeError(
+            f"rope_ext: {what} would load a second copy of the rope ops, but {preloaded} already "
+            "registered them in this process; use that library, or load only one copy."
+        )

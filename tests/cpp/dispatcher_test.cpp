@@ -1,0 +1,243 @@
+// Loads the CMake-built op library the way a Python-less runtime does (dlopen), then calls every
+// rope op (apply, apply_backward, apply_, mrope_) through c10::Dispatcher and compares with a
+// float64 reference computed here from the formulas of ROPE.md.
+// Usage: rope_dispatcher_test <path to librope_ops.so>. Exit status 0 = pass.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <dlfcn.h>
+
+#include <chrono>
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace {
+
+int failures = 0;
+
+void expect(bool ok, const std::string& what) {
+  if (!ok) {
+    std::fprintf(stderr, "FAIL: %s\n", what.c_str());
+    ++failures;
+  }
+}
+
+// (rtol, atol) against the float64 reference, as in tests/conftest.py.
+std::pair<double, double> tolerance(at::ScalarType t) {
+  switch (t) {
+    case at::kDouble: return {1e-12, 1e-12};
+    case at::kFloat: return {1e-6, 1e-6};
+    case at::kHalf: return {1e-3, 2e-3};
+    default: return {1e-2, 1.6e-2};  // bfloat16
+  }
+}
+
+void expect_close(const at::Tensor& actual, const at::Tensor& expected, at::ScalarType dtype,
+                  const std::string& what) {
+  auto [rtol, atol] = tolerance(dtype);
+  auto a = actual.to(at::kDouble), e = expected.to(at::kDouble);
+  bool ok = a.sizes() == e.sizes() && at::allclose(a, e, rtol, atol);
+  if (!ok && a.sizes() == e.sizes()) {
+    std::fprintf(stderr, "  %s: max abs error %g\n", what.c_str(), (a - e).abs().max().item<double>());
+  }
+  expect(ok, what);
+}
+
+// The rotation in float64: pairs (x[2i], x[2i+1]) if interleaved, else (x[i], x[i + r/2]);
+// dims >= r pass through. inverse rotates by -theta (the gradient w.r.t. x).
+at::Tensor reference(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                     bool interleaved, bool inverse = false) {
+  auto xd = x.to(at::kDouble);
+  auto c = cos.to(at::kDouble);
+  auto s = inverse ? -sin.to(at::kDouble) : sin.to(at::kDouble);
+  const int64_t half = cos.size(-1), r = 2 * half;
+  auto rot = xd.narrow(-1, 0, r);
+  at::Tensor a, b;
+  if (interleaved) {
+    a = rot.slice(-1, 0, r, 2);
+    b = rot.slice(-1, 1, r, 2);
+  } else {
+    a = rot.narrow(-1, 0, half);
+    b = rot.narrow(-1, half, half);
+  }
+  auto oa = a * c - b * s, ob = a * s + b * c;
+  auto out = interleaved ? at::stack({oa, ob}, -1).flatten(-2) : at::cat({oa, ob}, -1);
+  return at::cat({out, xd.narrow(-1, r, x.size(-1) - r)}, -1);
+}
+
+// cos/sin tables (max_position, rotary_dim): cos in the first half, sin in the second.
+at::Tensor cos_sin_cache(int64_t max_position, int64_t rotary_dim) {
+  auto inv = at::pow(10000.0, -at::arange(0, rotary_dim, 2, at::kDouble) / rotary_dim);
+  auto ang = at::outer(at::arange(max_position, at::kDouble), inv);
+  return at::cat({ang.cos(), ang.sin()}, -1).to(at::kFloat);
+}
+
+using ApplyFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool);
+using ApplyInplaceFn = void(at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+                            const at::Tensor&, bool);
+using MropeFn = void(at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+                     const at::Tensor&, c10::ArrayRef<int64_t>, bool);
+
+const char* const kOps[] = {"rope::apply", "rope::apply_backward", "rope::apply_", "rope::mrope_"};
+const at::ScalarType kDtypes[] = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16};
+
+// Set once the library is loaded (the handles exist only then).
+std::optional<c10::TypedOperatorHandle<ApplyFn>> apply_op, apply_backward_op;
+std::optional<c10::TypedOperatorHandle<ApplyInplaceFn>> apply_inplace_op;
+std::optional<c10::TypedOperatorHandle<MropeFn>> mrope_op;
+
+std::string tag_of(at::DeviceType device, at::ScalarType dtype, bool interleaved) {
+  return c10::DeviceTypeName(device) + " " + c10::toString(dtype) +
+         (interleaved ? " interleaved" : " half-split");
+}
+
+// apply / apply_backward: x [B,S,H,D] sliced from a wider buffer (non-contiguous), partial rotary
+// (24 of 40 dims), float32 cos/sin [S,1,r/2] broadcast over batch and heads.
+void check_apply(at::DeviceType device, at::ScalarType dtype, bool interleaved) {
+  const std::string tag = tag_of(device, dtype, interleaved);
+  auto buffer = at::randn({2, 7, 3, 48}, at::TensorOptions().dtype(dtype).device(device));
+  auto x = buffer.narrow(-1, 4, 40);
+  auto table = cos_sin_cache(16, 24).to(device).narrow(0, 5, 7).unsqueeze(1);
+  auto cos = table.narrow(-1, 0, 12), sin = table.narrow(-1, 12, 12);
+  auto y = apply_op->call(x, cos, sin, interleaved);
+  expect(y.scalar_type() == dtype && y.sizes() == x.sizes(), "rope::apply keeps shape and dtype " + tag);
+  expect_close(y, reference(x, cos, sin, interleaved), dtype, "rope::apply " + tag);
+  expect(at::equal(y.narrow(-1, 24, 16), x.narrow(-1, 24, 16)), "rope::apply pass-through dims " + tag);
+  expect_close(apply_backward_op->call(x, cos, sin, interleaved),
+               reference(x, cos, sin, interleaved, /*inverse=*/true), dtype,
+               "rope::apply_backward " + tag);
+}
+
+// apply_: query/key (GQA: 4 and 2 heads) as views into one fused [T, 4+2+2, D] buffer, int64 and
+// int32 positions, with and without key; the value heads must stay untouched.
+void check_apply_inplace(at::DeviceType device, at::ScalarType dtype, bool interleaved) {
+  for (auto pos_dtype : {at::kLong, at::kInt}) {
+    const std::string tag = tag_of(device, dtype, interleaved) + (pos_dtype == at::kLong ? " int64" : " int32");
+    auto qkv = at::randn({9, 8, 32}, at::TensorOptions().dtype(dtype).device(device));
+    auto query = qkv.narrow(1, 0, 4), key = qkv.narrow(1, 4, 2);
+    auto value = qkv.narrow(1, 6, 2).clone();
+    auto cache = cos_sin_cache(64, 32).to(device);
+    auto positions = at::randint(0, 64, {9}, at::TensorOptions().dtype(pos_dtype).device(device));
+    auto rows = cache.index_select(0, positions.to(at::kLong)).unsqueeze(1);
+    auto c = rows.narrow(-1, 0, 16), s = rows.narrow(-1, 16, 16);
+    auto expected_q = reference(query, c, s, interleaved);
+    auto expected_k = reference(key, c, s, interleaved);
+    apply_inplace_op->call(query, key, positions, cache, interleaved);
+    expect_close(query, expected_q, dtype, "rope::apply_ query " + tag);
+    expect_close(key, expected_k, dtype, "rope::apply_ key " + tag);
+    expect(at::equal(qkv.narrow(1, 6, 2), value), "rope::apply_ leaves the value heads alone " + tag);
+
+    auto q_only = at::randn({9, 4, 32}, at::TensorOptions().dtype(dtype).device(device));
+    auto expected_q_only = reference(q_only, c, s, interleaved);
+    apply_inplace_op->call(q_only, std::nullopt, positions, cache, interleaved);
+    expect_close(q_only, expected_q_only, dtype, "rope::apply_ without key " + tag);
+  }
+}
+
+// mrope_: positions (3, B, S) = (temporal, height, width); mrope_section {4, 6, 6} splits the 16
+// pairs of a 32-dim rotary part (of 40 dims) into 3 groups, group j rotated by component j.
+void check_mrope(at::DeviceType device, at::ScalarType dtype, bool interleaved) {
+  const std::string tag = tag_of(device, dtype, interleaved);
+  const std::vector<int64_t> section = {4, 6, 6};
+  auto opts = at::TensorOptions().dtype(dtype).device(device);
+  auto query = at::randn({2, 5, 4, 40}, opts), key = at::randn({2, 5, 2, 40}, opts);
+  auto cache = cos_sin_cache(32, 32).to(device);
+  auto positions = at::randint(0, 32, {3, 2, 5}, at::TensorOptions().dtype(at::kLong).device(device));
+  std::vector<at::Tensor> cos_parts, sin_parts;
+  int64_t lo = 0;
+  for (int j = 0; j < 3; ++j) {
+    auto rows = at::embedding(cache, positions.select(0, j));  // (B, S, rotary_dim)
+    cos_parts.push_back(rows.narrow(-1, lo, section[j]));
+    sin_parts.push_back(rows.narrow(-1, 16 + lo, section[j]));
+    lo += section[j];
+  }
+  auto c = at::cat(cos_parts, -1).unsqueeze(-2), s = at::cat(sin_parts, -1).unsqueeze(-2);
+  auto expected_q = reference(query, c, s, interleaved);
+  auto expected_k = reference(key, c, s, interleaved);
+  mrope_op->call(query, key, positions, cache, section, interleaved);
+  expect_close(query, expected_q, dtype, "rope::mrope_ query " + tag);
+  expect_close(key, expected_k, dtype, "rope::mrope_ key " + tag);
+}
+
+// Every op with a kernel for this device, each dtype and layout.
+void check_device(at::DeviceType device, c10::DispatchKey key) {
+  auto& dispatcher = c10::Dispatcher::singleton();
+  auto has = [&](const char* name) {
+    bool yes = dispatcher.findSchemaOrThrow(name, "").hasKernelForDispatchKey(key);
+    if (!yes) std::printf("%s: no %s kernel, not checked\n", name, c10::DeviceTypeName(device).c_str());
+    return yes;
+  };
+  const bool apply = has("rope::apply") && has("rope::apply_backward");
+  const bool inplace = has("rope::apply_"), mrope = has("rope::mrope_");
+  for (auto dtype : kDtypes) {
+    for (bool interleaved : {false, true}) {
+      if (apply) check_apply(device, dtype, interleaved);
+      if (inplace) check_apply_inplace(device, dtype, interleaved);
+      if (mrope) check_mrope(device, dtype, interleaved);
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: %s <path to librope_ops.so>\n", argv[0]);
+    return 2;
+  }
+  auto& dispatcher = c10::Dispatcher::singleton();
+  expect(!dispatcher.findSchema({"rope::apply", ""}).has_value(),
+         "rope::apply exists before the library is loaded");
+  if (dlopen(argv[1], RTLD_NOW | RTLD_GLOBAL) == nullptr) {
+    std::fprintf(stderr, "FAIL: dlopen(%s): %s\n", argv[1], dlerror());
+    return 1;
+  }
+  const uint64_t seed = std::chrono::steady_clock::now().time_since_epoch().count();
+  at::manual_seed(seed);
+  std::printf("loaded %s; seed %llu\n", argv[1], static_cast<unsigned long long>(seed));
+
+  for (const char* name : kOps) {
+    auto op = dispatcher.findSchema({name, ""});
+    expect(op.has_value() && op->hasKernelForDispatchKey(c10::DispatchKey::CPU),
+           std::string(name) + " has a CPU kernel after loading");
+    if (!op.has_value()) return 1;
+  }
+  apply_op = dispatcher.findSchemaOrThrow("rope::apply", "").typed<ApplyFn>();
+  apply_backward_op = dispatcher.findSchemaOrThrow("rope::apply_backward", "").typed<ApplyFn>();
+  apply_inplace_op = dispatcher.findSchemaOrThrow("rope::apply_", "").typed<ApplyInplaceFn>();
+  mrope_op = dispatcher.findSchemaOrThrow("rope::mrope_", "").typed<MropeFn>();
+
+  check_device(at::kCPU, c10::DispatchKey::CPU);
+#ifdef ROPE_EXT_EXPECT_CUDA
+  // Built with CUDA kernels: they must be registered, and where a GPU is present, correct.
+  int cuda_ops = 0;
+  for (const char* name : kOps) {
+    cuda_ops += dispatcher.findSchemaOrThrow(name, "").hasKernelForDispatchKey(c10::DispatchKey::CUDA);
+  }
+  expect(cuda_ops > 0, "built with CUDA kernels, but no rope op has a CUDA kernel");
+  if (at::hasCUDA()) {
+    check_device(at::kCUDA, c10::DispatchKey::CUDA);
+  } else {
+    std::printf("no GPU: %d ops have CUDA kernels, not run\n", cuda_ops);
+  }
+#endif
+
+  // Bad input: a clear error through the dispatcher, naming the argument, and no crash.
+  auto x = at::randn({4, 8});
+  auto wide = at::randn({4, 5});  // rotary_dim 10 > head_dim 8
+  try {
+    apply_op->call(x, wide, wide, false);
+    expect(false, "rope::apply accepted rotary_dim > head_dim");
+  } catch (const std::exception& e) {
+    expect(std::string(e.what()).find("rotary_dim") != std::string::npos,
+           std::string("error names rotary_dim: ") + e.what());
+  }
+
+  if (failures) {
+    std::fprintf(stderr, "%d check(s) failed (seed %llu)\n", failures, static_cast<unsigned long long>(seed));
+    return 1;
+  }
+  std::printf("all rope ops match the reference through c10::Dispatcher\n");
+  return 0;
+}
