@@ -89,7 +89,7 @@ $(TORCH213_WHEEL): $(TORCH213_DEPS) $(WHEEL_STAMP)
 
 torch213-test: $(TORCH213_WHEEL)
 	rm -rf $(TORCH213_TREE) && mkdir -p $(TORCH213_TREE)
-	tar -c --exclude=__pycache__ tests csrc setup.py pyproject.toml requirements.txt README.md | tar -x -C $(TORCH213_TREE)
+	tar -c --exclude=__pycache__ tests csrc setup.py build_config.py pyproject.toml requirements.txt README.md | tar -x -C $(TORCH213_TREE)
 	ln -s "$$($(TORCH213_PY) -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')/rope_ext" $(TORCH213_TREE)/rope_ext
 	cd $(TORCH213_TREE) && ROPE_EXT_EXPECT_INSTALLED=$(TORCH213) $(CURDIR)/$(TORCH213_PY) -m pytest tests -q -p no:cacheprovider
 
