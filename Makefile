@@ -1,6 +1,7 @@
 # Two entry points do all set-up on a fresh machine:
 #   make run    builds everything, then reports the build, checks the kernels, times them
 #   make test   builds everything, then runs pytest tests/
+#   make bench  builds everything, then runs the CPU benchmark (python -m rope_ext.bench)
 # Both are incremental: the venv is rebuilt only when requirements.txt changes, the extension
 # only when a source under csrc/ (or setup.py) changes.
 
@@ -12,7 +13,7 @@ NATIVE_SRC  := setup.py $(shell find csrc -type f \( -name '*.cpp' -o -name '*.h
 LIB         := rope_ext/_C.abi3.so
 export MAX_JOBS ?= 2
 
-.PHONY: all venv build run test clean
+.PHONY: all venv build run test bench clean
 
 all: build
 
@@ -34,6 +35,9 @@ run: build
 
 test: build
 	$(PY) -m pytest tests/ -q
+
+bench: build
+	$(PY) -m rope_ext.bench
 
 clean:
 	rm -rf build dist *.egg-info rope_ext/*.so

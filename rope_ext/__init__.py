@@ -10,6 +10,7 @@ _registrations.register_reference_kernels()
 _registrations.register_python_side()
 
 from . import reference  # noqa: E402
+from ._cpu_isa import cpu_isa  # noqa: E402
 from .cache import cos_sin_cache  # noqa: E402
 from .modules import RotaryEmbedding  # noqa: E402
 from .ops import apply_rope, apply_rope_, backend  # noqa: E402
@@ -20,6 +21,7 @@ __all__ = [
     "apply_rope_",
     "backend",
     "cos_sin_cache",
+    "cpu_isa",
     "reference",
     "RotaryEmbedding",
 ]

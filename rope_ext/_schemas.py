@@ -13,4 +13,5 @@ SCHEMAS = {
         "apply_(Tensor(a!) query, Tensor(b!)? key, Tensor positions, Tensor cos_sin_cache, "
         "bool interleaved=False) -> ()"
     ),
+    "cpu_isa": "cpu_isa() -> int",
 }
