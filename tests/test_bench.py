@@ -22,7 +22,7 @@ def test_bench_quick_run_writes_json_and_table(tmp_path):
     with open(tmp_path / "quick.json") as f:
         doc = json.load(f)
     assert set(doc) == {"meta", "results", "summary", "targets"}
-    assert doc["meta"]["cpu_isa"] in ("baseline", "avx2", "avx512", "reference")
+    assert doc["meta"]["cpu_isa"] in ("baseline", "avx2", "avx512", "avx512_bf16", "reference")
     assert {row["impl"] for row in doc["results"]} == set(IMPLS)
     for row in doc["results"]:
         assert row["median_s"] > 0 and len(row["times_s"]) == doc["meta"]["repeat"]

@@ -1,4 +1,4 @@
-"""The CPU kernel variants (baseline, AVX2, AVX-512): which one serves, how to force a lower
+"""The CPU kernel variants (baseline, AVX2, AVX-512, AVX-512 with BF16): which one serves, how to force a lower
 one, and each variant this CPU can run checked against the float64 reference."""
 
 import os
@@ -11,12 +11,13 @@ import rope_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-NAMES = ("baseline", "avx2", "avx512")
+NAMES = ("baseline", "avx2", "avx512", "avx512_bf16")
 # The CPU features each variant needs (as /proc/cpuinfo spells them).
 NEEDS = {
     "baseline": set(),
     "avx2": {"avx2", "fma", "f16c"},
     "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"},
+    "avx512_bf16": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "avx512_bf16"},
 }
 
 native = pytest.mark.skipif(rope_ext.backend("cpu") != "native", reason="native library not built")

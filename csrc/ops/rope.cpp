@@ -11,6 +11,7 @@ STABLE_TORCH_LIBRARY(rope, m) {
   m.def(
       "apply_(Tensor(a!) query, Tensor(b!)? key, Tensor positions, Tensor cos_sin_cache, "
       "bool interleaved=False) -> ()");
-  // Which compiled variant of the CPU kernels serves: 0 baseline, 1 avx2, 2 avx512.
+  // Which compiled variant of the CPU kernels serves: 0 baseline, 1 avx2, 2 avx512,
+  // 3 avx512_bf16.
   m.def("cpu_isa() -> int");
 }

@@ -1,5 +1,6 @@
 // The CPU kernels compiled for AVX2 + FMA + F16C (Haswell and later, Zen). Chosen at run time by
 // rope_cpu_isa.cpp only on CPUs that have all three; the rest of the library stays baseline x86-64.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>

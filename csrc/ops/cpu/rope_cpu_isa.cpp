@@ -20,7 +20,7 @@ CpuIsa best_supported() {
       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c")) {
-    return CpuIsa::kAvx512;
+    return __builtin_cpu_supports("avx512bf16") ? CpuIsa::kAvx512Bf16 : CpuIsa::kAvx512;
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c")) {
@@ -41,9 +41,12 @@ CpuIsa choose() {
     cap = CpuIsa::kAvx2;
   } else if (std::strcmp(env, "avx512") == 0) {
     cap = CpuIsa::kAvx512;
+  } else if (std::strcmp(env, "avx512_bf16") == 0) {
+    cap = CpuIsa::kAvx512Bf16;
   } else {
     std::fprintf(stderr,
-                 "rope_ext: ROPE_EXT_CPU_ISA=%s is not one of auto, baseline, avx2, avx512; "
+                 "rope_ext: ROPE_EXT_CPU_ISA=%s is not one of auto, baseline, avx2, avx512, "
+                 "avx512_bf16; "
                  "using %s\n",
                  env, cpu_isa_name(isa));
     return isa;
@@ -56,13 +59,16 @@ CpuIsa choose() {
   return cap;
 }
 
-// The schema's int: 0 baseline, 1 avx2, 2 avx512 (rope_ext.cpu_isa() maps it to a name).
+// The schema's int: 0 baseline, 1 avx2, 2 avx512, 3 avx512_bf16 (rope_ext.cpu_isa() maps it
+// to a name).
 int64_t cpu_isa_op() { return static_cast<int64_t>(selected_cpu_isa()); }
 
 }  // namespace
 
 const char* cpu_isa_name(CpuIsa isa) {
   switch (isa) {
+    case CpuIsa::kAvx512Bf16:
+      return "avx512_bf16";
     case CpuIsa::kAvx512:
       return "avx512";
     case CpuIsa::kAvx2:
@@ -80,6 +86,8 @@ CpuIsa selected_cpu_isa() {
 const CpuKernels* selected_cpu_kernels() {
   static const CpuKernels* kernels = [] {
     switch (selected_cpu_isa()) {
+      case CpuIsa::kAvx512Bf16:
+        return cpu_kernels_avx512_bf16();
       case CpuIsa::kAvx512:
         return cpu_kernels_avx512();
       case CpuIsa::kAvx2:

@@ -1,5 +1,5 @@
 // The contract between rope_cpu.cpp (validation, allocation, threading) and the per-ISA
-// vectorized kernels (rope_cpu_avx2.cpp, rope_cpu_avx512.cpp). The per-ISA files are compiled
+// vectorized kernels (rope_cpu_avx2.cpp, rope_cpu_avx512.cpp, rope_cpu_avx512bf16.cpp). The per-ISA files are compiled
 // with `#pragma GCC target`, so nothing here may define a non-trivial inline function: an
 // inline function with external linkage compiled for AVX-512 in one file could be the copy the
 // linker keeps for every caller, and crash CPUs without it. Plain data and declarations only.
@@ -12,7 +12,7 @@
 namespace rope {
 
 // Ordered: a higher value needs a superset of the CPU features of a lower one.
-enum class CpuIsa : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
+enum class CpuIsa : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 // Storage of 16-bit floats as raw bits, so the ISA files need no torch header.
 struct HalfBits {
@@ -66,9 +66,10 @@ struct CpuKernels {
 // nullptr when the library was built without that ISA (a non-x86 target or another compiler).
 const CpuKernels* cpu_kernels_avx2();
 const CpuKernels* cpu_kernels_avx512();
+const CpuKernels* cpu_kernels_avx512_bf16();
 
 // The ISA that serves, chosen once: the best the CPU supports, capped by ROPE_EXT_CPU_ISA
-// (baseline|avx2|avx512) when set.
+// (baseline|avx2|avx512|avx512_bf16) when set.
 CpuIsa selected_cpu_isa();
 // Its kernels; nullptr for the baseline.
 const CpuKernels* selected_cpu_kernels();

@@ -18,8 +18,11 @@
 // tables in forward are read in place. Pairs left over from the vector loop run scalar.
 #pragma once
 
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
+
+#define ROPE_SIMD_INLINE inline __attribute__((always_inline))
 
 namespace rope {
 namespace {
@@ -76,7 +79,7 @@ using OpsFor = std::conditional_t<std::is_same<x_t, double>::value, F64Ops, F32O
 // Half-split pairs (x[i], x[i+half]): out = (a*c - b*s, b*c + a*s), with s already negated
 // for the inverse rotation.
 template <class Ops, bool kStream, typename x_t>
-inline void row_half_split(const x_t* x, x_t* out, const typename Ops::acc* c,
+ROPE_SIMD_INLINE void row_half_split(const x_t* x, x_t* out, const typename Ops::acc* c,
                            const typename Ops::acc* s, int64_t half) {
   using V = typename Ops::V;
   constexpr int W = Ops::W;
@@ -104,7 +107,7 @@ inline void row_half_split(const x_t* x, x_t* out, const typename Ops::acc* c,
 // Interleaved pairs (x[2i], x[2i+1]) with duplicated tables c2 = [c0, c0, c1, c1, ...] and
 // signed s2 = [-s0, s0, -s1, s1, ...]: out = x*c2 + swap_pairs(x)*s2.
 template <class Ops, bool kStream, typename x_t>
-inline void row_interleaved(const x_t* x, x_t* out, const typename Ops::acc* c2,
+ROPE_SIMD_INLINE void row_interleaved(const x_t* x, x_t* out, const typename Ops::acc* c2,
                             const typename Ops::acc* s2, int64_t half) {
   using V = typename Ops::V;
   constexpr int W = Ops::W;
@@ -167,12 +170,33 @@ struct TableCache {
 };
 
 template <class Ops, bool kInterleaved, bool kStream, typename x_t>
-inline void rotate_row(const x_t* x, x_t* out, const typename Ops::acc* c,
+ROPE_SIMD_INLINE void rotate_row(const x_t* x, x_t* out, const typename Ops::acc* c,
                        const typename Ops::acc* s, int64_t half) {
   if (kInterleaved) {
     row_interleaved<Ops, kStream>(x, out, c, s, half);
   } else {
     row_half_split<Ops, kStream>(x, out, c, s, half);
+  }
+}
+
+// Calls f(row, offset0, offset1, offset2) for rows [b, e) of `ix`: runs along the innermost
+// leading dim (heads, usually, with the tables' stride 0 there) use plain strides; the offsets
+// are re-derived (a division per dim) only where a run wraps.
+template <typename F>
+ROPE_SIMD_INLINE void for_each_row(const LeadIndexer& ix, int64_t b, int64_t e, F&& f) {
+  if (ix.ndim == 0) {
+    for (int64_t r = b; r < e; ++r) f(r, int64_t(0), int64_t(0), int64_t(0));
+    return;
+  }
+  const int last = ix.ndim - 1;
+  const int64_t n = ix.sizes[last];
+  const int64_t s0 = ix.strides[0][last], s1 = ix.strides[1][last], s2 = ix.strides[2][last];
+  for (int64_t r = b; r < e;) {
+    int64_t off[kMaxOperands];
+    ix.offsets(r, off);
+    const int64_t run = std::min(e - r, n - r % n);
+    for (int64_t j = 0; j < run; ++j) f(r + j, off[0] + j * s0, off[1] + j * s1, off[2] + j * s2);
+    r += run;
   }
 }
 
@@ -192,12 +216,11 @@ void apply_rows_impl(const ApplyJob& job, int64_t b, int64_t e) {
   constexpr bool kMaybeDirect = std::is_same<tab_t, acc>::value && !kInterleaved;
   const bool direct = kMaybeDirect && !job.inverse && g.cos_last == 1 && g.sin_last == 1;
   TableCache<Ops, kInterleaved, tab_t> tables;
-  LeadIterator it(g.lead, b);
-  for (int64_t r = b; r < e; ++r, it.next()) {
-    const x_t* x = xp + it.offset[0];
+  for_each_row(g.lead, b, e, [&](int64_t r, int64_t x_off, int64_t c_off, int64_t s_off) {
+    const x_t* x = xp + x_off;
     x_t* out = op + r * g.head_dim;
-    const tab_t* c = cp + it.offset[1];
-    const tab_t* s = sp + it.offset[2];
+    const tab_t* c = cp + c_off;
+    const tab_t* s = sp + s_off;
     if (direct) {
       rotate_row<Ops, kInterleaved, kStream>(x, out, reinterpret_cast<const acc*>(c),
                                              reinterpret_cast<const acc*>(s), half);
@@ -206,7 +229,7 @@ void apply_rows_impl(const ApplyJob& job, int64_t b, int64_t e) {
       rotate_row<Ops, kInterleaved, kStream>(x, out, tables.c, tables.s, half);
     }
     if (tail > 0) std::memcpy(out + rot, x + rot, tail * sizeof(x_t));
-  }
+  });
   if (kStream) store_fence();
 }
 
@@ -235,10 +258,9 @@ void inplace_tokens_impl(const InplaceJob& job, int64_t b, int64_t e) {
   constexpr bool kMaybeDirect = std::is_same<tab_t, acc>::value && !kInterleaved;
   const bool direct = kMaybeDirect && g.cache_col_stride == 1;
   TableCache<Ops, kInterleaved, tab_t> tables;
-  LeadIterator it(g.lead, b);
-  for (int64_t t = b; t < e; ++t, it.next()) {
-    const int64_t p = job.pos64 ? static_cast<const int64_t*>(job.positions)[it.offset[2]]
-                                : static_cast<const int32_t*>(job.positions)[it.offset[2]];
+  for_each_row(g.lead, b, e, [&](int64_t, int64_t q_off, int64_t k_off, int64_t p_off) {
+    const int64_t p = job.pos64 ? static_cast<const int64_t*>(job.positions)[p_off]
+                                : static_cast<const int32_t*>(job.positions)[p_off];
     const tab_t* c = cache + p * g.cache_row_stride;
     const tab_t* s = c + half * g.cache_col_stride;
     const acc* cb;
@@ -252,14 +274,14 @@ void inplace_tokens_impl(const InplaceJob& job, int64_t b, int64_t e) {
       sb = tables.s;
     }
     for (int64_t h = 0; h < g.q_heads; ++h) {
-      x_t* row = qp + it.offset[0] + h * g.q_head_stride;
+      x_t* row = qp + q_off + h * g.q_head_stride;
       rotate_row<Ops, kInterleaved, false>(row, row, cb, sb, half);
     }
     for (int64_t h = 0; h < g.k_heads; ++h) {
-      x_t* row = kp + it.offset[1] + h * g.k_head_stride;
+      x_t* row = kp + k_off + h * g.k_head_stride;
       rotate_row<Ops, kInterleaved, false>(row, row, cb, sb, half);
     }
-  }
+  });
 }
 
 template <typename x_t, typename tab_t>
