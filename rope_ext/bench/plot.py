@@ -39,7 +39,9 @@ def plot(doc, png_path):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     meta = doc["meta"]
-    fig.suptitle(f"rope_ext CPU ({meta['cpu_isa']}, {meta['threads']} threads), median times")
+    threads = meta["threads"]
+    fig.suptitle(f"rope_ext CPU ({meta['cpu_isa']}, {threads} thread{'s' if threads != 1 else ''}), "
+                 "median times")
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
     plt.close(fig)

@@ -109,7 +109,7 @@ def markdown(doc):
     impls = [i for i in IMPLS if any(r["impl"] == i for r in doc["results"])]
     parts = [
         f"rope_ext {meta['rope_ext']}, torch {meta['torch']}, CPU kernels: {meta['cpu_isa']}, "
-        f"{meta['threads']} threads, {meta['cpu']}; load average {meta['loadavg_start']} at start, "
+        f"threads: {meta['threads']}, {meta['cpu']}; load average {meta['loadavg_start']} at start, "
         f"{meta['loadavg_end']} at end; median of {meta['repeat']} timed blocks.",
         "",
         "Bandwidth, GB/s (x read + result written, 2 * x.nbytes; higher is better):",
