@@ -117,10 +117,16 @@ def layout_matrix():
         sw = torch.stack((sin, sin), -1).flatten(-2)[..., ::2]
         assert cw.stride(-1) == 2
         check_apply(torch.randn(s, h, d, dtype=dtype), cw[:, None], sw[:, None], il, f"strided tables {dtype}")
+        # x starting one element past an aligned address (unaligned vector loads and stores).
+        flat = torch.randn(1 + s * h * d, dtype=dtype)
+        check_apply(flat[1:].view(s, h, d), cos[:, None], sin[:, None], il, f"unaligned x {dtype}")
+        # no leading dims at all, and only size-1 ones.
+        check_apply(torch.randn(d, dtype=dtype), cos[0], sin[0], il, f"1-d x {dtype}")
+        check_apply(torch.randn(1, 1, d, dtype=dtype), cos[:1, None], sin[:1, None], il, f"[1,1,D] {dtype}")
         # rotary_dim = 0: everything passes through.
         z = torch.zeros(s, 1, 0, dtype=tab)
         check_apply(torch.randn(s, h, d, dtype=dtype), z, z, il, f"rotary_dim 0 {dtype}")
-        n += 7
+        n += 10
     return n
 
 
@@ -177,6 +183,21 @@ def large_matrix():
         (torch.float32, (4100, 11, 100), 100),  # 17.6 MiB, rows not 64-byte aligned
         (torch.float64, (4, 3, 1100), 1100),  # half = 550 > 512
     ]
+    # Leading dims that do not merge (a slice along S, tables broadcast over heads): rows are
+    # walked in runs that wrap, and thread chunks start in the middle of a run.
+    for dtype, il in itertools.product((torch.float32, torch.bfloat16), (False, True)):
+        x = torch.randn(64, 40, 8, 128, dtype=dtype)[:, :37]
+        pos = torch.randint(0, 64, (64, 37))
+        _, cos, sin = tables(pos, 128, torch.float32)
+        check_apply(x, cos[:, :, None], sin[:, :, None], il, f"non-mergeable lead dims {dtype}")
+        q = torch.randn(64, 40, 8, 128, dtype=dtype)[:, :37]
+        q0 = q.clone()
+        cache = rope_ext.cos_sin_cache(64, 128)
+        ops.apply_(q, None, pos, cache, il)
+        rows = cache.double()[pos].unsqueeze(-2)
+        close(q, reference.apply_rope(q0.double(), rows[..., :64], rows[..., 64:], interleaved=il),
+              dtype, f"apply_ non-mergeable lead dims {dtype} interleaved={il}")
+        n += 2
     for dtype, shape, r in cases:
         for il in (False, True):
             pos = torch.randint(0, 64, (shape[0],))
