@@ -95,6 +95,7 @@ def main(argv=None):
         "python": platform.python_version(), "cpu": cpu_model(), "cpu_count": os.cpu_count(),
         "cpu_isa": rope_ext.cpu_isa(), "threads": torch.get_num_threads(), "repeat": repeat,
         "loadavg_start": loadavg(), "impls": {i: IMPLS[i] for i in impls},
+        "mode": "torch.inference_mode()",
         "bytes_counted": "2 * x.nbytes: x read once, a result of x's size written once",
         "tables": "float32 cos/sin [T, 1, D/2] (apply, backward, reference); float32 "
                   "cos_sin_cache [T, D] (apply_); HF-style: [T, 1, D] in x's dtype",
