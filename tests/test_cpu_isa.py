@@ -94,3 +94,30 @@ def test_reference_backend_reports_reference():
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["-1", "reference"]
+
+
+@native
+def test_no_avx_instruction_outside_the_per_isa_kernels():
+    """The per-ISA files are compiled with `#pragma GCC target`. If an inline function with
+    external linkage (a std:: template, a torch header function) were compiled there, the linker
+    could keep that AVX copy for every caller and crash CPUs without AVX. So every function with
+    VEX/EVEX-encoded instructions must have internal linkage (an anonymous namespace)."""
+    import platform
+    import shutil
+
+    import rope_ext._C as lib
+
+    if platform.machine() not in ("x86_64", "AMD64") or shutil.which("objdump") is None:
+        pytest.skip("needs objdump on x86-64")
+    dump = subprocess.run(["objdump", "-d", "--no-show-raw-insn", lib.__file__],
+                          capture_output=True, text=True, check=True).stdout
+    function, offenders, vex_functions = None, set(), set()
+    for line in dump.splitlines():
+        if line.endswith(">:"):
+            function = line.split("<", 1)[1][:-2]
+        elif "\tv" in line and function is not None:
+            vex_functions.add(function)
+            if "_GLOBAL__N_" not in function:
+                offenders.add(function)
+    assert vex_functions, "expected the AVX kernels in the library"
+    assert not offenders, sorted(offenders)[:10]
