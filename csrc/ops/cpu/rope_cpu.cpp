@@ -56,11 +56,12 @@ int dt_index(ScalarType t) {
 }
 
 // Outputs at least this large are written with non-temporal stores: they cannot stay in cache,
-// and streaming them skips the read-for-ownership of each destination line.
+// and streaming them skips the read-for-ownership of each destination line (it pays when the
+// allocator recycles memory; on fresh pages the OS's zeroing dominates: bench/NOTES.md 3).
 constexpr int64_t kStreamBytes = int64_t(16) << 20;
 
-// A fresh large output is a fresh mmap: writing it costs one page fault per 4 KiB (about half of
-// rope.apply's time at 128 MiB on this project's test machine, more than the rotation itself).
+// A fresh large output is a fresh mmap: writing it costs one page fault per 4 KiB (most of
+// rope.apply's time at 128 MiB on the project's test machine, far more than the rotation).
 // Asking for transparent huge pages before the first write makes that one fault per 2 MiB;
 // the same thing torch's allocator does under THP_MEM_ALLOC_ENABLE=1. Only the 2 MiB-aligned
 // interior of the buffer is advised, and the advice changes nothing but how pages are backed.
@@ -126,12 +127,11 @@ Tensor apply_cpu(const Tensor& x, const Tensor& cos, const Tensor& sin, bool int
   const ApplyGeometry g = check_apply(x, cos, sin, op, kInverse ? "grad" : "x");
   Tensor out = torch::stable::new_empty(x, x.sizes());
   if (g.rows == 0 || g.head_dim == 0) return out;
-  advise_huge_pages(out.mutable_data_ptr(),
-                    g.rows * g.head_dim * static_cast<int64_t>(out.element_size()));
+  const int64_t out_bytes = g.rows * g.head_dim * static_cast<int64_t>(out.element_size());
+  advise_huge_pages(out.mutable_data_ptr(), out_bytes);
   const int64_t grain = grain_rows(g.head_dim);
   const CpuKernels* simd = selected_cpu_kernels();
   if (simd != nullptr && g.x_last == 1 && g.half <= kSimdMaxHalf) {
-    const int64_t out_bytes = g.rows * g.head_dim * static_cast<int64_t>(out.element_size());
     const ApplyJob job{x.const_data_ptr(), out.mutable_data_ptr(), cos.const_data_ptr(),
                        sin.const_data_ptr(), &g, interleaved, kInverse,
                        out_bytes >= kStreamBytes};
