@@ -1,7 +1,7 @@
 // The vectorized CPU kernels, written once over an ISA's vector operations and compiled once per
 // ISA. A per-ISA file (rope_cpu_avx2.cpp, ...) defines, inside namespace rope::{anonymous}:
 //   struct F32Ops  float lanes:  using acc = float;  using V = ...;  static constexpr int W;
-//                  load/store/stream for float, HalfBits, BF16Bits; loada (aligned float);
+//                  load/store/stream (non-temporal where aligned) for float, HalfBits, BF16Bits;
 //                  mul, fma(a,b,c) = a*b+c, fnma(a,b,c) = c-a*b, swap_pairs (lanes 2i <-> 2i+1);
 //                  scalar half_to_float / float_to_half
 //   struct F64Ops  the same for double lanes (load/store/stream for double only)
@@ -14,8 +14,9 @@
 // stack buffers in the layout the loop wants, and reused while consecutive rows share a table
 // row (heads of one token): interleaved tables are stored duplicated per pair with the sign of
 // sin folded in ([-s0, s0, -s1, s1, ...]), so that out = x*c2 + swap_pairs(x)*s2 needs no
-// de-interleave; the inverse rotation (backward) is just the opposite sign. Half-split float
-// tables in forward are read in place. Pairs left over from the vector loop run scalar.
+// de-interleave; the inverse rotation (backward) is just the opposite sign. Half-split tables
+// already in the arithmetic type are read in place in the forward rotation. Pairs left over
+// from the vector loop run scalar.
 #pragma once
 
 #include <algorithm>
