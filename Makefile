@@ -1,6 +1,7 @@
 # Two entry points do all set-up on a fresh machine:
 #   make run    builds everything, then reports the build, checks the kernels, times them
 #   make test   builds everything, then runs pytest tests/
+#   make bench  builds everything, then runs the CPU benchmark (python -m rope_ext.bench)
 # Both are incremental: the venv is rebuilt only when requirements.txt changes, the extension
 # only when a source under csrc/ (or setup.py) changes.
 
@@ -15,7 +16,7 @@ LIB         := rope_ext/_C.abi3.so
 CUDA_LIB    := $(shell test -x $(PY) && $(PY) build_config.py --cuda-lib)
 export MAX_JOBS ?= 2
 
-.PHONY: all venv build run test clean gpu-check
+.PHONY: all venv build run test bench clean gpu-check
 
 all: build
 
@@ -37,6 +38,9 @@ run: build
 
 test: build
 	$(PY) -m pytest tests/ -q
+
+bench: build
+	$(PY) -m rope_ext.bench
 
 # On a machine with a GPU (the H200 the device tool lends): build or reuse the libraries, run the
 # tests on CUDA and the GPU benchmark; results under $$OUT (default gpu-results/).

@@ -10,10 +10,10 @@ _registrations.register_reference_kernels()
 _registrations.register_python_side()
 
 from . import jit, reference  # noqa: E402
+from ._cpu_isa import cpu_isa  # noqa: E402
 from .cache import cos_sin_cache  # noqa: E402
 from .modules import RotaryEmbedding  # noqa: E402
-from .ops import apply_rope, apply_rope_, backend  # noqa: E402
-from .ops import apply_mrope_  # noqa: E402
+from .ops import apply_mrope_, apply_rope, apply_rope_, backend  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -22,6 +22,7 @@ __all__ = [
     "apply_rope_",
     "backend",
     "cos_sin_cache",
+    "cpu_isa",
     "reference",
     "RotaryEmbedding",
 ]

@@ -20,7 +20,15 @@ def report_build():
     print(f"  torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}), "
           f"Python {platform.python_version()}, {platform.machine()}, "
           f"{torch.get_num_threads()} threads")
-    print(f"  native library: {_native.loaded_from or 'not loaded (' + str(_native.load_error) + ')'}")
+    if _native.loaded_from:
+        print(f"  native library ({_native.loaded_by}): {_native.loaded_from}")
+    else:
+        print(f"  native library: not loaded ({_native.load_error})")
+    if _native.cuda_loaded_from:
+        print(f"  CUDA library: {_native.cuda_loaded_from}")
+    elif _native.loaded_by == "compiled":
+        print(f"  CUDA library: not loaded ({_native.cuda_load_error})")
+    print(f"  CPU kernel variant: {rope_ext.cpu_isa()}")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for dev in ("cpu", "cuda"):
         avail = "" if dev in devices else " (no device here)"

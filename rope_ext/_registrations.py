@@ -3,7 +3,7 @@ export, autograd, and the reference kernels that serve any device without a nati
 
 import torch
 
-from . import _checks, reference
+from . import _checks, _cpu_isa, reference
 from ._schemas import SCHEMAS
 
 _libraries = []  # keeps the torch.library.Library objects (and so their registrations) alive
@@ -14,6 +14,7 @@ def define_schemas_from_python():
     lib = torch.library.Library("rope", "DEF")
     for schema in SCHEMAS.values():
         lib.define(schema)
+    lib.impl("cpu_isa", _cpu_isa.reference_cpu_isa, "CompositeExplicitAutograd")
     _libraries.append(lib)
 
 

@@ -17,4 +17,5 @@ SCHEMAS = {
         "mrope_(Tensor(a!) query, Tensor(b!)? key, Tensor positions, Tensor cos_sin_cache, "
         "int[] mrope_section, bool interleaved=False) -> ()"
     ),
+    "cpu_isa": "cpu_isa() -> int",
 }

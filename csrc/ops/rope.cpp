@@ -16,4 +16,7 @@ STABLE_TORCH_LIBRARY(rope, m) {
   m.def(
       "mrope_(Tensor(a!) query, Tensor(b!)? key, Tensor positions, Tensor cos_sin_cache, "
       "int[] mrope_section, bool interleaved=False) -> ()");
+  // Which compiled variant of the CPU kernels serves: 0 baseline, 1 avx2, 2 avx512,
+  // 3 avx512_bf16.
+  m.def("cpu_isa() -> int");
 }

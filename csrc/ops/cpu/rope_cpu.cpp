@@ -1,7 +1,14 @@
 // CPU kernels for rope.apply, rope.apply_backward and rope.apply_.
-// Rows (one head_dim vector each) are split across threads; within a row the unit-stride case
-// is a separate instantiation with compile-time strides so the compiler vectorizes it.
+// Rows (one head_dim vector each) are split across threads. Rows contiguous along the head dim
+// go to the vectorized kernels of the ISA chosen at load time (rope_cpu_isa.h); the portable
+// kernels below serve any strides, and every call on a CPU without AVX2 (or with
+// ROPE_EXT_CPU_ISA=baseline). Within a row the portable unit-stride case is a separate
+// instantiation with compile-time strides so the compiler vectorizes it.
 #include <algorithm>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -10,6 +17,7 @@
 #include "../../rope_math.h"
 #include "../dispatch.h"
 #include "../rope_checks.h"
+#include "rope_cpu_isa.h"
 
 namespace rope {
 namespace {
@@ -21,6 +29,55 @@ constexpr int64_t kGrainElements = 1 << 15;
 
 int64_t grain_rows(int64_t elements_per_row) {
   return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, elements_per_row));
+}
+
+// Runs fn over [0, n) on the calling thread when the work is below one grain (decode-sized
+// calls: waking the pool costs more than the work), else across torch's intra-op threads.
+template <typename F>
+void run_rows(int64_t n, int64_t grain, const F& fn) {
+  if (n <= grain || torch::stable::get_num_threads() <= 1) {
+    fn(0, n);
+  } else {
+    torch::stable::parallel_for(0, n, grain, fn);
+  }
+}
+
+int dt_index(ScalarType t) {
+  switch (t) {
+    case ScalarType::Float:
+      return kF32;
+    case ScalarType::Double:
+      return kF64;
+    case ScalarType::Half:
+      return kF16;
+    default:
+      return kBF16;
+  }
+}
+
+// Outputs at least this large are written with non-temporal stores: they cannot stay in cache,
+// and streaming them skips the read-for-ownership of each destination line (it pays when the
+// allocator recycles memory; on fresh pages the OS's zeroing dominates: bench/NOTES.md 3).
+constexpr int64_t kStreamBytes = int64_t(16) << 20;
+
+// A fresh large output is a fresh mmap: writing it costs one page fault per 4 KiB (most of
+// rope.apply's time at 128 MiB on the project's test machine, far more than the rotation).
+// Asking for transparent huge pages before the first write makes that one fault per 2 MiB;
+// the same thing torch's allocator does under THP_MEM_ALLOC_ENABLE=1. Only the 2 MiB-aligned
+// interior of the buffer is advised, and the advice changes nothing but how pages are backed.
+constexpr int64_t kHugePageAdviseBytes = int64_t(16) << 20;
+
+void advise_huge_pages(void* data, int64_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  if (bytes < kHugePageAdviseBytes) return;
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)data;
+  (void)bytes;
+#endif
 }
 
 // Strides of one row's operands along the head dim; all 1 in the contiguous instantiation.
@@ -70,6 +127,18 @@ Tensor apply_cpu(const Tensor& x, const Tensor& cos, const Tensor& sin, bool int
   const ApplyGeometry g = check_apply(x, cos, sin, op, kInverse ? "grad" : "x");
   Tensor out = torch::stable::new_empty(x, x.sizes());
   if (g.rows == 0 || g.head_dim == 0) return out;
+  const int64_t out_bytes = g.rows * g.head_dim * static_cast<int64_t>(out.element_size());
+  advise_huge_pages(out.mutable_data_ptr(), out_bytes);
+  const int64_t grain = grain_rows(g.head_dim);
+  const CpuKernels* simd = selected_cpu_kernels();
+  if (simd != nullptr && g.x_last == 1 && g.half <= kSimdMaxHalf) {
+    const ApplyJob job{x.const_data_ptr(), out.mutable_data_ptr(), cos.const_data_ptr(),
+                       sin.const_data_ptr(), &g, interleaved, kInverse,
+                       out_bytes >= kStreamBytes};
+    const ApplyRowsFn fn = simd->apply[dt_index(x.scalar_type())][dt_index(cos.scalar_type())];
+    run_rows(g.rows, grain, [&](int64_t b, int64_t e) { fn(job, b, e); });
+    return out;
+  }
   const bool contiguous = g.x_last == 1 && g.cos_last == 1 && g.sin_last == 1;
   const RowStrides st{g.x_last, 1, g.cos_last, g.sin_last};
   ROPE_DISPATCH_FLOATING(x.scalar_type(), "rope.apply", [&] {
@@ -81,7 +150,7 @@ Tensor apply_cpu(const Tensor& x, const Tensor& cos, const Tensor& sin, bool int
       const tab_t* cp = cos.const_data_ptr<tab_t>();
       const tab_t* sp = sin.const_data_ptr<tab_t>();
       x_t* op_ = out.mutable_data_ptr<x_t>();
-      torch::stable::parallel_for(0, g.rows, grain_rows(g.head_dim), [&](int64_t b, int64_t e) {
+      run_rows(g.rows, grain, [&](int64_t b, int64_t e) {
         LeadIterator it(g.lead, b);
         for (int64_t r = b; r < e; ++r, it.next()) {
           row_fn(xp + it.offset[0], op_ + r * g.head_dim, cp + it.offset[1], sp + it.offset[2],
@@ -124,6 +193,22 @@ void apply_inplace_cpu(Tensor query, std::optional<Tensor> key, Tensor positions
     check_positions(positions.const_data_ptr<int32_t>(), g);
   }
   if (g.tokens == 0 || g.half == 0) return;
+  const int64_t grain = grain_rows((g.q_heads + g.k_heads) * g.head_dim);
+  const CpuKernels* simd = selected_cpu_kernels();
+  if (simd != nullptr && g.q_last == 1 && (g.k_heads == 0 || g.k_last == 1) &&
+      g.half <= kSimdMaxHalf) {
+    const InplaceJob job{query.mutable_data_ptr(),
+                         key.has_value() ? key->mutable_data_ptr() : nullptr,
+                         positions.const_data_ptr(),
+                         pos64,
+                         cos_sin_cache.const_data_ptr(),
+                         &g,
+                         interleaved};
+    const InplaceTokensFn fn =
+        simd->inplace[dt_index(query.scalar_type())][dt_index(cos_sin_cache.scalar_type())];
+    run_rows(g.tokens, grain, [&](int64_t b, int64_t e) { fn(job, b, e); });
+    return;
+  }
   const bool contiguous = g.q_last == 1 && (g.k_heads == 0 || g.k_last == 1) &&
                           g.cache_col_stride == 1;
   ROPE_DISPATCH_FLOATING(query.scalar_type(), "rope.apply_", [&] {
@@ -137,9 +222,7 @@ void apply_inplace_cpu(Tensor query, std::optional<Tensor> key, Tensor positions
       const void* pos = positions.const_data_ptr();
       const RowStrides qs{g.q_last, g.q_last, g.cache_col_stride, g.cache_col_stride};
       const RowStrides ks{g.k_last, g.k_last, g.cache_col_stride, g.cache_col_stride};
-      const int64_t heads = g.q_heads + g.k_heads;
-      const int64_t grain = grain_rows(heads * g.head_dim);
-      torch::stable::parallel_for(0, g.tokens, grain, [&](int64_t b, int64_t e) {
+      run_rows(g.tokens, grain, [&](int64_t b, int64_t e) {
         LeadIterator it(g.lead, b);
         for (int64_t t = b; t < e; ++t, it.next()) {
           const int64_t p = pos64 ? static_cast<const int64_t*>(pos)[it.offset[2]]
