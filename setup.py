@@ -21,14 +21,11 @@ BUILD_CUDA, CUDA_REASON = build_config.configure_environment()
 
 from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: E402
 
-TORCH_TARGET_VERSION = "0x020a000000000000"  # torch 2.10: the oldest torch the binary must load in
-PY_LIMITED_API = "0x030a0000"  # Python 3.10
-
-STABLE_ABI_FLAGS = [
-    f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}",
-    f"-DPy_LIMITED_API={PY_LIMITED_API}",
-]
-CXX_FLAGS = ["-O3", "-std=c++17", "-fno-math-errno", *STABLE_ABI_FLAGS]
+_flags = {}
+with open(os.path.join(HERE, "rope_ext", "_build_flags.py")) as f:
+    exec(f.read(), _flags)
+CXX_FLAGS = _flags["CXX_FLAGS"] + _flags["PY_MODULE_FLAGS"]
+NVCC_FLAGS = _flags["NVCC_FLAGS"] + _flags["PY_MODULE_FLAGS"]
 
 
 def sources(*patterns):
@@ -57,7 +54,7 @@ def cuda_extension():
         sources("csrc/cuda_module.cpp", "csrc/ops/cuda/*.cpp", "csrc/ops/cuda/*.cu"),
         extra_compile_args={
             "cxx": CXX_FLAGS,
-            "nvcc": ["-O3", "-std=c++17", "-DUSE_CUDA", *STABLE_ABI_FLAGS],
+            "nvcc": NVCC_FLAGS,
         },
         py_limited_api=True,
     )

@@ -18,15 +18,16 @@ import shutil
 import sys
 import warnings
 
+from . import _build_flags
+
 JIT_ENV = "ROPE_EXT_JIT"
 JIT_CUDA_ENV = "ROPE_EXT_JIT_CUDA"
 DEFAULT_CUDA_ARCHS = "9.0+PTX"
 NAME = "rope_ext_jit"
 
-# Mirrors setup.py: the stable ABI of torch 2.10, so the JIT build obeys the same rules as the wheel.
-TORCH_TARGET_VERSION = "0x020a000000000000"
-CFLAGS = ["-O3", "-std=c++17", "-fno-math-errno", f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}"]
-CUDA_CFLAGS = ["-O3", "-std=c++17", "-DUSE_CUDA", f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}"]
+# The flags of setup.py (the stable ABI of torch 2.10, no FP contraction), less the Python module's.
+CFLAGS = _build_flags.CXX_FLAGS
+CUDA_CFLAGS = _build_flags.NVCC_FLAGS
 
 SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 CSRC = os.path.join(SOURCE_ROOT, "csrc")

@@ -7,6 +7,8 @@ every memory access; see the .cpp for what it proves.
 """
 
 import os
+
+from rope_ext import _build_flags
 from dataclasses import dataclass
 
 import torch
@@ -17,8 +19,8 @@ SOURCES = [
     os.path.join(ROOT, "tests", "sim", "rope_cuda_sim.cpp"),
     os.path.join(ROOT, "csrc", "ops", "rope_checks.cpp"),
 ]
-# The same stable-ABI target as the real libraries, plus the simulator's access hooks.
-FLAGS = ["-O2", "-std=c++17", "-DTORCH_TARGET_VERSION=0x020a000000000000", "-DROPE_SIM"]
+# The flags of the real libraries (same rounding: no FP contraction), plus the access hooks.
+FLAGS = _build_flags.CXX_FLAGS + ["-DROPE_SIM"]
 
 _loaded = False
 

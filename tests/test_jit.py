@@ -113,12 +113,20 @@ def test_jit_load_from_code_replaces_the_python_definitions():
     assert "rope_ext_jit" in result.stdout
 
 
-def test_jit_flags_match_setup_py():
+def test_every_build_uses_the_shared_flags():
+    from rope_ext import _build_flags
+
+    assert jit.CFLAGS == _build_flags.CXX_FLAGS and jit.CUDA_CFLAGS == _build_flags.NVCC_FLAGS
     setup_py = os.path.join(jit.SOURCE_ROOT, "setup.py")
+    cmake = os.path.join(jit.SOURCE_ROOT, "CMakeLists.txt")
     if not os.path.exists(setup_py):
         pytest.skip("no setup.py beside an installed copy")
     with open(setup_py) as f:
-        assert f'TORCH_TARGET_VERSION = "{jit.TORCH_TARGET_VERSION}"' in f.read()
+        assert "_build_flags.py" in f.read()
+    with open(cmake) as f:  # CMake cannot read Python: it repeats the values
+        text = f.read()
+    assert f"set(ROPE_EXT_TORCH_TARGET_VERSION {_build_flags.TORCH_TARGET_VERSION})" in text
+    assert "-ffp-contract=off" in text and "--fmad=false" in text
 
 
 @needs_sources

@@ -15,6 +15,8 @@ import sysconfig
 import pytest
 import torch
 
+from rope_ext import _build_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -43,8 +45,8 @@ def _nvcc():
 @pytest.mark.skipif(_nvcc() is None, reason="needs a CUDA toolkit (nvcc)")
 def test_mrope_cuda_compiles(tmp_path):
     inc = os.path.join(os.path.dirname(torch.__file__), "include")
-    _run([_nvcc(), "-c", "csrc/ops/cuda/mrope_cuda.cu", "-o", str(tmp_path / "mrope_cuda.o"), "-std=c++17",
-          "-DUSE_CUDA", "-DTORCH_TARGET_VERSION=0x020a000000000000", "-DPy_LIMITED_API=0x030a0000",
+    _run([_nvcc(), "-c", "csrc/ops/cuda/mrope_cuda.cu", "-o", str(tmp_path / "mrope_cuda.o"), *_build_flags.NVCC_FLAGS,
+          *_build_flags.PY_MODULE_FLAGS,
           "-gencode", "arch=compute_90,code=sm_90", f"-I{inc}", f"-I{sysconfig.get_paths()['include']}",
           "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
           "-D__CUDA_NO_HALF2_OPERATORS__", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC"], timeout=600)

@@ -63,6 +63,10 @@ void check_same_device(const Tensor& ref, const char* ref_name, const Tensor& t,
 // into the next inner one when every operand is contiguous across the two.
 LeadIndexer make_indexer(const std::vector<int64_t>& sizes,
                          const std::vector<std::vector<int64_t>>& strides, const char* op) {
+  LeadIndexer ix;
+  // An empty operand visits no rows: keep no dims, so that no kernel or row walk ever divides
+  // by a zero size.
+  if (std::find(sizes.begin(), sizes.end(), int64_t{0}) != sizes.end()) return ix;
   std::vector<int64_t> sz;
   std::vector<std::vector<int64_t>> st(kMaxOperands);
   for (size_t d = 0; d < sizes.size(); ++d) {
@@ -84,7 +88,6 @@ LeadIndexer make_indexer(const std::vector<int64_t>& sizes,
   STD_TORCH_CHECK(static_cast<int>(sz.size()) <= kMaxLeadDims, op,
                   ": the leading dims of the operands have a layout with more than ",
                   kMaxLeadDims, " non-mergeable dims; call .contiguous() first");
-  LeadIndexer ix;
   ix.ndim = static_cast<int>(sz.size());
   for (int d = 0; d < ix.ndim; ++d) {
     ix.sizes[d] = sz[d];

@@ -74,8 +74,8 @@ struct F32Ops {
   }
 
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
-  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static V fnma(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
   static V swap_pairs(V v) { return _mm512_permute_ps(v, 0xB1); }
 
   static float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
@@ -97,8 +97,8 @@ struct F64Ops {
     }
   }
   static V mul(V a, V b) { return _mm512_mul_pd(a, b); }
-  static V fma(V a, V b, V c) { return _mm512_fmadd_pd(a, b, c); }
-  static V fnma(V a, V b, V c) { return _mm512_fnmadd_pd(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_pd(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_pd(a, b); }
   static V swap_pairs(V v) { return _mm512_permute_pd(v, 0x55); }
 };
 

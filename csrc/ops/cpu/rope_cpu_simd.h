@@ -2,7 +2,7 @@
 // ISA. A per-ISA file (rope_cpu_avx2.cpp, ...) defines, inside namespace rope::{anonymous}:
 //   struct F32Ops  float lanes:  using acc = float;  using V = ...;  static constexpr int W;
 //                  load/store/stream (non-temporal where aligned) for float, HalfBits, BF16Bits;
-//                  mul, fma(a,b,c) = a*b+c, fnma(a,b,c) = c-a*b, swap_pairs (lanes 2i <-> 2i+1);
+//                  mul, add, sub (never fused: see rope_ext/_build_flags.py), swap_pairs (lanes 2i <-> 2i+1);
 //                  scalar half_to_float / float_to_half
 //   struct F64Ops  the same for double lanes (load/store/stream for double only)
 //   void store_fence()  orders non-temporal stores before the thread reports done
@@ -88,8 +88,8 @@ ROPE_SIMD_INLINE void row_half_split(const x_t* x, x_t* out, const typename Ops:
   for (; i + W <= half; i += W) {
     const V a = Ops::load(x + i), b = Ops::load(x + half + i);
     const V cv = Ops::load(c + i), sv = Ops::load(s + i);
-    const V o0 = Ops::fnma(b, sv, Ops::mul(a, cv));
-    const V o1 = Ops::fma(a, sv, Ops::mul(b, cv));
+    const V o0 = Ops::sub(Ops::mul(a, cv), Ops::mul(b, sv));
+    const V o1 = Ops::add(Ops::mul(b, cv), Ops::mul(a, sv));
     if (kStream) {
       Ops::stream(out + i, o0);
       Ops::stream(out + half + i, o1);
@@ -116,7 +116,7 @@ ROPE_SIMD_INLINE void row_interleaved(const x_t* x, x_t* out, const typename Ops
   int64_t j = 0;
   for (; j + W <= n; j += W) {
     const V v = Ops::load(x + j);
-    const V o = Ops::fma(Ops::swap_pairs(v), Ops::load(s2 + j), Ops::mul(v, Ops::load(c2 + j)));
+    const V o = Ops::add(Ops::mul(v, Ops::load(c2 + j)), Ops::mul(Ops::swap_pairs(v), Ops::load(s2 + j)));
     if (kStream) {
       Ops::stream(out + j, o);
     } else {
