@@ -6,6 +6,7 @@ version (`make torch213-test`: the whole suite against the wheel installed besid
 It proves that the suite is testing the wheel there, and runs every op against the reference."""
 
 import email.parser
+import glob
 import os
 import re
 import subprocess
@@ -40,8 +41,9 @@ def test_wheel_holds_the_package_and_nothing_else():
     with zipfile.ZipFile(WHEEL) as wheel:
         names = wheel.namelist()
     dist_info = f"rope_ext-{version}.dist-info/"
-    package_sources = {
-        f"rope_ext/{n}" for n in os.listdir(os.path.join(ROOT, "rope_ext")) if n.endswith(".py")
+    package_sources = {  # every module of the package and its subpackages (rope_ext.bench)
+        os.path.relpath(p, ROOT).replace(os.sep, "/")
+        for p in glob.glob(os.path.join(ROOT, "rope_ext", "**", "*.py"), recursive=True)
     }
     python_files = {n for n in names if n.startswith("rope_ext/") and n.endswith(".py")}
     natives = {n for n in names if NATIVE.fullmatch(n)}
