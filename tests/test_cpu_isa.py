@@ -79,6 +79,47 @@ def test_variant_matches_float64_reference(isa):
     assert f"cpu_isa={isa} ok" in r.stdout
 
 
+# Prints one digest of apply / apply_backward / apply_ outputs over dtypes, layouts, head dims
+# with vector tails and partial rotary, on inputs fixed by the seed.
+DIGEST = """
+import hashlib, sys, torch, rope_ext
+torch.manual_seed(int(sys.argv[1]))
+h = hashlib.sha256()
+for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+    for head_dim, rot in ((64, 64), (80, 48), (128, 128), (100, 26), (256, 192)):
+        for interleaved in (False, True):
+            x = torch.randn(37, 3, head_dim, dtype=dtype)
+            cache = rope_ext.cos_sin_cache(512, rot)
+            pos = torch.randint(0, 512, (37,))
+            rows = cache[pos].unsqueeze(1)
+            cos, sin = rows[..., : rot // 2], rows[..., rot // 2:]
+            outs = [torch.ops.rope.apply(x, cos, sin, interleaved),
+                    torch.ops.rope.apply_backward(x, cos, sin, interleaved)]
+            q = x.clone()
+            torch.ops.rope.apply_(q, None, pos, cache, interleaved)
+            for t in outs + [q]:
+                h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+print(rope_ext.cpu_isa(), h.hexdigest())
+"""
+
+
+@native
+def test_every_variant_rounds_bit_for_bit_like_the_portable_kernel():
+    """No FMA anywhere (rope_ext/_build_flags.py): each vectorized variant must give exactly the
+    bits of the portable C++ kernel, not just something within tolerance."""
+    flags = cpu_flags() or set()
+    runnable = [n for n in NAMES if NEEDS[n] <= flags] or ["baseline"]
+    seed = str(int.from_bytes(os.urandom(4), "little"))
+    digests = {}
+    for isa in runnable:
+        r = run_python(["-c", DIGEST, seed], ROPE_EXT_CPU_ISA=isa)
+        assert r.returncode == 0, r.stderr
+        served_isa, digest = r.stdout.split()
+        assert served_isa == isa
+        digests[isa] = digest
+    assert len(set(digests.values())) == 1, f"seed {seed}: {digests}"
+
+
 @native
 def test_unknown_variant_name_warns_and_uses_the_best():
     best, _ = served()
