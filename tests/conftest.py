@@ -10,14 +10,7 @@ if ROOT not in sys.path:
 
 import rope_ext  # noqa: E402
 
-# Tolerances for comparing against a float64 reference: (rtol, atol) per dtype.
-TOL = {
-    torch.float64: (1e-12, 1e-12),
-    torch.float32: (1e-6, 1e-6),
-    torch.float16: (1e-3, 2e-3),
-    torch.bfloat16: (1e-2, 1.6e-2),
-}
-DTYPES = list(TOL)
+from tolerances import DTYPES, TOL  # noqa: E402,F401
 
 
 @pytest.fixture(autouse=True)
@@ -25,7 +18,7 @@ def _fresh_seed(request):
     # A different seed per test (and per run unless ROPE_TEST_SEED is set), printed on failure.
     seed = int(os.environ.get("ROPE_TEST_SEED", torch.seed() % (2**31)))
     torch.manual_seed(seed)
-    request.node.user_properties.append(("seed", seed))
+    print(f"ROPE_TEST_SEED={seed}")  # shown with a failure's captured output, to replay it
     yield
 
 

@@ -24,14 +24,7 @@ import torch  # noqa: E402
 import rope_ext  # noqa: E402
 from rope_ext import reference  # noqa: E402
 
-# The tolerances of tests/conftest.py TOL (rtol, atol) against a float64 reference.
-TOL = {
-    torch.float64: (1e-12, 1e-12),
-    torch.float32: (1e-6, 1e-6),
-    torch.float16: (1e-3, 2e-3),
-    torch.bfloat16: (1e-2, 1.6e-2),
-}
-DTYPES = list(TOL)
+from tolerances import DTYPES, TOL  # noqa: E402
 ops = torch.ops.rope
 
 
