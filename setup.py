@@ -24,8 +24,9 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: E402
 _flags = {}
 with open(os.path.join(HERE, "rope_ext", "_build_flags.py")) as f:
     exec(f.read(), _flags)
-CXX_FLAGS = _flags["CXX_FLAGS"] + _flags["PY_MODULE_FLAGS"]
-NVCC_FLAGS = _flags["NVCC_FLAGS"] + _flags["PY_MODULE_FLAGS"]
+# py_limited_api=True makes torch.utils.cpp_extension define Py_LIMITED_API (3.10) itself.
+CXX_FLAGS = _flags["CXX_FLAGS"]
+NVCC_FLAGS = _flags["NVCC_FLAGS"]
 
 
 def sources(*patterns):

@@ -17,4 +17,5 @@ CXX_FLAGS = ["-O3", "-std=c++17", "-fno-math-errno", "-ffp-contract=off",
              f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}"]
 NVCC_FLAGS = ["-O3", "-std=c++17", "--fmad=false", "-DUSE_CUDA",
               f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}"]
+# What torch.utils.cpp_extension adds for py_limited_api=True; for builds that call nvcc directly.
 PY_MODULE_FLAGS = [f"-DPy_LIMITED_API={PY_LIMITED_API}"]
