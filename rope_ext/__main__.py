@@ -3,14 +3,13 @@ against a float64 reference, and prints a small timing table."""
 
 import argparse
 import platform
-import statistics
 import sys
-import time
 
 import torch
 
 import rope_ext
 from rope_ext import _native, reference
+from rope_ext.bench.timing import measure, median
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -74,24 +73,15 @@ def check_kernels(devices):
 
 
 def _median_ms(fn, device, reps):
-    def sync():
-        if device == "cuda":
-            torch.cuda.synchronize()
-    for _ in range(3):
-        fn()
-    sync()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    if device == "cuda":
+        call = fn
+        fn = lambda: (call(), torch.cuda.synchronize())  # noqa: E731
+    return median(measure(fn, repeat=reps)) * 1e3
 
 
 def time_kernels(device, shape=(1024, 32, 128), reps=15):
     print(f"\nTiming on {device}, x of shape {list(shape)}, float32 tables, median of {reps} "
-          "(GB/s counts bytes read + written of x):")
+          "(timed in blocks; GB/s counts bytes read + written of x):")
     compiled_ref = torch.compile(reference.apply_rope, dynamic=False)
     print(f"  {'dtype':9s} {'implementation':28s} {'ms':>8s} {'GB/s':>7s} {'x copy':>7s}")
     for dtype in (torch.float32, torch.bfloat16):
