@@ -70,6 +70,35 @@ def check_apply(x, cos, sin, op="rope.apply", x_name="x"):
         )
 
 
+def _byte_range(t):
+    """(begin, end) of the bytes t's elements span; None for an empty tensor."""
+    if t.numel() == 0:
+        return None
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    begin = t.data_ptr()
+    return begin, begin + (last + 1) * t.element_size()
+
+
+def check_apply_out(x, cos, sin, out, check_overlap=True):
+    """rope.apply.out. check_overlap=False where tensors have no memory (fake/meta tensors)."""
+    op = "rope.apply.out"
+    check_apply(x, cos, sin, op=op)
+    _check_same_device(x, "x", out, op, "out")
+    if out.dtype != x.dtype:
+        _fail(f"{op}: out must have the dtype of x ({_dt(x)}), got {_dt(out)}")
+    if out.shape != x.shape:
+        _fail(f"{op}: out must have the shape of x {_shape(x)}, got {_shape(out)}")
+    if not out.is_contiguous():
+        _fail(f"{op}: out must be contiguous")
+    if not check_overlap:
+        return
+    a = _byte_range(out)
+    for name, t in (("x", x), ("cos", cos), ("sin", sin)):
+        b = _byte_range(t)
+        if a is not None and b is not None and a[0] < b[1] and b[0] < a[1]:
+            _fail(f"{op}: out must not overlap {name} in memory (use rope.apply_ to rotate in place)")
+
+
 def check_apply_inplace(query, key, positions, cache, op="rope.apply_"):
     _check_float(query, op, "query")
     if query.dim() < 2:

@@ -22,6 +22,10 @@ def _reference_apply(x, cos, sin, interleaved=False):
     return reference.apply_rope(x, cos, sin, interleaved=interleaved)
 
 
+def _reference_apply_out(x, cos, sin, interleaved=False, *, out):
+    reference.apply_rope_out(x, cos, sin, interleaved=interleaved, out=out)
+
+
 def _reference_apply_backward(grad, cos, sin, interleaved=False):
     return reference.apply_rope_backward(grad, cos, sin, interleaved=interleaved)
 
@@ -39,6 +43,7 @@ def register_reference_kernels():
     CPU or CUDA registered by a native library wins over CompositeExplicitAutograd)."""
     lib = torch.library.Library("rope", "IMPL")
     lib.impl("apply", _reference_apply, "CompositeExplicitAutograd")
+    lib.impl("apply.out", _reference_apply_out, "CompositeExplicitAutograd")
     lib.impl("apply_backward", _reference_apply_backward, "CompositeExplicitAutograd")
     lib.impl("apply_", _reference_apply_, "CompositeExplicitAutograd")
     lib.impl("mrope_", _reference_mrope_, "CompositeExplicitAutograd")
@@ -48,6 +53,10 @@ def register_reference_kernels():
 def _fake_apply(x, cos, sin, interleaved=False):
     _checks.check_apply(x, cos, sin)
     return x.new_empty(x.shape)
+
+
+def _fake_apply_out(x, cos, sin, interleaved=False, *, out):
+    _checks.check_apply_out(x, cos, sin, out, check_overlap=False)  # fake tensors hold no memory
 
 
 def _fake_apply_backward(grad, cos, sin, interleaved=False):
@@ -97,6 +106,7 @@ def _backward_apply_backward(ctx, grad):
 
 def register_python_side():
     torch.library.register_fake("rope::apply", _fake_apply)
+    torch.library.register_fake("rope::apply.out", _fake_apply_out)
     torch.library.register_fake("rope::apply_backward", _fake_apply_backward)
     torch.library.register_fake("rope::apply_", _fake_apply_)
     torch.library.register_fake("rope::mrope_", _fake_mrope_)

@@ -6,15 +6,27 @@ import torch
 from . import _native
 
 
-def apply_rope(x, cos, sin, *, interleaved=False):
-    """RoPE of x, returned as a new tensor of x's shape and dtype.
+def apply_rope(x, cos, sin, *, interleaved=False, out=None):
+    """RoPE of x, returned as a new tensor of x's shape and dtype, or written into `out`.
 
     x: (..., head_dim), float16/bfloat16/float32/float64, any strides.
     cos, sin: (..., rotary_dim/2), equal shapes, broadcastable to x.shape[:-1]; any float dtype.
     interleaved: pairs (x[2i], x[2i+1]) if True, (x[i], x[i + rotary_dim/2]) if False.
     Dims >= rotary_dim are copied unchanged. Differentiable w.r.t. x, cos and sin.
+    out: a contiguous tensor of x's shape, dtype and device, sharing no memory with x, cos or
+    sin; it is overwritten and returned (rope.apply.out). It saves allocating a fresh output,
+    which on large tensors is most of the cost (README "CPU performance"). Like torch's out=
+    arguments, not differentiable.
     """
-    return torch.ops.rope.apply(x, cos, sin, interleaved)
+    if out is None:
+        return torch.ops.rope.apply(x, cos, sin, interleaved)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, cos, sin, out)):
+        raise RuntimeError(
+            "apply_rope(): functions with out=... arguments don't support automatic "
+            "differentiation, but one of the arguments requires grad."
+        )
+    torch.ops.rope.apply.out(x, cos, sin, interleaved, out=out)
+    return out
 
 
 def apply_rope_(query, key, positions, cos_sin_cache, *, interleaved=False):

@@ -9,7 +9,7 @@ import torch
 from . import _checks
 from .cache import cos_sin_cache  # noqa: F401  (the table is the same computation on every path)
 
-__all__ = ["apply_mrope_", "apply_rope", "apply_rope_backward", "apply_rope_", "cos_sin_cache", "table_grads"]
+__all__ = ["apply_mrope_", "apply_rope", "apply_rope_out", "apply_rope_backward", "apply_rope_", "cos_sin_cache", "table_grads"]
 
 
 def _acc_dtype(dtype):
@@ -44,6 +44,13 @@ def apply_rope(x, cos, sin, *, interleaved=False):
     """Rotated copy of x; cos/sin of shape (..., rotary_dim/2) broadcast to x.shape[:-1]."""
     _checks.check_apply(x, cos, sin)
     return _rotate(x, cos, sin, interleaved, inverse=False)
+
+
+def apply_rope_out(x, cos, sin, *, interleaved=False, out):
+    """apply_rope written into `out` (x's shape and dtype, contiguous, sharing no memory with the
+    inputs); returns out (the op rope.apply.out returns nothing)."""
+    _checks.check_apply_out(x, cos, sin, out)
+    return out.copy_(_rotate(x, cos, sin, interleaved, inverse=False))
 
 
 def apply_rope_backward(grad, cos, sin, *, interleaved=False):

@@ -71,6 +71,14 @@ def apply(x, cos, sin, interleaved=False, inverse=False, max_blocks=1 << 20, for
     return out, _plan(info)
 
 
+def apply_out(x, cos, sin, out, interleaved=False, max_blocks=1 << 20, force_idx64=False):
+    """The simulated rope.apply.out (writes out): Plan."""
+    load()
+    info = torch.zeros(12, dtype=torch.int64)
+    torch.ops.rope_sim.apply_out(x, cos, sin, interleaved, max_blocks, force_idx64, info, out)
+    return _plan(info)
+
+
 def apply_(query, key, positions, cache, interleaved=False, max_blocks=1 << 20, force_idx64=False):
     """The simulated rope.apply_ (in place): Plan."""
     load()

@@ -5,7 +5,7 @@
                         [--expect-under DIR] [--expect-library-under DIR]
 
 Checks that rope_ext (and its native library) came from where the caller expects, then runs every
-op (apply, apply_backward and its autograd, apply_, mrope_) against rope_ext.reference. Prints "OK <loaded_by> <loaded_from>" on success.
+op (apply, apply.out, apply_backward and its autograd, apply_, mrope_) against rope_ext.reference. Prints "OK <loaded_by> <loaded_from>" on success.
 """
 
 import argparse
@@ -70,6 +70,9 @@ def check_ops(torch, rope_ext):
             out = torch.ops.rope.apply(x, cos, sin, interleaved)
             close(torch, out, ref.apply_rope(*exact, interleaved=interleaved), dtype)
             assert torch.equal(out[..., 24:], x[..., 24:]), "pass-through dims changed"
+            buf = torch.full_like(x, float("nan"))  # the out= overload, same kernel: bit for bit
+            torch.ops.rope.apply.out(x, cos, sin, interleaved, out=buf)
+            assert torch.equal(buf, out), "rope.apply.out differs from rope.apply"
 
             back = torch.ops.rope.apply_backward(x, cos, sin, interleaved)
             close(torch, back, ref.apply_rope_backward(*exact, interleaved=interleaved), dtype)

@@ -239,3 +239,25 @@ def test_launch_plan_shapes():
     assert plan.vec and plan.block == (8, 40, 1) and plan.grid == 16 and plan.rot_chunks == 8
     out, plan = cuda_sim.apply(q, *tables(torch.arange(16).view(16, 1), 128), False)
     assert plan.vec and plan.block == (8, 32, 1) and plan.grid == 16  # 512 rows / 32 per block
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("interleaved", LAYOUTS, ids=["half_split", "interleaved"])
+def test_apply_out_into_aligned_and_misaligned_buffers(dtype, interleaved):
+    # rope.apply.out: the caller's out may start anywhere; a misaligned one must take the
+    # scalar path and still write every element once, bit for bit as apply.
+    x = torch.randn(6, 4, 128, dtype=dtype)
+    cos, sin = tables(torch.arange(6).view(6, 1), 96)
+    expected, full = cuda_sim.apply(x, cos, sin, interleaved)
+    aligned = torch.full_like(x, float("nan"))
+    plan = cuda_sim.apply_out(x, cos, sin, aligned, interleaved)
+    assert plan.vec == full.vec
+    torch.testing.assert_close(aligned, expected, rtol=0, atol=0)
+    buf = torch.full((x.numel() + 1,), float("nan"), dtype=dtype)
+    shifted = buf[1:].view(x.shape)  # one element past a vector boundary
+    plan = cuda_sim.apply_out(x, cos, sin, shifted, interleaved)
+    assert not plan.vec
+    torch.testing.assert_close(shifted, expected, rtol=0, atol=0)
+    assert buf[0].isnan()  # nothing written before out
+    with pytest.raises(RuntimeError, match="rope.apply.out: out must not overlap x in memory"):
+        cuda_sim.apply_out(x, cos, sin, x, interleaved)

@@ -5,6 +5,13 @@
 STABLE_TORCH_LIBRARY(rope, m) {
   // Rotated copy of x. cos/sin: (..., rotary_dim/2), broadcastable to x.shape[:-1].
   m.def("apply(Tensor x, Tensor cos, Tensor sin, bool interleaved=False) -> Tensor");
+  // The same into a caller's buffer: out (x's shape and dtype, contiguous, sharing no memory
+  // with the inputs) is overwritten. Skips allocating (and the OS zeroing) a fresh one. Returns
+  // nothing: torch's functionalization (torch.compile, opcheck) rejects a custom op whose
+  // output aliases an input, while it handles a mutated argument; rope_ext.apply_rope returns out.
+  m.def(
+      "apply.out(Tensor x, Tensor cos, Tensor sin, bool interleaved=False, *, Tensor(a!) out) "
+      "-> ()");
   // Gradient of apply w.r.t. x: the inverse rotation of grad.
   m.def("apply_backward(Tensor grad, Tensor cos, Tensor sin, bool interleaved=False) -> Tensor");
   // In-place rotation of query and key by cos/sin rows gathered at `positions`.

@@ -1,6 +1,7 @@
 #include "rope_checks.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -96,7 +97,47 @@ LeadIndexer make_indexer(const std::vector<int64_t>& sizes,
   return ix;
 }
 
+// Byte range [begin, end) spanned by t's elements (empty for an empty tensor). Strides of
+// tensors torch builds are never negative.
+struct ByteRange {
+  uintptr_t begin = 0, end = 0;
+};
+
+ByteRange byte_range(const Tensor& t) {
+  ByteRange r;
+  if (t.numel() == 0) return r;
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  const int64_t es = static_cast<int64_t>(t.element_size());
+  r.begin = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  r.end = r.begin + static_cast<uintptr_t>((last + 1) * es);
+  return r;
+}
+
+void check_no_overlap(const Tensor& out, const Tensor& t, const char* op, const char* name) {
+  const ByteRange a = byte_range(out), b = byte_range(t);
+  STD_TORCH_CHECK(a.begin == a.end || b.begin == b.end || a.end <= b.begin || b.end <= a.begin,
+                  op, ": out must not overlap ", name,
+                  " in memory (use rope.apply_ to rotate in place)");
+}
+
 }  // namespace
+
+ApplyGeometry check_apply_out(const Tensor& x, const Tensor& cos, const Tensor& sin,
+                              const Tensor& out) {
+  const char* op = "rope.apply.out";
+  ApplyGeometry g = check_apply(x, cos, sin, op, "x");
+  check_same_device(x, "x", out, op, "out");
+  STD_TORCH_CHECK(out.scalar_type() == x.scalar_type(), op, ": out must have the dtype of x (",
+                  dtype_str(x), "), got ", dtype_str(out));
+  STD_TORCH_CHECK(same_shape(out, x), op, ": out must have the shape of x ", shape_str(x),
+                  ", got ", shape_str(out));
+  STD_TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous");
+  check_no_overlap(out, x, op, "x");
+  check_no_overlap(out, cos, op, "cos");
+  check_no_overlap(out, sin, op, "sin");
+  return g;
+}
 
 ApplyGeometry check_apply(const Tensor& x, const Tensor& cos, const Tensor& sin, const char* op,
                           const char* x_name) {

@@ -17,6 +17,12 @@ using torch::stable::Tensor;
 ApplyGeometry check_apply(const Tensor& x, const Tensor& cos, const Tensor& sin, const char* op,
                           const char* x_name);
 
+// rope.apply.out(x, cos, sin, out=out): check_apply, then `out` must have the device, dtype and
+// shape of x, be contiguous, and share no memory with x, cos or sin (the kernels read their
+// inputs while writing out; for an in-place rotation there is rope.apply_).
+ApplyGeometry check_apply_out(const Tensor& x, const Tensor& cos, const Tensor& sin,
+                              const Tensor& out);
+
 // rope.apply_(query, key, positions, cos_sin_cache). Shapes and dtypes only: the range of the
 // positions is data and is checked by each device where it reads them.
 InplaceGeometry check_apply_inplace(const Tensor& query, const std::optional<Tensor>& key,

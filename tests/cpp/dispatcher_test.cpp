@@ -1,5 +1,5 @@
 // Loads the CMake-built op library the way a Python-less runtime does (dlopen), then calls every
-// rope op (apply, apply_backward, apply_, mrope_) through c10::Dispatcher and compares with a
+// rope op (apply, apply.out, apply_backward, apply_, mrope_) through c10::Dispatcher and compares with a
 // float64 reference computed here from the formulas of ROPE.md.
 // Usage: rope_dispatcher_test <path to librope_ops.so>. Exit status 0 = pass.
 #include <ATen/ATen.h>
@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -74,6 +75,7 @@ at::Tensor cos_sin_cache(int64_t max_position, int64_t rotary_dim) {
 }
 
 using ApplyFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool);
+using ApplyOutFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, at::Tensor&);
 using ApplyInplaceFn = void(at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
                             const at::Tensor&, bool);
 using MropeFn = void(at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
@@ -84,6 +86,7 @@ const at::ScalarType kDtypes[] = {at::kFloat, at::kDouble, at::kHalf, at::kBFloa
 
 // Set once the library is loaded (the handles exist only then).
 std::optional<c10::TypedOperatorHandle<ApplyFn>> apply_op, apply_backward_op;
+std::optional<c10::TypedOperatorHandle<ApplyOutFn>> apply_out_op;  // rope::apply.out
 std::optional<c10::TypedOperatorHandle<ApplyInplaceFn>> apply_inplace_op;
 std::optional<c10::TypedOperatorHandle<MropeFn>> mrope_op;
 
@@ -104,6 +107,9 @@ void check_apply(at::DeviceType device, at::ScalarType dtype, bool interleaved) 
   expect(y.scalar_type() == dtype && y.sizes() == x.sizes(), "rope::apply keeps shape and dtype " + tag);
   expect_close(y, reference(x, cos, sin, interleaved), dtype, "rope::apply " + tag);
   expect(at::equal(y.narrow(-1, 24, 16), x.narrow(-1, 24, 16)), "rope::apply pass-through dims " + tag);
+  auto out = at::full_like(y, std::numeric_limits<double>::quiet_NaN());
+  apply_out_op->call(x, cos, sin, interleaved, out);
+  expect(at::equal(out, y), "rope::apply.out writes what rope::apply returns " + tag);
   expect_close(apply_backward_op->call(x, cos, sin, interleaved),
                reference(x, cos, sin, interleaved, /*inverse=*/true), dtype,
                "rope::apply_backward " + tag);
@@ -205,6 +211,7 @@ int main(int argc, char** argv) {
   }
   apply_op = dispatcher.findSchemaOrThrow("rope::apply", "").typed<ApplyFn>();
   apply_backward_op = dispatcher.findSchemaOrThrow("rope::apply_backward", "").typed<ApplyFn>();
+  apply_out_op = dispatcher.findSchemaOrThrow("rope::apply", "out").typed<ApplyOutFn>();
   apply_inplace_op = dispatcher.findSchemaOrThrow("rope::apply_", "").typed<ApplyInplaceFn>();
   mrope_op = dispatcher.findSchemaOrThrow("rope::mrope_", "").typed<MropeFn>();
 

@@ -203,6 +203,21 @@ Tensor sim_apply(Tensor x, Tensor cos, Tensor sin, bool interleaved, bool invers
   return out;
 }
 
+// rope.apply.out through the same host code as the CUDA kernel (apply_out_host): validation,
+// and a plan for the caller's `out`, whose address may not be vector-aligned.
+void sim_apply_out(Tensor x, Tensor cos, Tensor sin, bool interleaved, int64_t max_blocks,
+                   bool force_idx64, Tensor info, Tensor out) {
+  STD_TORCH_CHECK(x.is_cpu(), "sim: CPU tensors only");
+  Recorder rec;
+  g_rec = &rec;
+  LaunchPlan plan;
+  const ApplySim run{rec, force_idx64, &plan};
+  gpu::apply_out_host(x, cos, sin, interleaved, out, run, max_blocks);
+  g_rec = nullptr;
+  raise_if_failed(rec, "rope_sim.apply_out");
+  fill_info(info, plan, rec);
+}
+
 struct InplaceSim {
   Recorder& rec;
   bool force_idx64;
@@ -293,11 +308,15 @@ STABLE_TORCH_LIBRARY(rope_sim, m) {
       "apply(Tensor x, Tensor cos, Tensor sin, bool interleaved, bool inverse, int max_blocks, "
       "bool force_idx64, Tensor(a!) info) -> Tensor");
   m.def(
+      "apply_out(Tensor x, Tensor cos, Tensor sin, bool interleaved, int max_blocks, "
+      "bool force_idx64, Tensor(a!) info, Tensor(b!) out) -> ()");
+  m.def(
       "apply_(Tensor(a!) query, Tensor(b!)? key, Tensor positions, Tensor cos_sin_cache, "
       "bool interleaved, int max_blocks, bool force_idx64, Tensor(c!) info) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(rope_sim, CPU, m) {
   m.impl("apply", TORCH_BOX(&rope::sim::sim_apply));
+  m.impl("apply_out", TORCH_BOX(&rope::sim::sim_apply_out));
   m.impl("apply_", TORCH_BOX(&rope::sim::sim_apply_inplace));
 }

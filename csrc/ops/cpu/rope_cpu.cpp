@@ -1,4 +1,4 @@
-// CPU kernels for rope.apply, rope.apply_backward and rope.apply_.
+// CPU kernels for rope.apply (and its out= overload), rope.apply_backward and rope.apply_.
 // Rows (one head_dim vector each) are split across threads. Rows contiguous along the head dim
 // go to the vectorized kernels of the ISA chosen at load time (rope_cpu_isa.h); the portable
 // kernels below serve any strides, and every call on a CPU without AVX2 (or with
@@ -121,14 +121,14 @@ RowFn<x_t, tab_t, kInverse> pick_row_fn(bool interleaved, bool contiguous) {
                     : rotate_row<x_t, tab_t, false, kInverse, false>;
 }
 
+// Writes rotate(x) into `out` (contiguous, x's shape and dtype, validated by the caller).
+// `fresh`: out was just allocated here, so its pages are not yet backed (see advise_huge_pages).
 template <bool kInverse>
-Tensor apply_cpu(const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved) {
-  const char* op = kInverse ? "rope.apply_backward" : "rope.apply";
-  const ApplyGeometry g = check_apply(x, cos, sin, op, kInverse ? "grad" : "x");
-  Tensor out = torch::stable::new_empty(x, x.sizes());
-  if (g.rows == 0 || g.head_dim == 0) return out;
+void apply_into(const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved,
+                const ApplyGeometry& g, Tensor& out, bool fresh) {
+  if (g.rows == 0 || g.head_dim == 0) return;
   const int64_t out_bytes = g.rows * g.head_dim * static_cast<int64_t>(out.element_size());
-  advise_huge_pages(out.mutable_data_ptr(), out_bytes);
+  if (fresh) advise_huge_pages(out.mutable_data_ptr(), out_bytes);
   const int64_t grain = grain_rows(g.head_dim);
   const CpuKernels* simd = selected_cpu_kernels();
   if (simd != nullptr && g.x_last == 1 && g.half <= kSimdMaxHalf) {
@@ -137,7 +137,7 @@ Tensor apply_cpu(const Tensor& x, const Tensor& cos, const Tensor& sin, bool int
                        out_bytes >= kStreamBytes};
     const ApplyRowsFn fn = simd->apply[dt_index(x.scalar_type())][dt_index(cos.scalar_type())];
     run_rows(g.rows, grain, [&](int64_t b, int64_t e) { fn(job, b, e); });
-    return out;
+    return;
   }
   const bool contiguous = g.x_last == 1 && g.cos_last == 1 && g.sin_last == 1;
   const RowStrides st{g.x_last, 1, g.cos_last, g.sin_last};
@@ -159,6 +159,14 @@ Tensor apply_cpu(const Tensor& x, const Tensor& cos, const Tensor& sin, bool int
       });
     });
   });
+}
+
+template <bool kInverse>
+Tensor apply_cpu(const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved) {
+  const char* op = kInverse ? "rope.apply_backward" : "rope.apply";
+  const ApplyGeometry g = check_apply(x, cos, sin, op, kInverse ? "grad" : "x");
+  Tensor out = torch::stable::new_empty(x, x.sizes());
+  apply_into<kInverse>(x, cos, sin, interleaved, g, out, /*fresh=*/true);
   return out;
 }
 
@@ -168,6 +176,13 @@ Tensor apply_forward_cpu(Tensor x, Tensor cos, Tensor sin, bool interleaved) {
 
 Tensor apply_backward_cpu(Tensor grad, Tensor cos, Tensor sin, bool interleaved) {
   return apply_cpu<true>(grad, cos, sin, interleaved);
+}
+
+// The caller's buffer: already backed by pages (no huge-page advice on memory we do not own);
+// large outputs still take non-temporal stores (bench/NOTES.md, "apply.out").
+void apply_out_cpu(Tensor x, Tensor cos, Tensor sin, bool interleaved, Tensor out) {
+  const ApplyGeometry g = check_apply_out(x, cos, sin, out);
+  apply_into<false>(x, cos, sin, interleaved, g, out, /*fresh=*/false);
 }
 
 // Positions are read once on the host before anything is written, so an out-of-range one
@@ -248,6 +263,7 @@ void apply_inplace_cpu(Tensor query, std::optional<Tensor> key, Tensor positions
 
 STABLE_TORCH_LIBRARY_IMPL(rope, CPU, m) {
   m.impl("apply", TORCH_BOX(&rope::apply_forward_cpu));
+  m.impl("apply.out", TORCH_BOX(&rope::apply_out_cpu));
   m.impl("apply_backward", TORCH_BOX(&rope::apply_backward_cpu));
   m.impl("apply_", TORCH_BOX(&rope::apply_inplace_cpu));
 }

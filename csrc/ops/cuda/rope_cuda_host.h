@@ -73,21 +73,19 @@ void dispatch_bools(bool a, bool b, F&& f) {
   }
 }
 
-// rope.apply (kInverse = false) and rope.apply_backward (true). `run(plan, args, interleaved,
-// inverse, vec)` executes the plan; the last three are Bool<> tags.
+// Runs rope.apply (kInverse = false) or rope.apply_backward (true) into `out` (contiguous, x's
+// shape and dtype, validated by the caller); g = check_apply of (x, cos_in, sin_in). `run(plan,
+// args, interleaved, inverse, vec)` executes the plan; the last three are Bool<> tags.
 template <bool kInverse, class Runner>
-Tensor apply_host(const Tensor& x, const Tensor& cos_in, const Tensor& sin_in, bool interleaved,
-                  Runner&& run, int64_t max_blocks = kMaxBlocks) {
-  const char* op = kInverse ? "rope.apply_backward" : "rope.apply";
-  const char* x_name = kInverse ? "grad" : "x";
-  ApplyGeometry g = check_apply(x, cos_in, sin_in, op, x_name);
+void apply_into_host(const Tensor& x, const Tensor& cos_in, const Tensor& sin_in,
+                     bool interleaved, ApplyGeometry g, const Tensor& out, Runner&& run,
+                     int64_t max_blocks, const char* op, const char* x_name) {
   const Tensor cos = tables_as_opmath(cos_in, x.scalar_type());
   const Tensor sin = tables_as_opmath(sin_in, x.scalar_type());
   if (cos.scalar_type() != cos_in.scalar_type()) {
     g = check_apply(x, cos, sin, op, x_name);  // the strides of the cast tables
   }
-  Tensor out = torch::stable::new_empty(x, x.sizes());
-  if (g.rows == 0 || g.head_dim == 0) return out;
+  if (g.rows == 0 || g.head_dim == 0) return;
   ROPE_DISPATCH_FLOATING(x.scalar_type(), "rope.apply", [&] {
     using x_t = scalar_t;
     using tab_t = opmath_t<x_t>;
@@ -101,7 +99,28 @@ Tensor apply_host(const Tensor& x, const Tensor& cos_in, const Tensor& sin_in, b
     dispatch_bools(interleaved, p.vec,
                    [&](auto il, auto vec) { run(p, a, il, Bool<kInverse>{}, vec); });
   });
+}
+
+// rope.apply (kInverse = false) and rope.apply_backward (true) into a fresh tensor.
+template <bool kInverse, class Runner>
+Tensor apply_host(const Tensor& x, const Tensor& cos_in, const Tensor& sin_in, bool interleaved,
+                  Runner&& run, int64_t max_blocks = kMaxBlocks) {
+  const char* op = kInverse ? "rope.apply_backward" : "rope.apply";
+  const char* x_name = kInverse ? "grad" : "x";
+  const ApplyGeometry g = check_apply(x, cos_in, sin_in, op, x_name);
+  Tensor out = torch::stable::new_empty(x, x.sizes());
+  apply_into_host<kInverse>(x, cos_in, sin_in, interleaved, g, out, run, max_blocks, op, x_name);
   return out;
+}
+
+// rope.apply.out: the same rotation into the caller's `out`.
+template <class Runner>
+void apply_out_host(const Tensor& x, const Tensor& cos_in, const Tensor& sin_in,
+                      bool interleaved, const Tensor& out, Runner&& run,
+                      int64_t max_blocks = kMaxBlocks) {
+  const ApplyGeometry g = check_apply_out(x, cos_in, sin_in, out);
+  apply_into_host<false>(x, cos_in, sin_in, interleaved, g, out, run, max_blocks,
+                         "rope.apply.out", "x");
 }
 
 // rope.apply_: query and key in one launch. `run(plan, args, interleaved, vec)`.

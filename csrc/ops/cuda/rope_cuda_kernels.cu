@@ -1,4 +1,4 @@
-// CUDA kernels for rope.apply, rope.apply_backward and rope.apply_, registered for the CUDA key.
+// CUDA kernels for rope.apply (and its out= overload), rope.apply_backward and rope.apply_, registered for the CUDA key.
 // The per-thread code and launch plan are in rope_cuda_thread.h and the host logic in
 // rope_cuda_host.h, both shared with the CPU simulator that tests them without a GPU; this file
 // only adds the device guard, the current stream, the launches and their error checks.
@@ -90,6 +90,13 @@ Tensor apply_backward_cuda(Tensor grad, Tensor cos, Tensor sin, bool interleaved
   return apply_cuda<true>(grad, cos, sin, interleaved);
 }
 
+void apply_out_cuda(Tensor x, Tensor cos, Tensor sin, bool interleaved, Tensor out) {
+  const int32_t dev = x.get_device_index();
+  torch::stable::accelerator::DeviceGuard guard(dev);
+  apply_out_host(x, cos, sin, interleaved, out,
+                        ApplyLauncher{current_stream(dev), "rope.apply.out"});
+}
+
 void apply_inplace_cuda(Tensor query, std::optional<Tensor> key, Tensor positions,
                         Tensor cos_sin_cache, bool interleaved) {
   const int32_t dev = query.get_device_index();
@@ -105,6 +112,7 @@ void apply_inplace_cuda(Tensor query, std::optional<Tensor> key, Tensor position
 // rope_ext loads first.
 STABLE_TORCH_LIBRARY_IMPL(rope, CUDA, m) {
   m.impl("apply", TORCH_BOX(&rope::gpu::apply_forward_cuda));
+  m.impl("apply.out", TORCH_BOX(&rope::gpu::apply_out_cuda));
   m.impl("apply_backward", TORCH_BOX(&rope::gpu::apply_backward_cuda));
   m.impl("apply_", TORCH_BOX(&rope::gpu::apply_inplace_cuda));
 }
