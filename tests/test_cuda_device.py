@@ -160,7 +160,7 @@ def test_out_of_range_positions_skipped_or_raised(monkeypatch):
     monkeypatch.delenv("ROPE_EXT_CHECK_POSITIONS", raising=False)
     q, k = fused_qkv(16, 4, 2, 64, torch.float32, device=DEV)
     cache = rope_ext.cos_sin_cache(32, 64, device=DEV)
-    positions = torch.randint(0, 32, (16,), device=DEV)
+    positions = torch.randint(1, 32, (16,), device=DEV)  # 0 would be the identity rotation
     positions[3], positions[7] = -5, 32
     q0, k0 = q.clone(), k.clone()
     torch.ops.rope.apply_(q, k, positions, cache, False)

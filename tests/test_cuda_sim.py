@@ -207,6 +207,8 @@ def test_apply_inplace_strided_and_table_dtypes(dtype):
 def test_apply_inplace_out_of_range_positions_are_skipped(monkeypatch):
     monkeypatch.delenv("ROPE_EXT_CHECK_POSITIONS", raising=False)
     q, k, positions, cache = inplace_case(torch.float32, 64, 64, 4, 2, torch.int64, ())
+    # Position 0 is the identity rotation: keep in-range tokens away from it so "changed" shows.
+    positions.copy_(torch.randint(1, cache.shape[0], positions.shape))
     positions[1], positions[3] = -1, cache.shape[0]  # one below, one at max_position
     q0, k0 = q.clone(), k.clone()
     cuda_sim.apply_(q, k, positions, cache)  # the simulator proves no cache read outside it
