@@ -8,8 +8,7 @@
 #include "rope_cpu_isa.h"
 
 // Everything with external linkage is included above this line, before the target switch.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define ROPE_HAVE_AVX2_KERNELS 1
+#ifdef ROPE_CPU_X86_VARIANTS
 
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
@@ -120,18 +119,6 @@ void store_fence() { _mm_sfence(); }
 #else
 #pragma GCC pop_options
 #endif
-#endif  // x86-64 with GCC or clang
 
-namespace rope {
-
-const CpuKernels* cpu_kernels_avx2() {
-#ifdef ROPE_HAVE_AVX2_KERNELS
-  // Built on first use, on a CPU already known to have AVX2 (make_kernels only takes addresses).
-  static const CpuKernels kernels = make_kernels();
-  return &kernels;
-#else
-  return nullptr;
-#endif
-}
-
-}  // namespace rope
+ROPE_DEFINE_CPU_KERNELS(cpu_kernels_avx2)
+#endif  // ROPE_CPU_X86_VARIANTS

@@ -13,7 +13,7 @@ namespace rope {
 namespace {
 
 CpuIsa best_supported() {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#ifdef ROPE_CPU_X86_VARIANTS
   __builtin_cpu_init();
   // __builtin_cpu_supports also checks that the OS saves the wider registers (XCR0).
   if (__builtin_cpu_supports("avx512f") &&
@@ -77,6 +77,12 @@ const char* cpu_isa_name(CpuIsa isa) {
       return "baseline";
   }
 }
+
+#ifndef ROPE_CPU_X86_VARIANTS
+const CpuKernels* cpu_kernels_avx2() { return nullptr; }
+const CpuKernels* cpu_kernels_avx512() { return nullptr; }
+const CpuKernels* cpu_kernels_avx512_bf16() { return nullptr; }
+#endif
 
 CpuIsa selected_cpu_isa() {
   static const CpuIsa isa = choose();

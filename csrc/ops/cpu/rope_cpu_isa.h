@@ -63,10 +63,28 @@ struct CpuKernels {
   InplaceTokensFn inplace[kNumDt][kNumDt];
 };
 
-// nullptr when the library was built without that ISA (a non-x86 target or another compiler).
+// nullptr when the library was built without that ISA (a non-x86 target or another compiler:
+// rope_cpu_isa.cpp defines them so then).
 const CpuKernels* cpu_kernels_avx2();
 const CpuKernels* cpu_kernels_avx512();
 const CpuKernels* cpu_kernels_avx512_bf16();
+
+// Whether the per-ISA files compile their kernels (x86-64 with GCC or clang, whose target
+// pragmas they use).
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define ROPE_CPU_X86_VARIANTS 1
+#endif
+
+// Defines `entry()` in a per-ISA file, after its target region: the table of that file's
+// make_kernels(), built on first use, which is only on a CPU known to have the ISA
+// (make_kernels only takes addresses).
+#define ROPE_DEFINE_CPU_KERNELS(entry)              \
+  namespace rope {                                  \
+  const CpuKernels* entry() {                       \
+    static const CpuKernels kernels = make_kernels(); \
+    return &kernels;                                \
+  }                                                 \
+  }
 
 // The ISA that serves, chosen once: the best the CPU supports, capped by ROPE_EXT_CPU_ISA
 // (baseline|avx2|avx512|avx512_bf16) when set.
