@@ -10,6 +10,7 @@ _registrations.register_reference_kernels()
 _registrations.register_python_side()
 
 from . import jit, reference  # noqa: E402
+from ._cpu_cache import cpu_cache_info, empty_cpu_cache  # noqa: E402
 from ._cpu_isa import cpu_isa  # noqa: E402
 from .cache import cos_sin_cache  # noqa: E402
 from .modules import RotaryEmbedding  # noqa: E402
@@ -22,7 +23,9 @@ __all__ = [
     "apply_rope_",
     "backend",
     "cos_sin_cache",
+    "cpu_cache_info",
     "cpu_isa",
+    "empty_cpu_cache",
     "reference",
     "RotaryEmbedding",
 ]

@@ -3,7 +3,7 @@ export, autograd, and the reference kernels that serve any device without a nati
 
 import torch
 
-from . import _checks, _cpu_isa, reference
+from . import _checks, _cpu_cache, _cpu_isa, reference
 from ._schemas import SCHEMAS
 
 _libraries = []  # keeps the torch.library.Library objects (and so their registrations) alive
@@ -15,6 +15,8 @@ def define_schemas_from_python():
     for schema in SCHEMAS.values():
         lib.define(schema)
     lib.impl("cpu_isa", _cpu_isa.reference_cpu_isa, "CompositeExplicitAutograd")
+    lib.impl("cpu_output_cache_info", _cpu_cache.reference_info, "CompositeExplicitAutograd")
+    lib.impl("cpu_output_cache_empty", _cpu_cache.reference_empty, "CompositeExplicitAutograd")
     _libraries.append(lib)
 
 

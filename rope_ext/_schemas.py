@@ -23,4 +23,6 @@ SCHEMAS = {
         "int[] mrope_section, bool interleaved=False) -> ()"
     ),
     "cpu_isa": "cpu_isa() -> int",
+    "cpu_output_cache_info": "cpu_output_cache_info() -> int[]",
+    "cpu_output_cache_empty": "cpu_output_cache_empty() -> ()",
 }

@@ -26,4 +26,9 @@ STABLE_TORCH_LIBRARY(rope, m) {
   // Which compiled variant of the CPU kernels serves: 0 baseline, 1 avx2, 2 avx512,
   // 3 avx512_bf16.
   m.def("cpu_isa() -> int");
+  // The cache of recycled blocks that large CPU outputs come from (cpu/cpu_output_cache.cpp):
+  // [limit bytes, cached bytes, cached blocks, reuses, new blocks, available (torch >= 2.11)].
+  m.def("cpu_output_cache_info() -> int[]");
+  // Frees every cached block (outputs still alive keep theirs).
+  m.def("cpu_output_cache_empty() -> ()");
 }

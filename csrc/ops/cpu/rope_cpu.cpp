@@ -6,10 +6,6 @@
 // instantiation with compile-time strides so the compiler vectorizes it.
 #include <algorithm>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
@@ -17,6 +13,7 @@
 #include "../../rope_math.h"
 #include "../dispatch.h"
 #include "../rope_checks.h"
+#include "cpu_output_cache.h"
 #include "rope_cpu_isa.h"
 
 namespace rope {
@@ -60,26 +57,6 @@ int dt_index(ScalarType t) {
 // allocator recycles memory; on fresh pages the OS's zeroing dominates: bench/NOTES.md 3).
 constexpr int64_t kStreamBytes = int64_t(16) << 20;
 
-// A fresh large output is a fresh mmap: writing it costs one page fault per 4 KiB (most of
-// rope.apply's time at 128 MiB on the project's test machine, far more than the rotation).
-// Asking for transparent huge pages before the first write makes that one fault per 2 MiB;
-// the same thing torch's allocator does under THP_MEM_ALLOC_ENABLE=1. Only the 2 MiB-aligned
-// interior of the buffer is advised, and the advice changes nothing but how pages are backed.
-constexpr int64_t kHugePageAdviseBytes = int64_t(16) << 20;
-
-void advise_huge_pages(void* data, int64_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  if (bytes < kHugePageAdviseBytes) return;
-  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-#else
-  (void)data;
-  (void)bytes;
-#endif
-}
-
 // Strides of one row's operands along the head dim; all 1 in the contiguous instantiation.
 struct RowStrides {
   int64_t x, out, cos, sin;
@@ -122,13 +99,11 @@ RowFn<x_t, tab_t, kInverse> pick_row_fn(bool interleaved, bool contiguous) {
 }
 
 // Writes rotate(x) into `out` (contiguous, x's shape and dtype, validated by the caller).
-// `fresh`: out was just allocated here, so its pages are not yet backed (see advise_huge_pages).
 template <bool kInverse>
 void apply_into(const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved,
-                const ApplyGeometry& g, Tensor& out, bool fresh) {
+                const ApplyGeometry& g, Tensor& out) {
   if (g.rows == 0 || g.head_dim == 0) return;
   const int64_t out_bytes = g.rows * g.head_dim * static_cast<int64_t>(out.element_size());
-  if (fresh) advise_huge_pages(out.mutable_data_ptr(), out_bytes);
   const int64_t grain = grain_rows(g.head_dim);
   const CpuKernels* simd = selected_cpu_kernels();
   if (simd != nullptr && g.x_last == 1 && g.half <= kSimdMaxHalf) {
@@ -165,8 +140,8 @@ template <bool kInverse>
 Tensor apply_cpu(const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved) {
   const char* op = kInverse ? "rope.apply_backward" : "rope.apply";
   const ApplyGeometry g = check_apply(x, cos, sin, op, kInverse ? "grad" : "x");
-  Tensor out = torch::stable::new_empty(x, x.sizes());
-  apply_into<kInverse>(x, cos, sin, interleaved, g, out, /*fresh=*/true);
+  Tensor out = new_cpu_output(x);
+  apply_into<kInverse>(x, cos, sin, interleaved, g, out);
   return out;
 }
 
@@ -178,11 +153,10 @@ Tensor apply_backward_cpu(Tensor grad, Tensor cos, Tensor sin, bool interleaved)
   return apply_cpu<true>(grad, cos, sin, interleaved);
 }
 
-// The caller's buffer: already backed by pages (no huge-page advice on memory we do not own);
-// large outputs still take non-temporal stores (bench/NOTES.md, "apply.out").
+// The caller's buffer; large outputs take non-temporal stores like apply's (bench/NOTES.md 8).
 void apply_out_cpu(Tensor x, Tensor cos, Tensor sin, bool interleaved, Tensor out) {
   const ApplyGeometry g = check_apply_out(x, cos, sin, out);
-  apply_into<false>(x, cos, sin, interleaved, g, out, /*fresh=*/false);
+  apply_into<false>(x, cos, sin, interleaved, g, out);
 }
 
 // Positions are read once on the host before anything is written, so an out-of-range one
