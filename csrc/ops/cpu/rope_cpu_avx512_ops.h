@@ -43,6 +43,24 @@ struct F32Ops {
   }
 #endif
 
+#ifdef ROPE_AVX512_BF16
+  // 32 values (lo = the first 16) to bfloat16 in one instruction and one 64-byte store: half the
+  // conversions of two to_bf16 calls, which bound the bf16 loop (bench/NOTES.md 11).
+  static __m512i to_bf16x2(V lo, V hi) {
+    return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+  }
+  static void store2(BF16Bits* p, V lo, V hi) {
+    _mm512_storeu_si512(reinterpret_cast<void*>(p), to_bf16x2(lo, hi));
+  }
+  static void stream2(BF16Bits* p, V lo, V hi) {
+    if ((reinterpret_cast<uintptr_t>(p) & 63) == 0) {
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(p), to_bf16x2(lo, hi));
+    } else {
+      store2(p, lo, hi);
+    }
+  }
+#endif
+
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static void store(HalfBits* p, V v) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_half(v));

@@ -24,6 +24,8 @@
 #include <type_traits>
 
 #define ROPE_SIMD_INLINE inline __attribute__((always_inline))
+// The per-row body, inlined into for_each_row's loop rather than called once per row.
+#define ROPE_SIMD_INLINE_LAMBDA __attribute__((always_inline))
 
 namespace rope {
 namespace {
@@ -77,6 +79,24 @@ using OpsFor = std::conditional_t<std::is_same<x_t, double>::value, F64Ops, F32O
 
 // ---- one row ----
 
+// Ops::store2(BF16Bits*, lo, hi): 2 * W bfloat16 values converted and stored at once, where the
+// ISA has it (AVX512_BF16); the row loops then take 2 * W elements per step for bf16 x.
+template <class Ops, typename x_t, class = void>
+struct HasStore2 : std::false_type {};
+template <class Ops, typename x_t>
+struct HasStore2<Ops, x_t,
+                 std::void_t<decltype(Ops::store2(static_cast<x_t*>(nullptr), typename Ops::V{},
+                                                  typename Ops::V{}))>> : std::true_type {};
+
+template <class Ops, bool kStream, typename x_t>
+ROPE_SIMD_INLINE void put2(x_t* p, typename Ops::V lo, typename Ops::V hi) {
+  if (kStream) {
+    Ops::stream2(p, lo, hi);
+  } else {
+    Ops::store2(p, lo, hi);
+  }
+}
+
 // Half-split pairs (x[i], x[i+half]): out = (a*c - b*s, b*c + a*s), with s already negated
 // for the inverse rotation.
 template <class Ops, bool kStream, typename x_t>
@@ -85,6 +105,18 @@ ROPE_SIMD_INLINE void row_half_split(const x_t* x, x_t* out, const typename Ops:
   using V = typename Ops::V;
   constexpr int W = Ops::W;
   int64_t i = 0;
+  if constexpr (HasStore2<Ops, x_t>::value) {
+    for (; i + 2 * W <= half; i += 2 * W) {
+      const V a = Ops::load(x + i), b = Ops::load(x + half + i);
+      const V a2 = Ops::load(x + i + W), b2 = Ops::load(x + half + i + W);
+      const V cv = Ops::load(c + i), sv = Ops::load(s + i);
+      const V cv2 = Ops::load(c + i + W), sv2 = Ops::load(s + i + W);
+      put2<Ops, kStream>(out + i, Ops::sub(Ops::mul(a, cv), Ops::mul(b, sv)),
+                         Ops::sub(Ops::mul(a2, cv2), Ops::mul(b2, sv2)));
+      put2<Ops, kStream>(out + half + i, Ops::add(Ops::mul(b, cv), Ops::mul(a, sv)),
+                         Ops::add(Ops::mul(b2, cv2), Ops::mul(a2, sv2)));
+    }
+  }
   for (; i + W <= half; i += W) {
     const V a = Ops::load(x + i), b = Ops::load(x + half + i);
     const V cv = Ops::load(c + i), sv = Ops::load(s + i);
@@ -114,6 +146,16 @@ ROPE_SIMD_INLINE void row_interleaved(const x_t* x, x_t* out, const typename Ops
   constexpr int W = Ops::W;
   const int64_t n = 2 * half;
   int64_t j = 0;
+  if constexpr (HasStore2<Ops, x_t>::value) {
+    for (; j + 2 * W <= n; j += 2 * W) {
+      const V v = Ops::load(x + j), v2 = Ops::load(x + j + W);
+      put2<Ops, kStream>(
+          out + j,
+          Ops::add(Ops::mul(v, Ops::load(c2 + j)), Ops::mul(Ops::swap_pairs(v), Ops::load(s2 + j))),
+          Ops::add(Ops::mul(v2, Ops::load(c2 + j + W)),
+                   Ops::mul(Ops::swap_pairs(v2), Ops::load(s2 + j + W))));
+    }
+  }
   for (; j + W <= n; j += W) {
     const V v = Ops::load(x + j);
     const V o = Ops::add(Ops::mul(v, Ops::load(c2 + j)), Ops::mul(Ops::swap_pairs(v), Ops::load(s2 + j)));
@@ -217,7 +259,7 @@ void apply_rows_impl(const ApplyJob& job, int64_t b, int64_t e) {
   constexpr bool kMaybeDirect = std::is_same<tab_t, acc>::value && !kInterleaved;
   const bool direct = kMaybeDirect && !job.inverse && g.cos_last == 1 && g.sin_last == 1;
   TableCache<Ops, kInterleaved, tab_t> tables;
-  for_each_row(g.lead, b, e, [&](int64_t r, int64_t x_off, int64_t c_off, int64_t s_off) {
+  for_each_row(g.lead, b, e, [&](int64_t r, int64_t x_off, int64_t c_off, int64_t s_off) ROPE_SIMD_INLINE_LAMBDA {
     const x_t* x = xp + x_off;
     x_t* out = op + r * g.head_dim;
     const tab_t* c = cp + c_off;
@@ -259,7 +301,7 @@ void inplace_tokens_impl(const InplaceJob& job, int64_t b, int64_t e) {
   constexpr bool kMaybeDirect = std::is_same<tab_t, acc>::value && !kInterleaved;
   const bool direct = kMaybeDirect && g.cache_col_stride == 1;
   TableCache<Ops, kInterleaved, tab_t> tables;
-  for_each_row(g.lead, b, e, [&](int64_t, int64_t q_off, int64_t k_off, int64_t p_off) {
+  for_each_row(g.lead, b, e, [&](int64_t, int64_t q_off, int64_t k_off, int64_t p_off) ROPE_SIMD_INLINE_LAMBDA {
     const int64_t p = job.pos64 ? static_cast<const int64_t*>(job.positions)[p_off]
                                 : static_cast<const int32_t*>(job.positions)[p_off];
     const tab_t* c = cache + p * g.cache_row_stride;
