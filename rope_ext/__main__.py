@@ -28,6 +28,12 @@ def report_build():
     elif _native.loaded_by == "compiled":
         print(f"  CUDA library: not loaded ({_native.cuda_load_error})")
     print(f"  CPU kernel variant: {rope_ext.cpu_isa()}")
+    cache = rope_ext.cpu_cache_info()
+    if cache["available"]:
+        print(f"  CPU output cache (outputs >= 16 MiB): up to {cache['limit_bytes'] >> 20} MiB "
+              "(ROPE_EXT_CPU_CACHE_MB)")
+    else:
+        print("  CPU output cache: not available (needs the native library and torch >= 2.11)")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for dev in ("cpu", "cuda"):
         avail = "" if dev in devices else " (no device here)"

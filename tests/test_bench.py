@@ -32,11 +32,21 @@ def test_bench_quick_run_writes_json_and_table(tmp_path):
         else:
             assert abs(row["gbps"] - row["bytes"] / row["median_s"] / 1e9) < 1e-6 * row["gbps"]
     (summary,) = doc["summary"]
-    for key in ("apply_x_copy", "apply_out_x_copy", "apply__x_copy", "backward_x_copy", "apply_speedup_vs_compile"):
+    for key in ("apply_x_copy", "apply_out_x_copy", "apply__x_copy", "backward_x_copy",
+                "apply_speedup_vs_compile", "copy_speedup_vs_compile"):
         assert summary[key] > 0
     table = (tmp_path / "quick.md").read_text()
     assert "| tiny | 4x2x16 | float32 |" in table
     assert os.path.exists(tmp_path / "quick.png") == _has_matplotlib()
+
+
+def test_summary_ratios_follow_the_medians():
+    rows = [{"case": "c", "dtype": "float32", "shape": [1], "impl": i, "median_s": m}
+            for i, m in (("copy", 1.0), ("apply", 2.0), ("compile_ref", 3.0), ("compile_hf", 6.0))]
+    (s,) = report.summarize(rows)
+    assert s["apply_x_copy"] == 0.5
+    assert s["apply_speedup_vs_compile"] == 1.5  # against the faster compiled function
+    assert s["copy_speedup_vs_compile"] == 3.0
 
 
 def _has_matplotlib():
@@ -61,6 +71,10 @@ def test_targets_are_checked_against_the_issue():
         "large float32: apply >= 2.0x faster than torch.compile": True,
         "large float32: apply_ >= 2.0x faster than torch.compile": False,
     }
+    # A missed speed-up names what a plain copy achieves against the same compiled function.
+    summary[0]["copy_speedup_vs_compile"] = 1.7
+    descs = [d for d, _, _ in report.check_targets(summary)]
+    assert "large float32: apply_ >= 2.0x faster than torch.compile (copy itself: 1.70x)" in descs
 
 
 def test_plot_without_matplotlib_draws_nothing(tmp_path, monkeypatch):
