@@ -44,19 +44,44 @@ struct F32Ops {
 #endif
 
 #ifdef ROPE_AVX512_BF16
-  // 32 values (lo = the first 16) to bfloat16 in one instruction and one 64-byte store: half the
-  // conversions of two to_bf16 calls, which bound the bf16 loop (bench/NOTES.md 11).
-  static __m512i to_bf16x2(V lo, V hi) {
+  // Two float vectors to 32 bfloat16 at once (rope_cpu_simd.h, kBf16Pairs).
+  static constexpr bool kBf16Pairs = true;
+  // lo = values 0-15, hi = 16-31, stored in order.
+  static __m512i to_bf16_pair(V lo, V hi) {
     return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
   }
-  static void store2(BF16Bits* p, V lo, V hi) {
-    _mm512_storeu_si512(reinterpret_cast<void*>(p), to_bf16x2(lo, hi));
+  static void store_pair(BF16Bits* p, V lo, V hi) {
+    _mm512_storeu_si512(reinterpret_cast<void*>(p), to_bf16_pair(lo, hi));
   }
-  static void stream2(BF16Bits* p, V lo, V hi) {
+  static void stream_pair(BF16Bits* p, V lo, V hi) {
     if ((reinterpret_cast<uintptr_t>(p) & 63) == 0) {
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(p), to_bf16x2(lo, hi));
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(p), to_bf16_pair(lo, hi));
     } else {
-      store2(p, lo, hi);
+      store_pair(p, lo, hi);
+    }
+  }
+  // 32 values as their 16 even and 16 odd elements, widened to float with a shift and a mask.
+  static void load_even_odd(const BF16Bits* p, V& even, V& odd) {
+    const __m512i v = _mm512_loadu_si512(reinterpret_cast<const void*>(p));
+    even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  // The inverse: to_bf16_pair gives even in words 0-15 and odd in 16-31; word 2j takes j and
+  // 2j+1 takes 16+j.
+  static __m512i join_even_odd(V even, V odd) {
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
+                                           1, 16, 0);
+    return _mm512_permutexvar_epi16(order, to_bf16_pair(even, odd));
+  }
+  static void store_even_odd(BF16Bits* p, V even, V odd) {
+    _mm512_storeu_si512(reinterpret_cast<void*>(p), join_even_odd(even, odd));
+  }
+  static void stream_even_odd(BF16Bits* p, V even, V odd) {
+    if ((reinterpret_cast<uintptr_t>(p) & 63) == 0) {
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(p), join_even_odd(even, odd));
+    } else {
+      store_even_odd(p, even, odd);
     }
   }
 #endif

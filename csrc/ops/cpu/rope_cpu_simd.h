@@ -79,23 +79,43 @@ using OpsFor = std::conditional_t<std::is_same<x_t, double>::value, F64Ops, F32O
 
 // ---- one row ----
 
-// Ops::store2(BF16Bits*, lo, hi): 2 * W bfloat16 values converted and stored at once, where the
-// ISA has it (AVX512_BF16); the row loops then take 2 * W elements per step for bf16 x.
-template <class Ops, typename x_t, class = void>
-struct HasStore2 : std::false_type {};
+// bfloat16 rows where Ops::kBf16Pairs (AVX512_BF16), whose conversions bound the loop
+// (bench/NOTES.md 11): two float vectors round to 2 * W bfloat16 in one instruction.
+// - Half-split rows take 2 * W elements of each half per step: load as before, store_pair(lo, hi).
+// - Interleaved rows load 2 * W values as one vector and split it into its W even elements (the
+//   pairs' first values) and W odd ones (the second) with a shift and a mask: plain tables, no lane
+//   swap; store_even_odd puts them back in order with one word permute. (Even/odd half-split rows
+//   measured slower: they need that permute too, and de-interleaved tables.)
+// The arithmetic per element is the other variants', and so are the bits.
+template <class Ops, class = void>
+struct HasBf16Pairs : std::false_type {};
+template <class Ops>
+struct HasBf16Pairs<Ops, std::enable_if_t<Ops::kBf16Pairs>> : std::true_type {};
 template <class Ops, typename x_t>
-struct HasStore2<Ops, x_t,
-                 std::void_t<decltype(Ops::store2(static_cast<x_t*>(nullptr), typename Ops::V{},
-                                                  typename Ops::V{}))>> : std::true_type {};
+constexpr bool kBf16Pairs = std::is_same<x_t, BF16Bits>::value && HasBf16Pairs<Ops>::value;
 
 template <class Ops, bool kStream, typename x_t>
-ROPE_SIMD_INLINE void put2(x_t* p, typename Ops::V lo, typename Ops::V hi) {
+ROPE_SIMD_INLINE void put_pair(x_t* p, typename Ops::V lo, typename Ops::V hi) {
   if (kStream) {
-    Ops::stream2(p, lo, hi);
+    Ops::stream_pair(p, lo, hi);
   } else {
-    Ops::store2(p, lo, hi);
+    Ops::store_pair(p, lo, hi);
   }
 }
+
+template <class Ops, bool kStream, typename x_t>
+ROPE_SIMD_INLINE void put_even_odd(x_t* p, typename Ops::V even, typename Ops::V odd) {
+  if (kStream) {
+    Ops::stream_even_odd(p, even, odd);
+  } else {
+    Ops::store_even_odd(p, even, odd);
+  }
+}
+
+// Whether a row kernel reads its tables duplicated per element, c2 = [c0, c0, c1, c1, ...] and
+// s2 = [-s0, s0, -s1, s1, ...] (interleaved rows, but for even/odd bf16), or plain c[i], s[i].
+template <class Ops, typename x_t, bool kInterleaved>
+constexpr bool kPairDupTables = kInterleaved && !kBf16Pairs<Ops, x_t>;
 
 // Half-split pairs (x[i], x[i+half]): out = (a*c - b*s, b*c + a*s), with s already negated
 // for the inverse rotation.
@@ -105,16 +125,16 @@ ROPE_SIMD_INLINE void row_half_split(const x_t* x, x_t* out, const typename Ops:
   using V = typename Ops::V;
   constexpr int W = Ops::W;
   int64_t i = 0;
-  if constexpr (HasStore2<Ops, x_t>::value) {
+  if constexpr (kBf16Pairs<Ops, x_t>) {
     for (; i + 2 * W <= half; i += 2 * W) {
       const V a = Ops::load(x + i), b = Ops::load(x + half + i);
       const V a2 = Ops::load(x + i + W), b2 = Ops::load(x + half + i + W);
       const V cv = Ops::load(c + i), sv = Ops::load(s + i);
       const V cv2 = Ops::load(c + i + W), sv2 = Ops::load(s + i + W);
-      put2<Ops, kStream>(out + i, Ops::sub(Ops::mul(a, cv), Ops::mul(b, sv)),
-                         Ops::sub(Ops::mul(a2, cv2), Ops::mul(b2, sv2)));
-      put2<Ops, kStream>(out + half + i, Ops::add(Ops::mul(b, cv), Ops::mul(a, sv)),
-                         Ops::add(Ops::mul(b2, cv2), Ops::mul(a2, sv2)));
+      put_pair<Ops, kStream>(out + i, Ops::sub(Ops::mul(a, cv), Ops::mul(b, sv)),
+                             Ops::sub(Ops::mul(a2, cv2), Ops::mul(b2, sv2)));
+      put_pair<Ops, kStream>(out + half + i, Ops::add(Ops::mul(b, cv), Ops::mul(a, sv)),
+                             Ops::add(Ops::mul(b2, cv2), Ops::mul(a2, sv2)));
     }
   }
   for (; i + W <= half; i += W) {
@@ -144,18 +164,27 @@ ROPE_SIMD_INLINE void row_interleaved(const x_t* x, x_t* out, const typename Ops
                             const typename Ops::acc* s2, int64_t half) {
   using V = typename Ops::V;
   constexpr int W = Ops::W;
+  if constexpr (kBf16Pairs<Ops, x_t>) {
+    // Plain tables (c2, s2 hold c[i], s[i] here); a*c - b*s has the bits of a*c + b*(-s).
+    const typename Ops::acc* c = c2;
+    const typename Ops::acc* s = s2;
+    int64_t p = 0;
+    for (; p + W <= half; p += W) {
+      V a, b;
+      Ops::load_even_odd(x + 2 * p, a, b);
+      const V cv = Ops::load(c + p), sv = Ops::load(s + p);
+      put_even_odd<Ops, kStream>(out + 2 * p, Ops::sub(Ops::mul(a, cv), Ops::mul(b, sv)),
+                                 Ops::add(Ops::mul(b, cv), Ops::mul(a, sv)));
+    }
+    for (; p < half; ++p) {
+      const auto a = to_acc<Ops>(x[2 * p]), b = to_acc<Ops>(x[2 * p + 1]);
+      out[2 * p] = from_acc<x_t>(a * c[p] - b * s[p]);
+      out[2 * p + 1] = from_acc<x_t>(b * c[p] + a * s[p]);
+    }
+    return;
+  }
   const int64_t n = 2 * half;
   int64_t j = 0;
-  if constexpr (HasStore2<Ops, x_t>::value) {
-    for (; j + 2 * W <= n; j += 2 * W) {
-      const V v = Ops::load(x + j), v2 = Ops::load(x + j + W);
-      put2<Ops, kStream>(
-          out + j,
-          Ops::add(Ops::mul(v, Ops::load(c2 + j)), Ops::mul(Ops::swap_pairs(v), Ops::load(s2 + j))),
-          Ops::add(Ops::mul(v2, Ops::load(c2 + j + W)),
-                   Ops::mul(Ops::swap_pairs(v2), Ops::load(s2 + j + W))));
-    }
-  }
   for (; j + W <= n; j += W) {
     const V v = Ops::load(x + j);
     const V o = Ops::add(Ops::mul(v, Ops::load(c2 + j)), Ops::mul(Ops::swap_pairs(v), Ops::load(s2 + j)));
@@ -172,8 +201,8 @@ ROPE_SIMD_INLINE void row_interleaved(const x_t* x, x_t* out, const typename Ops
   }
 }
 
-// Table row -> the buffers the row kernels read (see the header comment).
-template <class Ops, bool kInterleaved, typename tab_t>
+// Table row -> the buffers the row kernels read (see kPairDupTables).
+template <class Ops, bool kPairDup, typename tab_t>
 inline void expand_tables(const tab_t* cos, const tab_t* sin, int64_t cos_stride,
                           int64_t sin_stride, int64_t half, bool inverse,
                           typename Ops::acc* cbuf, typename Ops::acc* sbuf) {
@@ -182,7 +211,7 @@ inline void expand_tables(const tab_t* cos, const tab_t* sin, int64_t cos_stride
   for (int64_t i = 0; i < half; ++i) {
     const acc c = to_acc<Ops>(cos[i * cos_stride]);
     const acc s = sign * to_acc<Ops>(sin[i * sin_stride]);
-    if (kInterleaved) {
+    if (kPairDup) {
       cbuf[2 * i] = c;
       cbuf[2 * i + 1] = c;
       sbuf[2 * i] = -s;
@@ -195,7 +224,7 @@ inline void expand_tables(const tab_t* cos, const tab_t* sin, int64_t cos_stride
 }
 
 // Converted table rows, re-expanded only when the source row changes.
-template <class Ops, bool kInterleaved, typename tab_t>
+template <class Ops, bool kPairDup, typename tab_t>
 struct TableCache {
   using acc = typename Ops::acc;
   alignas(64) acc c[2 * kSimdMaxHalf];
@@ -206,7 +235,7 @@ struct TableCache {
   void get(const tab_t* cos, const tab_t* sin, int64_t cos_stride, int64_t sin_stride,
            int64_t half, bool inverse) {
     if (cos == last_cos && sin == last_sin) return;
-    expand_tables<Ops, kInterleaved>(cos, sin, cos_stride, sin_stride, half, inverse, c, s);
+    expand_tables<Ops, kPairDup>(cos, sin, cos_stride, sin_stride, half, inverse, c, s);
     last_cos = cos;
     last_sin = sin;
   }
@@ -277,10 +306,11 @@ void apply_rows_impl(const ApplyJob& job, int64_t b, int64_t e) {
   const tab_t* sp = static_cast<const tab_t*>(job.sin);
   const int64_t half = g.half, rot = 2 * half, tail = g.head_dim - rot;
   // Forward half-split with tables already in the arithmetic type: read them in place.
-  constexpr bool kMaybeDirect = std::is_same<tab_t, acc>::value && !kInterleaved;
+  constexpr bool kMaybeDirect =
+      std::is_same<tab_t, acc>::value && !kPairDupTables<Ops, x_t, kInterleaved>;
   const bool direct = kMaybeDirect && !job.inverse && g.cos_last == 1 && g.sin_last == 1;
   const int64_t hd = g.head_dim;
-  TableCache<Ops, kInterleaved, tab_t> tables;
+  TableCache<Ops, kPairDupTables<Ops, x_t, kInterleaved>, tab_t> tables;
   auto row = [&](const x_t* x, x_t* out, const acc* cb, const acc* sb) ROPE_SIMD_INLINE_LAMBDA {
     rotate_row<Ops, kInterleaved, kStream>(x, out, cb, sb, half);
     if (tail > 0) std::memcpy(out + rot, x + rot, tail * sizeof(x_t));
@@ -328,9 +358,10 @@ void inplace_tokens_impl(const InplaceJob& job, int64_t b, int64_t e) {
   x_t* kp = static_cast<x_t*>(job.key);
   const tab_t* cache = static_cast<const tab_t*>(job.cache);
   const int64_t half = g.half;
-  constexpr bool kMaybeDirect = std::is_same<tab_t, acc>::value && !kInterleaved;
+  constexpr bool kMaybeDirect =
+      std::is_same<tab_t, acc>::value && !kPairDupTables<Ops, x_t, kInterleaved>;
   const bool direct = kMaybeDirect && g.cache_col_stride == 1;
-  TableCache<Ops, kInterleaved, tab_t> tables;
+  TableCache<Ops, kPairDupTables<Ops, x_t, kInterleaved>, tab_t> tables;
   for_each_row(g.lead, b, e, [&](int64_t, int64_t q_off, int64_t k_off, int64_t p_off) ROPE_SIMD_INLINE_LAMBDA {
     const int64_t p = job.pos64 ? static_cast<const int64_t*>(job.positions)[p_off]
                                 : static_cast<const int32_t*>(job.positions)[p_off];
