@@ -22,6 +22,8 @@ def test_bench_quick_run_writes_json_and_table(tmp_path):
     with open(tmp_path / "quick.json") as f:
         doc = json.load(f)
     assert set(doc) == {"meta", "results", "summary", "targets"}
+    # Every implementation measured under the same malloc thresholds (rope_ext/bench/malloc.py).
+    assert doc["meta"]["allocator"].startswith(("glibc mmap threshold 32 MiB", "not pinned"))
     assert doc["meta"]["cpu_isa"] in ("baseline", "avx2", "avx512", "avx512_bf16", "reference")
     assert {row["impl"] for row in doc["results"]} == set(IMPLS)
     for row in doc["results"]:

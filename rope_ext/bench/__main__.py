@@ -10,7 +10,7 @@ import torch
 
 import rope_ext
 
-from . import plot, report
+from . import malloc, plot, report
 from .impls import IMPLS, Case
 from .timing import measure, median
 
@@ -73,7 +73,10 @@ def main(argv=None):
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--cases", default=None, help="comma-separated subset of: " + ", ".join(CASES))
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads first")
+    p.add_argument("--no-pin-malloc", action="store_true",
+                   help="leave glibc's adaptive malloc thresholds alone (see rope_ext/bench/malloc.py)")
     args = p.parse_args(argv)
+    allocator = "glibc defaults (adaptive)" if args.no_pin_malloc else malloc.pin_thresholds()
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -95,13 +98,13 @@ def main(argv=None):
         "python": platform.python_version(), "cpu": cpu_model(), "cpu_count": os.cpu_count(),
         "cpu_isa": rope_ext.cpu_isa(), "threads": torch.get_num_threads(), "repeat": repeat,
         "loadavg_start": loadavg(), "impls": {i: IMPLS[i] for i in impls},
-        "mode": "torch.inference_mode()",
+        "mode": "torch.inference_mode()", "allocator": allocator,
         "bytes_counted": "2 * x.nbytes: x read once, a result of x's size written once",
         "tables": "float32 cos/sin [T, 1, D/2] (apply, backward, reference); float32 "
                   "cos_sin_cache [T, D] (apply_); HF-style: [T, 1, D] in x's dtype",
     }
     print(f"rope_ext.bench: CPU kernels {meta['cpu_isa']}, {meta['threads']} threads, "
-          f"load average {meta['loadavg_start']}", flush=True)
+          f"load average {meta['loadavg_start']}, malloc: {allocator}", flush=True)
     with torch.inference_mode():
         rows = run(cases, dtypes, impls, repeat, log=lambda s: print(s, flush=True))
     meta["loadavg_end"] = loadavg()
