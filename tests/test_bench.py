@@ -83,3 +83,14 @@ def test_plot_without_matplotlib_draws_nothing(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
     assert plot.plot({"meta": {}, "results": []}, str(tmp_path / "x.png")) is False
     assert not (tmp_path / "x.png").exists()
+
+
+def test_interleaved_timing_runs_blocks_round_robin():
+    from rope_ext.bench import timing
+
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b")}
+    times = timing.measure_interleaved(fns, repeat=3, min_block_s=0.0)
+    assert set(times) == {"a", "b"} and all(len(t) == 3 for t in times.values())
+    # After each one's warm-up and calibration: a, b, a, b, a, b.
+    assert calls[-6:] == ["a", "b"] * 3

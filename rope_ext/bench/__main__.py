@@ -12,7 +12,7 @@ import rope_ext
 
 from . import malloc, plot, report
 from .impls import IMPLS, Case
-from .timing import measure, median
+from .timing import measure_interleaved, median
 
 # name -> [tokens, heads, head_dim]. decode/cache/large are the issue's cases; mid fills in the
 # bandwidth-against-size curve between cache-resident and memory-bound.
@@ -49,8 +49,9 @@ def run(cases, dtypes, impls, repeat, log=print):
     for case_name, shape in cases.items():
         for dtype_name in dtypes:
             case = Case(case_name, shape, DTYPES[dtype_name])
+            all_times = measure_interleaved({impl: case.fn(impl) for impl in impls}, repeat=repeat)
             for impl in impls:
-                times = measure(case.fn(impl), repeat=repeat)
+                times = all_times[impl]
                 t = median(times)
                 gbps = None if impl == "empty_op" else case.bytes / t / 1e9
                 rows.append({
@@ -98,6 +99,7 @@ def main(argv=None):
         "python": platform.python_version(), "cpu": cpu_model(), "cpu_count": os.cpu_count(),
         "cpu_isa": rope_ext.cpu_isa(), "threads": torch.get_num_threads(), "repeat": repeat,
         "loadavg_start": loadavg(), "impls": {i: IMPLS[i] for i in impls},
+        "timing": "per case, the implementations' timed blocks round-robin; median per implementation",
         "mode": "torch.inference_mode()", "allocator": allocator,
         "bytes_counted": "2 * x.nbytes: x read once, a result of x's size written once",
         "tables": "float32 cos/sin [T, 1, D/2] (apply, backward, reference); float32 "
