@@ -44,12 +44,15 @@ def loadavg():
         return None
 
 
-def run(cases, dtypes, impls, repeat, log=print):
+def run(cases, dtypes, impls, repeat, log=print, min_block_s=20e-3):
     rows = []
     for case_name, shape in cases.items():
         for dtype_name in dtypes:
             case = Case(case_name, shape, DTYPES[dtype_name])
-            all_times = measure_interleaved({impl: case.fn(impl) for impl in impls}, repeat=repeat)
+            # Blocks of >= 20 ms: interleaved, each block starts after another implementation has
+            # had the caches, and a block of a few calls would time mostly that refill.
+            all_times = measure_interleaved({impl: case.fn(impl) for impl in impls}, repeat=repeat,
+                                            min_block_s=min_block_s)
             for impl in impls:
                 times = all_times[impl]
                 t = median(times)
@@ -99,7 +102,8 @@ def main(argv=None):
         "python": platform.python_version(), "cpu": cpu_model(), "cpu_count": os.cpu_count(),
         "cpu_isa": rope_ext.cpu_isa(), "threads": torch.get_num_threads(), "repeat": repeat,
         "loadavg_start": loadavg(), "impls": {i: IMPLS[i] for i in impls},
-        "timing": "per case, the implementations' timed blocks round-robin; median per implementation",
+        "timing": "per case, the implementations' timed blocks (>= 20 ms each) round-robin; "
+                  "median per implementation",
         "mode": "torch.inference_mode()", "allocator": allocator,
         "bytes_counted": "2 * x.nbytes: x read once, a result of x's size written once",
         "tables": "float32 cos/sin [T, 1, D/2] (apply, backward, reference); float32 "
@@ -108,7 +112,8 @@ def main(argv=None):
     print(f"rope_ext.bench: CPU kernels {meta['cpu_isa']}, {meta['threads']} threads, "
           f"load average {meta['loadavg_start']}, malloc: {allocator}", flush=True)
     with torch.inference_mode():
-        rows = run(cases, dtypes, impls, repeat, log=lambda s: print(s, flush=True))
+        rows = run(cases, dtypes, impls, repeat, log=lambda s: print(s, flush=True),
+                   min_block_s=2e-3 if args.quick else 20e-3)
     meta["loadavg_end"] = loadavg()
     summary = report.summarize(rows)
     doc = {"meta": meta, "results": rows, "summary": summary}

@@ -121,7 +121,7 @@ def markdown(doc):
     parts = [
         f"rope_ext {meta['rope_ext']}, torch {meta['torch']}, CPU kernels: {meta['cpu_isa']}, "
         f"threads: {meta['threads']}, {meta['cpu']}; load average {meta['loadavg_start']} at start, "
-        f"{meta['loadavg_end']} at end; median of {meta['repeat']} timed blocks, taken "
+        f"{meta['loadavg_end']} at end; median of {meta['repeat']} timed blocks (>= 20 ms), taken "
         f"round-robin across implementations; malloc: {meta.get('allocator', 'glibc defaults')}.",
         "",
         "Bandwidth, GB/s (x read + result written, 2 * x.nbytes; higher is better):",
