@@ -7,8 +7,9 @@ ROPE_EXT_CPU_ISA set (the variant is chosen once, when the library loads):
 Covers: the four x dtypes x the four table dtypes, both layouts, head dims whose halves are not
 multiples of any vector width, partial rotary (pass-through bit-exact), strided x (the portable
 path) and strided heads/tables (the vectorized path), broadcast tables, rope.apply_ with GQA keys
-inside a poisoned fused buffer, int32/int64 positions, outputs large enough for the
-non-temporal-store and huge-page paths, and rotary_dim/2 above the vectorized kernels' limit.
+inside a poisoned fused buffer, int32/int64 positions, outputs large enough for the CPU output
+cache, and rotary_dim/2 above the vectorized kernels' limit. test_cpu_isa.py runs it with
+ROPE_EXT_CPU_STREAM_MB=0, so every output here takes the non-temporal-store path.
 """
 
 import itertools
@@ -167,7 +168,8 @@ def inplace_matrix():
 
 
 def large_matrix():
-    """Outputs >= 16 MiB (non-temporal stores, huge-page advice), aligned and not, many rows
+    """Outputs >= 16 MiB (the output cache; non-temporal stores under the test's
+    ROPE_EXT_CPU_STREAM_MB=0), aligned and not, many rows
     (threads), and rotary_dim/2 above the vectorized limit (512)."""
     n = 0
     cases = [

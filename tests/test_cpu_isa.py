@@ -74,9 +74,22 @@ def test_variant_matches_float64_reference(isa):
     if isa != "baseline" and (flags is None or not NEEDS[isa] <= flags):
         pytest.skip(f"this CPU cannot run the {isa} kernels")
     seed = str(int.from_bytes(os.urandom(4), "little"))
-    r = run_python([os.path.join(HERE, "cpu_isa_matrix.py"), isa, seed], ROPE_EXT_CPU_ISA=isa)
+    # ROPE_EXT_CPU_STREAM_MB=0: every output of the matrix takes the non-temporal-store path
+    # (with its fallback for unaligned rows); the other tests, in-process, take plain stores.
+    r = run_python([os.path.join(HERE, "cpu_isa_matrix.py"), isa, seed], ROPE_EXT_CPU_ISA=isa,
+                   ROPE_EXT_CPU_STREAM_MB="0")
     assert r.returncode == 0, f"seed {seed}\n{r.stdout}\n{r.stderr}"
     assert f"cpu_isa={isa} ok" in r.stdout
+
+
+@native
+@pytest.mark.parametrize("bad", ["-3", "big", "2.5"])
+def test_bad_stream_threshold_is_a_clear_error(bad):
+    code = ("import torch, rope_ext; x = torch.randn(4, 2, 8); c = torch.rand(4, 1, 4); "
+            "torch.ops.rope.apply(x, c, c)")
+    r = run_python(["-c", code], ROPE_EXT_CPU_STREAM_MB=bad)
+    assert r.returncode != 0
+    assert "ROPE_EXT_CPU_STREAM_MB" in r.stderr and bad in r.stderr
 
 
 # Prints one digest of apply / apply_backward / apply_ outputs over dtypes, layouts, head dims

@@ -14,6 +14,7 @@
 #include "../dispatch.h"
 #include "../rope_checks.h"
 #include "cpu_output_cache.h"
+#include "cpu_stream_policy.h"
 #include "rope_cpu_isa.h"
 
 namespace rope {
@@ -51,11 +52,6 @@ int dt_index(ScalarType t) {
       return kBF16;
   }
 }
-
-// Outputs at least this large are written with non-temporal stores: they cannot stay in cache,
-// and streaming them skips the read-for-ownership of each destination line (it pays when the
-// allocator recycles memory; on fresh pages the OS's zeroing dominates: bench/NOTES.md 3).
-constexpr int64_t kStreamBytes = int64_t(16) << 20;
 
 // Strides of one row's operands along the head dim; all 1 in the contiguous instantiation.
 struct RowStrides {
@@ -109,7 +105,7 @@ void apply_into(const Tensor& x, const Tensor& cos, const Tensor& sin, bool inte
   if (simd != nullptr && g.x_last == 1 && g.half <= kSimdMaxHalf) {
     const ApplyJob job{x.const_data_ptr(), out.mutable_data_ptr(), cos.const_data_ptr(),
                        sin.const_data_ptr(), &g, interleaved, kInverse,
-                       out_bytes >= kStreamBytes};
+                       out_bytes >= cpu_stream_threshold_bytes()};
     const ApplyRowsFn fn = simd->apply[dt_index(x.scalar_type())][dt_index(cos.scalar_type())];
     run_rows(g.rows, grain, [&](int64_t b, int64_t e) { fn(job, b, e); });
     return;
