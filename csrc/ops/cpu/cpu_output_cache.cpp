@@ -13,6 +13,8 @@
 // first. rope.cpu_output_cache_empty frees them all (rope_ext.empty_cpu_cache()).
 #include "cpu_output_cache.h"
 
+#include "cpu_env.h"
+
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
@@ -65,14 +67,8 @@ void advise_huge_pages(void* data, int64_t bytes) {
 }
 
 int64_t limit_from_env() {
-  const char* env = std::getenv("ROPE_EXT_CPU_CACHE_MB");
-  if (env == nullptr || *env == '\0') return int64_t(1024) << 20;
-  char* end = nullptr;
-  const long long mb = std::strtoll(env, &end, 10);
-  STD_TORCH_CHECK(*end == '\0' && mb >= 0 && mb <= (int64_t(1) << 40),
-                  "ROPE_EXT_CPU_CACHE_MB must be a whole number of MiB >= 0 (0 turns the CPU "
-                  "output cache off), got '", env, "'");
-  return static_cast<int64_t>(mb) << 20;
+  return env_mib_bytes("ROPE_EXT_CPU_CACHE_MB", int64_t(1024) << 20,
+                       "0 turns the CPU output cache off");
 }
 
 struct Block {

@@ -1,5 +1,7 @@
 #include "cpu_stream_policy.h"
 
+#include "cpu_env.h"
+
 #include <cstdlib>
 #include <fstream>
 #include <string>
@@ -36,17 +38,9 @@ int64_t last_level_cache_bytes() {
 }
 
 int64_t threshold_from_env_or_cache() {
-  const char* env = std::getenv("ROPE_EXT_CPU_STREAM_MB");
-  if (env != nullptr && *env != '\0') {
-    char* end = nullptr;
-    const long long mb = std::strtoll(env, &end, 10);
-    STD_TORCH_CHECK(*end == '\0' && mb >= 0 && mb <= (int64_t(1) << 40),
-                    "ROPE_EXT_CPU_STREAM_MB must be a whole number of MiB >= 0 (CPU outputs of at "
-                    "least that size are written with non-temporal stores), got '", env, "'");
-    return static_cast<int64_t>(mb) << 20;
-  }
   const int64_t llc = last_level_cache_bytes();
-  return llc > 0 ? llc : kUnknownCacheBytes;
+  return env_mib_bytes("ROPE_EXT_CPU_STREAM_MB", llc > 0 ? llc : kUnknownCacheBytes,
+                       "CPU outputs of at least that size are written with non-temporal stores");
 }
 
 }  // namespace

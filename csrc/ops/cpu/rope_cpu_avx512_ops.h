@@ -50,14 +50,12 @@ struct F32Ops {
   static __m512i to_bf16_pair(V lo, V hi) {
     return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
   }
-  static void store_pair(BF16Bits* p, V lo, V hi) {
-    _mm512_storeu_si512(reinterpret_cast<void*>(p), to_bf16_pair(lo, hi));
-  }
-  static void stream_pair(BF16Bits* p, V lo, V hi) {
-    if ((reinterpret_cast<uintptr_t>(p) & 63) == 0) {
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(p), to_bf16_pair(lo, hi));
+  // 32 bfloat16 to p: streamed when asked and p is 64-byte aligned, else a plain store.
+  static void write_bf16x32(BF16Bits* p, __m512i v, bool stream) {
+    if (stream && (reinterpret_cast<uintptr_t>(p) & 63) == 0) {
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(p), v);
     } else {
-      store_pair(p, lo, hi);
+      _mm512_storeu_si512(reinterpret_cast<void*>(p), v);
     }
   }
   // 32 values as their 16 even and 16 odd elements, widened to float with a shift and a mask.
@@ -73,16 +71,6 @@ struct F32Ops {
                                            24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
                                            1, 16, 0);
     return _mm512_permutexvar_epi16(order, to_bf16_pair(even, odd));
-  }
-  static void store_even_odd(BF16Bits* p, V even, V odd) {
-    _mm512_storeu_si512(reinterpret_cast<void*>(p), join_even_odd(even, odd));
-  }
-  static void stream_even_odd(BF16Bits* p, V even, V odd) {
-    if ((reinterpret_cast<uintptr_t>(p) & 63) == 0) {
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(p), join_even_odd(even, odd));
-    } else {
-      store_even_odd(p, even, odd);
-    }
   }
 #endif
 

@@ -81,10 +81,10 @@ using OpsFor = std::conditional_t<std::is_same<x_t, double>::value, F64Ops, F32O
 
 // bfloat16 rows where Ops::kBf16Pairs (AVX512_BF16), whose conversions bound the loop
 // (bench/NOTES.md 11): two float vectors round to 2 * W bfloat16 in one instruction.
-// - Half-split rows take 2 * W elements of each half per step: load as before, store_pair(lo, hi).
+// - Half-split rows take 2 * W elements of each half per step: load as before, to_bf16_pair(lo, hi).
 // - Interleaved rows load 2 * W values as one vector and split it into its W even elements (the
 //   pairs' first values) and W odd ones (the second) with a shift and a mask: plain tables, no lane
-//   swap; store_even_odd puts them back in order with one word permute. (Even/odd half-split rows
+//   swap; join_even_odd puts them back in order with one word permute. (Even/odd half-split rows
 //   measured slower: they need that permute too, and de-interleaved tables.)
 // The arithmetic per element is the other variants', and so are the bits.
 template <class Ops, class = void>
@@ -94,22 +94,10 @@ struct HasBf16Pairs<Ops, std::enable_if_t<Ops::kBf16Pairs>> : std::true_type {};
 template <class Ops, typename x_t>
 constexpr bool kBf16Pairs = std::is_same<x_t, BF16Bits>::value && HasBf16Pairs<Ops>::value;
 
-template <class Ops, bool kStream, typename x_t>
-ROPE_SIMD_INLINE void put_pair(x_t* p, typename Ops::V lo, typename Ops::V hi) {
-  if (kStream) {
-    Ops::stream_pair(p, lo, hi);
-  } else {
-    Ops::store_pair(p, lo, hi);
-  }
-}
-
-template <class Ops, bool kStream, typename x_t>
-ROPE_SIMD_INLINE void put_even_odd(x_t* p, typename Ops::V even, typename Ops::V odd) {
-  if (kStream) {
-    Ops::stream_even_odd(p, even, odd);
-  } else {
-    Ops::store_even_odd(p, even, odd);
-  }
+// 2 * W bfloat16 results to p: lo/hi = the first/second W values (kEvenOdd: the even/odd ones).
+template <class Ops, bool kStream, bool kEvenOdd, typename x_t>
+ROPE_SIMD_INLINE void put_bf16_pair(x_t* p, typename Ops::V a, typename Ops::V b) {
+  Ops::write_bf16x32(p, kEvenOdd ? Ops::join_even_odd(a, b) : Ops::to_bf16_pair(a, b), kStream);
 }
 
 // Whether a row kernel reads its tables duplicated per element, c2 = [c0, c0, c1, c1, ...] and
@@ -131,9 +119,9 @@ ROPE_SIMD_INLINE void row_half_split(const x_t* x, x_t* out, const typename Ops:
       const V a2 = Ops::load(x + i + W), b2 = Ops::load(x + half + i + W);
       const V cv = Ops::load(c + i), sv = Ops::load(s + i);
       const V cv2 = Ops::load(c + i + W), sv2 = Ops::load(s + i + W);
-      put_pair<Ops, kStream>(out + i, Ops::sub(Ops::mul(a, cv), Ops::mul(b, sv)),
+      put_bf16_pair<Ops, kStream, false>(out + i, Ops::sub(Ops::mul(a, cv), Ops::mul(b, sv)),
                              Ops::sub(Ops::mul(a2, cv2), Ops::mul(b2, sv2)));
-      put_pair<Ops, kStream>(out + half + i, Ops::add(Ops::mul(b, cv), Ops::mul(a, sv)),
+      put_bf16_pair<Ops, kStream, false>(out + half + i, Ops::add(Ops::mul(b, cv), Ops::mul(a, sv)),
                              Ops::add(Ops::mul(b2, cv2), Ops::mul(a2, sv2)));
     }
   }
@@ -173,7 +161,7 @@ ROPE_SIMD_INLINE void row_interleaved(const x_t* x, x_t* out, const typename Ops
       V a, b;
       Ops::load_even_odd(x + 2 * p, a, b);
       const V cv = Ops::load(c + p), sv = Ops::load(s + p);
-      put_even_odd<Ops, kStream>(out + 2 * p, Ops::sub(Ops::mul(a, cv), Ops::mul(b, sv)),
+      put_bf16_pair<Ops, kStream, true>(out + 2 * p, Ops::sub(Ops::mul(a, cv), Ops::mul(b, sv)),
                                  Ops::add(Ops::mul(b, cv), Ops::mul(a, sv)));
     }
     for (; p < half; ++p) {
@@ -251,30 +239,11 @@ ROPE_SIMD_INLINE void rotate_row(const x_t* x, x_t* out, const typename Ops::acc
   }
 }
 
-// Calls f(row, offset0, offset1, offset2) for rows [b, e) of `ix`: runs along the innermost
-// leading dim (heads, usually, with the tables' stride 0 there) use plain strides; the offsets
-// are re-derived (a division per dim) only where a run wraps.
-template <typename F>
-ROPE_SIMD_INLINE void for_each_row(const LeadIndexer& ix, int64_t b, int64_t e, F&& f) {
-  if (ix.ndim == 0) {
-    for (int64_t r = b; r < e; ++r) f(r, int64_t(0), int64_t(0), int64_t(0));
-    return;
-  }
-  const int last = ix.ndim - 1;
-  const int64_t n = ix.sizes[last];
-  const int64_t s0 = ix.strides[0][last], s1 = ix.strides[1][last], s2 = ix.strides[2][last];
-  for (int64_t r = b; r < e;) {
-    int64_t off[kMaxOperands];
-    ix.offsets(r, off);
-    const int64_t run = std::min(e - r, n - r % n);
-    for (int64_t j = 0; j < run; ++j) f(r + j, off[0] + j * s0, off[1] + j * s1, off[2] + j * s2);
-    r += run;
-  }
-}
-
 // Calls f(first_row, count, offset0, offset1, offset2, stride0, stride1, stride2) for each run of
-// rows [b, e) along the innermost leading dim, so the caller walks a run with pointer increments
-// (on [T, 32, 128] a row is 2-4 vector steps: per-row index arithmetic showed in the profile).
+// rows [b, e) of `ix` along its innermost leading dim (heads, usually, with the tables' stride 0
+// there), so the caller walks a run with pointer increments; offsets are re-derived (a division
+// per dim) only where a run wraps. On [T, 32, 128] a row is 2-4 vector steps: per-row index
+// arithmetic showed in the profile.
 template <typename F>
 ROPE_SIMD_INLINE void for_each_run(const LeadIndexer& ix, int64_t b, int64_t e, F&& f) {
   if (ix.ndim == 0) {
@@ -291,6 +260,16 @@ ROPE_SIMD_INLINE void for_each_run(const LeadIndexer& ix, int64_t b, int64_t e, 
     f(r, run, off[0], off[1], off[2], s0, s1, s2);
     r += run;
   }
+}
+
+// Calls f(row, offset0, offset1, offset2) for rows [b, e) of `ix` (rope.apply_'s tokens).
+template <typename F>
+ROPE_SIMD_INLINE void for_each_row(const LeadIndexer& ix, int64_t b, int64_t e, F&& f) {
+  for_each_run(ix, b, e,
+               [&](int64_t r, int64_t run, int64_t o0, int64_t o1, int64_t o2, int64_t s0,
+                   int64_t s1, int64_t s2) ROPE_SIMD_INLINE_LAMBDA {
+                 for (int64_t j = 0; j < run; ++j) f(r + j, o0 + j * s0, o1 + j * s1, o2 + j * s2);
+               });
 }
 
 // ---- rope.apply / rope.apply_backward over rows [b, e) ----
