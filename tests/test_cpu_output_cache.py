@@ -209,3 +209,25 @@ def test_reference_backend_reports_no_cache():
     r = run_python("import rope_ext; print(rope_ext.cpu_cache_info())", ROPE_EXT_BACKEND="reference")
     assert r.returncode == 0, r.stderr
     assert "'available': False" in r.stdout and "'limit_bytes': 0" in r.stdout
+
+
+@native
+@cache_on
+def test_cached_outputs_through_autograd_and_compile():
+    # Outputs and gradients from recycled blocks behave like any tensor: accumulated into
+    # x.grad over several backward passes, and consumed by an Inductor graph.
+    x, cos, sin = case(LARGE)
+    x.requires_grad_(True)
+    before = stats()["reuses"]
+    for _ in range(3):
+        y = rope_ext.apply_rope(x, cos, sin)
+        (y * y.detach()).sum().backward()
+    assert stats()["reuses"] > before
+    y64 = rope(x.detach(), cos, sin, False)
+    assert_close(x.grad, 3 * rope(y64, cos, sin, False, inverse=True), torch.float32)
+
+    f = torch.compile(lambda a: (torch.ops.rope.apply(a, cos, sin) * 2 + 1).sum(-1), fullgraph=True)
+    with torch.no_grad():
+        for _ in range(2):
+            out = f(x.detach())
+    torch.testing.assert_close(out.double(), (2 * y64 + 1).sum(-1), rtol=1e-5, atol=1e-3)
