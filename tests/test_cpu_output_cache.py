@@ -231,3 +231,27 @@ def test_cached_outputs_through_autograd_and_compile():
         for _ in range(2):
             out = f(x.detach())
     torch.testing.assert_close(out.double(), (2 * y64 + 1).sum(-1), rtol=1e-5, atol=1e-3)
+
+
+@native
+@cache_on
+def test_a_forked_child_has_a_working_cache_of_its_own():
+    # os.fork directly (the inherited tensors need no pickling); the child reports by exit code.
+    x, cos, sin = case(LARGE)
+    expected = rope(x, cos, sin, False)
+    kept = torch.ops.rope.apply(x, cos, sin)  # inherited by the child and freed there
+    torch.ops.rope.apply(x, cos, sin)  # a block the parent's cache keeps
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        code = 1
+        try:
+            torch.set_num_threads(1)  # as DataLoader workers do: the OpenMP pool does not survive fork
+            del kept  # its block joins the child's (fresh) cache
+            y = torch.ops.rope.apply(x, cos, sin)
+            info = rope_ext.cpu_cache_info()
+            good = bool(torch.allclose(y.double(), expected, rtol=1e-6, atol=1e-6))
+            code = 0 if good and info["reuses"] == 1 and info["new_blocks"] == 0 else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status

@@ -23,6 +23,9 @@
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
+#if defined(__unix__) || defined(__APPLE__)
+#include <pthread.h>
+#endif
 
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/library.h>
@@ -162,9 +165,24 @@ class OutputCache {
 
 // Never destroyed: torch may free an output (and call the deleter) during interpreter teardown,
 // after static destructors have run.
+OutputCache* g_cache = nullptr;
+
+// A child of fork() starts with a fresh cache: the parent's mutex may have been held by another
+// thread at the fork (a DataLoader worker forked while a backward pass frees an output), and
+// would never be released in the child. The parent's kept blocks are forgotten there (the
+// child's copies of them stay mapped, unused); outputs the child inherited return to the new one.
+void reset_cache_in_child() { g_cache = new OutputCache(); }
+
 OutputCache& cache() {
-  static OutputCache* c = new OutputCache();
-  return *c;
+  static const bool once = [] {
+    g_cache = new OutputCache();
+#if defined(__unix__) || defined(__APPLE__)
+    pthread_atfork(nullptr, nullptr, reset_cache_in_child);
+#endif
+    return true;
+  }();
+  (void)once;
+  return *g_cache;
 }
 
 bool cache_available() {
