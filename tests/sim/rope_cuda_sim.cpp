@@ -147,6 +147,23 @@ void raise_if_failed(const Recorder& rec, const char* op) {
                   " bad accesses, first ones:\n", rec.errors.str());
 }
 
+// One simulated launch: installs a fresh Recorder for the element hooks (g_rec) and removes it
+// however the host code exits (a rejected call throws); finish() raises on any bad access and
+// reports the launch plan in `info`.
+struct SimRun {
+  Recorder rec;
+  LaunchPlan plan;
+  SimRun() { g_rec = &rec; }
+  ~SimRun() { g_rec = nullptr; }
+  SimRun(const SimRun&) = delete;
+  SimRun& operator=(const SimRun&) = delete;
+  void finish(const char* op, Tensor& info) {
+    g_rec = nullptr;
+    raise_if_failed(rec, op);
+    fill_info(info, plan, rec);
+  }
+};
+
 struct ApplySim {
   Recorder& rec;
   bool force_idx64;
@@ -191,15 +208,11 @@ struct ApplySim {
 Tensor sim_apply(Tensor x, Tensor cos, Tensor sin, bool interleaved, bool inverse,
                  int64_t max_blocks, bool force_idx64, Tensor info) {
   STD_TORCH_CHECK(x.is_cpu(), "sim: CPU tensors only");
-  Recorder rec;
-  g_rec = &rec;
-  LaunchPlan plan;
-  const ApplySim run{rec, force_idx64, &plan};
+  SimRun sim;
+  const ApplySim run{sim.rec, force_idx64, &sim.plan};
   Tensor out = inverse ? gpu::apply_host<true>(x, cos, sin, interleaved, run, max_blocks)
                        : gpu::apply_host<false>(x, cos, sin, interleaved, run, max_blocks);
-  g_rec = nullptr;
-  raise_if_failed(rec, "rope_sim.apply");
-  fill_info(info, plan, rec);
+  sim.finish("rope_sim.apply", info);
   return out;
 }
 
@@ -208,14 +221,10 @@ Tensor sim_apply(Tensor x, Tensor cos, Tensor sin, bool interleaved, bool invers
 void sim_apply_out(Tensor x, Tensor cos, Tensor sin, bool interleaved, int64_t max_blocks,
                    bool force_idx64, Tensor info, Tensor out) {
   STD_TORCH_CHECK(x.is_cpu(), "sim: CPU tensors only");
-  Recorder rec;
-  g_rec = &rec;
-  LaunchPlan plan;
-  const ApplySim run{rec, force_idx64, &plan};
-  gpu::apply_out_host(x, cos, sin, interleaved, out, run, max_blocks);
-  g_rec = nullptr;
-  raise_if_failed(rec, "rope_sim.apply_out");
-  fill_info(info, plan, rec);
+  SimRun sim;
+  gpu::apply_out_host(x, cos, sin, interleaved, out, ApplySim{sim.rec, force_idx64, &sim.plan},
+                      max_blocks);
+  sim.finish("rope_sim.apply_out", info);
 }
 
 struct InplaceSim {
@@ -290,14 +299,10 @@ void sim_apply_inplace(Tensor query, std::optional<Tensor> key, Tensor positions
                        Tensor cos_sin_cache, bool interleaved, int64_t max_blocks,
                        bool force_idx64, Tensor info) {
   STD_TORCH_CHECK(query.is_cpu(), "sim: CPU tensors only");
-  Recorder rec;
-  g_rec = &rec;
-  LaunchPlan plan;
+  SimRun sim;
   gpu::apply_inplace_host(query, key, positions, cos_sin_cache, interleaved,
-                          InplaceSim{rec, force_idx64, &plan}, max_blocks);
-  g_rec = nullptr;
-  raise_if_failed(rec, "rope_sim.apply_");
-  fill_info(info, plan, rec);
+                          InplaceSim{sim.rec, force_idx64, &sim.plan}, max_blocks);
+  sim.finish("rope_sim.apply_", info);
 }
 
 }  // namespace
