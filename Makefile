@@ -1,7 +1,7 @@
 # Two entry points do all set-up on a fresh machine:
 #   make run    builds everything, then reports the build, checks the kernels, times them
 #   make test   builds everything, then runs pytest tests/
-#   make bench  builds everything, then runs the CPU benchmark (python -m rope_ext.bench)
+#   make bench  builds everything, then runs the CPU benchmark (bench/bench.py)
 # Both are incremental: the venv is rebuilt only when requirements.txt changes, the extension
 # only when a source under csrc/ (or setup.py) changes.
 
@@ -9,10 +9,10 @@ PYTHON_BOOT ?= python3
 VENV        := .venv
 PY          := $(VENV)/bin/python
 DEPS_STAMP  := $(VENV)/.deps-installed
-NATIVE_SRC  := setup.py $(shell find csrc -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \))
+NATIVE_SRC  := setup.py csrc/build.json $(shell find csrc -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \))
 LIB         := rope_ext/_C.abi3.so
-# The CUDA library, tracked when setup.py would build it (see build_config.py; empty before the
-# venv exists, so a fresh machine's first make builds it without tracking it).
+# The CUDA library, tracked when setup.py would build it (build_config.py reads csrc/build.json;
+# empty before the venv exists, so a fresh machine's first make builds it without tracking it).
 CUDA_LIB    := $(shell test -x $(PY) && $(PY) build_config.py --cuda-lib)
 export MAX_JOBS ?= 2
 
@@ -40,10 +40,10 @@ test: build
 	$(PY) -m pytest tests/ -q
 
 bench: build
-	$(PY) -m rope_ext.bench
+	$(PY) bench/bench.py --device cpu
 
-# On a machine with a GPU (the H200 the device tool lends): build or reuse the libraries, run the
-# tests on CUDA and the GPU benchmark; results under $$OUT (default gpu-results/).
+# On a machine with a GPU: build or reuse the libraries, run the tests on CUDA and the GPU
+# benchmark; results under $$OUT (default gpu-results/).
 gpu-check:
 	bash scripts/gpu_check.sh
 
@@ -57,7 +57,7 @@ clean:
 # `make build` (same build/temp dir and flags). build/lib* is cleared so that nothing stale
 # (a deleted module, an old library) can slip into the wheel.
 WHEEL_STAMP := dist/.wheel-built
-PACKAGE_SRC := pyproject.toml README.md $(wildcard rope_ext/*.py)
+PACKAGE_SRC := pyproject.toml README.md $(shell find rope_ext -name '*.py')
 
 $(WHEEL_STAMP): $(DEPS_STAMP) $(NATIVE_SRC) $(PACKAGE_SRC)
 	rm -rf build/lib.* dist/rope_ext-*.whl
@@ -82,7 +82,7 @@ TORCH213_TREE  := build/torch2.13-tests
 $(TORCH213_DEPS): requirements.txt
 	test -x $(TORCH213_PY) || $(PYTHON_BOOT) -m venv $(TORCH213_VENV)
 	$(TORCH213_PY) -m pip install --quiet --disable-pip-version-check torch==$(TORCH213) \
-		$$(grep -E '^(pytest|numpy)==' requirements.txt)
+		$$(grep -E '^(pytest|numpy|transformers)==' requirements.txt)
 	touch $@
 
 $(TORCH213_WHEEL): $(TORCH213_DEPS) $(WHEEL_STAMP)
@@ -93,7 +93,7 @@ $(TORCH213_WHEEL): $(TORCH213_DEPS) $(WHEEL_STAMP)
 
 torch213-test: $(TORCH213_WHEEL)
 	rm -rf $(TORCH213_TREE) && mkdir -p $(TORCH213_TREE)
-	tar -c --exclude=__pycache__ tests csrc setup.py build_config.py pyproject.toml requirements.txt README.md | tar -x -C $(TORCH213_TREE)
+	tar -c --exclude=__pycache__ tests csrc bench setup.py build_config.py pyproject.toml requirements.txt README.md | tar -x -C $(TORCH213_TREE)
 	ln -s "$$($(TORCH213_PY) -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')/rope_ext" $(TORCH213_TREE)/rope_ext
 	cd $(TORCH213_TREE) && ROPE_EXT_EXPECT_INSTALLED=$(TORCH213) $(CURDIR)/$(TORCH213_PY) -m pytest tests -q -p no:cacheprovider
 
@@ -106,6 +106,7 @@ jit-test: $(DEPS_STAMP) build
 # torch.ops.load_library of that library from Python. Python only tells CMake where torch is.
 CMAKE_DIR := build/cmake
 CMAKE_LIB := $(CMAKE_DIR)/librope_ops.so
+CMAKE_CUDA_LIB := $(CMAKE_DIR)/librope_ops_cuda.so
 
 $(CMAKE_DIR)/CMakeCache.txt: $(DEPS_STAMP)
 	cmake -S . -B $(CMAKE_DIR) -DCMAKE_BUILD_TYPE=Release \
@@ -116,7 +117,36 @@ cmake-build: $(CMAKE_DIR)/CMakeCache.txt
 
 cmake-test: cmake-build
 	ctest --test-dir $(CMAKE_DIR) --output-on-failure
-	ROPE_EXT_CMAKE_LIB=$(CMAKE_LIB) $(PY) -m pytest tests/test_cmake_library.py -q
+	ROPE_EXT_CMAKE_LIB=$(CMAKE_LIB) ROPE_EXT_CMAKE_CUDA_LIB=$(CMAKE_CUDA_LIB) \
+		$(PY) -m pytest tests/test_cmake_library.py -q
 
 # Everything CI checks beyond `make test`.
 packaging-test: wheel-test torch213-test cmake-test
+
+# ---- AddressSanitizer + UndefinedBehaviorSanitizer (no -fwrapv) over the CPU library ----------
+# The library is built apart (build/sanitize; the release build in rope_ext/ is untouched), then
+# the test suite and a long randomized fuzz run against it in a copy of the tree whose rope_ext/
+# holds the sanitized library. Any report fails the run.
+SAN_DIR   := build/sanitize
+SAN_TREE  := $(SAN_DIR)/tree
+SAN_LIB   := $(SAN_DIR)/lib/rope_ext/_C.abi3.so
+SAN_TESTS ?= tests
+SAN_FUZZ  ?= 4000
+SAN_ENV   := ROPE_EXT_BUILD=sanitize \
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:strict_string_checks=1 \
+	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+
+.PHONY: sanitize
+$(SAN_LIB): $(DEPS_STAMP) $(NATIVE_SRC) build_config.py
+	ROPE_EXT_BUILD=sanitize ROPE_EXT_CUDA=0 $(PY) setup.py --quiet build_ext \
+		--build-temp $(SAN_DIR)/temp --build-lib $(SAN_DIR)/lib
+	touch $@
+
+sanitize: $(SAN_LIB)
+	rm -rf $(SAN_TREE) && mkdir -p $(SAN_TREE)
+	tar -c --exclude=__pycache__ --exclude='*.so' tests csrc bench rope_ext setup.py build_config.py \
+		pyproject.toml requirements.txt README.md | tar -x -C $(SAN_TREE)
+	cp $(SAN_LIB) $(SAN_TREE)/rope_ext/
+	cd $(SAN_TREE) && $(SAN_ENV) $(CURDIR)/$(PY) -m pytest $(SAN_TESTS) -q -p no:cacheprovider \
+		--fuzz-cases $(SAN_FUZZ) --ignore=tests/test_jit.py --ignore=tests/test_cuda_codegen.py

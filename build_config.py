@@ -1,26 +1,71 @@
-"""Decides whether setup.py builds the CUDA library, without importing torch.
+"""Reads the build description, csrc/build.json, for setup.py, rope_ext.jit and the tests that
+compile native code, and decides whether the CUDA library is built. Imports no torch.
 
-Rules: ROPE_EXT_CUDA=1 forces the CUDA build (an error if it is impossible), ROPE_EXT_CUDA=0
-skips it; otherwise it is built whenever the installed torch is a CUDA build and a CUDA toolkit
-is found (CUDA_HOME, else /usr/local/cuda, else the nvcc on PATH), GPU or not. Without a GPU
-torch cannot detect the archs, so TORCH_CUDA_ARCH_LIST defaults to DEFAULT_ARCHS.
+Rules for CUDA: ROPE_EXT_CUDA=1 forces the CUDA library (an error if it cannot be built), 0 skips
+it; otherwise it is built whenever the installed torch is a CUDA build and a CUDA toolkit is found
+(CUDA_HOME, else /usr/local/cuda, else the nvcc on PATH), GPU or not. Without a GPU torch cannot
+detect the archs, so TORCH_CUDA_ARCH_LIST defaults to build.json's `cuda_archs`.
 
 `python build_config.py --cuda-lib` prints the CUDA library's path when it would be built (the
-Makefile uses it to track that file), and nothing otherwise.
+Makefile tracks that file), and nothing otherwise.
 """
 
 import importlib.util
+import json
 import os
 import shutil
 import sys
 
-CUDA_ENV = "ROPE_EXT_CUDA"
-CUDA_LIB = "rope_ext/_C_cuda.abi3.so"
-# SASS for sm_80 (A100; also runs on sm_86/sm_89) and sm_90 (H100/H200), plus compute_90 PTX that
-# the driver compiles for newer GPUs (Blackwell). Measured on 2 cores: the .cu takes ~21-27 s
-# with "9.0+PTX" and ~21-42 s with this list (noisy, shared machine); worth it so the default
-# build runs on every GPU from Ampere on.
-DEFAULT_ARCHS = "8.0;9.0+PTX"
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+with open(os.path.join(ROOT, "csrc", "build.json")) as _f:
+    DESCRIPTION = json.load(_f)
+
+# rope_ext/envs.py is the one reader of the environment; loaded by path (no torch, no package).
+_spec = importlib.util.spec_from_file_location("_rope_ext_envs", os.path.join(ROOT, "rope_ext", "envs.py"))
+envs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(envs)
+
+
+def library(name):
+    """(module name, python-init source, sources) of library "cpu" or "cuda", paths relative to
+    the repository root."""
+    lib = DESCRIPTION["libraries"][name]
+    return lib["module"], lib["python_init"], list(lib["sources"])
+
+
+def library_path(name, suffix=".abi3.so"):
+    """Where the in-place build puts the library, relative to the root."""
+    return library(name)[0].replace(".", "/") + suffix
+
+
+def _defines():
+    return [f"-DTORCH_TARGET_VERSION={DESCRIPTION['torch_target_version']}"]
+
+
+def cxx_flags():
+    """Flags for the C++ sources: the project's, then release (no debug info) or sanitizer flags."""
+    extra = DESCRIPTION["sanitize_flags" if envs.BUILD == "sanitize" else "release_flags"]
+    return DESCRIPTION["cxx_flags"] + _defines() + extra
+
+
+def nvcc_flags():
+    return DESCRIPTION["nvcc_flags"] + _defines()
+
+
+def include_dirs():
+    return [os.path.join(ROOT, d) for d in DESCRIPTION["include_dirs"]]
+
+
+def py_limited_api_define():
+    """What torch.utils.cpp_extension defines for py_limited_api=True; for builds that call the
+    compiler directly."""
+    return f"-DPy_LIMITED_API={DESCRIPTION['py_limited_api']}"
+
+
+def cuda_arch_list():
+    """The default TORCH_CUDA_ARCH_LIST ("8.0;9.0+PTX")."""
+    return ";".join(DESCRIPTION["cuda_archs"])
 
 
 def _has_nvcc(home):
@@ -59,9 +104,11 @@ def torch_cuda_version():
 
 def want_cuda():
     """(build the CUDA library?, why)."""
-    forced = os.environ.get(CUDA_ENV, "").strip()
+    forced = envs.CUDA
     if forced == "0":
-        return False, f"{CUDA_ENV}=0"
+        return False, "ROPE_EXT_CUDA=0"
+    if envs.BUILD == "sanitize":
+        return False, "sanitizer builds are CPU-only"
     home, tcuda = cuda_home(), torch_cuda_version()
     missing = []
     if not tcuda:
@@ -70,7 +117,7 @@ def want_cuda():
         missing.append("no CUDA toolkit (set CUDA_HOME or install one at /usr/local/cuda)")
     if missing:
         if forced == "1":
-            raise RuntimeError(f"{CUDA_ENV}=1 but the CUDA library cannot be built: " + "; ".join(missing))
+            raise RuntimeError("ROPE_EXT_CUDA=1 but the CUDA library cannot be built: " + "; ".join(missing))
         return False, "; ".join(missing)
     return True, f"torch CUDA {tcuda}, toolkit {home}"
 
@@ -81,15 +128,15 @@ def configure_environment():
     build, why = want_cuda()
     home = cuda_home()
     if home:
-        os.environ["CUDA_HOME"] = home
+        os.environ.setdefault("CUDA_HOME", home)
     if build:
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", cuda_arch_list())
     return build, why
 
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--cuda-lib"]:
         if want_cuda()[0]:
-            print(CUDA_LIB)
+            print(library_path("cuda"))
     else:
         print(want_cuda())

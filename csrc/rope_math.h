@@ -1,8 +1,11 @@
-// Per-pair RoPE math shared by the CPU and CUDA kernels, so the two cannot drift apart.
-// Everything here is header-only and callable from host and device code.
+// Per-element RoPE math shared by the CPU kernels, the CUDA kernels and the CUDA simulator, so
+// that they cannot drift apart: the pair rotation, which elements form a pair, which position
+// component an MRoPE pair takes, and the float8 conversion of the KV-cache write. Header-only and
+// callable from host and device code. The formulas are in docs/math.md.
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define ROPE_HD __host__ __device__ __forceinline__
@@ -24,9 +27,10 @@ struct OpMath<double> {
 template <typename T>
 using opmath_t = typename OpMath<T>::type;
 
-// Rotate one pair (a, b) by the angle whose cosine/sine are (c, s).
-// kInverse rotates by the negative angle: the backward of the forward rotation,
-// since the rotation is orthogonal (ROPE.md section 4).
+// Rotates one pair (a, b) by the angle whose cosine/sine are (c, s). kInverse rotates by the
+// negative angle: the rotation is orthogonal, so that is the backward of the forward rotation.
+// Written as separate products and sums (the build forbids contraction into FMA), so every
+// device rounds it identically.
 template <bool kInverse, typename acc_t>
 ROPE_HD void rotate_pair(acc_t a, acc_t b, acc_t c, acc_t s, acc_t& out_a, acc_t& out_b) {
   if (kInverse) s = -s;
@@ -41,6 +45,86 @@ ROPE_HD int64_t pair_first(int64_t i, int64_t half, bool interleaved) {
 }
 ROPE_HD int64_t pair_second(int64_t i, int64_t half, bool interleaved) {
   return interleaved ? 2 * i + 1 : i + half;
+}
+
+// ---- MRoPE: which of the three position components (temporal, height, width) pair i takes ----
+constexpr int kMropeComponents = 3;
+
+// Sections [t, h, w] (summing to rotary_dim/2).
+//   chunked (Qwen2-VL, Qwen2.5-VL): pairs [0, t) take t, [t, t+h) take h, the rest w;
+//   interleaved (Qwen3-VL): pair i takes h when i % 3 == 1 and i < 3h, w when i % 3 == 2 and
+//   i < 3w, t otherwise (T,H,W,T,H,W,... then T to the end).
+ROPE_HD int mrope_component(int64_t i, const int64_t section[kMropeComponents],
+                            bool interleaved_sections) {
+  if (interleaved_sections) {
+    const int64_t r = i % 3;
+    if (r == 1 && i < 3 * section[1]) return 1;
+    if (r == 2 && i < 3 * section[2]) return 2;
+    return 0;
+  }
+  return i < section[0] ? 0 : (i < section[0] + section[1] ? 1 : 2);
+}
+
+// ---- float8 storage of the KV cache (rope.apply_and_cache_ with kv_cache_dtype fp8) ----
+// value / scale, saturated to the format's largest finite value (NaN stays NaN), rounded to
+// nearest even: bit for bit what torch's own conversion gives for values in range, so
+// `(v / scale).clamp(-max, max).to(torch.float8_*)` is the reference.
+enum class Fp8Format : int32_t { kE4M3FN = 0, kE5M2 = 1 };
+
+ROPE_HD uint32_t float_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+
+ROPE_HD float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+// Largest finite value: 448 (e4m3fn), 57344 (e5m2).
+ROPE_HD float fp8_max(Fp8Format fmt) { return fmt == Fp8Format::kE4M3FN ? 448.0f : 57344.0f; }
+
+// x (already divided by the scale) to the 8-bit code. kMant mantissa bits, kBias exponent bias;
+// the smallest normal is 2^(1 - kBias).
+template <int kMant, int kBias>
+ROPE_HD uint8_t float_to_fp8_bits(float x, float max_finite, uint8_t nan_code) {
+  uint32_t u = float_bits(x);
+  const uint32_t sign = u & 0x80000000u;
+  u ^= sign;
+  uint8_t code;
+  if (u > 0x7F800000u) {
+    code = nan_code;
+  } else {
+    if (bits_float(u) > max_finite) u = float_bits(max_finite);  // saturate, inf included
+    if (u < static_cast<uint32_t>(127 + 1 - kBias) << 23) {
+      // Below the smallest normal: adding 2^(24 - kBias - kMant), a float whose ulp is the
+      // format's subnormal step 2^(1 - kBias - kMant), rounds to nearest even in float
+      // arithmetic, and the low bits of the sum are the subnormal code.
+      const uint32_t magic = static_cast<uint32_t>(127 + 24 - kBias - kMant) << 23;
+      code = static_cast<uint8_t>(float_bits(bits_float(u) + bits_float(magic)) - magic);
+    } else {
+      // Rebias the exponent and round the dropped 23 - kMant bits to nearest even.
+      const uint32_t odd = (u >> (23 - kMant)) & 1u;
+      u += (static_cast<uint32_t>(kBias - 127) << 23) + ((1u << (22 - kMant)) - 1u) + odd;
+      code = static_cast<uint8_t>(u >> (23 - kMant));
+    }
+  }
+  return static_cast<uint8_t>(code | (sign >> 24));
+}
+
+ROPE_HD uint8_t float_to_fp8(float x, Fp8Format fmt) {
+  return fmt == Fp8Format::kE4M3FN ? float_to_fp8_bits<3, 7>(x, 448.0f, 0x7F)
+                                   : float_to_fp8_bits<2, 15>(x, 57344.0f, 0x7F);
 }
 
 }  // namespace rope

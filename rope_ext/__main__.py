@@ -1,39 +1,33 @@
-"""`python -m rope_ext` (what `make run` runs): reports the build, checks the kernels that serve
-against a float64 reference, and prints a small timing table."""
+"""`python -m rope_ext` (what `make run` runs): reports the build, checks every op of the
+kernels that serve against a float64 reference, and prints a small timing table beside a memory
+copy, the eager reference and torch.compile of it. The full benchmark is bench/bench.py."""
 
 import argparse
 import platform
 import sys
 
 import torch
+import torch.utils.benchmark as benchmark
 
 import rope_ext
-from rope_ext import _native, reference
-from rope_ext.bench.timing import measure, median
+from rope_ext import _library, reference
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 def report_build():
+    s = _library.state
     print("rope_ext", rope_ext.__version__)
     print(f"  torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}), "
           f"Python {platform.python_version()}, {platform.machine()}, "
           f"{torch.get_num_threads()} threads")
-    if _native.loaded_from:
-        print(f"  native library ({_native.loaded_by}): {_native.loaded_from}")
-    else:
-        print(f"  native library: not loaded ({_native.load_error})")
-    if _native.cuda_loaded_from:
-        print(f"  CUDA library: {_native.cuda_loaded_from}")
-    elif _native.loaded_by == "compiled":
-        print(f"  CUDA library: not loaded ({_native.cuda_load_error})")
+    print(f"  native library ({s.loaded_by}): {s.path}" if s.path else
+          f"  native library: not loaded ({s.error})")
+    if s.cuda_path:
+        print(f"  CUDA library: {s.cuda_path}")
+    elif s.loaded_by == "compiled":
+        print(f"  CUDA library: not loaded ({s.cuda_error})")
     print(f"  CPU kernel variant: {rope_ext.cpu_isa()}")
-    cache = rope_ext.cpu_cache_info()
-    if cache["available"]:
-        print(f"  CPU output cache (outputs >= 16 MiB): up to {cache['limit_bytes'] >> 20} MiB "
-              "(ROPE_EXT_CPU_CACHE_MB)")
-    else:
-        print("  CPU output cache: not available (needs the native library and torch >= 2.11)")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for dev in ("cpu", "cuda"):
         avail = "" if dev in devices else " (no device here)"
@@ -41,14 +35,34 @@ def report_build():
     return devices
 
 
-def _max_rel_err(out, ref):
-    scale = ref.abs().max().clamp_min(1.0)
-    return float((out.double() - ref).abs().max() / scale)
+def _rel_err(out, ref):
+    return float((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1.0))
+
+
+def _errors(x, pos, cache, interleaved):
+    """Max relative error of every op on (x, positions, cache) against the float64 reference."""
+    rot = cache.shape[1]
+    c64, s64 = cache.double()[:, : rot // 2], cache.double()[:, rot // 2:]
+    cos, sin = (t[pos].unsqueeze(-2) for t in (cache[:, : rot // 2], cache[:, rot // 2:]))
+    x64 = x.double()
+    ref = reference.apply_positions(x64, pos, c64, s64, interleaved=interleaved)
+    ref_back = reference.apply_positions(x64, pos, c64, s64, interleaved=interleaved, inverse=True)
+    q = x.clone()
+    rope_ext.apply_rope_(q, None, pos, cache, interleaved=interleaved)
+    m = x.clone()
+    rope_ext.apply_mrope_(m, None, pos.expand(3, *pos.shape), cache, [rot // 2, 0, 0],
+                          interleaved=interleaved)
+    return max(
+        _rel_err(rope_ext.apply_rope(x, cos, sin, interleaved=interleaved), ref),
+        _rel_err(torch.ops.rope.apply_backward(x, cos, sin, interleaved), ref_back),
+        _rel_err(rope_ext.apply_rope_at(x, pos, cache, interleaved=interleaved), ref),
+        _rel_err(q, ref),
+        _rel_err(m, ref),
+    )
 
 
 def check_kernels(devices):
-    """Native (or whatever serves) vs the reference evaluated in float64."""
-    print("\nCorrectness against a float64 reference (max error / max |ref|):")
+    print("\nEvery op against a float64 reference (max error / max |ref|):")
     cases = [((7, 4, 64), 64), ((3, 5, 2, 80), 32), ((16, 8, 128), 128), ((2, 9, 256), 192)]
     failures = 0
     for dev in devices:
@@ -59,17 +73,7 @@ def check_kernels(devices):
                     x = torch.randn(shape, dtype=dtype, device=dev)
                     pos = torch.randint(0, 10_000, shape[:-2], device=dev)
                     cache = rope_ext.cos_sin_cache(10_000, rot, device=dev)
-                    rows = cache[pos].unsqueeze(-2)
-                    cos, sin = rows[..., : rot // 2], rows[..., rot // 2:]
-                    ref = reference.apply_rope(x.double(), cos.double(), sin.double(), interleaved=interleaved)
-                    worst = max(worst, _max_rel_err(rope_ext.apply_rope(x, cos, sin, interleaved=interleaved), ref))
-                    worst = max(worst, _max_rel_err(
-                        torch.ops.rope.apply_backward(x, cos, sin, interleaved),
-                        reference.apply_rope_backward(x.double(), cos.double(), sin.double(),
-                                                      interleaved=interleaved)))
-                    q = x.clone()
-                    rope_ext.apply_rope_(q, None, pos, cache, interleaved=interleaved)
-                    worst = max(worst, _max_rel_err(q, ref))
+                    worst = max(worst, _errors(x, pos, cache, interleaved))
                 ok = worst <= TOL[dtype]
                 failures += not ok
                 layout = "interleaved" if interleaved else "half-split"
@@ -78,39 +82,33 @@ def check_kernels(devices):
     return failures
 
 
-def _median_ms(fn, device, reps):
-    if device == "cuda":
-        call = fn
-        fn = lambda: (call(), torch.cuda.synchronize())  # noqa: E731
-    return median(measure(fn, repeat=reps)) * 1e3
-
-
-def time_kernels(device, shape=(1024, 32, 128), reps=15):
-    print(f"\nTiming on {device}, x of shape {list(shape)}, float32 tables, median of {reps} "
-          "(timed in blocks; GB/s counts bytes read + written of x):")
+def time_kernels(device, shape=(1024, 32, 128)):
+    print(f"\nTiming on {device}, x of shape {list(shape)}, float32 table, medians of torch's "
+          "benchmark timer (GB/s counts the bytes of x read and written):")
     compiled_ref = torch.compile(reference.apply_rope, dynamic=False)
-    print(f"  {'dtype':9s} {'implementation':28s} {'ms':>8s} {'GB/s':>7s} {'x copy':>7s}")
+    print(f"  {'dtype':9s} {'implementation':30s} {'us':>9s} {'GB/s':>7s} {'vs copy':>8s}")
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(shape, dtype=dtype, device=device)
         out = torch.empty_like(x)
         pos = torch.arange(shape[0], device=device)
         cache = rope_ext.cos_sin_cache(shape[0], shape[-1], device=device)
-        rows = cache[pos].unsqueeze(-2)
-        cos, sin = rows[..., : shape[-1] // 2], rows[..., shape[-1] // 2:]
+        cos, sin = (t[pos].unsqueeze(-2) for t in cache.chunk(2, dim=-1))
         nbytes = 2 * x.numel() * x.element_size()
-        rows_ = [
+        rows = [
+            ("memory copy (x.clone())", lambda: x.clone()),
             ("memory copy (out.copy_(x))", lambda: out.copy_(x)),
             (f"rope_ext apply ({rope_ext.backend(device)})", lambda: rope_ext.apply_rope(x, cos, sin)),
             ("rope_ext apply_ (in place)", lambda: rope_ext.apply_rope_(x, None, pos, cache)),
             ("eager reference", lambda: reference.apply_rope(x, cos, sin)),
             ("torch.compile(reference)", lambda: compiled_ref(x, cos, sin)),
         ]
-        copy_ms = None
-        for name, fn in rows_:
-            ms = _median_ms(fn, device, reps)
-            copy_ms = copy_ms or ms
-            print(f"  {str(dtype).replace('torch.', ''):9s} {name:28s} {ms:8.3f} "
-                  f"{nbytes / ms / 1e6:7.1f} {copy_ms / ms:6.2f}x")
+        copy_us = {}
+        for name, fn in rows:
+            fn()
+            us = benchmark.Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=0.3).median * 1e6
+            base = copy_us.setdefault("clone" if "clone" in name or "apply (" in name else "copy", us)
+            print(f"  {str(dtype).replace('torch.', ''):9s} {name:30s} {us:9.1f} "
+                  f"{nbytes / us / 1e3:7.1f} {base / us:7.2f}x")
 
 
 def main(argv=None):

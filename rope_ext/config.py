@@ -1,102 +1,352 @@
-"""Reading RoPE settings from model configs (transformers-style config objects or plain dicts).
+"""Reading RoPE settings from model configs: a config.json as a dict, or a transformers-style
+config object. docs/models.md lists what is understood; the rules below follow what transformers
+4.57 and 5 build from the same file, and anything else is an error, never a silent default.
 
 The layout (which dims form a pair) is not stored in most configs; it is a property of the model
 code. What we assume, in order of precedence:
 1. the `interleaved` argument, when given;
 2. a boolean config key `rope_interleave` (DeepSeek-V3), `rope_interleaved` or
    `rotary_interleaved`;
-3. the model_type: GPT-J, CodeGen, ChatGLM/GLM and Cohere rotate interleaved pairs
-   (x[2i], x[2i+1]);
-4. otherwise half-split (rotate_half; Llama, Mistral, Qwen, Qwen2-VL, Gemma, Phi, GPT-NeoX,
+3. the model_type: the types in INTERLEAVED_MODEL_TYPES rotate pairs (x[2i], x[2i+1]);
+4. otherwise half-split (rotate_half; Llama, Mistral, Qwen, Qwen2/3-VL, Gemma, Phi, GPT-NeoX,
    Falcon and most checkpoints).
 """
 
-INTERLEAVED_MODEL_TYPES = frozenset({"gptj", "codegen", "chatglm", "glm", "glm4", "cohere", "cohere2"})
+from collections.abc import Mapping
+
+from .scaling import canonical_type, scaling_type
+
+INTERLEAVED_MODEL_TYPES = frozenset({
+    "gptj", "codegen", "chatglm", "glm", "glm4", "cohere", "cohere2", "deepseek_v2", "deepseek_v3",
+    "kimi_k2", "llama4", "llama4_text", "ernie4_5", "ernie4_5_moe", "helium",
+})
 _LAYOUT_KEYS = ("rope_interleave", "rope_interleaved", "rotary_interleaved")
-# Scalings whose formulas need the pretrained context length; configs often leave it out of the
-# dict and mean max_position_embeddings (or, for Phi-3, the top-level original length).
-_NEEDS_ORIGINAL = ("dynamic", "yarn", "longrope", "su")
 
+# The class defaults of transformers' config classes for the keys that decide the table. A
+# config.json leaves out what equals them (old files predate rope_theta; sub-configs such as
+# Gemma 3's text_config are written sparse), so reading those files needs them.
+MODEL_DEFAULTS = {
+    "llama": dict(rope_theta=10000.0, hidden_size=4096, num_attention_heads=32, max_position_embeddings=2048),
+    "mistral": dict(rope_theta=10000.0, hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072),
+    "mixtral": dict(rope_theta=1e6, hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072),
+    "qwen2": dict(rope_theta=10000.0, hidden_size=4096, num_attention_heads=32, max_position_embeddings=32768),
+    "qwen3": dict(rope_theta=10000.0, head_dim=128, hidden_size=4096, num_attention_heads=32,
+                  max_position_embeddings=32768),
+    "qwen2_vl": dict(rope_theta=1e6, hidden_size=8192, num_attention_heads=64, max_position_embeddings=32768),
+    "qwen3_vl_text": dict(rope_theta=5e6, head_dim=128, hidden_size=4096, num_attention_heads=32,
+                          max_position_embeddings=128000),
+    "qwen3_vl_moe_text": dict(rope_theta=5e6, head_dim=128, hidden_size=2048, num_attention_heads=16,
+                              max_position_embeddings=128000),
+    "gemma": dict(rope_theta=10000.0, head_dim=256, hidden_size=3072, num_attention_heads=16,
+                  max_position_embeddings=8192),
+    "gemma2": dict(rope_theta=10000.0, head_dim=256, hidden_size=2304, num_attention_heads=8,
+                   max_position_embeddings=8192),
+    "gemma3_text": dict(rope_theta=1e6, rope_local_base_freq=10000.0, head_dim=256, hidden_size=2304,
+                        num_attention_heads=8, max_position_embeddings=131072),
+    "gemma3n_text": dict(rope_theta=1e6, rope_local_base_freq=10000.0, head_dim=256, hidden_size=2048,
+                         num_attention_heads=8, max_position_embeddings=32768),
+    "phi": dict(rope_theta=10000.0, partial_rotary_factor=0.5, hidden_size=2048, num_attention_heads=32,
+                max_position_embeddings=2048),
+    "phi3": dict(rope_theta=10000.0, hidden_size=3072, num_attention_heads=32, max_position_embeddings=4096,
+                 original_max_position_embeddings=4096),
+    "phimoe": dict(rope_theta=1e6, hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072),
+    "deepseek_v2": dict(rope_theta=10000.0, qk_rope_head_dim=64, hidden_size=4096, num_attention_heads=32,
+                        max_position_embeddings=2048),
+    "deepseek_v3": dict(rope_theta=10000.0, qk_rope_head_dim=64, hidden_size=7168, num_attention_heads=128,
+                        max_position_embeddings=4096),
+    "gpt_neox": dict(rotary_emb_base=10000.0, rotary_pct=0.25, hidden_size=6144, num_attention_heads=64,
+                     max_position_embeddings=2048),
+    "gptj": dict(rope_theta=10000.0, rotary_dim=64, hidden_size=4096, num_attention_heads=16,
+                 max_position_embeddings=2048),
+    "codegen": dict(rope_theta=10000.0, rotary_dim=64, hidden_size=4096, num_attention_heads=16,
+                    max_position_embeddings=2048),
+    "falcon": dict(rope_theta=10000.0, hidden_size=4544, num_attention_heads=71, max_position_embeddings=2048),
+    "llama4_text": dict(rope_theta=500000.0, head_dim=128, hidden_size=5120, num_attention_heads=40,
+                        max_position_embeddings=131072),
+}
+MODEL_DEFAULTS["qwen2_vl_text"] = MODEL_DEFAULTS["qwen2_5_vl"] = MODEL_DEFAULTS["qwen2_5_vl_text"] = \
+    MODEL_DEFAULTS["qwen2_vl"]
 
-def _get(config, key, default=None):
-    if isinstance(config, dict):
-        value = config.get(key, default)
-    else:
-        value = getattr(config, key, default)
-    return default if value is None else value
-
-
-def layout_from_config(config, interleaved=None):
-    """True for interleaved pairs, False for half-split (see the module docstring)."""
-    if interleaved is not None:
-        return bool(interleaved)
-    for key in _LAYOUT_KEYS:
-        value = _get(config, key)
-        if value is not None:
-            return bool(value)
-    return str(_get(config, "model_type", "")).lower() in INTERLEAVED_MODEL_TYPES
+# A multimodal config's text model type, for a text_config that does not name its own.
+_TEXT_MODEL_TYPES = {
+    "gemma3": "gemma3_text", "gemma3n": "gemma3n_text", "qwen2_vl": "qwen2_vl_text",
+    "qwen2_5_vl": "qwen2_5_vl_text", "qwen3_vl": "qwen3_vl_text", "qwen3_vl_moe": "qwen3_vl_moe_text",
+    "llava": "llama", "mistral3": "mistral", "llama4": "llama4_text", "paligemma": "gemma",
+}
+_SUB_CONFIGS = ("text_config", "vision_config", "audio_config")
+# Other spellings of the standard keys (transformers' attribute_map).
+_KEY_ALIASES = {
+    "gptj": {"hidden_size": "n_embd", "num_attention_heads": "n_head", "max_position_embeddings": "n_positions"},
+    "codegen": {"hidden_size": "n_embd", "num_attention_heads": "n_head", "max_position_embeddings": "n_positions"},
+}
+# Qwen3-VL's model code always lays MRoPE out interleaved, with these sections unless told.
+_QWEN3_VL_TYPES = frozenset({"qwen3_vl", "qwen3_vl_text", "qwen3_vl_moe", "qwen3_vl_moe_text"})
+_QWEN3_VL_SECTION = [24, 20, 20]
+# Layer types of configs that give sliding-window layers their own base (Gemma 3, transformers 4).
+_LOCAL_LAYER_TYPES = ("full_attention", "sliding_attention")
+# Scalings whose config may keep max_position_embeddings at the trained length while the model
+# is meant to read original * factor positions (serving engines size their tables so): the
+# default table length covers that. llama3 and longrope configs state the extended length.
+_EXTENDING = ("dynamic", "yarn", "deepseek_yarn")
 
 
 def _fail(msg):
     raise ValueError(f"RotaryEmbedding.from_config: {msg}")
 
 
-def rope_kwargs_from_config(config, *, interleaved=None, max_position=None):
-    """Keyword arguments for RotaryEmbedding from a config."""
-    # transformers >= 5 keeps theta and the scaling together in `rope_parameters`.
-    params = _get(config, "rope_parameters")
-    params = dict(params) if isinstance(params, dict) else None
-    scaling = _get(config, "rope_scaling", params)
-    scaling = dict(scaling) if scaling is not None else None
-    base = _get(config, "rope_theta", (params or {}).get("rope_theta", 10000.0))
+def _as_dict(config, what="config"):
+    if isinstance(config, Mapping):
+        return dict(config)
+    to_dict = getattr(config, "to_dict", None)
+    if callable(to_dict):
+        return dict(to_dict())
+    if hasattr(config, "__dict__"):
+        return dict(vars(config))
+    _fail(f"{what} must be a dict or a config object, got {type(config).__name__}")
 
-    head_dim = _get(config, "head_dim")
-    if head_dim is None:
-        hidden, heads = _get(config, "hidden_size"), _get(config, "num_attention_heads")
+
+def _set(d):
+    """The keys a config sets: null means unset, as transformers reads it."""
+    return {k: v for k, v in d.items() if v is not None}
+
+
+class _Config:
+    """A config's own keys (`own`, with a sub-config's keys over the top level's) and the
+    defaults of its model type beneath them."""
+
+    def __init__(self, config):
+        top = _set(_as_dict(config))
+        text = top.get("text_config")
+        if text is not None:
+            text = _set(_as_dict(text, "text_config"))
+            model_type = text.get("model_type") or _TEXT_MODEL_TYPES.get(top.get("model_type"))
+            outer = {k: v for k, v in top.items() if k not in _SUB_CONFIGS and k != "model_type"}
+            # The text model reads its sub-config and its class defaults; the top level only
+            # fills what neither has (files that keep both, such as some Qwen2.5-VL ones).
+            self.own = dict(text)
+            self.fallback = outer
+        else:
+            model_type = top.get("model_type")
+            self.own, self.fallback = top, {}
+        self.model_type = str(model_type).lower() if model_type is not None else ""
+        for std, alt in _KEY_ALIASES.get(self.model_type, {}).items():
+            for d in (self.own, self.fallback):
+                if std not in d and alt in d:
+                    d[std] = d[alt]
+        self.defaults = MODEL_DEFAULTS.get(self.model_type, {})
+
+    def file(self, key):
+        """The value the file itself sets (sub-config or top level), or None."""
+        value = self.own.get(key)
+        return self.fallback.get(key) if value is None else value
+
+    def get(self, key, default=None):
+        for d in (self.own, self.defaults, self.fallback):
+            if d.get(key) is not None:
+                return d[key]
+        return default
+
+
+def layout_from_config(config, interleaved=None):
+    """True for interleaved pairs, False for half-split (see the module docstring)."""
+    if interleaved is not None:
+        return bool(interleaved)
+    cfg = config if isinstance(config, _Config) else _Config(config)
+    for key in _LAYOUT_KEYS:
+        value = cfg.file(key)
+        if value is not None:
+            if not isinstance(value, bool):
+                _fail(f"{key} must be true or false, got {value!r}")
+            return value
+    return cfg.model_type in INTERLEAVED_MODEL_TYPES
+
+
+def _rope_dict(cfg, layer_type):
+    """(params, form): a fresh copy of the RoPE settings that serve `layer_type`, and how the
+    config spells them: "legacy" (rope_scaling, transformers 4), "v5" (rope_parameters),
+    "v5_layer" (rope_parameters per layer type) or "local" (Gemma 3's rope_local_base_freq)."""
+    scaling, params = cfg.file("rope_scaling"), cfg.file("rope_parameters")
+    if scaling is not None and params is not None and scaling != params:
+        _fail("the config has both rope_scaling and rope_parameters, and they differ; keep one")
+    src, form = (scaling, "legacy") if scaling is not None else (params, "v5")
+    if src is not None and not isinstance(src, Mapping):
+        _fail(f"{'rope_scaling' if form == 'legacy' else 'rope_parameters'} must be a dict, got "
+              f"{type(src).__name__}")
+    src = dict(src or {})
+    declared = cfg.get("layer_types")
+    per_layer = [v for v in src.values() if v is not None]
+    if per_layer and all(isinstance(v, Mapping) for v in per_layer):  # {"full_attention": {...}, ...}
+        names = sorted(k for k, v in src.items() if v is not None)
+        if layer_type is None:
+            _fail(f"the config sets RoPE per layer type ({', '.join(names)}); pass layer_type= one of them")
+        if src.get(layer_type) is None:
+            _fail(f"layer_type {layer_type!r} has no RoPE parameters in this config (it has: {', '.join(names)})")
+        return dict(src[layer_type]), "v5_layer"
+    if cfg.get("rope_local_base_freq") is not None:  # Gemma 3 in transformers 4
+        if layer_type is None:
+            _fail(f"the config gives sliding-window layers their own base (rope_local_base_freq); pass "
+                  f"layer_type= one of {', '.join(_LOCAL_LAYER_TYPES)}")
+        if layer_type not in _LOCAL_LAYER_TYPES:
+            _fail(f"layer_type {layer_type!r} is not one of {', '.join(_LOCAL_LAYER_TYPES)}")
+        if layer_type == "sliding_attention":  # default RoPE at the local base, no scaling
+            return {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq")}, "local"
+        return src, form
+    if layer_type is not None and declared is not None and layer_type not in set(declared):
+        names = ", ".join(sorted(set(declared)))
+        _fail(f"layer_type {layer_type!r} is not among the config's layer_types ({names})")
+    return src, form
+
+
+def _positive(value, name, integer=False):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    if ok and integer:
+        ok = float(value) == int(value)
+    if not ok:
+        _fail(f"{name} must be a positive {'integer' if integer else 'number'}, got {value!r}")
+    return int(value) if integer else float(value)
+
+
+def _dims(cfg, params):
+    """(head_dim, rotary_dim)."""
+    qk_rope = cfg.get("qk_rope_head_dim")  # MLA (DeepSeek): only this part of a head rotates
+    if qk_rope is not None:
+        head_dim = _positive(qk_rope, "qk_rope_head_dim", integer=True)
+    elif cfg.get("head_dim") is not None:
+        head_dim = _positive(cfg.get("head_dim"), "head_dim", integer=True)
+    else:
+        hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
         if hidden is None or heads is None:
             _fail("the config needs head_dim, or hidden_size and num_attention_heads")
+        hidden = _positive(hidden, "hidden_size", integer=True)
+        heads = _positive(heads, "num_attention_heads", integer=True)
         if hidden % heads:
             _fail(f"hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads})")
         head_dim = hidden // heads
-    head_dim = int(head_dim)
-    partial = _get(config, "partial_rotary_factor", (params or {}).get("partial_rotary_factor"))
+    # The top level wins over rope_parameters (transformers 5 copies it in); GPT-NeoX says rotary_pct.
+    partial = next((v for v in (cfg.file("partial_rotary_factor"), params.get("partial_rotary_factor"),
+                                cfg.file("rotary_pct"), cfg.defaults.get("partial_rotary_factor"),
+                                cfg.defaults.get("rotary_pct")) if v is not None), None)
     if partial is not None:
-        rotary_dim = int(head_dim * partial)
-    elif _get(config, "rotary_dim") is not None:  # GPT-J, CodeGen
-        rotary_dim = int(_get(config, "rotary_dim"))
-    elif _get(config, "rotary_pct") is not None:  # GPT-NeoX
-        rotary_dim = int(head_dim * _get(config, "rotary_pct"))
-    else:
-        rotary_dim = head_dim
+        partial = _positive(partial, "partial_rotary_factor")
+        if partial > 1:
+            _fail(f"partial_rotary_factor must be in (0, 1], got {partial}")
+        return head_dim, int(head_dim * partial)
+    if cfg.get("rotary_dim") is not None:  # GPT-J, CodeGen: a count of dims
+        return head_dim, _positive(cfg.get("rotary_dim"), "rotary_dim", integer=True)
+    return head_dim, head_dim
 
-    max_pos = _get(config, "max_position_embeddings")
+
+def _theta(cfg, params, form):
+    inside = params.pop("rope_theta", None)
+    if form in ("v5", "v5_layer", "local"):  # rope_parameters carry the base
+        theta = inside if inside is not None else cfg.file("rope_theta")
+    else:
+        top = cfg.file("rope_theta")
+        if inside is not None and top is not None and float(inside) != float(top):
+            _fail(f"rope_theta is {top} but rope_scaling holds rope_theta {inside}; keep one")
+        theta = top if top is not None else inside
+    if theta is None:
+        theta = cfg.file("rotary_emb_base")  # GPT-NeoX
+    if theta is None:
+        theta = cfg.defaults.get("rope_theta", cfg.defaults.get("rotary_emb_base", 10000.0))
+    return _positive(theta, "rope_theta")
+
+
+def _need_max_pos(max_pos, kind):
+    if max_pos is None:
+        _fail(f"rope type {kind!r} needs the config's max_position_embeddings")
+    return max_pos
+
+
+def _resolve(kind, params, cfg, form, max_pos):
+    """The scaling dict with the lengths and factors transformers derives from the rest of the
+    config (which one it takes differs between its generations; see docs/models.md)."""
+    key = "original_max_position_embeddings"
+    top = cfg.get(key)  # Phi-3 keeps the trained length at the top level
+    if top is not None:
+        top = _positive(top, key, integer=True)
+    own = params.get(key)
+    if own is not None and kind != "dynamic":
+        own = _positive(own, f"{kind} {key}", integer=True)
+
+    if kind == "dynamic":
+        # transformers grows the base past max_position_embeddings, whatever the dict says.
+        original = _need_max_pos(max_pos, kind)
+    elif kind in ("yarn", "deepseek_yarn"):
+        # transformers 4 reads only the dict; 5 copies a top-level length over it.
+        original = top if form == "v5" and top is not None else own
+    elif kind == "llama3":
+        original = top if form == "v5" and top is not None else own
+        if original is None and form == "legacy":
+            original = top
+    elif kind == "longrope":
+        original = top if form in ("legacy", "v5") and top is not None else own
+        if form == "legacy" and top is not None:  # transformers 4 takes the ratio, not the dict's factor
+            params["factor"] = _need_max_pos(max_pos, kind) / top
+    else:
+        return params
+    params[key] = original if original is not None else _need_max_pos(max_pos, kind)
+    if kind in ("yarn", "deepseek_yarn", "longrope") and params.get("factor") is None:
+        params["factor"] = _need_max_pos(max_pos, kind) / params[key]
+    return params
+
+
+def rope_kwargs_from_config(config, *, layer_type=None, interleaved=None, max_position=None):
+    """Keyword arguments for RotaryEmbedding from a config (see docs/models.md)."""
+    if layer_type is not None and not isinstance(layer_type, str):
+        _fail(f"layer_type must be a string such as 'full_attention', got {layer_type!r}")
+    cfg = _Config(config)
+    if cfg.file("alibi") is True:
+        _fail("the config uses ALiBi position biases, not RoPE")
+    params, form = _rope_dict(cfg, layer_type)
+    if "rope_type" not in params and "type" not in params:
+        params["rope_type"] = "default"  # transformers 5: rope_parameters without a type
+    for k in ("rope_type", "type"):  # Phi-3's config maps its older names onto longrope
+        if cfg.model_type == "phi3" and params.get(k) in ("su", "yarn"):
+            params[k] = "longrope"
+    base = _theta(cfg, params, form)
+    head_dim, rotary_dim = _dims(cfg, params)
+    params.pop("partial_rotary_factor", None)
+    try:
+        kind = scaling_type(params)
+    except ValueError as e:
+        _fail(str(e).removeprefix("cos_sin_cache: "))
+
+    max_pos = cfg.get("max_position_embeddings")
+    if max_pos is not None:
+        max_pos = _positive(max_pos, "max_position_embeddings", integer=True)
+    params = _resolve(kind, params, cfg, form, max_pos)
+
+    section = params.get("mrope_section")
+    mrope_interleaved = params.get("mrope_interleaved")
+    if mrope_interleaved is not None and not isinstance(mrope_interleaved, bool):
+        _fail(f"mrope_interleaved must be true or false, got {mrope_interleaved!r}")
+    if cfg.model_type in _QWEN3_VL_TYPES:
+        if mrope_interleaved is False:
+            _fail("Qwen3-VL lays MRoPE out interleaved; the config says mrope_interleaved=false")
+        mrope_interleaved = True
+        section = list(_QWEN3_VL_SECTION) if section is None else section
+
     if max_position is None:
         if max_pos is None:
             _fail("the config has no max_position_embeddings; pass max_position=")
-        max_position = int(max_pos)
+        max_position = max_pos
+        original, factor = params.get("original_max_position_embeddings"), params.get("factor")
+        if kind in _EXTENDING and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                                      for v in (original, factor)):
+            max_position = max(max_pos, int(original * factor))
 
-    mrope_section = None
-    if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        explicit_original = scaling.get("original_max_position_embeddings") is not None
-        if kind in _NEEDS_ORIGINAL and not explicit_original:
-            original = _get(config, "original_max_position_embeddings", max_pos)
-            if original is not None:
-                scaling["original_max_position_embeddings"] = original
-        # Without `factor`, the extension ratio is the config's (Phi-3 longrope, DeepSeek-V3 yarn),
-        # whatever length the table gets.
-        derive_factor = kind in ("longrope", "su") or (kind == "yarn" and explicit_original)
-        if derive_factor and scaling.get("factor") is None and max_pos is not None:
-            scaling["factor"] = max_pos / scaling["original_max_position_embeddings"]
-        mrope_section = scaling.get("mrope_section")
-        if kind in (None, "default") and mrope_section is None and "factor" not in scaling:
-            scaling = None  # e.g. rope_parameters holding only rope_theta
+    scaling = None
+    if kind != "default":
+        scaling = {k: v for k, v in params.items() if k not in ("type", "mrope_section", "mrope_interleaved")}
+        scaling["rope_type"] = kind
     return dict(
         head_dim=head_dim,
         rotary_dim=rotary_dim,
         max_position=max_position,
-        base=float(base),
-        interleaved=layout_from_config(config, interleaved),
+        base=base,
+        interleaved=layout_from_config(cfg, interleaved),
         scaling=scaling,
-        mrope_section=mrope_section,
+        mrope_section=section,
+        mrope_interleaved=bool(mrope_interleaved),
     )

@@ -2,21 +2,37 @@
 
 import torch
 
-from . import _checks, reference
-from .cache import cos_sin_cache
+from ._checks import check_positions_in_range
 from .config import rope_kwargs_from_config
-from .ops import apply_mrope_, apply_rope, apply_rope_
+from .ops import apply_mrope_, apply_rope_, apply_rope_at
+from .scaling import dynamic_base, dynamic_parameters, original_length, rope_parameters, scaling_type
+from .tables import cos_sin_rows, table_rows
 
 
 class RotaryEmbedding(torch.nn.Module):
     """RoPE for attention: forward(query, key, positions) returns rotated copies of query
     (..., Hq, head_dim) and key (..., Hk, head_dim) (key may be None), differentiable.
 
-    scaling: a config's `rope_scaling` dict (see rope_ext.cos_sin_cache); seq_len: the length
-    `dynamic`/`longrope` tables are built for (default max_position).
+    scaling: a `rope_scaling` dict (see rope_ext.cos_sin_cache). Two scalings depend on the
+    length of the sequence, and the module follows it call by call as transformers does, with
+    the length of a call being max(positions) + 1:
+    - `longrope` (Phi-3): the short factors while the length is at most
+      original_max_position_embeddings, the long ones past it. Both tables are built once and
+      stacked (short rows first); a call picks its rows with a device-side offset.
+    - `dynamic` (NTK): the base grows with the longest length seen so far, and returns to the
+      original when a call is shorter than original_max_position_embeddings. That length is
+      state (a buffer updated by tensor ops); the rows a call needs are computed on its device.
+    seq_len: instead, one fixed table built for that length (no switching, no state).
+    `mode` says which: "static" (one table), "longrope" or "dynamic"; `dynamic_len` is the
+    dynamic-NTK length buffer.
     mrope_section: 3 ints summing to rotary_dim/2 (Qwen2-VL); positions of shape
     (3,) + query.shape[:-2] then give each section its own position component, and positions of
-    shape query.shape[:-2] (text only) stay plain RoPE.
+    shape query.shape[:-2] (text only) stay plain RoPE. mrope_interleaved: the sections are laid
+    out T,H,W,T,H,W,... across the pairs (Qwen3-VL) instead of one after another.
+
+    Positions outside [0, max_position) are an error on every device. forward does no
+    host-device sync (no .item(), no Python branch on tensor values), so it runs under
+    torch.compile and CUDA graph capture; on CUDA a bad position is a device-side assert.
 
     The table is a non-persistent float32 buffer; it follows the module across devices but keeps
     its float32 precision when the module is cast to a lower precision (RoPE tables in bf16/fp16
@@ -24,7 +40,8 @@ class RotaryEmbedding(torch.nn.Module):
     """
 
     def __init__(self, head_dim, *, rotary_dim=None, max_position=8192, base=10000.0,
-                 interleaved=False, scaling=None, seq_len=None, mrope_section=None):
+                 interleaved=False, scaling=None, seq_len=None, mrope_section=None,
+                 mrope_interleaved=False):
         super().__init__()
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
         if not 0 < rotary_dim <= head_dim:
@@ -44,25 +61,59 @@ class RotaryEmbedding(torch.nn.Module):
         self.scaling = None if scaling is None else dict(scaling)
         self.seq_len = seq_len
         self.mrope_section = mrope_section
-        self.register_buffer("cos_sin_cache", self._table(None), persistent=False)
+        self.mrope_interleaved = bool(mrope_interleaved)
+
+        # "static": one table; "longrope": short rows then long rows; "dynamic": growing base.
+        self.mode, self._original = "static", None
+        kind = scaling_type(self.scaling)
+        if seq_len is None and kind == "longrope" and max_position > original_length(self.scaling):
+            self.mode, self._original = "longrope", original_length(self.scaling)
+        elif seq_len is None and kind == "dynamic":
+            self._factor, original = dynamic_parameters(self.scaling, rotary_dim)
+            if max_position > original:  # otherwise no call can grow it: the plain table is exact
+                self.mode, self._original = "dynamic", original
+                self.register_buffer("dynamic_len", torch.tensor(original, dtype=torch.int64),
+                                     persistent=False)
+        self.register_buffer("_tables", self._build(None), persistent=False)
 
     @classmethod
-    def from_config(cls, config, *, interleaved=None, max_position=None, seq_len=None):
-        """Builds the module from a model config (a transformers-style config object or a dict):
-        rope_theta, head_dim (or hidden_size / num_attention_heads), partial_rotary_factor,
-        rope_scaling, max_position_embeddings. `interleaved` overrides the layout the config
-        implies (see rope_ext.config.layout_from_config); `max_position` the table length."""
-        kwargs = rope_kwargs_from_config(config, interleaved=interleaved, max_position=max_position)
+    def from_config(cls, config, *, layer_type=None, interleaved=None, max_position=None, seq_len=None):
+        """Builds the module from a model config (a config.json as a dict, or a transformers-style
+        config object; docs/models.md lists what is read). layer_type: which layers' RoPE, for
+        configs that set it per layer type (Gemma 3: "full_attention" or "sliding_attention");
+        required there, and checked against the config's layer_types where it lists them.
+        `interleaved` overrides the layout the config implies (rope_ext.config.layout_from_config);
+        `max_position` the table length (default: max_position_embeddings, and for dynamic and
+        yarn scalings at least original * factor)."""
+        kwargs = rope_kwargs_from_config(config, layer_type=layer_type, interleaved=interleaved,
+                                         max_position=max_position)
         return cls(**kwargs, seq_len=seq_len)
 
-    def _table(self, device):
-        return cos_sin_cache(self.max_position, self.rotary_dim, base=self.base, scaling=self.scaling,
-                             dtype=torch.float32, device=device, seq_len=self.seq_len)
+    # ---- tables --------------------------------------------------------------------------
+
+    def _rows_for(self, length, seq_len, device):
+        inv_freq, attention = rope_parameters(self.scaling, self.rotary_dim, self.base, self.max_position,
+                                              seq_len, device)
+        return table_rows(length, inv_freq, attention, torch.float32, device)
+
+    def _build(self, device):
+        if self.mode == "longrope":  # the original length reads the short set, one more the long
+            short = self._rows_for(self._original, self._original, device)
+            return torch.cat((short, self._rows_for(self.max_position, self._original + 1, device)))
+        # For dynamic NTK: the table of a call covering every position (grown to max_position).
+        return self._rows_for(self.max_position, self.seq_len, device)
+
+    @property
+    def cos_sin_cache(self):
+        """The (max_position, rotary_dim) float32 table a call covering positions
+        0..max_position-1 reads (for longrope: the long rows; for dynamic NTK: the base grown to
+        max_position). Calls with shorter lengths may read other rows (see the class doc)."""
+        return self._tables if self.mode != "longrope" else self._tables[self._original:]
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        if self.cos_sin_cache.dtype != torch.float32:  # a dtype cast: rebuild exactly in float32
-            self.cos_sin_cache = self._table(self.cos_sin_cache.device)
+        if self._tables.dtype != torch.float32:  # a dtype cast: rebuild exactly in float32
+            self._tables = self._build(self._tables.device)
         return self
 
     def extra_repr(self):
@@ -70,34 +121,98 @@ class RotaryEmbedding(torch.nn.Module):
              f"max_position={self.max_position}, base={self.base}, interleaved={self.interleaved}")
         if self.scaling is not None:
             s += f", scaling={self.scaling}"
+        if self.mode != "static":
+            s += f", mode={self.mode}"
         if self.mrope_section is not None:
-            s += f", mrope_section={self.mrope_section}"
+            s += f", mrope_section={self.mrope_section}, mrope_interleaved={self.mrope_interleaved}"
         return s
 
-    def _is_mrope(self, query, positions):
-        return self.mrope_section is not None and positions.dim() == query.dim() - 1
+    # ---- per call ------------------------------------------------------------------------
+
+    def _check_positions(self, positions):
+        if positions.dtype not in (torch.int32, torch.int64):
+            raise RuntimeError(f"RotaryEmbedding: positions must be int32 or int64, got "
+                               f"{str(positions.dtype).removeprefix('torch.')}")
+        if positions.device.type == "cpu" and not torch.compiler.is_compiling():
+            check_positions_in_range(positions, self.max_position, "RotaryEmbedding",
+                                     "RotaryEmbedding.max_position")
+        else:  # no sync: an assert on the device
+            ok = ((positions >= 0) & (positions < self.max_position)).all()
+            torch._assert_async(ok, f"RotaryEmbedding: positions must lie in [0, {self.max_position})")
+
+    def _dynamic_rows(self, positions):
+        """The rows of this call, one per position (flattened), and the length it leaves."""
+        original = self._original
+        length = positions.amax().to(torch.int64) + 1
+        cached = self.dynamic_len
+        # transformers: grow to a longer call; back to the original after a shorter one.
+        new = torch.where(length > cached, length, torch.where(length < original, original, cached))
+        grown = dynamic_base(float(self.base), self._factor, original, new.to(torch.float64), self.rotary_dim)
+        base = torch.where(new > original, grown, float(self.base))
+        inv_freq = 1.0 / (base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float64,
+                                                device=positions.device) / self.rotary_dim))
+        return cos_sin_rows(positions.reshape(-1), inv_freq, 1.0, torch.float32), new
+
+    def _table_and_index(self, positions):
+        """(table, index, length): the op rotates by table[index]; `length` is the dynamic-NTK
+        length to keep once the call has succeeded (None when there is none)."""
+        if self.mode == "static" or positions.numel() == 0:
+            return self._tables, positions, None
+        self._check_positions(positions)
+        if self.mode == "longrope":
+            is_long = (positions.amax() >= self._original).to(positions.dtype)
+            # Negative positions stay negative, so the op still rejects them.
+            index = torch.where(positions >= 0, positions + is_long * self._original, positions)
+            return self._tables, index, None
+        rows, length = self._dynamic_rows(positions)
+        index = torch.arange(positions.numel(), device=positions.device).view(positions.shape)
+        return rows, index, length
+
+    def _keep(self, length):
+        if length is not None:  # only after the op accepted the call: a rejected call changes nothing
+            self.dynamic_len.copy_(length)
+
+    def cos_sin(self, positions):
+        """(cos, sin), each positions.shape + (rotary_dim/2,), float32 (the attention factor
+        included): what forward rotates by at these positions. Advances the dynamic-NTK length
+        as forward does."""
+        if self.mode == "static" and positions.numel():
+            self._check_positions(positions)
+        table, index, length = self._table_and_index(positions)
+        rows = table[index.long()]
+        self._keep(length)
+        half = self.rotary_dim // 2
+        return rows[..., :half], rows[..., half:]
+
+    def _section(self, query, positions):
+        """mrope_section when positions carry the 3 MRoPE components, else None."""
+        if self.mrope_section is not None and positions.dim() == query.dim() - 1:
+            return self.mrope_section
+        return None
 
     def forward(self, query, key, positions):
-        if self._is_mrope(query, positions):
-            _checks.check_mrope(query, key, positions, self.cos_sin_cache, self.mrope_section)
-            if not torch.compiler.is_compiling():
-                _checks.check_positions_in_range(positions, self.max_position, op="RotaryEmbedding")
-            cos, sin = reference.mrope_tables(positions, self.cos_sin_cache, self.mrope_section)
-            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        else:
-            _checks.check_apply_inplace(query, key, positions, self.cos_sin_cache)
-            if not torch.compiler.is_compiling():
-                _checks.check_positions_in_range(positions, self.max_position, op="RotaryEmbedding")
-            half = self.rotary_dim // 2
-            rows = self.cos_sin_cache[positions].unsqueeze(-2)  # (..., 1, rotary_dim)
-            cos, sin = rows[..., :half], rows[..., half:]
-        q = apply_rope(query, cos, sin, interleaved=self.interleaved)
-        k = None if key is None else apply_rope(key, cos, sin, interleaved=self.interleaved)
-        return q, k
+        """Rotated copies of query and key (None stays None); differentiable w.r.t. both."""
+        section = self._section(query, positions)
+        table, index, length = self._table_and_index(positions)
+
+        def rotate(t):
+            return None if t is None else apply_rope_at(
+                t, index, table, interleaved=self.interleaved,
+                mrope_section=section, mrope_interleaved=self.mrope_interleaved)
+
+        out = rotate(query), rotate(key)
+        self._keep(length)
+        return out
 
     def forward_(self, query, key, positions):
         """In place, the inference path (rope.apply_ or rope.mrope_); returns (query, key)."""
-        if self._is_mrope(query, positions):
-            return apply_mrope_(query, key, positions, self.cos_sin_cache, self.mrope_section,
-                                interleaved=self.interleaved)
-        return apply_rope_(query, key, positions, self.cos_sin_cache, interleaved=self.interleaved)
+        section = self._section(query, positions)
+        table, index, length = self._table_and_index(positions)
+        if section is not None:
+            out = apply_mrope_(query, key, index, table, section, interleaved=self.interleaved,
+                               mrope_interleaved=self.mrope_interleaved)
+        else:
+            out = apply_rope_(query, key, index, table, interleaved=self.interleaved)
+        self._keep(length)
+        return out
+

@@ -1,15 +1,18 @@
 """Pure-PyTorch RoPE: the fallback wherever no native kernel serves, and the readable spec.
 
-Same signatures, semantics and errors as the native ops (see README "The ops"). Math in float32
-(float64 for float64 inputs), like the kernels.
+Same signatures, semantics and errors as the native ops (README "The ops"); math in float32
+(float64 for float64 inputs), like the kernels. docs/math.md has the formulas.
 """
 
 import torch
 
 from . import _checks
-from .cache import cos_sin_cache  # noqa: F401  (the table is the same computation on every path)
 
-__all__ = ["apply_mrope_", "apply_rope", "apply_rope_out", "apply_rope_backward", "apply_rope_", "cos_sin_cache", "table_grads"]
+__all__ = [
+    "apply_and_cache_", "apply_mrope_", "apply_positions", "apply_rope", "apply_rope_",
+    "apply_rope_backward", "apply_rope_out", "gather_tables", "positions_table_grads",
+    "table_grads",
+]
 
 
 def _acc_dtype(dtype):
@@ -41,7 +44,7 @@ def _rotate(x, cos, sin, interleaved, inverse):
 
 
 def apply_rope(x, cos, sin, *, interleaved=False):
-    """Rotated copy of x; cos/sin of shape (..., rotary_dim/2) broadcast to x.shape[:-1]."""
+    """Rotated copy of x; cos/sin (..., rotary_dim/2) with x's number of dims, broadcast."""
     _checks.check_apply(x, cos, sin)
     return _rotate(x, cos, sin, interleaved, inverse=False)
 
@@ -59,57 +62,141 @@ def apply_rope_backward(grad, cos, sin, *, interleaved=False):
     return _rotate(grad, cos, sin, interleaved, inverse=True)
 
 
-def table_grads(x, grad, cos, sin, interleaved, inverse=False):
-    """Gradients w.r.t. cos and sin of apply (inverse=False) or apply_backward (True), summed
-    over the dims along which the tables were broadcast (ROPE.md section 4)."""
-    half = cos.shape[-1]
+def _pair_grads(x, grad, half, interleaved, inverse):
+    """Per-pair d cos, d sin of one rotation (docs/math.md "Backward"), in the arithmetic type."""
     acc = _acc_dtype(x.dtype)
     a, b = _split_pairs(x.to(acc), half, interleaved)
     ga, gb = _split_pairs(grad.to(acc), half, interleaved)
-    d_cos = ga * a + gb * b
     d_sin = gb * a - ga * b
-    if inverse:
-        d_sin = -d_sin
-    return (
-        d_cos.sum_to_size(cos.shape).to(cos.dtype),
-        d_sin.sum_to_size(sin.shape).to(sin.dtype),
-    )
+    return ga * a + gb * b, -d_sin if inverse else d_sin
+
+
+def table_grads(x, grad, cos, sin, interleaved, inverse=False):
+    """Gradients w.r.t. cos and sin of apply (inverse=False) or apply_backward (True), summed
+    over the dims along which the tables were broadcast."""
+    d_cos, d_sin = _pair_grads(x, grad, cos.shape[-1], interleaved, inverse)
+    return d_cos.sum_to_size(cos.shape).to(cos.dtype), d_sin.sum_to_size(sin.shape).to(sin.dtype)
+
+
+def gather_tables(positions, cos, sin, mrope_section=None, mrope_interleaved=False):
+    """The cos/sin rows each token of x (..., H, D) reads: tables (max_position, rotary_dim/2)
+    gathered at positions (x.shape[:-2]) -> (..., 1, rotary_dim/2), broadcast over heads. With
+    mrope_section, positions are (3,) + x.shape[:-2] and pair i takes its row from the position
+    component of its section (chunked or interleaved)."""
+    if mrope_section is None:
+        idx = positions.long()
+        return cos[idx].unsqueeze(-2), sin[idx].unsqueeze(-2)
+    half = cos.shape[1]
+    component = mrope_components(mrope_section, half, mrope_interleaved, positions.device)
+    # (..., half): the position of pair i of each token
+    pos = positions.long().movedim(0, -1)[..., component]
+    pair = torch.arange(half, device=positions.device)
+    return cos[pos, pair].unsqueeze(-2), sin[pos, pair].unsqueeze(-2)
+
+
+def mrope_components(mrope_section, half, mrope_interleaved, device=None):
+    """(half,) int64: the position component (0 temporal, 1 height, 2 width) of each pair."""
+    t, h, w = (int(s) for s in mrope_section)
+    i = torch.arange(half, device=device)
+    if mrope_interleaved:
+        comp = torch.zeros(half, dtype=torch.int64, device=device)
+        comp[(i % 3 == 1) & (i < 3 * h)] = 1
+        comp[(i % 3 == 2) & (i < 3 * w)] = 2
+        return comp
+    return (i >= t).long() + (i >= t + h).long()
+
+
+def apply_positions(x, positions, cos, sin, *, interleaved=False, inverse=False,
+                    mrope_section=None, mrope_interleaved=False):
+    """Rotated copy of x (..., H, D) by the rows of cos/sin (max_position, rotary_dim/2) at
+    positions; inverse=True rotates by the negative angle."""
+    _checks.check_apply_positions(x, positions, cos, sin, mrope_section)
+    _checks.check_positions_in_range(positions, cos.shape[0], "rope.apply_positions", "cos.size(0)")
+    c, s = gather_tables(positions, cos, sin, mrope_section, mrope_interleaved)
+    return _rotate(x, c, s, interleaved, inverse)
+
+
+def positions_table_grads(x, grad, positions, cos, sin, interleaved, inverse=False,
+                          mrope_section=None, mrope_interleaved=False):
+    """Gradients w.r.t. the tables cos, sin of apply_positions: each token's per-pair gradient,
+    summed over heads, added into the row it read."""
+    half = cos.shape[1]
+    d_cos, d_sin = _pair_grads(x, grad, half, interleaved, inverse)
+    d_cos, d_sin = d_cos.sum(-2).reshape(-1, half), d_sin.sum(-2).reshape(-1, half)
+    if mrope_section is None:
+        rows = positions.long().reshape(-1, 1).expand(-1, half)
+    else:
+        comp = mrope_components(mrope_section, half, mrope_interleaved, positions.device)
+        rows = positions.long().movedim(0, -1)[..., comp].reshape(-1, half)
+    g_cos = cos.new_zeros(cos.shape, dtype=d_cos.dtype).scatter_add(0, rows, d_cos)
+    g_sin = sin.new_zeros(sin.shape, dtype=d_sin.dtype).scatter_add(0, rows, d_sin)
+    return g_cos.to(cos.dtype), g_sin.to(sin.dtype)
+
+
+def _cache_halves(cos_sin_cache):
+    half = cos_sin_cache.shape[1] // 2
+    return cos_sin_cache[:, :half], cos_sin_cache[:, half:]
+
+
+def _rotate_inplace(query, key, positions, cos_sin_cache, interleaved, mrope_section=None,
+                    mrope_interleaved=False):
+    if query.numel() == 0 and (key is None or key.numel() == 0):
+        return query, key  # no rows, however many (broadcast) positions
+    cos, sin = _cache_halves(cos_sin_cache)
+    c, s = gather_tables(positions, cos, sin, mrope_section, mrope_interleaved)
+    for t in (query, key):
+        if t is not None:
+            t.copy_(_rotate(t, c, s, interleaved, inverse=False))
+    return query, key
 
 
 def apply_rope_(query, key, positions, cos_sin_cache, *, interleaved=False):
     """Rotates query (and key, unless None) in place by the cache rows at `positions`."""
     _checks.check_apply_inplace(query, key, positions, cos_sin_cache)
-    _checks.check_positions_in_range(positions, cos_sin_cache.shape[0])
-    half = cos_sin_cache.shape[1] // 2
-    rows = cos_sin_cache[positions.long()].unsqueeze(-2)  # (..., 1, rotary_dim)
-    cos, sin = rows[..., :half], rows[..., half:]
-    for t in (query, key):
-        if t is not None:
-            t.copy_(_rotate(t, cos, sin, interleaved, inverse=False))
-    return query, key
+    positions = _checks.positions_read_once(positions, (query, key))
+    _checks.check_positions_in_range(positions, cos_sin_cache.shape[0], "rope.apply_")
+    return _rotate_inplace(query, key, positions, cos_sin_cache, interleaved)
 
 
-def mrope_tables(positions, cos_sin_cache, mrope_section):
-    """cos, sin of shape positions.shape[1:] + (rotary_dim/2,): pair i of a token takes its
-    angle from the position component j of the section that holds i."""
-    half = cos_sin_cache.shape[1] // 2
-    cos_parts, sin_parts, lo = [], [], 0
-    for j, n in enumerate(mrope_section):
-        rows = cos_sin_cache[positions[j].long()]  # (..., rotary_dim)
-        cos_parts.append(rows[..., lo : lo + n])
-        sin_parts.append(rows[..., half + lo : half + lo + n])
-        lo += n
-    return torch.cat(cos_parts, dim=-1), torch.cat(sin_parts, dim=-1)
-
-
-def apply_mrope_(query, key, positions, cos_sin_cache, mrope_section, *, interleaved=False):
+def apply_mrope_(query, key, positions, cos_sin_cache, mrope_section, *, interleaved=False,
+                 mrope_interleaved=False):
     """Multimodal RoPE in place: positions (3,) + query.shape[:-2] (temporal, height, width);
-    mrope_section splits the rotary_dim/2 pairs, in order, into 3 groups."""
-    _checks.check_mrope(query, key, positions, cos_sin_cache, mrope_section)
-    _checks.check_positions_in_range(positions, cos_sin_cache.shape[0], op="rope.mrope_")
-    cos, sin = mrope_tables(positions, cos_sin_cache, mrope_section)
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-    for t in (query, key):
-        if t is not None:
-            t.copy_(_rotate(t, cos, sin, interleaved, inverse=False))
+    mrope_section splits the rotary_dim/2 pairs into 3 groups (chunked or interleaved)."""
+    section = _checks.check_mrope(query, key, positions, cos_sin_cache, mrope_section)
+    positions = _checks.positions_read_once(positions, (query, key))
+    _checks.check_positions_in_range(positions, cos_sin_cache.shape[0], "rope.mrope_")
+    return _rotate_inplace(query, key, positions, cos_sin_cache, interleaved, section,
+                           mrope_interleaved)
+
+
+def fp8_code(x, scale, dtype):
+    """x / scale saturated to the float8 format's finite range and converted (NaN stays NaN): what
+    rope.apply_and_cache_ stores for kv_cache_dtype fp8."""
+    m = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-m, m).to(dtype)  # clamp keeps NaN
+
+
+def apply_and_cache_(query, key, value, positions, cos_sin_cache, key_cache, value_cache,
+                     slot_mapping, *, interleaved=False, kv_cache_dtype="auto", k_scale=None,
+                     v_scale=None):
+    """Rotates query and key in place, then writes the rotated key and value into the paged
+    caches (num_blocks, block_size, Hk, D) at slot_mapping (negative slots skipped)."""
+    fmt = _checks.check_apply_and_cache(query, key, value, positions, cos_sin_cache, key_cache,
+                                        value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+    positions = _checks.positions_read_once(positions, (query, key, key_cache, value_cache))
+    slot_mapping = _checks.positions_read_once(slot_mapping, (query, key, key_cache, value_cache))
+    _checks.check_positions_in_range(positions, cos_sin_cache.shape[0], "rope.apply_and_cache_")
+    block_size = key_cache.shape[1]
+    _checks.check_slots_in_range(slot_mapping, key_cache.shape[0] * block_size)
+    _rotate_inplace(query, key, positions, cos_sin_cache, interleaved)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    k, v = key[keep], value[keep]
+    kc, vc = key_cache, value_cache
+    if fmt is not None:  # float8 tensors take no index_put: write their bytes
+        k, v = fp8_code(k, k_scale, fmt).view(torch.uint8), fp8_code(v, v_scale, fmt).view(torch.uint8)
+        kc, vc = kc.view(torch.uint8), vc.view(torch.uint8)
+    kc[blocks, offsets] = k
+    vc[blocks, offsets] = v
     return query, key

@@ -1,45 +1,88 @@
-"""Context-extension scalings (ROPE.md section 6): how a config's `rope_scaling` dict changes the
-inverse frequencies w_i and scales cos/sin.
+"""Context-extension scalings (ROPE.md section 6): how a `rope_scaling` dict changes the inverse
+frequencies w_i and scales cos/sin.
 
 `rope_parameters` returns (inv_freq, attention_factor): inv_freq is float64 of length
-rotary_dim/2 and attention_factor a Python float that cos_sin_cache folds into cos and sin
-(scaling q and k by a each scales the attention logits by a^2, as the YaRN and LongRoPE papers
-intend). Every formula is evaluated in float64; the keys and their defaults follow the
-`rope_scaling` dicts of model hub configs (the type in `rope_type`, or the older `type`).
+rotary_dim/2 and attention_factor a Python float that the tables fold into cos and sin (scaling
+q and k by a each scales the attention logits by a^2, as the YaRN and LongRoPE papers intend).
+Every formula is evaluated in float64. The dicts are spelled as model configs spell them (the
+type in `rope_type`, or the older `type`); a key this module does not know is an error naming
+it, never silently dropped. Filling in what a config leaves out (original lengths, factors)
+is rope_ext.config's job: here every key the formula needs must be present.
 """
 
 import math
 
 import torch
 
-# Types that leave the frequencies alone. "mrope" (Qwen2-VL configs) only changes how positions
-# pick cache rows, see rope_ext.apply_mrope_.
-_UNSCALED = ("default", "mrope")
-_ALIASES = {"su": "longrope"}  # early Phi-3 configs
+# Older names of a type. "mrope" (Qwen2-VL configs) does default RoPE: it only changes how
+# positions pick cache rows (rope_ext.apply_mrope_). "su" is what early Phi-3 configs call longrope.
+_ALIASES = {"su": "longrope", "mrope": "default"}
+
+# Keys every dict may carry: the type, and the MRoPE layout (read by RotaryEmbedding, not here).
+_COMMON_KEYS = frozenset({"rope_type", "type", "mrope_section", "mrope_interleaved"})
+_YARN_KEYS = {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+              "mscale_all_dim", "attn_factor"}
+# The keys each type understands, beyond _COMMON_KEYS.
+_KEYS = {
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    # original_max_position_embeddings: the length past which the base grows.
+    "dynamic": frozenset({"factor", "original_max_position_embeddings"}),
+    # yarn as transformers computes it, plus serving engines' attn_factor (a multiplier on the
+    # attention factor).
+    "yarn": frozenset(_YARN_KEYS | {"attention_factor", "truncate"}),
+    # DeepSeek's YaRN as serving engines name it: mscale / mscale_all_dim default to 1 and 0.
+    "deepseek_yarn": frozenset(_YARN_KEYS),
+    "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
+    # short_mscale / long_mscale (Phi-3.5-MoE) replace the attention factor of each set.
+    "longrope": frozenset({"short_factor", "long_factor", "factor", "original_max_position_embeddings",
+                           "attention_factor", "short_mscale", "long_mscale"}),
+}
+SUPPORTED_TYPES = tuple(sorted(_KEYS))
 
 
 def _fail(msg):
     raise ValueError(f"cos_sin_cache: {msg}")
 
 
+def canonical_type(name):
+    """The type a `rope_type` string names (aliases resolved); None if unknown."""
+    if not isinstance(name, str):
+        return None
+    name = _ALIASES.get(name, name)
+    return name if name in _KEYS else None
+
+
 def scaling_type(scaling):
-    """The scaling type named by a rope_scaling dict ("default" for None)."""
+    """The scaling type named by a rope_scaling dict ("default" for None), after checking that the
+    dict names one known type and holds only keys that type understands."""
     if scaling is None:
         return "default"
     if not isinstance(scaling, dict):
         _fail(f"scaling must be a dict (a config's rope_scaling) or None, got {type(scaling).__name__}")
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind is None:
+    names = [scaling[k] for k in ("rope_type", "type") if scaling.get(k) is not None]
+    if not names:
         _fail(f"scaling must name its type under 'rope_type' (or the older 'type'), got keys {sorted(scaling)}")
-    kind = _ALIASES.get(kind, kind)
-    if kind not in _HANDLERS and kind not in _UNSCALED:
-        known = ", ".join(sorted((*_HANDLERS, *_UNSCALED)))
-        _fail(f"unknown rope scaling type {kind!r}; supported: {known}")
+    kinds = [canonical_type(n) for n in names]
+    for name, kind in zip(names, kinds):
+        if kind is None:
+            known = ", ".join(sorted((*_KEYS, *_ALIASES)))
+            _fail(f"unknown rope scaling type {name!r}; supported: {known}")
+    if len(set(kinds)) > 1:
+        _fail(f"scaling names two types, rope_type={names[0]!r} and type={names[1]!r}; keep one")
+    kind = kinds[0]
+    unknown = sorted(set(scaling) - _COMMON_KEYS - _KEYS[kind])
+    if unknown:
+        allowed = ", ".join(sorted(_KEYS[kind] | _COMMON_KEYS))
+        _fail(f"rope scaling type {kind!r} does not understand the key {unknown[0]!r} "
+              f"(keys it understands: {allowed})")
     return kind
 
 
 def _number(scaling, key, kind, default=None, positive=True):
-    value = scaling.get(key, default)
+    value = scaling.get(key)
+    if value is None:  # configs spell "not set" as a missing key or as null
+        value = default
     if value is None:
         _fail(f"rope scaling type {kind!r} needs the key {key!r}")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -49,10 +92,34 @@ def _number(scaling, key, kind, default=None, positive=True):
     return float(value)
 
 
+def original_length(scaling):
+    """original_max_position_embeddings of a dynamic/longrope dict, as an int."""
+    kind = scaling_type(scaling)
+    value = _number(scaling, "original_max_position_embeddings", kind)
+    if value != int(value):
+        _fail(f"rope scaling {kind!r}: original_max_position_embeddings must be an integer, got {value!r}")
+    return int(value)
+
+
 def default_inv_freq(rotary_dim, base, device=None):
     """w_i = base^(-2i/rotary_dim), float64."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device) / rotary_dim
     return 1.0 / (float(base) ** exponents)
+
+
+def dynamic_base(base, factor, original, seq_len, rotary_dim):
+    """The NTK-aware base for a sequence of seq_len > original positions (floats or float64
+    tensors alike, so the module can evaluate it on the device)."""
+    return base * ((factor * seq_len / original) - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
+
+
+def dynamic_parameters(scaling, rotary_dim):
+    """(factor, original) of a dynamic dict, checked."""
+    factor = _number(scaling, "factor", "dynamic")
+    original = original_length(scaling)
+    if rotary_dim <= 2:
+        _fail(f"rope scaling 'dynamic' needs rotary_dim > 2, got {rotary_dim}")
+    return factor, original
 
 
 def _linear(scaling, rotary_dim, base, seq_len, device):
@@ -61,12 +128,9 @@ def _linear(scaling, rotary_dim, base, seq_len, device):
 
 
 def _dynamic(scaling, rotary_dim, base, seq_len, device):
-    factor = _number(scaling, "factor", "dynamic")
-    original = _number(scaling, "original_max_position_embeddings", "dynamic")
-    if seq_len > original:  # NTK-aware: stretch the base, only past the trained length
-        if rotary_dim <= 2:
-            _fail(f"rope scaling 'dynamic' needs rotary_dim > 2, got {rotary_dim}")
-        base = base * ((factor * seq_len / original) - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
+    factor, original = dynamic_parameters(scaling, rotary_dim)
+    if seq_len > original:  # only past the trained length; below it the plain frequencies
+        base = dynamic_base(base, factor, original, seq_len, rotary_dim)
     return default_inv_freq(rotary_dim, base, device), 1.0
 
 
@@ -74,27 +138,41 @@ def _yarn_mscale(scale, mscale=1.0):
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _yarn(scaling, rotary_dim, base, seq_len, device):
-    factor = _number(scaling, "factor", "yarn")
-    original = _number(scaling, "original_max_position_embeddings", "yarn")
-    beta_fast = _number(scaling, "beta_fast", "yarn", default=32)
-    beta_slow = _number(scaling, "beta_slow", "yarn", default=1)
-    attention = scaling.get("attention_factor")
-    if attention is None:
-        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        if mscale and mscale_all_dim:  # DeepSeek: the ratio, so the two may cancel
-            attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-        else:
-            attention = _yarn_mscale(factor)
-    else:
-        attention = _number(scaling, "attention_factor", "yarn")
+def _yarn_attention(scaling, kind, factor):
+    attn_factor = _number(scaling, "attn_factor", kind, default=1.0)
+    if kind == "deepseek_yarn":
+        mscale = _number(scaling, "mscale", kind, default=1.0, positive=False)
+        mscale_all_dim = _number(scaling, "mscale_all_dim", kind, default=0.0, positive=False)
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim) * attn_factor
+    if scaling.get("attention_factor") is not None:
+        if scaling.get("attn_factor") is not None:
+            _fail("rope scaling 'yarn': give attention_factor or attn_factor, not both")
+        return _number(scaling, "attention_factor", kind)
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:  # DeepSeek: the ratio, so equal values cancel
+        mscale = _number(scaling, "mscale", kind)
+        mscale_all_dim = _number(scaling, "mscale_all_dim", kind)
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim) * attn_factor
+    # One of the two alone does not enter the yarn formula (as in transformers).
+    return _yarn_mscale(factor) * attn_factor
+
+
+def _yarn(scaling, rotary_dim, base, seq_len, device, kind="yarn"):
+    factor = _number(scaling, "factor", kind)
+    original = _number(scaling, "original_max_position_embeddings", kind)
+    beta_fast = _number(scaling, "beta_fast", kind, default=32)
+    beta_slow = _number(scaling, "beta_slow", kind, default=1)
+    attention = _yarn_attention(scaling, kind, factor)
+    truncate = scaling.get("truncate", True)
+    if not isinstance(truncate, bool):
+        _fail(f"rope scaling {kind!r}: truncate must be true or false, got {truncate!r}")
 
     # The dim index at which a wavelength makes `rotations` full turns over the original context.
     def correction_dim(rotations):
         return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
     low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if scaling.get("truncate", True):
+    if truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, rotary_dim - 1)
     if low == high:
@@ -104,6 +182,10 @@ def _yarn(scaling, rotary_dim, base, seq_len, device):
     interpolated = extrapolated / factor
     # ramp 0 (high-frequency dims, many turns): keep w_i; ramp 1 (low frequency): w_i / factor.
     return interpolated * ramp + extrapolated * (1 - ramp), float(attention)
+
+
+def _deepseek_yarn(scaling, rotary_dim, base, seq_len, device):
+    return _yarn(scaling, rotary_dim, base, seq_len, device, kind="deepseek_yarn")
 
 
 def _llama3(scaling, rotary_dim, base, seq_len, device):
@@ -128,23 +210,31 @@ def _factor_list(scaling, key, rotary_dim):
     if not isinstance(values, (list, tuple)) or len(values) != rotary_dim // 2:
         n = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
         _fail(f"rope scaling 'longrope': {key} must be a list of rotary_dim/2 = {rotary_dim // 2} numbers, got {n}")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+               for v in values):
+        _fail(f"rope scaling 'longrope': {key} must hold numbers > 0")
     return values
 
 
 def _longrope(scaling, rotary_dim, base, seq_len, device, max_position):
     short = _factor_list(scaling, "short_factor", rotary_dim)
     long_ = _factor_list(scaling, "long_factor", rotary_dim)
-    original = _number(scaling, "original_max_position_embeddings", "longrope")
+    original = original_length(scaling)
     # Without `factor`, the extension ratio is the table's length over the trained one (Phi-3).
     factor = _number(scaling, "factor", "longrope", default=max_position / original)
-    attention = scaling.get("attention_factor")
-    if attention is None:
-        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
-    else:
+    has_short, has_long = (scaling.get(k) is not None for k in ("short_mscale", "long_mscale"))
+    if has_short != has_long:
+        _fail("rope scaling 'longrope': short_mscale and long_mscale go together")
+    if has_short and scaling.get("attention_factor") is not None:
+        _fail("rope scaling 'longrope': give attention_factor or short_mscale/long_mscale, not both")
+    use_long = seq_len > original
+    if has_short:
+        attention = _number(scaling, "long_mscale" if use_long else "short_mscale", "longrope")
+    elif scaling.get("attention_factor") is not None:
         attention = _number(scaling, "attention_factor", "longrope")
-    ext = torch.tensor(long_ if seq_len > original else short, dtype=torch.float64, device=device)
-    if not bool((ext > 0).all()):
-        _fail("rope scaling 'longrope': short_factor and long_factor must be > 0")
+    else:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    ext = torch.tensor(long_ if use_long else short, dtype=torch.float64, device=device)
     return default_inv_freq(rotary_dim, base, device) / ext, float(attention)
 
 
@@ -152,21 +242,21 @@ _HANDLERS = {
     "linear": _linear,
     "dynamic": _dynamic,
     "yarn": _yarn,
+    "deepseek_yarn": _deepseek_yarn,
     "llama3": _llama3,
-    "longrope": _longrope,
 }
 
 
 def rope_parameters(scaling, rotary_dim, base, max_position, seq_len=None, device=None):
     """(inv_freq float64 [rotary_dim/2], attention_factor) for a rope_scaling dict (or None).
 
-    seq_len: the sequence length the table serves (default max_position); `dynamic` and
-    `longrope` depend on it.
+    seq_len: the sequence length served (default max_position); `dynamic` and `longrope`
+    depend on it.
     """
     kind = scaling_type(scaling)
     seq_len = max_position if seq_len is None else seq_len
-    if kind in _UNSCALED:
+    if kind == "default":
         return default_inv_freq(rotary_dim, base, device), 1.0
     if kind == "longrope":
-        return _longrope(scaling, rotary_dim, base, seq_len, device, max_position)
+        return _longrope(scaling, rotary_dim, float(base), seq_len, device, max_position)
     return _HANDLERS[kind](scaling, rotary_dim, float(base), seq_len, device)

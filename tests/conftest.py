@@ -34,3 +34,9 @@ def poison_like(t):
 
 def native_cpu():
     return rope_ext.backend("cpu") == "native"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fuzz-cases", type=int, default=400,
+                     help="random cases of tests/test_fuzz.py (make sanitize runs more)")
+    parser.addoption("--fuzz-seed", type=int, default=None, help="replay test_fuzz.py from this seed")

@@ -1,31 +1,22 @@
-"""Checks every CPU kernel path of the variant that serves this process against the float64
-reference. Run by tests/test_cpu_isa.py once per variant, in a fresh process with
-ROPE_EXT_CPU_ISA set (the variant is chosen once, when the library loads):
-
-    ROPE_EXT_CPU_ISA=avx2 python tests/cpu_isa_matrix.py avx2 [seed]
+"""The cases every CPU kernel variant is checked on against the float64 reference (run by
+tests/test_cpu_isa.py once per variant, with rope_ext.set_cpu_isa, and with non-temporal stores
+forced on so both store paths are covered).
 
 Covers: the four x dtypes x the four table dtypes, both layouts, head dims whose halves are not
-multiples of any vector width, partial rotary (pass-through bit-exact), strided x (the portable
-path) and strided heads/tables (the vectorized path), broadcast tables, rope.apply_ with GQA keys
-inside a poisoned fused buffer, int32/int64 positions, outputs large enough for the CPU output
-cache, and rotary_dim/2 above the vectorized kernels' limit. test_cpu_isa.py runs it with
-ROPE_EXT_CPU_STREAM_MB=0, so every output here takes the non-temporal-store path.
+multiples of any vector width, partial rotary (pass-through bit-exact), strided x and strided
+heads/tables, broadcast tables, rope.apply_ with GQA keys inside a poisoned fused buffer,
+int32/int64 positions, MRoPE (both section layouts), the positions op, the KV-cache write, large
+outputs, and rotary_dim/2 above one kernel block (512 pairs).
 """
 
 import itertools
-import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import torch
 
-import torch  # noqa: E402
+import rope_ext
+from rope_ext import reference
+from tolerances import DTYPES, TOL
 
-import rope_ext  # noqa: E402
-from rope_ext import reference  # noqa: E402
-
-from tolerances import DTYPES, TOL  # noqa: E402
 ops = torch.ops.rope
 
 
@@ -92,9 +83,8 @@ def layout_matrix():
         b, s, h, d, r = 2, 5, 4, 64, 48
         pos = torch.randint(0, 64, (s,))
         _, cos, sin = tables(pos, r, tab)
-        # x as [B, H, S, D] with tables [S, r/2] (broadcast over B and H) and [1, 1, S, r/2].
+        # x as [B, H, S, D] with tables [1, 1, S, r/2] (broadcast over B and H).
         x = torch.randn(b, h, s, d, dtype=dtype)
-        check_apply(x, cos, sin, il, f"[B,H,S,D] {dtype}")
         check_apply(x, cos[None, None], sin[None, None], il, f"[B,H,S,D] 4-d tables {dtype}")
         # x as [B, S, H, D] with tables [B, S, 1, r/2].
         x = torch.randn(b, s, h, d, dtype=dtype)
@@ -168,9 +158,8 @@ def inplace_matrix():
 
 
 def large_matrix():
-    """Outputs >= 16 MiB (the output cache; non-temporal stores under the test's
-    ROPE_EXT_CPU_STREAM_MB=0), aligned and not, many rows
-    (threads), and rotary_dim/2 above the vectorized limit (512)."""
+    """Large outputs, aligned and not, many rows (threads), and rotary_dim/2 above one kernel
+    block (512 pairs)."""
     n = 0
     cases = [
         (torch.float32, (4096, 8, 128), 128),  # 16 MiB, rows 64-byte aligned
@@ -203,15 +192,70 @@ def large_matrix():
     return n
 
 
-def main(expected_isa=None):
-    got = rope_ext.cpu_isa()
-    if expected_isa is not None and got != expected_isa:
-        raise SystemExit(f"asked for ROPE_EXT_CPU_ISA={expected_isa}, but {got} serves")
-    counts = {f.__name__: f() for f in (apply_matrix, layout_matrix, inplace_matrix, large_matrix)}
-    print(f"cpu_isa={got} ok {counts}")
+def positions_matrix():
+    """rope.mrope_ (chunked and interleaved sections) and rope.apply_positions (forward and
+    inverse, plain and MRoPE) against the reference, with GQA keys and partial rotary."""
+    n = 0
+    for dtype, il, (d, r) in itertools.product(DTYPES, (False, True), ((128, 128), (70, 36), (34, 34))):
+        t, hq, hk = 6, 4, 2
+        cache = rope_ext.cos_sin_cache(64, r)
+        half = r // 2
+        sec = [half - 2 * (half // 3), half // 3, half // 3]
+        mpos = torch.randint(0, 64, (3, t))
+        for mi in (False, True):
+            q, k = torch.randn(t, hq, d, dtype=dtype), torch.randn(t, hk, d, dtype=dtype)
+            q0, k0 = q.clone(), k.clone()
+            ops.mrope_(q, k, mpos, cache, sec, il, mi)
+            rq, rk = q0.double(), k0.double()
+            reference.apply_mrope_(rq, rk, mpos, cache.double(), sec, interleaved=il, mrope_interleaved=mi)
+            tag = f"mrope_ {dtype} D={d} r={r} il={il} mrope_interleaved={mi}"
+            close(q, rq, dtype, tag + " query")
+            close(k, rk, dtype, tag + " key")
+            n += 1
+        pos = torch.randint(0, 64, (t,))
+        x = torch.randn(t, hq, d, dtype=dtype)
+        c, s = cache[:, :half], cache[:, half:]
+        for inverse, section in itertools.product((False, True), (None, sec)):
+            p = pos if section is None else mpos
+            out = ops.apply_positions(x, p, c, s, il, inverse, section, False)
+            ref = reference.apply_positions(x.double(), p, c.double(), s.double(), interleaved=il,
+                                            inverse=inverse, mrope_section=section)
+            tag = f"apply_positions {dtype} D={d} r={r} il={il} inverse={inverse} mrope={section}"
+            close(out, ref, dtype, tag)
+            assert torch.equal(out[..., r:], x[..., r:]), tag
+            n += 1
+    return n
 
 
-if __name__ == "__main__":
-    if len(sys.argv) > 2:
-        torch.manual_seed(int(sys.argv[2]))
-    main(sys.argv[1] if len(sys.argv) > 1 else None)
+def cache_matrix():
+    """rope.apply_and_cache_ for each dtype and cache format against the reference."""
+    n = 0
+    formats = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+    for dtype, il, (fmt, cdt) in itertools.product(DTYPES, (False, True), formats.items()):
+        t, hq, hk, d, dv, r = 7, 4, 2, 64, 32, 48
+        cache = rope_ext.cos_sin_cache(64, r)
+        pos = torch.randint(0, 64, (t,))
+        slots = torch.tensor([5, -1, 0, 11, 3, 8, 14])
+        q, k, v = (torch.randn(t, h, n_, dtype=dtype) for h, n_ in ((hq, d), (hk, d), (hk, dv)))
+        cdt = dtype if cdt is None else cdt
+        kc = torch.randn(4, 4, hk, d).to(cdt)
+        vc = torch.randn(4, 4, hk, dv).to(cdt)
+        scales = (torch.tensor([0.5]), torch.tensor([2.0])) if fmt != "auto" else (None, None)
+        args = [(q, k, v, pos, cache, kc, vc, slots)]
+        ref = [a.clone() if isinstance(a, torch.Tensor) else a for a in args[0]]
+        ops.apply_and_cache_(*args[0], il, fmt, *scales)
+        reference.apply_and_cache_(*ref, interleaved=il, kv_cache_dtype=fmt, k_scale=scales[0],
+                                   v_scale=scales[1])
+        tag = f"apply_and_cache_ {dtype} {fmt} il={il}"
+        for got, want, name in ((q, ref[0], "query"), (k, ref[1], "key")):
+            assert torch.equal(got, want), f"{tag}: {name} differs from the reference bit for bit"
+        for got, want, name in ((kc, ref[5], "key_cache"), (vc, ref[6], "value_cache")):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"{tag}: {name}"
+        n += 1
+    return n
+
+
+def run_all():
+    """Every case; returns the count per group."""
+    return {f.__name__: f() for f in (apply_matrix, layout_matrix, inplace_matrix, positions_matrix,
+                                      cache_matrix, large_matrix)}

@@ -1,5 +1,5 @@
 """Builds (once, cached under build/) and loads the CPU simulator of the CUDA kernels,
-tests/sim/rope_cuda_sim.cpp, and wraps its ops.
+tests/sim/cuda_sim.cpp, and wraps its ops.
 
 The simulator runs the CUDA ops' own host code and per-thread kernel code (csrc/ops/cuda/
 rope_cuda_host.h, rope_cuda_thread.h) over every thread of the planned launch grid and checks
@@ -7,20 +7,18 @@ every memory access; see the .cpp for what it proves.
 """
 
 import os
-
-from rope_ext import _build_flags
+import sys
 from dataclasses import dataclass
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BUILD_DIR = os.path.join(ROOT, "build", "rope_cuda_sim")
-SOURCES = [
-    os.path.join(ROOT, "tests", "sim", "rope_cuda_sim.cpp"),
-    os.path.join(ROOT, "csrc", "ops", "rope_checks.cpp"),
-]
-# The flags of the real libraries (same rounding: no FP contraction), plus the access hooks.
-FLAGS = _build_flags.CXX_FLAGS + ["-DROPE_SIM"]
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+import build_config  # noqa: E402
+
+BUILD_DIR = os.path.join(ROOT, "build", "cuda_sim")
+SOURCES = [os.path.join(ROOT, "tests", "sim", "cuda_sim.cpp")]
 
 _loaded = False
 
@@ -28,8 +26,6 @@ _loaded = False
 def load():
     global _loaded
     if not _loaded:
-        import build_config
-
         build_config.configure_environment()  # CUDA_HOME: no "guessing /usr/local" warning
         from torch.utils.cpp_extension import load as cpp_load
 
@@ -37,8 +33,9 @@ def load():
         cpp_load(
             name="rope_cuda_sim",
             sources=SOURCES,
-            extra_cflags=FLAGS,
-            extra_include_paths=[os.path.join(ROOT, "csrc")],
+            # The flags of the real libraries (same rounding: no FP contraction), plus the hooks.
+            extra_cflags=build_config.cxx_flags() + ["-DROPE_SIM"],
+            extra_include_paths=build_config.include_dirs(),
             build_directory=BUILD_DIR,
             is_python_module=False,
             verbose=False,
@@ -58,17 +55,17 @@ class Plan:
     scalar_accesses: int
 
 
-def _plan(info):
-    v = info.tolist()
-    return Plan(bool(v[0]), bool(v[1]), v[2], (v[3], v[4], v[5]), v[6], v[7], v[8], v[9])
-
-
-def apply(x, cos, sin, interleaved=False, inverse=False, max_blocks=1 << 20, force_idx64=False):
-    """The simulated rope.apply (inverse=False) / rope.apply_backward: (out, Plan)."""
-    load()
+def _run(op_name, *args, max_blocks=1 << 20, force_idx64=False):
+    load()  # before the op is looked up: the simulator library defines it
     info = torch.zeros(12, dtype=torch.int64)
-    out = torch.ops.rope_sim.apply(x, cos, sin, interleaved, inverse, max_blocks, force_idx64, info)
-    return out, _plan(info)
+    result = getattr(torch.ops.rope_sim, op_name)(*args, max_blocks, force_idx64, info)
+    v = info.tolist()
+    return result, Plan(bool(v[0]), bool(v[1]), v[2], (v[3], v[4], v[5]), v[6], v[7], v[8], v[9])
+
+
+def apply(x, cos, sin, interleaved=False, inverse=False, **kw):
+    """The simulated rope.apply (inverse: rope.apply_backward): (out, Plan)."""
+    return _run("apply", x, cos, sin, interleaved, inverse, **kw)
 
 
 def apply_out(x, cos, sin, out, interleaved=False, max_blocks=1 << 20, force_idx64=False):
@@ -76,12 +73,31 @@ def apply_out(x, cos, sin, out, interleaved=False, max_blocks=1 << 20, force_idx
     load()
     info = torch.zeros(12, dtype=torch.int64)
     torch.ops.rope_sim.apply_out(x, cos, sin, interleaved, max_blocks, force_idx64, info, out)
-    return _plan(info)
+    v = info.tolist()
+    return Plan(bool(v[0]), bool(v[1]), v[2], (v[3], v[4], v[5]), v[6], v[7], v[8], v[9])
 
 
-def apply_(query, key, positions, cache, interleaved=False, max_blocks=1 << 20, force_idx64=False):
+def apply_(query, key, positions, cache, interleaved=False, **kw):
     """The simulated rope.apply_ (in place): Plan."""
-    load()
-    info = torch.zeros(12, dtype=torch.int64)
-    torch.ops.rope_sim.apply_(query, key, positions, cache, interleaved, max_blocks, force_idx64, info)
-    return _plan(info)
+    return _run("apply_", query, key, positions, cache, interleaved, **kw)[1]
+
+
+def mrope_(query, key, positions, cache, section, interleaved=False, mrope_interleaved=False, **kw):
+    """The simulated rope.mrope_ (in place): Plan."""
+    return _run("mrope_", query, key, positions, cache, list(section),
+                interleaved, mrope_interleaved, **kw)[1]
+
+
+def apply_positions(x, positions, cos, sin, interleaved=False, inverse=False, mrope_section=None,
+                    mrope_interleaved=False, **kw):
+    """The simulated rope.apply_positions: (out, Plan)."""
+    return _run("apply_positions", x, positions, cos, sin, interleaved, inverse,
+                mrope_section, mrope_interleaved, **kw)
+
+
+def apply_and_cache_(query, key, value, positions, cache, key_cache, value_cache, slots,
+                     interleaved=False, kv_cache_dtype="auto", k_scale=None, v_scale=None, **kw):
+    """The simulated rope.apply_and_cache_ (in place, caches written): Plan."""
+    return _run("apply_and_cache_", query, key, value, positions, cache,
+                key_cache, value_cache, slots, interleaved, kv_cache_dtype, k_scale, v_scale,
+                **kw)[1]

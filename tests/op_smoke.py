@@ -1,11 +1,12 @@
 """Smoke check of one way of loading rope_ext, run in a fresh process by the packaging tests
 (test_wheel.py, test_jit.py, test_cmake_library.py): a process can hold only one copy of the ops.
 
-    python op_smoke.py [--path DIR] [--preload LIB] [--expect-loaded-by KIND]
+    python op_smoke.py [--path DIR] [--preload LIB ...] [--expect-loaded-by KIND]
                         [--expect-under DIR] [--expect-library-under DIR]
 
 Checks that rope_ext (and its native library) came from where the caller expects, then runs every
-op (apply, apply.out, apply_backward and its autograd, apply_, mrope_) against rope_ext.reference. Prints "OK <loaded_by> <loaded_from>" on success.
+op (apply, apply.out, apply_backward and its autograd, apply_, mrope_, apply_positions,
+apply_and_cache_) against rope_ext.reference. Prints "OK <loaded_by> <loaded_from>" on success.
 """
 
 import argparse
@@ -49,7 +50,7 @@ def close(torch, actual, expected, dtype):
 
 def check_preloaded_ops(torch):
     """Before rope_ext is imported: torch.ops.rope.apply from the preloaded library alone, against
-    the rotation written out here (half-split layout, ROPE.md section 1)."""
+    the rotation written out here (half-split layout: pairs (x[i], x[i + 6]))."""
     x = torch.randn(3, 5, 16, dtype=torch.float64)
     ang = torch.rand(3, 1, 6, dtype=torch.float64) * 6
     cos, sin = ang.cos(), ang.sin()
@@ -62,10 +63,10 @@ def check_ops(torch, rope_ext):
     ref = rope_ext.reference
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
         for interleaved in (False, True):
-            # partial rotary (24 of 32 dims), cos/sin [S,1,r/2] broadcast over heads
+            # partial rotary (24 of 32 dims), cos/sin [1,S,1,r/2] broadcast over batch and heads
             x = torch.randn(2, 7, 4, 32, dtype=dtype)
             table = rope_ext.cos_sin_cache(16, 24, dtype=torch.float32)[3:10]
-            cos, sin = table[:, None, :12], table[:, None, 12:]
+            cos, sin = table[None, :, None, :12], table[None, :, None, 12:]
             exact = (x.double(), cos.double(), sin.double())
             out = torch.ops.rope.apply(x, cos, sin, interleaved)
             close(torch, out, ref.apply_rope(*exact, interleaved=interleaved), dtype)
@@ -107,11 +108,29 @@ def check_ops(torch, rope_ext):
             close(torch, query, eq, dtype)
             close(torch, key, ek, dtype)
 
+            # the positions op (out of place), and the fused KV-cache write
+            x = torch.randn(6, 3, 32, dtype=dtype)
+            positions = torch.randint(0, 32, (6,))
+            half = (cache[:, :16], cache[:, 16:])
+            out = torch.ops.rope.apply_positions(x, positions, *half, interleaved, False, None, False)
+            close(torch, out, ref.apply_positions(x.double(), positions, half[0].double(),
+                                                  half[1].double(), interleaved=interleaved), dtype)
+            q, k, v = (torch.randn(6, h, 32, dtype=dtype) for h in (4, 2, 2))
+            kc, vc = torch.zeros(3, 4, 2, 32, dtype=dtype), torch.zeros(3, 4, 2, 32, dtype=dtype)
+            slots = torch.tensor([0, 5, -1, 11, 2, 7])
+            want = [t.clone() for t in (q, k, v, positions, cache, kc, vc, slots)]
+            torch.ops.rope.apply_and_cache_(q, k, v, positions, cache, kc, vc, slots, interleaved)
+            ref.apply_and_cache_(*want, interleaved=interleaved)
+            for got, exp in zip((q, k, kc, vc), (want[0], want[1], want[5], want[6])):
+                assert torch.equal(got, exp), "apply_and_cache_ differs from the reference"
+
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--path", help="put DIR first on sys.path")
-    parser.add_argument("--preload", help="torch.ops.load_library(LIB) before importing rope_ext")
+    parser.add_argument("--preload", action="append", default=[],
+                        help="torch.ops.load_library(LIB) before importing rope_ext (repeatable: "
+                        "the CPU library first, then the CUDA one)")
     parser.add_argument("--expect-loaded-by", choices=("compiled", "jit", "preloaded"))
     parser.add_argument("--expect-under", help="rope_ext and its native library must come from here")
     parser.add_argument("--expect-library-under", help="the native library must come from here")
@@ -122,24 +141,27 @@ def main():
     import torch
 
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    for lib in args.preload:
+        torch.ops.load_library(lib)
     if args.preload:
-        torch.ops.load_library(args.preload)
         check_preloaded_ops(torch)
 
     import rope_ext
-    from rope_ext import _native
+    from rope_ext import _library
 
+    state = _library.state
     if args.expect_loaded_by:
-        assert _native.loaded_by == args.expect_loaded_by, (_native.loaded_by, _native.loaded_from)
-    assert rope_ext.backend("cpu") == "native", _native.load_error
-    native = os.path.realpath(_native.loaded_from)
-    # The compiled path may hold the CUDA kernels in a second library (rope_ext._C_cuda).
-    cuda = getattr(_native, "cuda_loaded_from", None) if _native.loaded_by == "compiled" else None
+        assert state.loaded_by == args.expect_loaded_by, (state.loaded_by, state.path)
+    assert rope_ext.backend("cpu") == "native", state.error
+    native = os.path.realpath(state.path)
+    # The CUDA kernels may sit in a second library (rope_ext._C_cuda, or the JIT/CMake one).
+    cuda = state.cuda_path
     expected = {native} | ({os.path.realpath(cuda)} if cuda else set())
+    if args.preload:
+        assert native == os.path.realpath(args.preload[0]), native
+        expected |= {os.path.realpath(p) for p in args.preload}
     mapped = mapped_rope_libraries(extra=tuple(expected))
     assert mapped == expected, f"expected only {expected} mapped, found {mapped}"
-    if args.preload:
-        assert native == os.path.realpath(args.preload), native
     expected_places = [(args.expect_under, os.path.realpath(rope_ext.__file__))]
     expected_places += [(args.expect_under or args.expect_library_under, p) for p in expected]
     for place, path in expected_places:
@@ -148,7 +170,7 @@ def main():
             assert path.startswith(under), f"{path} is not under {under}"
 
     check_ops(torch, rope_ext)
-    print("OK", _native.loaded_by, _native.loaded_from)
+    print("OK", state.loaded_by, state.path)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ def _layouts(rotary_dim):
     pos_bs = torch.randint(0, 4096, (B, S))
     return {
         "BHSD_11Sh": ((B, H, S), table_for(pos_s, rotary_dim), (1, 1, S, h)),
-        "BSHD_S1h": ((B, S, H), table_for(pos_s, rotary_dim), (S, 1, h)),
+        "BSHD_1S1h": ((B, S, H), table_for(pos_s, rotary_dim), (1, S, 1, h)),
         "BSHD_BS1h": ((B, S, H), table_for(pos_bs, rotary_dim), (B, S, 1, h)),
         "SD_Sh": ((S,), table_for(pos_s, rotary_dim), (S, h)),
     }
@@ -37,7 +37,7 @@ def _layouts(rotary_dim):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("layout", ["BHSD_11Sh", "BSHD_S1h", "BSHD_BS1h", "SD_Sh"])
+@pytest.mark.parametrize("layout", ["BHSD_11Sh", "BSHD_1S1h", "BSHD_BS1h", "SD_Sh"])
 @pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (80, 32), (128, 128), (96, 48)])
 def test_matches_oracle(impl, dtype, interleaved, layout, head_dim, rotary_dim):
     lead, (cos64, sin64), cos_shape = _layouts(rotary_dim)[layout]
@@ -93,15 +93,16 @@ def test_large_parallel_rows(impl):
     # Enough rows to be split across threads; offsets must stay right at every chunk start.
     x = torch.randn(3, 700, 5, 128)
     cos, sin = tables(torch.randint(0, 10_000, (700,)), 128, torch.float32)
-    out = IMPLS[impl](x, cos[:, None], sin[:, None], interleaved=True)
-    assert_close(out, rope(x, cos[:, None], sin[:, None], True), torch.float32)
+    cos, sin = cos[None, :, None], sin[None, :, None]
+    out = IMPLS[impl](x, cos, sin, interleaved=True)
+    assert_close(out, rope(x, cos, sin, True), torch.float32)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_empty_and_degenerate_shapes(impl):
     cos, sin = tables(torch.arange(3), 8, torch.float32)
     x = torch.randn(0, 3, 8)
-    assert IMPLS[impl](x, cos, sin).shape == (0, 3, 8)
+    assert IMPLS[impl](x, cos[None], sin[None]).shape == (0, 3, 8)
     x1 = torch.randn(8)  # no leading dims at all
     c1, s1 = tables(torch.tensor(7), 8, torch.float32)
     assert_close(IMPLS[impl](x1, c1, s1), rope(x1, c1, s1, False), torch.float32)
@@ -110,10 +111,33 @@ def test_empty_and_degenerate_shapes(impl):
 def test_backward_op_is_inverse_rotation():
     x = torch.randn(2, 6, 4, 64, dtype=torch.float64)
     cos, sin = tables(torch.randint(0, 500, (6,)), 64, torch.float64)
+    cos, sin = cos[None, :, None], sin[None, :, None]
     for interleaved in (False, True):
-        y = torch.ops.rope.apply(x, cos[:, None], sin[:, None], interleaved)
-        back = torch.ops.rope.apply_backward(y, cos[:, None], sin[:, None], interleaved)
+        y = torch.ops.rope.apply(x, cos, sin, interleaved)
+        back = torch.ops.rope.apply_backward(y, cos, sin, interleaved)
         assert_close(back, x, torch.float64)
-        expected = rope(x, cos[:, None], sin[:, None], interleaved, inverse=True)
-        assert_close(torch.ops.rope.apply_backward(x, cos[:, None], sin[:, None], interleaved),
-                     expected, torch.float64)
+        expected = rope(x, cos, sin, interleaved, inverse=True)
+        assert_close(torch.ops.rope.apply_backward(x, cos, sin, interleaved), expected,
+                     torch.float64)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("seq,heads", [(5, 3), (4, 4)])
+def test_tables_with_fewer_dims_are_refused_not_realigned(impl, seq, heads):
+    # flash-attn's (seq, rotary_dim/2) tables for x (batch, seq, heads, head_dim): right-aligned
+    # broadcasting would pair seq with heads (a silent wrong result when seq == heads).
+    x = torch.randn(2, seq, heads, 64)
+    cos, sin = tables(torch.randint(0, 100, (seq,)), 64, torch.float32)
+    x0 = x.clone()
+    with pytest.raises(RuntimeError, match=r"have 2 dims but x of shape \[2, \d, \d, 64\] has 4: "
+                       r"give them x's number of dims.*cos\[None, :, None, :\]"):
+        IMPLS[impl](x, cos, sin)
+    assert torch.equal(x, x0)
+    with pytest.raises(RuntimeError, match="have 3 dims"):
+        IMPLS[impl](x, cos[:, None], sin[:, None])
+    # Lined up explicitly, it is the right rotation.
+    out = IMPLS[impl](x, cos[None, :, None], sin[None, :, None])
+    assert_close(out, rope(x, cos[None, :, None], sin[None, :, None], False), torch.float32)
+    # One row for every position (1-D) needs no alignment.
+    out = IMPLS[impl](x, cos[1], sin[1])
+    assert_close(out, rope(x, cos[1], sin[1], False), torch.float32)

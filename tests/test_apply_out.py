@@ -29,7 +29,7 @@ def _layout(name, rotary_dim):
     h = rotary_dim // 2
     return {
         "BHSD_11Sh": ((B, H, S), (1, 1, S, h), torch.randint(0, 4096, (S,))),
-        "BSHD_S1h": ((B, S, H), (S, 1, h), torch.randint(0, 4096, (S,))),
+        "BSHD_1S1h": ((B, S, H), (1, S, 1, h), torch.randint(0, 4096, (S,))),
         "BSHD_BS1h": ((B, S, H), (B, S, 1, h), torch.randint(0, 4096, (B, S))),
         "SD_Sh": ((S,), (S, h), torch.randint(0, 4096, (S,))),
     }[name]
@@ -38,7 +38,7 @@ def _layout(name, rotary_dim):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("layout", ["BHSD_11Sh", "BSHD_S1h", "BSHD_BS1h", "SD_Sh"])
+@pytest.mark.parametrize("layout", ["BHSD_11Sh", "BSHD_1S1h", "BSHD_BS1h", "SD_Sh"])
 @pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (80, 32), (96, 48)])
 @pytest.mark.parametrize("x_contiguous", [True, False])
 def test_matches_oracle(impl, dtype, interleaved, layout, head_dim, rotary_dim, x_contiguous):
@@ -139,7 +139,7 @@ def test_opcheck():
     cos, sin = torch.randn(3, 1, 8), torch.randn(3, 1, 8)
     torch.library.opcheck(torch.ops.rope.apply.out, (x, cos, sin, False), {"out": torch.empty_like(x)})
     xb = torch.randn(2, 5, 3, 64, dtype=torch.bfloat16)[:, :, :, :48]
-    cb, sb = torch.randn(5, 1, 24), torch.randn(5, 1, 24)
+    cb, sb = torch.randn(1, 5, 1, 24), torch.randn(1, 5, 1, 24)
     torch.library.opcheck(torch.ops.rope.apply.out, (xb, cb, sb, True), {"out": torch.empty(2, 5, 3, 48, dtype=torch.bfloat16)})
 
 

@@ -1,4 +1,5 @@
-"""Autograd (gradcheck), opcheck and torch.compile(fullgraph=True) for the rope ops."""
+"""Autograd (gradcheck, including through the in-place ops), opcheck and
+torch.compile(fullgraph=True) for every rope op."""
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ def _tables(shape, requires_grad=False):
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("table_shape", [(1, 1, 5, 6), (5, 1, 6), (2, 5, 1, 6)])
+@pytest.mark.parametrize("table_shape", [(1, 1, 5, 6), (1, 5, 1, 6), (2, 5, 1, 6)])
 def test_gradcheck_x_cos_sin(interleaved, table_shape):
     # x: [B, S, H, D] (or [B, H, S, D] for the [1, 1, S, r/2] tables), partial rotary 12 of 16.
     shape = (2, 3, 5, 16) if table_shape == (1, 1, 5, 6) else (2, 5, 3, 16)
@@ -36,26 +37,95 @@ def test_grad_x_only_and_low_precision_grad():
     assert_close(gx, rope(g, cos, sin, False, inverse=True), torch.bfloat16)
 
 
+POS = torch.tensor([[3, 0, 7, 3, 11], [1, 9, 9, 2, 5]])  # repeats: table gradients accumulate
+MPOS = torch.stack((POS, (POS * 3) % 13, (POS + 5) % 13))  # MRoPE (t, h, w)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("section,mrope_interleaved", [(None, False), ([2, 2, 2], False), ([2, 2, 2], True)])
+def test_gradcheck_positions_op(interleaved, section, mrope_interleaved):
+    x = torch.randn(2, 5, 3, 16, dtype=torch.float64, requires_grad=True)
+    cache = rope_ext.cos_sin_cache(13, 12, dtype=torch.float64).requires_grad_()
+    pos = POS if section is None else MPOS
+
+    def fn(x, cache):
+        return rope_ext.apply_rope_at(x, pos, cache, interleaved=interleaved,
+                                      mrope_section=section, mrope_interleaved=mrope_interleaved)
+
+    assert torch.autograd.gradcheck(fn, (x, cache))
+    assert torch.autograd.gradgradcheck(fn, (x, cache))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("mrope", [False, True])
+def test_gradcheck_through_in_place_ops(interleaved, mrope):
+    # The in-place ops are differentiable w.r.t. query, key and the table, and their gradient is
+    # the out-of-place op's.
+    q = torch.randn(2, 5, 4, 16, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 5, 2, 16, dtype=torch.float64, requires_grad=True)
+    cache = rope_ext.cos_sin_cache(13, 12, dtype=torch.float64).requires_grad_()
+
+    def in_place(q, k, cache):
+        q, k = q * 1.0, k * 1.0  # non-leaf copies the op may overwrite
+        if mrope:
+            rope_ext.apply_mrope_(q, k, MPOS, cache, [2, 2, 2], interleaved=interleaved)
+        else:
+            rope_ext.apply_rope_(q, k, POS, cache, interleaved=interleaved)
+        return q, k
+
+    def out_of_place(q, k, cache):
+        kw = dict(interleaved=interleaved, mrope_section=[2, 2, 2] if mrope else None)
+        pos = MPOS if mrope else POS
+        return rope_ext.apply_rope_at(q, pos, cache, **kw), rope_ext.apply_rope_at(k, pos, cache, **kw)
+
+    assert torch.autograd.gradcheck(in_place, (q, k, cache))
+    assert torch.autograd.gradgradcheck(in_place, (q, k, cache))
+    grads = [torch.randn(2, 5, 4, 16, dtype=torch.float64), torch.randn(2, 5, 2, 16, dtype=torch.float64)]
+    a = torch.autograd.grad(in_place(q, k, cache), (q, k, cache), grads)
+    b = torch.autograd.grad(out_of_place(q, k, cache), (q, k, cache), grads)
+    for ga, gb in zip(a, b):
+        torch.testing.assert_close(ga, gb, rtol=1e-12, atol=1e-12)
+
+
+def test_module_forward_and_forward_inplace_give_one_gradient():
+    rope_mod = rope_ext.RotaryEmbedding(16, max_position=32).double()
+    q = torch.randn(3, 4, 16, dtype=torch.float64, requires_grad=True)
+    pos = torch.tensor([0, 31, 7])
+    g = torch.randn(3, 4, 16, dtype=torch.float64)
+    (a,) = torch.autograd.grad(rope_mod(q, None, pos)[0], q, g)
+    (b,) = torch.autograd.grad(rope_mod.forward_(q.clone(), None, pos)[0], q, g)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def _opcheck_samples():
     x = torch.randn(2, 5, 3, 16)
-    cos, sin = torch.randn(5, 1, 6), torch.randn(5, 1, 6)
+    cos, sin = torch.randn(1, 5, 1, 6), torch.randn(1, 5, 1, 6)
     q, k = torch.randn(7, 4, 16), torch.randn(7, 2, 16)
     pos = torch.randint(0, 20, (7,), dtype=torch.int32)
+    mpos = torch.randint(0, 20, (3, 7))
     cache = rope_ext.cos_sin_cache(20, 12)
+    c_tab, s_tab = cache[:, :6], cache[:, 6:]
     xg = x.double().requires_grad_()
+    v = torch.randn(7, 2, 8)
+    kc, vc = torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 8)
+    slots = torch.tensor([0, 5, -1, 9, 15, 2, 3])
     return [
         (torch.ops.rope.apply.default, (x, cos, sin, False)),
         (torch.ops.rope.apply.default, (x, cos, sin, True)),
         (torch.ops.rope.apply.default, (xg, cos.double().requires_grad_(), sin.double(), False)),
-        (torch.ops.rope.apply.default, (x.transpose(1, 2), torch.randn(3, 1, 6), torch.randn(3, 1, 6), True)),
+        (torch.ops.rope.apply.default, (x.transpose(1, 2), torch.randn(1, 1, 5, 6), torch.randn(1, 1, 5, 6), True)),
         (torch.ops.rope.apply_backward.default, (x, cos, sin, False)),
         (torch.ops.rope.apply_backward.default, (xg, cos.double(), sin.double(), True)),
         (torch.ops.rope.apply_.default, (q, k, pos, cache, False)),
         (torch.ops.rope.apply_.default, (q.clone(), None, pos.long(), cache, True)),
+        (torch.ops.rope.mrope_.default, (q.clone(), k.clone(), mpos, cache, [2, 2, 2], False, True)),
+        (torch.ops.rope.apply_positions.default, (q, pos, c_tab, s_tab, True, False, None, False)),
+        (torch.ops.rope.apply_positions.default, (q.double().requires_grad_(), mpos, c_tab.double(), s_tab.double(), False, True, [1, 3, 2], False)),
+        (torch.ops.rope.apply_and_cache_.default, (q.clone(), k.clone(), v, pos, cache, kc, vc, slots)),
     ]
 
 
-@pytest.mark.parametrize("i", range(8))
+@pytest.mark.parametrize("i", range(12))
 def test_opcheck(i):
     op, args = _opcheck_samples()[i]
     torch.library.opcheck(op, args)
@@ -73,21 +143,24 @@ def test_schemas_defined_once_agree_with_python_copy():
 def test_torch_compile_fullgraph_no_graph_break():
     torch._dynamo.reset()
 
-    def step(x, cos, sin, q, k, pos, cache):
+    def step(x, cos, sin, q, k, pos, mpos, cache):
         y = torch.ops.rope.apply(x, cos, sin, False) * 2.0
         torch.ops.rope.apply_(q, k, pos, cache, True)
-        return y, q + 1.0, k
+        z = rope_ext.apply_rope_at(x, pos, cache, interleaved=True)
+        rope_ext.apply_mrope_(k, None, mpos, cache, [4, 6, 6], mrope_interleaved=True)
+        return y, q + 1.0, k, z
 
     T, D = 6, 32
     x = torch.randn(T, 4, D)
     cos, sin = torch.randn(T, 1, D // 2), torch.randn(T, 1, D // 2)
     q, k = torch.randn(T, 4, D), torch.randn(T, 2, D)
     pos = torch.randint(0, 50, (T,))
+    mpos = torch.randint(0, 50, (3, T))
     cache = rope_ext.cos_sin_cache(50, D)
     qe, ke = q.clone(), k.clone()
-    eager = step(x, cos, sin, qe, ke, pos, cache)
+    eager = step(x, cos, sin, qe, ke, pos, mpos, cache)
     qc, kc = q.clone(), k.clone()
-    compiled = torch.compile(step, fullgraph=True, backend="inductor")(x, cos, sin, qc, kc, pos, cache)
+    compiled = torch.compile(step, fullgraph=True, backend="inductor")(x, cos, sin, qc, kc, pos, mpos, cache)
     for a, b in zip(eager, compiled):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     # The in-place rotation reached the caller's tensors, as in eager.
@@ -97,8 +170,14 @@ def test_torch_compile_fullgraph_no_graph_break():
 def test_torch_compile_backward():
     torch._dynamo.reset()
     x = torch.randn(3, 8, 2, 16, requires_grad=True)
-    cos, sin = torch.randn(8, 1, 8), torch.randn(8, 1, 8)
-    f = lambda x: rope_ext.apply_rope(x, cos, sin, interleaved=True).square().sum()  # noqa: E731
+    cos, sin = torch.randn(1, 8, 1, 8), torch.randn(1, 8, 1, 8)
+    cache = rope_ext.cos_sin_cache(16, 16)
+    pos = torch.randint(0, 16, (3, 8))
+
+    def f(x):
+        y = rope_ext.apply_rope(x, cos, sin, interleaved=True) + rope_ext.apply_rope_at(x, pos, cache)
+        return y.square().sum()
+
     (g_eager,) = torch.autograd.grad(f(x), x)
     (g_comp,) = torch.autograd.grad(torch.compile(f, fullgraph=True)(x), x)
     torch.testing.assert_close(g_eager, g_comp)

@@ -72,3 +72,140 @@ def test_rotary_embedding_rejects_out_of_range_positions():
         m(torch.randn(2, 1, 16), None, torch.tensor([3, 8]))
     with pytest.raises(RuntimeError, match=r"got -1"):
         m(torch.randn(2, 1, 16), None, torch.tensor([-1, 0]))
+
+
+# ---- length-dependent scalings in the module ------------------------------------------------
+# The expected rows come from cos_sin_cache built for the length a call has (max(positions) + 1),
+# with the length rule restated here: longrope reads its long factors past the original length,
+# dynamic NTK keeps the longest length seen and returns to the original below it.
+
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 4.0, 8.0, 16.0],
+            "original_max_position_embeddings": 64}
+DYNAMIC = {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def _rotated(q, rows, interleaved=False):
+    half = rows.shape[-1] // 2
+    rows = rows.double().unsqueeze(-2)
+    return rope(q, rows[..., :half], rows[..., half:], interleaved)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_longrope_module_switches_by_call_length(interleaved):
+    m = rope_ext.RotaryEmbedding(12, rotary_dim=8, max_position=256, scaling=LONGROPE, interleaved=interleaved)
+    assert m.mode == "longrope"
+    short = rope_ext.cos_sin_cache(256, 8, scaling=LONGROPE, seq_len=64)  # factor 256/64 in both sets
+    long_ = rope_ext.cos_sin_cache(256, 8, scaling=LONGROPE, seq_len=65)
+    assert torch.equal(m.cos_sin_cache, long_) and not torch.equal(short, long_)
+    for last, table in ((10, short), (63, short), (64, long_), (255, long_)):
+        pos = torch.randint(0, last + 1, (3, 5))
+        pos[1, 2] = last
+        q = torch.randn(3, 5, 2, 12)
+        q2, _ = m(q, None, pos)
+        assert_close(q2, _rotated(q, table[pos], interleaved), torch.float32)
+        qi = q.clone()
+        m.forward_(qi, None, pos)
+        assert torch.equal(qi, q2)
+        cos, sin = m.cos_sin(pos)
+        assert torch.equal(torch.cat((cos, sin), -1), table[pos])
+
+
+@pytest.mark.parametrize("bad", [[3, 256], [-1, 100], [-1, 3], [300, 3]])
+def test_longrope_module_rejects_out_of_range_positions(bad):
+    # A long call shifts rows past the short ones; a negative or too-large position must still
+    # fail, not land in the other set.
+    m = rope_ext.RotaryEmbedding(8, max_position=256, scaling=LONGROPE)
+    q = torch.randn(2, 1, 8)
+    qi = q.clone()
+    with pytest.raises(RuntimeError, match=r"positions must lie in \[0, 256\)"):
+        m.forward_(qi, None, torch.tensor(bad))
+    assert torch.equal(qi, q)
+    with pytest.raises(RuntimeError, match=r"positions must lie in \[0, 256\)"):
+        m(q, None, torch.tensor(bad))
+
+
+def _dynamic_lengths(calls, original):
+    state, out = original, []
+    for n in calls:
+        state = n if n > state else (original if n < original else state)
+        out.append(state)
+    return out
+
+
+def test_dynamic_module_follows_the_longest_length():
+    m = rope_ext.RotaryEmbedding(10, rotary_dim=8, max_position=300, scaling=DYNAMIC)
+    assert m.mode == "dynamic" and int(m.dynamic_len) == 64
+    assert torch.equal(m.cos_sin_cache, rope_ext.cos_sin_cache(300, 8, scaling=DYNAMIC, seq_len=300))
+    calls = [10, 64, 65, 200, 120, 63, 64, 150, 299, 1, 300]
+    for n, length in zip(calls, _dynamic_lengths(calls, 64)):
+        pos = torch.randint(0, n, (2, 4))
+        pos[0, 0] = n - 1
+        q = torch.randn(2, 4, 3, 10, dtype=torch.float64)
+        q2, _ = m(q, None, pos)
+        assert int(m.dynamic_len) == length
+        # float64 angles on the device vs the float64 table: equal to rounding of pow/exp.
+        table = rope_ext.cos_sin_cache(300, 8, scaling=DYNAMIC, seq_len=length, dtype=torch.float64)
+        torch.testing.assert_close(q2, _rotated(q, table[pos]), rtol=1e-6, atol=1e-6)
+        cos, sin = m.cos_sin(pos)  # a second read of the same length changes nothing
+        assert int(m.dynamic_len) == length
+        torch.testing.assert_close(torch.cat((cos, sin), -1).double(), table[pos], rtol=0, atol=1e-7)
+
+
+def test_dynamic_module_in_place_and_rejected_calls():
+    m = rope_ext.RotaryEmbedding(8, max_position=300, scaling=DYNAMIC)
+    pos = torch.tensor([[5, 250]])
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 1, 8)
+    want_q, want_k = rope_ext.RotaryEmbedding(8, max_position=300, scaling=DYNAMIC)(q, k, pos)
+    qi, ki = q.clone(), k.clone()
+    m.forward_(qi, ki, pos)
+    assert torch.equal(qi, want_q) and torch.equal(ki, want_k) and int(m.dynamic_len) == 251
+    for bad, err in (([[3, 300]], r"positions must lie in \[0, 300\)"), ([[-2, 3]], r"got -2"),
+                     (torch.tensor([[1.0, 2.0]]), r"positions must be int32 or int64")):
+        bad = bad if isinstance(bad, torch.Tensor) else torch.tensor(bad)
+        qi = q.clone()
+        with pytest.raises(RuntimeError, match=err):
+            m.forward_(qi, None, bad)
+        assert torch.equal(qi, q) and int(m.dynamic_len) == 251  # nothing changed
+
+
+def test_dynamic_module_empty_call_and_int32_positions():
+    m = rope_ext.RotaryEmbedding(8, max_position=300, scaling=DYNAMIC)
+    out, _ = m(torch.randn(0, 2, 8), None, torch.zeros(0, dtype=torch.int64))
+    assert out.shape == (0, 2, 8) and int(m.dynamic_len) == 64
+    q = torch.randn(3, 2, 8)
+    pos = torch.tensor([1, 100, 7])
+    torch.testing.assert_close(m(q, None, pos.int())[0], m(q, None, pos)[0], rtol=0, atol=0)
+
+
+def test_seq_len_builds_one_fixed_table():
+    for sc in (DYNAMIC, LONGROPE):
+        m = rope_ext.RotaryEmbedding(8, max_position=256, scaling=sc, seq_len=100)
+        assert m.mode == "static"
+        assert torch.equal(m.cos_sin_cache, rope_ext.cos_sin_cache(256, 8, scaling=sc, seq_len=100))
+    # A table no longer than the original length never switches: one table, the short set.
+    m = rope_ext.RotaryEmbedding(8, max_position=64, scaling=LONGROPE)
+    assert m.mode == "static"
+    assert torch.equal(m.cos_sin_cache, rope_ext.cos_sin_cache(64, 8, scaling=LONGROPE, seq_len=64))
+
+
+def test_length_dependent_tables_stay_float32_under_casts():
+    for sc in (DYNAMIC, LONGROPE):
+        m = rope_ext.RotaryEmbedding(8, max_position=256, scaling=sc)
+        want = m.cos_sin_cache.clone()
+        m(torch.randn(1, 1, 8), None, torch.tensor([200]))
+        m = m.to(torch.bfloat16)
+        assert m.cos_sin_cache.dtype == torch.float32 and torch.equal(m.cos_sin_cache, want)
+        if sc is DYNAMIC:
+            assert m.dynamic_len.dtype == torch.int64 and int(m.dynamic_len) == 201
+        assert m(torch.randn(2, 1, 8, dtype=torch.bfloat16), None, torch.tensor([3, 4]))[0].dtype == torch.bfloat16
+
+
+def test_dynamic_module_call_rejected_by_the_op_keeps_its_length():
+    # The positions are fine but do not match query's shape: the op rejects the call after the
+    # module computed the new length, which must then not be kept.
+    m = rope_ext.RotaryEmbedding(8, max_position=300, scaling=DYNAMIC)
+    q = torch.randn(3, 2, 8)
+    for call in (m, m.forward_):
+        with pytest.raises(RuntimeError, match=r"positions must have shape"):
+            call(q.clone(), None, torch.tensor([5, 250]))
+        assert int(m.dynamic_len) == 64

@@ -1,12 +1,16 @@
-"""The CPU kernel variants (baseline, AVX2, AVX-512, AVX-512 with BF16): which one serves, how to force a lower
-one, and each variant this CPU can run checked against the float64 reference."""
+"""The CPU kernel variants (baseline, AVX2, AVX-512, AVX-512 with BF16): which one serves, how to
+choose a lower one, each variant this CPU can run checked against the float64 reference, and all
+of them giving the same bits."""
 
+import hashlib
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
+import cpu_isa_matrix
 import rope_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -31,28 +35,36 @@ def cpu_flags():
                     return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return None
+    return set()
+
+
+def runnable():
+    flags = cpu_flags()
+    return [n for n in NAMES if NEEDS[n] <= flags] or ["baseline"]
+
+
+@pytest.fixture
+def variant():
+    """Serves the test with a chosen variant (and non-temporal stores for every output), then
+    restores the defaults."""
+    def use(isa, stream_all=True):
+        assert rope_ext.set_cpu_isa(isa) == isa
+        torch.ops.rope.set_cpu_stream_threshold(0 if stream_all else -1)
+
+    yield use
+    rope_ext.set_cpu_isa("auto")
+    torch.ops.rope.set_cpu_stream_threshold(-1)
 
 
 def run_python(args, **env):
-    """Runs python in a fresh process (the variant is chosen when the library loads); an
-    inherited ROPE_EXT_CPU_ISA is dropped unless given here."""
-    full_env = {k: v for k, v in os.environ.items() if k != "ROPE_EXT_CPU_ISA"}
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("ROPE_EXT_CPU")}
     full_env.update(env)
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=full_env, capture_output=True,
                           text=True, timeout=600)
 
 
-def served(**env):
-    r = run_python(["-c", "import rope_ext; print(rope_ext.cpu_isa())"], **env)
-    assert r.returncode == 0, r.stderr
-    return r.stdout.strip().splitlines()[-1], r.stderr
-
-
 @native
 def test_cpu_isa_names_the_serving_variant():
-    import torch
-
     isa = rope_ext.cpu_isa()
     assert isa in NAMES
     assert NAMES[torch.ops.rope.cpu_isa()] == isa
@@ -60,85 +72,86 @@ def test_cpu_isa_names_the_serving_variant():
 
 @native
 def test_best_variant_is_chosen_by_default():
-    flags = cpu_flags()
-    if flags is None:
+    if not cpu_flags():
         pytest.skip("no /proc/cpuinfo")
-    best = [n for n in NAMES if NEEDS[n] <= flags][-1]
-    assert served()[0] == best
+    assert rope_ext.set_cpu_isa("auto") == runnable()[-1]
 
 
 @native
 @pytest.mark.parametrize("isa", NAMES)
-def test_variant_matches_float64_reference(isa):
-    flags = cpu_flags()
-    if isa != "baseline" and (flags is None or not NEEDS[isa] <= flags):
+def test_variant_matches_float64_reference(isa, variant):
+    if isa not in runnable():
         pytest.skip(f"this CPU cannot run the {isa} kernels")
-    seed = str(int.from_bytes(os.urandom(4), "little"))
-    # ROPE_EXT_CPU_STREAM_MB=0: every output of the matrix takes the non-temporal-store path
-    # (with its fallback for unaligned rows); the other tests, in-process, take plain stores.
-    r = run_python([os.path.join(HERE, "cpu_isa_matrix.py"), isa, seed], ROPE_EXT_CPU_ISA=isa,
-                   ROPE_EXT_CPU_STREAM_MB="0")
-    assert r.returncode == 0, f"seed {seed}\n{r.stdout}\n{r.stderr}"
-    assert f"cpu_isa={isa} ok" in r.stdout
+    variant(isa)
+    counts = cpu_isa_matrix.run_all()
+    assert all(counts.values()), counts
 
 
 @native
-@pytest.mark.parametrize("bad", ["-3", "big", "2.5"])
-def test_bad_stream_threshold_is_a_clear_error(bad):
-    code = ("import torch, rope_ext; x = torch.randn(4, 2, 8); c = torch.rand(4, 1, 4); "
-            "torch.ops.rope.apply(x, c, c)")
-    r = run_python(["-c", code], ROPE_EXT_CPU_STREAM_MB=bad)
-    assert r.returncode != 0
-    assert "ROPE_EXT_CPU_STREAM_MB" in r.stderr and bad in r.stderr
+def test_choosing_a_variant_this_cpu_lacks_is_an_error():
+    missing = [n for n in NAMES if n not in runnable()]
+    for name in missing:
+        with pytest.raises(RuntimeError, match="rope.set_cpu_isa: this CPU"):
+            rope_ext.set_cpu_isa(name)
+    with pytest.raises(ValueError, match="name must be auto or one of baseline, avx2"):
+        rope_ext.set_cpu_isa("sse9")
+    with pytest.raises(RuntimeError, match="rope.set_cpu_isa: isa must be -1"):
+        torch.ops.rope.set_cpu_isa(7)
+    with pytest.raises(RuntimeError, match="rope.set_cpu_stream_threshold: bytes must be >= 0"):
+        torch.ops.rope.set_cpu_stream_threshold(-5)
+    assert rope_ext.cpu_isa() == runnable()[-1]  # a refused choice changes nothing
 
 
-# Prints one digest of apply / apply_backward / apply_ outputs over dtypes, layouts, head dims
-# with vector tails and partial rotary, on inputs fixed by the seed.
-DIGEST = """
-import hashlib, sys, torch, rope_ext
-torch.manual_seed(int(sys.argv[1]))
-h = hashlib.sha256()
-for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-    for head_dim, rot in ((64, 64), (80, 48), (128, 128), (100, 26), (256, 192)):
-        for interleaved in (False, True):
-            x = torch.randn(37, 3, head_dim, dtype=dtype)
-            cache = rope_ext.cos_sin_cache(512, rot)
-            pos = torch.randint(0, 512, (37,))
-            rows = cache[pos].unsqueeze(1)
-            cos, sin = rows[..., : rot // 2], rows[..., rot // 2:]
-            outs = [torch.ops.rope.apply(x, cos, sin, interleaved),
-                    torch.ops.rope.apply_backward(x, cos, sin, interleaved)]
-            q = x.clone()
-            torch.ops.rope.apply_(q, None, pos, cache, interleaved)
-            for t in outs + [q]:
-                h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
-print(rope_ext.cpu_isa(), h.hexdigest())
-"""
+def _digest(seed):
+    """One digest of every op's outputs over dtypes, layouts, head dims with vector tails and
+    partial rotary, on inputs fixed by the seed."""
+    g = torch.Generator().manual_seed(seed)
+    h = hashlib.sha256()
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for head_dim, rot in ((64, 64), (80, 48), (128, 128), (100, 26), (256, 192)):
+            for interleaved in (False, True):
+                x = torch.randn(37, 3, head_dim, generator=g).to(dtype)
+                cache = rope_ext.cos_sin_cache(512, rot)
+                pos = torch.randint(0, 512, (37,), generator=g)
+                rows = cache[pos].unsqueeze(1)
+                cos, sin = rows[..., : rot // 2], rows[..., rot // 2:]
+                outs = [torch.ops.rope.apply(x, cos, sin, interleaved),
+                        torch.ops.rope.apply_backward(x, cos, sin, interleaved),
+                        rope_ext.apply_rope_at(x, pos, cache, interleaved=interleaved)]
+                q = x.clone()
+                torch.ops.rope.apply_(q, None, pos, cache, interleaved)
+                m = x.clone()
+                sec = [rot // 2 - 2 * (rot // 6), rot // 6, rot // 6]
+                rope_ext.apply_mrope_(m, None, torch.stack((pos, pos.flip(0), pos // 2)), cache,
+                                      sec, interleaved=interleaved, mrope_interleaved=True)
+                for t in outs + [q, m]:
+                    h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 @native
-def test_every_variant_rounds_bit_for_bit_like_the_portable_kernel():
-    """No FMA anywhere (rope_ext/_build_flags.py): each vectorized variant must give exactly the
-    bits of the portable C++ kernel, not just something within tolerance."""
-    flags = cpu_flags() or set()
-    runnable = [n for n in NAMES if NEEDS[n] <= flags] or ["baseline"]
-    seed = str(int.from_bytes(os.urandom(4), "little"))
+def test_every_variant_gives_the_same_bits(variant):
+    """No FMA anywhere (csrc/build.json): each vectorized variant must give exactly the bits of
+    the baseline kernels, not just something within tolerance; with non-temporal stores too."""
+    seed = int.from_bytes(os.urandom(4), "little")
     digests = {}
-    for isa in runnable:
-        r = run_python(["-c", DIGEST, seed], ROPE_EXT_CPU_ISA=isa)
-        assert r.returncode == 0, r.stderr
-        served_isa, digest = r.stdout.split()
-        assert served_isa == isa
-        digests[isa] = digest
+    for isa in runnable():
+        for stream_all in (False, True):
+            variant(isa, stream_all)
+            digests[(isa, stream_all)] = _digest(seed)
     assert len(set(digests.values())) == 1, f"seed {seed}: {digests}"
 
 
 @native
-def test_unknown_variant_name_warns_and_uses_the_best():
-    best, _ = served()
-    got, err = served(ROPE_EXT_CPU_ISA="sse9")
-    assert got == best
-    assert "ROPE_EXT_CPU_ISA=sse9" in err
+def test_environment_caps_the_variant_at_import():
+    r = run_python(["-c", "import rope_ext; print(rope_ext.cpu_isa())"], ROPE_EXT_CPU_ISA="baseline")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[-1] == "baseline"
+    r = run_python(["-c", "import rope_ext"], ROPE_EXT_CPU_ISA="sse9")
+    assert r.returncode != 0
+    assert "ROPE_EXT_CPU_ISA='sse9': expected one of auto, baseline, avx2" in r.stderr
+    r = run_python(["-c", "import rope_ext"], ROPE_EXT_CPU_STREAM_MB="2.5")
+    assert r.returncode != 0 and "ROPE_EXT_CPU_STREAM_MB='2.5'" in r.stderr
 
 
 def test_reference_backend_reports_reference():

@@ -21,14 +21,15 @@ def cuda_expected():
     build, why = build_config.want_cuda()
     if not build:
         pytest.skip(f"the CUDA library is not built here: {why}")
-    if rope_ext._native.loaded_from is None:
-        pytest.skip(f"native libraries disabled: {rope_ext._native.load_error}")
+    if rope_ext._library.state.path is None:
+        pytest.skip(f"native libraries disabled: {rope_ext._library.state.error}")
 
 
 def test_cuda_library_registers_every_op():
     cuda_expected()
-    assert rope_ext._native.cuda_loaded_from, rope_ext._native.cuda_load_error
-    assert os.path.basename(rope_ext._native.cuda_loaded_from).startswith("_C_cuda")
+    state = rope_ext._library.state
+    assert state.cuda_path, state.cuda_error
+    assert os.path.basename(state.cuda_path).startswith("_C_cuda")
     for op in OPS:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA"), op
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CPU"), op
@@ -39,7 +40,7 @@ def test_cuda_library_defines_no_schema():
     # The schemas live only in rope_ext._C: loading the CUDA library alone defines no op, so
     # the two libraries can never disagree about a schema.
     cuda_expected()
-    lib = rope_ext._native.cuda_loaded_from
+    lib = rope_ext._library.state.cuda_path
     code = (
         "import sys, torch\n"
         "torch.ops.load_library(sys.argv[1])  # alone: without rope_ext and its rope_ext._C\n"

@@ -2,9 +2,14 @@
 
 Against the float64 reference for every op, dtype, layout and partial rotary, on strided views
 and GQA; outputs poisoned so that every element is proven written; CUDA graph capture; a
-non-default stream; out-of-range positions and the checking mode; autograd, opcheck and
-torch.compile on CUDA; and a tensor past 2^31 elements (64-bit indexing) where memory allows.
+non-default stream; out-of-range positions (a device-side assert, checked in a child process);
+autograd, opcheck and torch.compile on CUDA; the positions op, MRoPE and the KV-cache write; and a
+tensor past 2^31 elements (64-bit indexing) where memory allows.
 """
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -27,7 +32,7 @@ LAYOUTS = [False, True]
 @pytest.fixture(autouse=True)
 def native_cuda():
     assert rope_ext.backend(DEV) == "native", (
-        f"the CUDA kernels are not loaded: {rope_ext._native.cuda_load_error}"
+        f"the CUDA kernels are not loaded: {rope_ext._library.state.cuda_error}"
     )
 
 
@@ -45,14 +50,14 @@ def test_apply_matches_reference(dtype, interleaved, inverse):
     S = 37
     for head_dim, rot in [(64, 64), (80, 80), (96, 32), (128, 128), (256, 64), (100, 26)]:
         x = torch.randn(3, S, 5, head_dim, dtype=dtype, device=DEV)
-        cos, sin = tables(torch.arange(S, device=DEV).view(S, 1), rot, device=DEV)
+        cos, sin = tables(torch.arange(S, device=DEV).view(1, S, 1), rot, device=DEV)
         views = [
             ("contiguous", x),
             ("bhsd_view", x.transpose(1, 2)),
             ("last_dim_stride_2", torch.randn(3, S, 5, 2 * head_dim, dtype=dtype, device=DEV)[..., ::2]),
         ]
         for name, xv in views:
-            c, s = (cos.transpose(0, 1), sin.transpose(0, 1)) if name == "bhsd_view" else (cos, sin)
+            c, s = (cos.transpose(1, 2), sin.transpose(1, 2)) if name == "bhsd_view" else (cos, sin)
             poison_allocator()
             out = op(xv, c, s, interleaved)
             assert not out.isnan().any(), name
@@ -88,7 +93,7 @@ def test_apply_inplace_key_none_and_table_dtypes():
 
 def test_matches_cpu_kernels():
     x = torch.randn(4, 9, 6, 128, dtype=torch.float32)
-    cos, sin = tables(torch.arange(9).view(9, 1), 96)
+    cos, sin = tables(torch.arange(9).view(1, 9, 1), 96)
     out = torch.ops.rope.apply(x.to(DEV), cos.to(DEV), sin.to(DEV), False).cpu()
     torch.testing.assert_close(out, torch.ops.rope.apply(x, cos, sin, False), rtol=1e-6, atol=1e-6)
 
@@ -149,33 +154,90 @@ def test_non_default_stream():
 def test_other_device_index_guard():
     if torch.cuda.device_count() < 2:
         pytest.skip("one GPU")
-    x = torch.randn(8, 4, 64, device="cuda:1")
+    x = torch.randn(8, 4, 64, device="cuda:1")  # tables [8, 1, 32]
     cos, sin = tables(torch.arange(8, device="cuda:1").view(8, 1), 64, device="cuda:1")
     out = torch.ops.rope.apply(x, cos, sin, False)
     assert out.device == x.device
     assert_close(out, reference_apply(x, cos, sin, False), torch.float32)
 
 
-def test_out_of_range_positions_skipped_or_raised(monkeypatch):
-    monkeypatch.delenv("ROPE_EXT_CHECK_POSITIONS", raising=False)
-    q, k = fused_qkv(16, 4, 2, 64, torch.float32, device=DEV)
-    cache = rope_ext.cos_sin_cache(32, 64, device=DEV)
-    positions = torch.randint(1, 32, (16,), device=DEV)  # 0 would be the identity rotation
-    positions[3], positions[7] = -5, 32
-    q0, k0 = q.clone(), k.clone()
-    torch.ops.rope.apply_(q, k, positions, cache, False)
-    for t in range(16):
-        assert torch.equal(q[t], q0[t]) == (t in (3, 7)), t
-    monkeypatch.setenv("ROPE_EXT_CHECK_POSITIONS", "1")
-    q, k = q0.clone(), k0.clone()
-    with pytest.raises(RuntimeError, match=r"positions must lie in \[0, 32\).*got -5 at flat index 3"):
-        torch.ops.rope.apply_(q, k, positions, cache, False)
-    assert torch.equal(q, q0) and torch.equal(k, k0)
+TRAP = """
+import sys, torch, rope_ext
+q = torch.randn(16, 4, 64, device="cuda")
+cache = rope_ext.cos_sin_cache(32, 64, device="cuda")
+positions = torch.randint(0, 32, (16,), device="cuda")
+positions[int(sys.argv[1])] = int(sys.argv[2])
+rope_ext.apply_rope_(q, None, positions, cache)
+torch.cuda.synchronize()
+print("NO TRAP")
+"""
+
+
+@pytest.mark.parametrize("bad", [-5, 32])
+def test_out_of_range_position_is_a_device_side_assert(bad):
+    # A device-side assert leaves the CUDA context unusable, so it runs in a child process.
+    res = subprocess.run([sys.executable, "-c", TRAP, "7", str(bad)], capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ))
+    assert res.returncode != 0 and "NO TRAP" not in res.stdout
+    assert "device-side assert" in res.stderr or "positions must lie in" in res.stderr, res.stderr[-3000:]
+
+
+def test_positions_mrope_and_cache_write_match_reference():
+    for dtype in DTYPES:
+        for interleaved in LAYOUTS:
+            x = torch.randn(40, 8, 128, dtype=dtype, device=DEV)
+            cache = rope_ext.cos_sin_cache(512, 96, device=DEV)
+            pos = torch.randint(0, 512, (40,), device=DEV)
+            mpos = torch.randint(0, 512, (3, 40), device=DEV)
+            c, s = cache[:, :48], cache[:, 48:]
+            for section, p in ((None, pos), ([16, 16, 16], mpos)):
+                for mi in (False, True):
+                    out = rope_ext.apply_rope_at(x, p, cache, interleaved=interleaved,
+                                                 mrope_section=section, mrope_interleaved=mi)
+                    want = rope_ext.reference.apply_positions(
+                        x.double(), p, c.double(), s.double(), interleaved=interleaved,
+                        mrope_section=section, mrope_interleaved=mi)
+                    assert_close(out, want, dtype)
+            for fmt, cdt in (("auto", dtype), ("fp8_e4m3", torch.float8_e4m3fn)):
+                q, k, v = (torch.randn(40, h, 128, dtype=dtype, device=DEV) for h in (8, 2, 2))
+                kc = torch.zeros(8, 16, 2, 128, device=DEV).to(cdt)
+                vc = torch.zeros(8, 16, 2, 128, device=DEV).to(cdt)
+                slots = torch.randperm(128, device=DEV)[:40]
+                slots[::5] = -1
+                scales = (torch.tensor([0.5], device=DEV), torch.tensor([2.0], device=DEV))
+                scales = scales if fmt != "auto" else (None, None)
+                ref = [t.clone() for t in (q, k, v, pos, cache, kc, vc, slots)]
+                rope_ext.apply_rope_and_cache_(q, k, v, pos, cache, kc, vc, slots, interleaved=interleaved,
+                                               kv_cache_dtype=fmt, k_scale=scales[0], v_scale=scales[1])
+                rope_ext.reference.apply_and_cache_(*ref, interleaved=interleaved, kv_cache_dtype=fmt,
+                                                    k_scale=scales[0], v_scale=scales[1])
+                assert_close(q, ref[0], dtype)
+                assert_close(k, ref[1], dtype)
+                assert_close(kc.float(), ref[5].float(), dtype)
+                assert_close(vc.float(), ref[6].float(), dtype)
+
+
+def test_module_forward_captures_in_a_cuda_graph():
+    rope_mod = rope_ext.RotaryEmbedding(128, max_position=4096).to(DEV)
+    q = torch.randn(64, 8, 128, device=DEV, requires_grad=False)
+    positions = torch.arange(64, device=DEV)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        rope_mod(q, None, positions)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # no host-device sync inside: capture succeeds
+        out, _ = rope_mod(q, None, positions)
+    positions.copy_(torch.randint(0, 4096, (64,), device=DEV))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, rope_mod(q, None, positions)[0], torch.float32)
 
 
 def test_autograd_opcheck_and_compile():
     x = torch.randn(2, 16, 4, 64, dtype=torch.float64, device=DEV, requires_grad=True)
-    cos, sin = tables(torch.arange(16, device=DEV).view(16, 1), 64, dtype=torch.float64, device=DEV)
+    cos, sin = tables(torch.arange(16, device=DEV).view(1, 16, 1), 64, dtype=torch.float64, device=DEV)
     cos.requires_grad_()
     sin.requires_grad_()
     torch.autograd.gradcheck(lambda a, c, s: torch.ops.rope.apply(a, c, s, False), (x, cos, sin))
@@ -200,7 +262,7 @@ def test_more_than_2_pow_31_elements():
     cache = rope_ext.cos_sin_cache(8192, 128, device=DEV)
     cos, sin = cache[:, :64], cache[:, 64:]
     # one table row per 4096 rows: broadcast through a [rows/4096, 1, 64] view
-    xv = x.view(rows // 4096, 4096, 128)
+    xv = x.view(rows // 4096, 4096, 128)  # (tables [rows/4096, 1, 64]: three dims, as xv)
     c, s = cos[: rows // 4096].unsqueeze(1), sin[: rows // 4096].unsqueeze(1)
     out = torch.ops.rope.apply(xv, c, s, False)
     for lo in (0, rows // 4096 - 1):  # first and last blocks of rows (past 2^31 elements)

@@ -67,7 +67,7 @@ def test_apply_every_head_dim_and_rotary_dim(dtype, head_dim, interleaved):
     B, S, H = 2, 5, 3
     for rot in rotary_dims(head_dim):
         x = torch.randn(B, S, H, head_dim, dtype=dtype)
-        cos, sin = tables(torch.arange(S).view(S, 1), rot)  # [S, 1, rot/2], float32
+        cos, sin = tables(torch.arange(S).view(1, S, 1), rot)  # [1, S, 1, rot/2], float32
         out, plan = cuda_sim.apply(x, cos, sin, interleaved)
         check_against_cpu_and_reference(out, x, cos, sin, interleaved)
         assert plan.vec == expect_vec(dtype, head_dim, rot // 2, interleaved), (rot, plan)
@@ -130,7 +130,7 @@ def test_apply_grid_stride_and_64bit_index_paths(dtype):
     # Fewer blocks than rows: blocks stride over rows. force_idx64: the 64-bit index math that
     # tensors with more than 2^32 rows take, on a small tensor.
     x = torch.randn(7, 5, 3, 96, dtype=dtype)[:, 1:]
-    cos, sin = tables(torch.arange(5)[1:].view(4, 1), 96)
+    cos, sin = tables(torch.arange(5)[1:].view(1, 4, 1), 96)
     expected, full = cuda_sim.apply(x, cos, sin, False)
     for max_blocks in (1, 2):
         out, plan = cuda_sim.apply(x, cos, sin, False, max_blocks=max_blocks, force_idx64=True)
@@ -204,34 +204,17 @@ def test_apply_inplace_strided_and_table_dtypes(dtype):
     assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
 
 
-def test_apply_inplace_out_of_range_positions_are_skipped(monkeypatch):
-    monkeypatch.delenv("ROPE_EXT_CHECK_POSITIONS", raising=False)
-    q, k, positions, cache = inplace_case(torch.float32, 64, 64, 4, 2, torch.int64, ())
-    # Position 0 is the identity rotation: keep in-range tokens away from it so "changed" shows.
-    positions.copy_(torch.randint(1, cache.shape[0], positions.shape))
-    positions[1], positions[3] = -1, cache.shape[0]  # one below, one at max_position
-    q0, k0 = q.clone(), k.clone()
-    cuda_sim.apply_(q, k, positions, cache)  # the simulator proves no cache read outside it
-    for t in range(q.shape[0]):
-        changed = not torch.equal(q[t], q0[t]) and not torch.equal(k[t], k0[t])
-        assert changed == (t not in (1, 3)), t
-
-
-@pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64], ids=str)
-def test_apply_inplace_checking_mode_raises_and_changes_nothing(monkeypatch, pos_dtype):
-    monkeypatch.setenv("ROPE_EXT_CHECK_POSITIONS", "1")
-    q, k, positions, cache = inplace_case(torch.float32, 64, 64, 4, 2, pos_dtype, (2,))
-    positions[1, 2] = cache.shape[0]
-    q0, k0 = q.clone(), k.clone()
-    msg = r"rope.apply_: positions must lie in \[0, 40\) .*got 40 at flat index 7"
-    with pytest.raises(RuntimeError, match=msg):
+@pytest.mark.parametrize("bad", [-1, 40])
+def test_out_of_range_position_traps_on_the_device(bad):
+    # The kernel checks each position before reading its table row (a device-side assert on a
+    # GPU): the simulator reports the trap, and proves no access outside the cache was made.
+    q, k, positions, cache = inplace_case(torch.float32, 64, 64, 4, 2, torch.int64, (2,))
+    positions[1, 2] = bad
+    with pytest.raises(RuntimeError, match=r"device-side assert triggered: rope: positions must "
+                                           r"lie in \[0, max_position\)"):
         cuda_sim.apply_(q, k, positions, cache)
-    assert torch.equal(q, q0) and torch.equal(k, k0)
-    if native_cpu():  # the same message as the CPU kernel
-        with pytest.raises(RuntimeError, match=msg):
-            torch.ops.rope.apply_(q, k, positions, cache)
-    positions[1, 2] = 0
-    check_inplace(q, k, positions, cache, False)  # in range: runs normally with checking on
+    with pytest.raises(RuntimeError, match="device-side assert triggered"):
+        cuda_sim.apply_positions(q, positions, cache[:, :32], cache[:, 32:])
 
 
 def test_launch_plan_shapes():
@@ -240,7 +223,8 @@ def test_launch_plan_shapes():
     plan = cuda_sim.apply_(q, k, torch.arange(16), rope_ext.cos_sin_cache(16, 128))
     assert plan.vec and plan.block == (8, 40, 1) and plan.grid == 16 and plan.rot_chunks == 8
     out, plan = cuda_sim.apply(q, *tables(torch.arange(16).view(16, 1), 128), False)
-    assert plan.vec and plan.block == (8, 32, 1) and plan.grid == 16  # 512 rows / 32 per block
+    # Tables broadcast over heads: the 32 heads of a token share one block row of threads.
+    assert plan.vec and plan.block == (8, 32, 1) and plan.grid == 16
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -263,3 +247,77 @@ def test_apply_out_into_aligned_and_misaligned_buffers(dtype, interleaved):
     assert buf[0].isnan()  # nothing written before out
     with pytest.raises(RuntimeError, match="rope.apply.out: out must not overlap x in memory"):
         cuda_sim.apply_out(x, cos, sin, x, interleaved)
+
+
+def check_positions_op(x, positions, cos, sin, interleaved, inverse=False, section=None, mi=False):
+    out, plan = cuda_sim.apply_positions(x, positions, cos, sin, interleaved, inverse, section, mi)
+    want = rope_ext.reference.apply_positions(x.double(), positions, cos.double(), sin.double(),
+                                              interleaved=interleaved, inverse=inverse,
+                                              mrope_section=section, mrope_interleaved=mi)
+    assert_close(out, want, x.dtype)
+    if native_cpu():
+        cpu = torch.ops.rope.apply_positions(x, positions, cos, sin, interleaved, inverse, section, mi)
+        torch.testing.assert_close(out, cpu, rtol=0, atol=0)
+    return plan
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("interleaved", LAYOUTS, ids=["half_split", "interleaved"])
+def test_positions_op_and_mrope(dtype, interleaved):
+    for head_dim in (64, 100, 128):
+        for rot in rotary_dims(head_dim):
+            half = rot // 2
+            cache = rope_ext.cos_sin_cache(40, rot)
+            cos, sin = cache[:, :half], cache[:, half:]
+            x = torch.randn(2, 5, 3, head_dim, dtype=dtype)
+            pos = torch.randint(0, 40, (2, 5), dtype=torch.int32)
+            for inverse in (False, True):
+                check_positions_op(x, pos, cos, sin, interleaved, inverse)
+            sec = [half - 2 * (half // 3), half // 3, half // 3]
+            mpos = torch.randint(0, 40, (3, 2, 5))
+            for mi in (False, True):
+                check_positions_op(x, mpos, cos, sin, interleaved, False, sec, mi)
+                q, k = fused_qkv(5, 4, 2, head_dim, dtype, lead=(2,))
+                q0, k0 = q.double(), k.double()
+                cuda_sim.mrope_(q, k, mpos, cache, sec, interleaved, mi)
+                rope_ext.reference.apply_mrope_(q0, k0, mpos, cache.double(), sec,
+                                                interleaved=interleaved, mrope_interleaved=mi)
+                assert_close(q, q0, dtype)
+                assert_close(k, k0, dtype)
+
+
+FP8 = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kv_cache_dtype", list(FP8))
+@pytest.mark.parametrize("interleaved", LAYOUTS, ids=["half_split", "interleaved"])
+def test_apply_and_cache(dtype, kv_cache_dtype, interleaved):
+    for head_dim, rot, dv, block in ((128, 128, 128, 16), (96, 64, 80, 1), (66, 26, 40, 4)):
+        T, hq, hk = 9, 4, 2
+        qkv = torch.randn(T, hq + 2 * hk, head_dim, dtype=dtype)  # strided views of a fused buffer
+        q, k = qkv[:, :hq], qkv[:, hq : hq + hk]
+        v = torch.randn(T, hk, dv, dtype=dtype)
+        cdt = FP8[kv_cache_dtype] or dtype
+        blocks = (T + 3 + block - 1) // block  # room for every token, and unused slots
+        kc = torch.randn(blocks, block, hk, head_dim).to(cdt)
+        vc = torch.randn(blocks, block, hk, dv).to(cdt)
+        slots = torch.randperm(blocks * block)[:T]
+        slots[::3] = -1  # padding tokens
+        pos = torch.randint(0, 40, (T,))
+        cache = rope_ext.cos_sin_cache(40, rot)
+        scales = (torch.tensor([0.7]), torch.tensor([1.9])) if FP8[kv_cache_dtype] else (None, None)
+        ref = [t.clone() for t in (q, k, v, pos, cache, kc, vc, slots)]
+        cuda_sim.apply_and_cache_(q, k, v, pos, cache, kc, vc, slots, interleaved, kv_cache_dtype,
+                                  *scales)
+        rope_ext.reference.apply_and_cache_(*ref, interleaved=interleaved,
+                                            kv_cache_dtype=kv_cache_dtype, k_scale=scales[0],
+                                            v_scale=scales[1])
+        assert torch.equal(q, ref[0]) and torch.equal(k, ref[1])
+        assert torch.equal(kc.view(torch.uint8), ref[5].view(torch.uint8))
+        assert torch.equal(vc.view(torch.uint8), ref[6].view(torch.uint8))
+        bad = slots.clone()
+        bad[4] = blocks * block
+        with pytest.raises(RuntimeError, match="device-side assert triggered: rope: slot_mapping"):
+            cuda_sim.apply_and_cache_(q, k, v, pos, cache, kc, vc, bad, interleaved,
+                                      kv_cache_dtype, *scales)

@@ -202,13 +202,17 @@ def test_from_config_head_dim_and_partial_rotary():
         ({"model_type": "llama"}, None, False),
         ({"model_type": "mistral"}, None, False),
         ({"model_type": "qwen2"}, None, False),
-        ({"model_type": "gptj"}, None, True),
+        ({"model_type": "gptj", "rotary_dim": 16}, None, True),
         ({"model_type": "chatglm"}, None, True),
         ({"model_type": "cohere"}, None, True),
         ({"model_type": "deepseek_v3", "rope_interleave": True}, None, True),
-        ({"model_type": "gptj", "rope_interleaved": False}, None, False),
+        ({"model_type": "deepseek_v3", "qk_rope_head_dim": 16}, None, True),  # the class default
+        ({"model_type": "deepseek_v3", "qk_rope_head_dim": 16, "rope_interleave": False}, None, False),
+        ({"model_type": "llama4_text"}, None, True),
+        ({"model_type": "qwen3_vl_text"}, None, False),
+        ({"model_type": "gptj", "rotary_dim": 16, "rope_interleaved": False}, None, False),
         ({"model_type": "llama"}, True, True),
-        ({"model_type": "gptj"}, False, False),
+        ({"model_type": "gptj", "rotary_dim": 16}, False, False),
     ],
 )
 def test_from_config_layout(extra, override, want):

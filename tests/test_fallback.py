@@ -25,7 +25,7 @@ CHECK = textwrap.dedent("""
     print("WARNINGS", len([w for w in caught if "rope_ext" in str(w.message)]))
     print("BACKEND", rope_ext.backend("cpu"))
     x = torch.randn(3, 5, 2, 32, dtype=torch.float64, requires_grad=True)
-    cos, sin = torch.randn(5, 1, 12, dtype=torch.float64), torch.randn(5, 1, 12, dtype=torch.float64)
+    cos, sin = torch.randn(1, 5, 1, 12, dtype=torch.float64), torch.randn(1, 5, 1, 12, dtype=torch.float64)
     y = torch.ops.rope.apply(x, cos, sin, True)
     torch.testing.assert_close(y, rope(x, cos, sin, True))
     (g,) = torch.autograd.grad(y, x, torch.ones_like(y))
@@ -44,6 +44,17 @@ CHECK = textwrap.dedent("""
     else:
         raise AssertionError("out-of-range position accepted")
     torch.library.opcheck(torch.ops.rope.apply.default, (x.detach(), cos, sin, False))
+    # In place under autograd and the version counter, on either path.
+    v = q._version
+    torch.ops.rope.apply_(q, k, pos, cache, False)
+    assert q._version > v
+    leaf = torch.randn(5, 4, 32, requires_grad=True)
+    try:
+        rope_ext.apply_rope_(leaf, None, pos, cache)
+    except RuntimeError as e:
+        assert "a leaf Variable that requires grad" in str(e), e
+    else:
+        raise AssertionError("in-place update of a leaf that requires grad accepted")
     print("OK")
 """)
 

@@ -9,11 +9,11 @@ import sys
 import pytest
 
 import rope_ext
-from rope_ext import _native, jit
+from rope_ext import _library, jit
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SMOKE = os.path.join(HERE, "op_smoke.py")
-SOURCE_CHECKOUT = os.path.isdir(os.path.join(jit.CSRC, "ops"))
+SOURCE_CHECKOUT = os.path.isfile(os.path.join(jit.SOURCE_ROOT, "csrc", "build.json"))
 needs_sources = pytest.mark.skipif(
     not SOURCE_CHECKOUT, reason="rope_ext is an installed copy: JIT needs a source checkout"
 )
@@ -35,22 +35,23 @@ def jit_env(**extra):
 
 
 def test_second_copy_after_compiled_library_is_refused():
-    if _native.loaded_by != "compiled":
-        pytest.skip(f"this process's library came from {_native.loaded_by}, not rope_ext._C")
-    before = _native.loaded_from
+    state = _library.state
+    if state.loaded_by != "compiled":
+        pytest.skip(f"this process's library came from {state.loaded_by}, not rope_ext._C")
+    before = state.path
     with pytest.raises(RuntimeError, match="second copy"):
         rope_ext.jit.load()
-    assert _native.loaded_from == before and _native.loaded_by == "compiled"
+    assert state.path == before and state.loaded_by == "compiled"
 
 
 @needs_sources
 def test_preloaded_library_is_used_not_loaded_twice(tmp_path):
     # A copy at another path: were rope_ext to import its own _C as well, the ops would register
     # twice and the process would abort, so this fails loudly if the guard breaks.
-    if _native.loaded_by != "compiled":
+    if _library.state.loaded_by != "compiled":
         pytest.skip("needs the compiled rope_ext._C to copy")
     lib = tmp_path / "librope_ops_copy.so"
-    shutil.copy(_native.loaded_from, lib)
+    shutil.copy(_library.state.path, lib)
     result = run([SMOKE, "--preload", str(lib), "--expect-loaded-by", "preloaded"])
     assert result.returncode == 0, result.stdout + result.stderr
     # ROPE_EXT_JIT=1 would build and load a second copy: refused before any build.
@@ -113,20 +114,45 @@ def test_jit_load_from_code_replaces_the_python_definitions():
     assert "rope_ext_jit" in result.stdout
 
 
-def test_every_build_uses_the_shared_flags():
-    from rope_ext import _build_flags
+def test_one_build_description_serves_every_way_in():
+    """setup.py, the JIT loader and CMakeLists.txt read their sources, flags and CUDA archs from
+    csrc/build.json, and nothing else states them."""
+    import json
 
-    assert jit.CFLAGS == _build_flags.CXX_FLAGS and jit.CUDA_CFLAGS == _build_flags.NVCC_FLAGS
-    setup_py = os.path.join(jit.SOURCE_ROOT, "setup.py")
-    cmake = os.path.join(jit.SOURCE_ROOT, "CMakeLists.txt")
-    if not os.path.exists(setup_py):
-        pytest.skip("no setup.py beside an installed copy")
-    with open(setup_py) as f:
-        assert "_build_flags.py" in f.read()
-    with open(cmake) as f:  # CMake cannot read Python: it repeats the values
+    root = jit.SOURCE_ROOT
+    if not os.path.isfile(os.path.join(root, "setup.py")):
+        pytest.skip("no source checkout beside an installed copy")
+    with open(os.path.join(root, "csrc", "build.json")) as f:
+        desc = json.load(f)
+    config = jit._build_config()
+    for name, lib in desc["libraries"].items():
+        assert config.library(name) == (lib["module"], lib["python_init"], lib["sources"])
+        for src in lib["sources"] + [lib["python_init"]]:
+            assert os.path.isfile(os.path.join(root, src)), src
+    assert config.cuda_arch_list() == ";".join(desc["cuda_archs"])
+    for flag in desc["cxx_flags"] + [desc["torch_target_version"]]:
+        assert any(flag in f for f in config.cxx_flags()), flag
+    # Every C++/CUDA source under csrc/ is either listed or included (no stray, unbuilt file),
+    # and no .cpp includes another .cpp.
+    listed = {s for lib in desc["libraries"].values() for s in lib["sources"] + [lib["python_init"]]}
+    for dirpath, _, files in os.walk(os.path.join(root, "csrc")):
+        for f in files:
+            rel = os.path.relpath(os.path.join(dirpath, f), root)
+            if f.endswith((".cpp", ".cu")):
+                assert rel in listed, f"{rel} is not in csrc/build.json"
+            if f.endswith((".cpp", ".cu", ".h")):
+                with open(os.path.join(dirpath, f)) as src:
+                    assert '.cpp"' not in src.read(), f"{rel} includes a .cpp file"
+    with open(os.path.join(root, "setup.py")) as f:
         text = f.read()
-    assert f"set(ROPE_EXT_TORCH_TARGET_VERSION {_build_flags.TORCH_TARGET_VERSION})" in text
-    assert "-ffp-contract=off" in text and "--fmad=false" in text
+        assert "build_config" in text and "csrc/ops" not in text and "-O3" not in text
+    with open(os.path.join(root, "CMakeLists.txt")) as f:
+        text = f.read()
+        assert "csrc/build.json" in text
+        assert "csrc/ops" not in text and "-O3" not in text
+    with open(os.path.join(root, "rope_ext", "jit.py")) as f:
+        text = f.read()
+        assert "csrc/ops" not in text and "-O3" not in text and "9.0" not in text
 
 
 @needs_sources
@@ -138,7 +164,7 @@ def test_failed_jit_build_leaves_the_reference_serving(tmp_path):
         "try:\n    rope_ext.jit.load()\n"
         "except RuntimeError as e:\n    print('build failed:', str(e).splitlines()[0])\n"
         "else:\n    raise SystemExit('the build with CXX=false succeeded')\n"
-        "assert rope_ext.backend('cpu') == 'reference' and rope_ext._native.loaded_from is None\n"
+        "assert rope_ext.backend('cpu') == 'reference' and rope_ext._library.state.path is None\n"
         "x = torch.randn(2, 3, 8)\n"
         "t = rope_ext.cos_sin_cache(4, 8)[:2, None]\n"
         "torch.testing.assert_close(torch.ops.rope.apply(x, t[..., :4], t[..., 4:], False),\n"
@@ -147,4 +173,4 @@ def test_failed_jit_build_leaves_the_reference_serving(tmp_path):
     env = {"ROPE_EXT_BACKEND": "reference", "CXX": "false", "TORCH_EXTENSIONS_DIR": str(tmp_path)}
     result = run(["-c", code], env=env)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"build failed: rope_ext JIT build of {jit.CSRC} failed" in result.stdout, result.stdout
+    assert f"build failed: rope_ext JIT build of {jit.SOURCE_ROOT}/csrc failed" in result.stdout, result.stdout

@@ -107,15 +107,18 @@ def ref_dynamic(d, base, f, m, seq_len):
     return plain_inv_freq(d, base), 1.0
 
 
-def ref_yarn(d, base, f, m, beta_fast=32, beta_slow=1, mscale=None, mscale_all_dim=None, attn=None):
+def ref_yarn(d, base, f, m, beta_fast=32, beta_slow=1, mscale=None, mscale_all_dim=None, attn=None,
+             attn_factor=1.0, truncate=True, deepseek=False):
     def get_mscale(scale, ms=1.0):
         return 1.0 if scale <= 1 else 0.1 * ms * math.log(scale) + 1.0
 
     def corr(rot):  # dim index making `rot` rotations over m positions
         return (d * math.log(m / (rot * 2 * math.pi))) / (2 * math.log(base))
 
-    low = max(math.floor(corr(beta_fast)), 0)
-    high = min(math.ceil(corr(beta_slow)), d - 1)
+    low, high = corr(beta_fast), corr(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
     if low == high:
         high += 0.001
     out = []
@@ -124,7 +127,13 @@ def ref_yarn(d, base, f, m, beta_fast=32, beta_slow=1, mscale=None, mscale_all_d
         extrap = base ** (-(2 * i) / d)
         out.append((extrap / f) * ramp + extrap * (1 - ramp))
     if attn is None:
-        attn = get_mscale(f, mscale) / get_mscale(f, mscale_all_dim) if mscale and mscale_all_dim else get_mscale(f)
+        if deepseek:  # serving engines' DeepSeek YaRN: mscale defaults 1, mscale_all_dim 0
+            attn = get_mscale(f, 1.0 if mscale is None else mscale) / get_mscale(f, mscale_all_dim or 0.0)
+        elif mscale and mscale_all_dim:
+            attn = get_mscale(f, mscale) / get_mscale(f, mscale_all_dim)
+        else:
+            attn = get_mscale(f)
+        attn *= attn_factor
     return out, attn
 
 
@@ -142,8 +151,10 @@ def ref_llama3(d, base, f, lo, hi, m):
     return out, 1.0
 
 
-def ref_longrope(d, base, short, long_, m, max_position, seq_len, factor=None, attn=None):
+def ref_longrope(d, base, short, long_, m, max_position, seq_len, factor=None, attn=None, mscales=None):
     factor = max_position / m if factor is None else factor
+    if mscales is not None:  # (short_mscale, long_mscale)
+        attn = mscales[1] if seq_len > m else mscales[0]
     if attn is None:
         attn = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(m))
     ext = long_ if seq_len > m else short
@@ -155,7 +166,10 @@ ROTARY_DIMS = [64, 32, 24]  # 32/24: the rotary part of a partial-rotary head of
 
 @pytest.mark.parametrize("d", ROTARY_DIMS)
 @pytest.mark.parametrize("case", ["linear", "dynamic", "dynamic_short", "yarn", "yarn_mscale", "yarn_attn",
-                                  "yarn_theta", "llama3", "longrope_long", "longrope_short", "longrope_factor"])
+                                  "yarn_attn_factor", "yarn_mscale_alone", "yarn_no_truncate", "yarn_theta",
+                                  "deepseek_yarn", "deepseek_yarn_mscale_only", "llama3", "longrope_long",
+                                  "longrope_short", "longrope_factor", "longrope_mscale_long",
+                                  "longrope_mscale_short"])
 def test_scalings_match_formulas(d, case):
     n = 512
     base = 10000.0
@@ -167,11 +181,25 @@ def test_scalings_match_formulas(d, case):
         seq_len = 200 if case == "dynamic" else 64
         sc = {"rope_type": "dynamic", "factor": 3.0, "original_max_position_embeddings": 128}
         w, a = ref_dynamic(d, base, 3.0, 128, seq_len)
-    elif case.startswith("yarn"):
+    elif case.startswith(("yarn", "deepseek")):
         seq_len = None
         sc = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096}
         kw = {}
-        if case == "yarn_mscale":
+        if case.startswith("deepseek"):  # the vLLM spelling, with its attn_factor
+            sc.update(rope_type="deepseek_yarn", mscale=0.707, attn_factor=1.25)
+            kw = dict(deepseek=True, mscale=0.707, attn_factor=1.25)
+            if case == "deepseek_yarn":
+                sc["mscale_all_dim"] = 0.5
+                kw["mscale_all_dim"] = 0.5
+        elif case == "yarn_attn_factor":
+            sc["attn_factor"] = 0.9
+            kw = dict(attn_factor=0.9)
+        elif case == "yarn_mscale_alone":  # without mscale_all_dim, mscale does not enter yarn
+            sc["mscale"] = 0.707
+        elif case == "yarn_no_truncate":  # gpt-oss
+            sc["truncate"] = False
+            kw = dict(truncate=False)
+        elif case == "yarn_mscale":
             sc.update(mscale=0.707, mscale_all_dim=1.0, beta_fast=16, beta_slow=2)
             kw = dict(mscale=0.707, mscale_all_dim=1.0, beta_fast=16, beta_slow=2)
         elif case == "yarn_attn":
@@ -196,6 +224,10 @@ def test_scalings_match_formulas(d, case):
         if case == "longrope_factor":
             sc.update(factor=16.0)
             kw = dict(factor=16.0)
+        elif case.startswith("longrope_mscale"):  # Phi-3.5-MoE
+            sc.update(short_mscale=1.1, long_mscale=1.3)
+            kw = dict(mscales=(1.1, 1.3))
+            seq_len = 100 if case == "longrope_mscale_short" else None
         w, a = ref_longrope(d, base, short, long_, 128, n, n if seq_len is None else seq_len, **kw)
     got = table(n, d, base=base, scaling=sc, seq_len=seq_len)
     np.testing.assert_allclose(got, expected_table(w, n, a), rtol=0, atol=1e-12)
@@ -219,9 +251,22 @@ def test_default_and_mrope_types_are_unscaled():
     np.testing.assert_array_equal(table(64, 16, scaling={"type": "mrope", "mrope_section": [2, 3, 3]}), plain)
 
 
-def test_rope_type_wins_over_type():
-    sc = {"rope_type": "linear", "type": "dynamic", "factor": 2.0}
+def test_type_and_rope_type_must_agree():
+    # Both spellings present (Qwen2.5-VL writes {"type": "mrope", "rope_type": "default"}): fine
+    # when they name the same type; when they differ, transformers' model classes disagree on
+    # which wins (Llama reads rope_type, DeepSeek type), so it is an error.
+    sc = {"rope_type": "linear", "type": "linear", "factor": 2.0}
     np.testing.assert_array_equal(table(32, 8, scaling=sc), table(32, 8, scaling={"type": "linear", "factor": 2.0}))
+    np.testing.assert_array_equal(table(32, 8, scaling={"type": "mrope", "rope_type": "default"}), table(32, 8))
+    with pytest.raises(ValueError, match=r"two types, rope_type='linear' and type='dynamic'"):
+        table(32, 8, scaling={"rope_type": "linear", "type": "dynamic", "factor": 2.0})
+
+
+def test_null_means_unset():
+    # configs write unset optional keys as null: the defaults apply, as in transformers.
+    sc = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    nulls = dict(sc, beta_fast=None, beta_slow=None, attention_factor=None, mscale=None)
+    np.testing.assert_array_equal(table(128, 8, scaling=nulls), table(128, 8, scaling=sc))
 
 
 @pytest.mark.parametrize(
@@ -245,6 +290,28 @@ def test_rope_type_wins_over_type():
           "original_max_position_embeddings": 64}, r"long_factor must be a list of rotary_dim/2 = 4 numbers, got 3"),
         ({"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [1.0] * 4},
          r"'longrope' needs the key 'original_max_position_embeddings'"),
+        ({"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [1.0, 2.0, 0.0, 1.0],
+          "original_max_position_embeddings": 64}, r"long_factor must hold numbers > 0"),
+        ({"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [1.0] * 4, "short_mscale": 1.1,
+          "original_max_position_embeddings": 64}, r"short_mscale and long_mscale go together"),
+        ({"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [1.0] * 4, "short_mscale": 1.1,
+          "long_mscale": 1.2, "attention_factor": 1.0, "original_max_position_embeddings": 64},
+         r"attention_factor or short_mscale/long_mscale, not both"),
+        # Keys a type does not understand: named, never dropped.
+        ({"rope_type": "linear", "factor": 2.0, "finetuned": True},
+         r"rope scaling type 'linear' does not understand the key 'finetuned'"),
+        ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64, "extrapolation_factor": 1.0},
+         r"'yarn' does not understand the key 'extrapolation_factor'"),
+        ({"rope_type": "deepseek_yarn", "factor": 2.0, "original_max_position_embeddings": 64,
+          "attention_factor": 1.0}, r"'deepseek_yarn' does not understand the key 'attention_factor'"),
+        ({"rope_type": "default", "factor": 2.0}, r"'default' does not understand the key 'factor'"),
+        ({"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}, r"does not understand the key 'rope_theta'"),
+        ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64, "attention_factor": 1.0,
+          "attn_factor": 1.0}, r"attention_factor or attn_factor, not both"),
+        ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64, "truncate": "no"},
+         r"truncate must be true or false"),
+        ({"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 64.5},
+         r"original_max_position_embeddings must be an integer"),
     ],
 )
 def test_bad_scaling_raises(scaling, match):

@@ -41,7 +41,7 @@ def test_wheel_holds_the_package_and_nothing_else():
     with zipfile.ZipFile(WHEEL) as wheel:
         names = wheel.namelist()
     dist_info = f"rope_ext-{version}.dist-info/"
-    package_sources = {  # every module of the package and its subpackages (rope_ext.bench)
+    package_sources = {  # every module of the package and its subpackages (rope_ext.compat, ...)
         os.path.relpath(p, ROOT).replace(os.sep, "/")
         for p in glob.glob(os.path.join(ROOT, "rope_ext", "**", "*.py"), recursive=True)
     }
@@ -53,7 +53,18 @@ def test_wheel_holds_the_package_and_nothing_else():
     assert {dist_info + m for m in ("METADATA", "WHEEL", "RECORD")} <= metadata
     unexpected = set(names) - python_files - natives - metadata
     assert not unexpected, f"the wheel carries files it should not: {sorted(unexpected)}"
-    assert not any(re.search(r"\.(o|cpp|cu|h|cuh|pyc)$|tests/|csrc/|build/", n) for n in names)
+    assert not any(re.search(r"\.(o|cpp|cu|h|cuh|pyc)$|tests/|csrc/|build/|bench/", n) for n in names)
+
+
+@needs_wheel
+def test_wheel_native_libraries_carry_no_debug_info():
+    # Release builds: code only. The CPU and CUDA libraries together stay under 6 MB.
+    with zipfile.ZipFile(WHEEL) as wheel:
+        sizes = {i.filename: i.file_size for i in wheel.infolist() if NATIVE.fullmatch(i.filename)}
+        data = {n: wheel.read(n) for n in sizes}
+    assert sum(sizes.values()) < 6 * 2**20, sizes
+    for name, blob in data.items():
+        assert b".debug_info" not in blob, f"{name} carries debug info"
 
 
 @needs_wheel
@@ -109,14 +120,14 @@ def test_this_process_uses_the_installed_wheel():
     import torch
 
     import rope_ext
-    from rope_ext import _native
+    from rope_ext import _library
 
     assert torch.__version__.split("+")[0] == os.environ["ROPE_EXT_EXPECT_INSTALLED"]
     package_dir = os.path.dirname(os.path.realpath(rope_ext.__file__))
     assert os.path.basename(os.path.dirname(package_dir)) == "site-packages", package_dir
     assert not os.path.isdir(os.path.join(os.path.dirname(package_dir), "csrc"))
-    assert _native.loaded_by == "compiled"
-    assert os.path.realpath(_native.loaded_from).startswith(package_dir + os.sep)
+    assert _library.state.loaded_by == "compiled"
+    assert os.path.realpath(_library.state.path).startswith(package_dir + os.sep)
     assert rope_ext.backend("cpu") == "native"
     # and the ops it carries, built against another torch, compute the right thing under this one
     import op_smoke

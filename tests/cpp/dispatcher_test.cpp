@@ -1,7 +1,8 @@
-// Loads the CMake-built op library the way a Python-less runtime does (dlopen), then calls every
-// rope op (apply, apply.out, apply_backward, apply_, mrope_) through c10::Dispatcher and compares with a
-// float64 reference computed here from the formulas of ROPE.md.
-// Usage: rope_dispatcher_test <path to librope_ops.so>. Exit status 0 = pass.
+// Loads the CMake-built op libraries the way a Python-less runtime does (dlopen), then calls every
+// rope op (apply, apply.out, apply_backward, apply_, mrope_, apply_positions, apply_and_cache_)
+// through c10::Dispatcher and compares with a float64 reference computed here from the formulas
+// of docs/math.md.
+// Usage: rope_dispatcher_test <librope_ops.so> [<librope_ops_cuda.so>]. Exit status 0 = pass.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <dlfcn.h>
@@ -79,9 +80,10 @@ using ApplyOutFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
 using ApplyInplaceFn = void(at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
                             const at::Tensor&, bool);
 using MropeFn = void(at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
-                     const at::Tensor&, c10::ArrayRef<int64_t>, bool);
+                     const at::Tensor&, c10::ArrayRef<int64_t>, bool, bool);
 
-const char* const kOps[] = {"rope::apply", "rope::apply_backward", "rope::apply_", "rope::mrope_"};
+const char* const kOps[] = {"rope::apply", "rope::apply_backward", "rope::apply_", "rope::mrope_",
+                            "rope::apply_positions", "rope::apply_and_cache_"};
 const at::ScalarType kDtypes[] = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16};
 
 // Set once the library is loaded (the handles exist only then).
@@ -96,12 +98,12 @@ std::string tag_of(at::DeviceType device, at::ScalarType dtype, bool interleaved
 }
 
 // apply / apply_backward: x [B,S,H,D] sliced from a wider buffer (non-contiguous), partial rotary
-// (24 of 40 dims), float32 cos/sin [S,1,r/2] broadcast over batch and heads.
+// (24 of 40 dims), float32 cos/sin [1,S,1,r/2] broadcast over batch and heads.
 void check_apply(at::DeviceType device, at::ScalarType dtype, bool interleaved) {
   const std::string tag = tag_of(device, dtype, interleaved);
   auto buffer = at::randn({2, 7, 3, 48}, at::TensorOptions().dtype(dtype).device(device));
   auto x = buffer.narrow(-1, 4, 40);
-  auto table = cos_sin_cache(16, 24).to(device).narrow(0, 5, 7).unsqueeze(1);
+  auto table = cos_sin_cache(16, 24).to(device).narrow(0, 5, 7).unsqueeze(1).unsqueeze(0);
   auto cos = table.narrow(-1, 0, 12), sin = table.narrow(-1, 12, 12);
   auto y = apply_op->call(x, cos, sin, interleaved);
   expect(y.scalar_type() == dtype && y.sizes() == x.sizes(), "rope::apply keeps shape and dtype " + tag);
@@ -161,9 +163,49 @@ void check_mrope(at::DeviceType device, at::ScalarType dtype, bool interleaved) 
   auto c = at::cat(cos_parts, -1).unsqueeze(-2), s = at::cat(sin_parts, -1).unsqueeze(-2);
   auto expected_q = reference(query, c, s, interleaved);
   auto expected_k = reference(key, c, s, interleaved);
-  mrope_op->call(query, key, positions, cache, section, interleaved);
+  mrope_op->call(query, key, positions, cache, section, interleaved, false);
   expect_close(query, expected_q, dtype, "rope::mrope_ query " + tag);
   expect_close(key, expected_k, dtype, "rope::mrope_ key " + tag);
+}
+
+// apply_positions (boxed call): x [T,H,D] rotated by the rows of separate cos/sin tables at
+// positions; then apply_and_cache_: the rotated key and the value land in a paged cache at the
+// slots, padding slots (-1) skipped.
+void check_positions_and_cache(at::DeviceType device, at::ScalarType dtype, bool interleaved) {
+  const std::string tag = tag_of(device, dtype, interleaved);
+  auto& dispatcher = c10::Dispatcher::singleton();
+  auto opts = at::TensorOptions().dtype(dtype).device(device);
+  auto x = at::randn({6, 3, 32}, opts);
+  auto cache = cos_sin_cache(20, 32).to(device);
+  auto cos = cache.narrow(1, 0, 16), sin = cache.narrow(1, 16, 16);
+  auto positions = at::randint(0, 20, {6}, at::TensorOptions().dtype(at::kLong).device(device));
+  auto rows = cache.index_select(0, positions).unsqueeze(1);
+  auto c = rows.narrow(-1, 0, 16), s = rows.narrow(-1, 16, 16);
+  std::vector<c10::IValue> stack = {x, positions, cos, sin, interleaved, false, c10::IValue(), false};
+  dispatcher.findSchemaOrThrow("rope::apply_positions", "").callBoxed(&stack);
+  expect_close(stack.at(0).toTensor(), reference(x, c, s, interleaved), dtype,
+               "rope::apply_positions " + tag);
+
+  auto q = at::randn({6, 4, 32}, opts), k = at::randn({6, 2, 32}, opts), v = at::randn({6, 2, 8}, opts);
+  auto kc = at::zeros({3, 4, 2, 32}, opts), vc = at::zeros({3, 4, 2, 8}, opts);
+  auto slots = at::tensor(std::vector<int64_t>{5, -1, 0, 11, 2, 7}).to(device);
+  auto expected_k = reference(k, c, s, interleaved);
+  auto expected_q = reference(q, c, s, interleaved);
+  std::vector<c10::IValue> args = {q, k, v, positions, cache, kc, vc, slots, interleaved,
+                                   std::string("auto"), c10::IValue(), c10::IValue()};
+  dispatcher.findSchemaOrThrow("rope::apply_and_cache_", "").callBoxed(&args);
+  expect_close(q, expected_q, dtype, "rope::apply_and_cache_ query " + tag);
+  expect_close(k, expected_k, dtype, "rope::apply_and_cache_ key " + tag);
+  const int64_t slot_of[6] = {5, -1, 0, 11, 2, 7};
+  for (int64_t t = 0; t < 6; ++t) {
+    if (slot_of[t] < 0) continue;
+    auto kc_row = kc.select(0, slot_of[t] / 4).select(0, slot_of[t] % 4);
+    auto vc_row = vc.select(0, slot_of[t] / 4).select(0, slot_of[t] % 4);
+    expect(at::equal(kc_row, k.select(0, t)), "rope::apply_and_cache_ key cache row " + tag);
+    expect(at::equal(vc_row, v.select(0, t)), "rope::apply_and_cache_ value cache row " + tag);
+  }
+  expect(at::equal(kc.select(0, 0).select(0, 1), at::zeros({2, 32}, opts)),
+         "rope::apply_and_cache_ leaves unused slots alone " + tag);
 }
 
 // Every op with a kernel for this device, each dtype and layout.
@@ -176,11 +218,13 @@ void check_device(at::DeviceType device, c10::DispatchKey key) {
   };
   const bool apply = has("rope::apply") && has("rope::apply_backward");
   const bool inplace = has("rope::apply_"), mrope = has("rope::mrope_");
+  const bool positions = has("rope::apply_positions") && has("rope::apply_and_cache_");
   for (auto dtype : kDtypes) {
     for (bool interleaved : {false, true}) {
       if (apply) check_apply(device, dtype, interleaved);
       if (inplace) check_apply_inplace(device, dtype, interleaved);
       if (mrope) check_mrope(device, dtype, interleaved);
+      if (positions) check_positions_and_cache(device, dtype, interleaved);
     }
   }
 }
@@ -188,16 +232,19 @@ void check_device(at::DeviceType device, c10::DispatchKey key) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::fprintf(stderr, "usage: %s <path to librope_ops.so>\n", argv[0]);
+  if (argc != 2 && argc != 3) {
+    std::fprintf(stderr, "usage: %s <librope_ops.so> [<librope_ops_cuda.so>]\n", argv[0]);
     return 2;
   }
   auto& dispatcher = c10::Dispatcher::singleton();
   expect(!dispatcher.findSchema({"rope::apply", ""}).has_value(),
          "rope::apply exists before the library is loaded");
-  if (dlopen(argv[1], RTLD_NOW | RTLD_GLOBAL) == nullptr) {
-    std::fprintf(stderr, "FAIL: dlopen(%s): %s\n", argv[1], dlerror());
-    return 1;
+  // The CPU library defines the schemas, so it loads first; the CUDA one only adds kernels.
+  for (int i = 1; i < argc; ++i) {
+    if (dlopen(argv[i], RTLD_NOW | RTLD_GLOBAL) == nullptr) {
+      std::fprintf(stderr, "FAIL: dlopen(%s): %s\n", argv[i], dlerror());
+      return 1;
+    }
   }
   const uint64_t seed = std::chrono::steady_clock::now().time_since_epoch().count();
   at::manual_seed(seed);

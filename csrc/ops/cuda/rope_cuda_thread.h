@@ -1,30 +1,42 @@
-// The CUDA kernels' per-thread code and launch configuration, written as plain C++ so that one
-// source serves two compilers: nvcc builds the kernels from it (rope_cuda_kernels.cu), and g++
-// builds a CPU simulator from it (tests/sim/rope_cuda_sim.cpp) that runs every thread of the
-// launch grid the host code chooses and checks each memory access. Whatever the simulator proves
-// about the index math, vector/tail handling, strides and the position gather holds for the kernel.
+// The CUDA kernels' per-thread code, written as plain C++ so that one source serves two
+// compilers: nvcc builds the kernels from it (rope_cuda.cu), and g++ builds the CPU simulator
+// (tests/sim/cuda_sim.cpp) that runs every thread of the grid the host code plans and checks
+// each memory access. Whatever the simulator proves about the index math, vector/tail handling,
+// strides and gathers holds for the kernels.
 //
-// No CUDA built-ins here: a thread learns where it is from a ThreadPos (blockIdx/threadIdx/...),
-// and every memory access goes through load/store below, which the simulator instruments.
+// No CUDA built-ins here: a thread learns where it is from a ThreadPos, every memory access goes
+// through load/store below (which the simulator instruments), and a failed device check goes
+// through ROPE_DEVICE_CHECK.
 #pragma once
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "../../rope_math.h"
-#include "../rope_geometry.h"
+#include "../geometry.h"
 
 #if defined(ROPE_SIM)
 namespace rope::sim {
-// Defined by the simulator: checks and records one access of `bytes` at `p` made as a single
-// (possibly vector) instruction that requires `align`-byte alignment. False for a bad access,
-// which the simulator then does not perform (it reports it instead of crashing).
+// Defined by the simulator: checks and records one access of `bytes` at `p`, made as a single
+// (possibly vector) instruction that needs `align`-byte alignment. False for a bad access, which
+// the simulator then does not perform (it reports it instead of crashing).
 bool on_access(const void* p, size_t bytes, size_t elem_bytes, size_t align, bool is_write);
+// A device-side check that failed (the kernel would trap).
+void on_trap(const char* what);
 }  // namespace rope::sim
 #define ROPE_ACCESS_OK(p, bytes, elem, align, w) ::rope::sim::on_access(p, bytes, elem, align, w)
+#define ROPE_DEVICE_CHECK(cond, what) \
+  if (!(cond)) ::rope::sim::on_trap(what)
+#elif defined(__CUDA_ARCH__)
+#define ROPE_ACCESS_OK(p, bytes, elem, align, w) true
+// A device-side assertion, as torch's own index checks: the kernel stops with
+// cudaErrorAssert ("device-side assert triggered"), reported at the next synchronization.
+#define ROPE_DEVICE_CHECK(cond, what) \
+  if (!(cond)) __assert_fail(what, "rope_ext", 0, "rope kernel")
 #else
 #define ROPE_ACCESS_OK(p, bytes, elem, align, w) true
+#define ROPE_DEVICE_CHECK(cond, what)
 #endif
 
 #if defined(__CUDACC__)
@@ -69,59 +81,93 @@ ROPE_HD void store(T* p, T v) {
   *p = v;
 }
 
+// One 16-byte access. On the device, explicitly a global one (LDG.128 / STG.128): the pointers
+// come through a parameter struct, from which the compiler would only emit generic accesses.
+// Cached loads (not the read-only path): the in-place ops write what they read.
 template <typename T, int N>
 ROPE_HD Pack<T, N> load_pack(const T* p) {
   using P = Pack<T, N>;
+  static_assert(sizeof(P) == kVecBytes, "a pack is one 16-byte vector");
   if (!ROPE_ACCESS_OK(p, sizeof(P), sizeof(T), alignof(P), false)) return P();
+#if defined(__CUDA_ARCH__)
+  const uint4 bits = __ldca(reinterpret_cast<const uint4*>(p));
+  P v;
+  __builtin_memcpy(&v, &bits, sizeof(P));
+  return v;
+#else
   return *reinterpret_cast<const P*>(p);
+#endif
 }
 
 template <typename T, int N>
 ROPE_HD void store_pack(T* p, const Pack<T, N>& v) {
   using P = Pack<T, N>;
   if (!ROPE_ACCESS_OK(p, sizeof(P), sizeof(T), alignof(P), true)) return;
+#if defined(__CUDA_ARCH__)
+  uint4 bits;
+  __builtin_memcpy(&bits, &v, sizeof(P));
+  __stwb(reinterpret_cast<uint4*>(p), bits);
+#else
   *reinterpret_cast<P*>(p) = v;
+#endif
 }
 
-// LeadIndexer::offsets without the outermost modulo (row < rows makes it a no-op) and, when
-// every index fits (`idx32`), with 32-bit divisions, which cost a fraction of 64-bit ones.
-ROPE_HD void lead_offsets(const LeadIndexer& ix, int64_t row, bool idx32,
-                          int64_t out[kMaxOperands]) {
-  for (int t = 0; t < kMaxOperands; ++t) out[t] = 0;
-  if (ix.ndim == 0) return;
-  if (idx32) {
-    uint32_t r = static_cast<uint32_t>(row);
-    for (int d = ix.ndim - 1; d > 0; --d) {
-      const uint32_t size = static_cast<uint32_t>(ix.sizes[d]);
-      const uint32_t q = r / size;
-      const int64_t i = static_cast<int64_t>(r - q * size);
-      r = q;
-      for (int t = 0; t < kMaxOperands; ++t) out[t] += i * ix.strides[t][d];
-    }
-    row = static_cast<int64_t>(r);
-  } else {
-    for (int d = ix.ndim - 1; d > 0; --d) {
-      const int64_t q = row / ix.sizes[d];
-      const int64_t i = row - q * ix.sizes[d];
-      row = q;
-      for (int t = 0; t < kMaxOperands; ++t) out[t] += i * ix.strides[t][d];
+// Element offsets of one token in every operand. Kernels index only with compile-time indices
+// (unrolled loops, selects): a runtime index into a kernel parameter or a local array would put
+// it in local memory, which a test of the compiled code rules out.
+struct Offsets {
+  int64_t o[kMaxOperands];
+};
+
+// LeadIndexer::offsets without the outermost division (token < tokens makes it a no-op) and,
+// when every index fits (`idx32`), with 32-bit divisions, which cost a fraction of 64-bit ones.
+ROPE_HD Offsets lead_offsets(const LeadIndexer& ix, int64_t token, bool idx32) {
+  Offsets out;
+  ROPE_UNROLL
+  for (int t = 0; t < kMaxOperands; ++t) out.o[t] = 0;
+  if (ix.ndim == 0) return out;
+  uint32_t r32 = static_cast<uint32_t>(token);
+  ROPE_UNROLL
+  for (int d = kMaxLeadDims - 1; d > 0; --d) {
+    if (d < ix.ndim) {  // the inner dims, innermost first
+      int64_t i;
+      if (idx32) {
+        const uint32_t size = static_cast<uint32_t>(ix.sizes[d]);
+        const uint32_t q = r32 / size;
+        i = static_cast<int64_t>(r32 - q * size);
+        r32 = q;
+      } else {
+        const int64_t q = token / ix.sizes[d];
+        i = token - q * ix.sizes[d];
+        token = q;
+      }
+      ROPE_UNROLL
+      for (int t = 0; t < kMaxOperands; ++t) out.o[t] += i * ix.strides[t][d];
     }
   }
-  for (int t = 0; t < kMaxOperands; ++t) out[t] += row * ix.strides[t][0];
+  if (idx32) token = static_cast<int64_t>(r32);
+  ROPE_UNROLL
+  for (int t = 0; t < kMaxOperands; ++t) out.o[t] += token * ix.strides[t][0];
+  return out;
+}
+
+template <typename T>
+ROPE_HD T pick3(int k, T a, T b, T c) {
+  return k == 0 ? a : (k == 1 ? b : c);
 }
 
 // A chunk is the unit of work of one thread within one head_dim row: W = kWidth<x_t>
-// consecutive elements, i.e. one 16-byte vector. Rotary chunk c covers
+// consecutive elements, one 16-byte vector. Rotary chunk c covers
 //   half-split:  pairs [c*W, c*W + W), whose members are the two vectors at c*W and half + c*W;
 //   interleaved: elements [c*W, c*W + W), i.e. pairs [c*W/2, c*W/2 + W/2).
-// The last chunk may be partial (count < W); it is then done element by element.
+// The last rotary chunk may be partial (count < W); it is then done element by element.
+// Pass-through chunks (dims >= rotary_dim) follow the rotary ones.
 template <typename x_t, bool kInterleaved>
 ROPE_HD int64_t rotary_chunks(int64_t half) {
   constexpr int W = kWidth<x_t>;
   return kInterleaved ? (2 * half + W - 1) / W : (half + W - 1) / W;
 }
 
-// Pairs of chunk c: first pair index and count.
 template <typename x_t, bool kInterleaved>
 ROPE_HD void chunk_pairs(int64_t c, int64_t half, int64_t& first, int& count) {
   constexpr int W = kWidth<x_t>;
@@ -131,7 +177,51 @@ ROPE_HD void chunk_pairs(int64_t c, int64_t half, int64_t& first, int& count) {
   count = left < P ? static_cast<int>(left) : P;
 }
 
-// cos/sin of the pairs of one chunk, converted to the arithmetic type.
+// The table rows of one token (tables in the arithmetic type: the host casts them once): one
+// row, or one per MRoPE position component.
+template <typename tab_t>
+struct TokenRows {
+  const tab_t *cos0, *cos1, *cos2;
+  const tab_t *sin0, *sin1, *sin2;
+};
+
+ROPE_HD int64_t load_position(const void* pos, bool pos64, int64_t offset) {
+  return pos64 ? load(static_cast<const int64_t*>(pos) + offset)
+               : static_cast<int64_t>(load(static_cast<const int32_t*>(pos) + offset));
+}
+
+// The cos/sin rows of the token at lead offsets `off`. Positions are checked here, on the device:
+// one outside [0, rows) stops the kernel before its table row is read.
+template <typename tab_t>
+ROPE_HD TokenRows<tab_t> token_rows(const RotateGeometry& g, const tab_t* cos, const tab_t* sin,
+                                    const void* pos, const Offsets& off) {
+  const TableDesc& t = g.table;
+  TokenRows<tab_t> r;
+  if (t.kind == TableKind::kStrided) {
+    r.cos0 = r.cos1 = r.cos2 = cos + off.o[kTab0];
+    r.sin0 = r.sin1 = r.sin2 = sin + off.o[kTab1];
+    return r;
+  }
+  int64_t row[kMropeComponents];
+  ROPE_UNROLL
+  for (int j = 0; j < kMropeComponents; ++j) {
+    row[j] = 0;
+    if (j == 0 || t.kind == TableKind::kMrope) {
+      const int64_t p = load_position(pos, t.pos64, off.o[kTab0] + j * t.pos_component);
+      ROPE_DEVICE_CHECK(p >= 0 && p < t.rows, "rope: positions must lie in [0, max_position)");
+      row[j] = (p >= 0 && p < t.rows) ? p : 0;  // never read outside the table
+    }
+  }
+  r.cos0 = cos + row[0] * t.cos_row;
+  r.cos1 = cos + row[1] * t.cos_row;
+  r.cos2 = cos + row[2] * t.cos_row;
+  r.sin0 = sin + row[0] * t.sin_row;
+  r.sin1 = sin + row[1] * t.sin_row;
+  r.sin2 = sin + row[2] * t.sin_row;
+  return r;
+}
+
+// cos/sin of the pairs of one chunk, in the arithmetic type, sin negated for the inverse.
 template <typename x_t>
 struct ChunkTables {
   using acc_t = opmath_t<x_t>;
@@ -139,280 +229,331 @@ struct ChunkTables {
   acc_t c[P], s[P];
 };
 
-template <typename x_t, typename tab_t>
-ROPE_HD void load_tables(const tab_t* cos, int64_t cos_stride, const tab_t* sin,
-                         int64_t sin_stride, int64_t first, int count, ChunkTables<x_t>& t) {
-  using acc_t = opmath_t<x_t>;
+template <typename x_t>
+ROPE_HD void load_tables(const RotateGeometry& g, const TokenRows<opmath_t<x_t>>& r,
+                         int64_t first, int count, ChunkTables<x_t>& t) {
+  const TableDesc& d = g.table;
+  const bool mrope = d.kind == TableKind::kMrope;
   ROPE_UNROLL
   for (int j = 0; j < ChunkTables<x_t>::P; ++j) {
     if (j < count) {
-      t.c[j] = static_cast<acc_t>(load(cos + (first + j) * cos_stride));
-      t.s[j] = static_cast<acc_t>(load(sin + (first + j) * sin_stride));
+      const int64_t pair = first + j;
+      const int k = mrope ? mrope_component(pair, d.section, d.mrope_interleaved) : 0;
+      t.c[j] = load(pick3(k, r.cos0, r.cos1, r.cos2) + pair * d.cos_col);
+      const opmath_t<x_t> s = load(pick3(k, r.sin0, r.sin1, r.sin2) + pair * d.sin_col);
+      t.s[j] = g.inverse ? -s : s;
     }
   }
 }
 
 // Rotates the pairs [first, first+count) of one row: reads src (stride ss along the head dim),
 // writes dst (stride ds). src == dst (in place) is fine: a thread reads its chunk fully before
-// writing it, and no other thread touches it. kVec: src/dst rows are 16-byte aligned with unit
-// stride and (half-split) half % W == 0, so every full chunk is one or two vector accesses.
-template <typename x_t, bool kInterleaved, bool kInverse, bool kVec>
+// writing it, and no other thread touches it. vec: src/dst rows are 16-byte aligned with unit
+// stride and (half-split) half % W == 0, so a full chunk is one or two vector accesses.
+// The rotated values are also handed to `also(element, value)` (the KV-cache write).
+template <typename x_t, bool kInterleaved, typename Also>
 ROPE_HD void rotate_chunk(const x_t* src, int64_t ss, x_t* dst, int64_t ds, int64_t half,
-                          int64_t first, int count, const ChunkTables<x_t>& t) {
+                          int64_t first, int count, const ChunkTables<x_t>& t, bool vec,
+                          Also&& also) {
   using acc_t = opmath_t<x_t>;
   constexpr int W = kWidth<x_t>;
   if (kInterleaved) {
     const int64_t e0 = 2 * first;  // first element of the chunk
-    if (kVec && 2 * count == W) {
+    if (vec && 2 * count == W) {
       Pack<x_t, W> v = load_pack<x_t, W>(src + e0);
       ROPE_UNROLL
       for (int j = 0; j < W / 2; ++j) {
         acc_t o0, o1;
-        rotate_pair<kInverse, acc_t>(static_cast<acc_t>(v.v[2 * j]),
-                                     static_cast<acc_t>(v.v[2 * j + 1]), t.c[j], t.s[j], o0, o1);
+        rotate_pair<false, acc_t>(static_cast<acc_t>(v.v[2 * j]),
+                                  static_cast<acc_t>(v.v[2 * j + 1]), t.c[j], t.s[j], o0, o1);
         v.v[2 * j] = static_cast<x_t>(o0);
         v.v[2 * j + 1] = static_cast<x_t>(o1);
       }
       store_pack<x_t, W>(dst + e0, v);
-    } else {
       ROPE_UNROLL
-      for (int j = 0; j < W / 2; ++j) {
-        if (j < count) {
-          const int64_t e = e0 + 2 * j;
-          acc_t o0, o1;
-          rotate_pair<kInverse, acc_t>(static_cast<acc_t>(load(src + e * ss)),
-                                       static_cast<acc_t>(load(src + (e + 1) * ss)), t.c[j],
-                                       t.s[j], o0, o1);
-          store(dst + e * ds, static_cast<x_t>(o0));
-          store(dst + (e + 1) * ds, static_cast<x_t>(o1));
-        }
-      }
+      for (int j = 0; j < W; ++j) also(e0 + j, v.v[j]);
+      return;
     }
-  } else {
-    if (kVec && count == W) {
-      Pack<x_t, W> a = load_pack<x_t, W>(src + first);
-      Pack<x_t, W> b = load_pack<x_t, W>(src + half + first);
-      ROPE_UNROLL
-      for (int j = 0; j < W; ++j) {
+    ROPE_UNROLL
+    for (int j = 0; j < W / 2; ++j) {
+      if (j < count) {
+        const int64_t e = e0 + 2 * j;
         acc_t o0, o1;
-        rotate_pair<kInverse, acc_t>(static_cast<acc_t>(a.v[j]), static_cast<acc_t>(b.v[j]),
-                                     t.c[j], t.s[j], o0, o1);
-        a.v[j] = static_cast<x_t>(o0);
-        b.v[j] = static_cast<x_t>(o1);
-      }
-      store_pack<x_t, W>(dst + first, a);
-      store_pack<x_t, W>(dst + half + first, b);
-    } else {
-      ROPE_UNROLL
-      for (int j = 0; j < W; ++j) {
-        if (j < count) {
-          const int64_t p0 = pair_first(first + j, half, false);
-          const int64_t p1 = pair_second(first + j, half, false);
-          acc_t o0, o1;
-          rotate_pair<kInverse, acc_t>(static_cast<acc_t>(load(src + p0 * ss)),
-                                       static_cast<acc_t>(load(src + p1 * ss)), t.c[j], t.s[j],
-                                       o0, o1);
-          store(dst + p0 * ds, static_cast<x_t>(o0));
-          store(dst + p1 * ds, static_cast<x_t>(o1));
-        }
+        rotate_pair<false, acc_t>(static_cast<acc_t>(load(src + e * ss)),
+                                  static_cast<acc_t>(load(src + (e + 1) * ss)), t.c[j], t.s[j],
+                                  o0, o1);
+        const x_t r0 = static_cast<x_t>(o0), r1 = static_cast<x_t>(o1);
+        store(dst + e * ds, r0);
+        store(dst + (e + 1) * ds, r1);
+        also(e, r0);
+        also(e + 1, r1);
       }
     }
+    return;
   }
-}
-
-// Copies elements [e0, min(e0 + W, end)) of a row bit-exactly (the dims past rotary_dim).
-template <typename x_t, bool kVec>
-ROPE_HD void copy_chunk(const x_t* src, int64_t ss, x_t* dst, int64_t e0, int64_t end) {
-  constexpr int W = kWidth<x_t>;
-  if (kVec && e0 + W <= end) {
-    store_pack<x_t, W>(dst + e0, load_pack<x_t, W>(src + e0));
+  if (vec && count == W) {
+    Pack<x_t, W> a = load_pack<x_t, W>(src + first);
+    Pack<x_t, W> b = load_pack<x_t, W>(src + half + first);
+    ROPE_UNROLL
+    for (int j = 0; j < W; ++j) {
+      acc_t o0, o1;
+      rotate_pair<false, acc_t>(static_cast<acc_t>(a.v[j]), static_cast<acc_t>(b.v[j]), t.c[j],
+                                t.s[j], o0, o1);
+      a.v[j] = static_cast<x_t>(o0);
+      b.v[j] = static_cast<x_t>(o1);
+    }
+    store_pack<x_t, W>(dst + first, a);
+    store_pack<x_t, W>(dst + half + first, b);
+    ROPE_UNROLL
+    for (int j = 0; j < W; ++j) {
+      also(first + j, a.v[j]);
+      also(half + first + j, b.v[j]);
+    }
     return;
   }
   ROPE_UNROLL
   for (int j = 0; j < W; ++j) {
-    if (e0 + j < end) store(dst + e0 + j, load(src + (e0 + j) * ss));
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// rope.apply / rope.apply_backward: out (contiguous) = rotate(x, cos, sin).
-// Block (bx, by): threadIdx.x walks the chunks of a row (rotary chunks, then pass-through
-// chunks), threadIdx.y picks the row; blocks stride over rows.
-
-template <typename x_t, typename tab_t>
-struct ApplyArgs {
-  const x_t* x;
-  x_t* out;
-  const tab_t* cos;
-  const tab_t* sin;
-  ApplyGeometry g;
-  int64_t rot_chunks;   // rotary chunks per row
-  int64_t tail_chunks;  // pass-through chunks per row
-  bool idx32;
-};
-
-template <typename x_t, typename tab_t, bool kInterleaved, bool kInverse, bool kVec>
-ROPE_HD void apply_thread(const ApplyArgs<x_t, tab_t>& a, const ThreadPos& tp) {
-  constexpr int W = kWidth<x_t>;
-  const ApplyGeometry& g = a.g;
-  const int64_t chunks = a.rot_chunks + a.tail_chunks;
-  const int64_t row_step = static_cast<int64_t>(tp.grid_dim.x) * tp.block_dim.y;
-  for (int64_t row = static_cast<int64_t>(tp.block.x) * tp.block_dim.y + tp.thread.y;
-       row < g.rows; row += row_step) {
-    int64_t off[kMaxOperands];
-    lead_offsets(g.lead, row, a.idx32, off);
-    const x_t* src = a.x + off[0];
-    x_t* dst = a.out + row * g.head_dim;
-    for (int64_t c = tp.thread.x; c < chunks; c += tp.block_dim.x) {
-      if (c < a.rot_chunks) {
-        int64_t first;
-        int count;
-        chunk_pairs<x_t, kInterleaved>(c, g.half, first, count);
-        ChunkTables<x_t> t;
-        load_tables<x_t, tab_t>(a.cos + off[1], g.cos_last, a.sin + off[2], g.sin_last, first,
-                                count, t);
-        rotate_chunk<x_t, kInterleaved, kInverse, kVec>(src, g.x_last, dst, 1, g.half, first,
-                                                        count, t);
-      } else {
-        copy_chunk<x_t, kVec>(src, g.x_last, dst, 2 * g.half + (c - a.rot_chunks) * W,
-                              g.head_dim);
-      }
+    if (j < count) {
+      const int64_t p0 = first + j, p1 = half + first + j;
+      acc_t o0, o1;
+      rotate_pair<false, acc_t>(static_cast<acc_t>(load(src + p0 * ss)),
+                                static_cast<acc_t>(load(src + p1 * ss)), t.c[j], t.s[j], o0, o1);
+      const x_t r0 = static_cast<x_t>(o0), r1 = static_cast<x_t>(o1);
+      store(dst + p0 * ds, r0);
+      store(dst + p1 * ds, r1);
+      also(p0, r0);
+      also(p1, r1);
     }
   }
 }
 
-// ---------------------------------------------------------------------------------------------
-// rope.apply_: query and key rotated in place in one launch.
-// Block (bx, by, bz): threadIdx.x walks a row's rotary chunks, threadIdx.y the heads (query heads
-// 0..Hq-1, then key heads), threadIdx.z the token; blocks stride over tokens. A thread loads the
-// cos/sin of its chunk once per token and reuses them for every head it rotates.
-//
-// Out-of-range positions: a token whose position p is not in [0, max_position) is skipped (its
-// query and key rows are left unchanged) so the cache is never read out of bounds. The host
-// raises instead when position checking is on (see rope_cuda_host.h).
-
-template <typename x_t, typename tab_t>
-struct InplaceArgs {
-  x_t* q;
-  x_t* k;  // nullptr when key is None (then g.k_heads == 0)
-  const void* pos;
-  bool pos64;
-  const tab_t* cache;
-  InplaceGeometry g;
-  int64_t rot_chunks;
-  bool idx32;
+struct NoAlso {
+  template <typename T>
+  ROPE_HD void operator()(int64_t, T) const {}
 };
 
-template <typename x_t, typename tab_t, bool kInterleaved, bool kVec>
-ROPE_HD void apply_inplace_thread(const InplaceArgs<x_t, tab_t>& a, const ThreadPos& tp) {
-  const InplaceGeometry& g = a.g;
-  const int64_t heads = g.q_heads + g.k_heads;
+// Elements [e0, min(e0 + W, end)) of a row, handed to put(element, value) (a bit-exact copy of
+// the dims past rotary_dim, or their KV-cache write). vec: src is a 16-byte aligned unit-stride
+// row and e0 + W <= end.
+template <typename x_t, typename Put>
+ROPE_HD void read_chunk(const x_t* src, int64_t ss, int64_t e0, int64_t end, bool vec, Put&& put) {
+  constexpr int W = kWidth<x_t>;
+  if (vec && e0 + W <= end) {
+    const Pack<x_t, W> v = load_pack<x_t, W>(src + e0);
+    ROPE_UNROLL
+    for (int j = 0; j < W; ++j) put(e0 + j, v.v[j]);
+    return;
+  }
+  ROPE_UNROLL
+  for (int j = 0; j < W; ++j) {
+    if (e0 + j < end) put(e0 + j, load(src + (e0 + j) * ss));
+  }
+}
+
+// The same elements copied to dst (unit stride), as one vector store when vec.
+template <typename x_t>
+ROPE_HD void copy_chunk(const x_t* src, int64_t ss, x_t* dst, int64_t e0, int64_t end, bool vec) {
+  constexpr int W = kWidth<x_t>;
+  if (vec && e0 + W <= end) {
+    store_pack<x_t, W>(dst + e0, load_pack<x_t, W>(src + e0));
+    return;
+  }
+  read_chunk(src, ss, e0, end, false, [&](int64_t e, x_t v) { store(dst + e, v); });
+}
+
+// ---------------------------------------------------------------------------------------------
+// rotate_thread: every op of geometry.h RotateGeometry (apply, apply_backward, apply.out, apply_,
+// mrope_, apply_positions). Block (bx, by, bz): threadIdx.x walks the chunks of a row (rotary
+// chunks, then pass-through chunks when copy_tail), threadIdx.y the heads (target 0's, then
+// target 1's), threadIdx.z the token; blocks stride over tokens. A thread loads the cos/sin of
+// its chunk once per token and reuses them for every head it rotates.
+
+template <typename x_t>
+struct RotateArgs {
+  using tab_t = opmath_t<x_t>;
+  const x_t* src[2];
+  x_t* dst[2];
+  const tab_t* cos;  // strided: the cos tensor; gathered/MRoPE: the table's row 0
+  const tab_t* sin;
+  const void* pos;
+  RotateGeometry g;
+  int64_t rot_chunks;   // rotary chunks per row
+  int64_t tail_chunks;  // pass-through chunks per row (copy_tail)
+  bool idx32;
+  bool vec;
+};
+
+// Head h over both targets (target 0's heads, then target 1's): where its row starts in src and
+// dst for the token at `off`, and its strides along the head dim.
+template <typename x_t>
+struct HeadRow {
+  const x_t* src;
+  x_t* dst;
+  int64_t src_last, dst_last;
+};
+
+template <typename x_t>
+ROPE_HD HeadRow<x_t> head_row(const RotateArgs<x_t>& a, const Offsets& off, int64_t h) {
+  const TargetDesc& t0 = a.g.target[0];
+  const TargetDesc& t1 = a.g.target[1];
+  if (h < t0.heads) {
+    return {a.src[0] + off.o[kSrc0] + h * t0.src_head, a.dst[0] + off.o[kDst0] + h * t0.dst_head,
+            t0.src_last, t0.dst_last};
+  }
+  h -= t0.heads;
+  return {a.src[1] + off.o[kSrc1] + h * t1.src_head, a.dst[1] + off.o[kDst1] + h * t1.dst_head,
+          t1.src_last, t1.dst_last};
+}
+
+template <typename x_t, bool kInterleaved>
+ROPE_HD void rotate_thread(const RotateArgs<x_t>& a, const ThreadPos& tp) {
+  constexpr int W = kWidth<x_t>;
+  const RotateGeometry& g = a.g;
+  const int64_t heads = g.target[0].heads + (g.targets > 1 ? g.target[1].heads : 0);
+  const int64_t chunks = a.rot_chunks + a.tail_chunks;
   const int64_t tok_step = static_cast<int64_t>(tp.grid_dim.x) * tp.block_dim.z;
   for (int64_t tok = static_cast<int64_t>(tp.block.x) * tp.block_dim.z + tp.thread.z;
        tok < g.tokens; tok += tok_step) {
-    int64_t off[kMaxOperands];
-    lead_offsets(g.lead, tok, a.idx32, off);
-    const int64_t p = a.pos64 ? load(static_cast<const int64_t*>(a.pos) + off[2])
-                              : static_cast<int64_t>(load(static_cast<const int32_t*>(a.pos) + off[2]));
-    if (p < 0 || p >= g.max_position) continue;  // never read outside the cache
-    const tab_t* cos = a.cache + p * g.cache_row_stride;
-    const tab_t* sin = cos + g.half * g.cache_col_stride;
-    for (int64_t c = tp.thread.x; c < a.rot_chunks; c += tp.block_dim.x) {
-      int64_t first;
-      int count;
-      chunk_pairs<x_t, kInterleaved>(c, g.half, first, count);
+    const Offsets off = lead_offsets(g.lead, tok, a.idx32);
+    const TokenRows<opmath_t<x_t>> rows = token_rows(g, a.cos, a.sin, a.pos, off);
+    for (int64_t c = tp.thread.x; c < chunks; c += tp.block_dim.x) {
       ChunkTables<x_t> t;
-      load_tables<x_t, tab_t>(cos, g.cache_col_stride, sin, g.cache_col_stride, first, count, t);
+      int64_t first = 0;
+      int count = 0;
+      if (c < a.rot_chunks) {
+        chunk_pairs<x_t, kInterleaved>(c, g.half, first, count);
+        load_tables<x_t>(g, rows, first, count, t);
+      }
       for (int64_t h = tp.thread.y; h < heads; h += tp.block_dim.y) {
-        const bool is_q = h < g.q_heads;
-        x_t* row = is_q ? a.q + off[0] + h * g.q_head_stride
-                        : a.k + off[1] + (h - g.q_heads) * g.k_head_stride;
-        const int64_t st = is_q ? g.q_last : g.k_last;
-        rotate_chunk<x_t, kInterleaved, false, kVec>(row, st, row, st, g.half, first, count, t);
+        const HeadRow<x_t> row = head_row(a, off, h);
+        if (c < a.rot_chunks) {
+          rotate_chunk<x_t, kInterleaved>(row.src, row.src_last, row.dst, row.dst_last, g.half,
+                                          first, count, t, a.vec, NoAlso{});
+        } else {
+          copy_chunk<x_t>(row.src, row.src_last, row.dst, 2 * g.half + (c - a.rot_chunks) * W,
+                          g.head_dim, a.vec);
+        }
       }
     }
   }
 }
 
 // ---------------------------------------------------------------------------------------------
-// Launch configuration (host only). The kernels' host code and the simulator both call these.
+// cache_thread: rope.apply_and_cache_. The rotation of rotate_thread on query (target 0) and key
+// (target 1) in place; each rotated key chunk also goes, converted, into the key cache, and key
+// heads also carry their token's value chunks into the value cache. threadIdx.x walks
+// max(key chunks, value chunks).
 
-// At most this many blocks; beyond it blocks stride (a grid this size already fills any GPU).
-constexpr int64_t kMaxBlocks = int64_t{1} << 20;
-constexpr int64_t kThreadsPerBlock = 256;
-
-struct LaunchPlan {
-  Idx3 grid, block;
-  bool vec = false;
-  bool idx32 = false;
-  int64_t rot_chunks = 0, tail_chunks = 0;
+template <typename x_t>
+struct CacheArgs {
+  RotateArgs<x_t> rot;
+  CacheGeometry cg;  // cg.rot is unused here (rot.g holds the same)
+  const x_t* value;
+  const void* slots;
+  void* key_cache;
+  void* value_cache;
+  const float* k_scale;  // nullptr unless fp8
+  const float* v_scale;
+  int64_t key_chunks;    // rotary + pass-through chunks of a key row
+  int64_t value_chunks;
+  bool v_vec;            // value rows 16-byte aligned with unit stride, value_dim % W == 0
 };
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-inline int64_t pow2_at_least(int64_t n) {
-  int64_t p = 1;
-  while (p < n) p *= 2;
-  return p;
-}
-
-inline bool aligned(const void* p, int64_t bytes) {
-  return reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(bytes) == 0;
-}
-
-// True if every stride of operand `t` of the indexer is a multiple of `w` elements.
-inline bool lead_strides_multiple_of(const LeadIndexer& ix, int t, int64_t w) {
-  for (int d = 0; d < ix.ndim; ++d) {
-    if (ix.strides[t][d] % w != 0) return false;
+// The cache write of one element: kept (kSame) or value / scale to float8.
+template <typename x_t>
+struct CacheStore {
+  void* row;  // the slot's row in the cache, of x_t or of 1-byte float8 codes
+  int64_t last;
+  float scale;
+  CacheFormat format;
+  ROPE_HD void operator()(int64_t e, x_t v) const {
+    if (format == CacheFormat::kSame) {
+      store(static_cast<x_t*>(row) + e * last, v);
+    } else {
+      const Fp8Format fmt =
+          format == CacheFormat::kE4M3FN ? Fp8Format::kE4M3FN : Fp8Format::kE5M2;
+      store(static_cast<uint8_t*>(row) + e * last, float_to_fp8(static_cast<float>(v) / scale, fmt));
+    }
   }
-  return true;
+};
+
+// One chunk of a query (or, with `also`, key) row rotated in place, for either layout.
+template <typename x_t, typename Also>
+ROPE_HD void rotate_row_chunk(const RotateGeometry& g, x_t* row, int64_t last, int64_t first,
+                              int count, const ChunkTables<x_t>& t, bool vec, Also&& also) {
+  if (g.interleaved) {
+    rotate_chunk<x_t, true>(row, last, row, last, g.half, first, count, t, vec, also);
+  } else {
+    rotate_chunk<x_t, false>(row, last, row, last, g.half, first, count, t, vec, also);
+  }
 }
 
-// Vector path for one operand's rows: unit stride along the head dim, every row start 16-byte
-// aligned, and (half-split) the second member of each pair vector-aligned too.
-inline bool rows_vectorizable(const void* base, int64_t last_stride, bool lead_ok,
-                              int64_t extra_row_stride, int64_t half, bool interleaved, int w) {
-  return last_stride == 1 && aligned(base, kVecBytes) && lead_ok && extra_row_stride % w == 0 &&
-         (interleaved || half % w == 0);
-}
-
+// Layout and cache format are runtime branches here (uniform across the grid), which keeps the
+// library to one cache kernel per dtype.
 template <typename x_t>
-LaunchPlan plan_apply(const ApplyGeometry& g, const x_t* x, const x_t* out, bool interleaved,
-                      int64_t max_blocks = kMaxBlocks) {
+ROPE_HD void cache_thread(const CacheArgs<x_t>& a, const ThreadPos& tp) {
   constexpr int W = kWidth<x_t>;
-  LaunchPlan p;
-  p.rot_chunks = interleaved ? rotary_chunks<x_t, true>(g.half) : rotary_chunks<x_t, false>(g.half);
-  p.tail_chunks = ceil_div(g.head_dim - 2 * g.half, W);
-  // out rows start at r * head_dim; pass-through chunks start at 2*half: both must be aligned.
-  p.vec = rows_vectorizable(x, g.x_last, lead_strides_multiple_of(g.lead, 0, W), 0, g.half,
-                            interleaved, W) &&
-          aligned(out, kVecBytes) && g.head_dim % W == 0 && (2 * g.half) % W == 0;
-  p.idx32 = g.rows <= static_cast<int64_t>(UINT32_MAX);
-  const int64_t bx = std::min<int64_t>(pow2_at_least(p.rot_chunks + p.tail_chunks), 64);
-  const int64_t by = std::max<int64_t>(1, kThreadsPerBlock / bx);
-  p.block = {static_cast<unsigned>(bx), static_cast<unsigned>(by), 1};
-  p.grid = {static_cast<unsigned>(std::min(ceil_div(g.rows, by), max_blocks)), 1, 1};
-  return p;
-}
-
-template <typename x_t>
-LaunchPlan plan_apply_inplace(const InplaceGeometry& g, const x_t* q, const x_t* k,
-                              bool interleaved, int64_t max_blocks = kMaxBlocks) {
-  constexpr int W = kWidth<x_t>;
-  LaunchPlan p;
-  p.rot_chunks = interleaved ? rotary_chunks<x_t, true>(g.half) : rotary_chunks<x_t, false>(g.half);
-  p.vec = rows_vectorizable(q, g.q_last, lead_strides_multiple_of(g.lead, 0, W), g.q_head_stride,
-                            g.half, interleaved, W) &&
-          (g.k_heads == 0 || rows_vectorizable(k, g.k_last, lead_strides_multiple_of(g.lead, 1, W),
-                                               g.k_head_stride, g.half, interleaved, W));
-  p.idx32 = g.tokens <= static_cast<int64_t>(UINT32_MAX);
-  const int64_t heads = g.q_heads + g.k_heads;
-  const int64_t bx = std::min<int64_t>(pow2_at_least(p.rot_chunks), 64);
-  const int64_t by = std::max<int64_t>(1, std::min<int64_t>(heads, 2 * kThreadsPerBlock / bx));
-  const int64_t bz = std::max<int64_t>(1, kThreadsPerBlock / (bx * by));
-  p.block = {static_cast<unsigned>(bx), static_cast<unsigned>(by), static_cast<unsigned>(bz)};
-  p.grid = {static_cast<unsigned>(std::min(ceil_div(g.tokens, bz), max_blocks)), 1, 1};
-  return p;
+  const RotateArgs<x_t>& r = a.rot;
+  const RotateGeometry& g = r.g;
+  const CacheGeometry& cg = a.cg;
+  const int64_t es = cg.format == CacheFormat::kSame ? sizeof(x_t) : 1;
+  const int64_t q_heads = g.target[0].heads, heads = q_heads + cg.kv_heads;
+  const int64_t chunks = a.key_chunks > a.value_chunks ? a.key_chunks : a.value_chunks;
+  const int64_t tok_step = static_cast<int64_t>(tp.grid_dim.x) * tp.block_dim.z;
+  for (int64_t tok = static_cast<int64_t>(tp.block.x) * tp.block_dim.z + tp.thread.z;
+       tok < g.tokens; tok += tok_step) {
+    const Offsets off = lead_offsets(g.lead, tok, r.idx32);
+    const TokenRows<opmath_t<x_t>> rows = token_rows(g, r.cos, r.sin, r.pos, off);
+    const int64_t slot = load_position(a.slots, cg.slots64, tok * cg.slot_stride);
+    ROPE_DEVICE_CHECK(slot < cg.slots, "rope: slot_mapping must lie below num_blocks * block_size");
+    const bool write = slot >= 0 && slot < cg.slots;
+    const int64_t blk = write ? slot / cg.block_size : 0, in_blk = write ? slot % cg.block_size : 0;
+    const bool fp8 = cg.format != CacheFormat::kSame;
+    const float k_scale = fp8 ? load(a.k_scale) : 1.0f, v_scale = fp8 ? load(a.v_scale) : 1.0f;
+    for (int64_t c = tp.thread.x; c < chunks; c += tp.block_dim.x) {
+      ChunkTables<x_t> t;
+      int64_t first = 0;
+      int count = 0;
+      if (c < r.rot_chunks) {
+        if (g.interleaved) {
+          chunk_pairs<x_t, true>(c, g.half, first, count);
+        } else {
+          chunk_pairs<x_t, false>(c, g.half, first, count);
+        }
+        load_tables<x_t>(g, rows, first, count, t);
+      }
+      for (int64_t h = tp.thread.y; h < heads; h += tp.block_dim.y) {
+        const HeadRow<x_t> hr = head_row(r, off, h);  // in place: src == dst
+        x_t* row = hr.dst;
+        if (h < q_heads) {
+          if (c < r.rot_chunks) rotate_row_chunk(g, row, hr.dst_last, first, count, t, r.vec, NoAlso{});
+          continue;
+        }
+        const int64_t hi = h - q_heads;
+        const TargetDesc& tg = g.target[1];
+        char* kc = static_cast<char*>(a.key_cache) +
+                   (blk * cg.kc_block + in_blk * cg.kc_offset + hi * cg.kc_head) * es;
+        const CacheStore<x_t> to_key_cache{kc, cg.kc_last, k_scale, cg.format};
+        if (c < r.rot_chunks) {
+          if (write) {
+            rotate_row_chunk(g, row, tg.dst_last, first, count, t, r.vec, to_key_cache);
+          } else {
+            rotate_row_chunk(g, row, tg.dst_last, first, count, t, r.vec, NoAlso{});
+          }
+        } else if (c < a.key_chunks && write) {
+          read_chunk(row, tg.dst_last, 2 * g.half + (c - r.rot_chunks) * W, g.head_dim, r.vec,
+                     to_key_cache);
+        }
+        if (c < a.value_chunks && write) {
+          const x_t* v = a.value + tok * cg.v_token + hi * cg.v_head;
+          char* vc = static_cast<char*>(a.value_cache) +
+                     (blk * cg.vc_block + in_blk * cg.vc_offset + hi * cg.vc_head) * es;
+          read_chunk(v, cg.v_last, c * W, cg.value_dim, a.v_vec,
+                     CacheStore<x_t>{vc, cg.vc_last, v_scale, cg.format});
+        }
+      }
+    }
+  }
 }
 
 }  // namespace rope::gpu

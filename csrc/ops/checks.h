@@ -1,0 +1,722 @@
+// Argument validation shared by every device's kernels: each check names the argument and what
+// was expected, runs before anything is written (a rejected call changes nothing), and forms no
+// size product or sum that could overflow. On success it returns the op's geometry.h description.
+//
+// Header-only (inline), so the CPU and the CUDA library each compile it without sharing an
+// object file. rope_ext/_checks.py mirrors it for the reference and fake kernels, message for
+// message; docs/errors.md lists the messages.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+
+#include "geometry.h"
+
+namespace rope {
+
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+
+// ---- errors: the message alone (no function name or source path, unlike STD_TORCH_CHECK) ----
+
+template <typename... Args>
+[[noreturn]] inline void fail(const Args&... args) {
+  std::ostringstream s;
+  (s << ... << args);
+  throw std::runtime_error(s.str());
+}
+
+#define ROPE_CHECK(cond, ...)       \
+  do {                              \
+    if (!(cond)) ::rope::fail(__VA_ARGS__); \
+  } while (0)
+
+template <typename Seq>
+inline std::string list_str(const Seq& v, int64_t n) {
+  std::ostringstream s;
+  s << "[";
+  for (int64_t d = 0; d < n; ++d) s << (d ? ", " : "") << v[d];
+  s << "]";
+  return s.str();
+}
+
+// ---- overflow-free size arithmetic (sizes and strides of torch tensors are never negative) ----
+
+constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
+
+// a * b for a, b >= 0; false (and r untouched) when it does not fit in int64.
+inline bool mul_fits(int64_t a, int64_t b, int64_t& r) {
+  if (a != 0 && b > kInt64Max / a) return false;
+  r = a * b;
+  return true;
+}
+
+inline bool add_fits(int64_t a, int64_t b, int64_t& r) {
+  if (b > kInt64Max - a) return false;
+  r = a + b;
+  return true;
+}
+
+// ---- one tensor's metadata, read once (every read is a call through the stable ABI's C shim) ----
+
+struct Meta {
+  const Tensor* t = nullptr;
+  int64_t dim = 0;
+  const int64_t* sizes = nullptr;
+  const int64_t* strides = nullptr;
+  ScalarType dtype = ScalarType::Undefined;
+  torch::stable::Device device{torch::headeronly::DeviceType::CPU};
+  int64_t numel = 0;
+
+  explicit Meta(const Tensor& tensor) : t(&tensor), device(tensor.device()) {
+    dim = tensor.dim();
+    sizes = tensor.sizes().data();
+    strides = tensor.strides().data();
+    dtype = tensor.scalar_type();
+    numel = tensor.numel();
+  }
+  int64_t size(int64_t d) const { return sizes[d < 0 ? d + dim : d]; }
+  int64_t stride(int64_t d) const { return strides[d < 0 ? d + dim : d]; }
+};
+
+inline std::string shape_str(const Meta& m) { return list_str(m.sizes, m.dim); }
+
+inline std::string dtype_str(ScalarType t) { return torch::headeronly::toString(t); }
+
+// Spelled as Python's str(torch.device), so messages match the Python paths.
+inline std::string device_str(const torch::stable::Device& d) {
+  using torch::headeronly::DeviceType;
+  if (d.type() == DeviceType::CPU) return "cpu";
+  if (d.type() == DeviceType::Meta) return "meta";
+  const std::string name =
+      d.type() == DeviceType::CUDA ? "cuda" : "device type " + std::to_string(int(d.type()));
+  return name + ":" + std::to_string(d.index());
+}
+
+inline bool is_float(ScalarType t) {
+  return t == ScalarType::Float || t == ScalarType::Double || t == ScalarType::Half ||
+         t == ScalarType::BFloat16;
+}
+
+inline void check_float(const Meta& m, const char* op, const char* name) {
+  ROPE_CHECK(is_float(m.dtype), op, ": ", name,
+             " must be float16, bfloat16, float32 or float64, got ", dtype_str(m.dtype));
+}
+
+inline void check_same_device(const Meta& ref, const char* ref_name, const Meta& m,
+                              const char* op, const char* name) {
+  ROPE_CHECK(m.device == ref.device, op, ": ", name, " must be on the same device as ", ref_name,
+             " (", device_str(ref.device), "), got ", device_str(m.device));
+}
+
+inline void check_positions_dtype(const Meta& m, const char* op) {
+  ROPE_CHECK(m.dtype == ScalarType::Long || m.dtype == ScalarType::Int, op,
+             ": positions must be int32 or int64, got ", dtype_str(m.dtype));
+}
+
+// ---- memory overlap (torch's rules for in-place ops, with its messages) ----
+
+// The byte range [begin, end) t's elements span; empty for an empty tensor.
+struct ByteRange {
+  uintptr_t begin = 0, end = 0;
+  bool empty() const { return begin == end; }
+  bool intersects(const ByteRange& o) const {
+    return !empty() && !o.empty() && begin < o.end && o.begin < end;
+  }
+};
+
+// Bounded by real memory for any tensor torch can build (as_strided checks the storage covers
+// the last element; expanded dims have stride 0).
+inline ByteRange byte_range(const Meta& m) {
+  ByteRange r;
+  if (m.numel == 0) return r;
+  int64_t last = 0;
+  for (int64_t d = 0; d < m.dim; ++d) last += (m.sizes[d] - 1) * m.strides[d];
+  r.begin = reinterpret_cast<uintptr_t>(m.t->data_ptr());
+  r.end = r.begin + static_cast<uintptr_t>(last + 1) * m.t->element_size();
+  return r;
+}
+
+constexpr const char* kInternalOverlap =
+    "unsupported operation: more than one element of the written-to tensor refers to a single "
+    "memory location. Please clone() the tensor before performing the operation.";
+constexpr const char* kPartialOverlap =
+    "unsupported operation: some elements of the input tensor and the written-to tensor refer to "
+    "a single memory location. Please clone() the tensor before performing the operation.";
+
+// Dims (size, stride) sorted by stride are non-overlapping when each stride exceeds the largest
+// offset the smaller-stride dims reach. `inner` is the extent already taken by inner elements.
+// Sufficient, not necessary: exotic interleavings built with as_strided are refused too.
+inline bool strided_dims_disjoint(std::vector<std::pair<int64_t, int64_t>> dims, int64_t inner) {
+  std::sort(dims.begin(), dims.end(),
+            [](const auto& a, const auto& b) { return a.second < b.second; });
+  int64_t extent = inner;
+  for (const auto& [size, stride] : dims) {
+    if (size <= 1) continue;
+    if (stride <= extent) return false;
+    int64_t reach;
+    if (!mul_fits(size - 1, stride, reach) || !add_fits(extent, reach, extent)) return false;
+  }
+  return true;
+}
+
+// A tensor the op writes must not have two elements at one address (an expanded query would be
+// rotated once per alias).
+inline void check_no_internal_overlap(const Meta& m, const char* op, const char* name) {
+  if (m.numel == 0) return;
+  std::vector<std::pair<int64_t, int64_t>> dims;
+  for (int64_t d = 0; d < m.dim; ++d) dims.emplace_back(m.sizes[d], m.strides[d]);
+  ROPE_CHECK(strided_dims_disjoint(dims, 0), op, ": ", name, ": ", kInternalOverlap);
+}
+
+// Two tensors with the same leading dims (query and key: tokens, then heads and head_dim) that
+// the op writes or reads while writing the other. Separate allocations pass on their byte
+// ranges; views of one fused buffer (qkv[..., :Hq*D], qkv[..., Hq*D:(Hq+Hk)*D]) pass when they
+// share the token strides, their rows within a token are disjoint, and the tokens' combined rows
+// do not reach each other.
+inline bool rows_disjoint(const Meta& a, const Meta& b, int64_t nlead) {
+  const ByteRange ra = byte_range(a), rb = byte_range(b);
+  if (!ra.intersects(rb)) return true;
+  if (a.t->element_size() != b.t->element_size()) return false;
+  for (int64_t d = 0; d < nlead; ++d) {
+    if (a.sizes[d] > 1 && a.strides[d] != b.strides[d]) return false;
+  }
+  const int64_t es = static_cast<int64_t>(a.t->element_size());
+  const int64_t delta_bytes = static_cast<int64_t>(reinterpret_cast<uintptr_t>(b.t->data_ptr()) -
+                                                   reinterpret_cast<uintptr_t>(a.t->data_ptr()));
+  if (delta_bytes % es != 0) return false;
+  const int64_t delta = delta_bytes / es;
+  // Rows (head_dim vectors) of one token as closed intervals of element offsets from a's start.
+  std::vector<std::pair<int64_t, int64_t>> rows;
+  auto add_rows = [&](const Meta& m, int64_t base) {  // m is (..., heads, head_dim)
+    const int64_t heads = m.size(-2), hs = m.stride(-2);
+    const int64_t span = (m.size(-1) - 1) * m.stride(-1);
+    for (int64_t h = 0; h < heads; ++h) rows.emplace_back(base + h * hs, base + h * hs + span);
+  };
+  add_rows(a, 0);
+  add_rows(b, delta);
+  std::sort(rows.begin(), rows.end());
+  for (size_t i = 1; i < rows.size(); ++i) {
+    if (rows[i].first <= rows[i - 1].second) return false;
+  }
+  const int64_t span = std::max_element(rows.begin(), rows.end(),
+                                        [](const auto& x, const auto& y) {
+                                          return x.second < y.second;
+                                        })->second -
+                       rows.front().first;
+  std::vector<std::pair<int64_t, int64_t>> lead;
+  for (int64_t d = 0; d < nlead; ++d) lead.emplace_back(a.sizes[d], a.strides[d]);
+  return strided_dims_disjoint(lead, span);
+}
+
+inline void check_rows_disjoint(const Meta& a, const Meta& b, int64_t nlead, const char* op,
+                                const char* a_name, const char* b_name) {
+  if (a.numel == 0 || b.numel == 0) return;
+  ROPE_CHECK(rows_disjoint(a, b, nlead), op, ": ", a_name, " and ", b_name, ": ",
+             kPartialOverlap);
+}
+
+// A read-only input that lies in the bytes of a written tensor.
+inline void check_disjoint_bytes(const Meta& written, const char* written_name, const Meta& input,
+                                 const char* input_name, const char* op) {
+  ROPE_CHECK(!byte_range(written).intersects(byte_range(input)), op, ": ", input_name, " and ",
+             written_name, ": ", kPartialOverlap);
+}
+
+// ---- leading dims -> LeadIndexer ----
+
+// Builds the indexer from per-dim sizes and per-operand strides: drops size-1 dims and merges a
+// dim into the next inner one when every operand is contiguous across the two.
+inline LeadIndexer make_indexer(const std::vector<int64_t>& sizes,
+                                const std::vector<std::vector<int64_t>>& strides,
+                                const char* op) {
+  LeadIndexer ix;
+  // An empty operand visits no rows: keep no dims, so that no loop ever divides by zero.
+  if (std::find(sizes.begin(), sizes.end(), int64_t{0}) != sizes.end()) return ix;
+  std::vector<int64_t> sz;
+  std::vector<std::vector<int64_t>> st(kMaxOperands);
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] == 1) continue;
+    bool merge = !sz.empty();
+    for (size_t t = 0; merge && t < strides.size(); ++t) {
+      int64_t outer;
+      merge = mul_fits(strides[t][d], sizes[d], outer) && st[t].back() == outer;
+    }
+    if (merge) {
+      sz.back() *= sizes[d];  // a product of a tensor's sizes: at most its numel
+      for (size_t t = 0; t < strides.size(); ++t) st[t].back() = strides[t][d];
+    } else {
+      sz.push_back(sizes[d]);
+      for (size_t t = 0; t < kMaxOperands; ++t) {
+        st[t].push_back(t < strides.size() ? strides[t][d] : 0);
+      }
+    }
+  }
+  ROPE_CHECK(static_cast<int>(sz.size()) <= kMaxLeadDims, op,
+             ": the leading dims of the operands have a layout with more than ", kMaxLeadDims,
+             " non-mergeable dims; call .contiguous() first");
+  ix.ndim = static_cast<int>(sz.size());
+  for (int d = 0; d < ix.ndim; ++d) {
+    ix.sizes[d] = sz[d];
+    for (int t = 0; t < kMaxOperands; ++t) ix.strides[t][d] = st[t][d];
+  }
+  return ix;
+}
+
+// ---- positions: range checked on the host where the data is (CPU), read once ----
+
+// Positions the op reads while writing query/key (or whose memory it writes) are copied first,
+// so that a position cannot change between its check and its use.
+inline Tensor positions_read_once(const Tensor& positions, std::initializer_list<const Meta*> written) {
+  const ByteRange pr = byte_range(Meta(positions));
+  for (const Meta* w : written) {
+    if (w != nullptr && byte_range(*w).intersects(pr)) return torch::stable::clone(positions);
+  }
+  return positions;
+}
+
+// Raises if a position lies outside [0, rows). Visits each element of positions' memory once
+// (dims of stride 0 repeat one element), so it ends on any shape; reports the first bad
+// position in flat (row-major) order, as the Python paths do.
+inline void check_positions_in_range(const Tensor& positions, int64_t rows, const char* op,
+                                     const char* rows_name) {
+  const Meta m(positions);
+  if (m.numel == 0) return;
+  const bool pos64 = m.dtype == ScalarType::Long;
+  const char* base = static_cast<const char*>(positions.const_data_ptr());
+  const int64_t es = pos64 ? 8 : 4;
+  // Walk the dims that have a stride (others stay at index 0), keeping the flat index.
+  std::vector<int64_t> dims, flat_step(m.dim);
+  int64_t step = 1;
+  for (int64_t d = m.dim - 1; d >= 0; --d) {
+    flat_step[d] = step;
+    step *= m.sizes[d];  // at most numel (< 2^63)
+    if (m.sizes[d] > 1 && m.strides[d] != 0) dims.insert(dims.begin(), d);
+  }
+  std::vector<int64_t> idx(dims.size(), 0);
+  int64_t offset = 0, flat = 0;
+  while (true) {
+    const int64_t p = pos64 ? *reinterpret_cast<const int64_t*>(base + offset * es)
+                            : *reinterpret_cast<const int32_t*>(base + offset * es);
+    ROPE_CHECK(p >= 0 && p < rows, op, ": positions must lie in [0, ", rows, ") (max_position = ",
+               rows_name, "), got ", p, " at flat index ", flat);
+    int64_t k = static_cast<int64_t>(dims.size()) - 1;
+    for (; k >= 0; --k) {
+      const int64_t d = dims[k];
+      offset += m.strides[d];
+      flat += flat_step[d];
+      if (++idx[k] < m.sizes[d]) break;
+      offset -= idx[k] * m.strides[d];
+      flat -= idx[k] * flat_step[d];
+      idx[k] = 0;
+    }
+    if (k < 0) return;
+  }
+}
+
+// ---- the ops ----
+
+// rope.apply / rope.apply_backward / rope.apply.out: cos and sin (..., rotary_dim/2) have x's
+// number of dims (or are one row, 1-D), each dim x's size or 1. The output is contiguous with
+// x's shape. Pointers are not part of the geometry; the caller binds x, cos, sin and out.
+inline RotateGeometry check_apply(const Tensor& x_t, const Tensor& cos_t, const Tensor& sin_t,
+                                  bool interleaved, bool inverse, const char* op,
+                                  const char* x_name) {
+  const Meta x(x_t), cos(cos_t), sin(sin_t);
+  check_float(x, op, x_name);
+  check_float(cos, op, "cos");
+  check_float(sin, op, "sin");
+  ROPE_CHECK(x.dim >= 1, op, ": ", x_name, " must have at least 1 dim (..., head_dim)");
+  check_same_device(x, x_name, cos, op, "cos");
+  check_same_device(x, x_name, sin, op, "sin");
+  ROPE_CHECK(cos.dtype == sin.dtype, op, ": cos and sin must have the same dtype, got cos ",
+             dtype_str(cos.dtype), " and sin ", dtype_str(sin.dtype));
+  bool same = cos.dim == sin.dim;
+  for (int64_t d = 0; same && d < cos.dim; ++d) same = cos.sizes[d] == sin.sizes[d];
+  ROPE_CHECK(same, op, ": cos and sin must have the same shape, got cos ", shape_str(cos),
+             " and sin ", shape_str(sin));
+  ROPE_CHECK(cos.dim >= 1, op, ": cos must have at least 1 dim (..., rotary_dim/2)");
+  ROPE_CHECK(cos.dim <= x.dim, op, ": cos and sin of shape ", shape_str(cos), " must broadcast to ",
+             x_name, ".shape[:-1] + (rotary_dim/2,) for ", x_name, " of shape ", shape_str(x));
+  ROPE_CHECK(cos.dim == x.dim || cos.dim == 1, op, ": cos and sin of shape ", shape_str(cos),
+             " have ", cos.dim, " dims but ", x_name, " of shape ", shape_str(x), " has ", x.dim,
+             ": give them ", x_name,
+             "'s number of dims, with size 1 where they broadcast (e.g. cos[None, :, None, :] "
+             "for a (seq, rotary_dim/2) table and ",
+             x_name, " in (batch, seq, heads, head_dim) layout); dims are never aligned implicitly");
+  const int64_t head_dim = x.size(-1), half = cos.size(-1);
+  ROPE_CHECK(half <= head_dim / 2, op, ": rotary_dim = 2 * cos.size(-1) = ",
+             2 * static_cast<uint64_t>(half), " must be <= head_dim = ", x_name, ".size(-1) = ",
+             head_dim);
+  bool broadcasts = true;
+  for (int64_t d = 0; broadcasts && cos.dim > 1 && d < x.dim - 1; ++d) {
+    broadcasts = cos.sizes[d] == 1 || cos.sizes[d] == x.sizes[d];
+  }
+  ROPE_CHECK(broadcasts, op, ": cos and sin of shape ", shape_str(cos), " must broadcast to ",
+             x_name, ".shape[:-1] + (rotary_dim/2,) for ", x_name, " of shape ", shape_str(x));
+
+  RotateGeometry g;
+  g.head_dim = head_dim;
+  g.half = half;
+  g.interleaved = interleaved;
+  g.inverse = inverse;
+  g.copy_tail = true;
+  g.targets = 1;
+  g.target[0] = TargetDesc{1, 0, 0, x.stride(-1), 1};
+  g.table.kind = TableKind::kStrided;
+  g.table.cos_col = cos.stride(-1);
+  g.table.sin_col = sin.stride(-1);
+  if (x.numel == 0) return g;  // tokens = 0: nothing to do (and no size product to form)
+  g.tokens = x.numel / head_dim;
+  const int64_t nlead = x.dim - 1;
+  std::vector<int64_t> sizes(nlead);
+  std::vector<std::vector<int64_t>> strides(kMaxOperands, std::vector<int64_t>(nlead, 0));
+  int64_t out_stride = head_dim;  // the output is contiguous
+  for (int64_t d = nlead - 1; d >= 0; --d) {
+    sizes[d] = x.sizes[d];
+    strides[kSrc0][d] = x.strides[d];
+    strides[kDst0][d] = out_stride;
+    if (cos.dim > 1 && cos.sizes[d] != 1) {
+      strides[kTab0][d] = cos.strides[d];
+      strides[kTab1][d] = sin.strides[d];
+    }
+    out_stride *= x.sizes[d];  // at most x's numel
+  }
+  g.lead = make_indexer(sizes, strides, op);
+  // Rows that share a table row along the innermost leading dim (the heads of x (B, S, H, D)
+  // with cos (B, S, 1, rotary_dim/2)) become the heads of one token: the kernels convert the
+  // table row once and loop over the heads with nothing else per row.
+  LeadIndexer& ix = g.lead;
+  if (ix.ndim > 0 && ix.strides[kTab0][ix.ndim - 1] == 0 && ix.strides[kTab1][ix.ndim - 1] == 0) {
+    const int d = --ix.ndim;
+    g.target[0].heads = ix.sizes[d];
+    g.target[0].src_head = ix.strides[kSrc0][d];
+    g.target[0].dst_head = ix.strides[kDst0][d];
+    g.tokens /= ix.sizes[d];
+  }
+  return g;
+}
+
+// rope.apply.out: check_apply, then out has x's device, dtype and shape, is contiguous, and
+// shares no memory with x, cos or sin.
+inline RotateGeometry check_apply_out(const Tensor& x_t, const Tensor& cos_t, const Tensor& sin_t,
+                                      const Tensor& out_t, bool interleaved) {
+  const char* op = "rope.apply.out";
+  RotateGeometry g = check_apply(x_t, cos_t, sin_t, interleaved, false, op, "x");
+  const Meta x(x_t), out(out_t);
+  check_same_device(x, "x", out, op, "out");
+  ROPE_CHECK(out.dtype == x.dtype, op, ": out must have the dtype of x (", dtype_str(x.dtype),
+             "), got ", dtype_str(out.dtype));
+  bool same = out.dim == x.dim;
+  for (int64_t d = 0; same && d < x.dim; ++d) same = out.sizes[d] == x.sizes[d];
+  ROPE_CHECK(same, op, ": out must have the shape of x ", shape_str(x), ", got ", shape_str(out));
+  ROPE_CHECK(out_t.is_contiguous(), op, ": out must be contiguous");
+  const ByteRange o = byte_range(out);
+  const std::pair<const char*, const Tensor*> inputs[] = {{"x", &x_t}, {"cos", &cos_t},
+                                                          {"sin", &sin_t}};
+  for (const auto& [name, t] : inputs) {
+    ROPE_CHECK(!o.intersects(byte_range(Meta(*t))), op, ": out must not overlap ", name,
+               " in memory (use rope.apply_ to rotate in place)");
+  }
+  return g;
+}
+
+// Where a positions-indexed op finds its tables: cos_sin_cache (max_position, rotary_dim), cos
+// in the first half of each row, or separate cos and sin tables (max_position, rotary_dim/2).
+struct TableArgs {
+  const Tensor* cache = nullptr;  // set for cos_sin_cache
+  const Tensor* cos = nullptr;    // set for separate tables
+  const Tensor* sin = nullptr;
+};
+
+// The query/key (or x) part shared by every positions-indexed op: dtypes, devices, shapes, the
+// table, and the lead indexer. `positions_lead` is positions without its MRoPE component dim.
+// In place (`in_place`): the written tensors may not overlap themselves, each other or the table.
+inline RotateGeometry check_positions_op(const Tensor& query_t, const std::optional<Tensor>& key_t,
+                                         const Tensor& positions_t, int64_t pos_lead_dim0,
+                                         const TableArgs& tables, bool interleaved, bool inverse,
+                                         bool in_place, const char* op, const char* q_name) {
+  const Meta q(query_t), pos(positions_t);
+  check_float(q, op, q_name);
+  ROPE_CHECK(q.dim >= 2, op, ": ", q_name, " must have shape (..., num_heads, head_dim), got ",
+             shape_str(q));
+  const int64_t nlead = q.dim - 2;
+  std::optional<Meta> k;
+  if (key_t.has_value()) {
+    k.emplace(*key_t);
+    check_same_device(q, q_name, *k, op, "key");
+    ROPE_CHECK(k->dtype == q.dtype, op, ": key must have the dtype of ", q_name, " (",
+               dtype_str(q.dtype), "), got ", dtype_str(k->dtype));
+    bool same_lead = k->dim == q.dim && k->size(-1) == q.size(-1);
+    for (int64_t d = 0; same_lead && d < nlead; ++d) same_lead = k->sizes[d] == q.sizes[d];
+    ROPE_CHECK(same_lead, op,
+               ": key must have shape (..., num_kv_heads, head_dim) with the leading dims and "
+               "head_dim of ",
+               q_name, " ", shape_str(q), ", got ", shape_str(*k));
+  }
+  check_same_device(q, q_name, pos, op, "positions");
+  check_positions_dtype(pos, op);
+  bool pos_shape = pos.dim == nlead + pos_lead_dim0;
+  for (int64_t d = 0; pos_shape && d < nlead; ++d) {
+    pos_shape = pos.sizes[d + pos_lead_dim0] == q.sizes[d];
+  }
+  if (pos_lead_dim0 == 0) {
+    ROPE_CHECK(pos_shape, op, ": positions must have shape ", q_name, ".shape[:-2] (", q_name,
+               " is ", shape_str(q), "), got ", shape_str(pos));
+  } else {
+    ROPE_CHECK(pos_shape && pos.sizes[0] == kMropeComponents, op,
+               ": positions must have shape (3,) + ", q_name,
+               ".shape[:-2] (temporal, height, width; ", q_name, " is ", shape_str(q), "), got ",
+               shape_str(pos));
+  }
+
+  RotateGeometry g;
+  g.head_dim = q.size(-1);
+  g.interleaved = interleaved;
+  g.inverse = inverse;
+  g.copy_tail = !in_place;
+  g.table.kind = TableKind::kGathered;
+  g.table.pos64 = pos.dtype == ScalarType::Long;
+  if (tables.cache != nullptr) {
+    const Meta cache(*tables.cache);
+    check_same_device(q, q_name, cache, op, "cos_sin_cache");
+    check_float(cache, op, "cos_sin_cache");
+    ROPE_CHECK(cache.dim == 2, op,
+               ": cos_sin_cache must have shape (max_position, rotary_dim), got ",
+               shape_str(cache));
+    const int64_t rotary_dim = cache.sizes[1];
+    ROPE_CHECK(rotary_dim % 2 == 0 && rotary_dim <= g.head_dim, op,
+               ": rotary_dim = cos_sin_cache.size(1) = ", rotary_dim,
+               " must be even and <= head_dim = ", g.head_dim);
+    g.half = rotary_dim / 2;
+    g.table.rows = cache.sizes[0];
+    g.table.cos_row = g.table.sin_row = cache.strides[0];
+    g.table.cos_col = g.table.sin_col = cache.strides[1];
+  } else {
+    const Meta cos(*tables.cos), sin(*tables.sin);
+    check_same_device(q, q_name, cos, op, "cos");
+    check_same_device(q, q_name, sin, op, "sin");
+    check_float(cos, op, "cos");
+    check_float(sin, op, "sin");
+    ROPE_CHECK(cos.dtype == sin.dtype, op, ": cos and sin must have the same dtype, got cos ",
+               dtype_str(cos.dtype), " and sin ", dtype_str(sin.dtype));
+    ROPE_CHECK(cos.dim == 2 && sin.dim == 2 && cos.sizes[0] == sin.sizes[0] &&
+                   cos.sizes[1] == sin.sizes[1],
+               op,
+               ": cos and sin must be tables of one shape (max_position, rotary_dim/2), got cos ",
+               shape_str(cos), " and sin ", shape_str(sin));
+    ROPE_CHECK(cos.sizes[1] <= g.head_dim / 2, op, ": rotary_dim = 2 * cos.size(1) = ",
+               2 * static_cast<uint64_t>(cos.sizes[1]), " must be <= head_dim = ", g.head_dim);
+    g.half = cos.sizes[1];
+    g.table.rows = cos.sizes[0];
+    g.table.cos_row = cos.strides[0];
+    g.table.sin_row = sin.strides[0];
+    g.table.cos_col = cos.strides[1];
+    g.table.sin_col = sin.strides[1];
+  }
+
+  if (in_place) {
+    check_no_internal_overlap(q, op, q_name);
+    if (k) {
+      check_no_internal_overlap(*k, op, "key");
+      check_rows_disjoint(q, *k, nlead, op, q_name, "key");
+    }
+    const std::pair<const char*, const Tensor*> inputs[] = {
+        {"cos_sin_cache", tables.cache}, {"cos", tables.cos}, {"sin", tables.sin}};
+    for (const auto& [name, t] : inputs) {
+      if (t == nullptr) continue;
+      const Meta m(*t);
+      check_disjoint_bytes(q, q_name, m, name, op);
+      if (k) check_disjoint_bytes(*k, "key", m, name, op);
+    }
+  }
+
+  g.targets = k ? 2 : 1;
+  g.target[0] = TargetDesc{q.size(-2), q.stride(-2), q.stride(-2), q.stride(-1), q.stride(-1)};
+  if (k) {
+    g.target[1] = TargetDesc{k->size(-2), k->stride(-2), k->stride(-2), k->stride(-1),
+                             k->stride(-1)};
+  }
+  std::vector<int64_t> sizes(nlead);
+  std::vector<std::vector<int64_t>> strides(kMaxOperands, std::vector<int64_t>(nlead, 0));
+  g.tokens = 1;
+  for (int64_t d = 0; d < nlead; ++d) {
+    sizes[d] = q.sizes[d];
+    g.tokens = sizes[d] == 0 ? 0 : g.tokens;
+    strides[kSrc0][d] = strides[kDst0][d] = q.strides[d];
+    if (k) strides[kSrc1][d] = strides[kDst1][d] = k->strides[d];
+    strides[kTab0][d] = pos.strides[d + pos_lead_dim0];
+  }
+  if (g.tokens != 0) {
+    for (int64_t d = 0; d < nlead; ++d) g.tokens *= sizes[d];  // positions' numel (< 2^63)
+  }
+  if (!in_place) {  // a fresh contiguous output of x's shape (one target)
+    g.target[0].dst_head = g.head_dim;
+    g.target[0].dst_last = 1;
+    int64_t st = q.size(-2) * g.head_dim;
+    for (int64_t d = nlead - 1; d >= 0 && g.tokens != 0; --d) {
+      strides[kDst0][d] = st;
+      st *= sizes[d];  // at most x's numel
+    }
+  }
+  g.lead = make_indexer(sizes, strides, op);
+  return g;
+}
+
+// The MRoPE part: the sections, as 3 entries >= 0 summing to rotary_dim/2 (no sum formed that
+// could overflow: an entry above rotary_dim/2 already fails).
+inline void set_mrope_sections(RotateGeometry& g, const std::vector<int64_t>& section,
+                               bool mrope_interleaved, int64_t pos_component_stride,
+                               const char* op, const char* half_name) {
+  const int64_t n = static_cast<int64_t>(section.size());
+  ROPE_CHECK(n == kMropeComponents, op,
+             ": mrope_section must have 3 entries (temporal, height, width), got ",
+             list_str(section, n));
+  int64_t total = 0;
+  bool fits = true;
+  for (int j = 0; j < kMropeComponents; ++j) {
+    ROPE_CHECK(section[j] >= 0, op, ": mrope_section entries must be >= 0, got ",
+               list_str(section, n));
+    fits = fits && section[j] <= g.half;
+    if (fits) total += section[j];
+  }
+  if (!fits || total != g.half) {
+    fail(op, ": mrope_section ", list_str(section, n), " must sum to rotary_dim/2 = ", half_name,
+         " = ", g.half, ", got ", fits ? std::to_string(total) : "more than " + std::to_string(g.half));
+  }
+  g.table.kind = TableKind::kMrope;
+  for (int j = 0; j < kMropeComponents; ++j) g.table.section[j] = section[j];
+  g.table.mrope_interleaved = mrope_interleaved;
+  g.table.pos_component = pos_component_stride;
+}
+
+// rope.apply_and_cache_: the rotation of query and key (check_positions_op), then value, the
+// caches (num_blocks, block_size, kv_heads, head_dim / value_dim), slot_mapping and the scales.
+// The caches are written, so they may not overlap anything; slot range checks are data and run
+// where the data is (the CPU host, or the CUDA kernel).
+inline CacheGeometry check_apply_and_cache(const Tensor& query_t, const Tensor& key_t,
+                                           const Tensor& value_t, const Tensor& positions_t,
+                                           const Tensor& cache_t, const Tensor& key_cache_t,
+                                           const Tensor& value_cache_t, const Tensor& slots_t,
+                                           bool interleaved, const std::string& kv_cache_dtype,
+                                           const std::optional<Tensor>& k_scale_t,
+                                           const std::optional<Tensor>& v_scale_t) {
+  const char* op = "rope.apply_and_cache_";
+  const Meta q(query_t), k(key_t), v(value_t), kc(key_cache_t), vc(value_cache_t), sl(slots_t);
+  ROPE_CHECK(q.dim == 3 && k.dim == 3, op,
+             ": query and key must have shape (num_tokens, num_heads, head_dim), got query ",
+             shape_str(q), " and key ", shape_str(k));
+  CacheGeometry cg;
+  cg.rot = check_positions_op(query_t, key_t, positions_t, 0, TableArgs{&cache_t}, interleaved,
+                              false, true, op, "query");
+  const int64_t tokens = q.sizes[0], kv_heads = k.sizes[1], head_dim = k.sizes[2];
+  check_same_device(q, "query", v, op, "value");
+  ROPE_CHECK(v.dtype == k.dtype, op, ": value must have the dtype of key (", dtype_str(k.dtype),
+             "), got ", dtype_str(v.dtype));
+  ROPE_CHECK(v.dim == 3 && v.sizes[0] == tokens && v.sizes[1] == kv_heads, op,
+             ": value must have shape (num_tokens, num_kv_heads, value_dim) = (", tokens, ", ",
+             kv_heads, ", value_dim), got ", shape_str(v));
+  const int64_t value_dim = v.sizes[2];
+
+  ScalarType want;
+  if (kv_cache_dtype == "auto") {
+    cg.format = CacheFormat::kSame;
+    want = k.dtype;
+  } else if (kv_cache_dtype == "fp8" || kv_cache_dtype == "fp8_e4m3") {
+    cg.format = CacheFormat::kE4M3FN;
+    want = ScalarType::Float8_e4m3fn;
+  } else if (kv_cache_dtype == "fp8_e5m2") {
+    cg.format = CacheFormat::kE5M2;
+    want = ScalarType::Float8_e5m2;
+  } else {
+    fail(op, ": kv_cache_dtype must be 'auto', 'fp8', 'fp8_e4m3' or 'fp8_e5m2', got '",
+         kv_cache_dtype, "'");
+  }
+  const std::pair<const char*, const Meta*> caches[] = {{"key_cache", &kc}, {"value_cache", &vc}};
+  for (const auto& [name, m] : caches) {
+    check_same_device(q, "query", *m, op, name);
+    ROPE_CHECK(m->dtype == want, op, ": ", name, " must be ", dtype_str(want), " for kv_cache_dtype '",
+               kv_cache_dtype, "' and key ", dtype_str(k.dtype), ", got ", dtype_str(m->dtype));
+  }
+  ROPE_CHECK(kc.dim == 4 && kc.sizes[2] == kv_heads && kc.sizes[3] == head_dim, op,
+             ": key_cache must have shape (num_blocks, block_size, num_kv_heads, head_dim) with "
+             "num_kv_heads = ", kv_heads, " and head_dim = ", head_dim, ", got ", shape_str(kc));
+  ROPE_CHECK(vc.dim == 4 && vc.sizes[0] == kc.sizes[0] && vc.sizes[1] == kc.sizes[1] &&
+                 vc.sizes[2] == kv_heads && vc.sizes[3] == value_dim,
+             op, ": value_cache must have shape (num_blocks, block_size, num_kv_heads, value_dim) = (",
+             kc.sizes[0], ", ", kc.sizes[1], ", ", kv_heads, ", ", value_dim, "), got ",
+             shape_str(vc));
+  ROPE_CHECK(kc.sizes[1] >= 1, op, ": key_cache must have block_size >= 1, got ", shape_str(kc));
+  check_same_device(q, "query", sl, op, "slot_mapping");
+  ROPE_CHECK(sl.dtype == ScalarType::Long || sl.dtype == ScalarType::Int, op,
+             ": slot_mapping must be int32 or int64, got ", dtype_str(sl.dtype));
+  ROPE_CHECK(sl.dim == 1 && sl.sizes[0] == tokens, op,
+             ": slot_mapping must have shape (num_tokens,) = (", tokens, ",), got ",
+             shape_str(sl));
+  const std::pair<const char*, const std::optional<Tensor>*> scales[] = {{"k_scale", &k_scale_t},
+                                                                         {"v_scale", &v_scale_t}};
+  for (const auto& [name, s] : scales) {
+    if (cg.format == CacheFormat::kSame) continue;
+    ROPE_CHECK(s->has_value(), op, ": ", name, " is required for kv_cache_dtype '", kv_cache_dtype,
+               "' (a float32 tensor of one element)");
+    const Meta m(**s);
+    check_same_device(q, "query", m, op, name);
+    ROPE_CHECK(m.dtype == ScalarType::Float && m.numel == 1, op, ": ", name,
+               " must be a float32 tensor of one element, got ", dtype_str(m.dtype), " of shape ",
+               shape_str(m));
+  }
+
+  // Written: query, key, both caches. Nothing else may share their memory.
+  check_no_internal_overlap(kc, op, "key_cache");
+  check_no_internal_overlap(vc, op, "value_cache");
+  check_disjoint_bytes(kc, "key_cache", vc, "value_cache", op);
+  const std::pair<const char*, const Meta*> written[] = {
+      {"query", &q}, {"key", &k}, {"key_cache", &kc}, {"value_cache", &vc}};
+  for (const auto& [wname, w] : written) {
+    for (const auto& [cname, c] : caches) {
+      if (w != c) check_disjoint_bytes(*c, cname, *w, wname, op);
+    }
+  }
+  // value may be a view of the same fused qkv buffer as query and key: disjoint rows suffice.
+  check_rows_disjoint(q, v, 1, op, "query", "value");
+  check_rows_disjoint(k, v, 1, op, "key", "value");
+  check_disjoint_bytes(kc, "key_cache", v, "value", op);
+  check_disjoint_bytes(vc, "value_cache", v, "value", op);
+  const Meta table(cache_t);
+  for (const auto& [cname, c] : caches) check_disjoint_bytes(*c, cname, table, "cos_sin_cache", op);
+
+  int64_t slots;
+  ROPE_CHECK(mul_fits(kc.sizes[0], kc.sizes[1], slots), op,
+             ": key_cache has more than 2^63 slots");
+  cg.kv_heads = kv_heads;
+  cg.value_dim = value_dim;
+  cg.slots = slots;
+  cg.block_size = kc.sizes[1];
+  cg.slots64 = sl.dtype == ScalarType::Long;
+  cg.slot_stride = sl.strides[0];
+  cg.v_token = v.strides[0];
+  cg.v_head = v.strides[1];
+  cg.v_last = v.strides[2];
+  cg.kc_block = kc.strides[0];
+  cg.kc_offset = kc.strides[1];
+  cg.kc_head = kc.strides[2];
+  cg.kc_last = kc.strides[3];
+  cg.vc_block = vc.strides[0];
+  cg.vc_offset = vc.strides[1];
+  cg.vc_head = vc.strides[2];
+  cg.vc_last = vc.strides[3];
+  return cg;
+}
+
+}  // namespace rope

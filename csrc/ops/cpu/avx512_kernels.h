@@ -1,0 +1,168 @@
+// The body of the two AVX-512 kernel files (isa_avx512.cpp, isa_avx512bf16.cpp), which only name
+// their target features and entry function, then include this header:
+//   ROPE_AVX512_TARGET   the features, e.g. "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"
+//   ROPE_AVX512_ENTRY    the function that returns the table (declared in kernel_api.h)
+//   ROPE_AVX512_BF16     defined for the variant with the one-instruction bfloat16 conversion
+#include "convert.h"
+#include "kernel_api.h"
+
+// Everything with external linkage is included above this line, before the target switch.
+#ifdef ROPE_CPU_X86_VARIANTS
+
+#define ROPE_AVX512_PRAGMA(x) _Pragma(#x)
+#if defined(__clang__)
+#define ROPE_AVX512_PUSH(features) \
+  ROPE_AVX512_PRAGMA(clang attribute push(__attribute__((target(features))), apply_to = function))
+ROPE_AVX512_PUSH(ROPE_AVX512_TARGET)
+#else
+#define ROPE_AVX512_PUSH(features) ROPE_AVX512_PRAGMA(GCC target(features))
+#pragma GCC push_options
+// GCC 12's own AVX-512 headers trip this warning (_mm512_undefined_*): not our code.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+ROPE_AVX512_PUSH(ROPE_AVX512_TARGET)
+#endif
+
+#include <immintrin.h>
+
+namespace rope {
+namespace {
+
+struct F32Ops {
+  using acc = float;
+  using V = __m512;
+  static constexpr int W = 16;
+
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const HalfBits* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static V load(const BF16Bits* p) {
+    const __m512i w =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+
+  static __m256i to_half(V v) {
+    return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  static __mmask16 nan_lanes(V v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q); }
+#ifdef ROPE_AVX512_BF16
+  // One instruction rounds to nearest even; NaN lanes then become 0xFFFF (convert.h). It treats
+  // float denormals (below 1.2e-38) as zero, unlike torch's conversion (docs/cpu-performance.md).
+  static __m256i to_bf16(V v) {
+    const __m256i r = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+    return _mm256_mask_mov_epi16(r, nan_lanes(v), _mm256_set1_epi16(-1));
+  }
+  // Two float vectors to 32 bfloat16 at once: lo = values 0-15, hi = 16-31, stored in order.
+  // NaN codes (magnitude above 0x7F80) found on the 16-bit results: one compare for 32 lanes.
+  static constexpr bool kBf16Pairs = true;
+  static __m512i to_bf16_pair(V lo, V hi) {
+    const __m512i r = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+    const __mmask32 nan = _mm512_cmpgt_epi16_mask(
+        _mm512_and_si512(r, _mm512_set1_epi16(0x7FFF)), _mm512_set1_epi16(0x7F80));
+    return _mm512_mask_mov_epi16(r, nan, _mm512_set1_epi16(-1));
+  }
+  // 32 bfloat16 to p: streamed when asked and p is 64-byte aligned, else a plain store.
+  static void write_bf16x32(BF16Bits* p, __m512i v, bool stream) {
+    if (stream && (reinterpret_cast<uintptr_t>(p) & 63) == 0) {
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(p), v);
+    } else {
+      _mm512_storeu_si512(reinterpret_cast<void*>(p), v);
+    }
+  }
+  // 32 values as their 16 even and 16 odd elements, widened to float with a shift and a mask.
+  static void load_even_odd(const BF16Bits* p, V& even, V& odd) {
+    const __m512i v = _mm512_loadu_si512(reinterpret_cast<const void*>(p));
+    even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    odd = _mm512_castsi512_ps(
+        _mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  // The inverse: to_bf16_pair gives even in words 0-15 and odd in 16-31; word 2j takes j and
+  // 2j+1 takes 16+j.
+  static __m512i join_even_odd(V even, V odd) {
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
+                                           1, 16, 0);
+    return _mm512_permutexvar_epi16(order, to_bf16_pair(even, odd));
+  }
+#else
+  // Round to nearest even; NaN to 0xFFFF (convert.h float_to_bf16).
+  static __m256i to_bf16(V v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+    r = _mm512_srli_epi32(r, 16);
+    r = _mm512_mask_mov_epi32(r, nan_lanes(v), _mm512_set1_epi32(0xFFFF));
+    return _mm512_cvtepi32_epi16(r);
+  }
+#endif
+
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static void store(HalfBits* p, V v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_half(v));
+  }
+  static void store(BF16Bits* p, V v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v));
+  }
+  static void store_nt(float* p, V v) { _mm512_stream_ps(p, v); }
+  static void store_nt(HalfBits* p, V v) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_half(v));
+  }
+  static void store_nt(BF16Bits* p, V v) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_bf16(v));
+  }
+
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V swap_pairs(V v) { return _mm512_permute_ps(v, 0xB1); }
+
+  static float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+  static uint16_t float_to_half(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+};
+
+struct F64Ops {
+  using acc = double;
+  using V = __m512d;
+  static constexpr int W = 8;
+
+  static V load(const double* p) { return _mm512_loadu_pd(p); }
+  static void store(double* p, V v) { _mm512_storeu_pd(p, v); }
+  static void store_nt(double* p, V v) { _mm512_stream_pd(p, v); }
+  static V mul(V a, V b) { return _mm512_mul_pd(a, b); }
+  static V add(V a, V b) { return _mm512_add_pd(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_pd(a, b); }
+  static V swap_pairs(V v) { return _mm512_permute_pd(v, 0x55); }
+};
+
+void store_fence() { _mm_sfence(); }
+
+}  // namespace
+}  // namespace rope
+
+#ifdef ROPE_AVX512_BF16
+#define ROPE_KERNELS_BF16_ONLY 1
+#endif
+#include "kernels.h"
+
+#ifdef ROPE_AVX512_BF16
+namespace rope {
+namespace {
+// Only bfloat16 rows use the one-instruction conversion; every other dtype is avx512's.
+CpuKernels make_kernels() {
+  CpuKernels k = *cpu_kernels_avx512();
+  fill<BF16Bits>(k, kBF16);
+  return k;
+}
+}  // namespace
+}  // namespace rope
+#endif
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+ROPE_DEFINE_CPU_KERNELS(ROPE_AVX512_ENTRY)
+#endif  // ROPE_CPU_X86_VARIANTS

@@ -1,0 +1,92 @@
+// The contract between rope_cpu.cpp (validation, threading) and the kernel family compiled once
+// per instruction set (kernels.h, included by isa_*.cpp). The ISA files are compiled with
+// `#pragma GCC target`, so nothing here may define a non-trivial inline function: an inline
+// function with external linkage compiled for AVX-512 in one file could be the copy the linker
+// keeps for every caller, and crash CPUs without it. Plain data and declarations only.
+#pragma once
+
+#include <cstdint>
+
+#include "../geometry.h"
+
+namespace rope {
+
+// Ordered: a higher value needs a superset of the CPU features of a lower one.
+enum class CpuIsa : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+constexpr int kNumCpuIsa = 4;
+
+// Storage of 16-bit floats as raw bits, so the ISA files need no torch header.
+struct HalfBits {
+  uint16_t bits;
+};
+struct BF16Bits {
+  uint16_t bits;
+};
+
+// Element types by index.
+enum DtIndex : int { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3, kNumDt = 4 };
+
+// One call of a RotateGeometry: the pointers of its operands. Tables may have any float dtype
+// (table_dt) and strides; they are converted to the arithmetic type row by row.
+struct RotateJob {
+  const RotateGeometry* g;
+  const void* src[2];
+  void* dst[2];
+  const void* cos;        // strided: the cos tensor; gathered/MRoPE: the cos table's row 0
+  const void* sin;
+  const void* positions;  // gathered/MRoPE, already range-checked
+  int table_dt;
+  bool stream;            // write dst with non-temporal stores (large fresh outputs)
+};
+
+// One call of rope.apply_and_cache_ (geometry.h CacheGeometry); scales already read.
+struct CacheJob {
+  const CacheGeometry* g;
+  RotateJob rot;          // query and key; rot.dst[1] is key (store_key) or unused
+  const void* value;
+  const void* slot_mapping;
+  bool slots64;
+  void* key_cache;
+  void* value_cache;
+  float k_scale, v_scale;
+};
+
+using RotateTokensFn = void (*)(const RotateJob&, int64_t begin_token, int64_t end_token);
+using CacheTokensFn = void (*)(const CacheJob&, int64_t begin_token, int64_t end_token);
+
+// Kernels of one ISA, indexed by the dtype of x (query/key) and, for the cache write, the
+// CacheFormat of the caches.
+struct CpuKernels {
+  RotateTokensFn rotate[kNumDt];
+  CacheTokensFn cache[kNumDt][3];
+};
+
+// Whether the x86 ISA files compile their kernels (x86-64 with GCC or clang, whose target
+// pragmas they use); elsewhere only the baseline exists.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define ROPE_CPU_X86_VARIANTS 1
+#endif
+
+const CpuKernels* cpu_kernels_baseline();
+// Defined only where ROPE_CPU_X86_VARIANTS is.
+const CpuKernels* cpu_kernels_avx2();
+const CpuKernels* cpu_kernels_avx512();
+const CpuKernels* cpu_kernels_avx512_bf16();
+
+// Defines `entry()` in a kernel file, after its target region: the table of that file's
+// make_kernels(), built on first use, which is only on a CPU known to have the ISA.
+#define ROPE_DEFINE_CPU_KERNELS(entry)                \
+  namespace rope {                                    \
+  const CpuKernels* entry() {                         \
+    static const CpuKernels kernels = make_kernels(); \
+    return &kernels;                                  \
+  }                                                   \
+  }
+
+// The variant that serves: the best the CPU supports unless capped by rope.set_cpu_isa.
+CpuIsa selected_cpu_isa();
+const CpuKernels* selected_cpu_kernels();
+// Outputs of at least this many bytes are written with non-temporal stores.
+int64_t cpu_stream_threshold_bytes();
+
+}  // namespace rope

@@ -1,0 +1,506 @@
+// The CPU kernel family, written once over an instruction set's vector operations and compiled
+// once per ISA (isa_*.cpp). Every op runs through rotate_tokens (geometry.h RotateGeometry) or,
+// for the KV-cache write, cache_tokens. An ISA file defines, inside namespace rope::{anonymous}:
+//   struct F32Ops  float lanes: using acc = float; using V; static constexpr int W;
+//                  load(const T*) and store(T*, V) for T = float, HalfBits, BF16Bits;
+//                  store_nt(T*, V): non-temporal, p aligned to W * sizeof(T);
+//                  mul, add, sub (never fused: see csrc/build.json), swap_pairs (lanes 2i <-> 2i+1);
+//                  half_to_float / float_to_half for one element, rounding as the vector forms;
+//                  optionally kBf16Pairs and its helpers (below)
+//   struct F64Ops  the same for double lanes (double only)
+//   void store_fence()  orders non-temporal stores before the thread reports done
+// then includes this header. Everything here has internal linkage (anonymous namespace), so the
+// copies compiled for different ISAs never meet in the linker.
+//
+// Design: each row is memory-bound (one read and one write per element), so the loop body is a
+// few multiplies and adds on full vectors of x. A token's cos/sin row is converted once into
+// float (double for float64 x) stack buffers laid out for the loop, and reused while consecutive
+// tokens share it; interleaved rows get tables duplicated per pair with the sign of sin folded in
+// ([-s0, s0, -s1, s1, ...]), so that out = x*c2 + swap_pairs(x)*s2 needs no de-interleave; the
+// inverse rotation is the opposite sign. Forward half-split rows read float tables in place.
+// Rows are processed in blocks of at most kBlockPairs pairs (one block for any real head_dim),
+// which bounds the stack buffers; rows with a non-unit stride along the head dim are gathered
+// into a contiguous block buffer first.
+#pragma once
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+
+#include "convert.h"
+#include "kernel_api.h"
+
+#define ROPE_INLINE inline __attribute__((always_inline))
+// A loop body inlined into the row walk rather than called once per row.
+#define ROPE_INLINE_LAMBDA __attribute__((always_inline))
+
+namespace rope {
+namespace {
+
+constexpr int64_t kBlockPairs = 512;
+
+template <class Ops, typename T>
+ROPE_INLINE typename Ops::acc to_acc(T v) {
+  return static_cast<typename Ops::acc>(v);
+}
+template <class Ops>
+ROPE_INLINE typename Ops::acc to_acc(HalfBits v) {
+  return static_cast<typename Ops::acc>(F32Ops::half_to_float(v.bits));
+}
+template <class Ops>
+ROPE_INLINE typename Ops::acc to_acc(BF16Bits v) {
+  return static_cast<typename Ops::acc>(bf16_to_float(v.bits));
+}
+
+template <typename T, typename acc>
+ROPE_INLINE T from_acc(acc v) {
+  return static_cast<T>(v);
+}
+template <>
+ROPE_INLINE HalfBits from_acc<HalfBits, float>(float v) {
+  return HalfBits{F32Ops::float_to_half(v)};
+}
+template <>
+ROPE_INLINE BF16Bits from_acc<BF16Bits, float>(float v) {
+  return BF16Bits{float_to_bf16(v)};
+}
+
+template <typename x_t>
+using OpsFor = std::conditional_t<std::is_same<x_t, double>::value, F64Ops, F32Ops>;
+
+// A full vector to p: streamed when asked and p is aligned for it, else a plain store.
+template <class Ops, bool kStream, typename T>
+ROPE_INLINE void put(T* p, typename Ops::V v) {
+  constexpr uintptr_t kAlign = Ops::W * sizeof(T);
+  if (kStream && (reinterpret_cast<uintptr_t>(p) & (kAlign - 1)) == 0) {
+    Ops::store_nt(p, v);
+  } else {
+    Ops::store(p, v);
+  }
+}
+
+// ---- bfloat16 rows on AVX512_BF16 (Ops::kBf16Pairs), whose conversions bound the loop ----
+// Two float vectors round to 2 * W bfloat16 in one instruction:
+// - half-split rows take 2 * W elements of each half per step;
+// - interleaved rows load 2 * W values as one vector and split it into its W even elements (the
+//   pairs' first members) and W odd ones with a shift and a mask: plain tables, no lane swap;
+//   join_even_odd puts them back in order with one word permute.
+// The arithmetic per element is the other variants', and so are the bits.
+template <class Ops, class = void>
+struct HasBf16Pairs : std::false_type {};
+template <class Ops>
+struct HasBf16Pairs<Ops, std::enable_if_t<Ops::kBf16Pairs>> : std::true_type {};
+template <class Ops, typename x_t>
+constexpr bool kBf16Pairs = std::is_same<x_t, BF16Bits>::value && HasBf16Pairs<Ops>::value;
+
+// Whether a row reads its tables duplicated per element, c2 = [c0, c0, c1, c1, ...] and
+// s2 = [-s0, s0, -s1, s1, ...] (interleaved rows, but for even/odd bf16), or plain c[i], s[i].
+template <class Ops, typename x_t, bool kInterleaved>
+constexpr bool kPairDupTables = kInterleaved && !kBf16Pairs<Ops, x_t>;
+
+// ---- one contiguous block of n pairs ----
+
+// Half-split pairs (a[i], b[i]): (a*c - b*s, b*c + a*s), s already negated for the inverse.
+template <class Ops, bool kStream, typename x_t>
+ROPE_INLINE void rotate_half_split(const x_t* a, const x_t* b, x_t* oa, x_t* ob,
+                                   const typename Ops::acc* c, const typename Ops::acc* s,
+                                   int64_t n) {
+  using V = typename Ops::V;
+  constexpr int W = Ops::W;
+  int64_t i = 0;
+  if constexpr (kBf16Pairs<Ops, x_t>) {
+    for (; i + 2 * W <= n; i += 2 * W) {
+      const V a0 = Ops::load(a + i), b0 = Ops::load(b + i);
+      const V a1 = Ops::load(a + i + W), b1 = Ops::load(b + i + W);
+      const V c0 = Ops::load(c + i), s0 = Ops::load(s + i);
+      const V c1 = Ops::load(c + i + W), s1 = Ops::load(s + i + W);
+      Ops::write_bf16x32(oa + i,
+                         Ops::to_bf16_pair(Ops::sub(Ops::mul(a0, c0), Ops::mul(b0, s0)),
+                                           Ops::sub(Ops::mul(a1, c1), Ops::mul(b1, s1))),
+                         kStream);
+      Ops::write_bf16x32(ob + i,
+                         Ops::to_bf16_pair(Ops::add(Ops::mul(b0, c0), Ops::mul(a0, s0)),
+                                           Ops::add(Ops::mul(b1, c1), Ops::mul(a1, s1))),
+                         kStream);
+    }
+  }
+  for (; i + W <= n; i += W) {
+    const V va = Ops::load(a + i), vb = Ops::load(b + i);
+    const V vc = Ops::load(c + i), vs = Ops::load(s + i);
+    put<Ops, kStream>(oa + i, Ops::sub(Ops::mul(va, vc), Ops::mul(vb, vs)));
+    put<Ops, kStream>(ob + i, Ops::add(Ops::mul(vb, vc), Ops::mul(va, vs)));
+  }
+  for (; i < n; ++i) {
+    const auto va = to_acc<Ops>(a[i]), vb = to_acc<Ops>(b[i]);
+    oa[i] = from_acc<x_t>(va * c[i] - vb * s[i]);
+    ob[i] = from_acc<x_t>(vb * c[i] + va * s[i]);
+  }
+}
+
+// Interleaved pairs (x[2i], x[2i+1]) with duplicated tables: out = x*c2 + swap_pairs(x)*s2.
+// With kBf16Pairs the tables are plain (c[i], s[i]) and a*c - b*s has the bits of a*c + b*(-s).
+template <class Ops, bool kStream, typename x_t>
+ROPE_INLINE void rotate_interleaved(const x_t* x, x_t* out, const typename Ops::acc* c2,
+                                    const typename Ops::acc* s2, int64_t n) {
+  using V = typename Ops::V;
+  constexpr int W = Ops::W;
+  if constexpr (kBf16Pairs<Ops, x_t>) {
+    int64_t p = 0;
+    for (; p + W <= n; p += W) {
+      V a, b;
+      Ops::load_even_odd(x + 2 * p, a, b);
+      const V vc = Ops::load(c2 + p), vs = Ops::load(s2 + p);
+      Ops::write_bf16x32(out + 2 * p,
+                         Ops::join_even_odd(Ops::sub(Ops::mul(a, vc), Ops::mul(b, vs)),
+                                            Ops::add(Ops::mul(b, vc), Ops::mul(a, vs))),
+                         kStream);
+    }
+    for (; p < n; ++p) {
+      const auto a = to_acc<Ops>(x[2 * p]), b = to_acc<Ops>(x[2 * p + 1]);
+      out[2 * p] = from_acc<x_t>(a * c2[p] - b * s2[p]);
+      out[2 * p + 1] = from_acc<x_t>(b * c2[p] + a * s2[p]);
+    }
+    return;
+  }
+  int64_t j = 0;
+  if constexpr (W > 1) {  // a pair swap needs two lanes
+    for (; j + W <= 2 * n; j += W) {
+      const V v = Ops::load(x + j);
+      put<Ops, kStream>(out + j, Ops::add(Ops::mul(v, Ops::load(c2 + j)),
+                                          Ops::mul(Ops::swap_pairs(v), Ops::load(s2 + j))));
+    }
+  }
+  for (; j < 2 * n; j += 2) {
+    const auto a = to_acc<Ops>(x[j]), b = to_acc<Ops>(x[j + 1]);
+    out[j] = from_acc<x_t>(a * c2[j] + b * s2[j]);
+    out[j + 1] = from_acc<x_t>(b * c2[j + 1] + a * s2[j + 1]);
+  }
+}
+
+// ---- tables ----
+
+// The element type of a table, by DtIndex.
+template <int kDt>
+using TableElem = std::conditional_t<kDt == kF32, float,
+                  std::conditional_t<kDt == kF64, double,
+                  std::conditional_t<kDt == kF16, HalfBits, BF16Bits>>>;
+
+// Calls f(TableElem<dt>{}) with the table dtype as a type: the conversion loops then know it,
+// instead of switching per element.
+template <class F>
+ROPE_INLINE void with_table_type(int dt, F&& f) {
+  switch (dt) {
+    case kF32:
+      return f(float{});
+    case kF64:
+      return f(double{});
+    case kF16:
+      return f(HalfBits{});
+    default:
+      return f(BF16Bits{});
+  }
+}
+
+// The cos/sin rows a token reads: one (strided, gathered) or three (MRoPE) of each, as element
+// pointers into the tables with their column strides.
+struct TableRows {
+  const void* cos[kMropeComponents];
+  const void* sin[kMropeComponents];
+};
+
+// A block of pairs [b0, b0 + n) of a token's cos/sin, converted for the row kernels (see
+// kPairDupTables), re-converted only when the source rows or the block change.
+template <class Ops, bool kPairDup>
+struct TableBlock {
+  using acc = typename Ops::acc;
+  alignas(64) acc c[2 * kBlockPairs];
+  alignas(64) acc s[2 * kBlockPairs];
+  const void* key[2 * kMropeComponents] = {};
+  int64_t key_b0 = -1;
+
+  void get(const TableRows& r, const RotateGeometry& g, int dt, int64_t b0, int64_t n) {
+    const TableDesc& t = g.table;
+    const bool mrope = t.kind == TableKind::kMrope;
+    bool same = key_b0 == b0;
+    for (int j = 0; j < (mrope ? kMropeComponents : 1); ++j) {
+      same = same && key[2 * j] == r.cos[j] && key[2 * j + 1] == r.sin[j];
+      key[2 * j] = r.cos[j];
+      key[2 * j + 1] = r.sin[j];
+    }
+    if (same) return;
+    key_b0 = b0;
+    with_table_type(dt, [&](auto elem) {
+      using T = decltype(elem);
+      const acc sign = g.inverse ? acc(-1) : acc(1);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t pair = b0 + i;
+        const int j = mrope ? mrope_component(pair, t.section, t.mrope_interleaved) : 0;
+        const acc cv = to_acc<Ops>(static_cast<const T*>(r.cos[j])[pair * t.cos_col]);
+        const acc sv = sign * to_acc<Ops>(static_cast<const T*>(r.sin[j])[pair * t.sin_col]);
+        if (kPairDup) {
+          c[2 * i] = c[2 * i + 1] = cv;
+          s[2 * i] = -sv;
+          s[2 * i + 1] = sv;
+        } else {
+          c[i] = cv;
+          s[i] = sv;
+        }
+      }
+    });
+  }
+};
+
+// ---- the rows of one target for one token: the block of pairs [b0, b0 + n) of each head ----
+
+template <class Ops, bool kInterleaved, bool kStream, typename x_t>
+ROPE_INLINE void rotate_block(const x_t* src, x_t* dst, int64_t half, int64_t n,
+                              const typename Ops::acc* c, const typename Ops::acc* s) {
+  if (kInterleaved) {
+    rotate_interleaved<Ops, kStream>(src, dst, c, s, n);
+  } else {
+    rotate_half_split<Ops, kStream>(src, src + half, dst, dst + half, c, s, n);
+  }
+}
+
+// `heads` rows src -> dst (rows head_stride apart); src/dst point at pair b0 of the first row.
+template <class Ops, bool kInterleaved, bool kStream, typename x_t>
+ROPE_INLINE void rotate_heads(const TargetDesc& tg, const x_t* src, x_t* dst, int64_t half,
+                              int64_t b0, int64_t n, const typename Ops::acc* c,
+                              const typename Ops::acc* s) {
+  const int64_t first = kInterleaved ? 2 * b0 : b0;  // element of pair b0's first member
+  if (tg.src_last == 1 && tg.dst_last == 1) {
+    src += first;
+    dst += first;
+    for (int64_t h = 0; h < tg.heads; ++h, src += tg.src_head, dst += tg.dst_head) {
+      rotate_block<Ops, kInterleaved, kStream>(src, dst, half, n, c, s);
+    }
+    return;
+  }
+  // Strided along the head dim: each block goes through a contiguous copy of its 2n elements
+  // (first members then second members for half-split, pairs in order for interleaved).
+  x_t buf[2 * kBlockPairs];
+  auto at = [&](int64_t k) {  // element (within the row) of buffer slot k
+    return kInterleaved ? first + k : (k < n ? first + k : half + first + (k - n));
+  };
+  for (int64_t h = 0; h < tg.heads; ++h, src += tg.src_head, dst += tg.dst_head) {
+    for (int64_t k = 0; k < 2 * n; ++k) buf[k] = src[at(k) * tg.src_last];
+    rotate_block<Ops, kInterleaved, false>(buf, buf, n, n, c, s);
+    for (int64_t k = 0; k < 2 * n; ++k) dst[at(k) * tg.dst_last] = buf[k];
+  }
+}
+
+// Dims [2*half, head_dim) of a row, copied bit-exactly (out-of-place ops).
+template <typename x_t>
+ROPE_INLINE void copy_tail(const x_t* src, int64_t src_last, x_t* dst, int64_t dst_last,
+                           int64_t from, int64_t to) {
+  if (src_last == 1 && dst_last == 1) {
+    std::memcpy(dst + from, src + from, (to - from) * sizeof(x_t));
+  } else {
+    for (int64_t j = from; j < to; ++j) dst[j * dst_last] = src[j * src_last];
+  }
+}
+
+// ---- the token walk ----
+
+// Calls f(first_token, count, offsets, steps) for each run of tokens [b, e) of `ix` along its
+// innermost leading dim, so the caller walks a run with pointer increments; offsets are
+// re-derived (a division per dim) only where a run wraps.
+template <typename F>
+ROPE_INLINE void for_each_run(const LeadIndexer& ix, int64_t b, int64_t e, F&& f) {
+  int64_t off[kMaxOperands], step[kMaxOperands] = {};
+  if (ix.ndim == 0) {
+    for (int t = 0; t < kMaxOperands; ++t) off[t] = 0;
+    f(b, e - b, off, step);
+    return;
+  }
+  const int last = ix.ndim - 1;
+  const int64_t n = ix.sizes[last];
+  for (int t = 0; t < kMaxOperands; ++t) step[t] = ix.strides[t][last];
+  for (int64_t r = b; r < e;) {
+    ix.offsets(r, off);
+    const int64_t run = std::min(e - r, n - r % n);
+    f(r, run, off, step);
+    r += run;
+  }
+}
+
+ROPE_INLINE int64_t read_position(const void* pos, bool pos64, int64_t offset) {
+  return pos64 ? static_cast<const int64_t*>(pos)[offset]
+               : static_cast<int64_t>(static_cast<const int32_t*>(pos)[offset]);
+}
+
+ROPE_INLINE int dt_size(int dt) { return dt == kF64 ? 8 : (dt == kF32 ? 4 : 2); }
+
+// The cos/sin rows of the token whose operand offsets are `off`.
+ROPE_INLINE TableRows token_rows(const RotateJob& job, const int64_t* off) {
+  const TableDesc& t = job.g->table;
+  const int64_t es = dt_size(job.table_dt);
+  const char* cos = static_cast<const char*>(job.cos);
+  const char* sin = static_cast<const char*>(job.sin);
+  TableRows r;
+  if (t.kind == TableKind::kStrided) {
+    r.cos[0] = cos + off[kTab0] * es;
+    r.sin[0] = sin + off[kTab1] * es;
+  } else {
+    const int n = t.kind == TableKind::kMrope ? kMropeComponents : 1;
+    for (int j = 0; j < n; ++j) {
+      const int64_t p = read_position(job.positions, t.pos64, off[kTab0] + j * t.pos_component);
+      r.cos[j] = cos + p * t.cos_row * es;
+      r.sin[j] = sin + p * t.sin_row * es;
+    }
+  }
+  return r;
+}
+
+// Called after each token's rows are rotated, with the token index and its operand offsets
+// (rope.apply_and_cache_ writes the KV cache there).
+struct TokenHook {
+  void (*fn)(const void* ctx, int64_t token, const int64_t* off);
+  const void* ctx;
+};
+
+// Rotates every row of tokens [b, e).
+template <typename x_t, bool kInterleaved, bool kStream>
+void rotate_tokens_impl(const RotateJob& job, int64_t b, int64_t e, TokenHook hook) {
+  using Ops = OpsFor<x_t>;
+  using acc = typename Ops::acc;
+  constexpr bool kPairDup = kPairDupTables<Ops, x_t, kInterleaved>;
+  const RotateGeometry& g = *job.g;
+  const TableDesc& t = g.table;
+  const int64_t half = g.half;
+  // Forward half-split rows with tables in the arithmetic type, contiguous: read in place.
+  constexpr int kAccDt = std::is_same<acc, double>::value ? kF64 : kF32;
+  const bool direct = !kPairDup && t.kind != TableKind::kMrope && !g.inverse &&
+                      job.table_dt == kAccDt && t.cos_col == 1 && t.sin_col == 1;
+  TableBlock<Ops, kPairDup> tables;
+  const x_t* src[2] = {static_cast<const x_t*>(job.src[0]), static_cast<const x_t*>(job.src[1])};
+  x_t* dst[2] = {static_cast<x_t*>(job.dst[0]), static_cast<x_t*>(job.dst[1])};
+  for_each_run(g.lead, b, e,
+               [&](int64_t first, int64_t run, int64_t* off, const int64_t* step)
+                   ROPE_INLINE_LAMBDA {
+                 for (int64_t j = 0; j < run; ++j) {
+                   const TableRows rows = token_rows(job, off);
+                   for (int64_t b0 = 0; b0 < half; b0 += kBlockPairs) {
+                     const int64_t n = std::min(kBlockPairs, half - b0);
+                     const acc* c;
+                     const acc* s;
+                     if (direct) {
+                       c = static_cast<const acc*>(rows.cos[0]) + b0;
+                       s = static_cast<const acc*>(rows.sin[0]) + b0;
+                     } else {
+                       tables.get(rows, g, job.table_dt, b0, n);
+                       c = tables.c;
+                       s = tables.s;
+                     }
+                     for (int k = 0; k < g.targets; ++k) {
+                       rotate_heads<Ops, kInterleaved, kStream>(
+                           g.target[k], src[k] + off[2 * k], dst[k] + off[2 * k + 1], half, b0,
+                           n, c, s);
+                     }
+                   }
+                   if (g.copy_tail && 2 * half < g.head_dim) {
+                     for (int k = 0; k < g.targets; ++k) {
+                       const TargetDesc& tg = g.target[k];
+                       for (int64_t h = 0; h < tg.heads; ++h) {
+                         copy_tail(src[k] + off[2 * k] + h * tg.src_head, tg.src_last,
+                                   dst[k] + off[2 * k + 1] + h * tg.dst_head, tg.dst_last,
+                                   2 * half, g.head_dim);
+                       }
+                     }
+                   }
+                   if (hook.fn != nullptr) hook.fn(hook.ctx, first + j, off);
+                   for (int o = 0; o < kMaxOperands; ++o) off[o] += step[o];
+                 }
+               });
+  if (kStream) store_fence();
+}
+
+template <typename x_t>
+void rotate_tokens_hooked(const RotateJob& job, int64_t b, int64_t e, TokenHook hook) {
+  if (job.g->interleaved) {
+    job.stream ? rotate_tokens_impl<x_t, true, true>(job, b, e, hook)
+               : rotate_tokens_impl<x_t, true, false>(job, b, e, hook);
+  } else {
+    job.stream ? rotate_tokens_impl<x_t, false, true>(job, b, e, hook)
+               : rotate_tokens_impl<x_t, false, false>(job, b, e, hook);
+  }
+}
+
+template <typename x_t>
+void rotate_tokens(const RotateJob& job, int64_t b, int64_t e) {
+  rotate_tokens_hooked<x_t>(job, b, e, TokenHook{nullptr, nullptr});
+}
+
+// ---- rope.apply_and_cache_: the rotation, then each token's paged KV-cache write ----
+
+// n elements (stride `last`) to a cache row (stride `cache_last`), converted.
+template <typename x_t, CacheFormat kFormat>
+void store_cache_row(const x_t* row, int64_t last, void* cache_row, int64_t cache_last,
+                     int64_t n, float scale) {
+  if (kFormat == CacheFormat::kSame) {
+    x_t* out = static_cast<x_t*>(cache_row);
+    if (last == 1 && cache_last == 1) {
+      std::memcpy(out, row, n * sizeof(x_t));
+    } else {
+      for (int64_t j = 0; j < n; ++j) out[j * cache_last] = row[j * last];
+    }
+    return;
+  }
+  constexpr Fp8Format fmt = kFormat == CacheFormat::kE4M3FN ? Fp8Format::kE4M3FN : Fp8Format::kE5M2;
+  uint8_t* out = static_cast<uint8_t*>(cache_row);
+  for (int64_t j = 0; j < n; ++j) {
+    const float v = static_cast<float>(to_acc<F32Ops>(row[j * last]));
+    out[j * cache_last] = float_to_fp8(v / scale, fmt);
+  }
+}
+
+// The token's rotated key rows (still in L1) and its value rows, to the caches at its slot.
+template <typename x_t, CacheFormat kFormat>
+void write_cache_token(const void* ctx, int64_t token, const int64_t* off) {
+  const CacheJob& job = *static_cast<const CacheJob*>(ctx);
+  const CacheGeometry& cg = *job.g;
+  const int64_t slot = read_position(job.slot_mapping, job.slots64, token * cg.slot_stride);
+  if (slot < 0) return;  // padding
+  const int64_t blk = slot / cg.block_size, in_blk = slot % cg.block_size;
+  const int64_t es = kFormat == CacheFormat::kSame ? sizeof(x_t) : 1;
+  const TargetDesc& kt = cg.rot.target[1];
+  const x_t* k = static_cast<const x_t*>(job.rot.dst[1]) + off[kDst1];
+  const x_t* v = static_cast<const x_t*>(job.value) + token * cg.v_token;
+  char* kc = static_cast<char*>(job.key_cache) + (blk * cg.kc_block + in_blk * cg.kc_offset) * es;
+  char* vc = static_cast<char*>(job.value_cache) + (blk * cg.vc_block + in_blk * cg.vc_offset) * es;
+  for (int64_t h = 0; h < cg.kv_heads; ++h) {
+    store_cache_row<x_t, kFormat>(k + h * kt.dst_head, kt.dst_last, kc + h * cg.kc_head * es,
+                                  cg.kc_last, cg.rot.head_dim, job.k_scale);
+    store_cache_row<x_t, kFormat>(v + h * cg.v_head, cg.v_last, vc + h * cg.vc_head * es,
+                                  cg.vc_last, cg.value_dim, job.v_scale);
+  }
+}
+
+template <typename x_t, CacheFormat kFormat>
+void cache_tokens(const CacheJob& job, int64_t b, int64_t e) {
+  rotate_tokens_hooked<x_t>(job.rot, b, e, TokenHook{write_cache_token<x_t, kFormat>, &job});
+}
+
+// ---- the table of one ISA ----
+
+template <typename x_t>
+void fill(CpuKernels& k, int xi) {
+  k.rotate[xi] = rotate_tokens<x_t>;
+  k.cache[xi][int(CacheFormat::kSame)] = cache_tokens<x_t, CacheFormat::kSame>;
+  k.cache[xi][int(CacheFormat::kE4M3FN)] = cache_tokens<x_t, CacheFormat::kE4M3FN>;
+  k.cache[xi][int(CacheFormat::kE5M2)] = cache_tokens<x_t, CacheFormat::kE5M2>;
+}
+
+#ifndef ROPE_KERNELS_BF16_ONLY
+CpuKernels make_kernels() {
+  CpuKernels k{};
+  fill<float>(k, kF32);
+  fill<double>(k, kF64);
+  fill<HalfBits>(k, kF16);
+  fill<BF16Bits>(k, kBF16);
+  return k;
+}
+#endif
+
+}  // namespace
+}  // namespace rope

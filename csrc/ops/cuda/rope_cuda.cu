@@ -1,0 +1,123 @@
+// CUDA kernels of every op, registered for the CUDA key. The per-thread code is in
+// rope_cuda_thread.h and the host logic (checks, table casts, launch plan, dispatch) in
+// rope_cuda_host.h, both shared with the CPU simulator that tests them without a GPU; this file
+// adds what only a GPU has: the device guard, the current stream, the launches and their checks.
+#include <cuda_runtime.h>
+
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
+
+#include "rope_cuda_host.h"
+
+namespace rope::gpu {
+namespace {
+
+__device__ __forceinline__ ThreadPos here() {
+  return {{threadIdx.x, threadIdx.y, threadIdx.z},
+          {blockIdx.x, blockIdx.y, blockIdx.z},
+          {blockDim.x, blockDim.y, blockDim.z},
+          {gridDim.x, gridDim.y, gridDim.z}};
+}
+
+template <typename x_t, bool kInterleaved>
+__global__ void __launch_bounds__(kMaxBlockThreads, 1) rotate_kernel(const RotateArgs<x_t> a) {
+  rotate_thread<x_t, kInterleaved>(a, here());
+}
+
+template <typename x_t>
+__global__ void __launch_bounds__(kMaxBlockThreads, 1) cache_kernel(const CacheArgs<x_t> a) {
+  cache_thread<x_t>(a, here());
+}
+
+dim3 to_dim3(const Idx3& i) { return dim3(i.x, i.y, i.z); }
+
+// The one place every CUDA op goes through: the tensors' device made current, the stream torch
+// is using there (a CUDA graph's capture stream while capturing, a user's torch.cuda.Stream
+// inside `with torch.cuda.stream(s)`), and a launch check after each kernel.
+class CudaLaunch {
+ public:
+  CudaLaunch(const Tensor& on, const char* op) : guard_(on.get_device_index()), op_(op) {
+    void* stream = nullptr;
+    ROPE_CHECK(aoti_torch_get_current_cuda_stream(on.get_device_index(), &stream) ==
+                   AOTI_TORCH_SUCCESS,
+               op, ": could not get the current CUDA stream of device ", on.get_device_index());
+    stream_ = static_cast<cudaStream_t>(stream);
+  }
+
+  template <typename x_t, bool kI>
+  void operator()(const LaunchPlan& p, const RotateArgs<x_t>& a, Bool<kI>) const {
+    rotate_kernel<x_t, kI><<<to_dim3(p.grid), to_dim3(p.block), 0, stream_>>>(a);
+    check_launch();
+  }
+
+  template <typename x_t>
+  void operator()(const LaunchPlan& p, const CacheArgs<x_t>& a) const {
+    cache_kernel<x_t><<<to_dim3(p.grid), to_dim3(p.block), 0, stream_>>>(a);
+    check_launch();
+  }
+
+ private:
+  void check_launch() const {
+    const cudaError_t err = cudaGetLastError();  // also clears it, so it is reported once
+    ROPE_CHECK(err == cudaSuccess, op_, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+  }
+
+  torch::stable::accelerator::DeviceGuard guard_;
+  const char* op_;
+  cudaStream_t stream_ = nullptr;
+};
+
+template <bool kInverse>
+Tensor apply_cuda(Tensor x, Tensor cos, Tensor sin, bool interleaved) {
+  return apply_host(x, cos, sin, interleaved, kInverse, std::nullopt,
+                    CudaLaunch(x, kInverse ? "rope.apply_backward" : "rope.apply"));
+}
+
+void apply_out_cuda(Tensor x, Tensor cos, Tensor sin, bool interleaved, Tensor out) {
+  apply_host(x, cos, sin, interleaved, false, out, CudaLaunch(x, "rope.apply.out"));
+}
+
+void apply_inplace_cuda(Tensor query, std::optional<Tensor> key, Tensor positions,
+                        Tensor cos_sin_cache, bool interleaved) {
+  rotate_inplace_host(query, key, positions, cos_sin_cache, interleaved, nullptr, false,
+                      CudaLaunch(query, "rope.apply_"));
+}
+
+void mrope_inplace_cuda(Tensor query, std::optional<Tensor> key, Tensor positions,
+                        Tensor cos_sin_cache, std::vector<int64_t> mrope_section, bool interleaved,
+                        bool mrope_interleaved) {
+  rotate_inplace_host(query, key, positions, cos_sin_cache, interleaved, &mrope_section,
+                      mrope_interleaved, CudaLaunch(query, "rope.mrope_"));
+}
+
+Tensor apply_positions_cuda(Tensor x, Tensor positions, Tensor cos, Tensor sin, bool interleaved,
+                            bool inverse, std::optional<std::vector<int64_t>> mrope_section,
+                            bool mrope_interleaved) {
+  return apply_positions_host(x, positions, cos, sin, interleaved, inverse, mrope_section,
+                              mrope_interleaved, CudaLaunch(x, "rope.apply_positions"));
+}
+
+void apply_and_cache_cuda(Tensor query, Tensor key, Tensor value, Tensor positions,
+                          Tensor cos_sin_cache, Tensor key_cache, Tensor value_cache,
+                          Tensor slot_mapping, bool interleaved, std::string kv_cache_dtype,
+                          std::optional<Tensor> k_scale, std::optional<Tensor> v_scale) {
+  apply_and_cache_host(query, key, value, positions, cos_sin_cache, key_cache, value_cache,
+                       slot_mapping, interleaved, kv_cache_dtype, k_scale, v_scale,
+                       CudaLaunch(query, "rope.apply_and_cache_"));
+}
+
+}  // namespace
+}  // namespace rope::gpu
+
+// Kernels only: the schemas are defined once, in the CPU library (csrc/ops/rope.cpp), which
+// rope_ext loads first.
+STABLE_TORCH_LIBRARY_IMPL(rope, CUDA, m) {
+  m.impl("apply", TORCH_BOX(&rope::gpu::apply_cuda<false>));
+  m.impl("apply.out", TORCH_BOX(&rope::gpu::apply_out_cuda));
+  m.impl("apply_backward", TORCH_BOX(&rope::gpu::apply_cuda<true>));
+  m.impl("apply_", TORCH_BOX(&rope::gpu::apply_inplace_cuda));
+  m.impl("mrope_", TORCH_BOX(&rope::gpu::mrope_inplace_cuda));
+  m.impl("apply_positions", TORCH_BOX(&rope::gpu::apply_positions_cuda));
+  m.impl("apply_and_cache_", TORCH_BOX(&rope::gpu::apply_and_cache_cuda));
+}

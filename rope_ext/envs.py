@@ -1,0 +1,65 @@
+"""Every environment variable rope_ext reads, in one place, each read once.
+
+Runtime variables are read when rope_ext is imported; build variables when setup.py or the JIT
+loader runs (build_config.py loads this file by path, without importing rope_ext or torch). The
+table in docs/packaging.md ("Environment variables") lists the same names; a test checks that
+the two agree. A value outside the allowed ones is an error that names the variable.
+"""
+
+import os
+
+# name -> (when it is read, allowed values, default, what it does)
+VARIABLES = {
+    "ROPE_EXT_BACKEND": (
+        "import", ("auto", "native", "reference"), "auto",
+        "reference: skip the compiled libraries; every op is served by the pure-PyTorch "
+        "reference. native: fail at import if the compiled CPU library cannot be loaded.",
+    ),
+    "ROPE_EXT_JIT": (
+        "import", ("0", "1", "verbose"), "0",
+        "1: build csrc/ with torch.utils.cpp_extension (a source checkout) and load that instead "
+        "of the compiled library; verbose shows the build.",
+    ),
+    "ROPE_EXT_CPU_ISA": (
+        "import", ("auto", "baseline", "avx2", "avx512", "avx512_bf16"), "auto",
+        "Cap the CPU kernel variant (rope_ext.set_cpu_isa does the same at run time).",
+    ),
+    "ROPE_EXT_CPU_STREAM_MB": (
+        "import", "an integer >= 0", None,
+        "CPU outputs of at least this many MiB are written with non-temporal stores (default: "
+        "the size of the last-level cache).",
+    ),
+    "ROPE_EXT_CUDA": (
+        "build", ("auto", "0", "1"), "auto",
+        "Build the CUDA library: 1 forces it (an error if impossible), 0 skips it; auto builds it "
+        "when torch is a CUDA build and a toolkit is found (the JIT loader: when a GPU is visible).",
+    ),
+    "ROPE_EXT_BUILD": (
+        "build", ("release", "sanitize"), "release",
+        "sanitize: build the CPU library with AddressSanitizer and UndefinedBehaviorSanitizer "
+        "(make sanitize).",
+    ),
+}
+
+
+def _read(name):
+    when, allowed, default, _ = VARIABLES[name]
+    raw = os.environ.get(name, "").strip()
+    if raw == "":
+        return default
+    if isinstance(allowed, tuple):
+        value = raw.lower()
+        if value not in allowed:
+            raise ValueError(f"{name}={raw!r}: expected one of {', '.join(allowed)}")
+        return value
+    if not raw.isdigit():
+        raise ValueError(f"{name}={raw!r}: expected {allowed}")
+    return int(raw)
+
+
+BACKEND = _read("ROPE_EXT_BACKEND")
+JIT = _read("ROPE_EXT_JIT")
+CPU_ISA = _read("ROPE_EXT_CPU_ISA")
+CPU_STREAM_MB = _read("ROPE_EXT_CPU_STREAM_MB")
+CUDA = _read("ROPE_EXT_CUDA")
+BUILD = _read("ROPE_EXT_BUILD")

@@ -1,0 +1,61 @@
+"""The cos/sin table a model's positions index: row p = [cos(p * w_i) | sin(p * w_i)], i < rotary_dim/2
+(docs/math.md "The cos/sin table")."""
+
+import torch
+
+from .scaling import default_inv_freq, rope_parameters
+
+
+def inv_frequencies(rotary_dim, base=10000.0, *, device=None):
+    """w_i = base^(-2i/rotary_dim) for i < rotary_dim/2, in float64."""
+    return default_inv_freq(rotary_dim, base, device)
+
+
+def cos_sin_rows(positions, inv_freq, attention=1.0, dtype=torch.float32):
+    """Rows [a cos(p w_i) | a sin(p w_i)] for each p of `positions` (any shape, any device):
+    shape positions.shape + (2 * len(inv_freq),). Angles in float64 (inv_freq is upcast), rounded
+    once to `dtype`; `attention` (a float or a 0-d tensor) scales both halves."""
+    angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq.to(torch.float64)
+    return (torch.cat((angles.cos(), angles.sin()), dim=-1) * attention).to(dtype)
+
+
+# Rows per pass when building a table: bounds the float64 temporaries of long tables (a
+# 262144-row table would otherwise hold several float64 copies at once).
+_CHUNK_ROWS = 1 << 15
+
+
+def table_rows(length, inv_freq, attention=1.0, dtype=torch.float32, device=None):
+    """cos_sin_rows for positions 0 .. length-1, built in chunks; the same values."""
+    half = inv_freq.shape[0]
+    out = torch.empty(length, 2 * half, dtype=dtype, device=device)
+    for start in range(0, length, _CHUNK_ROWS):
+        stop = min(start + _CHUNK_ROWS, length)
+        pos = torch.arange(start, stop, dtype=torch.float64, device=device)
+        out[start:stop] = cos_sin_rows(pos, inv_freq, attention, torch.float64)  # rounded once here
+    return out
+
+
+def _check_table_args(max_position, rotary_dim, base):
+    if isinstance(max_position, bool) or not isinstance(max_position, int) or max_position < 1:
+        raise ValueError(f"cos_sin_cache: max_position must be a positive int, got {max_position!r}")
+    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or rotary_dim < 2 or rotary_dim % 2:
+        raise ValueError(f"cos_sin_cache: rotary_dim must be a positive even int, got {rotary_dim!r}")
+    if not float(base) > 0:
+        raise ValueError(f"cos_sin_cache: base must be > 0, got {base!r}")
+
+
+def cos_sin_cache(max_position, rotary_dim, *, base=10000.0, scaling=None, dtype=torch.float32,
+                  device=None, seq_len=None):
+    """The (max_position, rotary_dim) table: cos in the first rotary_dim/2 columns, sin in the
+    rest. Angles and cos/sin are computed in float64 and rounded once to `dtype`, so the table is
+    exact to the stored dtype's rounding even at position 1,000,000.
+
+    scaling: a `rope_scaling` dict (linear, dynamic, yarn, deepseek_yarn, llama3, longrope; see
+    rope_ext.scaling), or None. Its attention factor multiplies cos and sin.
+    seq_len: the sequence length the table serves, for `dynamic` and `longrope` (default
+    max_position). One fixed table: RotaryEmbedding is what follows the length call by call."""
+    _check_table_args(max_position, rotary_dim, base)
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
+        raise ValueError(f"cos_sin_cache: seq_len must be a positive int or None, got {seq_len!r}")
+    inv_freq, attention = rope_parameters(scaling, rotary_dim, base, max_position, seq_len, device)
+    return table_rows(max_position, inv_freq, attention, dtype, device)

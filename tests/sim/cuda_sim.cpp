@@ -1,0 +1,363 @@
+// CPU simulator of the CUDA kernels (test only; built by tests/cuda_sim.py with g++).
+//
+// The ops rope_sim::* run the CUDA ops' own host code (csrc/ops/cuda/rope_cuda_host.h: checks,
+// positions read once, table casts, launch plan, dispatch) on CPU tensors, but instead of
+// launching a kernel they call its per-thread function (rope_cuda_thread.h) for every
+// (blockIdx, threadIdx) of the planned grid. Every memory access goes through an instrumented
+// load/store, and the simulator proves for the run that:
+//   - every access lies inside the elements of the operand it belongs to (reads: inputs, tables,
+//     positions, slots, scales; writes: the outputs, the rotary dims of in-place rows, the cache
+//     rows of the slots used),
+//   - every vector access is aligned to its size,
+//   - every output element is written exactly once, by one thread (no races), and in place only
+//     the rotary dims are written,
+//   - a device-side check (position or slot out of range) is reported as the kernel's trap.
+// `info` (int64, 12) reports the plan and counters so tests can see which path ran.
+#include <cstdint>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <torch/csrc/stable/library.h>
+
+#include "ops/cuda/rope_cuda_host.h"
+
+namespace rope::sim {
+namespace {
+
+enum Perm : uint8_t { kRead = 1, kWrite = 2, kMustWrite = 4 };
+
+struct ElementState {
+  uint8_t perm = 0;
+  int64_t elem_bytes = 0;
+  int64_t first_thread = -1;
+  int64_t writes = 0;
+  bool shared = false;  // touched by a second thread
+};
+
+struct Recorder {
+  std::unordered_map<uintptr_t, ElementState> elems;
+  int64_t thread = 0;
+  int64_t vector_accesses = 0, scalar_accesses = 0;
+  std::ostringstream errors;
+  int64_t error_count = 0;
+  std::string trap;
+
+  void fail(const std::string& what) {
+    if (error_count++ < 8) errors << what << "\n";
+  }
+
+  void allow(const void* p, int64_t elem_bytes, uint8_t perm) {
+    auto& e = elems[reinterpret_cast<uintptr_t>(p)];
+    e.perm |= perm;
+    e.elem_bytes = elem_bytes;
+  }
+};
+
+Recorder* g_rec = nullptr;
+
+}  // namespace
+
+bool on_access(const void* p, size_t bytes, size_t elem_bytes, size_t align, bool is_write) {
+  Recorder& r = *g_rec;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  bool ok = true;
+  (bytes > elem_bytes ? r.vector_accesses : r.scalar_accesses)++;
+  if (a % align != 0) {
+    std::ostringstream s;
+    s << "misaligned " << bytes << "-byte access at " << p << " (needs " << align << ") by thread "
+      << r.thread;
+    r.fail(s.str());
+    ok = false;
+  }
+  for (size_t o = 0; o < bytes; o += elem_bytes) {
+    auto it = r.elems.find(a + o);
+    if (it == r.elems.end() || it->second.elem_bytes != static_cast<int64_t>(elem_bytes)) {
+      std::ostringstream s;
+      s << (is_write ? "write" : "read") << " outside every operand at " << (const void*)(a + o)
+        << " by thread " << r.thread;
+      r.fail(s.str());
+      ok = false;
+      continue;
+    }
+    ElementState& e = it->second;
+    if (!(e.perm & (is_write ? kWrite : kRead))) {
+      std::ostringstream s;
+      s << (is_write ? "write to a read-only" : "read of a write-only") << " element at "
+        << (const void*)(a + o) << " by thread " << r.thread;
+      r.fail(s.str());
+      ok = false;
+    }
+    if (e.perm & kWrite) {  // only elements someone may write can race
+      if (e.first_thread < 0) e.first_thread = r.thread;
+      if (e.first_thread != r.thread) e.shared = true;
+    }
+    if (is_write) ++e.writes;
+  }
+  return ok;  // a bad access is reported, not performed
+}
+
+void on_trap(const char* what) {
+  if (g_rec->trap.empty()) g_rec->trap = what;
+}
+
+namespace {
+
+using gpu::Bool;
+using gpu::CacheArgs;
+using gpu::LaunchPlan;
+using gpu::RotateArgs;
+using gpu::ThreadPos;
+using torch::stable::Tensor;
+
+// Calls f(ThreadPos) for every thread of the grid, in block order.
+template <class F>
+void run_grid(const LaunchPlan& p, Recorder& rec, F&& f) {
+  const int64_t threads = int64_t{p.block.x} * p.block.y * p.block.z;
+  ROPE_CHECK(threads >= 1 && threads <= gpu::kMaxBlockThreads, "sim: block of ", threads,
+             " threads exceeds the kernels' __launch_bounds__(", gpu::kMaxBlockThreads, ")");
+  ROPE_CHECK(p.grid.x >= 1 && p.grid.y == 1 && p.grid.z == 1, "sim: bad grid");
+  ThreadPos tp;
+  tp.block_dim = p.block;
+  tp.grid_dim = p.grid;
+  for (unsigned bx = 0; bx < p.grid.x; ++bx) {
+    for (unsigned tz = 0; tz < p.block.z; ++tz) {
+      for (unsigned ty = 0; ty < p.block.y; ++ty) {
+        for (unsigned tx = 0; tx < p.block.x; ++tx) {
+          tp.block = {bx, 0, 0};
+          tp.thread = {tx, ty, tz};
+          rec.thread = bx * threads + (int64_t{tz} * p.block.y + ty) * p.block.x + tx;
+          f(tp);
+        }
+      }
+    }
+  }
+}
+
+// The operand elements of a RotateGeometry, registered with their permissions. Each element is
+// marked with the strongest access any operand needs (an in-place row is read and written).
+template <typename x_t>
+void allow_rotate_operands(Recorder& rec, const RotateArgs<x_t>& a) {
+  using tab_t = opmath_t<x_t>;
+  const RotateGeometry& g = a.g;
+  const int64_t write_end = g.copy_tail ? g.head_dim : 2 * g.half;
+  for (int64_t tok = 0; tok < g.tokens; ++tok) {
+    int64_t off[kMaxOperands];
+    g.lead.offsets(tok, off);
+    for (int k = 0; k < g.targets; ++k) {
+      const TargetDesc& t = g.target[k];
+      for (int64_t h = 0; h < t.heads; ++h) {
+        for (int64_t j = 0; j < g.head_dim; ++j) {
+          rec.allow(a.src[k] + off[2 * k] + h * t.src_head + j * t.src_last, sizeof(x_t), kRead);
+        }
+        for (int64_t j = 0; j < write_end; ++j) {
+          rec.allow(a.dst[k] + off[2 * k + 1] + h * t.dst_head + j * t.dst_last, sizeof(x_t),
+                    kWrite | kMustWrite);
+        }
+      }
+    }
+    const TableDesc& d = g.table;
+    if (d.kind == TableKind::kStrided) {
+      for (int64_t i = 0; i < g.half; ++i) {
+        rec.allow(a.cos + off[kTab0] + i * d.cos_col, sizeof(tab_t), kRead);
+        rec.allow(a.sin + off[kTab1] + i * d.sin_col, sizeof(tab_t), kRead);
+      }
+    } else {
+      const int n = d.kind == TableKind::kMrope ? kMropeComponents : 1;
+      for (int j = 0; j < n; ++j) {
+        const int64_t e = off[kTab0] + j * d.pos_component;
+        if (d.pos64) {
+          rec.allow(static_cast<const int64_t*>(a.pos) + e, 8, kRead);
+        } else {
+          rec.allow(static_cast<const int32_t*>(a.pos) + e, 4, kRead);
+        }
+      }
+    }
+  }
+  if (g.table.kind != TableKind::kStrided) {  // any row of the tables may be gathered
+    for (int64_t p = 0; p < g.table.rows; ++p) {
+      for (int64_t i = 0; i < g.half; ++i) {
+        rec.allow(a.cos + p * g.table.cos_row + i * g.table.cos_col, sizeof(tab_t), kRead);
+        rec.allow(a.sin + p * g.table.sin_row + i * g.table.sin_col, sizeof(tab_t), kRead);
+      }
+    }
+  }
+}
+
+template <typename x_t>
+void allow_cache_operands(Recorder& rec, const CacheArgs<x_t>& a) {
+  allow_rotate_operands(rec, a.rot);
+  const CacheGeometry& cg = a.cg;
+  const RotateGeometry& g = a.rot.g;
+  const int64_t es = cg.format == CacheFormat::kSame ? sizeof(x_t) : 1;
+  for (int64_t tok = 0; tok < g.tokens; ++tok) {
+    const char* sp = static_cast<const char*>(a.slots) + tok * cg.slot_stride * (cg.slots64 ? 8 : 4);
+    rec.allow(sp, cg.slots64 ? 8 : 4, kRead);
+    const int64_t slot = cg.slots64 ? *reinterpret_cast<const int64_t*>(sp)
+                                    : *reinterpret_cast<const int32_t*>(sp);
+    for (int64_t h = 0; h < cg.kv_heads; ++h) {
+      for (int64_t j = 0; j < cg.value_dim; ++j) {
+        rec.allow(a.value + tok * cg.v_token + h * cg.v_head + j * cg.v_last, sizeof(x_t), kRead);
+      }
+      if (slot < 0 || slot >= cg.slots) continue;
+      const int64_t blk = slot / cg.block_size, in_blk = slot % cg.block_size;
+      const char* kc = static_cast<const char*>(a.key_cache) +
+                       (blk * cg.kc_block + in_blk * cg.kc_offset + h * cg.kc_head) * es;
+      const char* vc = static_cast<const char*>(a.value_cache) +
+                       (blk * cg.vc_block + in_blk * cg.vc_offset + h * cg.vc_head) * es;
+      for (int64_t j = 0; j < g.head_dim; ++j) rec.allow(kc + j * cg.kc_last * es, es, kWrite | kMustWrite);
+      for (int64_t j = 0; j < cg.value_dim; ++j) rec.allow(vc + j * cg.vc_last * es, es, kWrite | kMustWrite);
+    }
+  }
+  if (cg.format != CacheFormat::kSame) {
+    rec.allow(a.k_scale, 4, kRead);
+    rec.allow(a.v_scale, 4, kRead);
+  }
+}
+
+void finish(Recorder& rec, const char* op) {
+  for (const auto& [addr, e] : rec.elems) {
+    if ((e.perm & kMustWrite) && e.writes != 1) {
+      std::ostringstream s;
+      s << "an output element at " << (const void*)addr << " was written " << e.writes
+        << " times (expected once)";
+      rec.fail(s.str());
+    }
+    if (e.shared) rec.fail("an output element was touched by two threads");
+  }
+  ROPE_CHECK(rec.trap.empty(), op, ": device-side assert triggered: ", rec.trap);
+  ROPE_CHECK(rec.error_count == 0, op, ": simulated kernel made ", rec.error_count,
+             " bad accesses, first ones:\n", rec.errors.str());
+}
+
+void fill_info(Tensor& info, const LaunchPlan& p, const Recorder& rec) {
+  ROPE_CHECK(info.scalar_type() == ScalarType::Long && info.numel() == 12 && info.is_contiguous(),
+             "sim: info must be a contiguous int64 tensor of 12 elements");
+  int64_t* o = info.mutable_data_ptr<int64_t>();
+  const int64_t v[12] = {p.vec,           p.idx32,         p.grid.x,
+                         p.block.x,       p.block.y,       p.block.z,
+                         p.rot_chunks,    p.tail_chunks,   rec.vector_accesses,
+                         rec.scalar_accesses, 0, 0};
+  for (int i = 0; i < 12; ++i) o[i] = v[i];
+}
+
+// The Runner handed to the host code: installs a Recorder, registers the operands, runs every
+// thread, checks. `force_idx64` takes the 64-bit index path a huge tensor would.
+struct SimRunner {
+  const char* op;
+  bool force_idx64;
+  Tensor* info;
+
+  template <typename x_t, bool kI>
+  void operator()(const LaunchPlan& plan, RotateArgs<x_t> a, Bool<kI>) const {
+    if (force_idx64) a.idx32 = false;
+    Recorder rec;
+    g_rec = &rec;
+    struct Reset {
+      ~Reset() { g_rec = nullptr; }
+    } reset;
+    allow_rotate_operands(rec, a);
+    LaunchPlan p = plan;
+    p.idx32 = a.idx32;
+    run_grid(p, rec, [&](const ThreadPos& tp) { gpu::rotate_thread<x_t, kI>(a, tp); });
+    finish(rec, op);
+    fill_info(*info, p, rec);
+  }
+
+  template <typename x_t>
+  void operator()(const LaunchPlan& plan, CacheArgs<x_t> a) const {
+    if (force_idx64) a.rot.idx32 = false;
+    Recorder rec;
+    g_rec = &rec;
+    struct Reset {
+      ~Reset() { g_rec = nullptr; }
+    } reset;
+    allow_cache_operands(rec, a);
+    LaunchPlan p = plan;
+    p.idx32 = a.rot.idx32;
+    run_grid(p, rec, [&](const ThreadPos& tp) { gpu::cache_thread<x_t>(a, tp); });
+    finish(rec, op);
+    fill_info(*info, p, rec);
+  }
+};
+
+// The ops: the real schemas' arguments, then max_blocks (small values force block striding),
+// force_idx64 and info.
+Tensor apply_sim(Tensor x, Tensor cos, Tensor sin, bool interleaved, bool inverse,
+                 int64_t max_blocks, bool force_idx64, Tensor info) {
+  return gpu::apply_host(x, cos, sin, interleaved, inverse, std::nullopt,
+                         SimRunner{"rope_sim.apply", force_idx64, &info}, max_blocks);
+}
+
+void apply_out_sim(Tensor x, Tensor cos, Tensor sin, bool interleaved, int64_t max_blocks,
+                   bool force_idx64, Tensor info, Tensor out) {
+  gpu::apply_host(x, cos, sin, interleaved, false, out,
+                  SimRunner{"rope_sim.apply_out", force_idx64, &info}, max_blocks);
+}
+
+void apply_inplace_sim(Tensor query, std::optional<Tensor> key, Tensor positions, Tensor cache,
+                       bool interleaved, int64_t max_blocks, bool force_idx64, Tensor info) {
+  gpu::rotate_inplace_host(query, key, positions, cache, interleaved, nullptr, false,
+                           SimRunner{"rope_sim.apply_", force_idx64, &info}, max_blocks);
+}
+
+void mrope_sim(Tensor query, std::optional<Tensor> key, Tensor positions, Tensor cache,
+               std::vector<int64_t> section, bool interleaved, bool mrope_interleaved,
+               int64_t max_blocks, bool force_idx64, Tensor info) {
+  gpu::rotate_inplace_host(query, key, positions, cache, interleaved, &section, mrope_interleaved,
+                           SimRunner{"rope_sim.mrope_", force_idx64, &info}, max_blocks);
+}
+
+Tensor apply_positions_sim(Tensor x, Tensor positions, Tensor cos, Tensor sin, bool interleaved,
+                           bool inverse, std::optional<std::vector<int64_t>> section,
+                           bool mrope_interleaved, int64_t max_blocks, bool force_idx64,
+                           Tensor info) {
+  return gpu::apply_positions_host(x, positions, cos, sin, interleaved, inverse, section,
+                                   mrope_interleaved,
+                                   SimRunner{"rope_sim.apply_positions", force_idx64, &info},
+                                   max_blocks);
+}
+
+void apply_and_cache_sim(Tensor query, Tensor key, Tensor value, Tensor positions, Tensor cache,
+                         Tensor key_cache, Tensor value_cache, Tensor slots, bool interleaved,
+                         std::string kv_cache_dtype, std::optional<Tensor> k_scale,
+                         std::optional<Tensor> v_scale, int64_t max_blocks, bool force_idx64,
+                         Tensor info) {
+  gpu::apply_and_cache_host(query, key, value, positions, cache, key_cache, value_cache, slots,
+                            interleaved, kv_cache_dtype, k_scale, v_scale,
+                            SimRunner{"rope_sim.apply_and_cache_", force_idx64, &info},
+                            max_blocks);
+}
+
+}  // namespace
+}  // namespace rope::sim
+
+STABLE_TORCH_LIBRARY(rope_sim, m) {
+  m.def("apply(Tensor x, Tensor cos, Tensor sin, bool interleaved, bool inverse, int max_blocks, "
+        "bool force_idx64, Tensor info) -> Tensor");
+  m.def("apply_out(Tensor x, Tensor cos, Tensor sin, bool interleaved, int max_blocks, "
+        "bool force_idx64, Tensor info, Tensor(a!) out) -> ()");
+  m.def("apply_(Tensor(a!) query, Tensor(b!)? key, Tensor positions, Tensor cos_sin_cache, "
+        "bool interleaved, int max_blocks, bool force_idx64, Tensor info) -> ()");
+  m.def("mrope_(Tensor(a!) query, Tensor(b!)? key, Tensor positions, Tensor cos_sin_cache, "
+        "int[] mrope_section, bool interleaved, bool mrope_interleaved, int max_blocks, "
+        "bool force_idx64, Tensor info) -> ()");
+  m.def("apply_positions(Tensor x, Tensor positions, Tensor cos, Tensor sin, bool interleaved, "
+        "bool inverse, int[]? mrope_section, bool mrope_interleaved, int max_blocks, "
+        "bool force_idx64, Tensor info) -> Tensor");
+  m.def("apply_and_cache_(Tensor(a!) query, Tensor(b!) key, Tensor value, Tensor positions, "
+        "Tensor cos_sin_cache, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, "
+        "bool interleaved, str kv_cache_dtype, Tensor? k_scale, Tensor? v_scale, int max_blocks, "
+        "bool force_idx64, Tensor info) -> ()");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(rope_sim, CPU, m) {
+  m.impl("apply", TORCH_BOX(&rope::sim::apply_sim));
+  m.impl("apply_out", TORCH_BOX(&rope::sim::apply_out_sim));
+  m.impl("apply_", TORCH_BOX(&rope::sim::apply_inplace_sim));
+  m.impl("mrope_", TORCH_BOX(&rope::sim::mrope_sim));
+  m.impl("apply_positions", TORCH_BOX(&rope::sim::apply_positions_sim));
+  m.impl("apply_and_cache_", TORCH_BOX(&rope::sim::apply_and_cache_sim));
+}

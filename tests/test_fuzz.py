@@ -1,0 +1,234 @@
+"""A randomized differential fuzz: every op on random shapes, strides, dtypes, broadcasts,
+overlaps, positions (some out of range) and adversarial sizes, native against the reference.
+Either both raise, with the same message, and nothing written changed; or both give the same
+result. `--fuzz-cases N` sets how many (make sanitize runs many under the sanitizers); each case's
+seed is in the failure message, and `--fuzz-seed S` replays from S."""
+
+import random
+
+import pytest
+import torch
+
+import rope_ext
+from conftest import TOL
+
+ops = torch.ops.rope
+ref = rope_ext.reference
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+def rand_view(rng, shape, dtype, allow_expand=True):
+    """A tensor of `shape` that is a random view: permuted, sliced with steps, offset from an
+    aligned start, or expanded along a size-1 dim (read-only operands only)."""
+    if rng.random() < 0.2 and allow_expand and shape and any(n > 1 for n in shape):
+        d = rng.choice([i for i, n in enumerate(shape) if n > 1])
+        small = list(shape)
+        small[d] = 1
+        return torch.randn(small, dtype=torch.float64).to(dtype).expand(shape)
+    perm = list(range(len(shape)))
+    if rng.random() < 0.3:
+        rng.shuffle(perm)
+    step = rng.choice([1, 1, 2])
+    base_shape = [shape[p] for p in perm]
+    if base_shape:
+        base_shape[-1] = base_shape[-1] * step
+    offset = rng.choice([0, 0, 1, 3])
+    n = 1
+    for s in base_shape:
+        n *= s
+    flat = torch.randn(n + offset, dtype=torch.float64).to(dtype)[offset:]
+    t = flat.view(base_shape) if base_shape else flat.view(())
+    if base_shape:
+        t = t[..., ::step]
+    inverse = [perm.index(i) for i in range(len(shape))]
+    return t.permute(inverse) if shape else t
+
+
+def positions(rng, shape, rows, bad_rate=0.1):
+    p = torch.randint(0, max(rows, 1), shape)
+    if p.numel() and rng.random() < bad_rate:
+        idx = rng.randrange(p.numel())
+        p.view(-1)[idx] = rng.choice([-1, rows, rows + 7, -(2**40)])
+    return p.to(rng.choice([torch.int32, torch.int64]))
+
+
+def run_both(native, reference, written):
+    """Calls both on clones of the written tensors; returns (native outputs, reference outputs)
+    or asserts they raised alike with nothing changed."""
+    results, errors = [], []
+    for fn in (native, reference):
+        copies = [w.clone() for w in written]
+        try:
+            out = fn(copies)
+            results.append((out, copies))
+            errors.append(None)
+        except RuntimeError as e:
+            errors.append(str(e))
+            for c, w in zip(copies, written):
+                assert torch.equal(c.view(torch.uint8) if c.dtype.is_floating_point and c.element_size() == 1 else c, w.view(torch.uint8) if w.dtype.is_floating_point and w.element_size() == 1 else w) or torch.equal(c.isnan(), w.isnan()), "a rejected call changed an input"
+    if errors[0] is not None or errors[1] is not None:
+        assert errors[0] == errors[1], f"native: {errors[0]!r}\nreference: {errors[1]!r}"
+        return None
+    return results
+
+
+def close(a, b, dtype):
+    if isinstance(a, torch.Tensor):
+        if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            return
+        rtol, atol = TOL[dtype] if dtype in TOL else (0, 0)
+        torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=atol, equal_nan=True)
+
+
+def case_apply(rng):
+    dtype, tdtype = rng.choice(DTYPES), rng.choice(DTYPES)
+    lead = [rng.choice([0, 1, 2, 3, 5]) for _ in range(rng.randrange(0, 4))]
+    head_dim = rng.choice([0, 2, 6, 8, 16, 34, 64, 130])
+    half = rng.randrange(0, head_dim // 2 + 2)  # sometimes too wide
+    x = rand_view(rng, lead + [head_dim], dtype)
+    tshape = [n if rng.random() < 0.5 else 1 for n in lead] + [half]
+    if rng.random() < 0.15:
+        tshape = tshape[rng.randrange(0, len(tshape)):]  # fewer dims: must be refused alike
+    cos, sin = rand_view(rng, tshape, tdtype), rand_view(rng, tshape, tdtype)
+    il = rng.random() < 0.5
+    kind = rng.choice(["apply", "backward", "out"])
+    if kind == "out":
+        out = torch.full(x.shape, float("nan"), dtype=dtype)
+        res = run_both(lambda w: ops.apply.out(x, cos, sin, il, out=w[0]),
+                       lambda w: ref.apply_rope_out(x, cos, sin, interleaved=il, out=w[0]), [out])
+        if res:
+            close(res[0][1][0], res[1][1][0], dtype)
+        return
+    n_op = ops.apply if kind == "apply" else ops.apply_backward
+    r_op = ref.apply_rope if kind == "apply" else ref.apply_rope_backward
+    res = run_both(lambda w: n_op(x, cos, sin, il), lambda w: r_op(x, cos, sin, interleaved=il), [])
+    if res:
+        close(res[0][0], res[1][0], dtype)
+
+
+def case_inplace(rng):
+    dtype = rng.choice(DTYPES)
+    lead = [rng.choice([0, 1, 2, 4]) for _ in range(rng.randrange(0, 3))]
+    head_dim = rng.choice([2, 8, 16, 40, 64])
+    rot = rng.choice([r for r in range(0, head_dim + 3, 2)])
+    rows = rng.choice([1, 7, 64])
+    hq, hk = rng.choice([1, 2, 4]), rng.choice([0, 1, 2])
+    if rng.random() < 0.5:  # views of one fused buffer
+        buf = rand_view(rng, lead + [hq + 2 * hk, head_dim], dtype, allow_expand=False)
+        q, k = buf[..., :hq, :], (buf[..., hq:hq + hk, :] if hk else None)
+        if rng.random() < 0.1 and hk:
+            k = buf[..., :hk, :]  # overlaps query: must be refused alike
+    else:
+        q = rand_view(rng, lead + [hq, head_dim], dtype, allow_expand=rng.random() < 0.1)
+        k = rand_view(rng, lead + [hk, head_dim], dtype, allow_expand=False) if hk else None
+    cache = rope_ext.cos_sin_cache(rows, max(rot, 2), dtype=rng.choice(DTYPES))[:, :rot]
+    mrope = rng.random() < 0.3
+    il, mi = rng.random() < 0.5, rng.random() < 0.5
+    if mrope:
+        pos = positions(rng, [3] + lead, rows)
+        half = rot // 2
+        sec = [half - 2 * (half // 3), half // 3, half // 3]
+        if rng.random() < 0.15:
+            sec = rng.choice([[half, 1, -1], [2**62, 2**62, 5], [half], [0, 0, half + 1]])
+        written = [q] + ([k] if k is not None else [])
+
+        def native(w):
+            ops.mrope_(w[0], w[1] if k is not None else None, pos, cache, sec, il, mi)
+
+        def reference(w):
+            ref.apply_mrope_(w[0], w[1] if k is not None else None, pos, cache, sec, interleaved=il,
+                             mrope_interleaved=mi)
+    else:
+        pos = positions(rng, lead, rows)
+        written = [q] + ([k] if k is not None else [])
+
+        def native(w):
+            ops.apply_(w[0], w[1] if k is not None else None, pos, cache, il)
+
+        def reference(w):
+            ref.apply_rope_(w[0], w[1] if k is not None else None, pos, cache, interleaved=il)
+    # The written tensors are cloned by run_both, so in-place aliasing between them is lost;
+    # call the ops on the originals when q and k share memory (both must refuse).
+    if k is not None and q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr():
+        res = run_both(lambda w: native([q, k]), lambda w: reference([q, k]), [])
+        return
+    res = run_both(native, reference, written)
+    if res:
+        for a, b in zip(res[0][1], res[1][1]):
+            close(a, b, dtype)
+
+
+def case_positions(rng):
+    dtype = rng.choice(DTYPES)
+    lead = [rng.choice([0, 1, 3]) for _ in range(rng.randrange(0, 3))]
+    head_dim = rng.choice([4, 16, 38])
+    half = rng.randrange(0, head_dim // 2 + 2)
+    rows = rng.choice([1, 9])
+    x = rand_view(rng, lead + [rng.choice([1, 3]), head_dim], dtype)
+    tdtype = rng.choice(DTYPES)
+    cos, sin = rand_view(rng, [rows, half], tdtype), rand_view(rng, [rows, half], tdtype)
+    sec = None
+    if rng.random() < 0.4:
+        sec = [half - 2 * (half // 3), half // 3, half // 3]
+        pos = positions(rng, [3] + lead, rows)
+    else:
+        pos = positions(rng, lead, rows)
+    il, inv, mi = rng.random() < 0.5, rng.random() < 0.5, rng.random() < 0.5
+    res = run_both(lambda w: ops.apply_positions(x, pos, cos, sin, il, inv, sec, mi),
+                   lambda w: ref.apply_positions(x, pos, cos, sin, interleaved=il, inverse=inv,
+                                                 mrope_section=sec, mrope_interleaved=mi), [])
+    if res:
+        close(res[0][0], res[1][0], dtype)
+
+
+def case_cache(rng):
+    dtype = rng.choice(DTYPES)
+    t, hq, hk = rng.choice([0, 1, 5]), rng.choice([1, 4]), rng.choice([1, 2])
+    d, dv, rot = rng.choice([8, 32]), rng.choice([4, 32]), rng.choice([0, 4, 8])
+    fmt = rng.choice(["auto", "fp8", "fp8_e5m2"])
+    cdt = {"auto": dtype, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[fmt]
+    if rng.random() < 0.1:
+        cdt = torch.float32  # wrong cache dtype for the format: refused alike
+    blocks, bs = rng.choice([1, 3]), rng.choice([1, 4])
+    qkv = torch.randn(t, hq + 2 * hk, d).to(dtype)
+    q, k = qkv[:, :hq], qkv[:, hq:hq + hk]
+    v = torch.randn(t, hk, dv).to(dtype)
+    kc = torch.randn(blocks, bs, hk, d).to(cdt)
+    vc = torch.randn(blocks, bs, hk, dv).to(cdt)
+    slots = torch.randint(-1, blocks * bs + (1 if rng.random() < 0.1 else 0), (t,))
+    if t and rng.random() < 0.8:  # distinct slots, as a real slot mapping has
+        slots = torch.randperm(blocks * bs + t)[:t] - t // 2
+        slots = torch.where(slots < blocks * bs, slots, -1)
+    pos = positions(rng, [t], 16)
+    cache = rope_ext.cos_sin_cache(16, max(rot, 2))[:, :rot]
+    scales = (torch.tensor([rng.choice([0.25, 1.0, 3.0])]), torch.tensor([0.5])) if fmt != "auto" else (None, None)
+    il = rng.random() < 0.5
+    res = run_both(
+        lambda w: ops.apply_and_cache_(w[0], w[1], v, pos, cache, w[2], w[3], slots, il, fmt, *scales),
+        lambda w: ref.apply_and_cache_(w[0], w[1], v, pos, cache, w[2], w[3], slots, interleaved=il,
+                                       kv_cache_dtype=fmt, k_scale=scales[0], v_scale=scales[1]),
+        [q, k, kc, vc])
+    if res:
+        for a, b in zip(res[0][1], res[1][1]):
+            close(a, b, dtype)
+
+
+CASES = [case_apply, case_inplace, case_positions, case_cache]
+
+
+def test_native_and_reference_agree_on_random_inputs(request):
+    if rope_ext.backend("cpu") != "native":
+        pytest.skip("the native library is not loaded")
+    n = request.config.getoption("--fuzz-cases")
+    base = request.config.getoption("--fuzz-seed")
+    base = random.randrange(2**31) if base is None else base
+    for i in range(n):
+        seed = base + i
+        rng = random.Random(seed)
+        torch.manual_seed(seed)
+        case = CASES[i % len(CASES)]
+        try:
+            case(rng)
+        except AssertionError as e:
+            raise AssertionError(f"{case.__name__}, --fuzz-seed {seed}: {e}") from None
