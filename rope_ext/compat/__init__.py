@@ -1,0 +1,15 @@
+"""Drop-in replacements for other libraries' RoPE entry points, on rope_ext's ops. Each keeps its
+peer's name, signature, defaults, layouts, and what it rotates in place and returns; none imports
+its peer. docs/migrating.md has the one-line change per library.
+
+    rope_ext.compat.transformers   apply_rotary_pos_emb, apply_multimodal_rotary_pos_emb, ...
+    rope_ext.compat.flash_attn     apply_rotary_emb, apply_rotary_emb_qkv_, apply_rotary_emb_kv_
+    rope_ext.compat.vllm           rotary_embedding
+    rope_ext.compat.flashinfer     apply_rope[_pos_ids][_inplace], apply_llama31_rope*,
+                                   apply_rope_with_cos_sin_cache[_inplace]
+    rope_ext.compat.sglang         apply_rope_with_cos_sin_cache_inplace, FusedSetKVBufferArg
+"""
+
+from . import flash_attn, flashinfer, sglang, transformers, vllm
+
+__all__ = ["flash_attn", "flashinfer", "sglang", "transformers", "vllm"]

@@ -1,0 +1,170 @@
+"""flash-attn's rotary functions (`flash_attn.layers.rotary`) on rope_ext's ops.
+
+    from flash_attn.layers.rotary import apply_rotary_emb
+ -> from rope_ext.compat.flash_attn import apply_rotary_emb
+
+Same arguments, layouts, defaults, return values and in-place behaviour. Like flash-attn's
+autograd Functions, the gradient flows to x / qkv / kv only: cos and sin get none.
+Differences, all on inputs flash-attn mishandles: a position past the table (cos.size(0)) is an
+error (flash-attn's kernel leaves such tokens unrotated); cos/sin may have another float dtype
+than x (flash-attn asserts they match); with cu_seqlens every token up to cu_seqlens[-1] is
+rotated, whatever max_seqlen says (flash-attn skips tokens past max_seqlen of their sequence),
+and a token past cu_seqlens[-1] is an error (its position: -1), not left unwritten.
+"""
+
+import numbers
+
+import torch
+
+from ..ops import varlen_positions
+from ._layout import check_int
+
+ops = torch.ops.rope
+
+
+def _tables(cos, sin):
+    if cos.dim() != 2 or sin.shape != cos.shape:
+        raise ValueError(f"cos and sin must be tables of one shape (seqlen_ro, rotary_dim / 2), got "
+                         f"cos {list(cos.shape)} and sin {list(sin.shape)}")
+    # flash-attn's Functions return no gradient for the tables.
+    return cos.detach(), sin.detach()
+
+
+def _float32(rows):
+    # Exact, and no larger than what the kernel reads: its float32-table path is the faster one.
+    return rows.float() if rows.dtype in (torch.float16, torch.bfloat16) else rows
+
+
+def _offsets(seqlen_offsets, batch):
+    if isinstance(seqlen_offsets, torch.Tensor):
+        if seqlen_offsets.shape != (batch,) or seqlen_offsets.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"seqlen_offsets must be an int or an int32/int64 tensor of shape "
+                             f"({batch},), got {seqlen_offsets.dtype} of shape "
+                             f"{list(seqlen_offsets.shape)}")
+        return seqlen_offsets
+    if not isinstance(seqlen_offsets, numbers.Integral) or isinstance(seqlen_offsets, bool):
+        raise ValueError(f"seqlen_offsets must be an int or a tensor of shape ({batch},), got "
+                         f"{seqlen_offsets!r}")
+    return int(seqlen_offsets)
+
+
+def _rotated(x, cos, sin, interleaved, seqlen_offsets):
+    """Rotated copy of x (batch, seqlen, *heads, headdim): token s of sequence b at position
+    s + seqlen_offsets[b] (or + seqlen_offsets)."""
+    batch, seqlen = x.shape[0], x.shape[1]
+    offsets = _offsets(seqlen_offsets, batch)
+    heads = (None,) * (x.dim() - 3)  # the tables broadcast over the head dims
+    if isinstance(offsets, int):
+        # One row per sequence position: the table slice itself, no gather.
+        if offsets < 0 or offsets + seqlen > cos.shape[0]:
+            raise ValueError(f"seqlen_offsets + seqlen = {offsets} + {seqlen} must lie within the "
+                             f"table's seqlen_ro = cos.size(0) = {cos.shape[0]}")
+        rows = slice(offsets, offsets + seqlen)
+        index = (None, slice(None)) + heads
+        return ops.apply(x, _float32(cos[rows])[index], _float32(sin[rows])[index], interleaved)
+    positions = torch.arange(seqlen, device=x.device) + offsets.to(torch.int64)[:, None]
+    positions = positions[(Ellipsis,) + heads[1:]].expand(x.shape[:-2])
+    return ops.apply_positions(x, positions, cos, sin, interleaved, False, None, False)
+
+
+def _write(dst, src):
+    # rope_ext's in-place op takes one cos|sin table; flash-attn passes two, so the rotated copy
+    # is written back (torch's copy_: autograd and version counters as for any in-place op).
+    dst.copy_(src)
+
+
+def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0,
+                     cu_seqlens=None, max_seqlen=None):
+    """x: (batch_size, seqlen, nheads, headdim), or (total_seqlen, nheads, headdim) with
+    cu_seqlens (batch + 1,) and max_seqlen. cos, sin: (seqlen_ro, rotary_dim / 2); the first
+    rotary_dim dims of each head rotate, the rest are copied (or left, in place).
+    interleaved: pairs (2i, 2i+1) (GPT-J) instead of (i, i + rotary_dim/2) (GPT-NeoX).
+    seqlen_offsets: an int or a (batch_size,) tensor: token s of sequence b is at position
+    s + offset_b. Returns the rotated tensor: x itself when inplace."""
+    cos, sin = _tables(cos, sin)
+    if cu_seqlens is None:
+        if x.dim() != 4:
+            raise ValueError(f"x must have shape (batch_size, seqlen, nheads, headdim), got "
+                             f"{list(x.shape)}")
+        out = _rotated(x, cos, sin, interleaved, seqlen_offsets)
+    else:
+        if x.dim() != 3:
+            raise ValueError(f"with cu_seqlens, x must have shape (total_seqlen, nheads, headdim), "
+                             f"got {list(x.shape)}")
+        if max_seqlen is None:
+            raise ValueError("If cu_seqlens is passed in, then max_seqlen must be passed")
+        if cu_seqlens.dim() == 1:  # else varlen_positions names the problem
+            seqlen_offsets = _offsets(seqlen_offsets, cu_seqlens.shape[0] - 1)
+        positions = varlen_positions(cu_seqlens, x.shape[0], seqlen_offsets)
+        out = ops.apply_positions(x, positions, cos, sin, interleaved, False, None, False)
+    if inplace:
+        _write(x, out)
+        return x
+    return out
+
+
+apply_rotary_emb_func = apply_rotary_emb  # flash-attn's older name
+
+
+def apply_rotary_emb_qkv_(qkv, cos, sin, cos_k=None, sin_k=None, interleaved=False,
+                          seqlen_offsets=0, num_heads_q=None):
+    """Rotates Q and K of qkv in place and returns qkv. qkv: (batch_size, seqlen, 3, nheads,
+    headdim), or (batch_size, seqlen, num_heads_q + 2 * num_heads_k, headdim) (MQA/GQA) with
+    num_heads_q given. cos_k, sin_k: K's own tables (each defaults to cos / sin)."""
+    if qkv.dim() == 5:
+        if qkv.shape[2] != 3:
+            raise ValueError(f"qkv must have shape (batch_size, seqlen, 3, nheads, headdim), got "
+                             f"{list(qkv.shape)}")
+        q, k, qk = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, :2]
+    elif qkv.dim() == 4:
+        if num_heads_q is None:
+            raise ValueError("num_heads_q is required for qkv of shape (batch_size, seqlen, "
+                             "num_heads_q + 2 * num_heads_k, headdim)")
+        hq = check_int(num_heads_q, "num_heads_q", 1)
+        hk = (qkv.shape[2] - hq) // 2
+        if hk < 1 or qkv.shape[2] != hq + 2 * hk:
+            raise ValueError(f"qkv of shape {list(qkv.shape)}: dim 2 must be num_heads_q + 2 * "
+                             f"num_heads_k with num_heads_q = {hq}")
+        q, k, qk = qkv[:, :, :hq], qkv[:, :, hq : hq + hk], qkv[:, :, : hq + hk]
+    else:
+        raise ValueError(f"qkv must have 5 dims (batch_size, seqlen, 3, nheads, headdim) or 4 "
+                         f"(batch_size, seqlen, num_heads_q + 2 * num_heads_k, headdim), got "
+                         f"{list(qkv.shape)}")
+    cos, sin = _tables(cos, sin)
+    if cos_k is None and sin_k is None:
+        _write(qk, _rotated(qk, cos, sin, interleaved, seqlen_offsets))  # Q and K in one pass
+    else:
+        cos_k, sin_k = _tables(cos if cos_k is None else cos_k, sin if sin_k is None else sin_k)
+        q_rot = _rotated(q, cos, sin, interleaved, seqlen_offsets)
+        k_rot = _rotated(k, cos_k, sin_k, interleaved, seqlen_offsets)
+        _write(q, q_rot)
+        _write(k, k_rot)
+    return qkv
+
+
+def apply_rotary_emb_kv_(kv, cos, sin, interleaved=False, seqlen_offsets=0):
+    """Rotates K of kv (batch_size, seqlen, 2, nheads, headdim) in place; returns kv."""
+    if kv.dim() != 5 or kv.shape[2] != 2:
+        raise ValueError(f"kv must have shape (batch_size, seqlen, 2, nheads, headdim), got "
+                         f"{list(kv.shape)}")
+    cos, sin = _tables(cos, sin)
+    _write(kv[:, :, 0], _rotated(kv[:, :, 0], cos, sin, interleaved, seqlen_offsets))
+    return kv
+
+
+def apply_rotary_emb_torch(x, cos, sin, interleaved=False):
+    """flash-attn's pure-PyTorch reference, on the native op: x (batch_size, seqlen, nheads,
+    headdim), cos/sin (seqlen, rotary_dim / 2) or (batch_size, seqlen, rotary_dim / 2).
+    Out of place; differentiable w.r.t. x, cos and sin, as that reference is."""
+    if cos.shape != sin.shape or cos.dim() not in (2, 3):
+        raise ValueError(f"cos and sin must have one shape, (seqlen, rotary_dim / 2) or (batch_size, "
+                         f"seqlen, rotary_dim / 2), got cos {list(cos.shape)} and sin {list(sin.shape)}")
+    if 2 * cos.shape[-1] > x.shape[-1]:
+        raise ValueError(f"rotary_dim = 2 * cos.size(-1) = {2 * cos.shape[-1]} must be <= headdim = "
+                         f"{x.shape[-1]}")
+    dtype = torch.promote_types(x.dtype, cos.dtype)
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (..., seqlen, 1, rotary_dim / 2), over heads
+    lead = torch.broadcast_shapes(x.shape[:-1], c.shape[:-1])
+    x = x.to(dtype).expand(*lead, x.shape[-1])
+    pad = (None,) * (x.dim() - c.dim())
+    return ops.apply(x, c[pad], s[pad], interleaved)

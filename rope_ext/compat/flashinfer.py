@@ -1,0 +1,212 @@
+"""FlashInfer's RoPE functions (`flashinfer.rope`, exported from `flashinfer`) on rope_ext's ops.
+
+    import flashinfer                          ->  from rope_ext.compat import flashinfer
+    flashinfer.apply_rope_pos_ids_inplace(q, k, pos_ids)
+
+Same arguments, defaults, layouts and returns. The rope_scale / rope_theta variants compute
+their angles as FlashInfer's kernels do, in float32: w_i = (1/theta)^(2i/rotary_dim) / rope_scale
+(Llama 3.1: blended with the unscaled w_i by FlashInfer's smooth factor), angle = float(pos) * w_i.
+That per-token cos|sin table ((nnz, rotary_dim) float32, small next to q and k) then drives
+rope_ext's in-place op, so q and k are rotated in one native pass.
+Differences, on inputs FlashInfer mishandles: positions outside a cos_sin_cache are an error (FlashInfer
+reads outside it); tokens outside indptr[0] .. indptr[-1] are left as they are (FlashInfer leaves
+them unwritten, uninitialised in the out-of-place outputs).
+"""
+
+import functools
+import math
+
+import torch
+
+from ..ops import apply_rope as _rotated, apply_rope_at, varlen_positions  # FlashInfer has its own apply_rope
+from ..ops import apply_rope_
+from ._layout import check_head_size, check_index_tensor, heads
+
+F32 = torch.float32
+
+
+def _check_qk(q, k):
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k must have shapes (nnz, num_q_heads, head_dim) and (nnz, "
+                         f"num_k_heads, head_dim), got q {list(q.shape)} and k {list(k.shape)}")
+
+
+def _rotary_dim(rotary_dim, q):
+    head_dim = q.shape[-1]
+    if rotary_dim is None:
+        rotary_dim = head_dim
+    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or rotary_dim < 2 \
+            or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(f"rotary_dim must be an even int in [2, head_dim = {head_dim}], got "
+                         f"{rotary_dim!r}")
+    return rotary_dim
+
+
+@functools.lru_cache(maxsize=64)
+def _frequencies(rotary_dim, rope_scale, rope_theta, device, llama31=None):
+    """FlashInfer's per-pair frequencies, float32 arithmetic in its kernel's order. Cached: a
+    serving loop calls with the same few settings, and the cache spares the host-to-device copies
+    of the scalars (read-only: callers never write it)."""
+    rcp_scale = 1.0 / torch.tensor(float(rope_scale), dtype=F32, device=device)
+    rcp_theta = 1.0 / torch.tensor(float(rope_theta), dtype=F32, device=device)
+    exponent = torch.arange(0, rotary_dim, 2, dtype=F32, device=device) / float(rotary_dim)
+    freq = torch.pow(rcp_theta, exponent)
+    if llama31 is None:
+        smooth_a = smooth_b = torch.zeros((), dtype=F32, device=device)
+    else:
+        low, high, old_context_len = llama31
+        # smooth_a is formed in double (M_PI) and stored as float; smooth_b in float.
+        smooth_a = torch.tensor(float(old_context_len) / (2 * math.pi * high - 2 * math.pi * low),
+                                dtype=F32, device=device)
+        ratio = torch.tensor(float(high), dtype=F32) / torch.tensor(float(low), dtype=F32)
+        smooth_b = (-1.0 / (ratio - 1.0)).to(device)
+    smooth = (freq * smooth_a + smooth_b).clamp(0.0, 1.0)
+    return (1 - smooth) * (freq * rcp_scale) + smooth * freq
+
+
+def _table(positions, valid, rotary_dim, rope_scale, rope_theta, llama31=None):
+    """(nnz, rotary_dim) float32: cos | sin of each token's angles; rows where `valid` is False
+    rotate by 0 (left unchanged)."""
+    llama31 = None if llama31 is None else tuple(float(v) for v in llama31)
+    frequencies = _frequencies.__wrapped__ if torch.compiler.is_compiling() else _frequencies
+    freq = frequencies(rotary_dim, float(rope_scale), float(rope_theta), positions.device, llama31)
+    angles = positions.to(F32)[:, None] * freq
+    if valid is not None:
+        angles = angles.masked_fill(~valid[:, None], 0.0)
+    half = rotary_dim // 2
+    table = torch.empty(positions.shape[0], rotary_dim, dtype=F32, device=positions.device)
+    torch.cos(angles, out=table[:, :half])
+    torch.sin(angles, out=table[:, half:])
+    return table
+
+
+def _indptr_positions(q, indptr, offsets):
+    check_index_tensor(indptr, "indptr")
+    if indptr.dim() != 1 or indptr.shape[0] < 1:
+        raise ValueError(f"indptr must have shape (batch_size + 1,), got {list(indptr.shape)}")
+    check_index_tensor(offsets, "offsets", (indptr.shape[0] - 1,))
+    nnz = q.shape[0]
+    positions = varlen_positions(indptr, nnz, offsets)
+    token = torch.arange(nnz, device=q.device)
+    return positions, (token >= indptr[0]) & (token < indptr[-1])
+
+
+def _pos_ids(q, pos_ids):
+    return check_index_tensor(pos_ids, "pos_ids", (q.shape[0],))
+
+
+def _run(q, k, table, interleave, inplace):
+    if inplace:
+        rows = torch.arange(q.shape[0], device=q.device)  # row t of the table is token t's
+        apply_rope_(q, k, rows, table, interleaved=interleave)
+        return None
+    half = table.shape[1] // 2
+    cos, sin = table[:, None, :half], table[:, None, half:]
+    return (_rotated(q, cos, sin, interleaved=interleave),
+            _rotated(k, cos, sin, interleaved=interleave))
+
+
+def _ragged(q, k, indptr, offsets, rotary_dim, interleave, rope_scale, rope_theta, inplace,
+            llama31=None):
+    _check_qk(q, k)
+    rotary_dim = _rotary_dim(rotary_dim, q)
+    positions, valid = _indptr_positions(q, indptr, offsets)
+    table = _table(positions, valid, rotary_dim, rope_scale, rope_theta, llama31)
+    return _run(q, k, table, interleave, inplace)
+
+
+def _by_pos_ids(q, k, pos_ids, rotary_dim, interleave, rope_scale, rope_theta, inplace,
+                llama31=None):
+    _check_qk(q, k)
+    rotary_dim = _rotary_dim(rotary_dim, q)
+    table = _table(_pos_ids(q, pos_ids), None, rotary_dim, rope_scale, rope_theta, llama31)
+    return _run(q, k, table, interleave, inplace)
+
+
+def apply_rope_inplace(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=1,
+                       rope_theta=1e4):
+    """Rotates the ragged batch q (nnz, num_q_heads, head_dim), k (nnz, num_k_heads, head_dim) in
+    place: token indptr[b] + i of segment b is at position offsets[b] + i. rotary_dim: the leading
+    dims that rotate (default head_dim). interleave: pairs (2i, 2i+1) instead of
+    (i, i + rotary_dim/2). Returns None."""
+    _ragged(q, k, indptr, offsets, rotary_dim, interleave, rope_scale, rope_theta, True)
+
+
+def apply_rope(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=1,
+               rope_theta=1e4):
+    """apply_rope_inplace out of place: returns (q_rope, k_rope)."""
+    return _ragged(q, k, indptr, offsets, rotary_dim, interleave, rope_scale, rope_theta, False)
+
+
+def apply_rope_pos_ids_inplace(q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=1,
+                               rope_theta=1e4):
+    """Rotates q (nnz, num_q_heads, head_dim) and k (nnz, num_k_heads, head_dim) in place, token
+    t at position pos_ids[t] (nnz,). Returns None."""
+    _by_pos_ids(q, k, pos_ids, rotary_dim, interleave, rope_scale, rope_theta, True)
+
+
+def apply_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=1,
+                       rope_theta=1e4):
+    """apply_rope_pos_ids_inplace out of place: returns (q_rope, k_rope)."""
+    return _by_pos_ids(q, k, pos_ids, rotary_dim, interleave, rope_scale, rope_theta, False)
+
+
+def apply_llama31_rope_inplace(q, k, indptr, offsets, rotary_dim=None, interleave=False,
+                               rope_scale=8, rope_theta=5e5, low_freq_factor=1,
+                               high_freq_factor=4, old_context_len=8192):
+    """apply_rope_inplace with Llama 3.1 frequency scaling. Returns None."""
+    _ragged(q, k, indptr, offsets, rotary_dim, interleave, rope_scale, rope_theta, True,
+            (low_freq_factor, high_freq_factor, old_context_len))
+
+
+def apply_llama31_rope(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=8,
+                       rope_theta=5e5, low_freq_factor=1, high_freq_factor=4,
+                       old_context_len=8192):
+    """apply_llama31_rope_inplace out of place: returns (q_rope, k_rope)."""
+    return _ragged(q, k, indptr, offsets, rotary_dim, interleave, rope_scale, rope_theta, False,
+                   (low_freq_factor, high_freq_factor, old_context_len))
+
+
+def apply_llama31_rope_pos_ids_inplace(q, k, pos_ids, rotary_dim=None, interleave=False,
+                                       rope_scale=8, rope_theta=5e5, low_freq_factor=1,
+                                       high_freq_factor=4, old_context_len=8192):
+    """apply_rope_pos_ids_inplace with Llama 3.1 frequency scaling. Returns None."""
+    _by_pos_ids(q, k, pos_ids, rotary_dim, interleave, rope_scale, rope_theta, True,
+                (low_freq_factor, high_freq_factor, old_context_len))
+
+
+def apply_llama31_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=8,
+                               rope_theta=5e5, low_freq_factor=1, high_freq_factor=4,
+                               old_context_len=8192):
+    """apply_llama31_rope_pos_ids_inplace out of place: returns (q_rope, k_rope)."""
+    return _by_pos_ids(q, k, pos_ids, rotary_dim, interleave, rope_scale, rope_theta, False,
+                       (low_freq_factor, high_freq_factor, old_context_len))
+
+
+def _cache_views(positions, query, key, head_size, cos_sin_cache):
+    if cos_sin_cache.dtype != F32:
+        raise ValueError("cos_sin_cache should be float32")
+    head_size = check_head_size(head_size)
+    if positions.dim() != 1:
+        raise ValueError(f"positions must have shape (nnz,), got {list(positions.shape)}")
+    if key is None:
+        raise ValueError("key is required (FlashInfer rotates query and key together)")
+    return heads(query, head_size, 1, "query"), heads(key, head_size, 1, "key")
+
+
+def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_sin_cache,
+                                          is_neox=True):
+    """vLLM/SGLang-style: query (nnz, num_q_heads * head_size), key (nnz, num_k_heads *
+    head_size) rotated in place by the rows of cos_sin_cache (max_seq_len, rotary_dim) float32
+    (cos | sin) at positions (nnz,). is_neox=False: interleaved pairs. Returns None."""
+    q, k = _cache_views(positions, query, key, head_size, cos_sin_cache)
+    apply_rope_(q, k, positions, cos_sin_cache, interleaved=not is_neox)
+
+
+def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cache, is_neox=True):
+    """apply_rope_with_cos_sin_cache_inplace out of place: returns (query_out, key_out) of
+    query's and key's shapes."""
+    q, k = _cache_views(positions, query, key, head_size, cos_sin_cache)
+    rotate = lambda t, like: apply_rope_at(t, positions, cos_sin_cache,  # noqa: E731
+                                           interleaved=not is_neox).reshape(like.shape)
+    return rotate(q, query), rotate(k, key)

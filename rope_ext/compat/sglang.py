@@ -1,0 +1,82 @@
+"""SGLang's RoPE kernel entry point (`sgl_kernel.apply_rope_with_cos_sin_cache_inplace`), with its
+fused KV-cache store, on rope_ext's ops.
+
+    from sgl_kernel import apply_rope_with_cos_sin_cache_inplace, FusedSetKVBufferArg
+ -> from rope_ext.compat.sglang import apply_rope_with_cos_sin_cache_inplace, FusedSetKVBufferArg
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..ops import apply_rope_, apply_rope_and_cache_
+from ._layout import check_head_size, heads
+
+_FP8 = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
+
+
+@dataclass
+class FusedSetKVBufferArg:
+    """What SGLang's set_kv_buffer would write, fused into the rotation: the rotated key and
+    `value` (nnz, num_kv_heads * head_size) go to k_buffer / v_buffer (num_slots, num_kv_heads *
+    head_size) or (num_slots, num_kv_heads, head_size), rows cache_loc (nnz,)."""
+
+    value: torch.Tensor
+    k_buffer: torch.Tensor
+    v_buffer: torch.Tensor
+    k_scale: Optional[float]
+    v_scale: Optional[float]
+    cache_loc: torch.Tensor
+
+
+def _slots(buffer, head_size, name):
+    # SGLang's token-slot pool is a paged cache with one token per block: (num_slots, 1, H, D).
+    if buffer.dim() not in (2, 3):
+        raise ValueError(f"{name} must have shape (num_slots, num_kv_heads * head_size) or "
+                         f"(num_slots, num_kv_heads, head_size), got {list(buffer.shape)}")
+    return heads(buffer, head_size, 1, name).unsqueeze(1)
+
+
+def _cache_format(arg, key):
+    k_dtype, v_dtype = arg.k_buffer.dtype, arg.v_buffer.dtype
+    if k_dtype != v_dtype:
+        raise ValueError(f"k_buffer and v_buffer must have one dtype, got {k_dtype} and {v_dtype}")
+    if k_dtype in _FP8:
+        scale = lambda s: torch.tensor([1.0 if s is None else float(s)],  # noqa: E731
+                                       dtype=torch.float32, device=key.device)
+        return _FP8[k_dtype], scale(arg.k_scale), scale(arg.v_scale)
+    if arg.k_scale is not None or arg.v_scale is not None:
+        raise ValueError("fused_set_kv_buffer_arg: k_scale and v_scale must be None for buffers of "
+                         "the key's dtype (SGLang's fused kernel supports no scales); they apply "
+                         "to float8 buffers only")
+    return "auto", None, None
+
+
+def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_sin_cache,
+                                          is_neox=True, fused_set_kv_buffer_arg=None):
+    """Rotates query (nnz, num_q_heads * head_size) and key (nnz, num_k_heads * head_size) in
+    place by the rows of cos_sin_cache (max_seq_len, rotary_dim) float32 (cos | sin) at positions
+    (nnz,); is_neox=False: interleaved pairs. With fused_set_kv_buffer_arg, the rotated key and
+    the value are also stored at cache_loc in the same pass (a negative cache_loc skips the
+    token); float8 buffers store value / scale (scale 1 when None), saturated. Returns None.
+    Positions outside the table are an error (SGLang reads outside it)."""
+    if cos_sin_cache.dtype != torch.float32:
+        raise ValueError("cos_sin_cache should be float32")
+    head_size = check_head_size(head_size)
+    if positions.dim() != 1:
+        raise ValueError(f"positions must have shape (nnz,), got {list(positions.shape)}")
+    q, k = heads(query, head_size, 1, "query"), heads(key, head_size, 1, "key")
+    arg = fused_set_kv_buffer_arg
+    if arg is None:
+        apply_rope_(q, k, positions, cos_sin_cache, interleaved=not is_neox)
+        return
+    if key is None:
+        raise ValueError("fused_set_kv_buffer_arg needs key: the rotated key is what is stored")
+    fmt, k_scale, v_scale = _cache_format(arg, key)
+    value = heads(arg.value, head_size, 1, "value")
+    apply_rope_and_cache_(q, k, value, positions, cos_sin_cache,
+                          _slots(arg.k_buffer, head_size, "k_buffer"),
+                          _slots(arg.v_buffer, head_size, "v_buffer"), arg.cache_loc,
+                          interleaved=not is_neox, kv_cache_dtype=fmt, k_scale=k_scale,
+                          v_scale=v_scale)

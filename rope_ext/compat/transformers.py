@@ -1,0 +1,158 @@
+"""Hugging Face transformers' RoPE functions (the `apply_rotary_pos_emb` of its modeling files) on
+rope_ext's native op, with transformers' signatures, broadcasting, dtype promotion and autograd.
+
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+ -> from rope_ext.compat.transformers import apply_rotary_pos_emb
+
+(`rope_ext.integrations.transformers.patch(model)` routes a whole model through these.)
+
+The tables: transformers' rotary modules return cos/sin of cat(freqs, freqs), so the two halves of
+their last dim are equal. rope_ext reads the first half only (a view, no copy): one rotation per
+pair instead of transformers' five elementwise passes. Tables whose halves differ are outside that
+contract, with one exception: when cos or sin require grad, each half is read where transformers
+reads it (two passes), so the tables' gradients are transformers' own, half by half.
+"""
+
+import torch
+
+ops = torch.ops.rope
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _table_grad(*tables):
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tables)
+
+
+def _float32(table):
+    # Exact, and small next to q and k (the tables broadcast over the heads): the CPU kernel runs
+    # several times faster on float32 tables when they broadcast over an outer dim, as in
+    # transformers' (batch, heads, seq, head_dim) layout.
+    return table.float() if table.dtype in _LOW_PRECISION else table
+
+
+def _rotate_pairs(x, cos, sin, dtype, interleaved=False):
+    """x with pair i of its first 2 * cos.size(-1) dims rotated by (cos[..., i], sin[..., i]), the
+    rest passed through; cos/sin broadcast against x.shape[:-1] as torch broadcasts, the result in
+    `dtype` (computed in float32, or float64 for float64)."""
+    lead = torch.broadcast_shapes(x.shape[:-1], cos.shape[:-1], sin.shape[:-1])
+    x = x.to(dtype).expand(*lead, x.shape[-1])
+    shape = torch.broadcast_shapes(cos.shape, sin.shape)
+    cos, sin = cos.expand(shape), sin.expand(shape)
+    pad = (None,) * (x.dim() - cos.dim())  # rope.apply aligns no dims implicitly
+    return ops.apply(x, cos[pad], sin[pad], interleaved)
+
+
+def _check_width(x, cos, sin, what, name):
+    rot = cos.shape[-1]
+    if sin.shape[-1] != rot or rot % 2 or rot == 0 or rot > x.shape[-1]:
+        raise ValueError(f"cos and sin of shapes {list(cos.shape)} and {list(sin.shape)}: their last "
+                         f"dim must be one even {what} <= {name}.size(-1) = {x.shape[-1]}")
+
+
+def _promoted(*tensors):
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def _rotate_half_style(tensors, cos, sin, dtypes):
+    """Each x of `tensors`: x * cos + rotate_half(x) * sin on its first cos.size(-1) dims, the
+    rest passed through, in its dtype of `dtypes`."""
+    half = cos.shape[-1] // 2
+    first_c, first_s = _float32(cos[..., :half]), _float32(sin[..., :half])
+    if not _table_grad(cos, sin):
+        return tuple(_rotate_pairs(x, first_c, first_s, d) for x, d in zip(tensors, dtypes))
+    # The first half of the outputs reads the tables' first half, the second half their second.
+    second_c = _float32(cos[..., half : 2 * half])
+    second_s = _float32(sin[..., half : 2 * half])
+    out = []
+    for x, d in zip(tensors, dtypes):
+        first = _rotate_pairs(x, first_c, first_s, d)
+        second = _rotate_pairs(x, second_c, second_s, d)
+        out.append(torch.cat((first[..., :half], second[..., half:]), dim=-1))
+    return tuple(out)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """transformers' apply_rotary_pos_emb (Llama, Mistral, Qwen2/3, Gemma, Phi-3, GPT-NeoX, ...):
+    returns (q_embed, k_embed) = (q * cos + rotate_half(q) * sin, likewise for k), with cos and sin
+    unsqueezed at `unsqueeze_dim` to broadcast over the heads (1 for (batch, heads, seq, head_dim),
+    2 for (batch, seq, heads, head_dim)). cos, sin: (batch, seq, rotary_dim) as transformers'
+    rotary modules make them, halves equal. rotary_dim < head_dim rotates the first rotary_dim
+    dims and passes the rest through, as the GPT-NeoX and Phi-3 versions do. position_ids:
+    unused, as in transformers. Differentiable w.r.t. q, k, cos and sin."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    _check_width(q, cos, sin, "rotary_dim", "q")
+    _check_width(k, cos, sin, "rotary_dim", "k")
+    return _rotate_half_style((q, k), cos, sin, (_promoted(q, cos, sin), _promoted(k, cos, sin)))
+
+
+def _sections(mrope_section, width):
+    section = [int(s) for s in mrope_section]
+    if len(section) != 3 or min(section) < 0 or 2 * sum(section) != width:
+        raise ValueError(f"mrope_section must be 3 ints >= 0 summing to cos.size(-1) / 2 = "
+                         f"{width // 2}, got {list(mrope_section)}")
+    return section
+
+
+def _mixed(table, section, halves):
+    """The (..., width) table whose chunk j of each half comes from component j of
+    table (3, ..., width): Qwen2-VL's per-section choice of the temporal/height/width rows."""
+    half, parts, start = table.shape[-1] // 2, [], 0
+    for h in range(halves):
+        for j, size in enumerate(section):
+            parts.append(table[j, ..., h * half + start : h * half + start + size])
+            start += size
+        start = 0
+    return torch.cat(parts, dim=-1)
+
+
+def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
+    """transformers' Qwen2-VL / Qwen2.5-VL apply_multimodal_rotary_pos_emb: cos, sin (3, batch,
+    seq, head_dim) hold the temporal, height and width tables; the pairs are split into
+    mrope_section (3 ints summing to head_dim/2) and section j is rotated by table j. Returns
+    (q_embed, k_embed). The rows of the 3 tables are gathered into one (batch, seq, head_dim/2)
+    table (transformers gathers the full head_dim), then q and k rotate in one pass each."""
+    if cos.dim() < 2 or cos.shape[0] != 3 or sin.shape != cos.shape:
+        raise ValueError(f"cos and sin must have one shape (3, batch, seq, head_dim), got "
+                         f"{list(cos.shape)} and {list(sin.shape)}")
+    section = _sections(mrope_section, cos.shape[-1])
+    halves = 2 if _table_grad(cos, sin) else 1  # both halves only when the tables need grads
+    cos = _mixed(cos, section, halves).unsqueeze(unsqueeze_dim)
+    sin = _mixed(sin, section, halves).unsqueeze(unsqueeze_dim)
+    dtypes = (_promoted(q, cos, sin), _promoted(k, cos, sin))
+    if halves == 2:
+        _check_width(q, cos, sin, "head_dim", "q")
+        _check_width(k, cos, sin, "head_dim", "k")
+        return _rotate_half_style((q, k), cos, sin, dtypes)
+    cos, sin = _float32(cos), _float32(sin)
+    return _rotate_pairs(q, cos, sin, dtypes[0]), _rotate_pairs(k, cos, sin, dtypes[1])
+
+
+def apply_rotary_pos_emb_vision(q, k, cos, sin):
+    """transformers' Qwen2-VL / Qwen2.5-VL vision-tower apply_rotary_pos_emb_vision: q, k (seq,
+    heads, head_dim), cos, sin (seq, head_dim), halves equal; computed in float32 and returned in
+    q's and k's dtypes (float64 inputs stay float64 throughout)."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    _check_width(q, cos, sin, "head_dim", "q")
+    _check_width(k, cos, sin, "head_dim", "k")
+    return _rotate_half_style((q, k), cos, sin, (q.dtype, k.dtype))
+
+
+def apply_rotary_pos_emb_gptj(tensor, sin, cos):
+    """transformers' GPT-J apply_rotary_pos_emb(tensor, sin, cos) (note the order): tensor (batch,
+    seq, heads, rotary_dim), sin/cos (batch, seq, rotary_dim / 2), pairs (2i, 2i+1) (GPT-J's
+    rotate_every_two); returns tensor * cos + rotate_every_two(tensor) * sin with cos/sin repeated
+    per pair. A wider tensor passes its dims past rotary_dim through. Exact for any tables:
+    GPT-J repeats each entry for both members of its pair, as rope_ext reads it."""
+    if tensor.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape:
+        raise ValueError(f"tensor must be (batch, seq, heads, rotary_dim) and sin, cos (batch, seq, "
+                         f"rotary_dim / 2), got tensor {list(tensor.shape)}, sin {list(sin.shape)} "
+                         f"and cos {list(cos.shape)}")
+    if 2 * cos.shape[-1] > tensor.shape[-1]:
+        raise ValueError(f"rotary_dim = 2 * cos.size(-1) = {2 * cos.shape[-1]} must be <= "
+                         f"tensor.size(-1) = {tensor.shape[-1]}")
+    dtype = _promoted(tensor, cos, sin)
+    cos, sin = _float32(cos[:, :, None, :]), _float32(sin[:, :, None, :])
+    return _rotate_pairs(tensor, cos, sin, dtype, interleaved=True)

@@ -1,0 +1,597 @@
+"""rope_ext.compat: each drop-in, called with its peer's argument names and layouts on random
+inputs, against an independent implementation of that peer (tests/peers.py) evaluated in float64
+on the same inputs; in-place entry points are checked on the whole buffer they live in (a fused
+qkv, a KV pool), so an element written wrongly or not at all shows."""
+
+import pytest
+import torch
+
+import peers
+from conftest import TOL
+from rope_ext.compat import flash_attn, flashinfer, sglang, vllm
+from rope_ext.compat import transformers as hf
+
+DTYPES = [torch.float32, torch.bfloat16]
+gradcheck = torch.autograd.gradcheck
+
+
+def check(actual, expected, dtype, scale=1.0):
+    assert actual.dtype == dtype
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol * scale,
+                               atol=atol * scale, equal_nan=True)
+
+
+def f64(*ts):
+    return [None if t is None else t.detach().double() for t in ts]
+
+
+def tables(rows, half, dtype=torch.float32, scale=3.0):
+    angles = torch.rand(rows, half, dtype=torch.float64) * scale
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def cos_sin_cache(max_pos, rot, dtype=torch.float32):
+    cos, sin = tables(max_pos, rot // 2, torch.float64, scale=50.0)
+    return torch.cat((cos, sin), dim=-1).to(dtype)
+
+
+# ---- transformers ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+@pytest.mark.parametrize("rot_frac", [1.0, 0.5])
+def test_hf_apply_rotary_pos_emb(dtype, unsqueeze_dim, rot_frac):
+    B, S, Hq, Hk, D = 2, 7, 4, 2, 32
+    rot = int(D * rot_frac)
+    position_ids = torch.randint(0, 200, (B, S))
+    cos, sin = peers.hf_cos_sin(position_ids, rot, dtype=dtype)
+    shape = (lambda h: (B, h, S, D)) if unsqueeze_dim == 1 else (lambda h: (B, S, h, D))
+    q, k = torch.randn(shape(Hq), dtype=dtype), torch.randn(shape(Hk), dtype=dtype)
+    q0, k0 = q.clone(), k.clone()
+    got = hf.apply_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim=unsqueeze_dim)
+    want = peers.hf_apply_rotary_pos_emb(*f64(q, k, cos, sin), unsqueeze_dim=unsqueeze_dim)
+    for g, w in zip(got, want):
+        check(g, w, dtype)
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+    assert torch.equal(got[0][..., rot:], q[..., rot:])  # partial rotary: the rest passes through
+
+
+@pytest.mark.parametrize("q_dtype, table_dtype", [(torch.bfloat16, torch.float32),
+                                                   (torch.float32, torch.bfloat16)])
+def test_hf_promotes_dtypes_like_torch(q_dtype, table_dtype):
+    q, k = torch.randn(2, 3, 5, 16, dtype=q_dtype), torch.randn(2, 1, 5, 16, dtype=q_dtype)
+    cos, sin = peers.hf_cos_sin(torch.arange(5).expand(2, 5), 16, dtype=table_dtype)
+    want = peers.hf_apply_rotary_pos_emb(q, k, cos, sin)  # promotes to float32
+    got = hf.apply_rotary_pos_emb(q, k, cos, sin)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype == torch.float32
+        check(g, w.double(), torch.float32, scale=4)
+
+
+def test_hf_broadcasts_tables_like_torch():
+    q, k = torch.randn(3, 6, 4, 16), torch.randn(3, 6, 2, 16)  # (batch, seq, heads, head_dim)
+    cos, sin = peers.hf_cos_sin(torch.arange(6)[None], 16)  # batch 1, broadcast over 3
+    for c, s in ((cos, sin), (cos[0], sin[0])):  # (1, seq, dim) and (seq, dim)
+        got = hf.apply_rotary_pos_emb(q, k, c, s, unsqueeze_dim=-2)
+        want = peers.hf_apply_rotary_pos_emb(*f64(q, k, c, s), unsqueeze_dim=-2)
+        for g, w in zip(got, want):
+            check(g, w, torch.float32)
+
+
+@pytest.mark.parametrize("rot", [8, 4])
+def test_hf_gradients(rot):
+    # Tables with unequal halves that require grad take the exact two-pass path: values and
+    # gradients are transformers' own, half by half, and match finite differences.
+    q = torch.randn(2, 3, 4, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 1, 4, 8, dtype=torch.float64, requires_grad=True)
+    cos = torch.randn(2, 4, rot, dtype=torch.float64, requires_grad=True)
+    sin = torch.randn(2, 4, rot, dtype=torch.float64, requires_grad=True)
+    assert gradcheck(hf.apply_rotary_pos_emb, (q, k, cos, sin))
+    got, want = hf.apply_rotary_pos_emb(q, k, cos, sin), peers.hf_apply_rotary_pos_emb(q, k, cos, sin)
+    w = [torch.randn_like(t) for t in want]
+    g_got = torch.autograd.grad(sum((a * b).sum() for a, b in zip(got, w)), (q, k, cos, sin))
+    g_want = torch.autograd.grad(sum((a * b).sum() for a, b in zip(want, w)), (q, k, cos, sin))
+    for a, b in zip(list(got) + list(g_got), list(want) + list(g_want)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_hf_gradients_without_table_grads():
+    q = torch.randn(2, 3, 4, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 1, 4, 8, dtype=torch.float64, requires_grad=True)
+    cos, sin = peers.hf_cos_sin(torch.randint(0, 50, (2, 4)), 8, dtype=torch.float64)
+    assert gradcheck(lambda q, k: hf.apply_rotary_pos_emb(q, k, cos, sin), (q, k))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [8, 16])  # GPT-J slices rotary_dim; a wider tensor passes through
+def test_hf_gptj(dtype, width):
+    B, S, H, rot = 2, 5, 3, 8
+    tensor = torch.randn(B, S, H, width, dtype=dtype)
+    cos, sin = tables(B * S, rot // 2, dtype)
+    cos, sin = cos.view(B, S, -1), sin.view(B, S, -1)
+    got = hf.apply_rotary_pos_emb_gptj(tensor, sin, cos)
+    t64, s64, c64 = f64(tensor, sin, cos)
+    want = torch.cat((peers.hf_gptj_apply_rotary_pos_emb(t64[..., :rot], s64, c64), t64[..., rot:]), -1)
+    check(got, want, dtype)
+    x = torch.randn(B, S, H, rot, dtype=torch.float64, requires_grad=True)
+    c, s = (t.double().requires_grad_() for t in (cos, sin))
+    assert gradcheck(hf.apply_rotary_pos_emb_gptj, (x, s, c))
+
+
+def mrope_tables(B, S, D, dtype):
+    angles = torch.rand(3, B, S, D // 2, dtype=torch.float64) * 20  # distinct t, h, w components
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hf_multimodal_rotary_pos_emb(dtype):
+    B, S, D, section = 2, 5, 16, [2, 3, 3]
+    q, k = torch.randn(B, 4, S, D, dtype=dtype), torch.randn(B, 2, S, D, dtype=dtype)
+    cos, sin = mrope_tables(B, S, D, dtype)
+    got = hf.apply_multimodal_rotary_pos_emb(q, k, cos, sin, section)
+    want = peers.hf_apply_multimodal_rotary_pos_emb(*f64(q, k, cos, sin), section)
+    for g, w in zip(got, want):
+        check(g, w, dtype)
+
+
+def test_hf_multimodal_gradients():
+    q = torch.randn(1, 2, 3, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 1, 3, 8, dtype=torch.float64, requires_grad=True)
+    cos = torch.randn(3, 1, 3, 8, dtype=torch.float64, requires_grad=True)  # unequal halves
+    sin = torch.randn(3, 1, 3, 8, dtype=torch.float64, requires_grad=True)
+    fn = lambda q, k, c, s: hf.apply_multimodal_rotary_pos_emb(q, k, c, s, [1, 2, 1])  # noqa: E731
+    assert gradcheck(fn, (q, k, cos, sin))
+    for g, w in zip(fn(q, k, cos, sin), peers.hf_apply_multimodal_rotary_pos_emb(q, k, cos, sin, [1, 2, 1])):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hf_rotary_pos_emb_vision(dtype):
+    q, k = torch.randn(9, 3, 16, dtype=dtype), torch.randn(9, 3, 16, dtype=dtype)
+    angles = torch.rand(9, 8) * 10
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    got = hf.apply_rotary_pos_emb_vision(q, k, cos, sin)
+    want = peers.hf_apply_rotary_pos_emb_vision(*f64(q, k, cos, sin))
+    for g, w in zip(got, want):
+        check(g, w, dtype)
+    q64, k64 = (torch.randn(4, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    c64, s64 = (torch.randn(4, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    assert gradcheck(hf.apply_rotary_pos_emb_vision, (q64, k64, c64, s64))
+
+
+def test_hf_errors():
+    q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    with pytest.raises(ValueError, match="even rotary_dim <= q.size"):
+        hf.apply_rotary_pos_emb(q, k, torch.ones(1, 3, 10), torch.ones(1, 3, 10))
+    with pytest.raises(ValueError, match="even rotary_dim"):
+        hf.apply_rotary_pos_emb(q, k, torch.ones(1, 3, 5), torch.ones(1, 3, 5))
+    with pytest.raises(ValueError, match="mrope_section must be 3 ints"):
+        hf.apply_multimodal_rotary_pos_emb(q, k, torch.ones(3, 1, 3, 8), torch.ones(3, 1, 3, 8), [1, 1, 1])
+
+
+# ---- flash-attn ------------------------------------------------------------------------------
+
+def offsets_arg(kind, batch):
+    return {"zero": 0, "int": 5, "tensor": torch.tensor([0, 3, 9, 1][:batch], dtype=torch.int32)}[kind]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("offsets", ["zero", "int", "tensor"])
+@pytest.mark.parametrize("rot", [32, 16])
+def test_fa_apply_rotary_emb(dtype, interleaved, inplace, offsets, rot):
+    B, S, H, D = 3, 6, 4, 32
+    cos, sin = tables(20, rot // 2, dtype)  # flash-attn's tables have x's dtype
+    x = torch.randn(B, S, H, D, dtype=dtype)
+    x0 = x.clone()
+    off = offsets_arg(offsets, B)
+    out = flash_attn.apply_rotary_emb(x, cos, sin, interleaved=interleaved, inplace=inplace,
+                                      seqlen_offsets=off)
+    want = peers.fa_apply_rotary_emb(*f64(x0, cos, sin), interleaved=interleaved, seqlen_offsets=off)
+    check(out, want, dtype)
+    assert (out is x) if inplace else torch.equal(x, x0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("offsets", ["int", "tensor"])
+def test_fa_apply_rotary_emb_varlen(dtype, interleaved, inplace, offsets):
+    cu_seqlens = torch.tensor([0, 3, 7, 12], dtype=torch.int32)
+    x = torch.randn(12, 4, 32, dtype=dtype)
+    x0 = x.clone()
+    cos, sin = tables(16, 12, dtype)  # rotary_dim 24 of 32
+    off = offsets_arg(offsets, 3)
+    out = flash_attn.apply_rotary_emb(x, cos, sin, interleaved, inplace, off, cu_seqlens, 5)
+    want = peers.fa_apply_rotary_emb(*f64(x0, cos, sin), interleaved, False, off, cu_seqlens, 5)
+    check(out, want, dtype)
+    assert (out is x) if inplace else torch.equal(x, x0)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("batched_tables", [False, True])
+def test_fa_published_reference(interleaved, batched_tables):
+    B, S, H, D = 2, 5, 3, 16
+    x = torch.randn(B, S, H, D, dtype=torch.float64, requires_grad=True)
+    shape = (B, S, 6) if batched_tables else (S, 6)
+    cos = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    sin = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    got = flash_attn.apply_rotary_emb_torch(x, cos, sin, interleaved)
+    torch.testing.assert_close(got, peers.fa_apply_rotary_emb_torch(x, cos, sin, interleaved),
+                               rtol=1e-12, atol=1e-12)
+    assert gradcheck(lambda x, c, s: flash_attn.apply_rotary_emb_torch(x, c, s, interleaved), (x, cos, sin))
+    if not batched_tables:  # the kernel entry point agrees with the published reference
+        fast = flash_attn.apply_rotary_emb(x.detach(), cos.detach(), sin.detach(), interleaved)
+        torch.testing.assert_close(fast, got.detach(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_fa_gradients(interleaved):
+    cos, sin = tables(12, 4, torch.float64)
+    cos.requires_grad_()
+    x = torch.randn(2, 4, 3, 12, dtype=torch.float64, requires_grad=True)
+    off = torch.tensor([2, 7])
+    assert gradcheck(lambda x: flash_attn.apply_rotary_emb(x, cos, sin, interleaved, seqlen_offsets=off), (x,))
+    assert gradcheck(lambda x: flash_attn.apply_rotary_emb(x * 1, cos, sin, interleaved, inplace=True,
+                                                           seqlen_offsets=3), (x,))
+    xv = torch.randn(7, 3, 12, dtype=torch.float64, requires_grad=True)
+    cu = torch.tensor([0, 2, 7])
+    assert gradcheck(lambda x: flash_attn.apply_rotary_emb(x, cos, sin, interleaved, cu_seqlens=cu,
+                                                           max_seqlen=5), (xv,))
+    flash_attn.apply_rotary_emb(x, cos, sin, interleaved).sum().backward()
+    assert cos.grad is None  # as flash-attn's Function: no gradient for the tables
+
+
+@pytest.mark.parametrize("layout", ["qkv5", "gqa"])
+@pytest.mark.parametrize("k_tables", [False, True])
+@pytest.mark.parametrize("offsets", ["int", "tensor"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_fa_apply_rotary_emb_qkv_(layout, k_tables, offsets, interleaved):
+    dtype = torch.bfloat16
+    B, S, D = 2, 5, 16
+    qkv = torch.randn((B, S, 3, 4, D) if layout == "qkv5" else (B, S, 4 + 2 * 2, D), dtype=dtype)
+    hq = None if layout == "qkv5" else 4
+    cos, sin = tables(16, 6, dtype)
+    cos_k, sin_k = tables(16, 6, dtype) if k_tables else (None, None)
+    off = offsets_arg(offsets, B)
+    want = peers.fa_apply_rotary_emb_qkv_(*f64(qkv, cos, sin, cos_k, sin_k), interleaved=interleaved,
+                                          seqlen_offsets=off, num_heads_q=hq)
+    out = flash_attn.apply_rotary_emb_qkv_(qkv, cos, sin, cos_k, sin_k, interleaved, off, hq)
+    assert out is qkv
+    check(qkv, want, dtype)  # the whole buffer: q and k rotated, v untouched
+
+
+def test_fa_qkv_and_kv_gradients():
+    cos, sin = tables(8, 3, torch.float64)
+    qkv = torch.randn(1, 4, 3, 2, 8, dtype=torch.float64, requires_grad=True)
+    assert gradcheck(lambda t: flash_attn.apply_rotary_emb_qkv_(t * 1, cos, sin, seqlen_offsets=2), (qkv,))
+    gqa = torch.randn(1, 4, 2 + 2 * 1, 8, dtype=torch.float64, requires_grad=True)
+    assert gradcheck(lambda t: flash_attn.apply_rotary_emb_qkv_(t * 1, cos, sin, num_heads_q=2), (gqa,))
+    kv = torch.randn(2, 4, 2, 2, 8, dtype=torch.float64, requires_grad=True)
+    assert gradcheck(lambda t: flash_attn.apply_rotary_emb_kv_(t * 1, cos, sin, True, torch.tensor([0, 4])), (kv,))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_fa_apply_rotary_emb_kv_(interleaved):
+    kv = torch.randn(2, 5, 2, 3, 16)
+    cos, sin = tables(10, 8)
+    want = peers.fa_apply_rotary_emb_kv_(*f64(kv, cos, sin), interleaved, torch.tensor([1, 4]))
+    assert flash_attn.apply_rotary_emb_kv_(kv, cos, sin, interleaved, torch.tensor([1, 4])) is kv
+    check(kv, want, torch.float32)
+
+
+def test_fa_inplace_on_a_leaf_that_requires_grad_is_refused():
+    x = torch.randn(1, 3, 2, 8, requires_grad=True)
+    cos, sin = tables(3, 4)
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        flash_attn.apply_rotary_emb(x, cos, sin, inplace=True)
+
+
+def test_fa_errors_change_nothing():
+    x = torch.randn(2, 6, 3, 16)
+    x0 = x.clone()
+    cos, sin = tables(8, 8)
+    with pytest.raises(ValueError, match="seqlen_offsets \\+ seqlen = 3 \\+ 6 must lie within"):
+        flash_attn.apply_rotary_emb(x, cos, sin, inplace=True, seqlen_offsets=3)
+    with pytest.raises(RuntimeError, match="positions must lie in \\[0, 8\\)"):
+        flash_attn.apply_rotary_emb(x, cos, sin, inplace=True, seqlen_offsets=torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match="max_seqlen must be passed"):
+        flash_attn.apply_rotary_emb(x[0], cos, sin, inplace=True, cu_seqlens=torch.tensor([0, 6]))
+    with pytest.raises(RuntimeError, match="got -1 at flat index 4"):  # tokens past cu_seqlens[-1]
+        flash_attn.apply_rotary_emb(x[0], cos, sin, inplace=True, cu_seqlens=torch.tensor([0, 4]), max_seqlen=4)
+    with pytest.raises(ValueError, match="batch_size, seqlen, nheads, headdim"):
+        flash_attn.apply_rotary_emb(x[0], cos, sin)
+    with pytest.raises(ValueError, match="seqlen_offsets must be an int or an int32/int64 tensor"):
+        flash_attn.apply_rotary_emb(x, cos, sin, seqlen_offsets=torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="num_heads_q is required"):
+        flash_attn.apply_rotary_emb_qkv_(x.view(2, 6, 3, 2, 8)[:, :, :, 0], cos[:, :4], sin[:, :4])
+    assert torch.equal(x, x0)
+
+
+# ---- vLLM ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("layout", ["flat", "heads"])
+@pytest.mark.parametrize("lead", [(11,), (2, 5)])
+@pytest.mark.parametrize("with_key", [True, False])
+def test_vllm_rotary_embedding(dtype, is_neox, layout, lead, with_key):
+    Hq, Hk, hs, rot = 4, 2, 32, 16  # GQA, partial rotary
+    qkv = torch.randn(*lead, (Hq + 2 * Hk) * hs, dtype=dtype)  # the fused projection output
+    query, key = qkv[..., : Hq * hs], qkv[..., Hq * hs : (Hq + Hk) * hs]
+    if layout == "heads":
+        query, key = query.unflatten(-1, (Hq, hs)), key.unflatten(-1, (Hk, hs))
+    key = key if with_key else None
+    cache = cos_sin_cache(64, rot, dtype)
+    positions = torch.randint(0, 64, lead)
+    want = qkv.double()
+    wq, wk = want[..., : Hq * hs], want[..., Hq * hs : (Hq + Hk) * hs]
+    peers.vllm_rotary_embedding(positions, wq, wk if with_key else None, hs, cache.double(), is_neox)
+    assert vllm.rotary_embedding(positions, query, key, hs, cache, is_neox) is None
+    check(qkv, want, dtype)
+
+
+def test_vllm_errors_change_nothing():
+    query, key = torch.randn(5, 3 * 16), torch.randn(5, 16)
+    q0, k0 = query.clone(), key.clone()
+    cache = cos_sin_cache(10, 16)
+    with pytest.raises(ValueError, match="query of shape \\[5, 48\\]: its last dim 48 must be a multiple of "
+                                         "head_size = 32"):
+        vllm.rotary_embedding(torch.arange(5), query, key, 32, cache, True)
+    with pytest.raises(RuntimeError, match="positions must lie in \\[0, 10\\)"):
+        vllm.rotary_embedding(torch.tensor([0, 1, 2, 3, 10]), query, key, 16, cache, True)
+    with pytest.raises(ValueError, match="head_size must be a positive int"):
+        vllm.rotary_embedding(torch.arange(5), query, key, 0, cache, True)
+    assert torch.equal(query, q0) and torch.equal(key, k0)
+
+
+def test_vllm_gradients():
+    cache = cos_sin_cache(20, 8, torch.float64)
+    positions = torch.randint(0, 20, (4,))
+
+    def fn(q, k):
+        q, k = q * 1, k * 1
+        vllm.rotary_embedding(positions, q, k, 8, cache, False)
+        return q, k
+
+    q = torch.randn(4, 2 * 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    assert gradcheck(fn, (q, k))
+
+
+# ---- FlashInfer ------------------------------------------------------------------------------
+
+def fi_inputs(dtype, nnz=10, Hq=4, Hk=2, D=32):
+    return torch.randn(nnz, Hq, D, dtype=dtype), torch.randn(nnz, Hk, D, dtype=dtype)
+
+
+SCALINGS = [dict(), dict(rope_scale=2.0, rope_theta=5e5)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleave", [False, True])
+@pytest.mark.parametrize("rotary_dim", [None, 16])
+@pytest.mark.parametrize("scaling", [0, 1])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_fi_apply_rope_pos_ids(dtype, interleave, rotary_dim, scaling, inplace):
+    q, k = fi_inputs(dtype)
+    q0, k0 = q.clone(), k.clone()
+    pos_ids = torch.randint(0, 3000, (10,), dtype=torch.int32)
+    kw = dict(rotary_dim=rotary_dim, interleave=interleave, **SCALINGS[scaling])
+    want = peers.flashinfer_apply_rope_pos_ids(*f64(q, k), pos_ids, **kw)
+    if inplace:
+        assert flashinfer.apply_rope_pos_ids_inplace(q, k, pos_ids, **kw) is None
+        got = (q, k)
+    else:
+        got = flashinfer.apply_rope_pos_ids(q, k, pos_ids, **kw)
+        assert torch.equal(q, q0) and torch.equal(k, k0)
+    for g, w in zip(got, want):
+        check(g, w, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleave", [False, True])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_fi_apply_rope_ragged(dtype, interleave, inplace):
+    q, k = fi_inputs(dtype, nnz=12)
+    q0, k0 = q.clone(), k.clone()
+    indptr = torch.tensor([0, 4, 4, 9, 12], dtype=torch.int32)  # an empty segment too
+    offsets = torch.tensor([0, 7, 100, 2500], dtype=torch.int32)
+    want = peers.flashinfer_apply_rope(*f64(q, k), indptr, offsets, 24, interleave)
+    if inplace:
+        assert flashinfer.apply_rope_inplace(q, k, indptr, offsets, 24, interleave) is None
+        got = (q, k)
+    else:
+        got = flashinfer.apply_rope(q, k, indptr, offsets, 24, interleave)
+        assert torch.equal(q, q0) and torch.equal(k, k0)
+    for g, w in zip(got, want):
+        check(g, w, dtype)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_fi_tokens_outside_indptr_are_left_alone(inplace):
+    q, k = fi_inputs(torch.float32, nnz=9)
+    q0 = q.clone()
+    indptr, offsets = torch.tensor([2, 5, 7]), torch.tensor([3, 0])
+    want = peers.flashinfer_apply_rope(*f64(q, k), indptr, offsets)
+    got = flashinfer.apply_rope(q, k, indptr, offsets) if not inplace else None
+    if inplace:
+        flashinfer.apply_rope_inplace(q, k, indptr, offsets)
+        got = (q, k)
+    check(got[0], want[0], torch.float32)
+    assert torch.equal(got[0][:2], q0[:2]) and torch.equal(got[0][7:], q0[7:])
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_fi_llama31(ragged, inplace):
+    q, k = fi_inputs(torch.float32, nnz=8, D=64)
+    kw = dict(rope_scale=8, rope_theta=5e5, low_freq_factor=1, high_freq_factor=4, old_context_len=64)
+    positions = torch.tensor([0, 1, 33, 100, 700, 2000, 5, 9000])
+    indptr, offsets = torch.tensor([0, 3, 8]), torch.tensor([60, 2000])
+    if ragged:
+        wq, wk = f64(q, k)
+        peers.flashinfer_apply_llama31_rope_inplace(wq, wk, indptr, offsets, **kw)
+        args = (indptr, offsets)
+        fn = flashinfer.apply_llama31_rope_inplace if inplace else flashinfer.apply_llama31_rope
+    else:
+        wq, wk = f64(q, k)
+        peers.flashinfer_apply_llama31_rope_pos_ids_inplace(wq, wk, positions, **kw)
+        args = (positions,)
+        fn = flashinfer.apply_llama31_rope_pos_ids_inplace if inplace else flashinfer.apply_llama31_rope_pos_ids
+    out = fn(q, k, *args, **kw)
+    got = (q, k) if inplace else out
+    assert (out is None) == inplace
+    check(got[0], wq, torch.float32)
+    check(got[1], wk, torch.float32)
+    # The Llama 3.1 blend moves the low frequencies (1/8 of the unscaled value), keeps the high ones.
+    unscaled = peers.flashinfer_frequencies(64, 1.0, 5e5)
+    blended = peers.flashinfer_frequencies(64, 8, 5e5, 1, 4, 64)
+    assert blended[0] == unscaled[0] and torch.isclose(blended[-1], unscaled[-1] / 8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_fi_apply_rope_with_cos_sin_cache(dtype, is_neox, inplace):
+    T, Hq, Hk, hs = 7, 4, 2, 32
+    qkv = torch.randn(T, (Hq + 2 * Hk) * hs, dtype=dtype)
+    query, key = qkv[:, : Hq * hs], qkv[:, Hq * hs : (Hq + Hk) * hs]
+    cache = cos_sin_cache(40, 24)
+    positions = torch.randint(0, 40, (T,))
+    want = qkv.double()
+    peers.flashinfer_apply_rope_with_cos_sin_cache_inplace(
+        positions, want[:, : Hq * hs], want[:, Hq * hs : (Hq + Hk) * hs], hs, cache, is_neox)
+    if inplace:
+        assert flashinfer.apply_rope_with_cos_sin_cache_inplace(positions, query, key, hs, cache, is_neox) is None
+        check(qkv, want, dtype)
+    else:
+        before = qkv.clone()
+        q_out, k_out = flashinfer.apply_rope_with_cos_sin_cache(positions, query, key, hs, cache, is_neox)
+        assert q_out.shape == query.shape and k_out.shape == key.shape and torch.equal(qkv, before)
+        check(q_out, want[:, : Hq * hs], dtype)
+        check(k_out, want[:, Hq * hs : (Hq + Hk) * hs], dtype)
+
+
+def test_fi_errors_change_nothing():
+    q, k = fi_inputs(torch.float32)
+    q0 = q.clone()
+    with pytest.raises(ValueError, match="cos_sin_cache should be float32"):
+        flashinfer.apply_rope_with_cos_sin_cache_inplace(torch.arange(10), q.flatten(1), k.flatten(1), 32,
+                                                         cos_sin_cache(20, 32, torch.float16))
+    with pytest.raises(ValueError, match="must be a multiple of head_size = 48"):
+        flashinfer.apply_rope_with_cos_sin_cache_inplace(torch.arange(10), q.flatten(1), k.flatten(1), 48,
+                                                         cos_sin_cache(20, 32))
+    with pytest.raises(ValueError, match="rotary_dim must be an even int in \\[2, head_dim = 32\\]"):
+        flashinfer.apply_rope_pos_ids_inplace(q, k, torch.arange(10), rotary_dim=33)
+    with pytest.raises(ValueError, match="pos_ids must have shape \\[10\\]"):
+        flashinfer.apply_rope_pos_ids_inplace(q, k, torch.arange(9))
+    with pytest.raises(ValueError, match="q and k must have shapes"):
+        flashinfer.apply_rope_pos_ids_inplace(q.flatten(1), k, torch.arange(10))
+    with pytest.raises(ValueError, match="offsets must have shape \\[2\\]"):
+        flashinfer.apply_rope_inplace(q, k, torch.tensor([0, 4, 10]), torch.tensor([0]))
+    assert torch.equal(q, q0)
+
+
+def test_fi_gradients():
+    q = torch.randn(5, 2, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(5, 1, 8, dtype=torch.float64, requires_grad=True)
+    pos = torch.randint(0, 100, (5,))
+    assert gradcheck(lambda q, k: flashinfer.apply_rope_pos_ids(q, k, pos, rotary_dim=6), (q, k))
+    assert gradcheck(lambda q, k: flashinfer.apply_rope(q, k, torch.tensor([0, 2, 5]), torch.tensor([4, 1]),
+                                                        interleave=True), (q, k))
+
+    def in_place(qk):  # q and k as views of one buffer, rotated in place
+        qk = qk * 1
+        flashinfer.apply_rope_pos_ids_inplace(qk[:, :2], qk[:, 2:], pos)
+        return qk
+
+    assert gradcheck(in_place, (torch.randn(5, 3, 8, dtype=torch.float64, requires_grad=True),))
+
+
+# ---- SGLang ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("fused", [None, "flat", "heads"])
+def test_sglang_apply_rope_with_cos_sin_cache_inplace(dtype, is_neox, fused):
+    T, Hq, Hk, hs, slots = 6, 4, 2, 16, 20
+    qkv = torch.randn(T, (Hq + 2 * Hk) * hs, dtype=dtype)
+    query, key, value = (qkv[:, : Hq * hs], qkv[:, Hq * hs : (Hq + Hk) * hs],
+                         qkv[:, (Hq + Hk) * hs :])
+    cache = cos_sin_cache(50, hs)
+    positions = torch.randint(0, 50, (T,))
+    want = qkv.double()
+    w_arg = arg = None
+    if fused is not None:
+        shape = (slots, Hk * hs) if fused == "flat" else (slots, Hk, hs)
+        k_buffer = torch.full(shape, float("nan"), dtype=dtype)  # untouched slots stay NaN
+        v_buffer = torch.full(shape, float("nan"), dtype=dtype)
+        cache_loc = torch.randperm(slots)[:T]
+        arg = sglang.FusedSetKVBufferArg(value, k_buffer, v_buffer, None, None, cache_loc)
+        w_arg = peers.FusedSetKVBufferArg(want[:, (Hq + Hk) * hs :], k_buffer.double(), v_buffer.double(),
+                                          None, None, cache_loc)
+    peers.sglang_apply_rope_with_cos_sin_cache_inplace(
+        positions, want[:, : Hq * hs], want[:, Hq * hs : (Hq + Hk) * hs], hs, cache, is_neox, w_arg)
+    assert sglang.apply_rope_with_cos_sin_cache_inplace(positions, query, key, hs, cache, is_neox,
+                                                        arg) is None
+    check(qkv, want, dtype)
+    if fused is not None:
+        check(arg.k_buffer, w_arg.k_buffer, dtype)
+        check(arg.v_buffer, w_arg.v_buffer, dtype)
+
+
+def test_sglang_gradients_without_cache_store():
+    cache, positions = cos_sin_cache(20, 8, torch.float64), torch.randint(0, 20, (4,))
+
+    def fn(qkv):
+        qkv = qkv * 1
+        sglang.apply_rope_with_cos_sin_cache_inplace(positions, qkv[:, :16], qkv[:, 16:24], 8, cache.float(),
+                                                     False)
+        return qkv
+
+    qkv = torch.randn(4, 32, dtype=torch.float32, requires_grad=True)
+    out = fn(qkv)
+    (out * torch.arange(32.0)).sum().backward()
+    # The gradient is the inverse rotation of the incoming one; v's passes through unchanged.
+    assert torch.equal(qkv.grad[:, 24:], torch.arange(24.0, 32).expand(4, 8))
+    g = torch.arange(32.0).expand(4, 32).clone()
+    want = g.clone()
+    half = cache.float()[positions]
+    inverse = torch.cat((half[:, :4], -half[:, 4:]), -1)  # rotation by the negative angle
+    peers.vllm_rotary_embedding(torch.arange(4), want[:, :16], want[:, 16:24], 8, inverse, False)
+    torch.testing.assert_close(qkv.grad, want, rtol=1e-5, atol=1e-5)
+
+
+def test_sglang_fp8_buffers():
+    T, Hk, hs = 5, 2, 16
+    query, key, value = torch.randn(T, 2 * hs), torch.randn(T, Hk * hs), torch.randn(T, Hk * hs)
+    k_buffer = torch.zeros(8, Hk, hs, dtype=torch.float8_e4m3fn)
+    v_buffer = torch.zeros(8, Hk, hs, dtype=torch.float8_e4m3fn)
+    cache, positions = cos_sin_cache(30, hs), torch.randint(0, 30, (T,))
+    loc = torch.tensor([7, 0, 3, 5, 1])
+    rotated = key.clone()
+    peers.vllm_rotary_embedding(positions, query.clone(), rotated, hs, cache, True)
+    arg = sglang.FusedSetKVBufferArg(value, k_buffer, v_buffer, 0.5, 2.0, loc)
+    sglang.apply_rope_with_cos_sin_cache_inplace(positions, query, key, hs, cache, True, arg)
+    # SGLang's set_kv_buffer for float8 pools: value / scale, converted.
+    assert torch.equal(k_buffer[loc].view(T, -1).float(), (rotated / 0.5).to(torch.float8_e4m3fn).float())
+    assert torch.equal(v_buffer[loc].view(T, -1).float(), (value / 2.0).to(torch.float8_e4m3fn).float())
+    assert torch.equal(k_buffer[[2, 4, 6]].float(), torch.zeros(3, Hk, hs))
+
+
+def test_sglang_errors_change_nothing():
+    query, key = torch.randn(4, 32), torch.randn(4, 16)
+    q0 = query.clone()
+    buf = torch.zeros(6, 16)
+    arg = sglang.FusedSetKVBufferArg(torch.randn(4, 16), buf, buf.clone(), 1.0, None, torch.arange(4))
+    with pytest.raises(ValueError, match="cos_sin_cache should be float32"):
+        sglang.apply_rope_with_cos_sin_cache_inplace(torch.arange(4), query, key, 16,
+                                                     cos_sin_cache(8, 16, torch.bfloat16))
+    with pytest.raises(ValueError, match="k_scale and v_scale must be None"):
+        sglang.apply_rope_with_cos_sin_cache_inplace(torch.arange(4), query, key, 16, cos_sin_cache(8, 16),
+                                                     True, arg)
+    assert torch.equal(query, q0) and torch.equal(buf, torch.zeros(6, 16))

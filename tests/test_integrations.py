@@ -1,0 +1,254 @@
+"""rope_ext.integrations.transformers: patch(model) routes a transformers model's RoPE through
+rope_ext's ops and unpatch(model) undoes it. Tiny randomly initialised models built from config
+(no downloads): the patched model must give the unpatched model's logits, run rope ops (counted
+at the dispatcher, so a silent no-op fails), touch no other model, and unpatch must restore
+transformers' code exactly.
+
+Tolerance: in float32 the native kernel computes each output as x1*c - x2*s, rounding like
+transformers' q*cos + rotate_half(q)*sin, so the logits agree to ~1 ulp (we allow 1e-5 relative);
+bfloat16 logits differ by transformers' extra roundings of its intermediates (rope_ext rounds
+once), within bf16 tolerance."""
+
+import gc
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+transformers = pytest.importorskip("transformers")
+from rope_ext.integrations import transformers as integration  # noqa: E402
+
+BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+MROPE = {"type": "mrope", "mrope_section": [2, 3, 3]}  # head_dim 16: 8 pairs
+
+
+def causal_lm(config):
+    return lambda: transformers.AutoModelForCausalLM.from_config(config)
+
+
+def vl_model(config_cls, model_cls, vision):
+    config = config_cls(text_config=dict(BASE, rope_scaling=MROPE), vision_config=vision,
+                        image_token_id=5, video_token_id=6, vision_start_token_id=7,
+                        vision_end_token_id=8)
+    return lambda: model_cls(config)
+
+
+T = transformers
+FAMILIES = {
+    "llama": causal_lm(T.LlamaConfig(**BASE)),
+    "mistral": causal_lm(T.MistralConfig(**BASE)),
+    "mixtral": causal_lm(T.MixtralConfig(**BASE, num_local_experts=2, num_experts_per_tok=1)),
+    "qwen2": causal_lm(T.Qwen2Config(**BASE)),
+    "qwen2_moe": causal_lm(T.Qwen2MoeConfig(**BASE, num_experts=2, num_experts_per_tok=1,
+                                            moe_intermediate_size=32,
+                                            shared_expert_intermediate_size=32)),
+    "qwen3": causal_lm(T.Qwen3Config(**BASE, head_dim=16)),
+    "qwen3_moe": causal_lm(T.Qwen3MoeConfig(**BASE, head_dim=16, num_experts=2, num_experts_per_tok=1,
+                                            moe_intermediate_size=32)),
+    "gemma": causal_lm(T.GemmaConfig(**BASE, head_dim=16)),
+    "gemma2": causal_lm(T.Gemma2Config(**BASE, head_dim=16)),
+    "phi3": causal_lm(T.Phi3Config(**BASE, partial_rotary_factor=0.5, pad_token_id=0)),  # partial
+    "phi": causal_lm(T.PhiConfig(**BASE, partial_rotary_factor=0.5)),
+    "gpt_neox": causal_lm(T.GPTNeoXConfig(**BASE, rotary_pct=0.25)),  # partial rotary
+    "stablelm": causal_lm(T.StableLmConfig(**BASE, partial_rotary_factor=0.25)),
+    "olmo2": causal_lm(T.Olmo2Config(**BASE)),
+    "granite": causal_lm(T.GraniteConfig(**BASE)),
+    "starcoder2": causal_lm(T.Starcoder2Config(**BASE)),
+    "gptj": causal_lm(T.GPTJConfig(vocab_size=128, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
+                                   n_positions=128)),  # interleaved, partial rotary
+    "qwen2_vl": vl_model(T.Qwen2VLConfig, T.Qwen2VLForConditionalGeneration,
+                         dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=2,
+                              spatial_merge_size=2, temporal_patch_size=1)),
+    "qwen2_5_vl": vl_model(T.Qwen2_5_VLConfig, T.Qwen2_5_VLForConditionalGeneration,
+                           dict(depth=1, hidden_size=32, out_hidden_size=64, intermediate_size=64,
+                                num_heads=2, patch_size=2, spatial_merge_size=2,
+                                temporal_patch_size=1, window_size=8, fullatt_block_indexes=[0])),
+}
+VL = ("qwen2_vl", "qwen2_5_vl")
+
+
+class RopeOps(TorchDispatchMode):
+    """Counts the rope::* ops run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.namespace == "rope"
+        return func(*args, **(kwargs or {}))
+
+
+def build(family, dtype=torch.float32):
+    torch.manual_seed(0)
+    return FAMILIES[family]().to(dtype).eval()
+
+
+def inputs(family):
+    ids = torch.randint(10, 128, (2, 12))
+    if family not in VL:
+        return [dict(input_ids=ids)]
+    # Text with distinct temporal/height/width positions, and a 4x4-patch image (4 merged tokens)
+    # that runs the vision tower's RoPE too.
+    image_ids = torch.randint(10, 128, (1, 12))
+    image_ids[0, 2], image_ids[0, 3:7], image_ids[0, 7] = 7, 5, 8
+    return [dict(input_ids=ids, position_ids=torch.randint(0, 100, (3, 2, 12))),
+            dict(input_ids=image_ids, pixel_values=torch.randn(16, 12),
+                 image_grid_thw=torch.tensor([[1, 4, 4]]))]
+
+
+def logits(model, batches):
+    counter = RopeOps()
+    with torch.no_grad(), counter:
+        out = [model(**b).logits for b in batches]
+    return out, counter.count
+
+
+def rope_functions(family):
+    path, functions = integration.FAMILIES[family]
+    module = __import__(f"transformers.models.{path}", fromlist=["_"])
+    return {name: getattr(module, name) for name in functions}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patched_model_same_logits(family):
+    model = build(family)
+    batches = inputs(family)
+    originals = rope_functions(family)
+    want, n_before = logits(model, batches)
+    assert n_before == 0
+    assert integration.patch(model) is model and integration.is_patched(model)
+    got, n_patched = logits(model, batches)
+    # q and k of each of the 2 text layers (and of the 1 vision block for the image batch).
+    assert n_patched == 2 * 2 * len(batches) + (2 if family in VL else 0)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert integration.unpatch(model) is model and not integration.is_patched(model)
+    again, n_after = logits(model, batches)
+    assert n_after == 0 and all(torch.equal(a, w) for a, w in zip(again, want))
+    assert rope_functions(family) == originals  # transformers' own function objects again
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_bf16_logits():
+    model = build("llama", torch.bfloat16)
+    batches = inputs("llama")
+    want, _ = logits(model, batches)
+    integration.patch(model)
+    got, n = logits(model, batches)
+    integration.unpatch(model)
+    assert n == 4
+    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "gptj"])
+def test_training_gradients_match(family):
+    model = build(family).train()
+    ids = torch.randint(0, 128, (2, 10))
+
+    def grads():
+        model.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want = grads()
+    integration.patch(model)
+    got = grads()
+    integration.unpatch(model)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+
+
+def test_generate_with_kv_cache_same_tokens():
+    model = build("llama")
+    ids = torch.randint(10, 128, (2, 6))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, **kw)
+    integration.patch(model)
+    got = model.generate(ids, **kw)
+    integration.unpatch(model)
+    assert torch.equal(got, want)
+
+
+def test_patch_is_per_model():
+    patched, other = build("llama"), build("llama")
+    batches = inputs("llama")
+    integration.patch(patched)
+    try:
+        _, n_other = logits(other, batches)
+        _, n_patched = logits(patched, batches)
+        assert (n_other, n_patched) == (0, 4)
+        second = build("llama")
+        integration.patch(second)
+        integration.unpatch(patched)  # the family stays routed for `second`
+        assert logits(second, batches)[1] == 4 and logits(patched, batches)[1] == 0
+        integration.unpatch(second)
+    finally:
+        integration.unpatch(patched)
+    assert rope_functions("llama")["apply_rotary_pos_emb"].__module__.startswith("transformers")
+
+
+def test_patch_twice_and_unpatch_unpatched_are_harmless():
+    model = build("qwen2")
+    integration.patch(model)
+    integration.patch(model)
+    assert logits(model, inputs("qwen2"))[1] == 4  # one layer of wrapping, not two
+    integration.unpatch(model)
+    integration.unpatch(model)
+    assert logits(model, inputs("qwen2"))[1] == 0
+
+
+def test_unpatch_restores_an_existing_forward_override():
+    model = build("mistral")
+    attention = model.model.layers[0].self_attn
+    hooked = attention.forward  # what e.g. accelerate's hooks install as an instance attribute
+    attention.forward = hooked
+    integration.patch(model)
+    assert attention.forward is not hooked
+    integration.unpatch(model)
+    assert attention.__dict__["forward"] is hooked
+    assert "forward" not in model.model.layers[1].self_attn.__dict__
+
+
+def test_dropped_patched_model_releases_transformers_function():
+    original = rope_functions("gemma")["apply_rotary_pos_emb"]
+    model = build("gemma")
+    integration.patch(model)
+    assert rope_functions("gemma")["apply_rotary_pos_emb"] is not original
+    del model
+    gc.collect()
+    assert rope_functions("gemma")["apply_rotary_pos_emb"] is original
+
+
+@pytest.mark.parametrize("config", [
+    T.CohereConfig(**BASE),  # interleaved pairs in a rotate_half-named function: not patchable
+    T.GPT2Config(vocab_size=128, n_embd=64, n_layer=1, n_head=4),  # no RoPE at all
+])
+def test_unsupported_family_is_an_error(config):
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(integration.UnsupportedModelError,
+                       match=f"cannot patch .*model_type '{config.model_type}'.*Supported") as error:
+        integration.patch(model)
+    assert isinstance(error.value, ValueError) and isinstance(error.value, NotImplementedError)
+    assert not integration.is_patched(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_a_changed_transformers_function_is_refused(monkeypatch):
+    modeling = transformers.models.llama.modeling_llama
+
+    def changed(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):  # e.g. a future refactor
+        return q * cos.unsqueeze(unsqueeze_dim), k * cos.unsqueeze(unsqueeze_dim)
+
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", changed)
+    model = build("llama")
+    with pytest.raises(RuntimeError, match="does not compute what its rope_ext replacement does"):
+        integration.patch(model)
+    assert not integration.is_patched(model) and modeling.apply_rotary_pos_emb is changed
+
+
+def test_not_a_transformers_model_is_an_error():
+    with pytest.raises(ValueError, match="has no config.model_type"):
+        integration.patch(torch.nn.Linear(2, 2))
