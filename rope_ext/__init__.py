@@ -10,6 +10,7 @@ else:
     _library.load_compiled()
     _library.apply_cpu_settings()
 _registrations.register()
+from . import distributed  # noqa: E402,F401  (DTensor sharding rules, registered when torch.distributed.tensor loads)
 
 from . import reference  # noqa: E402
 from ._library import cpu_isa, set_cpu_isa  # noqa: E402
