@@ -115,25 +115,21 @@ def _setup_apply(ctx, inputs, output):
     ctx.save_for_backward(x if tables_need_grad else None, cos, sin)
 
 
-def _backward_apply(ctx, grad):
-    x, cos, sin = ctx.saved_tensors
-    grad_x = grad_cos = grad_sin = None
-    if ctx.needs_input_grad[0]:
-        grad_x = ops.apply_backward(grad, cos, sin, ctx.interleaved)
-    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-        grad_cos, grad_sin = reference.table_grads(x, grad, cos, sin, ctx.interleaved)
-    return grad_x, grad_cos, grad_sin, None
+def _backward_rotation(inverse):
+    """The backward of rope.apply (inverse=False) or rope.apply_backward (True): the gradient
+    w.r.t. the rotated tensor is the opposite rotation."""
+    opposite = ops.apply if inverse else ops.apply_backward
 
+    def backward(ctx, grad):
+        x, cos, sin = ctx.saved_tensors
+        grad_x = grad_cos = grad_sin = None
+        if ctx.needs_input_grad[0]:
+            grad_x = opposite(grad, cos, sin, ctx.interleaved)
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            grad_cos, grad_sin = reference.table_grads(x, grad, cos, sin, ctx.interleaved, inverse)
+        return grad_x, grad_cos, grad_sin, None
 
-def _backward_apply_backward(ctx, grad):
-    # apply_backward is the inverse rotation: its gradient w.r.t. grad is the forward rotation.
-    g_in, cos, sin = ctx.saved_tensors
-    grad_g = grad_cos = grad_sin = None
-    if ctx.needs_input_grad[0]:
-        grad_g = ops.apply(grad, cos, sin, ctx.interleaved)
-    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-        grad_cos, grad_sin = reference.table_grads(g_in, grad, cos, sin, ctx.interleaved, inverse=True)
-    return grad_g, grad_cos, grad_sin, None
+    return backward
 
 
 def _setup_positions(ctx, inputs, output):
@@ -319,8 +315,9 @@ def register():
         ("apply_and_cache_", _fake_apply_and_cache_),
     ):
         torch.library.register_fake(f"rope::{name}", fake, lib=lib)
-    torch.library.register_autograd("rope::apply", _backward_apply, setup_context=_setup_apply, lib=lib)
-    torch.library.register_autograd("rope::apply_backward", _backward_apply_backward,
+    torch.library.register_autograd("rope::apply", _backward_rotation(False),
+                                    setup_context=_setup_apply, lib=lib)
+    torch.library.register_autograd("rope::apply_backward", _backward_rotation(True),
                                     setup_context=_setup_apply, lib=lib)
     torch.library.register_autograd("rope::apply_positions", _backward_positions,
                                     setup_context=_setup_positions, lib=lib)

@@ -12,6 +12,8 @@ code. What we assume, in order of precedence:
    Falcon and most checkpoints).
 """
 
+import json
+import os
 from collections.abc import Mapping
 
 from .scaling import canonical_type, scaling_type
@@ -22,50 +24,10 @@ INTERLEAVED_MODEL_TYPES = frozenset({
 })
 _LAYOUT_KEYS = ("rope_interleave", "rope_interleaved", "rotary_interleaved")
 
-# The class defaults of transformers' config classes for the keys that decide the table. A
-# config.json leaves out what equals them (old files predate rope_theta; sub-configs such as
-# Gemma 3's text_config are written sparse), so reading those files needs them.
-MODEL_DEFAULTS = {
-    "llama": dict(rope_theta=10000.0, hidden_size=4096, num_attention_heads=32, max_position_embeddings=2048),
-    "mistral": dict(rope_theta=10000.0, hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072),
-    "mixtral": dict(rope_theta=1e6, hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072),
-    "qwen2": dict(rope_theta=10000.0, hidden_size=4096, num_attention_heads=32, max_position_embeddings=32768),
-    "qwen3": dict(rope_theta=10000.0, head_dim=128, hidden_size=4096, num_attention_heads=32,
-                  max_position_embeddings=32768),
-    "qwen2_vl": dict(rope_theta=1e6, hidden_size=8192, num_attention_heads=64, max_position_embeddings=32768),
-    "qwen3_vl_text": dict(rope_theta=5e6, head_dim=128, hidden_size=4096, num_attention_heads=32,
-                          max_position_embeddings=128000),
-    "qwen3_vl_moe_text": dict(rope_theta=5e6, head_dim=128, hidden_size=2048, num_attention_heads=16,
-                              max_position_embeddings=128000),
-    "gemma": dict(rope_theta=10000.0, head_dim=256, hidden_size=3072, num_attention_heads=16,
-                  max_position_embeddings=8192),
-    "gemma2": dict(rope_theta=10000.0, head_dim=256, hidden_size=2304, num_attention_heads=8,
-                   max_position_embeddings=8192),
-    "gemma3_text": dict(rope_theta=1e6, rope_local_base_freq=10000.0, head_dim=256, hidden_size=2304,
-                        num_attention_heads=8, max_position_embeddings=131072),
-    "gemma3n_text": dict(rope_theta=1e6, rope_local_base_freq=10000.0, head_dim=256, hidden_size=2048,
-                         num_attention_heads=8, max_position_embeddings=32768),
-    "phi": dict(rope_theta=10000.0, partial_rotary_factor=0.5, hidden_size=2048, num_attention_heads=32,
-                max_position_embeddings=2048),
-    "phi3": dict(rope_theta=10000.0, hidden_size=3072, num_attention_heads=32, max_position_embeddings=4096,
-                 original_max_position_embeddings=4096),
-    "phimoe": dict(rope_theta=1e6, hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072),
-    "deepseek_v2": dict(rope_theta=10000.0, qk_rope_head_dim=64, hidden_size=4096, num_attention_heads=32,
-                        max_position_embeddings=2048),
-    "deepseek_v3": dict(rope_theta=10000.0, qk_rope_head_dim=64, hidden_size=7168, num_attention_heads=128,
-                        max_position_embeddings=4096),
-    "gpt_neox": dict(rotary_emb_base=10000.0, rotary_pct=0.25, hidden_size=6144, num_attention_heads=64,
-                     max_position_embeddings=2048),
-    "gptj": dict(rope_theta=10000.0, rotary_dim=64, hidden_size=4096, num_attention_heads=16,
-                 max_position_embeddings=2048),
-    "codegen": dict(rope_theta=10000.0, rotary_dim=64, hidden_size=4096, num_attention_heads=16,
-                    max_position_embeddings=2048),
-    "falcon": dict(rope_theta=10000.0, hidden_size=4544, num_attention_heads=71, max_position_embeddings=2048),
-    "llama4_text": dict(rope_theta=500000.0, head_dim=128, hidden_size=5120, num_attention_heads=40,
-                        max_position_embeddings=131072),
-}
-MODEL_DEFAULTS["qwen2_vl_text"] = MODEL_DEFAULTS["qwen2_5_vl"] = MODEL_DEFAULTS["qwen2_5_vl_text"] = \
-    MODEL_DEFAULTS["qwen2_vl"]
+# The class defaults of transformers' config classes for the keys that decide the table (data:
+# model_defaults.json beside this file).
+with open(os.path.join(os.path.dirname(__file__), "model_defaults.json")) as _f:
+    MODEL_DEFAULTS = json.load(_f)["defaults"]
 
 # A multimodal config's text model type, for a text_config that does not name its own.
 _TEXT_MODEL_TYPES = {

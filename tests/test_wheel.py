@@ -46,12 +46,14 @@ def test_wheel_holds_the_package_and_nothing_else():
         for p in glob.glob(os.path.join(ROOT, "rope_ext", "**", "*.py"), recursive=True)
     }
     python_files = {n for n in names if n.startswith("rope_ext/") and n.endswith(".py")}
+    data_files = {n for n in names if n.startswith("rope_ext/") and n.endswith(".json")}
+    assert data_files == {"rope_ext/model_defaults.json"}
     natives = {n for n in names if NATIVE.fullmatch(n)}
     metadata = {n for n in names if n.startswith(dist_info)}
     assert python_files == package_sources
     assert "rope_ext/_C.abi3.so" in natives
     assert {dist_info + m for m in ("METADATA", "WHEEL", "RECORD")} <= metadata
-    unexpected = set(names) - python_files - natives - metadata
+    unexpected = set(names) - python_files - data_files - natives - metadata
     assert not unexpected, f"the wheel carries files it should not: {sorted(unexpected)}"
     assert not any(re.search(r"\.(o|cpp|cu|h|cuh|pyc)$|tests/|csrc/|build/|bench/", n) for n in names)
 

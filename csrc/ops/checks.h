@@ -708,14 +708,8 @@ inline CacheGeometry check_apply_and_cache(const Tensor& query_t, const Tensor& 
   cg.v_token = v.strides[0];
   cg.v_head = v.strides[1];
   cg.v_last = v.strides[2];
-  cg.kc_block = kc.strides[0];
-  cg.kc_offset = kc.strides[1];
-  cg.kc_head = kc.strides[2];
-  cg.kc_last = kc.strides[3];
-  cg.vc_block = vc.strides[0];
-  cg.vc_offset = vc.strides[1];
-  cg.vc_head = vc.strides[2];
-  cg.vc_last = vc.strides[3];
+  cg.kc = CacheStrides{kc.strides[0], kc.strides[1], kc.strides[2], kc.strides[3]};
+  cg.vc = CacheStrides{vc.strides[0], vc.strides[1], vc.strides[2], vc.strides[3]};
   return cg;
 }
 

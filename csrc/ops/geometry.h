@@ -94,6 +94,16 @@ enum class CacheFormat : int32_t {
   kE5M2 = 2,
 };
 
+// A paged cache (num_blocks, block_size, kv_heads, head_dim): its strides, in elements.
+struct CacheStrides {
+  int64_t block = 0, offset = 0, head = 0, last = 1;
+
+  // Element offset of (slot's block, slot's offset in it, head h).
+  ROPE_HD int64_t row(int64_t slot, int64_t block_size, int64_t h) const {
+    return (slot / block_size) * block + (slot % block_size) * offset + h * head;
+  }
+};
+
 struct CacheGeometry {
   RotateGeometry rot;  // target 0 = query, target 1 = key; one leading dim (tokens)
   CacheFormat format = CacheFormat::kSame;
@@ -105,8 +115,7 @@ struct CacheGeometry {
   // the two caches (block, offset in the block, head, last dim).
   int64_t slot_stride = 1;
   int64_t v_token = 0, v_head = 0, v_last = 1;
-  int64_t kc_block = 0, kc_offset = 0, kc_head = 0, kc_last = 1;
-  int64_t vc_block = 0, vc_offset = 0, vc_head = 0, vc_last = 1;
+  CacheStrides kc, vc;
 };
 
 }  // namespace rope

@@ -202,13 +202,10 @@ void allow_cache_operands(Recorder& rec, const CacheArgs<x_t>& a) {
         rec.allow(a.value + tok * cg.v_token + h * cg.v_head + j * cg.v_last, sizeof(x_t), kRead);
       }
       if (slot < 0 || slot >= cg.slots) continue;
-      const int64_t blk = slot / cg.block_size, in_blk = slot % cg.block_size;
-      const char* kc = static_cast<const char*>(a.key_cache) +
-                       (blk * cg.kc_block + in_blk * cg.kc_offset + h * cg.kc_head) * es;
-      const char* vc = static_cast<const char*>(a.value_cache) +
-                       (blk * cg.vc_block + in_blk * cg.vc_offset + h * cg.vc_head) * es;
-      for (int64_t j = 0; j < g.head_dim; ++j) rec.allow(kc + j * cg.kc_last * es, es, kWrite | kMustWrite);
-      for (int64_t j = 0; j < cg.value_dim; ++j) rec.allow(vc + j * cg.vc_last * es, es, kWrite | kMustWrite);
+      const char* kc = static_cast<const char*>(a.key_cache) + cg.kc.row(slot, cg.block_size, h) * es;
+      const char* vc = static_cast<const char*>(a.value_cache) + cg.vc.row(slot, cg.block_size, h) * es;
+      for (int64_t j = 0; j < g.head_dim; ++j) rec.allow(kc + j * cg.kc.last * es, es, kWrite | kMustWrite);
+      for (int64_t j = 0; j < cg.value_dim; ++j) rec.allow(vc + j * cg.vc.last * es, es, kWrite | kMustWrite);
     }
   }
   if (cg.format != CacheFormat::kSame) {

@@ -507,7 +507,6 @@ ROPE_HD void cache_thread(const CacheArgs<x_t>& a, const ThreadPos& tp) {
     const int64_t slot = load_position(a.slots, cg.slots64, tok * cg.slot_stride);
     ROPE_DEVICE_CHECK(slot < cg.slots, "rope: slot_mapping must lie below num_blocks * block_size");
     const bool write = slot >= 0 && slot < cg.slots;
-    const int64_t blk = write ? slot / cg.block_size : 0, in_blk = write ? slot % cg.block_size : 0;
     const bool fp8 = cg.format != CacheFormat::kSame;
     const float k_scale = fp8 ? load(a.k_scale) : 1.0f, v_scale = fp8 ? load(a.v_scale) : 1.0f;
     for (int64_t c = tp.thread.x; c < chunks; c += tp.block_dim.x) {
@@ -531,9 +530,8 @@ ROPE_HD void cache_thread(const CacheArgs<x_t>& a, const ThreadPos& tp) {
         }
         const int64_t hi = h - q_heads;
         const TargetDesc& tg = g.target[1];
-        char* kc = static_cast<char*>(a.key_cache) +
-                   (blk * cg.kc_block + in_blk * cg.kc_offset + hi * cg.kc_head) * es;
-        const CacheStore<x_t> to_key_cache{kc, cg.kc_last, k_scale, cg.format};
+        char* kc = static_cast<char*>(a.key_cache) + cg.kc.row(write ? slot : 0, cg.block_size, hi) * es;
+        const CacheStore<x_t> to_key_cache{kc, cg.kc.last, k_scale, cg.format};
         if (c < r.rot_chunks) {
           if (write) {
             rotate_row_chunk(g, row, tg.dst_last, first, count, t, r.vec, to_key_cache);
@@ -546,10 +544,9 @@ ROPE_HD void cache_thread(const CacheArgs<x_t>& a, const ThreadPos& tp) {
         }
         if (c < a.value_chunks && write) {
           const x_t* v = a.value + tok * cg.v_token + hi * cg.v_head;
-          char* vc = static_cast<char*>(a.value_cache) +
-                     (blk * cg.vc_block + in_blk * cg.vc_offset + hi * cg.vc_head) * es;
+          char* vc = static_cast<char*>(a.value_cache) + cg.vc.row(slot, cg.block_size, hi) * es;
           read_chunk(v, cg.v_last, c * W, cg.value_dim, a.v_vec,
-                     CacheStore<x_t>{vc, cg.vc_last, v_scale, cg.format});
+                     CacheStore<x_t>{vc, cg.vc.last, v_scale, cg.format});
         }
       }
     }
