@@ -15,6 +15,9 @@ LIB         := rope_ext/_C.abi3.so
 # empty before the venv exists, so a fresh machine's first make builds it without tracking it).
 CUDA_LIB    := $(shell test -x $(PY) && $(PY) build_config.py --cuda-lib)
 export MAX_JOBS ?= 2
+# The CUDA toolkit, for everything that imports torch.utils.cpp_extension (which would otherwise
+# guess it from a stray nvcc on PATH, and warn): build_config.py looks where toolkits live.
+export CUDA_HOME ?= $(shell $(PYTHON_BOOT) build_config.py --cuda-home)
 
 .PHONY: all venv build run test bench clean gpu-check
 
@@ -50,7 +53,7 @@ gpu-check:
 clean:
 	rm -rf build dist *.egg-info rope_ext/*.so
 
-# ---- Three ways in (README "Installing and loading"): a wheel, JIT loading, CMake/libtorch ----
+# ---- Three ways in (docs/packaging.md): a wheel, JIT loading, CMake/libtorch ----
 .PHONY: wheel wheel-test torch213-test jit-test cmake-build cmake-test packaging-test
 
 # The wheel: built against the installed torch, no build isolation; it reuses the object files of

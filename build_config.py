@@ -7,7 +7,7 @@ it; otherwise it is built whenever the installed torch is a CUDA build and a CUD
 detect the archs, so TORCH_CUDA_ARCH_LIST defaults to build.json's `cuda_archs`.
 
 `python build_config.py --cuda-lib` prints the CUDA library's path when it would be built (the
-Makefile tracks that file), and nothing otherwise.
+Makefile tracks that file), and nothing otherwise; `--cuda-home` prints the toolkit root found.
 """
 
 import importlib.util
@@ -138,5 +138,7 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--cuda-lib"]:
         if want_cuda()[0]:
             print(library_path("cuda"))
+    elif sys.argv[1:] == ["--cuda-home"]:
+        print(cuda_home() or "")
     else:
         print(want_cuda())

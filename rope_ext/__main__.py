@@ -4,10 +4,11 @@ copy, the eager reference and torch.compile of it. The full benchmark is bench/b
 
 import argparse
 import platform
+import statistics
 import sys
+import time
 
 import torch
-import torch.utils.benchmark as benchmark
 
 import rope_ext
 from rope_ext import _library, reference
@@ -82,9 +83,32 @@ def check_kernels(devices):
     return failures
 
 
+def median_us(fn, device, blocks=15, min_block_s=0.01):
+    """Median time of one call, over blocks of calls each long enough to time."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    fn()
+    sync()
+    calls, t = 1, 0.0
+    while t < min_block_s:  # calls per block
+        calls *= 2
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        t = time.perf_counter() - t0
+    samples = []
+    for _ in range(blocks):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        samples.append((time.perf_counter() - t0) / calls)
+    return statistics.median(samples) * 1e6
+
+
 def time_kernels(device, shape=(1024, 32, 128)):
-    print(f"\nTiming on {device}, x of shape {list(shape)}, float32 table, medians of torch's "
-          "benchmark timer (GB/s counts the bytes of x read and written):")
+    print(f"\nTiming on {device}, x of shape {list(shape)}, float32 table, median of 15 blocks "
+          "(GB/s counts the bytes of x read and written; bench/bench.py is the full benchmark):")
     compiled_ref = torch.compile(reference.apply_rope, dynamic=False)
     print(f"  {'dtype':9s} {'implementation':30s} {'us':>9s} {'GB/s':>7s} {'vs copy':>8s}")
     for dtype in (torch.float32, torch.bfloat16):
@@ -104,8 +128,7 @@ def time_kernels(device, shape=(1024, 32, 128)):
         ]
         copy_us = {}
         for name, fn in rows:
-            fn()
-            us = benchmark.Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=0.3).median * 1e6
+            us = median_us(fn, device)
             base = copy_us.setdefault("clone" if "clone" in name or "apply (" in name else "copy", us)
             print(f"  {str(dtype).replace('torch.', ''):9s} {name:30s} {us:9.1f} "
                   f"{nbytes / us / 1e3:7.1f} {base / us:7.2f}x")

@@ -1,4 +1,4 @@
-"""Context-extension scalings (ROPE.md section 6): how a `rope_scaling` dict changes the inverse
+"""Context-extension scalings (docs/math.md "Scalings"): how a `rope_scaling` dict changes the inverse
 frequencies w_i and scales cos/sin.
 
 `rope_parameters` returns (inv_freq, attention_factor): inv_freq is float64 of length
