@@ -27,8 +27,8 @@ def causal_lm(config):
     return lambda: transformers.AutoModelForCausalLM.from_config(config)
 
 
-def vl_model(config_cls, model_cls, vision):
-    config = config_cls(text_config=dict(BASE, rope_scaling=MROPE), vision_config=vision,
+def vl_model(config_cls, model_cls, vision, text=None):
+    config = config_cls(text_config=text or dict(BASE, rope_scaling=MROPE), vision_config=vision,
                         image_token_id=5, video_token_id=6, vision_start_token_id=7,
                         vision_end_token_id=8)
     return lambda: model_cls(config)
@@ -64,8 +64,14 @@ FAMILIES = {
                            dict(depth=1, hidden_size=32, out_hidden_size=64, intermediate_size=64,
                                 num_heads=2, patch_size=2, spatial_merge_size=2,
                                 temporal_patch_size=1, window_size=8, fullatt_block_indexes=[0])),
+    "qwen3_vl": vl_model(T.Qwen3VLConfig, T.Qwen3VLForConditionalGeneration,  # interleaved MRoPE
+                         dict(depth=1, hidden_size=32, out_hidden_size=64, intermediate_size=64,
+                              num_heads=2, patch_size=2, spatial_merge_size=2, temporal_patch_size=1,
+                              num_position_embeddings=16, deepstack_visual_indexes=[0]),
+                         text=dict(BASE, head_dim=16, rope_scaling=dict(
+                             rope_type="default", mrope_section=[2, 3, 3], mrope_interleaved=True))),
 }
-VL = ("qwen2_vl", "qwen2_5_vl")
+VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 class RopeOps(TorchDispatchMode):

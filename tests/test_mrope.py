@@ -296,3 +296,36 @@ def test_reference_backend_serves_when_native_disabled():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("section", [[24, 20, 20], [8, 28, 28], [30, 2, 32]])
+def test_interleaved_sections_match_qwen3_vl_modeling_code(dtype, section):
+    """mrope_interleaved=True against transformers' own Qwen3-VL text rotary module (which lays
+    the sections out T,H,W,T,H,W,... with apply_interleaved_mrope) and its apply_rotary_pos_emb."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as hf
+
+    cfg = transformers.Qwen3VLTextConfig(hidden_size=256, num_attention_heads=2, num_key_value_heads=1,
+                                         head_dim=128, rope_theta=5e6, max_position_embeddings=4096,
+                                         rope_scaling={"rope_type": "default", "mrope_section": section,
+                                                       "mrope_interleaved": True})
+    rotary = hf.Qwen3VLTextRotaryEmbedding(cfg)
+    B, S = 2, 11
+    positions = torch.randint(0, 300, (3, B, S))
+    q = torch.randn(B, 2, S, 128, dtype=torch.float64)  # transformers' (B, H, S, D) layout
+    k = torch.randn(B, 1, S, 128, dtype=torch.float64)
+    cos, sin = rotary(q, positions)
+    want_q, want_k = hf.apply_rotary_pos_emb(q, k, cos.double(), sin.double())
+    cache = rope_ext.cos_sin_cache(300, 128, base=5e6)
+    got_q = q.transpose(1, 2).to(dtype).contiguous()  # rope_ext's (B, S, H, D)
+    got_k = k.transpose(1, 2).to(dtype).contiguous()
+    rope_ext.apply_mrope_(got_q, got_k, positions, cache, section, mrope_interleaved=True)
+    # transformers builds its angles in float32: at positions up to 300 they are off by ~1e-5.
+    tol = dict(rtol=2e-4, atol=2e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1.6e-2)
+    torch.testing.assert_close(got_q.transpose(1, 2).double(), want_q, **tol)
+    torch.testing.assert_close(got_k.transpose(1, 2).double(), want_k, **tol)
+    # And the chunked layout is a different rotation (the flag matters).
+    chunked = q.transpose(1, 2).to(dtype).contiguous()
+    rope_ext.apply_mrope_(chunked, None, positions, cache, section)
+    assert not torch.allclose(chunked.transpose(1, 2).double(), want_q, **tol)

@@ -98,6 +98,12 @@ _QWEN_VL = {
     "apply_multimodal_rotary_pos_emb": (hf.apply_multimodal_rotary_pos_emb, _probe_mrope),
     "apply_rotary_pos_emb_vision": (hf.apply_rotary_pos_emb_vision, _probe_vision),
 }
+# Qwen3-VL's rotary module lays the MRoPE sections out interleaved (T,H,W,...) itself; its
+# attention then applies the resulting full-width tables like any rotate_half model.
+_QWEN3_VL = {
+    "apply_rotary_pos_emb": (hf.apply_rotary_pos_emb, _probe_rotate_half),
+    "apply_rotary_pos_emb_vision": (hf.apply_rotary_pos_emb_vision, _probe_vision),
+}
 
 # model_type -> (modeling module under transformers.models, the functions patched there).
 # Each family is tested on a tiny model (tests/test_integrations.py).
@@ -123,6 +129,8 @@ FAMILIES = {
     "qwen2_vl_text": ("qwen2_vl.modeling_qwen2_vl", _QWEN_VL),
     "qwen2_5_vl": ("qwen2_5_vl.modeling_qwen2_5_vl", _QWEN_VL),
     "qwen2_5_vl_text": ("qwen2_5_vl.modeling_qwen2_5_vl", _QWEN_VL),
+    "qwen3_vl": ("qwen3_vl.modeling_qwen3_vl", _QWEN3_VL),
+    "qwen3_vl_text": ("qwen3_vl.modeling_qwen3_vl", _QWEN3_VL),
 }
 
 
