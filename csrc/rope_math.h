@@ -38,7 +38,8 @@ ROPE_HD void rotate_pair(acc_t a, acc_t b, acc_t c, acc_t s, acc_t& out_a, acc_t
   out_b = b * c + a * s;
 }
 
-// Offsets (in elements along the head dim) of the two members of pair i.
+// Offsets (in elements along the head dim) of the two members of pair i (docs/math.md
+// "Pair layouts").
 // interleaved: (2i, 2i+1); half-split ("rotate_half"): (i, i + half).
 ROPE_HD int64_t pair_first(int64_t i, int64_t half, bool interleaved) {
   return interleaved ? 2 * i : i;
@@ -47,7 +48,8 @@ ROPE_HD int64_t pair_second(int64_t i, int64_t half, bool interleaved) {
   return interleaved ? 2 * i + 1 : i + half;
 }
 
-// ---- MRoPE: which of the three position components (temporal, height, width) pair i takes ----
+// ---- MRoPE: which of the three position components (temporal, height, width) pair i takes
+// (docs/math.md "MRoPE") ----
 constexpr int kMropeComponents = 3;
 
 // Sections [t, h, w] (summing to rotary_dim/2).
@@ -65,7 +67,8 @@ ROPE_HD int mrope_component(int64_t i, const int64_t section[kMropeComponents],
   return i < section[0] ? 0 : (i < section[0] + section[1] ? 1 : 2);
 }
 
-// ---- float8 storage of the KV cache (rope.apply_and_cache_ with kv_cache_dtype fp8) ----
+// ---- float8 storage of the KV cache (rope.apply_and_cache_ with kv_cache_dtype fp8;
+// docs/math.md "Float8 KV cache") ----
 // value / scale, saturated to the format's largest finite value (NaN stays NaN), rounded to
 // nearest even: bit for bit what torch's own conversion gives for values in range, so
 // `(v / scale).clamp(-max, max).to(torch.float8_*)` is the reference.

@@ -117,7 +117,7 @@ def _setup_apply(ctx, inputs, output):
 
 def _backward_rotation(inverse):
     """The backward of rope.apply (inverse=False) or rope.apply_backward (True): the gradient
-    w.r.t. the rotated tensor is the opposite rotation."""
+    w.r.t. the rotated tensor is the opposite rotation (docs/math.md "Backward")."""
     opposite = ops.apply if inverse else ops.apply_backward
 
     def backward(ctx, grad):

@@ -22,11 +22,15 @@ def _heads(t, head_size, name):
 
 
 def _table_halves(cos_sin_cache):
+    """The cos and sin halves of a (max_position, rotary_dim) table, as views."""
     if cos_sin_cache.dim() != 2:
-        raise RuntimeError("cos_sin_cache must have shape (max_position, rotary_dim), got "
-                           f"{list(cos_sin_cache.shape)}")
+        raise RuntimeError("apply_rope_at: cos_sin_cache must have shape (max_position, rotary_dim), "
+                           f"got {list(cos_sin_cache.shape)}")
+    if cos_sin_cache.shape[1] % 2:
+        raise RuntimeError(f"apply_rope_at: rotary_dim = cos_sin_cache.size(1) = "
+                           f"{cos_sin_cache.shape[1]} must be even")
     half = cos_sin_cache.shape[1] // 2
-    return cos_sin_cache[:, :half], cos_sin_cache[:, half : 2 * half]
+    return cos_sin_cache[:, :half], cos_sin_cache[:, half:]
 
 
 def apply_rope(x, cos, sin, *, interleaved=False, out=None):

@@ -92,3 +92,12 @@ def test_flat_width_not_a_multiple_of_head_size_is_refused():
     assert torch.equal(q, q0)
     with pytest.raises(ValueError, match="head_size must be a positive int"):
         rope_ext.apply_rope_at(q, torch.arange(3), rope_ext.cos_sin_cache(4, 64), head_size=0)
+
+
+def test_odd_width_table_is_refused_like_apply_():
+    cache = torch.randn(8, 9)
+    x = torch.randn(3, 2, 16)
+    with pytest.raises(RuntimeError, match=r"apply_rope_at: rotary_dim = cos_sin_cache.size\(1\) = 9 must be even"):
+        rope_ext.apply_rope_at(x, torch.arange(3), cache)
+    with pytest.raises(RuntimeError, match=r"rotary_dim = cos_sin_cache.size\(1\) = 9 must be even"):
+        rope_ext.apply_rope_(x, None, torch.arange(3), cache)

@@ -4,7 +4,7 @@
 //   struct F32Ops  float lanes: using acc = float; using V; static constexpr int W;
 //                  load(const T*) and store(T*, V) for T = float, HalfBits, BF16Bits;
 //                  store_nt(T*, V): non-temporal, p aligned to W * sizeof(T);
-//                  mul, add, sub (never fused: see csrc/build.json), swap_pairs (lanes 2i <-> 2i+1);
+//                  mul, add, sub (never fused: docs/math.md "The rotation"), swap_pairs (lanes 2i <-> 2i+1);
 //                  half_to_float / float_to_half for one element, rounding as the vector forms;
 //                  optionally kBf16Pairs and its helpers (below)
 //   struct F64Ops  the same for double lanes (double only)
