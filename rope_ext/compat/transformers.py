@@ -34,6 +34,9 @@ def _rotate_pairs(x, cos, sin, dtype, interleaved=False):
     """x with pair i of its first 2 * cos.size(-1) dims rotated by (cos[..., i], sin[..., i]), the
     rest passed through; cos/sin broadcast against x.shape[:-1] as torch broadcasts, the result in
     `dtype` (computed in float32, or float64 for float64)."""
+    if (x.dtype == dtype and cos.shape == sin.shape and cos.dim() == x.dim()
+            and all(c == 1 or c == n for c, n in zip(cos.shape[:-1], x.shape[:-1]))):
+        return ops.apply(x, cos, sin, interleaved)  # the tables broadcast inside the op
     lead = torch.broadcast_shapes(x.shape[:-1], cos.shape[:-1], sin.shape[:-1])
     x = x.to(dtype).expand(*lead, x.shape[-1])
     shape = torch.broadcast_shapes(cos.shape, sin.shape)

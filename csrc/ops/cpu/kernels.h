@@ -231,6 +231,27 @@ struct TableBlock {
     key_b0 = b0;
     with_table_type(dt, [&](auto elem) {
       using T = decltype(elem);
+      // Plain rows of a type the vector loads convert (float/half/bfloat16 to float, double to
+      // double): whole vectors. Tables that change every row ((B, H, S, D) x with (1, 1, S, r/2)
+      // bfloat16 tables) convert one row per row of x, so this is on the hot path.
+      constexpr bool kLoadable =
+          std::is_same<acc, double>::value == std::is_same<T, double>::value;
+      if constexpr (!kPairDup && kLoadable) {
+        if (!mrope && !g.inverse && t.cos_col == 1 && t.sin_col == 1) {
+          const T* cs = static_cast<const T*>(r.cos[0]) + b0;
+          const T* ss = static_cast<const T*>(r.sin[0]) + b0;
+          int64_t i = 0;
+          for (; i + Ops::W <= n; i += Ops::W) {
+            Ops::store(c + i, Ops::load(cs + i));
+            Ops::store(s + i, Ops::load(ss + i));
+          }
+          for (; i < n; ++i) {
+            c[i] = to_acc<Ops>(cs[i]);
+            s[i] = to_acc<Ops>(ss[i]);
+          }
+          return;
+        }
+      }
       const acc sign = g.inverse ? acc(-1) : acc(1);
       for (int64_t i = 0; i < n; ++i) {
         const int64_t pair = b0 + i;
