@@ -1,7 +1,7 @@
 # Two entry points do all set-up on a fresh machine:
 #   make run    builds everything, then reports the build, checks the kernels, times them
 #   make test   builds everything, then runs pytest tests/
-#   make bench  builds everything, then runs the CPU benchmark (bench/bench.py)
+#   make bench  builds everything, then runs the CPU benchmark (bench/bench.py; options via BENCH_ARGS=...)
 # Both are incremental: the venv is rebuilt only when requirements.txt changes, the extension
 # only when a source under csrc/ (or setup.py) changes.
 
@@ -42,8 +42,9 @@ run: build
 test: build
 	$(PY) -m pytest tests/ -q
 
+BENCH_ARGS ?=
 bench: build
-	$(PY) bench/bench.py --device cpu
+	$(PY) bench/bench.py --device cpu $(BENCH_ARGS)
 
 # On a machine with a GPU: build or reuse the libraries, run the tests on CUDA and the GPU
 # benchmark; results under $$OUT (default gpu-results/).

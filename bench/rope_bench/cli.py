@@ -1,0 +1,246 @@
+"""`python bench/bench.py --device cpu|cuda [--quick] [--out DIR] [--cases ...]` (see --help)."""
+
+import argparse
+import datetime
+import gc
+import os
+import platform
+import sys
+import tempfile
+import time
+
+import torch
+
+import rope_ext
+from rope_ext import envs
+
+from . import dropins, malloc, peers, plot, report
+from .cases import DTYPES, QUICK_CASES, Inputs, cases_for, default_cases
+from .rows import KINDS, OPS, limit_rows, op_rows
+from .timing import clock_for, measure_interleaved
+
+
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
+
+# What changes the numbers from outside the command line, recorded with them.
+ENV_RECORDED = ("LD_PRELOAD", "MALLOC_CONF", "GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_",
+                "MALLOC_TRIM_THRESHOLD_", "THP_MEM_ALLOC_ENABLE", "ROPE_EXT_CPU_STREAM_MB",
+                "ROPE_EXT_CPU_ISA", "ROPE_EXT_BACKEND", "OMP_NUM_THREADS")
+
+
+def _cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _loadavg():
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def _sysfs(path):
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _stream_threshold():
+    """The CPU stream threshold in bytes now in use (None without the native CPU library)."""
+    if rope_ext.backend("cpu") != "native":
+        return None
+    if envs.CPU_STREAM_MB is not None:
+        return envs.CPU_STREAM_MB << 20
+    return int(torch.ops.rope.set_cpu_stream_threshold(-1))  # -1 = the default: no change
+
+
+def _list(arg, known, what, parser):
+    items = [a for a in arg.split(",") if a]
+    unknown = [a for a in items if a not in known]
+    if unknown:
+        parser.error(f"--{what}: unknown {unknown}; choose from {', '.join(known)}")
+    return items
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(
+        prog="python bench/bench.py",
+        description="Times rope_ext's ops against the memory-copy limits, the eager reference and "
+                    "torch.compile (and drop-ins against their peers), interleaved; prints a table "
+                    "of medians and ratios and writes JSON + Markdown. docs/cpu-performance.md "
+                    "explains the method.")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--quick", action="store_true", help="one tiny case, few repeats (a smoke run)")
+    p.add_argument("--out", default=None, help="output directory (default: bench/results/; a "
+                   "temporary directory for --quick)")
+    p.add_argument("--stem", default=None, help="file names STEM.json/.md/.png (default: the device,"
+                   " -quick appended for --quick)")
+    p.add_argument("--cases", default=None, help="comma-separated; cpu: decode,cache,mid,prefill"
+                   " (default), fresh; cuda: decode-1,decode-16,decode-64,prefill,long")
+    p.add_argument("--dtypes", default=None, help=", ".join(DTYPES) + " (default: float32,bfloat16;"
+                   " bfloat16,float32 on cuda)")
+    p.add_argument("--ops", default=",".join(OPS), help=", ".join(OPS))
+    p.add_argument("--kinds", default=",".join(k for k in KINDS if k != "limit"),
+                   help="rows besides the limits: " + ", ".join(k for k in KINDS if k != "limit"))
+    p.add_argument("--repeat", type=int, default=None, help="timed blocks per row (default 15; 3 quick)")
+    p.add_argument("--min-block-ms", type=float, default=None,
+                   help="least duration of a timed block (default 20 on cpu, 5 on cuda, 2 quick)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads first")
+    p.add_argument("--malloc", choices=("pinned", "default"), default="pinned",
+                   help="cpu: pin glibc's malloc thresholds for the run (rope_bench/malloc.py)")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds; no new case is started after this (the rest is listed as skipped)")
+    args = p.parse_args(argv)
+    table = QUICK_CASES if args.quick else cases_for(args.device)
+    names = list(table) if args.quick else list(default_cases(args.device))
+    if args.cases:
+        names = _list(args.cases, list(table), "cases", p)
+    args.case_table = {n: table[n] for n in names}
+    dtypes = args.dtypes or ("bfloat16,float32" if args.device == "cuda" else "float32,bfloat16")
+    args.dtype_list = _list(dtypes, list(DTYPES), "dtypes", p)
+    args.op_list = _list(args.ops, list(OPS), "ops", p)
+    args.kind_list = _list(args.kinds, [k for k in KINDS if k != "limit"], "kinds", p)
+    args.repeat = args.repeat or (3 if args.quick else 15)
+    args.min_block_s = (args.min_block_ms or (2 if args.quick else 5 if args.device == "cuda" else 20)) / 1e3
+    args.stem = args.stem or args.device + ("-quick" if args.quick else "")
+    if args.out is None:  # a smoke run leaves nothing among the committed results
+        args.out = (os.path.join(tempfile.gettempdir(), "rope_bench") if args.quick else RESULTS)
+    return p, args
+
+
+def check_device(parser, device):
+    if device != "cuda":
+        return
+    if not torch.cuda.is_available():
+        parser.exit(2, f"bench.py: --device cuda, but torch sees no CUDA device (torch "
+                       f"{torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); run it "
+                       "on a GPU machine (make gpu-check), or use --device cpu\n")
+    if rope_ext.backend("cuda") != "native":
+        from rope_ext import _library
+
+        print(f"WARNING: no native CUDA kernels ({_library.state.cuda_error}); the rope_ext rows "
+              "on cuda are the pure-PyTorch reference", flush=True)
+
+
+def meta_for(args):
+    dev = args.device
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python bench/bench.py " + " ".join(sys.argv[1:]),
+        "device": dev,
+        "device_name": torch.cuda.get_device_name() if dev == "cuda" else _cpu_model(),
+        "rope_ext": rope_ext.__version__, "backend": rope_ext.backend(dev),
+        "torch": torch.__version__, "cuda": torch.version.cuda,
+        "python": platform.python_version(), "cpu_count": os.cpu_count(),
+        "cpu_isa": rope_ext.cpu_isa(), "threads": torch.get_num_threads(),
+        "stream_threshold_bytes": _stream_threshold(),
+        "repeat": args.repeat, "min_block_ms": args.min_block_s * 1e3,
+        "timing": clock_for("cpu").name if dev == "cpu" else "CUDA events around each block",
+        "mode": "torch.inference_mode()",
+        "env": {k: os.environ[k] for k in ENV_RECORDED if os.environ.get(k)},
+        "thp": {"enabled": _sysfs("/sys/kernel/mm/transparent_hugepage/enabled"),
+                "defrag": _sysfs("/sys/kernel/mm/transparent_hugepage/defrag")},
+        "ops": {name: OPS[name].what for name in args.op_list},
+        "kinds": args.kind_list,
+        "loadavg_start": _loadavg(),
+    }
+
+
+def run_case(args, case, shape, dtype_name, dropin_module, doc):
+    inputs = Inputs(shape, DTYPES[dtype_name], args.device)
+    rows = limit_rows(inputs) + op_rows(inputs, args.op_list, args.kind_list)
+    if "peer" in args.kind_list:
+        extra, status = peers.gpu_peer_rows(inputs, args.op_list)
+        rows += extra
+        doc["peers"].update({k: v for k, v in status.items() if k not in doc["peers"]})
+    if "dropin" in args.kind_list and dropin_module is not None:
+        extra, notes = dropins.rows(dropin_module, inputs)
+        rows += extra
+        doc["skipped"] += [f"{case} {dtype_name}: {n}" for n in notes]
+    by_name = {r.name: r for r in rows}
+
+    def failed(name, e):
+        msg = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        doc["errors"].append({"case": case, "dtype": dtype_name, "name": name, "error": msg})
+        print(f"  {case:9s} {dtype_name:8s} {name:30s} FAILED {msg}", flush=True)
+
+    plan = measure_interleaved({r.name: r.fn for r in rows}, clock_for(args.device),
+                               repeat=args.repeat, min_block_s=args.min_block_s, on_error=failed)
+    shape_d = {"tokens": shape.tokens, "q_heads": shape.q_heads, "kv_heads": shape.kv_heads,
+               "head_dim": shape.head_dim}
+    width = max(map(len, plan), default=0)
+    for name, p in plan.items():
+        rec = report.row_record(case, shape_d, dtype_name, by_name[name], p)
+        doc["results"].append(rec)
+        print(f"  {case:9s} {dtype_name:8s} {name:{width}s} {rec['median_s'] * 1e6:12.2f} us "
+              f"{rec['gbps']:8.2f} GB/s", flush=True)
+
+
+def finish(doc, start):
+    m = doc["meta"]
+    m["loadavg_end"] = _loadavg()
+    m["wall_s"] = round(time.perf_counter() - start, 1)
+    doc["summary"] = report.summarize(doc["results"])
+    return report.write(doc, m["out"], m["stem"])
+
+
+def main(argv=None):
+    parser, args = parse(argv)
+    check_device(parser, args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    allocator = "glibc defaults"
+    if args.device == "cpu":
+        if args.malloc == "pinned":
+            allocator = malloc.pin_thresholds()
+        elif malloc.preloaded_allocator():
+            allocator = "preloaded (not glibc)"
+        else:
+            allocator = "glibc, adaptive thresholds (not pinned)"
+    else:
+        allocator = "torch's CUDA caching allocator"
+    doc = {"meta": meta_for(args), "results": [], "summary": [], "peers": {}, "errors": [],
+           "skipped": []}
+    doc["meta"].update(allocator=allocator, out=args.out, stem=args.stem)
+    dropin_module, status = dropins.load() if "dropin" in args.kind_list else (None, "not asked")
+    doc["peers"]["drop-ins"] = status
+    m = doc["meta"]
+    print(f"bench: {m['device_name']}, rope_ext {m['backend']}, CPU kernels {m['cpu_isa']}, "
+          f"{m['threads']} threads, allocator: {allocator}, load average {m['loadavg_start']}",
+          flush=True)
+    print(f"bench: drop-ins: {status}", flush=True)
+
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for case, shape in args.case_table.items():
+            for dtype_name in args.dtype_list:
+                if args.time_budget is not None and time.perf_counter() - start > args.time_budget:
+                    doc["skipped"].append(f"{case} {dtype_name}: time budget "
+                                          f"({args.time_budget:.0f} s) spent")
+                    print(f"  {case:9s} {dtype_name:8s} skipped: time budget spent", flush=True)
+                    continue
+                torch._dynamo.reset()
+                run_case(args, case, shape, dtype_name, dropin_module, doc)
+                gc.collect()
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+                finish(doc, start)  # after every case, so a run cut short leaves its results
+    for p, s in doc["peers"].items():
+        if p != "drop-ins":
+            print(f"bench: peer {p}: {s}", flush=True)
+    json_path, md_path = finish(doc, start)
+    print()
+    print(report.markdown(doc))
+    png = os.path.join(args.out, args.stem + ".png")
+    drew = plot.plot(doc, png)
+    print(f"wrote {json_path}, {md_path}" + (f", {png}" if drew else " (no PNG: matplotlib is not installed)"))
+    return 0

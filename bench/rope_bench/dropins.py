@@ -1,0 +1,118 @@
+"""Drop-in rows: each rope_ext.compat drop-in against its peer's own eager code path.
+
+The peers' eager code comes from tests/peers.py (independent implementations with the peers'
+names and layouts, the same ones tests/test_compat.py checks the drop-ins against). When that
+module or rope_ext.compat cannot be imported, the drop-in rows are skipped with a printed note;
+the rest of the benchmark is unaffected. Each pair gets the layout its peer takes, over the
+case's tensors (views where the peer's layout is one, as models and serving stacks pass them).
+"""
+
+import importlib
+import os
+import sys
+
+import torch
+
+from .rows import Row, apply_bytes, cache_bytes, inplace_bytes, rw_bytes
+
+TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                     "tests")
+
+
+def load():
+    """((peers module, rope_ext.compat) or None, status line)."""
+    if not os.path.exists(os.path.join(TESTS, "peers.py")):
+        return None, "skipped: tests/peers.py is not present"
+    if TESTS not in sys.path:
+        sys.path.insert(0, TESTS)
+    try:
+        peers = importlib.import_module("peers")
+        compat = importlib.import_module("rope_ext.compat")
+    except Exception as e:  # noqa: BLE001 - reported, never fatal
+        return None, f"skipped: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    return (peers, compat), "rope_ext.compat against tests/peers.py"
+
+
+def _hf(i, peers, compat):
+    """transformers' apply_rotary_pos_emb: q, k (batch, heads, seq, head_dim) as the attention
+    module's transpose makes them, cos/sin (batch, seq, head_dim) in the activations' dtype."""
+    q, k = i.q.unsqueeze(0).transpose(1, 2), i.k.unsqueeze(0).transpose(1, 2)
+    cos = torch.cat((i.cos[:, 0], i.cos[:, 0]), -1).unsqueeze(0).to(i.dtype)
+    sin = torch.cat((i.sin[:, 0], i.sin[:, 0]), -1).unsqueeze(0).to(i.dtype)
+    n = rw_bytes(i, i.q, i.k) + 2 * i.nbytes(cos)
+    return ("transformers.apply_rotary_pos_emb", "clone", n,
+            lambda: compat.transformers.apply_rotary_pos_emb(q, k, cos, sin),
+            "hf_apply_rotary_pos_emb", lambda: peers.hf_apply_rotary_pos_emb(q, k, cos, sin))
+
+
+def _flash_attn(i, peers, compat):
+    """flash-attn's apply_rotary_emb: x (batch, seqlen, heads, head_dim), cos/sin (seqlen,
+    rotary_dim/2) float32, positions 0.. (no offsets); its eager path is apply_rotary_emb_torch."""
+    x = i.q.unsqueeze(0)
+    T = i.shape.tokens
+    cos, sin = i.cos_t[:T].contiguous(), i.sin_t[:T].contiguous()
+    return ("flash_attn.apply_rotary_emb", "clone", apply_bytes(i),
+            lambda: compat.flash_attn.apply_rotary_emb(x, cos, sin),
+            "fa_apply_rotary_emb_torch", lambda: peers.fa_apply_rotary_emb_torch(x, cos, sin))
+
+
+def _flat(i):
+    T = i.shape.tokens
+    return i.q.view(T, -1), i.k.view(T, -1), i.shape.head_dim
+
+
+def _vllm(i, peers, compat):
+    """vLLM's rotary_embedding: flat q/k (tokens, heads * head_size), in place."""
+    q, k, d = _flat(i)
+    return ("vllm.rotary_embedding", "copy", inplace_bytes(i, i.positions),
+            lambda: compat.vllm.rotary_embedding(i.positions, q, k, d, i.cache, True),
+            "vllm_rotary_embedding",
+            lambda: peers.vllm_rotary_embedding(i.positions, q, k, d, i.cache, True))
+
+
+def _flashinfer(i, peers, compat):
+    q, k, d = _flat(i)
+    return ("flashinfer.apply_rope_with_cos_sin_cache_inplace", "copy",
+            inplace_bytes(i, i.positions),
+            lambda: compat.flashinfer.apply_rope_with_cos_sin_cache_inplace(
+                i.positions, q, k, d, i.cache, True),
+            "flashinfer_apply_rope_with_cos_sin_cache_inplace",
+            lambda: peers.flashinfer_apply_rope_with_cos_sin_cache_inplace(
+                i.positions, q, k, d, i.cache, True))
+
+
+def _sglang(i, peers, compat):
+    """SGLang's rope with the fused KV-buffer store: token slots (num_slots, heads * head_size)."""
+    q, k, d = _flat(i)
+    T = i.shape.tokens
+    v = i.v.view(T, -1)
+    kb = i.key_cache.view(-1, i.key_cache.shape[2] * i.key_cache.shape[3])
+    vb = i.value_cache.view(-1, i.value_cache.shape[2] * i.value_cache.shape[3])
+    ours = compat.sglang.FusedSetKVBufferArg(v, kb, vb, None, None, i.slots)
+    theirs = peers.FusedSetKVBufferArg(v, kb, vb, None, None, i.slots)
+    return ("sglang.apply_rope_with_cos_sin_cache_inplace+kv", "copy", cache_bytes(i),
+            lambda: compat.sglang.apply_rope_with_cos_sin_cache_inplace(
+                i.positions, q, k, d, i.cache, True, fused_set_kv_buffer_arg=ours),
+            "sglang_apply_rope_with_cos_sin_cache_inplace",
+            lambda: peers.sglang_apply_rope_with_cos_sin_cache_inplace(
+                i.positions, q, k, d, i.cache, True, fused_set_kv_buffer_arg=theirs))
+
+
+PAIRS = (_hf, _flash_attn, _vllm, _flashinfer, _sglang)
+
+
+def rows(loaded, inputs):
+    """(rows, notes) for one case: two rows per drop-in (ours, the peer's eager path); a pair
+    whose set-up fails is noted and left out."""
+    peers, compat = loaded
+    out, notes = [], []
+    for make in PAIRS:
+        try:
+            op, limit, n, ours, peer_name, theirs = make(inputs, peers, compat)
+        except Exception as e:  # noqa: BLE001 - a missing function in one peer skips that pair
+            notes.append(f"drop-in {make.__name__[1:]} skipped ({type(e).__name__}: {e})")
+            continue
+        op = "compat." + op
+        out.append(Row(op, "dropin", op, f"rope_ext.{op}", n, ours, limit))
+        out.append(Row(f"{op} eager", "eager", op, f"tests/peers.py {peer_name}", n, theirs, limit))
+    return out, notes

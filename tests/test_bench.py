@@ -1,0 +1,217 @@
+"""The benchmark tool (bench/bench.py): one tiny end-to-end run and the structure of what it
+writes, the bench's own PyTorch formulations against the float64 reference, and a clear refusal
+of --device cuda without a GPU. No timing assertion: timings on a shared machine are not test
+material, and speed is the benchmark's business, not the tests'."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, TOL, poison_like
+
+if not os.path.isfile(os.path.join(ROOT, "bench", "bench.py")):
+    # The copied test trees of `make torch213-test` and `make sanitize` carry no bench/.
+    pytest.skip("no bench/ in this tree (not a source checkout)", allow_module_level=True)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+from rope_bench import cases, dropins, report  # noqa: E402
+from rope_bench.rows import OPS, limit_rows, op_rows  # noqa: E402
+
+BENCH = os.path.join(ROOT, "bench", "bench.py")
+
+
+def _run(*args, timeout=600):
+    return subprocess.run([sys.executable, BENCH, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    r = _run("--device", "cpu", "--quick", "--dtypes", "float32", "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    with open(out / "cpu-quick.json") as f:
+        doc = json.load(f)
+    return doc, (out / "cpu-quick.md").read_text(), r.stdout, out
+
+
+def test_quick_run_times_every_row_of_every_op(quick):
+    doc, _, _, _ = quick
+    assert set(doc) == {"meta", "results", "summary", "peers", "errors", "skipped"}
+    assert doc["errors"] == [], doc["errors"]
+    names = {r["name"] for r in doc["results"]}
+    expected = {"copy", "clone"}
+    for op in OPS:
+        expected |= {op, f"{op} eager", f"{op} compile"}
+    expected.add("apply_rope_and_cache_ unfused")
+    if dropins.load()[0] is not None:  # one pair per drop-in, each with the peer's eager path
+        expected |= {f"compat.{n}{suffix}" for n in (
+            "transformers.apply_rotary_pos_emb", "flash_attn.apply_rotary_emb",
+            "vllm.rotary_embedding", "flashinfer.apply_rope_with_cos_sin_cache_inplace",
+            "sglang.apply_rope_with_cos_sin_cache_inplace+kv") for suffix in ("", " eager")}
+    assert expected <= names, expected - names
+    for r in doc["results"]:
+        assert len(r["times_s"]) == doc["meta"]["repeat"]
+        assert r["min_s"] <= r["p25_s"] <= r["median_s"] <= r["p75_s"] <= r["max_s"]
+        assert r["gbps"] == pytest.approx(r["bytes"] / r["median_s"] / 1e9, rel=1e-9)
+        assert r["case"] == "tiny" and r["dtype"] == "float32"
+
+
+def test_quick_run_summary_holds_each_op_against_its_limit(quick):
+    doc, _, _, _ = quick
+    by_op = {s["op"]: s for s in doc["summary"] if s["kind"] == "rope_ext"}
+    assert set(by_op) == set(OPS)
+    medians = {r["name"]: r["median_s"] for r in doc["results"]}
+    gbps = {r["name"]: r["gbps"] for r in doc["results"]}
+    for op, s in by_op.items():
+        assert s["limit"] == OPS[op].limit
+        assert s["of_limit"] == pytest.approx(gbps[op] / gbps[OPS[op].limit], rel=1e-9)
+        for other in (f"{op} eager", f"{op} compile"):
+            assert s["others"][other]["speedup"] == pytest.approx(medians[other] / medians[op],
+                                                                  rel=1e-9)
+
+
+def test_quick_run_prints_and_writes_the_tables(quick):
+    doc, md, stdout, out = quick
+    assert md in stdout  # the printed table is the Markdown file
+    assert "| tiny | 4x4x32 (k: 2 heads) | float32 |" in md
+    for op in OPS:
+        assert f"| {op} | tiny | float32 |" in md
+    assert "drop-ins:" in md  # present or skipped, always said
+    assert doc["meta"]["allocator"].startswith(("glibc, mmap threshold pinned", "not pinned"))
+    assert doc["meta"]["thp"]["enabled"] is None or "[" in doc["meta"]["thp"]["enabled"]
+    try:
+        import matplotlib  # noqa: F401
+        has_mpl = True
+    except ImportError:
+        has_mpl = False
+    assert os.path.exists(out / "cpu-quick.png") == has_mpl
+
+
+def test_summary_ratios_follow_the_medians():
+    shape = {"tokens": 1, "q_heads": 1, "kv_heads": 1, "head_dim": 2}
+    rows = [{"case": "c", "dtype": "float32", "shape": shape, "name": n, "kind": k, "op": op,
+             "limit": lim, "median_s": t, "gbps": 100 / t / 1e9}
+            for n, k, op, lim, t in (("copy", "limit", "", "", 1.0), ("clone", "limit", "", "", 2.0),
+                                     ("apply", "rope_ext", "apply", "clone", 4.0),
+                                     ("apply eager", "eager", "apply", "clone", 12.0))]
+    (s,) = report.summarize(rows)
+    assert s["limit"] == "clone" and s["of_limit"] == 0.5
+    assert s["others"]["apply eager"]["speedup"] == 3.0
+
+
+def _state(inputs, result):
+    """Everything a row may write: its result(s), and the tensors updated in place."""
+    got = {name: getattr(inputs, name) for name in ("q", "k", "out", "key_cache", "value_cache")}
+    written = {t.untyped_storage().data_ptr() for t in got.values()}
+    results = result if isinstance(result, (tuple, list)) else (result,)
+    for n, r in enumerate(results):
+        # A returned tensor that is one of the in-place ones (as apply_rope_ returns (q, k)) is
+        # already compared as that tensor.
+        if isinstance(r, torch.Tensor) and r.untyped_storage().data_ptr() not in written:
+            got[f"result{n}"] = r
+    return got
+
+
+def _assert_same_state(got, expected, what):
+    assert set(got) == set(expected), what
+    rtol, atol = TOL[torch.float32]
+    for name, t in got.items():
+        torch.testing.assert_close(t.double(), expected[name].double(), rtol=rtol, atol=atol,
+                                   equal_nan=name == "out",
+                                   msg=lambda m: f"{what} {name}: {m}")
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_every_row_computes_what_the_float64_reference_does(op):
+    """The rows of a comparison must do the same work, or their ratios mean nothing: rope_ext's
+    call, the bench's equivalents (the functions the compile rows compile, run eagerly here) and
+    the unfused path, on fresh random float32 inputs, against the reference in float64."""
+    shape = cases.Shape(5, 4, 2, 32)
+    seed = int(torch.randint(0, 2**31, ()))
+
+    def fresh(dtype):
+        i = cases.Inputs(shape, dtype, "cpu", seed=seed)
+        i.out.copy_(poison_like(i.out))  # apply.out must write every element
+        return i
+
+    ref = fresh(torch.float64)
+    expected = _state(ref, OPS[op].eager(ref)())
+    o = OPS[op]
+    fn, args = o.compiled
+    for label, run in (("rope_ext", lambda i: o.rope_ext(i)()),
+                       ("equivalent", lambda i: fn(*args(i))),
+                       ("unfused", (lambda i: o.unfused(i)()) if o.unfused else None)):
+        if run is None:
+            continue
+        i = fresh(torch.float32)
+        got = _state(i, run(i))
+        if op == "apply.out":
+            assert not got["out"].isnan().any(), f"{label} left elements of out unwritten"
+        _assert_same_state(got, expected, f"{op} {label}")
+
+
+def test_each_drop_in_row_does_what_its_peer_row_does():
+    """A drop-in and its peer's eager path get the same inputs in the peer's layout: on fresh
+    random float32 inputs they must leave the same results and the same tensors behind."""
+    loaded, status = dropins.load()
+    if loaded is None:
+        pytest.skip(status)
+    shape = cases.Shape(6, 4, 2, 32)
+    seed = int(torch.randint(0, 2**31, ()))
+    for make in dropins.PAIRS:
+        states = []
+        for side in (3, 5):  # ours, theirs
+            i = cases.Inputs(shape, torch.float32, "cpu", seed=seed)
+            i.out.copy_(poison_like(i.out))  # no drop-in writes it: NaN on both sides
+            states.append(_state(i, make(i, *loaded)[side]()))
+        _assert_same_state(states[0], states[1], make.__name__)
+
+
+def test_limit_rows_copy_the_query():
+    i = cases.Inputs(cases.Shape(3, 2, 1, 8), torch.float32, "cpu", seed=1)
+    copy, clone = limit_rows(i)
+    i.out.copy_(poison_like(i.out))
+    copy.fn()
+    assert torch.equal(i.out, i.q) and torch.equal(clone.fn(), i.q)
+    assert copy.nbytes == clone.nbytes == 2 * i.q.numel() * 4
+
+
+def test_rows_of_one_comparison_count_the_same_bytes():
+    i = cases.Inputs(cases.Shape(3, 4, 2, 8), torch.bfloat16, "cpu", seed=2)
+    rows = op_rows(i, list(OPS), ["rope_ext", "unfused", "eager"])
+    for op in OPS:
+        assert len({r.nbytes for r in rows if r.op == op}) == 1, op
+
+
+def test_mrope_section_splits_the_pairs():
+    assert cases.mrope_section(128) == [16, 24, 24]  # Qwen2-VL's
+    for d in (8, 32, 64, 256):
+        assert sum(cases.mrope_section(d)) == d // 2 and min(cases.mrope_section(d)) > 0
+
+
+def test_a_spent_time_budget_skips_cases_and_says_so(tmp_path):
+    r = _run("--cases", "decode,cache", "--dtypes", "float32", "--time-budget", "0",
+             "--out", str(tmp_path), "--stem", "b", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads((tmp_path / "b.json").read_text())
+    assert doc["results"] == [] and doc["summary"] == []
+    assert doc["skipped"] == ["decode float32: time budget (0 s) spent",
+                              "cache float32: time budget (0 s) spent"]
+    assert "- skipped: cache float32: time budget (0 s) spent" in (tmp_path / "b.md").read_text()
+
+
+def test_unknown_arguments_are_refused_by_name():
+    r = _run("--ops", "apply,nope", timeout=120)
+    assert r.returncode == 2 and "--ops: unknown ['nope']" in r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_device_cuda_without_a_gpu_fails_clearly():
+    r = _run("--device", "cuda", timeout=120)
+    assert r.returncode == 2
+    assert "--device cuda, but torch sees no CUDA device" in r.stderr
