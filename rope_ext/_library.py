@@ -7,6 +7,7 @@ from _schemas.py, and the reference serves every device.
 """
 
 import importlib
+import os
 import warnings
 
 import torch
@@ -53,9 +54,10 @@ def drop_python_definitions():
     return had
 
 
-def _preloaded_library():
-    """If another library already defined the rope ops in C++ before rope_ext loaded any, its path
-    (or a description); None otherwise."""
+def _preloaded_libraries():
+    """If libraries loaded before rope_ext already defined the rope ops in C++ (torch.ops.load_library
+    of the CMake build: librope_ops.so, then librope_ops_cuda.so), (CPU library path or a
+    description, CUDA library path or None); None otherwise."""
     if _python_defs:
         return None
     try:
@@ -63,7 +65,16 @@ def _preloaded_library():
     except RuntimeError:
         return None
     libs = sorted(torch.ops.loaded_libraries)
-    return libs[0] if len(libs) == 1 else "a library loaded before rope_ext (" + ", ".join(libs) + ")"
+    cuda = [p for p in libs if "cuda" in os.path.basename(p)]
+    cpu = [p for p in libs if p not in cuda]
+    if len(cpu) == 1 and len(cuda) <= 1:
+        return cpu[0], (cuda[0] if cuda else None)
+    return "a library loaded before rope_ext (" + ", ".join(libs) + ")", None
+
+
+def _preloaded_library():
+    found = _preloaded_libraries()
+    return None if found is None else found[0]
 
 
 def refuse_foreign_library(what):
@@ -81,9 +92,10 @@ def load_compiled():
     """Imports rope_ext._C (its static initializers register the ops) and, under a CUDA build of
     torch, rope_ext._C_cuda. Falls back to Python-defined ops, with one warning, when the CPU
     library cannot be loaded (ROPE_EXT_BACKEND=native makes that an error)."""
-    preloaded = _preloaded_library()
+    preloaded = _preloaded_libraries()
     if preloaded is not None:  # loading rope_ext._C too would register the ops twice
-        state.path, state.loaded_by = preloaded, "preloaded"
+        state.path, state.cuda_path = preloaded
+        state.loaded_by = "preloaded"
         return
     if envs.BACKEND == "reference":
         state.error = "ROPE_EXT_BACKEND=reference"
