@@ -1,4 +1,4 @@
-"""The CUDA kernels' code, proven on the CPU: tests/sim/rope_cuda_sim.cpp runs the CUDA ops' host
+"""The CUDA kernels' code, proven on the CPU: tests/sim/cuda_sim.cpp runs the CUDA ops' host
 code and per-thread kernel code over every thread of the launch grid the host code plans, with
 every memory access checked (in bounds of its operand, aligned, each output element written once
 by one thread). Here its results are compared with the float64 reference and, bit for bit, with
@@ -7,7 +7,7 @@ shapes: head_dim 64..256, partial rotary with tails that are not a multiple of t
 strided views, broadcasting, GQA, int32/int64 positions, every dtype.
 
 No GPU needed: this runs in `make test`. It needs a C++ compiler (the simulator is built once,
-cached under build/rope_cuda_sim/).
+cached under build/cuda_sim/).
 """
 
 import pytest

@@ -250,31 +250,31 @@ struct SimRunner {
   template <typename x_t, bool kI>
   void operator()(const LaunchPlan& plan, RotateArgs<x_t> a, Bool<kI>) const {
     if (force_idx64) a.idx32 = false;
-    Recorder rec;
-    g_rec = &rec;
-    struct Reset {
-      ~Reset() { g_rec = nullptr; }
-    } reset;
-    allow_rotate_operands(rec, a);
-    LaunchPlan p = plan;
-    p.idx32 = a.idx32;
-    run_grid(p, rec, [&](const ThreadPos& tp) { gpu::rotate_thread<x_t, kI>(a, tp); });
-    finish(rec, op);
-    fill_info(*info, p, rec);
+    simulate(plan, a.idx32, [&](Recorder& rec) { allow_rotate_operands(rec, a); },
+             [&](const ThreadPos& tp) { gpu::rotate_thread<x_t, kI>(a, tp); });
   }
 
   template <typename x_t>
   void operator()(const LaunchPlan& plan, CacheArgs<x_t> a) const {
     if (force_idx64) a.rot.idx32 = false;
+    simulate(plan, a.rot.idx32, [&](Recorder& rec) { allow_cache_operands(rec, a); },
+             [&](const ThreadPos& tp) { gpu::cache_thread<x_t>(a, tp); });
+  }
+
+ private:
+  // One simulated launch: record every access the threads make, check it against the operands
+  // the launch was allowed to touch, and report the plan it ran with.
+  template <typename Allow, typename Thread>
+  void simulate(const LaunchPlan& plan, bool idx32, Allow allow, Thread thread) const {
     Recorder rec;
     g_rec = &rec;
     struct Reset {
       ~Reset() { g_rec = nullptr; }
     } reset;
-    allow_cache_operands(rec, a);
+    allow(rec);
     LaunchPlan p = plan;
-    p.idx32 = a.rot.idx32;
-    run_grid(p, rec, [&](const ThreadPos& tp) { gpu::cache_thread<x_t>(a, tp); });
+    p.idx32 = idx32;
+    run_grid(p, rec, thread);
     finish(rec, op);
     fill_info(*info, p, rec);
   }
