@@ -9,7 +9,8 @@
 #   2. the CUDA tests (tests/test_cuda_device.py, test_cuda_build.py)
 #   3. the benchmark on the GPU: bench/bench.py --device cuda (JSON + Markdown written after every
 #      case, so a run cut short by its time budget still leaves what it measured)
-#   4. the rest of the test suite, if time is left
+#   4. compute-sanitizer over the CUDA tests: memcheck on all of them, racecheck on a subset
+#   5. the rest of the test suite, if time is left
 # Everything goes to $OUT (default ./gpu-results): log, env, build log, junit xml, cuda.json/.md.
 # Exit status: 0 only if the libraries serve CUDA and the CUDA tests pass.
 #
@@ -111,15 +112,38 @@ CUDA_TESTS=$?
 
 step "3. GPU benchmark"
 # Cases start only while the budget lasts (the bench checks before each one); the timeout is the
-# backstop for a single case that hangs.
-left=$((BUDGET - SECONDS - 60))
+# backstop for a single case that hangs. SANITIZER_S is kept back for step 4.
+SANITIZER_S="${GPU_CHECK_SANITIZER_S:-150}"
+left=$((BUDGET - SECONDS - 60 - SANITIZER_S))
 [ "$left" -lt 60 ] && left=60
 BENCH_ARGS=(--device cuda --out "$OUT" --time-budget "$((left - 60 > 30 ? left - 60 : 30))")
 if [ "${GPU_CHECK_DRY:-0}" = "1" ]; then BENCH_ARGS=(--device cpu --quick --out "$OUT" --stem cuda); fi
 timeout "$left" "$PY" bench/bench.py "${BENCH_ARGS[@]}" 2> >(grep -v "^W[0-9]" >&2) | tee "$OUT/bench.txt"
 BENCH=${PIPESTATUS[0]}
 
-step "4. the rest of the test suite"
+step "4. compute-sanitizer"
+# memcheck: every CUDA test but the ones that cannot run under it (the device-side assert is
+# meant to fault; the > 2^31-element test would take minutes at sanitizer speed). racecheck: the
+# kernels that use no shared memory still get one pass, to prove that stays true.
+SANITIZER="skipped (no compute-sanitizer)"
+CS="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)"
+if [ -n "$CS" ] && [ "${GPU_CHECK_DRY:-0}" != "1" ]; then
+  SAN_K="not device_side_assert and not more_than_2_pow_31"
+  left=$((BUDGET - SECONDS)); [ "$left" -gt "$SANITIZER_S" ] && left="$SANITIZER_S"
+  [ "$left" -lt 60 ] && left=60
+  timeout "$((left * 2 / 3))" "$CS" --tool memcheck --error-exitcode 7 --print-limit 20 \
+    --target-processes all "$PY" -m pytest tests/test_cuda_device.py -q -p no:cacheprovider \
+    -k "$SAN_K" 2>&1 | tail -30 | tee "$OUT/sanitizer_memcheck.txt"
+  MEMCHECK=${PIPESTATUS[0]}
+  timeout "$((left / 3))" "$CS" --tool racecheck --error-exitcode 7 --print-limit 20 \
+    --target-processes all "$PY" -m pytest tests/test_cuda_device.py -q -p no:cacheprovider \
+    -k "apply_matches_reference or gqa_matches_reference" 2>&1 | tail -30 \
+    | tee "$OUT/sanitizer_racecheck.txt"
+  SANITIZER="memcheck exit $MEMCHECK, racecheck exit ${PIPESTATUS[0]} (7: errors found, 124: time)"
+fi
+echo "sanitizer: $SANITIZER"
+
+step "5. the rest of the test suite"
 REST="skipped (time budget)"
 left=$((BUDGET - SECONDS))
 if [ "$left" -gt 30 ]; then
@@ -133,6 +157,7 @@ step "summary (${SECONDS}s)"
   echo "libraries:   $LIBS"
   echo "CUDA tests:  exit $CUDA_TESTS  ($(tail -1 "$OUT/tests_cuda.txt"))"
   echo "benchmark:   exit $BENCH  ($OUT/cuda.md, cuda.json)"
+  echo "sanitizer:   $SANITIZER"
   echo "rest:        $REST"
   echo
   cat "$OUT/cuda.md" 2>/dev/null
