@@ -1,7 +1,8 @@
 // Per-element RoPE math shared by the CPU kernels, the CUDA kernels and the CUDA simulator, so
-// that they cannot drift apart: the pair rotation, which elements form a pair, which position
-// component an MRoPE pair takes, and the float8 conversion of the KV-cache write. Header-only and
-// callable from host and device code. The formulas are in docs/math.md.
+// that they cannot drift apart: which position component an MRoPE pair takes and the float8
+// conversion of the KV-cache write (every path), and the pair rotation (the CUDA thread code; the
+// CPU kernels write the same products and sums in vector form, and the tests compare the two bit
+// for bit). Header-only and callable from host and device code. The formulas are in docs/math.md.
 #pragma once
 
 #include <cstdint>
@@ -27,25 +28,13 @@ struct OpMath<double> {
 template <typename T>
 using opmath_t = typename OpMath<T>::type;
 
-// Rotates one pair (a, b) by the angle whose cosine/sine are (c, s). kInverse rotates by the
-// negative angle: the rotation is orthogonal, so that is the backward of the forward rotation.
-// Written as separate products and sums (the build forbids contraction into FMA), so every
-// device rounds it identically.
-template <bool kInverse, typename acc_t>
+// Rotates one pair (a, b) by the angle whose cosine/sine are (c, s); the inverse rotation (the
+// backward) is the same with -s, which the callers pass. Written as separate products and sums
+// (the build forbids contraction into FMA), so every device rounds it identically.
+template <typename acc_t>
 ROPE_HD void rotate_pair(acc_t a, acc_t b, acc_t c, acc_t s, acc_t& out_a, acc_t& out_b) {
-  if (kInverse) s = -s;
   out_a = a * c - b * s;
   out_b = b * c + a * s;
-}
-
-// Offsets (in elements along the head dim) of the two members of pair i (docs/math.md
-// "Pair layouts").
-// interleaved: (2i, 2i+1); half-split ("rotate_half"): (i, i + half).
-ROPE_HD int64_t pair_first(int64_t i, int64_t half, bool interleaved) {
-  return interleaved ? 2 * i : i;
-}
-ROPE_HD int64_t pair_second(int64_t i, int64_t half, bool interleaved) {
-  return interleaved ? 2 * i + 1 : i + half;
 }
 
 // ---- MRoPE: which of the three position components (temporal, height, width) pair i takes
@@ -86,9 +75,6 @@ ROPE_HD float bits_float(uint32_t u) {
   memcpy(&f, &u, sizeof(f));
   return f;
 }
-
-// Largest finite value: 448 (e4m3fn), 57344 (e5m2).
-ROPE_HD float fp8_max(Fp8Format fmt) { return fmt == Fp8Format::kE4M3FN ? 448.0f : 57344.0f; }
 
 // x (already divided by the scale) to the 8-bit code. kMant mantissa bits, kBias exponent bias;
 // the smallest normal is 2^(1 - kBias).

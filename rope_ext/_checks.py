@@ -340,10 +340,9 @@ def check_apply_and_cache(query, key, value, positions, cache, key_cache, value_
     if memory:
         check_disjoint_bytes(kc, "key_cache", vc, "value_cache", op)
         caches = (("key_cache", kc), ("value_cache", vc))
-        for wname, w in (("query", query), ("key", key), ("key_cache", kc), ("value_cache", vc)):
+        for wname, w in (("query", query), ("key", key)):
             for cname, c in caches:
-                if w is not c:
-                    check_disjoint_bytes(c, cname, w, wname, op)
+                check_disjoint_bytes(c, cname, w, wname, op)
         # value may be a view of the same fused qkv buffer as query and key: disjoint rows suffice.
         check_rows_disjoint(query, value, 1, op, "query", "value")
         check_rows_disjoint(key, value, 1, op, "key", "value")

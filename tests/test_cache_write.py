@@ -81,6 +81,28 @@ def test_matches_eager_rotate_then_paged_write(block_size, fmt, dtype, interleav
     assert torch.equal(bits(value_cache), bits(expect_vc))
 
 
+@pytest.mark.parametrize("fmt", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("backend", ["native", "reference"])
+def test_empty_key_rows_still_store_their_values(fmt, backend):
+    # head_dim 0: nothing to rotate, but every kept token's value rows go to the value cache
+    # (a path that skipped the call as "no work" would leave the cache untouched).
+    T, hk, dv = 5, 2, 24
+    q, k = torch.randn(T, 3, 0), torch.randn(T, hk, 0)
+    v = torch.randn(T, hk, dv)
+    pos = torch.randint(0, 8, (T,))
+    key_cache = torch.randn(3, 4, hk, 0).to(FP8.get(fmt, torch.float32))
+    value_cache = torch.randn(3, 4, hk, dv).to(FP8.get(fmt, torch.float32))
+    slots = torch.tensor([0, 7, -1, 11, 4])
+    scales = (torch.tensor([0.5]), torch.tensor([1.5])) if fmt != "auto" else (None, None)
+    _, _, _, want = eager(q, k, v, pos, 0, key_cache, value_cache, slots, False, fmt, *scales)
+    fn = rope_ext.apply_rope_and_cache_ if backend == "native" else rope_ext.reference.apply_and_cache_
+    if backend == "native" and rope_ext.backend("cpu") != "native":
+        pytest.skip("no native CPU library")
+    fn(q, k, v, pos, torch.empty(8, 0), key_cache, value_cache, slots,
+       kv_cache_dtype=fmt, k_scale=scales[0], v_scale=scales[1])
+    assert torch.equal(bits(value_cache), bits(want))
+
+
 def test_fp8_conversion_is_torchs_for_every_magnitude_and_saturates():
     # Values from far below the subnormals to far above the largest finite value, both signs.
     T, hk, dv = 64, 1, 64

@@ -76,7 +76,9 @@ def kernel_bodies(ptx):
 def test_no_kernel_uses_local_memory(compiled):
     _, report = compiled
     kernels = kernel_reports(report)
-    assert len(kernels) >= 12, report  # rotate: 4 dtypes x 2 layouts; cache: 4 dtypes
+    # rotate: 4 dtypes x 2 layouts, plus float16/bfloat16 x with tables of their own dtype;
+    # cache: 4 dtypes, plus the same two
+    assert len(kernels) >= 18, report
     bad = {k: v for k, v in kernels.items() if v != (0, 0, 0)}
     assert not bad, f"stack frame / spill stores / spill loads: {bad}"
 
@@ -84,7 +86,7 @@ def test_no_kernel_uses_local_memory(compiled):
 def test_aligned_path_moves_128_bit_global_vectors(compiled):
     ptx, _ = compiled
     bodies = kernel_bodies(ptx)
-    assert len(bodies) >= 12
+    assert len(bodies) >= 18
     for name, body in bodies.items():
         loads = re.findall(r"ld\.global(?:\.ca)?\.v4\.u32", body)
         stores = re.findall(r"st\.global(?:\.wb)?\.v4\.u32", body)

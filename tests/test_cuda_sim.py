@@ -185,14 +185,15 @@ def test_apply_inplace_gqa_every_head_dim(dtype, head_dim, interleaved):
 def test_apply_inplace_strided_and_table_dtypes(dtype):
     D = 96
     # positions as a strided view, separate (contiguous) q and k, a transposed cache view,
-    # float64 and bfloat16 caches (cast on the host), grid striding.
+    # float64, bfloat16 and float16 caches (read as they are when of x's dtype, else cast on the
+    # host), grid striding.
     q = torch.randn(6, 4, D, dtype=dtype)
     k = torch.randn(6, 2, 2 * D, dtype=dtype)[..., ::2]  # unit stride lost: scalar path
     positions = torch.randint(0, 30, (12,), dtype=torch.int32)[::2]
     cache_t = rope_ext.cos_sin_cache(30, D).t().contiguous().t()  # column-major cache
     plan = check_inplace(q, k, positions, cache_t, False)
     assert not plan.vec
-    for cache_dtype in (torch.float64, torch.bfloat16):
+    for cache_dtype in (torch.float64, torch.bfloat16, torch.float16):
         q, k, positions, cache = inplace_case(dtype, D, D, 4, 2, torch.int64, (), cache_dtype)
         check_inplace(q, k, positions, cache, True)
     q, k, positions, cache = inplace_case(dtype, D, 64, 4, 2, torch.int64, (3,))
@@ -321,3 +322,52 @@ def test_apply_and_cache(dtype, kv_cache_dtype, interleaved):
         with pytest.raises(RuntimeError, match="device-side assert triggered: rope: slot_mapping"):
             cuda_sim.apply_and_cache_(q, k, v, pos, cache, kc, vc, bad, interleaved,
                                       kv_cache_dtype, *scales)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("interleaved", LAYOUTS, ids=["half_split", "interleaved"])
+def test_tables_of_x_dtype_are_read_as_they_are(dtype, interleaved):
+    # Tables in the model's dtype take the kernels that convert on load (no cast of the whole
+    # table): same bits as the CPU kernels, which convert each element too.
+    x = torch.randn(7, 4, 96, dtype=dtype)
+    pos = torch.randint(0, 50, (7,))
+    cache = rope_ext.cos_sin_cache(50, 64, dtype=dtype)
+    cos, sin = cache[:, :32], cache[:, 32:]
+    out, _ = cuda_sim.apply(x, cos[pos][:, None], sin[pos][:, None], interleaved)
+    check_against_cpu_and_reference(out, x, cos[pos][:, None], sin[pos][:, None], interleaved)
+    out, _ = cuda_sim.apply_positions(x, pos, cos, sin, interleaved)
+    assert_close(out, reference_apply(x, cos[pos][:, None], sin[pos][:, None], interleaved), dtype)
+    if native_cpu():
+        cpu = torch.ops.rope.apply_positions(x, pos, cos, sin, interleaved, False, None, False)
+        assert torch.equal(out, cpu)
+    q, k = fused_qkv(7, 4, 2, 96, dtype)
+    q0, k0 = q.clone(), k.clone()
+    cuda_sim.apply_(q, k, pos, cache, interleaved)
+    rope_ext.reference.apply_rope_(q0, k0, pos, cache, interleaved=interleaved)
+    assert_close(q, q0, dtype)
+    assert_close(k, k0, dtype)
+    v = torch.randn(7, 2, 40, dtype=dtype)
+    kc, vc = torch.zeros(4, 4, 2, 96, dtype=dtype), torch.zeros(4, 4, 2, 40, dtype=dtype)
+    slots = torch.tensor([3, -1, 0, 9, 15, 2, 7])
+    ref = [t.clone() for t in (q, k, v, pos, cache, kc, vc, slots)]
+    cuda_sim.apply_and_cache_(q, k, v, pos, cache, kc, vc, slots, interleaved)
+    rope_ext.reference.apply_and_cache_(*ref, interleaved=interleaved)
+    assert torch.equal(q, ref[0]) and torch.equal(k, ref[1])
+    assert torch.equal(kc, ref[5]) and torch.equal(vc, ref[6])
+
+
+def test_cache_write_with_empty_key_rows():
+    # head_dim 0: no rotary or key chunks, but the value rows are still written; and rows of
+    # 0 elements on both sides launch nothing.
+    T, hk = 5, 2
+    q, k = torch.randn(T, 3, 0), torch.randn(T, hk, 0)
+    pos = torch.randint(0, 8, (T,))
+    cache = torch.empty(8, 0)
+    slots = torch.tensor([0, 7, -1, 11, 4])
+    for dv in (24, 0):
+        v = torch.randn(T, hk, dv)
+        kc, vc = torch.randn(3, 4, hk, 0), torch.randn(3, 4, hk, dv)
+        ref = [t.clone() for t in (q, k, v, pos, cache, kc, vc, slots)]
+        cuda_sim.apply_and_cache_(q, k, v, pos, cache, kc, vc, slots)
+        rope_ext.reference.apply_and_cache_(*ref)
+        assert torch.equal(vc, ref[6])

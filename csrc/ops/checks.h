@@ -278,10 +278,12 @@ inline LeadIndexer make_indexer(const std::vector<int64_t>& sizes,
 
 // Positions the op reads while writing query/key (or whose memory it writes) are copied first,
 // so that a position cannot change between its check and its use.
-inline Tensor positions_read_once(const Tensor& positions, std::initializer_list<const Meta*> written) {
+// `written`: the tensors the op writes (nullptr for an absent optional one).
+inline Tensor positions_read_once(const Tensor& positions,
+                                  std::initializer_list<const Tensor*> written) {
   const ByteRange pr = byte_range(Meta(positions));
-  for (const Meta* w : written) {
-    if (w != nullptr && byte_range(*w).intersects(pr)) return torch::stable::clone(positions);
+  for (const Tensor* w : written) {
+    if (w != nullptr && byte_range(Meta(*w)).intersects(pr)) return torch::stable::clone(positions);
   }
   return positions;
 }
@@ -323,6 +325,12 @@ inline void check_positions_in_range(const Tensor& positions, int64_t rows, cons
     }
     if (k < 0) return;
   }
+}
+
+// The cos_sin_cache row's sin half: half * (column stride) elements past its cos.
+inline const void* sin_of_cache(const Tensor& cache, const RotateGeometry& g) {
+  return static_cast<const char*>(cache.const_data_ptr()) +
+         g.half * g.table.cos_col * static_cast<int64_t>(cache.element_size());
 }
 
 // ---- the ops ----
@@ -433,21 +441,30 @@ inline RotateGeometry check_apply_out(const Tensor& x_t, const Tensor& cos_t, co
 }
 
 // Where a positions-indexed op finds its tables: cos_sin_cache (max_position, rotary_dim), cos
-// in the first half of each row, or separate cos and sin tables (max_position, rotary_dim/2).
+// in the first half of each row, or separate cos and sin tables (max_position, rotary_dim/2);
+// and, for MRoPE, which position component each pair's row is taken at (positions then have a
+// leading dim of 3 components).
 struct TableArgs {
   const Tensor* cache = nullptr;  // set for cos_sin_cache
   const Tensor* cos = nullptr;    // set for separate tables
   const Tensor* sin = nullptr;
+  const std::vector<int64_t>* mrope_section = nullptr;
+  bool mrope_interleaved = false;
 };
 
+inline void set_mrope_sections(RotateGeometry& g, const std::vector<int64_t>& section,
+                               bool mrope_interleaved, int64_t pos_component_stride,
+                               const char* op, const char* half_name);
+
 // The query/key (or x) part shared by every positions-indexed op: dtypes, devices, shapes, the
-// table, and the lead indexer. `positions_lead` is positions without its MRoPE component dim.
-// In place (`in_place`): the written tensors may not overlap themselves, each other or the table.
+// table (and MRoPE sections), and the lead indexer. In place (`in_place`): the written tensors
+// may not overlap themselves, each other or the table.
 inline RotateGeometry check_positions_op(const Tensor& query_t, const std::optional<Tensor>& key_t,
-                                         const Tensor& positions_t, int64_t pos_lead_dim0,
-                                         const TableArgs& tables, bool interleaved, bool inverse,
-                                         bool in_place, const char* op, const char* q_name) {
+                                         const Tensor& positions_t, const TableArgs& tables,
+                                         bool interleaved, bool inverse, bool in_place,
+                                         const char* op, const char* q_name) {
   const Meta q(query_t), pos(positions_t);
+  const int64_t pos_lead_dim0 = tables.mrope_section != nullptr ? 1 : 0;  // the components' dim
   check_float(q, op, q_name);
   ROPE_CHECK(q.dim >= 2, op, ": ", q_name, " must have shape (..., num_heads, head_dim), got ",
              shape_str(q));
@@ -571,6 +588,10 @@ inline RotateGeometry check_positions_op(const Tensor& query_t, const std::optio
     }
   }
   g.lead = make_indexer(sizes, strides, op);
+  if (tables.mrope_section != nullptr) {
+    set_mrope_sections(g, *tables.mrope_section, tables.mrope_interleaved, pos.strides[0], op,
+                       tables.cache != nullptr ? "cos_sin_cache.size(1)/2" : "cos.size(1)");
+  }
   return g;
 }
 
@@ -618,7 +639,7 @@ inline CacheGeometry check_apply_and_cache(const Tensor& query_t, const Tensor& 
              ": query and key must have shape (num_tokens, num_heads, head_dim), got query ",
              shape_str(q), " and key ", shape_str(k));
   CacheGeometry cg;
-  cg.rot = check_positions_op(query_t, key_t, positions_t, 0, TableArgs{&cache_t}, interleaved,
+  cg.rot = check_positions_op(query_t, key_t, positions_t, TableArgs{&cache_t}, interleaved,
                               false, true, op, "query");
   const int64_t tokens = q.sizes[0], kv_heads = k.sizes[1], head_dim = k.sizes[2];
   check_same_device(q, "query", v, op, "value");
@@ -681,12 +702,9 @@ inline CacheGeometry check_apply_and_cache(const Tensor& query_t, const Tensor& 
   check_no_internal_overlap(kc, op, "key_cache");
   check_no_internal_overlap(vc, op, "value_cache");
   check_disjoint_bytes(kc, "key_cache", vc, "value_cache", op);
-  const std::pair<const char*, const Meta*> written[] = {
-      {"query", &q}, {"key", &k}, {"key_cache", &kc}, {"value_cache", &vc}};
-  for (const auto& [wname, w] : written) {
-    for (const auto& [cname, c] : caches) {
-      if (w != c) check_disjoint_bytes(*c, cname, *w, wname, op);
-    }
+  const std::pair<const char*, const Meta*> rotated[] = {{"query", &q}, {"key", &k}};
+  for (const auto& [wname, w] : rotated) {
+    for (const auto& [cname, c] : caches) check_disjoint_bytes(*c, cname, *w, wname, op);
   }
   // value may be a view of the same fused qkv buffer as query and key: disjoint rows suffice.
   check_rows_disjoint(q, v, 1, op, "query", "value");

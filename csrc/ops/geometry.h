@@ -98,14 +98,16 @@ enum class CacheFormat : int32_t {
 struct CacheStrides {
   int64_t block = 0, offset = 0, head = 0, last = 1;
 
-  // Element offset of (slot's block, slot's offset in it, head h).
-  ROPE_HD int64_t row(int64_t slot, int64_t block_size, int64_t h) const {
-    return (slot / block_size) * block + (slot % block_size) * offset + h * head;
+  // Element offset of the slot's row of head 0 (slot = block * block_size + offset); head h's
+  // row is `head * h` further.
+  ROPE_HD int64_t slot_row(int64_t slot, int64_t block_size) const {
+    const int64_t b = slot / block_size;
+    return b * block + (slot - b * block_size) * offset;
   }
 };
 
-struct CacheGeometry {
-  RotateGeometry rot;  // target 0 = query, target 1 = key; one leading dim (tokens)
+// The cache part of a CacheGeometry (all the CUDA cache kernel needs beside the rotation).
+struct CacheDesc {
   CacheFormat format = CacheFormat::kSame;
   int64_t kv_heads = 0, value_dim = 0;
   int64_t slots = 0;  // num_blocks * block_size
@@ -116,6 +118,10 @@ struct CacheGeometry {
   int64_t slot_stride = 1;
   int64_t v_token = 0, v_head = 0, v_last = 1;
   CacheStrides kc, vc;
+};
+
+struct CacheGeometry : CacheDesc {
+  RotateGeometry rot;  // target 0 = query, target 1 = key; one leading dim (tokens)
 };
 
 }  // namespace rope

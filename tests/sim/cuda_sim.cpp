@@ -1,7 +1,7 @@
 // CPU simulator of the CUDA kernels (test only; built by tests/cuda_sim.py with g++).
 //
 // The ops rope_sim::* run the CUDA ops' own host code (csrc/ops/cuda/rope_cuda_host.h: checks,
-// positions read once, table casts, launch plan, dispatch) on CPU tensors, but instead of
+// positions read once, table dtypes, launch plan, dispatch) on CPU tensors, but instead of
 // launching a kernel they call its per-thread function (rope_cuda_thread.h) for every
 // (blockIdx, threadIdx) of the planned grid. Every memory access goes through an instrumented
 // load/store, and the simulator proves for the run that:
@@ -138,9 +138,8 @@ void run_grid(const LaunchPlan& p, Recorder& rec, F&& f) {
 
 // The operand elements of a RotateGeometry, registered with their permissions. Each element is
 // marked with the strongest access any operand needs (an in-place row is read and written).
-template <typename x_t>
-void allow_rotate_operands(Recorder& rec, const RotateArgs<x_t>& a) {
-  using tab_t = opmath_t<x_t>;
+template <typename x_t, typename tab_t>
+void allow_rotate_operands(Recorder& rec, const RotateArgs<x_t, tab_t>& a) {
   const RotateGeometry& g = a.g;
   const int64_t write_end = g.copy_tail ? g.head_dim : 2 * g.half;
   for (int64_t tok = 0; tok < g.tokens; ++tok) {
@@ -186,10 +185,10 @@ void allow_rotate_operands(Recorder& rec, const RotateArgs<x_t>& a) {
   }
 }
 
-template <typename x_t>
-void allow_cache_operands(Recorder& rec, const CacheArgs<x_t>& a) {
+template <typename x_t, typename tab_t>
+void allow_cache_operands(Recorder& rec, const CacheArgs<x_t, tab_t>& a) {
   allow_rotate_operands(rec, a.rot);
-  const CacheGeometry& cg = a.cg;
+  const CacheDesc& cg = a.cg;
   const RotateGeometry& g = a.rot.g;
   const int64_t es = cg.format == CacheFormat::kSame ? sizeof(x_t) : 1;
   for (int64_t tok = 0; tok < g.tokens; ++tok) {
@@ -202,8 +201,12 @@ void allow_cache_operands(Recorder& rec, const CacheArgs<x_t>& a) {
         rec.allow(a.value + tok * cg.v_token + h * cg.v_head + j * cg.v_last, sizeof(x_t), kRead);
       }
       if (slot < 0 || slot >= cg.slots) continue;
-      const char* kc = static_cast<const char*>(a.key_cache) + cg.kc.row(slot, cg.block_size, h) * es;
-      const char* vc = static_cast<const char*>(a.value_cache) + cg.vc.row(slot, cg.block_size, h) * es;
+      // Written out here, not with CacheStrides::slot_row: an independent statement of the layout.
+      const int64_t block = slot / cg.block_size, in_block = slot % cg.block_size;
+      const char* kc = static_cast<const char*>(a.key_cache) +
+                       (block * cg.kc.block + in_block * cg.kc.offset + h * cg.kc.head) * es;
+      const char* vc = static_cast<const char*>(a.value_cache) +
+                       (block * cg.vc.block + in_block * cg.vc.offset + h * cg.vc.head) * es;
       for (int64_t j = 0; j < g.head_dim; ++j) rec.allow(kc + j * cg.kc.last * es, es, kWrite | kMustWrite);
       for (int64_t j = 0; j < cg.value_dim; ++j) rec.allow(vc + j * cg.vc.last * es, es, kWrite | kMustWrite);
     }
@@ -247,18 +250,18 @@ struct SimRunner {
   bool force_idx64;
   Tensor* info;
 
-  template <typename x_t, bool kI>
-  void operator()(const LaunchPlan& plan, RotateArgs<x_t> a, Bool<kI>) const {
+  template <typename x_t, typename tab_t, bool kI>
+  void operator()(const LaunchPlan& plan, RotateArgs<x_t, tab_t> a, Bool<kI>) const {
     if (force_idx64) a.idx32 = false;
     simulate(plan, a.idx32, [&](Recorder& rec) { allow_rotate_operands(rec, a); },
-             [&](const ThreadPos& tp) { gpu::rotate_thread<x_t, kI>(a, tp); });
+             [&](const ThreadPos& tp) { gpu::rotate_thread<x_t, tab_t, kI>(a, tp); });
   }
 
-  template <typename x_t>
-  void operator()(const LaunchPlan& plan, CacheArgs<x_t> a) const {
+  template <typename x_t, typename tab_t>
+  void operator()(const LaunchPlan& plan, CacheArgs<x_t, tab_t> a) const {
     if (force_idx64) a.rot.idx32 = false;
     simulate(plan, a.rot.idx32, [&](Recorder& rec) { allow_cache_operands(rec, a); },
-             [&](const ThreadPos& tp) { gpu::cache_thread<x_t>(a, tp); });
+             [&](const ThreadPos& tp) { gpu::cache_thread<x_t, tab_t>(a, tp); });
   }
 
  private:

@@ -42,10 +42,9 @@ struct RotateJob {
 // One call of rope.apply_and_cache_ (geometry.h CacheGeometry); scales already read.
 struct CacheJob {
   const CacheGeometry* g;
-  RotateJob rot;          // query and key; rot.dst[1] is key (store_key) or unused
+  RotateJob rot;          // query and key, rotated in place
   const void* value;
   const void* slot_mapping;
-  bool slots64;
   void* key_cache;
   void* value_cache;
   float k_scale, v_scale;

@@ -480,21 +480,19 @@ template <typename x_t, CacheFormat kFormat>
 void write_cache_token(const void* ctx, int64_t token, const int64_t* off) {
   const CacheJob& job = *static_cast<const CacheJob*>(ctx);
   const CacheGeometry& cg = *job.g;
-  const int64_t slot = read_position(job.slot_mapping, job.slots64, token * cg.slot_stride);
+  const int64_t slot = read_position(job.slot_mapping, cg.slots64, token * cg.slot_stride);
   if (slot < 0) return;  // padding
   const int64_t es = kFormat == CacheFormat::kSame ? sizeof(x_t) : 1;
   const TargetDesc& kt = cg.rot.target[1];
   const x_t* k = static_cast<const x_t*>(job.rot.dst[1]) + off[kDst1];
   const x_t* v = static_cast<const x_t*>(job.value) + token * cg.v_token;
-  char* kc = static_cast<char*>(job.key_cache);
-  char* vc = static_cast<char*>(job.value_cache);
+  char* kc = static_cast<char*>(job.key_cache) + cg.kc.slot_row(slot, cg.block_size) * es;
+  char* vc = static_cast<char*>(job.value_cache) + cg.vc.slot_row(slot, cg.block_size) * es;
   for (int64_t h = 0; h < cg.kv_heads; ++h) {
-    store_cache_row<x_t, kFormat>(k + h * kt.dst_head, kt.dst_last,
-                                  kc + cg.kc.row(slot, cg.block_size, h) * es, cg.kc.last,
-                                  cg.rot.head_dim, job.k_scale);
-    store_cache_row<x_t, kFormat>(v + h * cg.v_head, cg.v_last,
-                                  vc + cg.vc.row(slot, cg.block_size, h) * es, cg.vc.last,
-                                  cg.value_dim, job.v_scale);
+    store_cache_row<x_t, kFormat>(k + h * kt.dst_head, kt.dst_last, kc + h * cg.kc.head * es,
+                                  cg.kc.last, cg.rot.head_dim, job.k_scale);
+    store_cache_row<x_t, kFormat>(v + h * cg.v_head, cg.v_last, vc + h * cg.vc.head * es,
+                                  cg.vc.last, cg.value_dim, job.v_scale);
   }
 }
 

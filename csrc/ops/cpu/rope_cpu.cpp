@@ -33,11 +33,23 @@ int dt_index(ScalarType t) {
 // thread (waking the pool costs more than the work).
 constexpr int64_t kGrainElements = 1 << 15;
 
+// a * b, or kInt64Max where it does not fit: a work estimate, which only sizes the grain (an
+// empty tensor can be expanded to dims whose product overflows).
+int64_t work(int64_t a, int64_t b) {
+  int64_t r;
+  return mul_fits(a, b, r) ? r : kInt64Max;
+}
+
+// `more_per_token`: elements each token moves besides its rotated rows (the value rows of the
+// cache write), so a call with nothing to rotate but values to store still runs.
 template <typename F>
-void run_tokens(const RotateGeometry& g, const F& fn) {
-  int64_t per_token = 0;  // elements per token: the targets are real tensors, so this fits
-  for (int k = 0; k < g.targets; ++k) per_token += g.target[k].heads * g.head_dim;
-  if (g.tokens == 0 || per_token == 0) return;  // nothing to do, however many (empty) tokens
+void run_tokens(const RotateGeometry& g, const F& fn, int64_t more_per_token = 0) {
+  if (g.tokens == 0) return;  // nothing to do, however large the (empty) rows
+  int64_t per_token = more_per_token;
+  for (int k = 0; k < g.targets; ++k) {
+    if (!add_fits(per_token, work(g.target[k].heads, g.head_dim), per_token)) per_token = kInt64Max;
+  }
+  if (per_token == 0) return;
   const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, per_token));
   if (g.tokens <= grain || torch::stable::get_num_threads() <= 1) {
     fn(0, g.tokens);
@@ -84,12 +96,6 @@ void apply_out_cpu(Tensor x, Tensor cos, Tensor sin, bool interleaved, Tensor ou
   run_rotate(job_for(g, x, out.mutable_data_ptr(), cos, sin, nbytes(out)), x.scalar_type());
 }
 
-// The bytes of the cos_sin_cache row where sin starts.
-const void* sin_of_cache(const Tensor& cache, const RotateGeometry& g) {
-  return static_cast<const char*>(cache.const_data_ptr()) +
-         g.half * g.table.cos_col * static_cast<int64_t>(cache.element_size());
-}
-
 // The in-place ops on query/key: positions copied if they share memory with what is written,
 // range-checked, then the rotation.
 RotateGeometry inplace_geometry(const Tensor& query, const std::optional<Tensor>& key,
@@ -97,19 +103,12 @@ RotateGeometry inplace_geometry(const Tensor& query, const std::optional<Tensor>
                                 const std::vector<int64_t>* section, bool mrope_interleaved,
                                 const char* op) {
   auto check = [&] {
-    RotateGeometry g = check_positions_op(query, key, positions, section ? 1 : 0,
-                                          TableArgs{&cache}, interleaved, false, true, op, "query");
-    if (section != nullptr) {
-      set_mrope_sections(g, *section, mrope_interleaved, positions.stride(0), op,
-                         "cos_sin_cache.size(1)/2");
-    }
-    return g;
+    return check_positions_op(query, key, positions,
+                              TableArgs{&cache, nullptr, nullptr, section, mrope_interleaved},
+                              interleaved, false, true, op, "query");
   };
   RotateGeometry g = check();
-  const Meta q(query);
-  std::optional<Meta> k;
-  if (key.has_value()) k.emplace(*key);
-  const Tensor once = positions_read_once(positions, {&q, k ? &*k : nullptr});
+  const Tensor once = positions_read_once(positions, {&query, key ? &*key : nullptr});
   if (once.get() != positions.get()) {
     positions = once;
     g = check();  // the copy's strides
@@ -150,13 +149,10 @@ Tensor apply_positions_cpu(Tensor x, Tensor positions, Tensor cos, Tensor sin, b
                            bool inverse, std::optional<std::vector<int64_t>> mrope_section,
                            bool mrope_interleaved) {
   const char* op = "rope.apply_positions";
-  RotateGeometry g = check_positions_op(x, std::nullopt, positions, mrope_section ? 1 : 0,
-                                        TableArgs{nullptr, &cos, &sin}, interleaved, inverse,
-                                        false, op, "x");
-  if (mrope_section) {
-    set_mrope_sections(g, *mrope_section, mrope_interleaved, positions.stride(0), op,
-                       "cos.size(1)");
-  }
+  const TableArgs tables{nullptr, &cos, &sin, mrope_section ? &*mrope_section : nullptr,
+                         mrope_interleaved};
+  const RotateGeometry g =
+      check_positions_op(x, std::nullopt, positions, tables, interleaved, inverse, false, op, "x");
   check_positions_in_range(positions, g.table.rows, op, "cos.size(0)");
   Tensor out = torch::stable::new_empty(x, x.sizes());
   RotateJob job = job_for(g, x, out.mutable_data_ptr(), cos, sin, nbytes(out));
@@ -181,9 +177,8 @@ void apply_and_cache_cpu(Tensor query, Tensor key, Tensor value, Tensor position
   };
   CacheGeometry cg = check();
   {
-    const Meta q(query), k(key), kc(key_cache), vc(value_cache);
-    const Tensor pos = positions_read_once(positions, {&q, &k, &kc, &vc});
-    const Tensor slots = positions_read_once(slot_mapping, {&q, &k, &kc, &vc});
+    const Tensor pos = positions_read_once(positions, {&query, &key, &key_cache, &value_cache});
+    const Tensor slots = positions_read_once(slot_mapping, {&query, &key, &key_cache, &value_cache});
     if (pos.get() != positions.get() || slots.get() != slot_mapping.get()) {
       positions = pos;
       slot_mapping = slots;
@@ -191,10 +186,9 @@ void apply_and_cache_cpu(Tensor query, Tensor key, Tensor value, Tensor position
     }
   }
   check_positions_in_range(positions, cg.rot.table.rows, op, "cos_sin_cache.size(0)");
-  {  // slots: below num_blocks * block_size; negative ones are padding
-    const Meta m(slot_mapping);
-    for (int64_t t = 0; t < m.numel; ++t) {
-      const char* p = static_cast<const char*>(slot_mapping.const_data_ptr());
+  {  // slots (one per token): below num_blocks * block_size; negative ones are padding
+    const char* p = static_cast<const char*>(slot_mapping.const_data_ptr());
+    for (int64_t t = 0; t < cg.rot.tokens; ++t) {
       const int64_t off = t * cg.slot_stride;
       const int64_t s = cg.slots64 ? reinterpret_cast<const int64_t*>(p)[off]
                                    : reinterpret_cast<const int32_t*>(p)[off];
@@ -213,14 +207,13 @@ void apply_and_cache_cpu(Tensor query, Tensor key, Tensor value, Tensor position
   job.rot.table_dt = dt_index(cos_sin_cache.scalar_type());
   job.value = value.const_data_ptr();
   job.slot_mapping = slot_mapping.const_data_ptr();
-  job.slots64 = cg.slots64;
   job.key_cache = key_cache.mutable_data_ptr();
   job.value_cache = value_cache.mutable_data_ptr();
   job.k_scale = read_scale(k_scale);
   job.v_scale = read_scale(v_scale);
   const CacheTokensFn fn =
       selected_cpu_kernels()->cache[dt_index(query.scalar_type())][static_cast<int>(cg.format)];
-  run_tokens(cg.rot, [&](int64_t b, int64_t e) { fn(job, b, e); });
+  run_tokens(cg.rot, [&](int64_t b, int64_t e) { fn(job, b, e); }, work(cg.kv_heads, cg.value_dim));
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
 // CUDA kernels of every op, registered for the CUDA key. The per-thread code is in
-// rope_cuda_thread.h and the host logic (checks, table casts, launch plan, dispatch) in
+// rope_cuda_thread.h and the host logic (checks, table dtypes, launch plan, dispatch) in
 // rope_cuda_host.h, both shared with the CPU simulator that tests them without a GPU; this file
 // adds what only a GPU has: the device guard, the current stream, the launches and their checks.
 #include <cuda_runtime.h>
@@ -20,14 +20,15 @@ __device__ __forceinline__ ThreadPos here() {
           {gridDim.x, gridDim.y, gridDim.z}};
 }
 
-template <typename x_t, bool kInterleaved>
-__global__ void __launch_bounds__(kMaxBlockThreads, 1) rotate_kernel(const RotateArgs<x_t> a) {
-  rotate_thread<x_t, kInterleaved>(a, here());
+template <typename x_t, typename tab_t, bool kInterleaved>
+__global__ void __launch_bounds__(kMaxBlockThreads, 1)
+    rotate_kernel(const RotateArgs<x_t, tab_t> a) {
+  rotate_thread<x_t, tab_t, kInterleaved>(a, here());
 }
 
-template <typename x_t>
-__global__ void __launch_bounds__(kMaxBlockThreads, 1) cache_kernel(const CacheArgs<x_t> a) {
-  cache_thread<x_t>(a, here());
+template <typename x_t, typename tab_t>
+__global__ void __launch_bounds__(kMaxBlockThreads, 1) cache_kernel(const CacheArgs<x_t, tab_t> a) {
+  cache_thread<x_t, tab_t>(a, here());
 }
 
 dim3 to_dim3(const Idx3& i) { return dim3(i.x, i.y, i.z); }
@@ -45,15 +46,15 @@ class CudaLaunch {
     stream_ = static_cast<cudaStream_t>(stream);
   }
 
-  template <typename x_t, bool kI>
-  void operator()(const LaunchPlan& p, const RotateArgs<x_t>& a, Bool<kI>) const {
-    rotate_kernel<x_t, kI><<<to_dim3(p.grid), to_dim3(p.block), 0, stream_>>>(a);
+  template <typename x_t, typename tab_t, bool kI>
+  void operator()(const LaunchPlan& p, const RotateArgs<x_t, tab_t>& a, Bool<kI>) const {
+    rotate_kernel<x_t, tab_t, kI><<<to_dim3(p.grid), to_dim3(p.block), 0, stream_>>>(a);
     check_launch();
   }
 
-  template <typename x_t>
-  void operator()(const LaunchPlan& p, const CacheArgs<x_t>& a) const {
-    cache_kernel<x_t><<<to_dim3(p.grid), to_dim3(p.block), 0, stream_>>>(a);
+  template <typename x_t, typename tab_t>
+  void operator()(const LaunchPlan& p, const CacheArgs<x_t, tab_t>& a) const {
+    cache_kernel<x_t, tab_t><<<to_dim3(p.grid), to_dim3(p.block), 0, stream_>>>(a);
     check_launch();
   }
 

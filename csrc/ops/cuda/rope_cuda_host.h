@@ -90,8 +90,8 @@ inline void plan_block(LaunchPlan& p, int64_t chunks, int64_t heads, int64_t tok
   p.idx32 = tokens <= static_cast<int64_t>(UINT32_MAX);
 }
 
-template <typename x_t>
-LaunchPlan plan_rotate(const RotateArgs<x_t>& a, int64_t max_blocks) {
+template <typename x_t, typename tab_t>
+LaunchPlan plan_rotate(const RotateArgs<x_t, tab_t>& a, int64_t max_blocks) {
   constexpr int W = kWidth<x_t>;
   const RotateGeometry& g = a.g;
   LaunchPlan p;
@@ -105,13 +105,14 @@ LaunchPlan plan_rotate(const RotateArgs<x_t>& a, int64_t max_blocks) {
   return p;
 }
 
-// The kernels read tables in the arithmetic type of x (float, or double for double x). Casting a
-// table once here gives exactly the values the CPU kernels get by converting each element, and
-// keeps one table type per x dtype; float32 tables with bf16/fp16/fp32 x need no cast.
-inline Tensor tables_as_opmath(const Tensor& t, ScalarType x_type) {
-  const ScalarType want = x_type == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
-  if (t.scalar_type() == want) return t;
-  return torch::stable::to(t, std::optional<ScalarType>(want));
+// The kernels read tables of x's dtype or of its arithmetic type (float, or double for double
+// x), converting each element as they load it, as the CPU kernels do: so the usual tables (the
+// model's dtype, or float32) are read where they are. Any other table dtype is cast, which gives
+// exactly the values the CPU kernels get by converting each element.
+inline Tensor table_for(const Tensor& t, ScalarType x_type) {
+  const ScalarType acc = x_type == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
+  if (t.scalar_type() == acc || t.scalar_type() == x_type) return t;
+  return torch::stable::to(t, std::optional<ScalarType>(acc));
 }
 
 #define ROPE_DISPATCH_FLOATING(TYPE, NAME, ...)                                   \
@@ -122,17 +123,29 @@ inline Tensor tables_as_opmath(const Tensor& t, ScalarType x_type) {
       THO_DISPATCH_CASE(torch::headeronly::ScalarType::Half, __VA_ARGS__)         \
       THO_DISPATCH_CASE(torch::headeronly::ScalarType::BFloat16, __VA_ARGS__))
 
+// f(x_t{}, tab_t{}) for x's dtype and the table's (x_t or opmath_t<x_t>, see table_for).
 template <class F>
-void dispatch_layout(bool interleaved, F&& f) {
-  interleaved ? f(Bool<true>{}) : f(Bool<false>{});
+void dispatch_types(ScalarType x_type, ScalarType table_type, F&& f) {
+  ROPE_DISPATCH_FLOATING(x_type, "rope", [&] {
+    using x_t = scalar_t;
+    if (table_type == x_type) {
+      f(x_t{}, x_t{});
+    } else {
+      f(x_t{}, opmath_t<x_t>{});
+    }
+  });
 }
 
 // The tensors of one rotation, bound to a geometry: x (or query) and key, their outputs, the
-// tables (already in the arithmetic type) and positions.
+// tables and positions.
 struct RotateTensors {
   const Tensor* src[2] = {nullptr, nullptr};
   const Tensor* dst[2] = {nullptr, nullptr};
-  Tensor cos, sin;
+  // The tables read, kept alive (either may be a cast): cos and sin, or a cos_sin_cache in
+  // cos_table (sin_table then unused). Both have one dtype.
+  Tensor cos_table, sin_table;
+  const void* cos = nullptr;
+  const void* sin = nullptr;
   const Tensor* positions = nullptr;
 };
 
@@ -141,16 +154,16 @@ void run_rotate(const RotateGeometry& g, const RotateTensors& t, ScalarType x_ty
                 int64_t max_blocks) {
   const int64_t heads = g.target[0].heads + (g.targets > 1 ? g.target[1].heads : 0);
   if (g.tokens == 0 || g.head_dim == 0 || heads == 0) return;  // however many (empty) tokens
-  ROPE_DISPATCH_FLOATING(x_type, "rope", [&] {
-    using x_t = scalar_t;
-    using tab_t = opmath_t<x_t>;
-    RotateArgs<x_t> a{};
+  dispatch_types(x_type, t.cos_table.scalar_type(), [&](auto x0, auto tab0) {
+    using x_t = decltype(x0);
+    using tab_t = decltype(tab0);
+    RotateArgs<x_t, tab_t> a{};
     for (int k = 0; k < g.targets; ++k) {
       a.src[k] = t.src[k]->const_data_ptr<x_t>();
       a.dst[k] = t.dst[k]->mutable_data_ptr<x_t>();
     }
-    a.cos = static_cast<const tab_t*>(t.cos.const_data_ptr());
-    a.sin = static_cast<const tab_t*>(t.sin.const_data_ptr());
+    a.cos = static_cast<const tab_t*>(t.cos);
+    a.sin = static_cast<const tab_t*>(t.sin);
     a.pos = t.positions != nullptr ? t.positions->const_data_ptr() : nullptr;
     a.g = g;
     const LaunchPlan p = plan_rotate(a, max_blocks);
@@ -158,8 +171,22 @@ void run_rotate(const RotateGeometry& g, const RotateTensors& t, ScalarType x_ty
     a.tail_chunks = p.tail_chunks;
     a.idx32 = p.idx32;
     a.vec = p.vec;
-    dispatch_layout(g.interleaved, [&](auto il) { run(p, a, il); });
+    g.interleaved ? run(p, a, Bool<true>{}) : run(p, a, Bool<false>{});
   });
+}
+
+// Separate cos and sin tables, cast if their dtype needs it (then checked again: the cast's
+// strides). `check(cos, sin)` returns the geometry.
+template <class Check>
+RotateGeometry bind_tables(const Tensor& cos_in, const Tensor& sin_in, ScalarType x_type,
+                           RotateTensors& t, Check&& check) {
+  RotateGeometry g = check(cos_in, sin_in);
+  t.cos_table = table_for(cos_in, x_type);
+  t.sin_table = table_for(sin_in, x_type);
+  if (t.cos_table.get() != cos_in.get()) g = check(t.cos_table, t.sin_table);
+  t.cos = t.cos_table.const_data_ptr();
+  t.sin = t.sin_table.const_data_ptr();
+  return g;
 }
 
 // rope.apply (inverse = false), rope.apply_backward (true) and rope.apply.out (out given).
@@ -169,15 +196,12 @@ Tensor apply_host(const Tensor& x, const Tensor& cos_in, const Tensor& sin_in, b
                   int64_t max_blocks = kMaxBlocks) {
   const char* op = out_in ? "rope.apply.out" : (inverse ? "rope.apply_backward" : "rope.apply");
   const char* x_name = inverse ? "grad" : "x";
-  auto check = [&](const Tensor& c, const Tensor& s) {
-    return out_in ? check_apply_out(x, c, s, *out_in, interleaved)
-                  : check_apply(x, c, s, interleaved, inverse, op, x_name);
-  };
-  RotateGeometry g = check(cos_in, sin_in);
   RotateTensors t;
-  t.cos = tables_as_opmath(cos_in, x.scalar_type());
-  t.sin = tables_as_opmath(sin_in, x.scalar_type());
-  if (t.cos.scalar_type() != cos_in.scalar_type()) g = check(t.cos, t.sin);  // the cast's strides
+  const RotateGeometry g =
+      bind_tables(cos_in, sin_in, x.scalar_type(), t, [&](const Tensor& c, const Tensor& s) {
+        return out_in ? check_apply_out(x, c, s, *out_in, interleaved)
+                      : check_apply(x, c, s, interleaved, inverse, op, x_name);
+      });
   Tensor out = out_in ? *out_in : torch::stable::new_empty(x, x.sizes());
   t.src[0] = &x;
   t.dst[0] = &out;
@@ -194,28 +218,21 @@ void rotate_inplace_host(const Tensor& query, const std::optional<Tensor>& key,
   const char* op = section ? "rope.mrope_" : "rope.apply_";
   Tensor positions = positions_in;
   auto check = [&](const Tensor& cache) {
-    RotateGeometry g = check_positions_op(query, key, positions, section ? 1 : 0,
-                                          TableArgs{&cache}, interleaved, false, true, op, "query");
-    if (section) {
-      set_mrope_sections(g, *section, mrope_interleaved, positions.stride(0), op,
-                         "cos_sin_cache.size(1)/2");
-    }
-    return g;
+    return check_positions_op(query, key, positions,
+                              TableArgs{&cache, nullptr, nullptr, section, mrope_interleaved},
+                              interleaved, false, true, op, "query");
   };
   RotateGeometry g = check(cache_in);
-  {
-    const Meta q(query);
-    std::optional<Meta> k;
-    if (key) k.emplace(*key);
-    positions = positions_read_once(positions, {&q, k ? &*k : nullptr});
-  }
-  Tensor cache = tables_as_opmath(cache_in, query.scalar_type());
-  if (positions.get() != positions_in.get() || cache.get() != cache_in.get()) g = check(cache);
+  positions = positions_read_once(positions, {&query, key ? &*key : nullptr});
   RotateTensors t;
+  t.cos_table = table_for(cache_in, query.scalar_type());
+  if (positions.get() != positions_in.get() || t.cos_table.get() != cache_in.get()) {
+    g = check(t.cos_table);
+  }
   t.src[0] = t.dst[0] = &query;
   if (key) t.src[1] = t.dst[1] = &*key;
-  t.cos = cache;
-  t.sin = torch::stable::narrow(cache, 1, g.half, g.half);
+  t.cos = t.cos_table.const_data_ptr();
+  t.sin = sin_of_cache(t.cos_table, g);
   t.positions = &positions;
   run_rotate(g, t, query.scalar_type(), run, max_blocks);
 }
@@ -226,21 +243,13 @@ Tensor apply_positions_host(const Tensor& x, const Tensor& positions, const Tens
                             const std::optional<std::vector<int64_t>>& section,
                             bool mrope_interleaved, Runner&& run,
                             int64_t max_blocks = kMaxBlocks) {
-  const char* op = "rope.apply_positions";
-  auto check = [&](const Tensor& c, const Tensor& s) {
-    RotateGeometry g = check_positions_op(x, std::nullopt, positions, section ? 1 : 0,
-                                          TableArgs{nullptr, &c, &s}, interleaved, inverse,
-                                          false, op, "x");
-    if (section) {
-      set_mrope_sections(g, *section, mrope_interleaved, positions.stride(0), op, "cos.size(1)");
-    }
-    return g;
-  };
-  RotateGeometry g = check(cos_in, sin_in);
   RotateTensors t;
-  t.cos = tables_as_opmath(cos_in, x.scalar_type());
-  t.sin = tables_as_opmath(sin_in, x.scalar_type());
-  if (t.cos.scalar_type() != cos_in.scalar_type()) g = check(t.cos, t.sin);
+  const RotateGeometry g =
+      bind_tables(cos_in, sin_in, x.scalar_type(), t, [&](const Tensor& c, const Tensor& s) {
+        const TableArgs tables{nullptr, &c, &s, section ? &*section : nullptr, mrope_interleaved};
+        return check_positions_op(x, std::nullopt, positions, tables, interleaved, inverse, false,
+                                  "rope.apply_positions", "x");
+      });
   Tensor out = torch::stable::new_empty(x, x.sizes());
   t.src[0] = &x;
   t.dst[0] = &out;
@@ -263,36 +272,28 @@ void apply_and_cache_host(const Tensor& query, const Tensor& key, const Tensor& 
                                  slots, interleaved, kv_cache_dtype, k_scale, v_scale);
   };
   CacheGeometry cg = check(cache_in);
-  {
-    const Meta q(query), k(key), kc(key_cache), vc(value_cache);
-    positions = positions_read_once(positions, {&q, &k, &kc, &vc});
-    slots = positions_read_once(slots, {&q, &k, &kc, &vc});
-  }
-  Tensor cache = tables_as_opmath(cache_in, query.scalar_type());
+  positions = positions_read_once(positions, {&query, &key, &key_cache, &value_cache});
+  slots = positions_read_once(slots, {&query, &key, &key_cache, &value_cache});
+  const Tensor cache = table_for(cache_in, query.scalar_type());
   if (positions.get() != positions_in.get() || slots.get() != slots_in.get() ||
       cache.get() != cache_in.get()) {
     cg = check(cache);
   }
   const RotateGeometry& g = cg.rot;
-  if (g.tokens == 0 || g.head_dim == 0 || g.target[0].heads + cg.kv_heads == 0) return;
-  const Tensor sin = torch::stable::narrow(cache, 1, g.half, g.half);
-  ROPE_DISPATCH_FLOATING(query.scalar_type(), "rope.apply_and_cache_", [&] {
-    using x_t = scalar_t;
-    using tab_t = opmath_t<x_t>;
+  // Rows to rotate or values to store; key rows of head_dim 0 still carry their values.
+  if (g.tokens == 0 || g.target[0].heads + cg.kv_heads == 0) return;
+  dispatch_types(query.scalar_type(), cache.scalar_type(), [&](auto x0, auto tab0) {
+    using x_t = decltype(x0);
+    using tab_t = decltype(tab0);
     constexpr int W = kWidth<x_t>;
-    CacheArgs<x_t> a{};
-    RotateArgs<x_t>& r = a.rot;
+    CacheArgs<x_t, tab_t> a{};
+    RotateArgs<x_t, tab_t>& r = a.rot;
     r.src[0] = r.dst[0] = query.mutable_data_ptr<x_t>();
     r.src[1] = r.dst[1] = key.mutable_data_ptr<x_t>();
     r.cos = static_cast<const tab_t*>(cache.const_data_ptr());
-    r.sin = static_cast<const tab_t*>(sin.const_data_ptr());
+    r.sin = static_cast<const tab_t*>(sin_of_cache(cache, g));
     r.pos = positions.const_data_ptr();
     r.g = g;
-    LaunchPlan p = plan_rotate(r, max_blocks);
-    r.rot_chunks = p.rot_chunks;
-    r.idx32 = p.idx32;
-    const void* src[2] = {r.src[0], r.src[1]};
-    r.vec = p.vec = vectorizable<x_t>(g, src, src, true);  // key rows' tails go to the cache too
     a.cg = cg;
     a.value = value.const_data_ptr<x_t>();
     a.slots = slots.const_data_ptr();
@@ -302,13 +303,21 @@ void apply_and_cache_host(const Tensor& query, const Tensor& key, const Tensor& 
       a.k_scale = static_cast<const float*>(k_scale->const_data_ptr());
       a.v_scale = static_cast<const float*>(v_scale->const_data_ptr());
     }
+    LaunchPlan p;
+    p.rot_chunks = g.interleaved ? rotary_chunks<x_t, true>(g.half) : rotary_chunks<x_t, false>(g.half);
     a.key_chunks = p.rot_chunks + ceil_div(g.head_dim - 2 * g.half, W);
     a.value_chunks = ceil_div(cg.value_dim, W);
+    const int64_t chunks = std::max(a.key_chunks, a.value_chunks);
+    if (chunks == 0) return;  // rows of 0 elements
+    p.tail_chunks = chunks - p.rot_chunks;
+    const void* src[2] = {r.src[0], r.src[1]};
+    p.vec = vectorizable<x_t>(g, src, src, true);  // key rows' tails go to the cache too
+    plan_block(p, chunks, g.target[0].heads + cg.kv_heads, g.tokens, max_blocks);
+    r.rot_chunks = p.rot_chunks;
+    r.idx32 = p.idx32;
+    r.vec = p.vec;
     a.v_vec = cg.v_last == 1 && aligned(a.value, kVecBytes) && cg.v_token % W == 0 &&
               cg.v_head % W == 0 && cg.value_dim % W == 0;
-    p.tail_chunks = std::max(a.key_chunks, a.value_chunks) - p.rot_chunks;
-    plan_block(p, std::max(a.key_chunks, a.value_chunks), g.target[0].heads + cg.kv_heads,
-               g.tokens, max_blocks);
     run(p, a);
   });
 }

@@ -11,7 +11,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <type_traits>
 
 #include "../../rope_math.h"
 #include "../geometry.h"
@@ -177,8 +176,8 @@ ROPE_HD void chunk_pairs(int64_t c, int64_t half, int64_t& first, int& count) {
   count = left < P ? static_cast<int>(left) : P;
 }
 
-// The table rows of one token (tables in the arithmetic type: the host casts them once): one
-// row, or one per MRoPE position component.
+// The table rows of one token: one row, or one per MRoPE position component. tab_t is x's dtype
+// or its arithmetic type (the host casts any other table dtype); load_tables converts.
 template <typename tab_t>
 struct TokenRows {
   const tab_t *cos0, *cos1, *cos2;
@@ -229,9 +228,10 @@ struct ChunkTables {
   acc_t c[P], s[P];
 };
 
-template <typename x_t>
-ROPE_HD void load_tables(const RotateGeometry& g, const TokenRows<opmath_t<x_t>>& r,
-                         int64_t first, int count, ChunkTables<x_t>& t) {
+template <typename x_t, typename tab_t>
+ROPE_HD void load_tables(const RotateGeometry& g, const TokenRows<tab_t>& r, int64_t first,
+                         int count, ChunkTables<x_t>& t) {
+  using acc_t = opmath_t<x_t>;
   const TableDesc& d = g.table;
   const bool mrope = d.kind == TableKind::kMrope;
   ROPE_UNROLL
@@ -239,8 +239,8 @@ ROPE_HD void load_tables(const RotateGeometry& g, const TokenRows<opmath_t<x_t>>
     if (j < count) {
       const int64_t pair = first + j;
       const int k = mrope ? mrope_component(pair, d.section, d.mrope_interleaved) : 0;
-      t.c[j] = load(pick3(k, r.cos0, r.cos1, r.cos2) + pair * d.cos_col);
-      const opmath_t<x_t> s = load(pick3(k, r.sin0, r.sin1, r.sin2) + pair * d.sin_col);
+      t.c[j] = static_cast<acc_t>(load(pick3(k, r.cos0, r.cos1, r.cos2) + pair * d.cos_col));
+      const acc_t s = static_cast<acc_t>(load(pick3(k, r.sin0, r.sin1, r.sin2) + pair * d.sin_col));
       t.s[j] = g.inverse ? -s : s;
     }
   }
@@ -264,7 +264,7 @@ ROPE_HD void rotate_chunk(const x_t* src, int64_t ss, x_t* dst, int64_t ds, int6
       ROPE_UNROLL
       for (int j = 0; j < W / 2; ++j) {
         acc_t o0, o1;
-        rotate_pair<false, acc_t>(static_cast<acc_t>(v.v[2 * j]),
+        rotate_pair<acc_t>(static_cast<acc_t>(v.v[2 * j]),
                                   static_cast<acc_t>(v.v[2 * j + 1]), t.c[j], t.s[j], o0, o1);
         v.v[2 * j] = static_cast<x_t>(o0);
         v.v[2 * j + 1] = static_cast<x_t>(o1);
@@ -279,7 +279,7 @@ ROPE_HD void rotate_chunk(const x_t* src, int64_t ss, x_t* dst, int64_t ds, int6
       if (j < count) {
         const int64_t e = e0 + 2 * j;
         acc_t o0, o1;
-        rotate_pair<false, acc_t>(static_cast<acc_t>(load(src + e * ss)),
+        rotate_pair<acc_t>(static_cast<acc_t>(load(src + e * ss)),
                                   static_cast<acc_t>(load(src + (e + 1) * ss)), t.c[j], t.s[j],
                                   o0, o1);
         const x_t r0 = static_cast<x_t>(o0), r1 = static_cast<x_t>(o1);
@@ -297,7 +297,7 @@ ROPE_HD void rotate_chunk(const x_t* src, int64_t ss, x_t* dst, int64_t ds, int6
     ROPE_UNROLL
     for (int j = 0; j < W; ++j) {
       acc_t o0, o1;
-      rotate_pair<false, acc_t>(static_cast<acc_t>(a.v[j]), static_cast<acc_t>(b.v[j]), t.c[j],
+      rotate_pair<acc_t>(static_cast<acc_t>(a.v[j]), static_cast<acc_t>(b.v[j]), t.c[j],
                                 t.s[j], o0, o1);
       a.v[j] = static_cast<x_t>(o0);
       b.v[j] = static_cast<x_t>(o1);
@@ -316,7 +316,7 @@ ROPE_HD void rotate_chunk(const x_t* src, int64_t ss, x_t* dst, int64_t ds, int6
     if (j < count) {
       const int64_t p0 = first + j, p1 = half + first + j;
       acc_t o0, o1;
-      rotate_pair<false, acc_t>(static_cast<acc_t>(load(src + p0 * ss)),
+      rotate_pair<acc_t>(static_cast<acc_t>(load(src + p0 * ss)),
                                 static_cast<acc_t>(load(src + p1 * ss)), t.c[j], t.s[j], o0, o1);
       const x_t r0 = static_cast<x_t>(o0), r1 = static_cast<x_t>(o1);
       store(dst + p0 * ds, r0);
@@ -368,9 +368,9 @@ ROPE_HD void copy_chunk(const x_t* src, int64_t ss, x_t* dst, int64_t e0, int64_
 // target 1's), threadIdx.z the token; blocks stride over tokens. A thread loads the cos/sin of
 // its chunk once per token and reuses them for every head it rotates.
 
-template <typename x_t>
+// tab_t: the tables' element type, x_t or opmath_t<x_t> (converted as they are loaded).
+template <typename x_t, typename tab_t = opmath_t<x_t>>
 struct RotateArgs {
-  using tab_t = opmath_t<x_t>;
   const x_t* src[2];
   x_t* dst[2];
   const tab_t* cos;  // strided: the cos tensor; gathered/MRoPE: the table's row 0
@@ -392,8 +392,8 @@ struct HeadRow {
   int64_t src_last, dst_last;
 };
 
-template <typename x_t>
-ROPE_HD HeadRow<x_t> head_row(const RotateArgs<x_t>& a, const Offsets& off, int64_t h) {
+template <typename x_t, typename tab_t>
+ROPE_HD HeadRow<x_t> head_row(const RotateArgs<x_t, tab_t>& a, const Offsets& off, int64_t h) {
   const TargetDesc& t0 = a.g.target[0];
   const TargetDesc& t1 = a.g.target[1];
   if (h < t0.heads) {
@@ -405,8 +405,8 @@ ROPE_HD HeadRow<x_t> head_row(const RotateArgs<x_t>& a, const Offsets& off, int6
           t1.src_last, t1.dst_last};
 }
 
-template <typename x_t, bool kInterleaved>
-ROPE_HD void rotate_thread(const RotateArgs<x_t>& a, const ThreadPos& tp) {
+template <typename x_t, typename tab_t, bool kInterleaved>
+ROPE_HD void rotate_thread(const RotateArgs<x_t, tab_t>& a, const ThreadPos& tp) {
   constexpr int W = kWidth<x_t>;
   const RotateGeometry& g = a.g;
   const int64_t heads = g.target[0].heads + (g.targets > 1 ? g.target[1].heads : 0);
@@ -415,14 +415,14 @@ ROPE_HD void rotate_thread(const RotateArgs<x_t>& a, const ThreadPos& tp) {
   for (int64_t tok = static_cast<int64_t>(tp.block.x) * tp.block_dim.z + tp.thread.z;
        tok < g.tokens; tok += tok_step) {
     const Offsets off = lead_offsets(g.lead, tok, a.idx32);
-    const TokenRows<opmath_t<x_t>> rows = token_rows(g, a.cos, a.sin, a.pos, off);
+    const TokenRows<tab_t> rows = token_rows(g, a.cos, a.sin, a.pos, off);
     for (int64_t c = tp.thread.x; c < chunks; c += tp.block_dim.x) {
       ChunkTables<x_t> t;
       int64_t first = 0;
       int count = 0;
       if (c < a.rot_chunks) {
         chunk_pairs<x_t, kInterleaved>(c, g.half, first, count);
-        load_tables<x_t>(g, rows, first, count, t);
+        load_tables(g, rows, first, count, t);
       }
       for (int64_t h = tp.thread.y; h < heads; h += tp.block_dim.y) {
         const HeadRow<x_t> row = head_row(a, off, h);
@@ -444,10 +444,10 @@ ROPE_HD void rotate_thread(const RotateArgs<x_t>& a, const ThreadPos& tp) {
 // heads also carry their token's value chunks into the value cache. threadIdx.x walks
 // max(key chunks, value chunks).
 
-template <typename x_t>
+template <typename x_t, typename tab_t = opmath_t<x_t>>
 struct CacheArgs {
-  RotateArgs<x_t> rot;
-  CacheGeometry cg;  // cg.rot is unused here (rot.g holds the same)
+  RotateArgs<x_t, tab_t> rot;  // its g is the rotation of the CacheGeometry
+  CacheDesc cg;
   const x_t* value;
   const void* slots;
   void* key_cache;
@@ -490,25 +490,29 @@ ROPE_HD void rotate_row_chunk(const RotateGeometry& g, x_t* row, int64_t last, i
 
 // Layout and cache format are runtime branches here (uniform across the grid), which keeps the
 // library to one cache kernel per dtype.
-template <typename x_t>
-ROPE_HD void cache_thread(const CacheArgs<x_t>& a, const ThreadPos& tp) {
+template <typename x_t, typename tab_t>
+ROPE_HD void cache_thread(const CacheArgs<x_t, tab_t>& a, const ThreadPos& tp) {
   constexpr int W = kWidth<x_t>;
-  const RotateArgs<x_t>& r = a.rot;
+  const RotateArgs<x_t, tab_t>& r = a.rot;
   const RotateGeometry& g = r.g;
-  const CacheGeometry& cg = a.cg;
+  const CacheDesc& cg = a.cg;
   const int64_t es = cg.format == CacheFormat::kSame ? sizeof(x_t) : 1;
   const int64_t q_heads = g.target[0].heads, heads = q_heads + cg.kv_heads;
   const int64_t chunks = a.key_chunks > a.value_chunks ? a.key_chunks : a.value_chunks;
   const int64_t tok_step = static_cast<int64_t>(tp.grid_dim.x) * tp.block_dim.z;
+  // Read once: the compiler cannot hoist these loads past the cache stores (they may alias).
+  const bool fp8 = cg.format != CacheFormat::kSame;
+  const float k_scale = fp8 ? load(a.k_scale) : 1.0f, v_scale = fp8 ? load(a.v_scale) : 1.0f;
   for (int64_t tok = static_cast<int64_t>(tp.block.x) * tp.block_dim.z + tp.thread.z;
        tok < g.tokens; tok += tok_step) {
     const Offsets off = lead_offsets(g.lead, tok, r.idx32);
-    const TokenRows<opmath_t<x_t>> rows = token_rows(g, r.cos, r.sin, r.pos, off);
+    const TokenRows<tab_t> rows = token_rows(g, r.cos, r.sin, r.pos, off);
     const int64_t slot = load_position(a.slots, cg.slots64, tok * cg.slot_stride);
     ROPE_DEVICE_CHECK(slot < cg.slots, "rope: slot_mapping must lie below num_blocks * block_size");
     const bool write = slot >= 0 && slot < cg.slots;
-    const bool fp8 = cg.format != CacheFormat::kSame;
-    const float k_scale = fp8 ? load(a.k_scale) : 1.0f, v_scale = fp8 ? load(a.v_scale) : 1.0f;
+    // The slot's rows of head 0 in the caches (bytes).
+    char* const kc0 = static_cast<char*>(a.key_cache) + cg.kc.slot_row(write ? slot : 0, cg.block_size) * es;
+    char* const vc0 = static_cast<char*>(a.value_cache) + cg.vc.slot_row(write ? slot : 0, cg.block_size) * es;
     for (int64_t c = tp.thread.x; c < chunks; c += tp.block_dim.x) {
       ChunkTables<x_t> t;
       int64_t first = 0;
@@ -519,7 +523,7 @@ ROPE_HD void cache_thread(const CacheArgs<x_t>& a, const ThreadPos& tp) {
         } else {
           chunk_pairs<x_t, false>(c, g.half, first, count);
         }
-        load_tables<x_t>(g, rows, first, count, t);
+        load_tables(g, rows, first, count, t);
       }
       for (int64_t h = tp.thread.y; h < heads; h += tp.block_dim.y) {
         const HeadRow<x_t> hr = head_row(r, off, h);  // in place: src == dst
@@ -530,8 +534,8 @@ ROPE_HD void cache_thread(const CacheArgs<x_t>& a, const ThreadPos& tp) {
         }
         const int64_t hi = h - q_heads;
         const TargetDesc& tg = g.target[1];
-        char* kc = static_cast<char*>(a.key_cache) + cg.kc.row(write ? slot : 0, cg.block_size, hi) * es;
-        const CacheStore<x_t> to_key_cache{kc, cg.kc.last, k_scale, cg.format};
+        const CacheStore<x_t> to_key_cache{kc0 + hi * cg.kc.head * es, cg.kc.last, k_scale,
+                                           cg.format};
         if (c < r.rot_chunks) {
           if (write) {
             rotate_row_chunk(g, row, tg.dst_last, first, count, t, r.vec, to_key_cache);
@@ -544,9 +548,8 @@ ROPE_HD void cache_thread(const CacheArgs<x_t>& a, const ThreadPos& tp) {
         }
         if (c < a.value_chunks && write) {
           const x_t* v = a.value + tok * cg.v_token + hi * cg.v_head;
-          char* vc = static_cast<char*>(a.value_cache) + cg.vc.row(slot, cg.block_size, hi) * es;
           read_chunk(v, cg.v_last, c * W, cg.value_dim, a.v_vec,
-                     CacheStore<x_t>{vc, cg.vc.last, v_scale, cg.format});
+                     CacheStore<x_t>{vc0 + hi * cg.vc.head * es, cg.vc.last, v_scale, cg.format});
         }
       }
     }
