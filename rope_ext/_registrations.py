@@ -19,11 +19,6 @@ OUT_NOT_DIFFERENTIABLE = (
 )
 
 
-def _halves(cos_sin_cache):
-    half = cos_sin_cache.shape[1] // 2
-    return cos_sin_cache[:, :half], cos_sin_cache[:, half:]
-
-
 # ---- reference kernels (CompositeExplicitAutograd: any device without a backend kernel) ----
 
 def _ref_apply(x, cos, sin, interleaved=False):
@@ -180,7 +175,7 @@ class _RotateInPlace(torch.autograd.Function):
     def backward(ctx, grad):
         positions, cache, *output = ctx.saved_tensors
         interleaved, section, mi = ctx.args
-        cos, sin = _halves(cache)
+        cos, sin = reference.cache_halves(cache)
 
         def unrotate(t):
             return ops.apply_positions(t, positions, cos, sin, interleaved, True, section, mi)
@@ -217,13 +212,10 @@ def _ad_inplace_or_view_kernel(name):
     overload = name.split(".")[1] if "." in name else "default"
     op = getattr(getattr(ops, name.split(".")[0]), overload)
     positional, keyword = torch._library.utils.mutated_args_kwargs(op._schema)
-    after = torch._C._after_ADInplaceOrView_keyset
 
     def kernel(keyset, *args, **kwargs):
         written = [args[i] for i in positional if i < len(args)] + [kwargs.get(k) for k in keyword]
-        check_not_inference(*written)
-        torch._C._increment_version([t for t in written if t is not None])
-        return op.redispatch(keyset & after, *args, **kwargs)
+        return _below_autograd(op, keyset, written, *args, **kwargs)
 
     return kernel
 
@@ -236,8 +228,9 @@ _AFTER_AD_INPLACE = torch._C._after_ADInplaceOrView_keyset
 
 
 def _below_autograd(op, keyset, written, *args, **kwargs):
-    """The no-grad path of a mutable op's Autograd kernel: the ADInplaceOrView work done here
-    (one Python call instead of two on the hot path), then the backend kernel."""
+    """The ADInplaceOrView work (inference-tensor error, version bump), then the backend kernel.
+    Also the no-grad path of a mutable op's Autograd kernel, which does that work itself and
+    skips the ADInplaceOrView key: one Python call instead of two on the hot path."""
     check_not_inference(*written)
     torch._C._increment_version([t for t in written if t is not None])
     return op.redispatch(keyset & _AFTER_AD_INPLACE, *args, **kwargs)

@@ -1,20 +1,28 @@
 """The public functions. Each calls its torch.ops.rope op; the dispatcher picks the native kernel
 for the tensors' device, or the reference where none is registered (see `backend`)."""
 
+import numbers
+
 import torch
 
-from . import _library
+from . import _library, reference
 from ._registrations import OUT_NOT_DIFFERENTIABLE, check_not_inference
 
 ops = torch.ops.rope
+
+
+def check_head_size(head_size):
+    """head_size as an int, or a ValueError naming it."""
+    if isinstance(head_size, bool) or not isinstance(head_size, numbers.Integral) or head_size < 1:
+        raise ValueError(f"head_size must be a positive int, got {head_size!r}")
+    return int(head_size)
 
 
 def _heads(t, head_size, name):
     """t (..., H * head_size) viewed as (..., H, head_size); t itself when head_size is None."""
     if head_size is None or t is None:
         return t
-    if not isinstance(head_size, int) or head_size < 1:
-        raise ValueError(f"head_size must be a positive int, got {head_size!r}")
+    head_size = check_head_size(head_size)
     if t.dim() < 1 or t.shape[-1] % head_size:
         raise ValueError(f"{name} of shape {list(t.shape)}: its last dim must be a multiple of "
                          f"head_size = {head_size} (flat (..., num_heads * head_size) layout)")
@@ -22,15 +30,14 @@ def _heads(t, head_size, name):
 
 
 def _table_halves(cos_sin_cache):
-    """The cos and sin halves of a (max_position, rotary_dim) table, as views."""
+    """The cos and sin halves of a (max_position, rotary_dim) table, checked."""
     if cos_sin_cache.dim() != 2:
         raise RuntimeError("apply_rope_at: cos_sin_cache must have shape (max_position, rotary_dim), "
                            f"got {list(cos_sin_cache.shape)}")
     if cos_sin_cache.shape[1] % 2:
         raise RuntimeError(f"apply_rope_at: rotary_dim = cos_sin_cache.size(1) = "
                            f"{cos_sin_cache.shape[1]} must be even")
-    half = cos_sin_cache.shape[1] // 2
-    return cos_sin_cache[:, :half], cos_sin_cache[:, half:]
+    return reference.cache_halves(cos_sin_cache)
 
 
 def apply_rope(x, cos, sin, *, interleaved=False, out=None):

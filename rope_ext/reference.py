@@ -10,7 +10,7 @@ from . import _checks
 
 __all__ = [
     "apply_and_cache_", "apply_mrope_", "apply_positions", "apply_rope", "apply_rope_",
-    "apply_rope_backward", "apply_rope_out", "gather_tables", "positions_table_grads",
+    "apply_rope_backward", "apply_rope_out", "cache_halves", "gather_tables", "positions_table_grads",
     "table_grads",
 ]
 
@@ -133,7 +133,8 @@ def positions_table_grads(x, grad, positions, cos, sin, interleaved, inverse=Fal
     return g_cos.to(cos.dtype), g_sin.to(sin.dtype)
 
 
-def _cache_halves(cos_sin_cache):
+def cache_halves(cos_sin_cache):
+    """The cos and sin halves of a (max_position, rotary_dim) table, as views."""
     half = cos_sin_cache.shape[1] // 2
     return cos_sin_cache[:, :half], cos_sin_cache[:, half:]
 
@@ -142,7 +143,7 @@ def _rotate_inplace(query, key, positions, cos_sin_cache, interleaved, mrope_sec
                     mrope_interleaved=False):
     if query.numel() == 0 and (key is None or key.numel() == 0):
         return query, key  # no rows, however many (broadcast) positions
-    cos, sin = _cache_halves(cos_sin_cache)
+    cos, sin = cache_halves(cos_sin_cache)
     c, s = gather_tables(positions, cos, sin, mrope_section, mrope_interleaved)
     for t in (query, key):
         if t is not None:
