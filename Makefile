@@ -17,7 +17,11 @@ CUDA_LIB    := $(shell test -x $(PY) && $(PY) build_config.py --cuda-lib)
 export MAX_JOBS ?= 2
 # The CUDA toolkit, for everything that imports torch.utils.cpp_extension (which would otherwise
 # guess it from a stray nvcc on PATH, and warn): build_config.py looks where toolkits live.
-export CUDA_HOME ?= $(shell $(PYTHON_BOOT) build_config.py --cuda-home)
+# Looked up once, when make starts (`?=` would define a recursive variable, run for each recipe).
+ifeq ($(origin CUDA_HOME),undefined)
+CUDA_HOME := $(shell $(PYTHON_BOOT) build_config.py --cuda-home)
+endif
+export CUDA_HOME
 
 .PHONY: all venv build run test bench clean gpu-check
 
@@ -82,6 +86,9 @@ TORCH213_PY    := $(TORCH213_VENV)/bin/python
 TORCH213_DEPS  := $(TORCH213_VENV)/.deps-installed
 TORCH213_WHEEL := $(TORCH213_VENV)/.wheel-installed
 TORCH213_TREE  := build/torch2.13-tests
+# What the copies of the tree that run the tests take, rope_ext/ aside (torch213-test links the
+# installed package there, sanitize copies the sources beside its own library).
+TEST_TREE_FILES := tests csrc bench setup.py build_config.py pyproject.toml requirements.txt README.md
 
 $(TORCH213_DEPS): requirements.txt
 	test -x $(TORCH213_PY) || $(PYTHON_BOOT) -m venv $(TORCH213_VENV)
@@ -97,7 +104,7 @@ $(TORCH213_WHEEL): $(TORCH213_DEPS) $(WHEEL_STAMP)
 
 torch213-test: $(TORCH213_WHEEL)
 	rm -rf $(TORCH213_TREE) && mkdir -p $(TORCH213_TREE)
-	tar -c --exclude=__pycache__ tests csrc bench setup.py build_config.py pyproject.toml requirements.txt README.md | tar -x -C $(TORCH213_TREE)
+	tar -c --exclude=__pycache__ $(TEST_TREE_FILES) | tar -x -C $(TORCH213_TREE)
 	ln -s "$$($(TORCH213_PY) -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')/rope_ext" $(TORCH213_TREE)/rope_ext
 	cd $(TORCH213_TREE) && ROPE_EXT_EXPECT_INSTALLED=$(TORCH213) $(CURDIR)/$(TORCH213_PY) -m pytest tests -q -p no:cacheprovider
 
@@ -149,8 +156,7 @@ $(SAN_LIB): $(DEPS_STAMP) $(NATIVE_SRC) build_config.py
 
 sanitize: $(SAN_LIB)
 	rm -rf $(SAN_TREE) && mkdir -p $(SAN_TREE)
-	tar -c --exclude=__pycache__ --exclude='*.so' tests csrc bench rope_ext setup.py build_config.py \
-		pyproject.toml requirements.txt README.md | tar -x -C $(SAN_TREE)
+	tar -c --exclude=__pycache__ --exclude='*.so' $(TEST_TREE_FILES) rope_ext | tar -x -C $(SAN_TREE)
 	cp $(SAN_LIB) $(SAN_TREE)/rope_ext/
 	cd $(SAN_TREE) && $(SAN_ENV) $(CURDIR)/$(PY) -m pytest $(SAN_TESTS) -q -p no:cacheprovider \
 		--fuzz-cases $(SAN_FUZZ) --ignore=tests/test_jit.py --ignore=tests/test_cuda_codegen.py

@@ -43,8 +43,8 @@ def _rel_err(out, ref):
 def _errors(x, pos, cache, interleaved):
     """Max relative error of every op on (x, positions, cache) against the float64 reference."""
     rot = cache.shape[1]
-    c64, s64 = cache.double()[:, : rot // 2], cache.double()[:, rot // 2:]
-    cos, sin = (t[pos].unsqueeze(-2) for t in (cache[:, : rot // 2], cache[:, rot // 2:]))
+    c64, s64 = reference.cache_halves(cache.double())
+    cos, sin = (t[pos].unsqueeze(-2) for t in reference.cache_halves(cache))
     x64 = x.double()
     ref = reference.apply_positions(x64, pos, c64, s64, interleaved=interleaved)
     ref_back = reference.apply_positions(x64, pos, c64, s64, interleaved=interleaved, inverse=True)
@@ -116,7 +116,7 @@ def time_kernels(device, shape=(1024, 32, 128)):
         out = torch.empty_like(x)
         pos = torch.arange(shape[0], device=device)
         cache = rope_ext.cos_sin_cache(shape[0], shape[-1], device=device)
-        cos, sin = (t[pos].unsqueeze(-2) for t in cache.chunk(2, dim=-1))
+        cos, sin = (t[pos].unsqueeze(-2) for t in reference.cache_halves(cache))
         nbytes = 2 * x.numel() * x.element_size()
         rows = [
             ("memory copy (x.clone())", lambda: x.clone()),

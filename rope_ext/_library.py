@@ -72,19 +72,15 @@ def _preloaded_libraries():
     return "a library loaded before rope_ext (" + ", ".join(libs) + ")", None
 
 
-def _preloaded_library():
-    found = _preloaded_libraries()
-    return None if found is None else found[0]
-
-
 def refuse_foreign_library(what):
     """Raises if a library that rope_ext did not load already defines the rope ops: loading a
-    second copy would register them twice, which aborts the process."""
-    preloaded = _preloaded_library() if state.path is None else None
+    second copy would register them twice, which aborts the process. Called while no library of
+    rope_ext's serves (state.path is None): one that did would be found here too."""
+    preloaded = _preloaded_libraries()
     if preloaded is not None:
         raise RuntimeError(
-            f"rope_ext: {what} would load a second copy of the rope ops, but {preloaded} already "
-            "registered them in this process; use that library, or load only one copy."
+            f"rope_ext: {what} would load a second copy of the rope ops, but {preloaded[0]} "
+            "already registered them in this process; use that library, or load only one copy."
         )
 
 

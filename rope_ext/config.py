@@ -16,7 +16,7 @@ import json
 import os
 from collections.abc import Mapping
 
-from .scaling import canonical_type, scaling_type
+from .scaling import scaling_type
 
 INTERLEAVED_MODEL_TYPES = frozenset({
     "gptj", "codegen", "chatglm", "glm", "glm4", "cohere", "cohere2", "deepseek_v2", "deepseek_v3",

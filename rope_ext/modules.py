@@ -2,10 +2,11 @@
 
 import torch
 
-from ._checks import check_positions_in_range
+from ._checks import _check_positions_dtype, check_positions_in_range
 from .config import rope_kwargs_from_config
 from .ops import apply_mrope_, apply_rope_, apply_rope_at
-from .scaling import dynamic_base, dynamic_parameters, original_length, rope_parameters, scaling_type
+from .scaling import (default_inv_freq, dynamic_base, dynamic_parameters, original_length,
+                      rope_parameters, scaling_type)
 from .tables import cos_sin_rows, table_rows
 
 
@@ -66,8 +67,10 @@ class RotaryEmbedding(torch.nn.Module):
         # "static": one table; "longrope": short rows then long rows; "dynamic": growing base.
         self.mode, self._original = "static", None
         kind = scaling_type(self.scaling)
-        if seq_len is None and kind == "longrope" and max_position > original_length(self.scaling):
-            self.mode, self._original = "longrope", original_length(self.scaling)
+        if seq_len is None and kind == "longrope":
+            original = original_length(self.scaling)
+            if max_position > original:  # otherwise every call reads the short rows
+                self.mode, self._original = "longrope", original
         elif seq_len is None and kind == "dynamic":
             self._factor, original = dynamic_parameters(self.scaling, rotary_dim)
             if max_position > original:  # otherwise no call can grow it: the plain table is exact
@@ -130,9 +133,7 @@ class RotaryEmbedding(torch.nn.Module):
     # ---- per call ------------------------------------------------------------------------
 
     def _check_positions(self, positions):
-        if positions.dtype not in (torch.int32, torch.int64):
-            raise RuntimeError(f"RotaryEmbedding: positions must be int32 or int64, got "
-                               f"{str(positions.dtype).removeprefix('torch.')}")
+        _check_positions_dtype(positions, "RotaryEmbedding")
         if positions.device.type == "cpu" and not torch.compiler.is_compiling():
             check_positions_in_range(positions, self.max_position, "RotaryEmbedding",
                                      "RotaryEmbedding.max_position")
@@ -149,8 +150,7 @@ class RotaryEmbedding(torch.nn.Module):
         new = torch.where(length > cached, length, torch.where(length < original, original, cached))
         grown = dynamic_base(float(self.base), self._factor, original, new.to(torch.float64), self.rotary_dim)
         base = torch.where(new > original, grown, float(self.base))
-        inv_freq = 1.0 / (base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float64,
-                                                device=positions.device) / self.rotary_dim))
+        inv_freq = default_inv_freq(self.rotary_dim, base, positions.device)
         return cos_sin_rows(positions.reshape(-1), inv_freq, 1.0, torch.float32), new
 
     def _table_and_index(self, positions):

@@ -38,14 +38,13 @@ _KEYS = {
     "longrope": frozenset({"short_factor", "long_factor", "factor", "original_max_position_embeddings",
                            "attention_factor", "short_mscale", "long_mscale"}),
 }
-SUPPORTED_TYPES = tuple(sorted(_KEYS))
 
 
 def _fail(msg):
     raise ValueError(f"cos_sin_cache: {msg}")
 
 
-def canonical_type(name):
+def _canonical_type(name):
     """The type a `rope_type` string names (aliases resolved); None if unknown."""
     if not isinstance(name, str):
         return None
@@ -63,7 +62,7 @@ def scaling_type(scaling):
     names = [scaling[k] for k in ("rope_type", "type") if scaling.get(k) is not None]
     if not names:
         _fail(f"scaling must name its type under 'rope_type' (or the older 'type'), got keys {sorted(scaling)}")
-    kinds = [canonical_type(n) for n in names]
+    kinds = [_canonical_type(n) for n in names]
     for name, kind in zip(names, kinds):
         if kind is None:
             known = ", ".join(sorted((*_KEYS, *_ALIASES)))
@@ -102,9 +101,14 @@ def original_length(scaling):
 
 
 def default_inv_freq(rotary_dim, base, device=None):
-    """w_i = base^(-2i/rotary_dim), float64."""
+    """w_i = base^(-2i/rotary_dim), float64. base: a number, or a tensor of one element used
+    where it lies (the module's dynamic-NTK base, computed on the device: float() would sync)."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device) / rotary_dim
-    return 1.0 / (float(base) ** exponents)
+    if isinstance(base, torch.Tensor):
+        base = base.to(device=exponents.device, dtype=torch.float64)
+    else:
+        base = float(base)
+    return 1.0 / (base ** exponents)
 
 
 def dynamic_base(base, factor, original, seq_len, rotary_dim):

@@ -3,12 +3,7 @@
 
 import torch
 
-from .scaling import default_inv_freq, rope_parameters
-
-
-def inv_frequencies(rotary_dim, base=10000.0, *, device=None):
-    """w_i = base^(-2i/rotary_dim) for i < rotary_dim/2, in float64."""
-    return default_inv_freq(rotary_dim, base, device)
+from .scaling import rope_parameters
 
 
 def cos_sin_rows(positions, inv_freq, attention=1.0, dtype=torch.float32):

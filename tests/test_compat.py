@@ -583,6 +583,25 @@ def test_sglang_fp8_buffers():
     assert torch.equal(k_buffer[[2, 4, 6]].float(), torch.zeros(3, Hk, hs))
 
 
+def test_sglang_fp8_scales_are_each_calls_own():
+    # The scale tensors are cached by value: every call must still store with its own scales,
+    # 0.0 and -0.0 (equal as cache keys) included.
+    T, Hk, hs = 4, 2, 16
+    cache, positions = cos_sin_cache(30, hs), torch.randint(0, 30, (T,))
+    big = torch.finfo(torch.float8_e4m3fn).max
+    for k_scale, v_scale in ((0.5, 2.0), (2.0, 0.5), (None, 0.25), (0.0, -0.0), (-0.0, 0.0)):
+        query, key, value = torch.randn(T, 2 * hs), torch.randn(T, Hk * hs), torch.randn(T, Hk * hs)
+        k_buffer = torch.zeros(T, Hk, hs, dtype=torch.float8_e4m3fn)
+        v_buffer = torch.zeros_like(k_buffer)
+        rotated = key.clone()
+        peers.vllm_rotary_embedding(positions, query.clone(), rotated, hs, cache, True)
+        arg = sglang.FusedSetKVBufferArg(value, k_buffer, v_buffer, k_scale, v_scale, torch.arange(T))
+        sglang.apply_rope_with_cos_sin_cache_inplace(positions, query, key, hs, cache, True, arg)
+        for buf, x, scale in ((k_buffer, rotated, k_scale), (v_buffer, value, v_scale)):
+            want = (x / (1.0 if scale is None else scale)).clamp(-big, big).to(torch.float8_e4m3fn)
+            assert torch.equal(buf.view(T, -1).float(), want.float()), (k_scale, v_scale)
+
+
 def test_sglang_errors_change_nothing():
     query, key = torch.randn(4, 32), torch.randn(4, 16)
     q0 = query.clone()

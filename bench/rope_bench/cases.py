@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 import rope_ext
+from rope_ext import reference
 
 
 @dataclass(frozen=True)
@@ -19,9 +20,6 @@ class Shape:
     q_heads: int
     kv_heads: int
     head_dim: int
-
-    def q(self):
-        return [self.tokens, self.q_heads, self.head_dim]
 
 
 def _gqa(tokens, heads, head_dim=128):
@@ -76,7 +74,6 @@ class Inputs:
 
     def __init__(self, shape, dtype, device, seed=0):
         g = torch.Generator(device="cpu").manual_seed(seed)
-        self.seed = seed
         T, Hq, Hk, D = shape.tokens, shape.q_heads, shape.kv_heads, shape.head_dim
         self.shape, self.dtype, self.device = shape, dtype, device
 
@@ -91,11 +88,9 @@ class Inputs:
         self.positions = torch.randint(0, self.max_position, (T,), generator=g).to(device)
         self.positions3 = torch.randint(0, self.max_position, (3, T), generator=g).to(device)
         self.section = mrope_section(D)
-        half = D // 2
-        self.cos_t, self.sin_t = self.cache[:, :half], self.cache[:, half:]  # views, (P, D/2)
-        rows = self.cache[self.positions]
-        self.cos = rows[:, None, :half].contiguous()  # [T, 1, D/2]
-        self.sin = rows[:, None, half:].contiguous()
+        self.cos_t, self.sin_t = reference.cache_halves(self.cache)  # views, (P, D/2)
+        self.cos = self.cos_t[self.positions, None].contiguous()  # [T, 1, D/2]
+        self.sin = self.sin_t[self.positions, None].contiguous()
         # Paged KV cache with room for every token; each token gets its own slot, shuffled.
         blocks = (T + BLOCK_SIZE - 1) // BLOCK_SIZE + 1
         self.key_cache = torch.zeros(blocks, BLOCK_SIZE, Hk, D, dtype=dtype, device=device)

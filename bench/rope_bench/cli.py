@@ -17,7 +17,7 @@ from rope_ext import envs
 from . import dropins, malloc, peers, plot, report
 from .cases import DTYPES, QUICK_CASES, Inputs, cases_for, default_cases
 from .rows import KINDS, OPS, limit_rows, op_rows
-from .timing import clock_for, measure_interleaved
+from .timing import clock_class, clock_for, measure_interleaved
 
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
@@ -144,7 +144,7 @@ def meta_for(args):
         "cpu_isa": rope_ext.cpu_isa(), "threads": torch.get_num_threads(),
         "stream_threshold_bytes": _stream_threshold(),
         "repeat": args.repeat, "min_block_ms": args.min_block_s * 1e3,
-        "timing": clock_for("cpu").name if dev == "cpu" else "CUDA events around each block",
+        "timing": clock_class(dev).name,
         "mode": "torch.inference_mode()",
         "env": {k: os.environ[k] for k in ENV_RECORDED if os.environ.get(k)},
         "thp": {"enabled": _sysfs("/sys/kernel/mm/transparent_hugepage/enabled"),

@@ -56,6 +56,18 @@ def _flash_attn(i, peers, compat):
             "fa_apply_rotary_emb_torch", lambda: peers.fa_apply_rotary_emb_torch(x, cos, sin))
 
 
+def _flash_attn_qkv(i, peers, compat):
+    """flash-attn's apply_rotary_emb_qkv_: Q and K of a fused GQA qkv (batch, seqlen,
+    num_heads_q + 2 * num_heads_k, head_dim) rotated in place, positions 0.."""
+    hq, T = i.q.shape[1], i.shape.tokens
+    qkv = torch.cat((i.q, i.k, i.k), dim=1).unsqueeze(0)  # the last Hk heads: V, untouched
+    cos, sin = i.cos_t[:T].contiguous(), i.sin_t[:T].contiguous()
+    return ("flash_attn.apply_rotary_emb_qkv_", "copy", rw_bytes(i, i.q, i.k) + i.table_bytes(),
+            lambda: compat.flash_attn.apply_rotary_emb_qkv_(qkv, cos, sin, num_heads_q=hq),
+            "fa_apply_rotary_emb_qkv_",
+            lambda: peers.fa_apply_rotary_emb_qkv_(qkv, cos, sin, num_heads_q=hq))
+
+
 def _flat(i):
     T = i.shape.tokens
     return i.q.view(T, -1), i.k.view(T, -1), i.shape.head_dim
@@ -98,7 +110,7 @@ def _sglang(i, peers, compat):
                 i.positions, q, k, d, i.cache, True, fused_set_kv_buffer_arg=theirs))
 
 
-PAIRS = (_hf, _flash_attn, _vllm, _flashinfer, _sglang)
+PAIRS = (_hf, _flash_attn, _flash_attn_qkv, _vllm, _flashinfer, _sglang)
 
 
 def rows(loaded, inputs):

@@ -12,8 +12,7 @@ from rope_ext import reference
 
 
 def _rows(positions, cache, section=None):
-    half = cache.shape[1] // 2
-    return reference.gather_tables(positions, cache[:, :half], cache[:, half:], section)
+    return reference.gather_tables(positions, *reference.cache_halves(cache), section)
 
 
 def apply(x, cos, sin):

@@ -28,10 +28,8 @@ def _liger(i):
         return status, []
     q = i.q.unsqueeze(0).transpose(1, 2)
     k = i.k.unsqueeze(0).transpose(1, 2)
-    half = i.cache.shape[1] // 2
-    rows = i.cache[i.positions]
-    cos = torch.cat((rows[:, :half], rows[:, :half]), -1).unsqueeze(0).to(i.dtype)
-    sin = torch.cat((rows[:, half:], rows[:, half:]), -1).unsqueeze(0).to(i.dtype)
+    cos = torch.cat((i.cos[:, 0], i.cos[:, 0]), -1).unsqueeze(0).to(i.dtype)  # i.cos: [T, 1, D/2]
+    sin = torch.cat((i.sin[:, 0], i.sin[:, 0]), -1).unsqueeze(0).to(i.dtype)
     n = OPS["apply_"].nbytes(i)
     return status, [Row("apply_ liger", "peer", "apply_",
                         "liger_kernel liger_rotary_pos_emb(q, k, cos, sin), in place, "

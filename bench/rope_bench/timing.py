@@ -47,8 +47,12 @@ class CudaClock:
         return self.start.elapsed_time(self.end) / 1e3
 
 
+def clock_class(device):
+    return CudaClock if device == "cuda" else CpuClock
+
+
 def clock_for(device):
-    return CudaClock() if device == "cuda" else CpuClock()
+    return clock_class(device)()
 
 
 def calibrate(fn, clock, *, min_block_s, max_inner=100000):

@@ -1,15 +1,16 @@
 """Shared argument handling of the drop-ins: the peers' q/k layouts as views rope_ext's ops take,
-and their scalar arguments checked with errors that name them."""
+their scalar arguments checked with errors that name them, and the pieces several drop-ins
+compute alike (the transformers-layout rotation, float32 tables, cached device scalars)."""
 
+import functools
+import math
 import numbers
 
 import torch
 
+from ..ops import check_head_size  # noqa: F401  (re-exported for the drop-ins)
 
-def check_head_size(head_size):
-    if isinstance(head_size, bool) or not isinstance(head_size, numbers.Integral) or head_size < 1:
-        raise ValueError(f"head_size must be a positive int, got {head_size!r}")
-    return int(head_size)
+ops = torch.ops.rope
 
 
 def heads(t, head_size, lead, name):
@@ -50,3 +51,61 @@ def check_index_tensor(t, name, shape=None):
     if shape is not None and tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
     return t
+
+
+def check_cache_views(positions, query, key, head_size, cos_sin_cache, key_required=None):
+    """(query, key) as (nnz, num_heads, head_size) views, for FlashInfer's and SGLang's
+    apply_rope_with_cos_sin_cache*: checks the cache's dtype, head_size, positions (nnz,), key,
+    then query's and key's layouts, in that order. key may be None (returned as None) unless
+    key_required, the error message for a missing key, is given."""
+    if cos_sin_cache.dtype != torch.float32:
+        raise ValueError("cos_sin_cache should be float32")
+    head_size = check_head_size(head_size)
+    if positions.dim() != 1:
+        raise ValueError(f"positions must have shape (nnz,), got {list(positions.shape)}")
+    if key is None and key_required is not None:
+        raise ValueError(key_required)
+    return heads(query, head_size, 1, "query"), heads(key, head_size, 1, "key")
+
+
+def uncached_when_compiling(cached):
+    """`cached` (an lru_cache'd function), or its uncached body while torch.compile traces: the
+    cache spares eager calls their host-to-device copies; a traced graph builds its own tensors."""
+    return cached.__wrapped__ if torch.compiler.is_compiling() else cached
+
+
+@functools.lru_cache(maxsize=64)
+def _float32_scalar(value, sign, device):
+    # `sign` only keys the cache: 0.0 and -0.0 are one key otherwise, yet divide to opposite
+    # infinities.
+    return torch.tensor([value], dtype=torch.float32, device=device)
+
+
+def float32_scalar(value, device):
+    """A (1,) float32 tensor holding float(value) on `device`. Cached: a serving loop passes the
+    same few values every layer and step, and the cache spares a host-to-device copy each
+    (read-only: callers never write it)."""
+    value = float(value)
+    return uncached_when_compiling(_float32_scalar)(value, math.copysign(1.0, value), device)
+
+
+def float32_table(table):
+    """A float16/bfloat16 cos or sin table as float32 (exact), any other as it is. The tables are
+    small next to q and k (they broadcast over the heads), and the kernels run faster on float32
+    tables (on CPU several times so when they broadcast over an outer dim)."""
+    return table.float() if table.dtype in (torch.float16, torch.bfloat16) else table
+
+
+def rotate_pairs(x, cos, sin, dtype, interleaved=False):
+    """x with pair i of its first 2 * cos.size(-1) dims rotated by (cos[..., i], sin[..., i]), the
+    rest passed through; cos/sin broadcast against x.shape[:-1] as torch broadcasts, the result in
+    `dtype` (computed in float32, or float64 for float64)."""
+    if (x.dtype == dtype and cos.shape == sin.shape and cos.dim() == x.dim()
+            and all(c == 1 or c == n for c, n in zip(cos.shape[:-1], x.shape[:-1]))):
+        return ops.apply(x, cos, sin, interleaved)  # the tables broadcast inside the op
+    lead = torch.broadcast_shapes(x.shape[:-1], cos.shape[:-1], sin.shape[:-1])
+    x = x.to(dtype).expand(*lead, x.shape[-1])
+    shape = torch.broadcast_shapes(cos.shape, sin.shape)
+    cos, sin = cos.expand(shape), sin.expand(shape)
+    pad = (None,) * (x.dim() - cos.dim())  # rope.apply aligns no dims implicitly
+    return ops.apply(x, cos[pad], sin[pad], interleaved)

@@ -16,8 +16,10 @@ import numbers
 
 import torch
 
+from .._checks import FLOAT_DTYPES
+from .._registrations import check_not_inference
 from ..ops import varlen_positions
-from ._layout import check_int
+from ._layout import check_int, float32_table, rotate_pairs
 
 ops = torch.ops.rope
 
@@ -28,11 +30,6 @@ def _tables(cos, sin):
                          f"cos {list(cos.shape)} and sin {list(sin.shape)}")
     # flash-attn's Functions return no gradient for the tables.
     return cos.detach(), sin.detach()
-
-
-def _float32(rows):
-    # Exact, and no larger than what the kernel reads: its float32-table path is the faster one.
-    return rows.float() if rows.dtype in (torch.float16, torch.bfloat16) else rows
 
 
 def _offsets(seqlen_offsets, batch):
@@ -48,6 +45,14 @@ def _offsets(seqlen_offsets, batch):
     return int(seqlen_offsets)
 
 
+def _table_rows(cos, offsets, seqlen):
+    """The rows of sequence positions offsets .. offsets + seqlen - 1, checked."""
+    if offsets < 0 or offsets + seqlen > cos.shape[0]:
+        raise ValueError(f"seqlen_offsets + seqlen = {offsets} + {seqlen} must lie within the "
+                         f"table's seqlen_ro = cos.size(0) = {cos.shape[0]}")
+    return slice(offsets, offsets + seqlen)
+
+
 def _rotated(x, cos, sin, interleaved, seqlen_offsets):
     """Rotated copy of x (batch, seqlen, *heads, headdim): token s of sequence b at position
     s + seqlen_offsets[b] (or + seqlen_offsets)."""
@@ -56,21 +61,35 @@ def _rotated(x, cos, sin, interleaved, seqlen_offsets):
     heads = (None,) * (x.dim() - 3)  # the tables broadcast over the head dims
     if isinstance(offsets, int):
         # One row per sequence position: the table slice itself, no gather.
-        if offsets < 0 or offsets + seqlen > cos.shape[0]:
-            raise ValueError(f"seqlen_offsets + seqlen = {offsets} + {seqlen} must lie within the "
-                             f"table's seqlen_ro = cos.size(0) = {cos.shape[0]}")
-        rows = slice(offsets, offsets + seqlen)
+        rows = _table_rows(cos, offsets, seqlen)
         index = (None, slice(None)) + heads
-        return ops.apply(x, _float32(cos[rows])[index], _float32(sin[rows])[index], interleaved)
+        return ops.apply(x, float32_table(cos[rows])[index], float32_table(sin[rows])[index], interleaved)
     positions = torch.arange(seqlen, device=x.device) + offsets.to(torch.int64)[:, None]
     positions = positions[(Ellipsis,) + heads[1:]].expand(x.shape[:-2])
     return ops.apply_positions(x, positions, cos, sin, interleaved, False, None, False)
 
 
-def _write(dst, src):
-    # rope_ext's in-place op takes one cos|sin table; flash-attn passes two, so the rotated copy
-    # is written back (torch's copy_: autograd and version counters as for any in-place op).
-    dst.copy_(src)
+def _rotate_(x, cos, sin, interleaved, seqlen_offsets, key=None):
+    """x (batch, seqlen, heads, headdim), and key alike if given, rotated in place as _rotated
+    rotates a copy."""
+    offsets = _offsets(seqlen_offsets, x.shape[0])
+    # The one-pass path takes inputs both ops accept; anything else (gathered rows per sequence,
+    # or an input one of them rejects) takes the copy path, whose errors are apply_rotary_emb's.
+    if not (isinstance(offsets, int) and x.dim() == 4 and x.dtype in FLOAT_DTYPES
+            and cos.dtype in FLOAT_DTYPES and cos.device == x.device
+            and 2 * cos.shape[1] <= x.shape[-1]):
+        for t in (x, key):
+            if t is not None:  # torch's copy_: autograd and version counters as for any in-place op
+                t.copy_(_rotated(t, cos, sin, interleaved, offsets))
+        return
+    # One pass in place: the rows of this call as a cos|sin table (seqlen rows, small next to
+    # x), read at positions 0 .. seqlen - 1 of every sequence.
+    check_not_inference(x, key)  # torch's error; inference tensors skip the op's own check
+    seqlen = x.shape[1]
+    rows = _table_rows(cos, offsets, seqlen)
+    table = torch.cat((float32_table(cos[rows]), float32_table(sin[rows])), dim=-1)
+    positions = torch.arange(seqlen, device=x.device).expand(x.shape[:2])
+    ops.apply_(x, key, positions, table, interleaved)
 
 
 def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0,
@@ -86,6 +105,9 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
         if x.dim() != 4:
             raise ValueError(f"x must have shape (batch_size, seqlen, nheads, headdim), got "
                              f"{list(x.shape)}")
+        if inplace:
+            _rotate_(x, cos, sin, interleaved, seqlen_offsets)
+            return x
         out = _rotated(x, cos, sin, interleaved, seqlen_offsets)
     else:
         if x.dim() != 3:
@@ -98,7 +120,7 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
         positions = varlen_positions(cu_seqlens, x.shape[0], seqlen_offsets)
         out = ops.apply_positions(x, positions, cos, sin, interleaved, False, None, False)
     if inplace:
-        _write(x, out)
+        x.copy_(out)
         return x
     return out
 
@@ -132,13 +154,14 @@ def apply_rotary_emb_qkv_(qkv, cos, sin, cos_k=None, sin_k=None, interleaved=Fal
                          f"{list(qkv.shape)}")
     cos, sin = _tables(cos, sin)
     if cos_k is None and sin_k is None:
-        _write(qk, _rotated(qk, cos, sin, interleaved, seqlen_offsets))  # Q and K in one pass
+        _rotate_(q, cos, sin, interleaved, seqlen_offsets, key=k)  # Q and K in one call
     else:
         cos_k, sin_k = _tables(cos if cos_k is None else cos_k, sin if sin_k is None else sin_k)
+        # Both rotated before either is written: a call rejected for K's tables changes nothing.
         q_rot = _rotated(q, cos, sin, interleaved, seqlen_offsets)
         k_rot = _rotated(k, cos_k, sin_k, interleaved, seqlen_offsets)
-        _write(q, q_rot)
-        _write(k, k_rot)
+        q.copy_(q_rot)
+        k.copy_(k_rot)
     return qkv
 
 
@@ -148,7 +171,7 @@ def apply_rotary_emb_kv_(kv, cos, sin, interleaved=False, seqlen_offsets=0):
         raise ValueError(f"kv must have shape (batch_size, seqlen, 2, nheads, headdim), got "
                          f"{list(kv.shape)}")
     cos, sin = _tables(cos, sin)
-    _write(kv[:, :, 0], _rotated(kv[:, :, 0], cos, sin, interleaved, seqlen_offsets))
+    _rotate_(kv[:, :, 0], cos, sin, interleaved, seqlen_offsets)
     return kv
 
 
@@ -162,9 +185,6 @@ def apply_rotary_emb_torch(x, cos, sin, interleaved=False):
     if 2 * cos.shape[-1] > x.shape[-1]:
         raise ValueError(f"rotary_dim = 2 * cos.size(-1) = {2 * cos.shape[-1]} must be <= headdim = "
                          f"{x.shape[-1]}")
-    dtype = torch.promote_types(x.dtype, cos.dtype)
-    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (..., seqlen, 1, rotary_dim / 2), over heads
-    lead = torch.broadcast_shapes(x.shape[:-1], c.shape[:-1])
-    x = x.to(dtype).expand(*lead, x.shape[-1])
-    pad = (None,) * (x.dim() - c.dim())
-    return ops.apply(x, c[pad], s[pad], interleaved)
+    # (..., seqlen, 1, rotary_dim / 2): the tables broadcast over the heads.
+    return rotate_pairs(x, cos.unsqueeze(-2), sin.unsqueeze(-2),
+                        torch.promote_types(x.dtype, cos.dtype), interleaved)

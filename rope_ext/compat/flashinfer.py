@@ -20,7 +20,7 @@ import torch
 
 from ..ops import apply_rope as _rotated, apply_rope_at, varlen_positions  # FlashInfer has its own apply_rope
 from ..ops import apply_rope_
-from ._layout import check_head_size, check_index_tensor, heads
+from ._layout import check_cache_views, check_index_tensor, uncached_when_compiling
 
 F32 = torch.float32
 
@@ -68,7 +68,7 @@ def _table(positions, valid, rotary_dim, rope_scale, rope_theta, llama31=None):
     """(nnz, rotary_dim) float32: cos | sin of each token's angles; rows where `valid` is False
     rotate by 0 (left unchanged)."""
     llama31 = None if llama31 is None else tuple(float(v) for v in llama31)
-    frequencies = _frequencies.__wrapped__ if torch.compiler.is_compiling() else _frequencies
+    frequencies = uncached_when_compiling(_frequencies)
     freq = frequencies(rotary_dim, float(rope_scale), float(rope_theta), positions.device, llama31)
     angles = positions.to(F32)[:, None] * freq
     if valid is not None:
@@ -184,14 +184,8 @@ def apply_llama31_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave=False,
 
 
 def _cache_views(positions, query, key, head_size, cos_sin_cache):
-    if cos_sin_cache.dtype != F32:
-        raise ValueError("cos_sin_cache should be float32")
-    head_size = check_head_size(head_size)
-    if positions.dim() != 1:
-        raise ValueError(f"positions must have shape (nnz,), got {list(positions.shape)}")
-    if key is None:
-        raise ValueError("key is required (FlashInfer rotates query and key together)")
-    return heads(query, head_size, 1, "query"), heads(key, head_size, 1, "key")
+    return check_cache_views(positions, query, key, head_size, cos_sin_cache,
+                             key_required="key is required (FlashInfer rotates query and key together)")
 
 
 def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_sin_cache,

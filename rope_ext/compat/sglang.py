@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from ..ops import apply_rope_, apply_rope_and_cache_
-from ._layout import check_head_size, heads
+from ._layout import check_cache_views, float32_scalar, heads
 
 _FP8 = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
@@ -43,8 +43,7 @@ def _cache_format(arg, key):
     if k_dtype != v_dtype:
         raise ValueError(f"k_buffer and v_buffer must have one dtype, got {k_dtype} and {v_dtype}")
     if k_dtype in _FP8:
-        scale = lambda s: torch.tensor([1.0 if s is None else float(s)],  # noqa: E731
-                                       dtype=torch.float32, device=key.device)
+        scale = lambda s: float32_scalar(1.0 if s is None else s, key.device)  # noqa: E731
         return _FP8[k_dtype], scale(arg.k_scale), scale(arg.v_scale)
     if arg.k_scale is not None or arg.v_scale is not None:
         raise ValueError("fused_set_kv_buffer_arg: k_scale and v_scale must be None for buffers of "
@@ -61,12 +60,8 @@ def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_
     the value are also stored at cache_loc in the same pass (a negative cache_loc skips the
     token); float8 buffers store value / scale (scale 1 when None), saturated. Returns None.
     Positions outside the table are an error (SGLang reads outside it)."""
-    if cos_sin_cache.dtype != torch.float32:
-        raise ValueError("cos_sin_cache should be float32")
-    head_size = check_head_size(head_size)
-    if positions.dim() != 1:
-        raise ValueError(f"positions must have shape (nnz,), got {list(positions.shape)}")
-    q, k = heads(query, head_size, 1, "query"), heads(key, head_size, 1, "key")
+    q, k = check_cache_views(positions, query, key, head_size, cos_sin_cache)
+    head_size = q.shape[-1]  # checked, as an int
     arg = fused_set_kv_buffer_arg
     if arg is None:
         apply_rope_(q, k, positions, cos_sin_cache, interleaved=not is_neox)

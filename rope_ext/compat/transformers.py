@@ -15,34 +15,11 @@ reads it (two passes), so the tables' gradients are transformers' own, half by h
 
 import torch
 
-ops = torch.ops.rope
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+from ._layout import float32_table, rotate_pairs
 
 
 def _table_grad(*tables):
     return torch.is_grad_enabled() and any(t.requires_grad for t in tables)
-
-
-def _float32(table):
-    # Exact, and small next to q and k (the tables broadcast over the heads): the CPU kernel runs
-    # several times faster on float32 tables when they broadcast over an outer dim, as in
-    # transformers' (batch, heads, seq, head_dim) layout.
-    return table.float() if table.dtype in _LOW_PRECISION else table
-
-
-def _rotate_pairs(x, cos, sin, dtype, interleaved=False):
-    """x with pair i of its first 2 * cos.size(-1) dims rotated by (cos[..., i], sin[..., i]), the
-    rest passed through; cos/sin broadcast against x.shape[:-1] as torch broadcasts, the result in
-    `dtype` (computed in float32, or float64 for float64)."""
-    if (x.dtype == dtype and cos.shape == sin.shape and cos.dim() == x.dim()
-            and all(c == 1 or c == n for c, n in zip(cos.shape[:-1], x.shape[:-1]))):
-        return ops.apply(x, cos, sin, interleaved)  # the tables broadcast inside the op
-    lead = torch.broadcast_shapes(x.shape[:-1], cos.shape[:-1], sin.shape[:-1])
-    x = x.to(dtype).expand(*lead, x.shape[-1])
-    shape = torch.broadcast_shapes(cos.shape, sin.shape)
-    cos, sin = cos.expand(shape), sin.expand(shape)
-    pad = (None,) * (x.dim() - cos.dim())  # rope.apply aligns no dims implicitly
-    return ops.apply(x, cos[pad], sin[pad], interleaved)
 
 
 def _check_width(x, cos, sin, what, name):
@@ -63,16 +40,16 @@ def _rotate_half_style(tensors, cos, sin, dtypes):
     """Each x of `tensors`: x * cos + rotate_half(x) * sin on its first cos.size(-1) dims, the
     rest passed through, in its dtype of `dtypes`."""
     half = cos.shape[-1] // 2
-    first_c, first_s = _float32(cos[..., :half]), _float32(sin[..., :half])
+    first_c, first_s = float32_table(cos[..., :half]), float32_table(sin[..., :half])
     if not _table_grad(cos, sin):
-        return tuple(_rotate_pairs(x, first_c, first_s, d) for x, d in zip(tensors, dtypes))
+        return tuple(rotate_pairs(x, first_c, first_s, d) for x, d in zip(tensors, dtypes))
     # The first half of the outputs reads the tables' first half, the second half their second.
-    second_c = _float32(cos[..., half : 2 * half])
-    second_s = _float32(sin[..., half : 2 * half])
+    second_c = float32_table(cos[..., half : 2 * half])
+    second_s = float32_table(sin[..., half : 2 * half])
     out = []
     for x, d in zip(tensors, dtypes):
-        first = _rotate_pairs(x, first_c, first_s, d)
-        second = _rotate_pairs(x, second_c, second_s, d)
+        first = rotate_pairs(x, first_c, first_s, d)
+        second = rotate_pairs(x, second_c, second_s, d)
         out.append(torch.cat((first[..., :half], second[..., half:]), dim=-1))
     return tuple(out)
 
@@ -129,8 +106,8 @@ def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim
         _check_width(q, cos, sin, "head_dim", "q")
         _check_width(k, cos, sin, "head_dim", "k")
         return _rotate_half_style((q, k), cos, sin, dtypes)
-    cos, sin = _float32(cos), _float32(sin)
-    return _rotate_pairs(q, cos, sin, dtypes[0]), _rotate_pairs(k, cos, sin, dtypes[1])
+    cos, sin = float32_table(cos), float32_table(sin)
+    return rotate_pairs(q, cos, sin, dtypes[0]), rotate_pairs(k, cos, sin, dtypes[1])
 
 
 def apply_rotary_pos_emb_vision(q, k, cos, sin):
@@ -157,5 +134,5 @@ def apply_rotary_pos_emb_gptj(tensor, sin, cos):
         raise ValueError(f"rotary_dim = 2 * cos.size(-1) = {2 * cos.shape[-1]} must be <= "
                          f"tensor.size(-1) = {tensor.shape[-1]}")
     dtype = _promoted(tensor, cos, sin)
-    cos, sin = _float32(cos[:, :, None, :]), _float32(sin[:, :, None, :])
-    return _rotate_pairs(tensor, cos, sin, dtype, interleaved=True)
+    cos, sin = float32_table(cos[:, :, None, :]), float32_table(sin[:, :, None, :])
+    return rotate_pairs(tensor, cos, sin, dtype, interleaved=True)

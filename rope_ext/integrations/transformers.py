@@ -217,8 +217,7 @@ def _calls(module_obj, modeling, names):
 
 
 class _Patch:
-    def __init__(self, keys, modules):
-        self.keys = keys
+    def __init__(self, modules):
         self.modules = modules  # (module, its previous instance `forward` or None)
         self.finalizer = None
 
@@ -259,7 +258,7 @@ def patch(model):
     with _lock:
         for name, (replacement, _) in functions.items():
             _acquire(modeling, name, replacement)
-    record = _Patch(keys, [])
+    record = _Patch([])
     for m in targets:
         record.modules.append((m, m.__dict__.get("forward")))
         m.forward = _marking(m.forward)
