@@ -283,6 +283,51 @@ def test_fa_apply_rotary_emb_kv_(interleaved):
     check(kv, want, torch.float32)
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fa_inplace_one_pass_path(monkeypatch, interleaved, dtype):
+    # Large enough in-place calls rotate in one pass (rope.apply_ on the call's table rows); the
+    # threshold at 0 sends these small ones there: the same values as the peer, the same bits
+    # as the out-of-place call, gradients through it, torch's in-place errors.
+    monkeypatch.setattr(flash_attn, "_ONE_PASS_MIN_ELEMENTS", 0)
+    cos, sin = tables(16, 6, dtype)
+    for shape, hq in (((2, 5, 3, 4, 16), None), ((2, 5, 4 + 2 * 2, 16), 4)):
+        qkv = torch.randn(shape, dtype=dtype)
+        want = peers.fa_apply_rotary_emb_qkv_(*f64(qkv, cos, sin), interleaved=interleaved,
+                                              seqlen_offsets=3, num_heads_q=hq)
+        assert flash_attn.apply_rotary_emb_qkv_(qkv, cos, sin, None, None, interleaved, 3, hq) is qkv
+        check(qkv, want, dtype)
+    kv = torch.randn(2, 5, 2, 3, 16, dtype=dtype)
+    want = peers.fa_apply_rotary_emb_kv_(*f64(kv, cos, sin), interleaved, 2)
+    assert flash_attn.apply_rotary_emb_kv_(kv, cos, sin, interleaved, 2) is kv
+    check(kv, want, dtype)
+    x = torch.randn(2, 7, 3, 16, dtype=dtype)
+    out_of_place = flash_attn.apply_rotary_emb(x, cos, sin, interleaved, seqlen_offsets=4)
+    assert flash_attn.apply_rotary_emb(x, cos, sin, interleaved, True, 4) is x
+    assert torch.equal(x, out_of_place)
+    c64, s64 = tables(8, 3, torch.float64)
+    qkv = torch.randn(1, 4, 3, 2, 8, dtype=torch.float64, requires_grad=True)
+    assert gradcheck(lambda t: flash_attn.apply_rotary_emb_qkv_(t * 1, c64, s64, seqlen_offsets=2), (qkv,))
+    x = torch.randn(1, 4, 2, 8, dtype=torch.float64, requires_grad=True)
+    assert gradcheck(lambda t: flash_attn.apply_rotary_emb(t * 1, c64, s64, interleaved, True, 1), (x,))
+    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad"):
+        flash_attn.apply_rotary_emb(x, c64, s64, inplace=True)
+    with torch.inference_mode():
+        inf = torch.randn(1, 4, 2, 8)
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+        flash_attn.apply_rotary_emb(inf, c64.float(), s64.float(), inplace=True)
+
+
+def test_fa_inplace_above_the_one_pass_threshold():
+    # A real size above the threshold (no patching): the peer's values.
+    cos, sin = tables(300, 32)
+    qkv = torch.randn(1, 256, 8 + 2 * 4, 64)
+    assert qkv[:, :, :12].numel() >= flash_attn._ONE_PASS_MIN_ELEMENTS
+    want = peers.fa_apply_rotary_emb_qkv_(*f64(qkv, cos, sin), seqlen_offsets=40, num_heads_q=8)
+    flash_attn.apply_rotary_emb_qkv_(qkv, cos, sin, seqlen_offsets=40, num_heads_q=8)
+    check(qkv, want, torch.float32)
+
+
 def test_fa_inplace_on_a_leaf_that_requires_grad_is_refused():
     x = torch.randn(1, 3, 2, 8, requires_grad=True)
     cos, sin = tables(3, 4)
