@@ -21,6 +21,14 @@ from .timing import clock_class, clock_for, measure_interleaved
 
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
+ROOT = os.path.dirname(os.path.dirname(RESULTS))
+
+
+def shown_path(path):
+    """path relative to the repository when it lies inside it, so results name no machine's
+    directories."""
+    rel = os.path.relpath(os.path.abspath(path), ROOT)
+    return path if rel.startswith("..") else rel
 
 # What changes the numbers from outside the command line, recorded with them.
 ENV_RECORDED = ("LD_PRELOAD", "MALLOC_CONF", "GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_",
@@ -210,7 +218,7 @@ def main(argv=None):
         allocator = "torch's CUDA caching allocator"
     doc = {"meta": meta_for(args), "results": [], "summary": [], "peers": {}, "errors": [],
            "skipped": []}
-    doc["meta"].update(allocator=allocator, out=args.out, stem=args.stem)
+    doc["meta"].update(allocator=allocator, out=shown_path(args.out), stem=args.stem)
     dropin_module, status = dropins.load() if "dropin" in args.kind_list else (None, "not asked")
     doc["peers"]["drop-ins"] = status
     m = doc["meta"]
