@@ -458,6 +458,7 @@ void rotate_tokens(const RotateJob& job, int64_t b, int64_t e) {
 template <typename x_t, CacheFormat kFormat>
 void store_cache_row(const x_t* row, int64_t last, void* cache_row, int64_t cache_last,
                      int64_t n, float scale) {
+  if (n == 0) return;  // rows of 0 elements (head_dim 0) may have null data pointers
   if (kFormat == CacheFormat::kSame) {
     x_t* out = static_cast<x_t*>(cache_row);
     if (last == 1 && cache_last == 1) {
