@@ -6,6 +6,8 @@ The stable ABI has no autograd, so all of it lives here, for the native and the 
 kernels alike: both paths behave the same under autograd.
 """
 
+from typing import Callable, NamedTuple
+
 import torch
 
 from . import _checks, reference
@@ -113,9 +115,8 @@ def _setup_apply(ctx, inputs, output):
 def _backward_rotation(inverse):
     """The backward of rope.apply (inverse=False) or rope.apply_backward (True): the gradient
     w.r.t. the rotated tensor is the opposite rotation (docs/math.md "Backward")."""
-    opposite = ops.apply if inverse else ops.apply_backward
-
     def backward(ctx, grad):
+        opposite = ops.apply if inverse else ops.apply_backward
         x, cos, sin = ctx.saved_tensors
         grad_x = grad_cos = grad_sin = None
         if ctx.needs_input_grad[0]:
@@ -150,45 +151,37 @@ def _backward_positions(ctx, grad):
 # ---- the in-place ops: torch's in-place semantics, and autograd through them ----
 
 class _RotateInPlace(torch.autograd.Function):
-    """rope.apply_ / rope.mrope_ on one tensor under autograd: it is marked dirty, as torch's own
-    in-place ops mark theirs (so a leaf that requires grad is refused, a view rebases its
-    history, and a tensor saved for backward that this overwrites is detected). One tensor per
-    Function: autograd lets a Function modify a view in place only when it is its one output.
-    The gradient is the out-of-place op's: the inverse rotation of the incoming gradient."""
+    """The autograd record of rope.apply_ / rope.mrope_ on one tensor. Its forward writes
+    nothing: it marks the tensor dirty, as torch's own in-place ops mark theirs, so that torch
+    refuses a leaf that requires grad, a view of one or a view from split/unbind (its own
+    errors), and rebases a view's history, before any tensor of the call is written; the caller
+    rotates the data once every tensor has passed. One tensor per Function: autograd lets a
+    Function modify a view in place only when it is its one output. The gradient is the
+    out-of-place op's: the inverse rotation of the incoming gradient."""
 
     @staticmethod
-    def forward(ctx, t, positions, cos_sin_cache, interleaved, section, mi):
-        with torch._C._AutoDispatchBelowAutograd():
-            if section is None:
-                ops.apply_(t, None, positions, cos_sin_cache, interleaved)
-            else:
-                ops.mrope_(t, None, positions, cos_sin_cache, section, interleaved, mi)
+    def forward(ctx, t, t_input, positions, cos_sin_cache, interleaved, section, mi):
+        # t_input: a copy of t's values made before the call (only when the table requires grad:
+        # its gradient needs them), differentiable, so double backward reaches t's history.
         ctx.mark_dirty(t)
         ctx.args = (interleaved, section, mi)
-        if cos_sin_cache.requires_grad:  # the table gradient needs the output (saved below)
-            ctx.save_for_backward(positions, cos_sin_cache, t)
-        else:
-            ctx.save_for_backward(positions, cos_sin_cache)
+        ctx.save_for_backward(positions, cos_sin_cache, t_input)
         return t
 
     @staticmethod
     def backward(ctx, grad):
-        positions, cache, *output = ctx.saved_tensors
+        positions, cache, t_input = ctx.saved_tensors
         interleaved, section, mi = ctx.args
         cos, sin = reference.cache_halves(cache)
-
-        def unrotate(t):
-            return ops.apply_positions(t, positions, cos, sin, interleaved, True, section, mi)
-
         grad_cache = None
-        if ctx.needs_input_grad[2]:
-            g_cos, g_sin = reference.positions_table_grads(unrotate(output[0]), grad, positions, cos,
-                                                           sin, interleaved, False, section, mi)
+        if ctx.needs_input_grad[3]:
+            g_cos, g_sin = reference.positions_table_grads(t_input, grad, positions, cos, sin,
+                                                           interleaved, False, section, mi)
             grad_cache = torch.cat((g_cos, g_sin), dim=1)
-        return unrotate(grad), None, grad_cache, None, None, None
+        grad_t = ops.apply_positions(grad, positions, cos, sin, interleaved, True, section, mi)
+        return grad_t, None, None, grad_cache, None, None, None
 
 
-MUTABLE_OPS = ("apply.out", "apply_", "mrope_", "apply_and_cache_")
 INFERENCE_TENSOR_UPDATE = (
     "Inplace update to inference tensor outside InferenceMode is not allowed.You can make a clone "
     "to get a normal tensor before doing inplace update.See https://github.com/pytorch/rfcs/pull/17 "
@@ -236,9 +229,9 @@ def _below_autograd(op, keyset, written, *args, **kwargs):
     return op.redispatch(keyset & _AFTER_AD_INPLACE, *args, **kwargs)
 
 
-def _rotate_each(query, key, positions, cos_sin_cache, interleaved, section, mi):
-    """The in-place rotation under autograd: the whole call checked once (query and key
-    together), then one Function per tensor."""
+def _rotate_each(op, keyset, query, key, positions, cos_sin_cache, interleaved, section, mi):
+    """The in-place rotation under autograd: the whole call checked, each tensor recorded (torch's
+    in-place errors raised before anything is written), then one kernel call for both."""
     # Memory checks only on plain tensors: a tensor subclass (DTensor) is checked where its op
     # runs on the local shards. Positions are range-checked by the op on query, before anything
     # is written.
@@ -247,19 +240,27 @@ def _rotate_each(query, key, positions, cos_sin_cache, interleaved, section, mi)
         _checks.check_apply_inplace(query, key, positions, cos_sin_cache, memory=memory)
     else:
         _checks.check_mrope(query, key, positions, cos_sin_cache, section, memory=memory)
+    check_not_inference(query, key)
     # Positions that share memory with query or key would change under the rotation; the
     # backward reads them again.
     positions = _checks.positions_read_once(positions, (query, key))
+    table_grad = cos_sin_cache.requires_grad
     for t in (query, key):
         if t is not None:
-            _RotateInPlace.apply(t, positions, cos_sin_cache, interleaved, section, mi)
+            _RotateInPlace.apply(t, t.clone() if table_grad else None, positions, cos_sin_cache,
+                                 interleaved, section, mi)
+    args = (query, key, positions, cos_sin_cache)
+    args += (interleaved,) if section is None else (section, interleaved, mi)
+    with torch._C._AutoDispatchBelowAutograd():
+        _below_autograd(op, keyset, (query, key), *args)
 
 
 def _autograd_apply_(keyset, query, key, positions, cos_sin_cache, interleaved=False):
     if not _needs_grad(query, key, cos_sin_cache):
         return _below_autograd(ops.apply_.default, keyset, (query, key), query, key, positions,
                                cos_sin_cache, interleaved)
-    _rotate_each(query, key, positions, cos_sin_cache, interleaved, None, False)
+    _rotate_each(ops.apply_.default, keyset, query, key, positions, cos_sin_cache, interleaved,
+                 None, False)
 
 
 def _autograd_mrope_(keyset, query, key, positions, cos_sin_cache, mrope_section,
@@ -267,8 +268,8 @@ def _autograd_mrope_(keyset, query, key, positions, cos_sin_cache, mrope_section
     if not _needs_grad(query, key, cos_sin_cache):
         return _below_autograd(ops.mrope_.default, keyset, (query, key), query, key, positions,
                                cos_sin_cache, mrope_section, interleaved, mrope_interleaved)
-    _rotate_each(query, key, positions, cos_sin_cache, interleaved, list(mrope_section),
-                 mrope_interleaved)
+    _rotate_each(ops.mrope_.default, keyset, query, key, positions, cos_sin_cache, interleaved,
+                 list(mrope_section), mrope_interleaved)
 
 
 def _autograd_apply_out(keyset, x, cos, sin, interleaved=False, *, out):
@@ -290,34 +291,76 @@ def _autograd_apply_and_cache_(keyset, query, key, value, positions, cos_sin_cac
                            slot_mapping, interleaved, kv_cache_dtype, k_scale, v_scale)
 
 
+# ---- every op's facts, in one table ----
+
+class Op(NamedTuple):
+    """What Python registers for one op: its reference kernel (any device without a native one),
+    its fake kernel (shapes and metadata-only checks) and its autograd: for a functional op
+    (backward, setup_context) as torch.library.register_autograd takes them; for a mutable op
+    the kernel that serves the Autograd key (with_keyset), which does the in-place bookkeeping."""
+    reference: Callable
+    fake: Callable
+    functional_autograd: tuple = None
+    mutable_autograd: Callable = None
+
+
+OPS = {
+    "apply": Op(_ref_apply, _fake_apply, (_backward_rotation(False), _setup_apply)),
+    "apply.out": Op(_ref_apply_out, _fake_apply_out, mutable_autograd=_autograd_apply_out),
+    "apply_backward": Op(_ref_apply_backward, _fake_apply_backward,
+                         (_backward_rotation(True), _setup_apply)),
+    "apply_": Op(_ref_apply_, _fake_apply_, mutable_autograd=_autograd_apply_),
+    "mrope_": Op(_ref_mrope_, _fake_mrope_, mutable_autograd=_autograd_mrope_),
+    "apply_positions": Op(_ref_apply_positions, _fake_apply_positions,
+                          (_backward_positions, _setup_positions)),
+    "apply_and_cache_": Op(_ref_apply_and_cache_, _fake_apply_and_cache_,
+                           mutable_autograd=_autograd_apply_and_cache_),
+}
+MUTABLE_OPS = tuple(name for name, op in OPS.items() if op.mutable_autograd is not None)
+
+
+def routed(name):
+    """True when the native library serves op `name`'s Autograd and ADInplaceOrView keys in C++
+    (csrc/ops/routes.h): its `_grad_` twin then carries the Python autograd path."""
+    base, _, overload = name.partition(".")
+    try:  # no twin: the Python-defined schemas (no native library), or a library without routes
+        torch._C._dispatch_find_schema_or_throw(f"rope::_grad_{base}", overload)
+    except RuntimeError:
+        return False
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"rope::_grad_{name}",
+                                                          "CompositeExplicitAutograd")
+
+
+def _snapshot_kernel(name, autograd_kernel):
+    """The PythonTLSSnapshot kernel of a routed op: calls that involve a tensor subclass or a
+    Python dispatch mode (DTensor, FakeTensor, torch.compile's tracing) carry this key, above
+    Autograd; they take the Python path, which redispatches to the subclass's handler under the
+    op's own name. Plain tensors never reach it."""
+    inplace_or_view = _ad_inplace_or_view_kernel(name)
+    autograd_active = torch._C.DispatchKey.AutogradFunctionality
+
+    def kernel(keyset, *args, **kwargs):
+        if keyset.has(autograd_active):
+            return autograd_kernel(keyset, *args, **kwargs)
+        return inplace_or_view(keyset, *args, **kwargs)
+
+    return kernel
+
+
 def register():
     lib = torch.library.Library("rope", "IMPL")
     _libraries.append(lib)
-    for name, kernel in (
-        ("apply", _ref_apply), ("apply.out", _ref_apply_out),
-        ("apply_backward", _ref_apply_backward), ("apply_", _ref_apply_),
-        ("mrope_", _ref_mrope_), ("apply_positions", _ref_apply_positions),
-        ("apply_and_cache_", _ref_apply_and_cache_),
-    ):
+    for name, op in OPS.items():
         # A backend key (CPU, CUDA) registered by a native library wins over this.
-        lib.impl(name, kernel, "CompositeExplicitAutograd")
-    for name, fake in (
-        ("apply", _fake_apply), ("apply.out", _fake_apply_out),
-        ("apply_backward", _fake_apply_backward), ("apply_", _fake_apply_),
-        ("mrope_", _fake_mrope_), ("apply_positions", _fake_apply_positions),
-        ("apply_and_cache_", _fake_apply_and_cache_),
-    ):
-        torch.library.register_fake(f"rope::{name}", fake, lib=lib)
-    torch.library.register_autograd("rope::apply", _backward_rotation(False),
-                                    setup_context=_setup_apply, lib=lib)
-    torch.library.register_autograd("rope::apply_backward", _backward_rotation(True),
-                                    setup_context=_setup_apply, lib=lib)
-    torch.library.register_autograd("rope::apply_positions", _backward_positions,
-                                    setup_context=_setup_positions, lib=lib)
-    for name, kernel in (
-        ("apply_", _autograd_apply_), ("mrope_", _autograd_mrope_),
-        ("apply.out", _autograd_apply_out), ("apply_and_cache_", _autograd_apply_and_cache_),
-    ):
-        lib.impl(name, kernel, "Autograd", with_keyset=True)
-    for name in MUTABLE_OPS:
-        lib.impl(name, _ad_inplace_or_view_kernel(name), "ADInplaceOrView", with_keyset=True)
+        lib.impl(name, op.reference, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"rope::{name}", op.fake, lib=lib)
+        if op.functional_autograd is not None:
+            backward, setup = op.functional_autograd
+            torch.library.register_autograd(f"rope::{name}", backward, setup_context=setup, lib=lib)
+        elif routed(name):
+            lib.impl(f"_grad_{name}", op.mutable_autograd, "Autograd", with_keyset=True)
+            lib.impl(name, _snapshot_kernel(name, op.mutable_autograd), "PythonTLSSnapshot",
+                     with_keyset=True)
+        else:
+            lib.impl(name, op.mutable_autograd, "Autograd", with_keyset=True)
+            lib.impl(name, _ad_inplace_or_view_kernel(name), "ADInplaceOrView", with_keyset=True)

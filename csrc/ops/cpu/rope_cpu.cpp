@@ -11,6 +11,7 @@
 #include <torch/csrc/stable/tensor.h>
 
 #include "../checks.h"
+#include "../routes.h"
 #include "kernel_api.h"
 
 namespace rope {
@@ -219,12 +220,20 @@ void apply_and_cache_cpu(Tensor query, Tensor key, Tensor value, Tensor position
 }  // namespace
 }  // namespace rope
 
+namespace {
+// A routed op's CPU kernel: registered, and handed to the router (routes.h).
+void impl_routed_cpu(torch::stable::detail::StableLibrary& m, rope::RouteId r, rope::BoxedKernel fn) {
+  rope::impl_routed(m, r, fn);
+  rope::routed_cpu_kernel(r) = fn;
+}
+}  // namespace
+
 STABLE_TORCH_LIBRARY_IMPL(rope, CPU, m) {
   m.impl("apply", TORCH_BOX(&rope::apply_cpu<false>));
-  m.impl("apply.out", TORCH_BOX(&rope::apply_out_cpu));
+  impl_routed_cpu(m, rope::kApplyOut, TORCH_BOX(&rope::apply_out_cpu));
   m.impl("apply_backward", TORCH_BOX(&rope::apply_cpu<true>));
-  m.impl("apply_", TORCH_BOX(&rope::apply_inplace_cpu));
-  m.impl("mrope_", TORCH_BOX(&rope::mrope_inplace_cpu));
+  impl_routed_cpu(m, rope::kApplyInplace, TORCH_BOX(&rope::apply_inplace_cpu));
+  impl_routed_cpu(m, rope::kMropeInplace, TORCH_BOX(&rope::mrope_inplace_cpu));
   m.impl("apply_positions", TORCH_BOX(&rope::apply_positions_cpu));
-  m.impl("apply_and_cache_", TORCH_BOX(&rope::apply_and_cache_cpu));
+  impl_routed_cpu(m, rope::kApplyAndCache, TORCH_BOX(&rope::apply_and_cache_cpu));
 }

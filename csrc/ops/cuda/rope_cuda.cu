@@ -8,6 +8,7 @@
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 
+#include "../routes.h"
 #include "rope_cuda_host.h"
 
 namespace rope::gpu {
@@ -115,10 +116,10 @@ void apply_and_cache_cuda(Tensor query, Tensor key, Tensor value, Tensor positio
 // rope_ext loads first.
 STABLE_TORCH_LIBRARY_IMPL(rope, CUDA, m) {
   m.impl("apply", TORCH_BOX(&rope::gpu::apply_cuda<false>));
-  m.impl("apply.out", TORCH_BOX(&rope::gpu::apply_out_cuda));
+  rope::impl_routed(m, rope::kApplyOut, TORCH_BOX(&rope::gpu::apply_out_cuda));
   m.impl("apply_backward", TORCH_BOX(&rope::gpu::apply_cuda<true>));
-  m.impl("apply_", TORCH_BOX(&rope::gpu::apply_inplace_cuda));
-  m.impl("mrope_", TORCH_BOX(&rope::gpu::mrope_inplace_cuda));
+  rope::impl_routed(m, rope::kApplyInplace, TORCH_BOX(&rope::gpu::apply_inplace_cuda));
+  rope::impl_routed(m, rope::kMropeInplace, TORCH_BOX(&rope::gpu::mrope_inplace_cuda));
   m.impl("apply_positions", TORCH_BOX(&rope::gpu::apply_positions_cuda));
-  m.impl("apply_and_cache_", TORCH_BOX(&rope::gpu::apply_and_cache_cuda));
+  rope::impl_routed(m, rope::kApplyAndCache, TORCH_BOX(&rope::gpu::apply_and_cache_cuda));
 }

@@ -1,0 +1,142 @@
+// The Autograd and ADInplaceOrView kernels of the routed (in-place) ops: routes.h says why.
+#include <string>
+#include <utility>
+
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/macros.h>
+#include <torch/csrc/stable/tensor.h>
+
+#include "routes.h"
+
+namespace rope {
+
+BoxedKernel& routed_cpu_kernel(RouteId r) {
+  static BoxedKernel kernels[kNumRoutes] = {};
+  return kernels[r];
+}
+
+namespace {
+
+using torch::stable::detail::from;
+using torch::stable::detail::to;
+
+// The message of the error torch_call_dispatcher just reported, as the op itself raised it: no
+// source location appended, nothing printed. An error raised by a Python kernel (the autograd
+// path) arrives as "RuntimeError: <message>\n\nAt:\n<traceback>": the message alone is kept.
+[[noreturn]] void rethrow_dispatch_error(const std::string& op) {
+  const char* what = TORCH_DYNAMIC_VERSION_CALL_2_13_0(
+      torch_exception_get_what_without_backtrace, torch::stable::detail::torch_shim_bc_const_char_ptr);
+  std::string msg = what != nullptr ? std::string(what) : op + " failed";
+  const std::string python_prefix = "RuntimeError: ";
+  if (msg.compare(0, python_prefix.size(), python_prefix) == 0) {
+    msg.erase(0, python_prefix.size());
+    const auto traceback = msg.find("\n\nAt:\n");
+    if (traceback != std::string::npos) msg.erase(traceback);
+  }
+  throw std::runtime_error(msg);
+}
+
+// Calls rope/aten op `qualified` ("ns::name.overload") on a boxed stack it consumes.
+void call_op(const std::string& qualified, StableIValue* stack) {
+  const auto dot = qualified.find('.');
+  const std::string name = qualified.substr(0, dot);
+  const std::string overload = dot == std::string::npos ? "" : qualified.substr(dot + 1);
+  if (torch_call_dispatcher(name.c_str(), overload.c_str(), stack, TORCH_ABI_VERSION) !=
+      TORCH_SUCCESS) {
+    rethrow_dispatch_error(qualified);
+  }
+}
+
+// A borrowed look at a written argument on the stack: (Tensor) holds the handle, (Tensor?) a
+// pointer to a StableIValue holding it, or null for None.
+AtenTensorHandle borrowed(const StableIValue* stack, const Written& w) {
+  const StableIValue v = stack[w.index];
+  if (!w.optional) return to<AtenTensorHandle>(v);
+  const auto* p = to<StableIValue*>(v);
+  return p == nullptr ? nullptr : to<AtenTensorHandle>(*p);
+}
+
+// torch's in-place bookkeeping for a written tensor, through aten::set_(t, t): the version
+// counter (shared with every view of its storage) moves, and an inference tensor outside
+// inference mode is refused with torch's own error, before anything is written.
+void bump_version(AtenTensorHandle t) {
+  AtenTensorHandle handle = nullptr;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_new_tensor_handle(t, &handle));
+  const torch::stable::Tensor tensor(handle);
+  StableIValue stack[2] = {from(tensor), from(tensor)};  // new references, consumed by the call
+  call_op("aten::set_.source_Tensor", stack);
+  torch::stable::Tensor returned(to<AtenTensorHandle>(stack[0]));  // releases the alias
+}
+
+bool on_cpu(AtenTensorHandle t) {
+  int32_t type = 0;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(t, &type));
+  return type == aoti_torch_device_type_cpu();
+}
+
+// Bookkeeping, then the kernel: the CPU one directly (its errors keep their exact text on every
+// torch), any other device's through the kernel-only twin.
+template <int R>
+void bump_and_run(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
+  const Route& route = kRoutes[R];
+  for (int i = 0; i < route.n_written; ++i) {
+    if (AtenTensorHandle t = borrowed(stack, route.written[i])) bump_version(t);
+  }
+  const BoxedKernel cpu = routed_cpu_kernel(static_cast<RouteId>(R));
+  if (cpu != nullptr && on_cpu(borrowed(stack, route.written[0]))) {
+    cpu(stack, num_args, num_outputs);
+  } else {
+    call_op("rope::" + twin_name("_impl_", static_cast<RouteId>(R)), stack);
+  }
+}
+
+// Autograd key: with grad mode off nothing is recorded, so the call is the in-place op itself;
+// with grad mode on, the autograd path (Python, or bump_and_run where no Python registered it).
+template <int R>
+void autograd_router(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
+  if (aoti_torch_grad_mode_is_enabled()) {
+    call_op("rope::" + twin_name("_grad_", static_cast<RouteId>(R)), stack);
+  } else {
+    bump_and_run<R>(stack, num_args, num_outputs);
+  }
+}
+
+// Serves op R at the Autograd key (autograd_router) or at ADInplaceOrView (bump_and_run).
+template <int... R>
+void register_all(torch::stable::detail::StableLibrary& m, bool autograd,
+                  std::integer_sequence<int, R...>) {
+  (m.impl(kRoutes[R].name, autograd ? &autograd_router<R> : &bump_and_run<R>), ...);
+}
+
+template <int... R>
+void register_grad_twins(torch::stable::detail::StableLibrary& m, std::integer_sequence<int, R...>) {
+  (m.impl(twin_name("_grad_", static_cast<RouteId>(R)).c_str(), &bump_and_run<R>), ...);
+}
+
+// torch_exception_get_what_without_backtrace (the error text of a forwarded call) is in every
+// torch from 2.13; on older ones the Python kernels keep serving these keys.
+bool routing_supported() { return aoti_torch_abi_version() >= TORCH_VERSION_2_13_0; }
+
+}  // namespace
+}  // namespace rope
+
+STABLE_TORCH_LIBRARY_IMPL(rope, Autograd, m) {
+  if (rope::routing_supported()) {
+    rope::register_all(m, true, std::make_integer_sequence<int, rope::kNumRoutes>{});
+  }
+}
+
+STABLE_TORCH_LIBRARY_IMPL(rope, ADInplaceOrView, m) {
+  if (rope::routing_supported()) {
+    rope::register_all(m, false, std::make_integer_sequence<int, rope::kNumRoutes>{});
+  }
+}
+
+// Where no Python registered the autograd path (a C++-only deployment), `_grad_<op>` is the
+// op without autograd: bookkeeping and the kernel.
+STABLE_TORCH_LIBRARY_IMPL(rope, CompositeExplicitAutograd, m) {
+  if (rope::routing_supported()) {
+    rope::register_grad_twins(m, std::make_integer_sequence<int, rope::kNumRoutes>{});
+  }
+}
