@@ -1,0 +1,168 @@
+"""The in-place ops' call path: no Python between the caller and the kernel when nothing is
+recorded (no_grad, inference_mode), torch's in-place bookkeeping kept there, and under autograd
+torch's in-place errors raised before any tensor of the call is written, on every entry point."""
+
+import sys
+
+import pytest
+import torch
+
+import rope_ext
+from conftest import assert_close, native_cpu
+from rope_ext.compat import flash_attn, flashinfer, sglang, vllm
+
+CACHE = rope_ext.cos_sin_cache(64, 16)
+OPS = torch.ops.rope
+
+
+def python_frames(fn):
+    """The Python functions a call runs, once warmed up."""
+    fn()
+    seen = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            seen.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+@pytest.mark.skipif(not native_cpu(), reason="the native CPU library is not loaded")
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_in_place_ops_run_no_python_when_nothing_is_recorded(mode):
+    table = CACHE.clone()  # a normal tensor, as a model's buffer is, whatever the mode
+    with mode():
+        q, k = torch.randn(3, 4, 16), torch.randn(3, 2, 16)
+        pos = torch.tensor([5, 0, 63])
+        kc, vc = torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16)
+        calls = {
+            "apply_": lambda: OPS.apply_(q, k, pos, table),
+            "mrope_": lambda: OPS.mrope_(q, k, pos.expand(3, 3), table, [4, 2, 2]),
+            "apply.out": lambda: OPS.apply.out(q, table[:3, None, :8], table[:3, None, 8:],
+                                               out=torch.empty_like(q)),
+            "apply_and_cache_": lambda: OPS.apply_and_cache_(q, k, k.clone(), pos, table, kc, vc,
+                                                             torch.tensor([0, 5, -1])),
+        }
+        for name, call in calls.items():
+            frames = [f for f in python_frames(call) if not f.endswith(":<lambda>")]
+            # torch.ops' own __call__, nothing of rope_ext's
+            assert all("rope_ext" not in f for f in frames), (name, frames)
+            assert len(frames) <= 1, (name, frames)
+
+
+def test_version_counters_move_and_inference_tensors_are_refused_without_grad_mode():
+    base = torch.randn(3, 6, 16)
+    q, k = base[:, :4], base[:, 4:]  # views of one buffer share its version counter
+    with torch.no_grad():
+        v = base._version
+        OPS.apply_(q, k, torch.tensor([1, 2, 3]), CACHE)
+        assert base._version >= v + 2
+    normal = torch.randn(3, 4, 16)
+    with torch.inference_mode():
+        v = normal._version
+        OPS.apply_(normal, None, torch.tensor([1, 2, 3]), CACHE)
+        assert normal._version > v  # torch bumps a normal tensor written in inference mode
+        inf = torch.randn(3, 4, 16)
+    before = inf.clone()
+    with torch.no_grad(), pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+        OPS.apply_(inf, None, torch.tensor([1, 2, 3]), CACHE)
+    assert torch.equal(inf, before)
+
+
+# ---- under autograd: torch's in-place errors before anything is written ----
+
+LEAF = "a leaf Variable that requires grad .* in-place operation"
+VIEW_OF_LEAF = "a view of a leaf Variable that requires grad is being used in an in-place operation"
+MULTI_VIEW = "This view is the output of a function that returns multiple views"
+
+
+def _targets():
+    """(name, query, key, message): a call whose key (or query) torch refuses to write in place,
+    beside a query that it would accept."""
+    leaf = torch.randn(4, 2, 16, requires_grad=True)
+    base = torch.randn(4, 4, 16, requires_grad=True)
+    inner = base * 1.0
+    fine = torch.randn(4, 2, 16, requires_grad=True) * 1.0
+    return [
+        ("leaf key", fine, leaf, LEAF),
+        ("leaf query", leaf, fine, LEAF),
+        ("view of a leaf", fine, base[:, :2], VIEW_OF_LEAF),
+        ("split view", fine, inner.split(2, dim=1)[1], MULTI_VIEW),
+        ("unbind view", fine, inner.view(4, 2, 2, 16).unbind(1)[1], MULTI_VIEW),
+    ]
+
+
+def _flat(t):
+    return t.flatten(-2)
+
+
+ENTRIES = {
+    "apply_rope_": lambda q, k, pos: rope_ext.apply_rope_(q, k, pos, CACHE),
+    "apply_mrope_": lambda q, k, pos: rope_ext.apply_mrope_(q, k, pos.expand(3, 4), CACHE, [4, 2, 2]),
+    "forward_": lambda q, k, pos: rope_ext.RotaryEmbedding(16, max_position=64).forward_(q, k, pos),
+    "ops.apply_": lambda q, k, pos: OPS.apply_(q, k, pos, CACHE),
+    "ops.mrope_": lambda q, k, pos: OPS.mrope_(q, k, pos.expand(3, 4), CACHE, [4, 2, 2]),
+    "vllm": lambda q, k, pos: vllm.rotary_embedding(pos, q, k, 16, CACHE, True),
+    "flashinfer": lambda q, k, pos: flashinfer.apply_rope_with_cos_sin_cache_inplace(
+        pos, q, k, 16, CACHE),
+    "sglang": lambda q, k, pos: sglang.apply_rope_with_cos_sin_cache_inplace(pos, q, k, 16, CACHE),
+}
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_refused_in_place_call_writes_nothing(entry):
+    pos = torch.tensor([3, 0, 9, 63])
+    for name, q, k, message in _targets():
+        before = (q.detach().clone(), k.detach().clone())
+        with pytest.raises(RuntimeError, match=message):
+            ENTRIES[entry](q, k, pos)
+        assert torch.equal(q.detach(), before[0]) and torch.equal(k.detach(), before[1]), name
+
+
+@pytest.mark.parametrize("case", range(len(_targets())))
+def test_refused_single_tensor_writes_nothing(case):
+    name, q, k, message = _targets()[case]
+    bad = q if name == "leaf query" else k
+    before = bad.detach().clone()
+    with pytest.raises(RuntimeError, match=message):
+        rope_ext.apply_rope_(bad, None, torch.arange(4), CACHE)
+    assert torch.equal(bad.detach(), before), name
+
+
+def test_flash_attn_one_pass_in_place_refuses_a_leaf_before_writing():
+    cos, sin = CACHE[:, :8], CACHE[:, 8:]
+    x = torch.randn(2, 64, 64, 16, requires_grad=True)  # 2^17 elements: the one-pass path
+    assert x.numel() >= flash_attn._ONE_PASS_MIN_ELEMENTS
+    before = x.detach().clone()
+    with pytest.raises(RuntimeError, match=LEAF):
+        flash_attn.apply_rotary_emb(x, cos, sin, inplace=True)
+    assert torch.equal(x.detach(), before)
+
+
+# ---- q and k as views of one fused buffer, with a table that learns ----
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_views_of_one_qkv_buffer_with_a_learned_table(interleaved):
+    qkv = torch.randn(5, 7, 16, dtype=torch.float64, requires_grad=True)
+    table = rope_ext.cos_sin_cache(16, 12, dtype=torch.float64).requires_grad_()
+    pos = torch.tensor([0, 3, 15, 7, 7])
+    grad = torch.randn(5, 7, 16, dtype=torch.float64)
+
+    def in_place(qkv, table):
+        buf = qkv * 1.0
+        rope_ext.apply_rope_(buf[:, :4], buf[:, 4:6], pos, table, interleaved=interleaved)
+        return buf
+
+    def out_of_place(qkv, table):
+        rot = rope_ext.apply_rope_at(qkv[:, :6], pos, table, interleaved=interleaved)
+        return torch.cat((rot, qkv[:, 6:]), dim=1)
+
+    got = torch.autograd.grad(in_place(qkv, table), (qkv, table), grad)
+    want = torch.autograd.grad(out_of_place(qkv, table), (qkv, table), grad)
+    for g, w in zip(got, want):
+        assert_close(g, w, torch.float64)
