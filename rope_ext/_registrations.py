@@ -347,6 +347,15 @@ def _snapshot_kernel(name, autograd_kernel):
     return kernel
 
 
+def _functional_autograd_kernel(name, backward, setup_context):
+    """The kernel torch.library.register_autograd would register at op `name`'s Autograd key,
+    made to serve its `_grad_` twin (and its PythonTLSSnapshot key): it redispatches to `name`."""
+    from torch._library import autograd as library_autograd
+
+    op = getattr(ops, name).default
+    return library_autograd.make_autograd_impl(op, library_autograd.Info(backward, setup_context))
+
+
 def register():
     lib = torch.library.Library("rope", "IMPL")
     _libraries.append(lib)
@@ -354,7 +363,11 @@ def register():
         # A backend key (CPU, CUDA) registered by a native library wins over this.
         lib.impl(name, op.reference, "CompositeExplicitAutograd")
         torch.library.register_fake(f"rope::{name}", op.fake, lib=lib)
-        if op.functional_autograd is not None:
+        if op.functional_autograd is not None and routed(name):
+            autograd = _functional_autograd_kernel(name, *op.functional_autograd)
+            lib.impl(f"_grad_{name}", autograd, "Autograd", with_keyset=True)
+            lib.impl(name, autograd, "PythonTLSSnapshot", with_keyset=True)
+        elif op.functional_autograd is not None:
             backward, setup = op.functional_autograd
             torch.library.register_autograd(f"rope::{name}", backward, setup_context=setup, lib=lib)
         elif routed(name):

@@ -1,5 +1,5 @@
-"""The in-place ops' call path: no Python between the caller and the kernel when nothing is
-recorded (no_grad, inference_mode), torch's in-place bookkeeping kept there, and under autograd
+"""The ops' call path: no Python between the caller and the kernel when nothing is recorded
+(no_grad, inference_mode), torch's in-place bookkeeping kept there, and under autograd
 torch's in-place errors raised before any tensor of the call is written, on every entry point."""
 
 import sys
@@ -34,7 +34,7 @@ def python_frames(fn):
 
 @pytest.mark.skipif(not native_cpu(), reason="the native CPU library is not loaded")
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
-def test_in_place_ops_run_no_python_when_nothing_is_recorded(mode):
+def test_ops_run_no_python_when_nothing_is_recorded(mode):
     table = CACHE.clone()  # a normal tensor, as a model's buffer is, whatever the mode
     with mode():
         q, k = torch.randn(3, 4, 16), torch.randn(3, 2, 16)
@@ -47,6 +47,9 @@ def test_in_place_ops_run_no_python_when_nothing_is_recorded(mode):
                                                out=torch.empty_like(q)),
             "apply_and_cache_": lambda: OPS.apply_and_cache_(q, k, k.clone(), pos, table, kc, vc,
                                                              torch.tensor([0, 5, -1])),
+            "apply": lambda: OPS.apply(q, table[:3, None, :8], table[:3, None, 8:]),
+            "apply_backward": lambda: OPS.apply_backward(q, table[:3, None, :8], table[:3, None, 8:]),
+            "apply_positions": lambda: OPS.apply_positions(q, pos, table[:, :8], table[:, 8:]),
         }
         for name, call in calls.items():
             frames = [f for f in python_frames(call) if not f.endswith(":<lambda>")]

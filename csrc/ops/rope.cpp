@@ -22,14 +22,15 @@ void def_routed(torch::stable::detail::StableLibrary& m, rope::RouteId r, const 
 STABLE_TORCH_LIBRARY(rope, m) {
   // Rotated copy of x (..., head_dim). cos/sin (..., rotary_dim/2) have x's number of dims (or
   // one), each dim x's size or 1.
-  m.def("apply(Tensor x, Tensor cos, Tensor sin, bool interleaved=False) -> Tensor");
+  def_routed(m, rope::kApply, "(Tensor x, Tensor cos, Tensor sin, bool interleaved=False) -> Tensor");
   // The same into a caller's buffer: out (x's shape and dtype, contiguous, sharing no memory
   // with the inputs) is overwritten. Returns nothing: torch's functionalization (torch.compile,
   // opcheck) handles a mutated argument but not a custom op whose output aliases an input.
   def_routed(m, rope::kApplyOut,
              "(Tensor x, Tensor cos, Tensor sin, bool interleaved=False, *, Tensor(a!) out) -> ()");
   // Gradient of apply w.r.t. x: the inverse rotation of grad.
-  m.def("apply_backward(Tensor grad, Tensor cos, Tensor sin, bool interleaved=False) -> Tensor");
+  def_routed(m, rope::kApplyBackward,
+             "(Tensor grad, Tensor cos, Tensor sin, bool interleaved=False) -> Tensor");
   // In-place rotation of query (..., Hq, D) and key (..., Hk, D) by the rows of cos_sin_cache
   // (max_position, rotary_dim) at positions (query.shape[:-2]).
   def_routed(m, rope::kApplyInplace,
@@ -45,9 +46,9 @@ STABLE_TORCH_LIBRARY(rope, m) {
   // rotary_dim/2) at positions (x.shape[:-2], or (3,) + x.shape[:-2] with mrope_section);
   // inverse=True rotates by the negative angle (its own gradient). The differentiable twin of
   // apply_ and mrope_.
-  m.def(
-      "apply_positions(Tensor x, Tensor positions, Tensor cos, Tensor sin, bool interleaved=False, "
-      "bool inverse=False, int[]? mrope_section=None, bool mrope_interleaved=False) -> Tensor");
+  def_routed(m, rope::kApplyPositions,
+             "(Tensor x, Tensor positions, Tensor cos, Tensor sin, bool interleaved=False, "
+             "bool inverse=False, int[]? mrope_section=None, bool mrope_interleaved=False) -> Tensor");
   // Serving: apply_ on query and key (tokens, heads, head_dim), then the rotated key and value
   // written into the paged caches (num_blocks, block_size, Hk, D) at slot_mapping (tokens,);
   // negative slots are skipped. kv_cache_dtype: "auto" (the key's dtype) or "fp8"/"fp8_e4m3"/

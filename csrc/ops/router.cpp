@@ -84,7 +84,7 @@ void bump_and_run(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) 
     if (AtenTensorHandle t = borrowed(stack, route.written[i])) bump_version(t);
   }
   const BoxedKernel cpu = routed_cpu_kernel(static_cast<RouteId>(R));
-  if (cpu != nullptr && on_cpu(borrowed(stack, route.written[0]))) {
+  if (cpu != nullptr && on_cpu(to<AtenTensorHandle>(stack[0]))) {
     cpu(stack, num_args, num_outputs);
   } else {
     call_op("rope::" + twin_name("_impl_", static_cast<RouteId>(R)), stack);
@@ -102,11 +102,21 @@ void autograd_router(StableIValue* stack, uint64_t num_args, uint64_t num_output
   }
 }
 
-// Serves op R at the Autograd key (autograd_router) or at ADInplaceOrView (bump_and_run).
+// Serves op R at the Autograd key (autograd_router) or, when it writes, at ADInplaceOrView
+// (bump_and_run).
+template <int R>
+void register_one(torch::stable::detail::StableLibrary& m, bool autograd) {
+  if (autograd) {
+    m.impl(kRoutes[R].name, &autograd_router<R>);
+  } else if (kRoutes[R].n_written > 0) {
+    m.impl(kRoutes[R].name, &bump_and_run<R>);
+  }
+}
+
 template <int... R>
 void register_all(torch::stable::detail::StableLibrary& m, bool autograd,
                   std::integer_sequence<int, R...>) {
-  (m.impl(kRoutes[R].name, autograd ? &autograd_router<R> : &bump_and_run<R>), ...);
+  (register_one<R>(m, autograd), ...);
 }
 
 template <int... R>

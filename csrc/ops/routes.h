@@ -1,15 +1,17 @@
-// The in-place (mutable) ops' call path without Python.
+// The ops' call path without Python.
 //
 // torch's in-place bookkeeping (version counters; leaf, view and inference-tensor errors) and
 // autograd through an in-place op sit at the ADInplaceOrView and Autograd dispatch keys. The
 // stable ABI offers no version-counter or redispatch entry point, so these used to be Python
-// kernels, which cost more than the decode-sized kernel itself. ops/router.cpp now serves both
-// keys in C++ for plain tensors:
+// kernels, which cost more than the decode-sized kernel itself (and the functional ops' autograd
+// kernel, from torch.library.register_autograd, is Python as well). ops/router.cpp now serves
+// these keys in C++ for plain tensors:
 //   - grad mode off (no_grad, inference_mode): each written tensor goes through aten::set_(t, t)
 //     (no data or metadata change; torch's own in-place bookkeeping: the version counter moves,
 //     an inference tensor outside inference mode is refused), then the kernel runs;
 //   - grad mode on: the call goes to `_grad_<op>`, whose Autograd kernel is Python
 //     (rope_ext/_registrations.py).
+// The functional ops write nothing: only their Autograd key is routed.
 // Tensor subclasses and Python dispatch modes (DTensor, FakeTensor, torch.compile's tracing)
 // never reach the router: their calls carry the PythonTLSSnapshot key, which sits above
 // Autograd and where Python takes the whole call.
@@ -39,9 +41,22 @@ struct Route {
   Written written[4];
 };
 
-enum RouteId : int { kApplyOut, kApplyInplace, kMropeInplace, kApplyAndCache, kNumRoutes };
+enum RouteId : int {
+  kApply,
+  kApplyBackward,
+  kApplyPositions,
+  kApplyOut,
+  kApplyInplace,
+  kMropeInplace,
+  kApplyAndCache,
+  kNumRoutes
+};
 
+// The kernel's device is the first argument's (a Tensor in every op).
 inline constexpr Route kRoutes[kNumRoutes] = {
+    {"apply", 0, {}},
+    {"apply_backward", 0, {}},
+    {"apply_positions", 0, {}},
     {"apply.out", 1, {{4, false}}},
     {"apply_", 2, {{0, false}, {1, true}}},
     {"mrope_", 2, {{0, false}, {1, true}}},

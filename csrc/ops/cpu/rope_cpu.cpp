@@ -229,11 +229,11 @@ void impl_routed_cpu(torch::stable::detail::StableLibrary& m, rope::RouteId r, r
 }  // namespace
 
 STABLE_TORCH_LIBRARY_IMPL(rope, CPU, m) {
-  m.impl("apply", TORCH_BOX(&rope::apply_cpu<false>));
+  impl_routed_cpu(m, rope::kApply, TORCH_BOX(&rope::apply_cpu<false>));
   impl_routed_cpu(m, rope::kApplyOut, TORCH_BOX(&rope::apply_out_cpu));
-  m.impl("apply_backward", TORCH_BOX(&rope::apply_cpu<true>));
+  impl_routed_cpu(m, rope::kApplyBackward, TORCH_BOX(&rope::apply_cpu<true>));
   impl_routed_cpu(m, rope::kApplyInplace, TORCH_BOX(&rope::apply_inplace_cpu));
   impl_routed_cpu(m, rope::kMropeInplace, TORCH_BOX(&rope::mrope_inplace_cpu));
-  m.impl("apply_positions", TORCH_BOX(&rope::apply_positions_cpu));
+  impl_routed_cpu(m, rope::kApplyPositions, TORCH_BOX(&rope::apply_positions_cpu));
   impl_routed_cpu(m, rope::kApplyAndCache, TORCH_BOX(&rope::apply_and_cache_cpu));
 }

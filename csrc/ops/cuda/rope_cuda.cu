@@ -115,11 +115,11 @@ void apply_and_cache_cuda(Tensor query, Tensor key, Tensor value, Tensor positio
 // Kernels only: the schemas are defined once, in the CPU library (csrc/ops/rope.cpp), which
 // rope_ext loads first.
 STABLE_TORCH_LIBRARY_IMPL(rope, CUDA, m) {
-  m.impl("apply", TORCH_BOX(&rope::gpu::apply_cuda<false>));
+  rope::impl_routed(m, rope::kApply, TORCH_BOX(&rope::gpu::apply_cuda<false>));
   rope::impl_routed(m, rope::kApplyOut, TORCH_BOX(&rope::gpu::apply_out_cuda));
-  m.impl("apply_backward", TORCH_BOX(&rope::gpu::apply_cuda<true>));
+  rope::impl_routed(m, rope::kApplyBackward, TORCH_BOX(&rope::gpu::apply_cuda<true>));
   rope::impl_routed(m, rope::kApplyInplace, TORCH_BOX(&rope::gpu::apply_inplace_cuda));
   rope::impl_routed(m, rope::kMropeInplace, TORCH_BOX(&rope::gpu::mrope_inplace_cuda));
-  m.impl("apply_positions", TORCH_BOX(&rope::gpu::apply_positions_cuda));
+  rope::impl_routed(m, rope::kApplyPositions, TORCH_BOX(&rope::gpu::apply_positions_cuda));
   rope::impl_routed(m, rope::kApplyAndCache, TORCH_BOX(&rope::gpu::apply_and_cache_cuda));
 }
