@@ -9,7 +9,7 @@ PYTHON_BOOT ?= python3
 VENV        := .venv
 PY          := $(VENV)/bin/python
 DEPS_STAMP  := $(VENV)/.deps-installed
-NATIVE_SRC  := setup.py csrc/build.json $(shell find csrc -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \))
+NATIVE_SRC  := setup.py csrc/build.json rope_ext/schemas.def $(shell find csrc -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \))
 LIB         := rope_ext/_C.abi3.so
 # The CUDA library, tracked when setup.py would build it (build_config.py reads csrc/build.json;
 # empty before the venv exists, so a fresh machine's first make builds it without tracking it).

@@ -51,7 +51,7 @@ setup(
     name="rope_ext",
     version=version["__version__"],
     packages=find_packages(include=["rope_ext", "rope_ext.*"]),
-    package_data={"rope_ext": ["*.json"]},  # model_defaults.json (rope_ext.config)
+    package_data={"rope_ext": ["*.json", "*.def"]},  # model_defaults.json, schemas.def
     ext_modules=ext_modules(),
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     options={"bdist_wheel": {"py_limited_api": "cp310"}},

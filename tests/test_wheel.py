@@ -46,8 +46,8 @@ def test_wheel_holds_the_package_and_nothing_else():
         for p in glob.glob(os.path.join(ROOT, "rope_ext", "**", "*.py"), recursive=True)
     }
     python_files = {n for n in names if n.startswith("rope_ext/") and n.endswith(".py")}
-    data_files = {n for n in names if n.startswith("rope_ext/") and n.endswith(".json")}
-    assert data_files == {"rope_ext/model_defaults.json"}
+    data_files = {n for n in names if n.startswith("rope_ext/") and n.endswith((".json", ".def"))}
+    assert data_files == {"rope_ext/model_defaults.json", "rope_ext/schemas.def"}
     natives = {n for n in names if NATIVE.fullmatch(n)}
     metadata = {n for n in names if n.startswith(dist_info)}
     assert python_files == package_sources

@@ -1,6 +1,7 @@
-// The op schemas, defined once for every device. Kernels are registered per device
-// (cpu/rope_cpu.cpp, cuda/rope_cuda.cu); fake kernels, autograd and the in-place bookkeeping are
-// registered from Python (rope_ext/_registrations.py). docs/architecture.md walks through them.
+// Defines every op from its schema in rope_ext/schemas.def (the one list, which Python reads
+// too). Kernels are registered per device (cpu/rope_cpu.cpp, cuda/rope_cuda.cu); fake kernels,
+// autograd and the in-place bookkeeping where Python serves it are registered from Python
+// (rope_ext/_registrations.py). docs/architecture.md walks through them.
 #include <string>
 
 #include <torch/csrc/stable/library.h>
@@ -9,60 +10,22 @@
 
 namespace {
 
-// Defines routed op r (routes.h) from its signature (the schema after the name), and its twins
-// `_impl_<op>` and `_grad_<op>` with the same signature.
-void def_routed(torch::stable::detail::StableLibrary& m, rope::RouteId r, const char* signature) {
-  for (const char* prefix : {"", "_impl_", "_grad_"}) {
-    m.def((rope::twin_name(prefix, r) + signature).c_str());
+// Defines op `name`; a routed op (routes.h) also gets its twins `_impl_<op>` and `_grad_<op>`
+// with the same signature.
+void def_op(torch::stable::detail::StableLibrary& m, const char* name, rope::RouteId route,
+            const char* signature) {
+  m.def((std::string(name) + signature).c_str());
+  if (route != rope::kNoRoute) {
+    for (const char* prefix : {"_impl_", "_grad_"}) {
+      m.def((rope::twin_name(prefix, route) + signature).c_str());
+    }
   }
 }
 
 }  // namespace
 
 STABLE_TORCH_LIBRARY(rope, m) {
-  // Rotated copy of x (..., head_dim). cos/sin (..., rotary_dim/2) have x's number of dims (or
-  // one), each dim x's size or 1.
-  def_routed(m, rope::kApply, "(Tensor x, Tensor cos, Tensor sin, bool interleaved=False) -> Tensor");
-  // The same into a caller's buffer: out (x's shape and dtype, contiguous, sharing no memory
-  // with the inputs) is overwritten. Returns nothing: torch's functionalization (torch.compile,
-  // opcheck) handles a mutated argument but not a custom op whose output aliases an input.
-  def_routed(m, rope::kApplyOut,
-             "(Tensor x, Tensor cos, Tensor sin, bool interleaved=False, *, Tensor(a!) out) -> ()");
-  // Gradient of apply w.r.t. x: the inverse rotation of grad.
-  def_routed(m, rope::kApplyBackward,
-             "(Tensor grad, Tensor cos, Tensor sin, bool interleaved=False) -> Tensor");
-  // In-place rotation of query (..., Hq, D) and key (..., Hk, D) by the rows of cos_sin_cache
-  // (max_position, rotary_dim) at positions (query.shape[:-2]).
-  def_routed(m, rope::kApplyInplace,
-             "(Tensor(a!) query, Tensor(b!)? key, Tensor positions, Tensor cos_sin_cache, "
-             "bool interleaved=False) -> ()");
-  // Multimodal RoPE (Qwen2-VL, Qwen3-VL): positions (3,) + query.shape[:-2] = (temporal,
-  // height, width); mrope_section splits the rotary_dim/2 pairs into 3 groups, in order
-  // (chunked) or T,H,W,T,H,W,... (mrope_interleaved), group j rotated by component j.
-  def_routed(m, rope::kMropeInplace,
-             "(Tensor(a!) query, Tensor(b!)? key, Tensor positions, Tensor cos_sin_cache, "
-             "int[] mrope_section, bool interleaved=False, bool mrope_interleaved=False) -> ()");
-  // Rotated copy of x (..., H, D) by the rows of the tables cos and sin (max_position,
-  // rotary_dim/2) at positions (x.shape[:-2], or (3,) + x.shape[:-2] with mrope_section);
-  // inverse=True rotates by the negative angle (its own gradient). The differentiable twin of
-  // apply_ and mrope_.
-  def_routed(m, rope::kApplyPositions,
-             "(Tensor x, Tensor positions, Tensor cos, Tensor sin, bool interleaved=False, "
-             "bool inverse=False, int[]? mrope_section=None, bool mrope_interleaved=False) -> Tensor");
-  // Serving: apply_ on query and key (tokens, heads, head_dim), then the rotated key and value
-  // written into the paged caches (num_blocks, block_size, Hk, D) at slot_mapping (tokens,);
-  // negative slots are skipped. kv_cache_dtype: "auto" (the key's dtype) or "fp8"/"fp8_e4m3"/
-  // "fp8_e5m2" with float32 scales (stored = value / scale, saturated).
-  def_routed(m, rope::kApplyAndCache,
-             "(Tensor(a!) query, Tensor(b!) key, Tensor value, Tensor positions, "
-             "Tensor cos_sin_cache, Tensor(c!) key_cache, Tensor(d!) value_cache, "
-             "Tensor slot_mapping, bool interleaved=False, str kv_cache_dtype=\"auto\", "
-             "Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
-  // The compiled CPU kernel variant that serves: 0 baseline, 1 avx2, 2 avx512, 3 avx512_bf16.
-  m.def("cpu_isa() -> int");
-  // Serve with CPU variant isa (-1: the best the CPU supports); returns the variant serving.
-  m.def("set_cpu_isa(int isa) -> int");
-  // CPU outputs of at least `bytes` take non-temporal stores (-1: the last-level cache size);
-  // returns the threshold in use.
-  m.def("set_cpu_stream_threshold(int bytes) -> int");
+#define ROPE_OP(name, route, signature) def_op(m, name, rope::route, signature);
+#include "../../rope_ext/schemas.def"
+#undef ROPE_OP
 }

@@ -49,7 +49,8 @@ enum RouteId : int {
   kApplyInplace,
   kMropeInplace,
   kApplyAndCache,
-  kNumRoutes
+  kNumRoutes,
+  kNoRoute = kNumRoutes  // an op without the C++ call path (rope_ext/schemas.def)
 };
 
 // The kernel's device is the first argument's (a Tensor in every op).
