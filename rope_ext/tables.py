@@ -33,8 +33,8 @@ def table_rows(length, inv_freq, attention=1.0, dtype=torch.float32, device=None
 def _check_table_args(max_position, rotary_dim, base):
     if isinstance(max_position, bool) or not isinstance(max_position, int) or max_position < 1:
         raise ValueError(f"cos_sin_cache: max_position must be a positive int, got {max_position!r}")
-    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or rotary_dim < 2 or rotary_dim % 2:
-        raise ValueError(f"cos_sin_cache: rotary_dim must be a positive even int, got {rotary_dim!r}")
+    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or rotary_dim < 1:
+        raise ValueError(f"cos_sin_cache: rotary_dim must be a positive int, got {rotary_dim!r}")
     if not float(base) > 0:
         raise ValueError(f"cos_sin_cache: base must be > 0, got {base!r}")
 
@@ -42,7 +42,8 @@ def _check_table_args(max_position, rotary_dim, base):
 def cos_sin_cache(max_position, rotary_dim, *, base=10000.0, scaling=None, dtype=torch.float32,
                   device=None, seq_len=None):
     """The (max_position, rotary_dim) table: cos in the first rotary_dim/2 columns, sin in the
-    rest. Angles and cos/sin are computed in float64 and rounded once to `dtype`, so the table is
+    rest. An odd rotary_dim d gives a table of d + 1 columns, as transformers rotates for it
+    (rope_ext.scaling.rotated_dims). Angles and cos/sin are computed in float64 and rounded once to `dtype`, so the table is
     exact to the stored dtype's rounding even at position 1,000,000.
 
     scaling: a `rope_scaling` dict (linear, dynamic, yarn, deepseek_yarn, llama3, longrope; see

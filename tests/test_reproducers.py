@@ -114,3 +114,69 @@ def test_every_repeated_slot_is_found_among_many_tokens():
                           ("cuda_host", "rope: slot_mapping must not repeat a slot")):
             with pytest.raises(RuntimeError, match=msg):
                 CACHE_OPS[impl](q, k, v, pos, cache, kc, vc, slots)
+
+
+# ---- an odd rotary_dim: transformers' rule everywhere ----
+
+def _neox_config(**kw):
+    pytest.importorskip("transformers")
+    from transformers import GPTNeoXConfig
+    return GPTNeoXConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=64,
+                         vocab_size=50, max_position_embeddings=32, **kw)
+
+
+def test_odd_rotary_dim_rotates_as_transformers_does():
+    # partial_rotary_factor 0.6875 of head_dim 16: d = 11; transformers builds 6 frequencies
+    # base^(-2i/11) and rotates 12 dims.
+    cfg = _neox_config(rotary_pct=0.6875)
+    from transformers.models.gpt_neox import modeling_gpt_neox as neox
+    hf = neox.GPTNeoXRotaryEmbedding(cfg)
+    q, k = torch.randn(2, 4, 9, 16, dtype=torch.float64), torch.randn(2, 4, 9, 16, dtype=torch.float64)
+    pos = torch.randint(0, 32, (2, 9))
+    cos, sin = hf(q, pos)
+    want_q, want_k = neox.apply_rotary_pos_emb(q, k, cos.double(), sin.double())
+    for module in (rope_ext.RotaryEmbedding.from_config(cfg), rope_ext.RotaryEmbedding(16, rotary_dim=11, max_position=32)):
+        assert module.rotary_dim == 12 and module.cos_sin_cache.shape == (32, 12)
+        c, s = module.cos_sin(pos)
+        assert c.shape == s.shape == (2, 9, 6)
+        assert_close(c, cos[..., :6], torch.float32)
+        assert_close(s, sin[..., :6], torch.float32)  # no cosine among the sines
+        got_q, got_k = module(q.transpose(1, 2), k.transpose(1, 2), pos)
+        assert_close(got_q.transpose(1, 2), want_q, torch.float32)
+        assert_close(got_k.transpose(1, 2), want_k, torch.float32)
+    table = rope_ext.cos_sin_cache(32, 11)
+    assert torch.equal(table, rope_ext.RotaryEmbedding(16, rotary_dim=11, max_position=32).cos_sin_cache)
+
+
+def test_odd_rotary_dim_that_rounds_past_head_dim_is_refused():
+    with pytest.raises(ValueError, match=r"RotaryEmbedding: rotary_dim must be in \(0, head_dim=15\]"):
+        rope_ext.RotaryEmbedding(15)
+    with pytest.raises(ValueError, match="cos_sin_cache: rotary_dim must be a positive int, got 0"):
+        rope_ext.cos_sin_cache(8, 0)
+
+
+def test_rotary_pct_zero_runs_in_the_patched_transformers_model():
+    cfg = _neox_config(rotary_pct=0.0)
+    from transformers import GPTNeoXForCausalLM
+    from rope_ext.integrations.transformers import patch
+    model = GPTNeoXForCausalLM(cfg).eval()
+    ids = torch.randint(0, 50, (2, 7))
+    with torch.no_grad():
+        want = model(ids).logits
+        patch(model)
+        got = model(ids).logits
+    assert_close(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_drop_in_with_cos_sin_of_width_zero_passes_through(grad):
+    from rope_ext.compat.transformers import apply_rotary_pos_emb
+    q = torch.randn(2, 3, 5, 8, dtype=torch.float16, requires_grad=grad)
+    k = torch.randn(2, 1, 5, 8, dtype=torch.float16)
+    cos = torch.empty(2, 5, 0, requires_grad=grad)
+    qo, ko = apply_rotary_pos_emb(q, k, cos, cos.detach())
+    assert qo.dtype == ko.dtype == torch.float32  # transformers promotes with the tables
+    assert torch.equal(qo, q.float()) and torch.equal(ko, k.float())
+    if grad:
+        qo.sum().backward()
+        assert torch.equal(q.grad, torch.ones_like(q))
