@@ -2,6 +2,7 @@
 
 import torch
 
+from ._args import check_int
 from ._checks import _check_positions_dtype, check_positions_in_range
 from .config import rope_kwargs_from_config
 from .ops import apply_mrope_, apply_rope_, apply_rope_at
@@ -44,7 +45,9 @@ class RotaryEmbedding(torch.nn.Module):
                  interleaved=False, scaling=None, seq_len=None, mrope_section=None,
                  mrope_interleaved=False):
         super().__init__()
-        freq_dim = head_dim if rotary_dim is None else rotary_dim
+        head_dim = check_int(head_dim, "RotaryEmbedding: head_dim", 1)
+        max_position = check_int(max_position, "RotaryEmbedding: max_position", 1)
+        freq_dim = head_dim if rotary_dim is None else check_int(rotary_dim, "RotaryEmbedding: rotary_dim")
         rotary_dim = rotated_dims(freq_dim)
         if not 0 < freq_dim <= head_dim or rotary_dim > head_dim:
             raise ValueError(f"RotaryEmbedding: rotary_dim must be in (0, head_dim={head_dim}] (an odd one "

@@ -180,3 +180,76 @@ def test_drop_in_with_cos_sin_of_width_zero_passes_through(grad):
     if grad:
         qo.sum().backward()
         assert torch.equal(q.grad, torch.ones_like(q))
+
+
+# ---- varlen_positions: both ends of the batch alike, arguments checked ----
+
+def test_tokens_before_the_first_sequence_get_no_position():
+    cu = torch.tensor([2, 4, 7], dtype=torch.int32)
+    pos = rope_ext.varlen_positions(cu, 9, 5)
+    assert pos.tolist() == [-1, -1, 5, 6, 5, 6, 7, -1, -1]
+    pos = rope_ext.varlen_positions(cu, 9, torch.tensor([1, 3]))
+    assert pos.tolist() == [-1, -1, 1, 2, 3, 4, 5, -1, -1]
+
+
+def test_flash_attn_varlen_refuses_tokens_before_the_first_sequence():
+    from rope_ext.compat import flash_attn
+    cos, sin = rope_ext.cos_sin_cache(16, 8).chunk(2, dim=-1)
+    x = torch.randn(7, 2, 8)
+    before = x.clone()
+    for inplace in (False, True):
+        with pytest.raises(RuntimeError, match=r"positions must lie in \[0, 16\).*got -1 at flat index 0"):
+            flash_attn.apply_rotary_emb(x, cos, sin, inplace=inplace, cu_seqlens=torch.tensor([2, 4, 7], dtype=torch.int32),
+                                        max_seqlen=3)
+        assert torch.equal(x, before)
+    # The same batch from 0 rotates every token.
+    out = flash_attn.apply_rotary_emb(x, cos, sin, cu_seqlens=torch.tensor([0, 4, 7], dtype=torch.int32), max_seqlen=4)
+    want = rope_ext.reference.apply_positions(x, torch.tensor([0, 1, 2, 3, 0, 1, 2]), cos, sin)
+    assert_close(out, want, torch.float32)
+
+
+@pytest.mark.parametrize("args,msg", [
+    ((torch.tensor([0, 1, 1], dtype=torch.bool), 2), r"cu_seqlens must be a 1-D int32 or int64 tensor .* got torch.bool"),
+    ((torch.tensor([0.0, 2.0]), 2), "cu_seqlens must be a 1-D int32 or int64 tensor"),
+    ((torch.tensor([0, 2]), -1), "total_tokens must be >= 0, got -1"),
+    ((torch.tensor([0, 2]), 2.0), "total_tokens must be an int, got 2.0"),
+    ((torch.tensor([0, 2]), True), "total_tokens must be an int, got True"),
+    ((torch.tensor([0, 2]), 2, 1.7), "seqlen_offsets must be an int, got 1.7"),
+    ((torch.tensor([0, 2]), 2, torch.tensor([1.5])), "seqlen_offsets must be an int or an int32/int64 tensor"),
+    ((torch.tensor([0, 2]), 2, 2**64), "seqlen_offsets must fit int64"),
+])
+def test_varlen_positions_rejects_bad_arguments_by_name(args, msg):
+    with pytest.raises(ValueError, match=msg):
+        rope_ext.varlen_positions(*args)
+
+
+def test_varlen_positions_int32_refuses_positions_that_wrap():
+    cu = torch.tensor([0, 3])
+    with pytest.raises(ValueError, match=r"varlen_positions: position 4294967299 of token 0 does not fit dtype int32"):
+        rope_ext.varlen_positions(cu, 3, 2**32 + 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="position 2147483648 of token 1"):
+        rope_ext.varlen_positions(cu, 3, 2**31 - 1, dtype=torch.int32)
+    assert rope_ext.varlen_positions(cu, 3, 2**31 - 3, dtype=torch.int32).tolist() == [2**31 - 3, 2**31 - 2, 2**31 - 1]
+    assert rope_ext.varlen_positions(cu, 3, 2**32 + 3).tolist() == [2**32 + 3, 2**32 + 4, 2**32 + 5]
+
+
+# ---- FlashInfer's pos_ids entry points under torch.compile(fullgraph=True) ----
+
+@pytest.mark.parametrize("name", ["apply_rope_pos_ids", "apply_llama31_rope_pos_ids",
+                                  "apply_rope_pos_ids_inplace", "apply_rope"])
+def test_flashinfer_entry_points_compile_without_graph_break(name):
+    from rope_ext.compat import flashinfer
+    torch._dynamo.reset()
+    fn = getattr(flashinfer, name)
+    q, k = torch.randn(6, 4, 32), torch.randn(6, 2, 32)
+    pos = torch.tensor([0, 5, 2, 9, 1, 3])
+    extra = (torch.tensor([0, 2, 6]), torch.tensor([1, 4])) if name == "apply_rope" else (pos,)
+
+    def step(q, k, *extra):
+        out = fn(q, k, *extra, rotary_dim=16)
+        return (q, k) if out is None else out
+
+    want = step(q.clone(), k.clone(), *extra)
+    got = torch.compile(step, fullgraph=True)(q.clone(), k.clone(), *extra)
+    for g, w in zip(got, want):
+        assert_close(g, w, torch.float32)
