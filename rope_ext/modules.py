@@ -1,5 +1,7 @@
 """nn.Module wrapper: holds the cos/sin table and rotates query/key by positions."""
 
+import sys
+
 import torch
 
 from ._args import check_int
@@ -151,6 +153,11 @@ class RotaryEmbedding(torch.nn.Module):
         """The rows of this call, one per position (flattened), and the length it leaves."""
         original = self._original
         length = positions.amax().to(torch.int64) + 1
+        dtensor = sys.modules.get("torch.distributed.tensor")
+        if dtensor is not None and isinstance(length, dtensor.DTensor):
+            # The call's length over every rank (a collective only when positions are sharded),
+            # as a plain tensor: the state buffer is one, and the rows below follow positions.
+            length = length.full_tensor()
         cached = self.dynamic_len
         # transformers: grow to a longer call; back to the original after a shorter one.
         new = torch.where(length > cached, length, torch.where(length < original, original, cached))
