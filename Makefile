@@ -126,10 +126,12 @@ $(CMAKE_DIR)/CMakeCache.txt: $(DEPS_STAMP)
 cmake-build: $(CMAKE_DIR)/CMakeCache.txt
 	cmake --build $(CMAKE_DIR) -j $(MAX_JOBS)
 
+# tests/test_aoti_deploy.py: an AOTInductor package calling the ops, run from C++ with that library.
 cmake-test: cmake-build
 	ctest --test-dir $(CMAKE_DIR) --output-on-failure
 	ROPE_EXT_CMAKE_LIB=$(CMAKE_LIB) ROPE_EXT_CMAKE_CUDA_LIB=$(CMAKE_CUDA_LIB) \
-		$(PY) -m pytest tests/test_cmake_library.py -q
+		ROPE_EXT_AOTI_RUNNER=$(CMAKE_DIR)/rope_aoti_runner \
+		$(PY) -m pytest tests/test_cmake_library.py tests/test_aoti_deploy.py -q
 
 # Everything CI checks beyond `make test`.
 packaging-test: wheel-test torch213-test cmake-test

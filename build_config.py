@@ -57,12 +57,6 @@ def include_dirs():
     return [os.path.join(ROOT, d) for d in DESCRIPTION["include_dirs"]]
 
 
-def py_limited_api_define():
-    """What torch.utils.cpp_extension defines for py_limited_api=True; for builds that call the
-    compiler directly."""
-    return f"-DPy_LIMITED_API={DESCRIPTION['py_limited_api']}"
-
-
 def cuda_arch_list():
     """The default TORCH_CUDA_ARCH_LIST ("8.0;9.0+PTX")."""
     return ";".join(DESCRIPTION["cuda_archs"])

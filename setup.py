@@ -43,13 +43,9 @@ def ext_modules():
     return mods
 
 
-version = {}
-with open(os.path.join(build_config.ROOT, "rope_ext", "_version.py")) as f:
-    exec(f.read(), version)
-
+# The version: pyproject.toml reads it from rope_ext/_version.py (its one home).
 setup(
     name="rope_ext",
-    version=version["__version__"],
     packages=find_packages(include=["rope_ext", "rope_ext.*"]),
     package_data={"rope_ext": ["*.json", "*.def"]},  # model_defaults.json, schemas.def
     ext_modules=ext_modules(),

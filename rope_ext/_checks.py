@@ -325,8 +325,10 @@ def check_apply_and_cache(query, key, value, positions, cache, key_cache, value_
         _fail(f"{op}: slot_mapping must be int32 or int64, got {dtype_name(slot_mapping.dtype)}")
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != tokens:
         _fail(f"{op}: slot_mapping must have shape (num_tokens,) = ({tokens},), got {_shape(slot_mapping)}")
-    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if fmt is None:
+    # Checked whenever given (vLLM passes them for every cache dtype), required for fp8 only.
+    scales = (("k_scale", k_scale), ("v_scale", v_scale))
+    for name, s in scales:
+        if s is None and fmt is None:
             continue
         if s is None:
             _fail(f"{op}: {name} is required for kv_cache_dtype '{kv_cache_dtype}' (a float32 tensor "
@@ -350,6 +352,11 @@ def check_apply_and_cache(query, key, value, positions, cache, key_cache, value_
         check_disjoint_bytes(vc, "value_cache", value, "value", op)
         for cname, c in caches:
             check_disjoint_bytes(c, cname, cache, "cos_sin_cache", op)
+        # The scales are read while query, key and the caches are written.
+        for name, s in scales:
+            if s is not None:
+                for wname, w in (("query", query), ("key", key), *caches):
+                    check_disjoint_bytes(w, wname, s, name, op)
     return fmt
 
 
@@ -389,3 +396,12 @@ def check_slots_in_range(slot_mapping, slots, op="rope.apply_and_cache_"):
         i = int(bad.nonzero()[0, 0])
         _fail(f"{op}: slot_mapping must lie below num_blocks * block_size = {slots} (negative: "
               f"padding, skipped), got {int(slot_mapping[i])} at index {i}")
+    # A slot used by two tokens would leave its row to whichever writes last: refused, naming the
+    # first token (in order) whose slot an earlier token has, as checks.h check_slots does.
+    s, order = torch.sort(slot_mapping.long(), stable=True)
+    repeat = (s[1:] == s[:-1]) & (s[1:] >= 0)
+    if bool(repeat.any()):
+        j = int(order[1:][repeat].min())
+        i = int((slot_mapping == slot_mapping[j]).nonzero()[0, 0])
+        _fail(f"{op}: slot_mapping must not repeat a slot (negative: padding, skipped), got "
+              f"{int(slot_mapping[j])} at indices {i} and {j}")

@@ -360,9 +360,15 @@ def _rule_apply_and_cache(op, a):
             _fail(op, f"{name} is {_name(p)} on mesh dim {m}{what}; a paged cache is Replicate "
                       "or sharded over its kv heads (Shard(2))"
                       + (": " + TOKENS_IN_CACHE if d in (0, 1) else ""))
-    _check_written(op, "key_cache", kc, _aligned(k, lambda d: 2 if d == 1 else None),
+    heads = _aligned(k, lambda d: 2 if d == 1 else None)
+    _check_written(op, "key_cache", kc, heads,
                    "it holds key's heads (Shard(2) where key is Shard(1), Replicate where key "
                    "is Replicate)")
+    # Each rank stores value rows for its own key heads: value_cache sharded unlike key_cache
+    # would leave a rank with kv heads in one cache and not the other (and a "replicated" cache
+    # written by some ranks only). Refused here, on every rank, before any writes.
+    _check_written(op, "value_cache", vc, heads,
+                   "it holds the value rows of key's heads, so it is sharded like key_cache")
     r = _replicated(q.mesh)
     return None, {"query": q, "key": k, "value": _aligned(vc, lambda d: 1 if d == 2 else None),
                   "positions": r, "cos_sin_cache": r, "key_cache": kc, "value_cache": vc,

@@ -1,11 +1,14 @@
 """nn.Module wrapper: holds the cos/sin table and rotates query/key by positions."""
 
+import sys
+
 import torch
 
+from ._args import check_int
 from ._checks import _check_positions_dtype, check_positions_in_range
 from .config import rope_kwargs_from_config
 from .ops import apply_mrope_, apply_rope_, apply_rope_at
-from .scaling import (default_inv_freq, dynamic_base, dynamic_parameters, original_length,
+from .scaling import (default_inv_freq, dynamic_base, dynamic_parameters, original_length, rotated_dims,
                       rope_parameters, scaling_type)
 from .tables import cos_sin_rows, table_rows
 
@@ -44,9 +47,13 @@ class RotaryEmbedding(torch.nn.Module):
                  interleaved=False, scaling=None, seq_len=None, mrope_section=None,
                  mrope_interleaved=False):
         super().__init__()
-        rotary_dim = head_dim if rotary_dim is None else rotary_dim
-        if not 0 < rotary_dim <= head_dim:
-            raise ValueError(f"RotaryEmbedding: rotary_dim must be in (0, head_dim={head_dim}], got {rotary_dim}")
+        head_dim = check_int(head_dim, "RotaryEmbedding: head_dim", 1)
+        max_position = check_int(max_position, "RotaryEmbedding: max_position", 1)
+        freq_dim = head_dim if rotary_dim is None else check_int(rotary_dim, "RotaryEmbedding: rotary_dim")
+        rotary_dim = rotated_dims(freq_dim)
+        if not 0 < freq_dim <= head_dim or rotary_dim > head_dim:
+            raise ValueError(f"RotaryEmbedding: rotary_dim must be in (0, head_dim={head_dim}] (an odd one "
+                             f"rotates one dim more), got {freq_dim}")
         if mrope_section is not None:
             mrope_section = [int(s) for s in mrope_section]
             if len(mrope_section) != 3 or min(mrope_section) < 0 or sum(mrope_section) != rotary_dim // 2:
@@ -55,7 +62,8 @@ class RotaryEmbedding(torch.nn.Module):
                     f"{rotary_dim // 2}, got {mrope_section}"
                 )
         self.head_dim = head_dim
-        self.rotary_dim = rotary_dim
+        self.rotary_dim = rotary_dim  # the dims rotated: the table's width
+        self._freq_dim = freq_dim  # the d of the frequencies base^(-2i/d)
         self.max_position = max_position
         self.base = base
         self.interleaved = interleaved
@@ -72,7 +80,7 @@ class RotaryEmbedding(torch.nn.Module):
             if max_position > original:  # otherwise every call reads the short rows
                 self.mode, self._original = "longrope", original
         elif seq_len is None and kind == "dynamic":
-            self._factor, original = dynamic_parameters(self.scaling, rotary_dim)
+            self._factor, original = dynamic_parameters(self.scaling, freq_dim)
             if max_position > original:  # otherwise no call can grow it: the plain table is exact
                 self.mode, self._original = "dynamic", original
                 self.register_buffer("dynamic_len", torch.tensor(original, dtype=torch.int64),
@@ -95,7 +103,7 @@ class RotaryEmbedding(torch.nn.Module):
     # ---- tables --------------------------------------------------------------------------
 
     def _rows_for(self, length, seq_len, device):
-        inv_freq, attention = rope_parameters(self.scaling, self.rotary_dim, self.base, self.max_position,
+        inv_freq, attention = rope_parameters(self.scaling, self._freq_dim, self.base, self.max_position,
                                               seq_len, device)
         return table_rows(length, inv_freq, attention, torch.float32, device)
 
@@ -145,12 +153,17 @@ class RotaryEmbedding(torch.nn.Module):
         """The rows of this call, one per position (flattened), and the length it leaves."""
         original = self._original
         length = positions.amax().to(torch.int64) + 1
+        dtensor = sys.modules.get("torch.distributed.tensor")
+        if dtensor is not None and isinstance(length, dtensor.DTensor):
+            # The call's length over every rank (a collective only when positions are sharded),
+            # as a plain tensor: the state buffer is one, and the rows below follow positions.
+            length = length.full_tensor()
         cached = self.dynamic_len
         # transformers: grow to a longer call; back to the original after a shorter one.
         new = torch.where(length > cached, length, torch.where(length < original, original, cached))
-        grown = dynamic_base(float(self.base), self._factor, original, new.to(torch.float64), self.rotary_dim)
+        grown = dynamic_base(float(self.base), self._factor, original, new.to(torch.float64), self._freq_dim)
         base = torch.where(new > original, grown, float(self.base))
-        inv_freq = default_inv_freq(self.rotary_dim, base, positions.device)
+        inv_freq = default_inv_freq(self._freq_dim, base, positions.device)
         return cos_sin_rows(positions.reshape(-1), inv_freq, 1.0, torch.float32), new
 
     def _table_and_index(self, positions):

@@ -1,11 +1,10 @@
 """The public functions. Each calls its torch.ops.rope op; the dispatcher picks the native kernel
 for the tensors' device, or the reference where none is registered (see `backend`)."""
 
-import numbers
-
 import torch
 
 from . import _library, reference
+from ._args import check_int
 from ._registrations import OUT_NOT_DIFFERENTIABLE, check_not_inference
 
 ops = torch.ops.rope
@@ -13,19 +12,30 @@ ops = torch.ops.rope
 
 def check_head_size(head_size):
     """head_size as an int, or a ValueError naming it."""
-    if isinstance(head_size, bool) or not isinstance(head_size, numbers.Integral) or head_size < 1:
-        raise ValueError(f"head_size must be a positive int, got {head_size!r}")
-    return int(head_size)
+    return check_int(head_size, "head_size", 1)
 
 
-def _heads(t, head_size, name):
-    """t (..., H * head_size) viewed as (..., H, head_size); t itself when head_size is None."""
-    if head_size is None or t is None:
+def heads(t, head_size, name, lead=None):
+    """t as (..., num_heads, head_size), a view (in-place writes reach the caller's tensor): t is
+    flat (..., H * head_size), as vLLM, SGLang and FlashInfer take slices of a fused qkv buffer.
+    With `lead` (the number of token dims) t may also be (*lead dims, H, head_size) already.
+    None and head_size None give t itself."""
+    if t is None or head_size is None:
         return t
     head_size = check_head_size(head_size)
+    if lead is not None and t.dim() == lead + 2:
+        if t.shape[-1] != head_size:
+            raise ValueError(f"{name} of shape {list(t.shape)}: its last dim must be head_size = "
+                             f"{head_size} in the (num_tokens, num_heads, head_size) layout")
+        return t
+    if lead is not None and t.dim() != lead + 1:
+        raise ValueError(
+            f"{name} of shape {list(t.shape)} must have {lead + 1} dims (tokens, num_heads * head_size) "
+            f"or {lead + 2} (tokens, num_heads, head_size) for positions with {lead} dim(s)")
     if t.dim() < 1 or t.shape[-1] % head_size:
-        raise ValueError(f"{name} of shape {list(t.shape)}: its last dim must be a multiple of "
-                         f"head_size = {head_size} (flat (..., num_heads * head_size) layout)")
+        raise ValueError(f"{name} of shape {list(t.shape)}: its last dim {t.shape[-1] if t.dim() else None} "
+                         f"must be a multiple of head_size = {head_size} (flat (..., num_heads * head_size) "
+                         "layout)")
     return t.unflatten(-1, (t.shape[-1] // head_size, head_size))
 
 
@@ -67,7 +77,7 @@ def apply_rope_(query, key, positions, cos_sin_cache, *, interleaved=False, head
     head_size: query/key are flat (..., H * head_size), as vLLM and FlashInfer take them.
     Differentiable like torch's in-place ops. Returns (query, key)."""
     check_not_inference(query, key)
-    ops.apply_(_heads(query, head_size, "query"), _heads(key, head_size, "key"), positions,
+    ops.apply_(heads(query, head_size, "query"), heads(key, head_size, "key"), positions,
                cos_sin_cache, interleaved)
     return query, key
 
@@ -80,7 +90,7 @@ def apply_mrope_(query, key, positions, cos_sin_cache, mrope_section, *, interle
     and group j is rotated by component j. Tokens whose 3 components are equal get exactly
     apply_rope_. Differentiable like apply_rope_. Returns (query, key)."""
     check_not_inference(query, key)
-    ops.mrope_(_heads(query, head_size, "query"), _heads(key, head_size, "key"), positions,
+    ops.mrope_(heads(query, head_size, "query"), heads(key, head_size, "key"), positions,
                cos_sin_cache, [int(s) for s in mrope_section], interleaved, mrope_interleaved)
     return query, key
 
@@ -91,7 +101,7 @@ def apply_rope_at(x, positions, cos_sin_cache, *, interleaved=False, mrope_secti
     positions (x.shape[:-2]; (3,) + x.shape[:-2] with mrope_section): the out-of-place,
     differentiable twin of apply_rope_ (gradients w.r.t. x and the table)."""
     cos, sin = _table_halves(cos_sin_cache)
-    xv = _heads(x, head_size, "x")
+    xv = heads(x, head_size, "x")
     section = None if mrope_section is None else [int(s) for s in mrope_section]
     out = ops.apply_positions(xv, positions, cos, sin, interleaved, False, section,
                               mrope_interleaved)
@@ -101,26 +111,53 @@ def apply_rope_at(x, positions, cos_sin_cache, *, interleaved=False, mrope_secti
 def varlen_positions(cu_seqlens, total_tokens, seqlen_offsets=0, *, dtype=torch.int64):
     """Positions of packed variable-length sequences: token t of sequence b (tokens
     cu_seqlens[b] .. cu_seqlens[b+1]-1 of a (total_tokens, ...) batch) gets position
-    t - cu_seqlens[b] + offset_b, offset_b = seqlen_offsets (an int) or seqlen_offsets[b] (a
-    tensor (B,)). No host-device sync, so it runs under torch.compile and CUDA graphs. Tokens
-    past cu_seqlens[-1] get position -1, which every op rejects."""
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.is_floating_point():
-        raise ValueError(f"cu_seqlens must be a 1-D integer tensor (B + 1,), got "
-                         f"{cu_seqlens.dtype} of shape {list(cu_seqlens.shape)}")
+    t - cu_seqlens[b] + offset_b, offset_b = seqlen_offsets (an int) or seqlen_offsets[b] (an
+    integer tensor (B,)). Tokens outside every sequence (before cu_seqlens[0] or from
+    cu_seqlens[-1] on) get position -1, which every op rejects. dtype: int64, or int32 where
+    every position fits it (checked: on CPU a ValueError, elsewhere a device-side assert). No
+    host-device sync, so it runs under torch.compile and CUDA graphs."""
+    if (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1
+            or cu_seqlens.dtype not in (torch.int32, torch.int64)):
+        got = (f"{cu_seqlens.dtype} of shape {list(cu_seqlens.shape)}" if isinstance(cu_seqlens, torch.Tensor)
+               else type(cu_seqlens).__name__)
+        raise ValueError(f"cu_seqlens must be a 1-D int32 or int64 tensor (B + 1,), got {got}")
+    total_tokens = check_int(total_tokens, "total_tokens", 0)
+    if dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"dtype must be torch.int32 or torch.int64, got {dtype}")
     batch = cu_seqlens.numel() - 1
+    if isinstance(seqlen_offsets, torch.Tensor):
+        if seqlen_offsets.shape != (batch,) or seqlen_offsets.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"seqlen_offsets must be an int or an int32/int64 tensor of shape ({batch},), "
+                             f"got {seqlen_offsets.dtype} of shape {list(seqlen_offsets.shape)}")
+    else:
+        seqlen_offsets = check_int(seqlen_offsets, "seqlen_offsets")
+        if not -2**63 <= seqlen_offsets < 2**63:
+            raise ValueError(f"seqlen_offsets must fit int64, got {seqlen_offsets}")
     token = torch.arange(total_tokens, device=cu_seqlens.device, dtype=torch.int64)
     starts = cu_seqlens.long()
     seq = torch.searchsorted(starts[1:], token, right=True).clamp_max(max(batch - 1, 0))
     pos = token - starts[seq]
     if isinstance(seqlen_offsets, torch.Tensor):
-        if seqlen_offsets.shape != (batch,):
-            raise ValueError(f"seqlen_offsets must be an int or a tensor of shape ({batch},), got "
-                             f"shape {list(seqlen_offsets.shape)}")
         pos = pos + seqlen_offsets.long()[seq]
     else:
-        pos = pos + int(seqlen_offsets)
-    pos = torch.where(token < starts[-1], pos, -1)
+        pos = pos + seqlen_offsets
+    pos = torch.where((token >= starts[0]) & (token < starts[-1]), pos, -1)
+    if dtype == torch.int32 and pos.numel():
+        _check_int32(pos)
     return pos.to(dtype)
+
+
+def _check_int32(pos):
+    low, high = -2**31, 2**31 - 1
+    if pos.device.type == "cpu" and not torch.compiler.is_compiling():
+        bad = (pos < low) | (pos > high)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(f"varlen_positions: position {int(pos[i])} of token {i} does not fit "
+                             "dtype int32; use int64")
+    else:  # no sync: an assert on the device
+        torch._assert_async(((pos >= low) & (pos <= high)).all(),
+                            "varlen_positions: a position does not fit dtype int32; use int64")
 
 
 def apply_rope_and_cache_(query, key, value, positions, cos_sin_cache, key_cache, value_cache,

@@ -11,8 +11,17 @@ from . import _checks
 __all__ = [
     "apply_and_cache_", "apply_mrope_", "apply_positions", "apply_rope", "apply_rope_",
     "apply_rope_backward", "apply_rope_out", "cache_halves", "gather_tables", "positions_table_grads",
-    "table_grads",
+    "table_grads", "TOLERANCES",
 ]
+
+# How far a kernel's result may be from the float64 reference, per dtype of x: (rtol, atol), the
+# test of torch.testing.assert_close. The one table: the test suite and `python -m rope_ext` use it.
+TOLERANCES = {
+    torch.float64: (1e-12, 1e-12),
+    torch.float32: (1e-6, 1e-6),
+    torch.float16: (1e-3, 2e-3),
+    torch.bfloat16: (1e-2, 1.6e-2),
+}
 
 
 def _acc_dtype(dtype):

@@ -100,6 +100,14 @@ def original_length(scaling):
     return int(value)
 
 
+def rotated_dims(rotary_dim):
+    """The dims a rotary_dim of d rotates, the width of its table: d, or d + 1 for an odd d.
+    transformers' rule, which every rope_ext entry follows: from d = int(head_dim *
+    partial_rotary_factor) it builds ceil(d/2) frequencies base^(-2i/d) (the d of the exponent
+    stays odd) and rotates twice as many dims."""
+    return rotary_dim + rotary_dim % 2
+
+
 def default_inv_freq(rotary_dim, base, device=None):
     """w_i = base^(-2i/rotary_dim), float64. base: a number, or a tensor of one element used
     where it lies (the module's dynamic-NTK base, computed on the device: float() would sync)."""
@@ -181,7 +189,7 @@ def _yarn(scaling, rotary_dim, base, seq_len, device, kind="yarn"):
     low, high = max(low, 0), min(high, rotary_dim - 1)
     if low == high:
         high += 0.001  # the ramp below would divide by zero
-    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float64, device=device) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(rotated_dims(rotary_dim) // 2, dtype=torch.float64, device=device) - low) / (high - low)).clamp(0, 1)
     extrapolated = default_inv_freq(rotary_dim, base, device)
     interpolated = extrapolated / factor
     # ramp 0 (high-frequency dims, many turns): keep w_i; ramp 1 (low frequency): w_i / factor.
@@ -211,9 +219,10 @@ def _factor_list(scaling, key, rotary_dim):
     values = scaling.get(key)
     if values is None:
         _fail(f"rope scaling type 'longrope' needs the key {key!r}")
-    if not isinstance(values, (list, tuple)) or len(values) != rotary_dim // 2:
+    half = rotated_dims(rotary_dim) // 2
+    if not isinstance(values, (list, tuple)) or len(values) != half:
         n = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
-        _fail(f"rope scaling 'longrope': {key} must be a list of rotary_dim/2 = {rotary_dim // 2} numbers, got {n}")
+        _fail(f"rope scaling 'longrope': {key} must be a list of rotary_dim/2 = {half} numbers, got {n}")
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
                for v in values):
         _fail(f"rope scaling 'longrope': {key} must hold numbers > 0")

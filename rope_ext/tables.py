@@ -3,6 +3,7 @@
 
 import torch
 
+from ._args import check_int
 from .scaling import rope_parameters
 
 
@@ -31,10 +32,8 @@ def table_rows(length, inv_freq, attention=1.0, dtype=torch.float32, device=None
 
 
 def _check_table_args(max_position, rotary_dim, base):
-    if isinstance(max_position, bool) or not isinstance(max_position, int) or max_position < 1:
-        raise ValueError(f"cos_sin_cache: max_position must be a positive int, got {max_position!r}")
-    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or rotary_dim < 2 or rotary_dim % 2:
-        raise ValueError(f"cos_sin_cache: rotary_dim must be a positive even int, got {rotary_dim!r}")
+    check_int(max_position, "cos_sin_cache: max_position", 1)
+    check_int(rotary_dim, "cos_sin_cache: rotary_dim", 1)
     if not float(base) > 0:
         raise ValueError(f"cos_sin_cache: base must be > 0, got {base!r}")
 
@@ -42,7 +41,8 @@ def _check_table_args(max_position, rotary_dim, base):
 def cos_sin_cache(max_position, rotary_dim, *, base=10000.0, scaling=None, dtype=torch.float32,
                   device=None, seq_len=None):
     """The (max_position, rotary_dim) table: cos in the first rotary_dim/2 columns, sin in the
-    rest. Angles and cos/sin are computed in float64 and rounded once to `dtype`, so the table is
+    rest. An odd rotary_dim d gives a table of d + 1 columns, as transformers rotates for it
+    (rope_ext.scaling.rotated_dims). Angles and cos/sin are computed in float64 and rounded once to `dtype`, so the table is
     exact to the stored dtype's rounding even at position 1,000,000.
 
     scaling: a `rope_scaling` dict (linear, dynamic, yarn, deepseek_yarn, llama3, longrope; see
@@ -50,7 +50,7 @@ def cos_sin_cache(max_position, rotary_dim, *, base=10000.0, scaling=None, dtype
     seq_len: the sequence length the table serves, for `dynamic` and `longrope` (default
     max_position). One fixed table: RotaryEmbedding is what follows the length call by call."""
     _check_table_args(max_position, rotary_dim, base)
-    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
-        raise ValueError(f"cos_sin_cache: seq_len must be a positive int or None, got {seq_len!r}")
+    if seq_len is not None:
+        check_int(seq_len, "cos_sin_cache: seq_len", 1)
     inv_freq, attention = rope_parameters(scaling, rotary_dim, base, max_position, seq_len, device)
     return table_rows(max_position, inv_freq, attention, dtype, device)

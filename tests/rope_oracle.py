@@ -1,4 +1,4 @@
-"""An independent float64 RoPE for the tests: complex multiplication, as in the seed's
+"""An independent float64 RoPE for the tests: complex multiplication, as RoPE is first written,
 z'_i = z_i * e^{i theta}. Deliberately shares no code with rope_ext.reference."""
 
 import torch

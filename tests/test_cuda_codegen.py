@@ -77,8 +77,8 @@ def test_no_kernel_uses_local_memory(compiled):
     _, report = compiled
     kernels = kernel_reports(report)
     # rotate: 4 dtypes x 2 layouts, plus float16/bfloat16 x with tables of their own dtype;
-    # cache: 4 dtypes, plus the same two
-    assert len(kernels) >= 18, report
+    # cache: 4 dtypes, plus the same two; the slot set of apply_and_cache_
+    assert len(kernels) >= 19, report
     bad = {k: v for k, v in kernels.items() if v != (0, 0, 0)}
     assert not bad, f"stack frame / spill stores / spill loads: {bad}"
 
@@ -88,6 +88,8 @@ def test_aligned_path_moves_128_bit_global_vectors(compiled):
     bodies = kernel_bodies(ptx)
     assert len(bodies) >= 18
     for name, body in bodies.items():
+        if "slot_set" in name:  # one 8-byte slot per thread, read and hashed: nothing to vectorize
+            continue
         loads = re.findall(r"ld\.global(?:\.ca)?\.v4\.u32", body)
         stores = re.findall(r"st\.global(?:\.wb)?\.v4\.u32", body)
         assert loads and stores, f"{name}: no 128-bit global load/store"

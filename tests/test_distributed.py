@@ -530,6 +530,32 @@ def case_rotary_embedding_module(run):
 
 
 @case
+def case_dynamic_ntk_module(run):
+    """A dynamic-NTK RotaryEmbedding under implicit_replication(), positions a DTensor
+    (Replicate, or sharded with the tokens): the length state advances as on one process (the
+    longest position over every rank), and query/key rotate by the grown base."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    S, R = run.S, run.R
+    scaling = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16}
+    q, k = torch.randn(T, HQ, D), torch.randn(T, HK, D)
+    pos = torch.tensor([0, 1, 2, 40, 5, 6])  # the long position on the first rank's tokens
+    single = rope_ext.RotaryEmbedding(D, rotary_dim=ROT, max_position=MAXPOS, scaling=scaling)
+    wq, wk = single(q, k, pos)
+    for p, pp in ((S(1), R), (S(0), S(0))):
+        rope = rope_ext.RotaryEmbedding(D, rotary_dim=ROT, max_position=MAXPOS, scaling=scaling)
+        dq, dk = run.d(q, p), run.d(k, p)
+        with implicit_replication():
+            gq, gk = rope(run.d(q, p), run.d(k, p), run.d(pos, pp))
+            rope.forward_(dq, dk, run.d(pos, pp))
+        assert int(rope.dynamic_len) == int(single.dynamic_len) == 41
+        for got in (gq, dq):
+            run.expect(got, wq, [p])
+        for got in (gk, dk):
+            run.expect(got, wk, [p])
+
+
+@case
 def case_in_place_partial_sum(run):
     """A Partial('sum') query stays partial (the rotation is linear)."""
     R = run.R
@@ -732,6 +758,24 @@ def case_cache_rejected(run):
     attempt((S(1), S(1), S(1), S(2), S(3)), ("value_cache is Shard(3)", "its last dim"))
     attempt((S(1), S(2), S(1), S(2), S(2)), ("key is", HEAD_DIM_SHARDED))
     attempt((R, R, R, R, R), ("key is Partial('sum')",), dk=run.partial(k))
+    # The key pair sharded, the value pair replicated (and the reverse): refused on every rank.
+    attempt((S(1), S(1), R, S(2), R), ("value_cache is written in place", "like key_cache",
+                                       "must be [Shard(2)], got [Replicate()]"))
+    attempt((S(1), R, S(1), R, S(2)), ("value_cache is written in place", "must be [Replicate()]"))
+
+
+@case
+def case_cache_value_pair_unlike_key_pair_one_kv_head(run):
+    """1 kv head over 2 ranks, key pair sharded, value pair replicated: the first rank would
+    write both caches and the second raise; both ranks refuse before writing."""
+    S, R = run.S, run.R
+    table = run.d(_table(), R)
+    q, k, v, pos, kc, vc, slots = _cache_inputs(HQ, 1)
+    dq, dk, dv, dkc, dvc = run.d(q, S(1)), run.d(k, S(1)), run.d(v, R), run.d(kc, S(2)), run.d(vc, R)
+    run.fails(("rope.apply_and_cache_: value_cache is written in place",), rope_ext.apply_rope_and_cache_,
+              dq, dk, dv, run.d(pos, R), table, dkc, dvc, run.d(slots, R))
+    for dt, t in ((dq, q), (dk, k), (dkc, kc), (dvc, vc)):
+        run.unchanged(dt, t)
 
 
 @case

@@ -1,7 +1,6 @@
 """Keeps the documentation honest and the repository self-contained: README.md stays short, no
-link or reference points outside the repository, every environment variable is declared in
-rope_ext/envs.py and listed in docs/packaging.md (and nowhere else read), the package has no
-import cycle, and nothing describes the machine the project was built on.
+link points outside the repository, every environment variable is declared in rope_ext/envs.py
+and listed in docs/packaging.md (and nowhere else read), and the package has no import cycle.
 
 Static checks of the source tree (no build, no torch calls). They need a source checkout: the
 copied trees of `make sanitize` and `make torch213-test` carry no docs/ and are skipped."""
@@ -21,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THIS = os.path.relpath(os.path.abspath(__file__), ROOT)
 
 pytestmark = pytest.mark.skipif(
-    not os.path.isdir(os.path.join(ROOT, ".git")) or not os.path.isdir(os.path.join(ROOT, "docs")),
+    not os.path.exists(os.path.join(ROOT, ".git")) or not os.path.isdir(os.path.join(ROOT, "docs")),
     reason="not a source checkout (a copied test tree without docs/ or git)",
 )
 
@@ -41,6 +40,7 @@ NOT_READ_BY_ROPE_EXT = {
     "ROPE_EXT_EXPECT_INSTALLED": "make torch213-test: the torch version tests/test_wheel.py expects",
     "ROPE_EXT_CMAKE_LIB": "make cmake-test: the library tests/test_cmake_library.py loads",
     "ROPE_EXT_CMAKE_CUDA_LIB": "make cmake-test: the CUDA library tests/test_cmake_library.py loads",
+    "ROPE_EXT_AOTI_RUNNER": "make cmake-test: the C++ program tests/test_aoti_deploy.py runs",
     # CMake names: cache options (documented in docs/packaging.md), internal variables and a
     # compile definition of the C++ test; none is an environment variable.
     "ROPE_EXT_BUILD_TESTS": "CMake option: build the C++ dispatcher test",
@@ -48,21 +48,6 @@ NOT_READ_BY_ROPE_EXT = {
     "ROPE_EXT_NVCC": "CMakeLists.txt internal variable (the nvcc found)",
     "ROPE_EXT_EXPECT_CUDA": "compile definition of tests/cpp/dispatcher_test.cpp",
 }
-
-# Phrases that describe the machine a session ran on rather than the project.
-MACHINE_PHRASES = [
-    r"\b\d+-core (?:x86 )?(?:machine|vm|box|host)\b",
-    r"\b(?:on|with) (?:2|two) cores\b",
-    r"\bthe H[0-9]{3}\b",
-    r"\bdevice tool\b",
-    r"\bdevice machine\b",
-    r"\b(?:our|this|the) VM\b",
-    r"\bVM's\b",
-    r"\bKVM guest\b",
-    r"/work/(?:main|shared|notes)\b",
-    r"\bhelper session",
-    r"\bbudget_left",
-]
 
 TEXT_SUFFIXES = (".py", ".md", ".txt", ".toml", ".json", ".cpp", ".h", ".cu", ".cuh", ".sh", ".cfg",
                  ".cmake", ".yml", ".yaml")
@@ -110,14 +95,8 @@ def test_readme_is_short():
 @pytest.mark.parametrize("rel", doc_files())
 def test_docs_point_nowhere_outside_the_repository(rel):
     text = read(rel)
-    for needle in ("../shared", "ROPE.md", "http://", "https://"):
+    for needle in ("http://", "https://"):
         assert needle not in text, f"{rel} contains {needle!r}: nothing may point outside the repository"
-
-
-def test_no_file_refers_to_notes_outside_the_repository():
-    bad = [f"{f}: {needle}" for f in text_files() if f != THIS
-           for needle in ("../shared", "ROPE.md") if needle in read(f)]
-    assert not bad, "files that refer to notes outside the repository:\n" + "\n".join(bad)
 
 
 def _python_comments(source):
@@ -507,18 +486,3 @@ def test_no_import_cycle_in_the_package():
 def test_cycle_finder_finds_cycles():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
-
-
-# ---- the machine ---------------------------------------------------------------------------
-
-def test_no_file_describes_the_build_machine():
-    pattern = re.compile("|".join(MACHINE_PHRASES), re.I)
-    bad = []
-    for f in text_files():
-        if f == THIS:
-            continue
-        for n, line in enumerate(read(f).splitlines(), 1):
-            m = pattern.search(line)
-            if m:
-                bad.append(f"{f}:{n}: {m.group(0)!r} in {line.strip()[:100]}")
-    assert not bad, "lines that describe the machine the project was built on:\n" + "\n".join(bad)

@@ -123,8 +123,9 @@ def test_bad_position_late_in_a_large_batch_changes_nothing(impl):
 
 
 def test_cos_sin_cache_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="rotary_dim must be a positive even int"):
-        rope_ext.cos_sin_cache(10, 7)
+    for bad in (0, 7.0, True):  # an odd int is transformers' rule (test_reproducers.py)
+        with pytest.raises(ValueError, match=f"rotary_dim must be a positive int, got {bad!r}"):
+            rope_ext.cos_sin_cache(10, bad)
     with pytest.raises(ValueError, match="max_position must be a positive int"):
         rope_ext.cos_sin_cache(0, 8)
     with pytest.raises(ValueError, match="base must be > 0"):

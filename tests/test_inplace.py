@@ -79,7 +79,7 @@ def test_key_none_and_empty(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_relative_position_property(impl, interleaved):
-    """<RoPE(q, m), RoPE(k, n)> depends only on n - m (the seed's core property)."""
+    """<RoPE(q, m), RoPE(k, n)> depends only on n - m (RoPE's defining property)."""
     D, shift = 64, 1234
     cache = rope_ext.cos_sin_cache(4096, D, dtype=torch.float64)
     q = torch.randn(1, 1, D, dtype=torch.float64)

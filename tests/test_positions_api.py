@@ -29,9 +29,9 @@ def test_varlen_positions(offsets):
 
 
 def test_varlen_positions_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="cu_seqlens must be a 1-D integer tensor"):
+    with pytest.raises(ValueError, match="cu_seqlens must be a 1-D int32 or int64 tensor"):
         rope_ext.varlen_positions(torch.tensor([[0, 1]]), 1)
-    with pytest.raises(ValueError, match=r"seqlen_offsets must be an int or a tensor of shape \(2,\)"):
+    with pytest.raises(ValueError, match=r"seqlen_offsets must be an int or an int32/int64 tensor of shape \(2,\)"):
         rope_ext.varlen_positions(torch.tensor([0, 1, 2]), 2, torch.tensor([1, 2, 3]))
 
 
@@ -86,7 +86,7 @@ def test_flat_query_and_key_views_of_a_fused_qkv_buffer(interleaved, dtype):
 def test_flat_width_not_a_multiple_of_head_size_is_refused():
     q = torch.randn(3, 100)
     q0 = q.clone()
-    with pytest.raises(ValueError, match=r"query of shape \[3, 100\]: its last dim must be a multiple "
+    with pytest.raises(ValueError, match=r"query of shape \[3, 100\]: its last dim 100 must be a multiple "
                                          r"of head_size = 64"):
         rope_ext.apply_rope_(q, None, torch.arange(3), rope_ext.cos_sin_cache(4, 64), head_size=64)
     assert torch.equal(q, q0)

@@ -288,6 +288,25 @@ inline Tensor positions_read_once(const Tensor& positions,
   return positions;
 }
 
+// Runs check(); copies each of `read` (positions, slots) that shares memory with a tensor of
+// `written`, so that no value can change between its check and its use; runs check() again on
+// the copies' strides if any was copied. Returns the last check's result.
+template <class Check>
+auto check_read_once(Check&& check, std::initializer_list<Tensor*> read,
+                     std::initializer_list<const Tensor*> written) {
+  auto g = check();
+  bool copied = false;
+  for (Tensor* t : read) {
+    Tensor once = positions_read_once(*t, written);
+    if (once.get() != t->get()) {
+      *t = once;
+      copied = true;
+    }
+  }
+  if (copied) g = check();
+  return g;
+}
+
 // Raises if a position lies outside [0, rows). Visits each element of positions' memory once
 // (dims of stride 0 repeat one element), so it ends on any shape; reports the first bad
 // position in flat (row-major) order, as the Python paths do.
@@ -325,6 +344,48 @@ inline void check_positions_in_range(const Tensor& positions, int64_t rows, cons
     }
     if (k < 0) return;
   }
+}
+
+// rope.apply_and_cache_'s slots (CPU, before anything is written): each below `slots`, negative
+// ones padding; a non-negative slot used by two tokens would leave its row to whichever thread
+// writes last, so it is refused, naming the first token (in order) whose slot an earlier token has.
+inline void check_slots(const Tensor& slot_mapping, int64_t slots, const char* op) {
+  const Meta m(slot_mapping);
+  const int64_t n = m.numel, stride = m.dim == 1 ? m.strides[0] : 1;
+  const bool slots64 = m.dtype == ScalarType::Long;
+  const char* base = static_cast<const char*>(slot_mapping.const_data_ptr());
+  auto slot_at = [&](int64_t t) -> int64_t {
+    return slots64 ? reinterpret_cast<const int64_t*>(base)[t * stride]
+                   : reinterpret_cast<const int32_t*>(base)[t * stride];
+  };
+  int64_t used = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t s = slot_at(t);
+    ROPE_CHECK(s < slots, op, ": slot_mapping must lie below num_blocks * block_size = ", slots,
+               " (negative: padding, skipped), got ", s, " at index ", t);
+    used += s >= 0;
+  }
+  if (used < 2) return;
+  // (slot, token) of the used slots, sorted: a repeated slot's tokens end up side by side.
+  Tensor buf = torch::stable::new_empty(slot_mapping, {used, 2}, ScalarType::Long);
+  auto* pairs = static_cast<std::pair<int64_t, int64_t>*>(buf.mutable_data_ptr());
+  static_assert(sizeof(std::pair<int64_t, int64_t>) == 2 * sizeof(int64_t), "packed pairs");
+  for (int64_t t = 0, k = 0; t < n; ++t) {
+    const int64_t s = slot_at(t);
+    if (s >= 0) pairs[k++] = {s, t};
+  }
+  std::sort(pairs, pairs + used);
+  int64_t first = -1, repeat = n;
+  for (int64_t k = 1, group = 0; k < used; ++k) {
+    if (pairs[k].first != pairs[k - 1].first) {
+      group = k;
+    } else if (pairs[k].second < repeat) {
+      repeat = pairs[k].second;
+      first = pairs[group].second;
+    }
+  }
+  ROPE_CHECK(repeat == n, op, ": slot_mapping must not repeat a slot (negative: padding, skipped), "
+             "got ", slot_at(repeat), " at indices ", first, " and ", repeat);
 }
 
 // The cos_sin_cache row's sin half: half * (column stride) elements past its cos.
@@ -687,10 +748,12 @@ inline CacheGeometry check_apply_and_cache(const Tensor& query_t, const Tensor& 
              shape_str(sl));
   const std::pair<const char*, const std::optional<Tensor>*> scales[] = {{"k_scale", &k_scale_t},
                                                                          {"v_scale", &v_scale_t}};
+  // Checked whenever given (vLLM passes them for every cache dtype), required for fp8 only.
   for (const auto& [name, s] : scales) {
-    if (cg.format == CacheFormat::kSame) continue;
-    ROPE_CHECK(s->has_value(), op, ": ", name, " is required for kv_cache_dtype '", kv_cache_dtype,
+    ROPE_CHECK(s->has_value() || cg.format == CacheFormat::kSame, op, ": ", name,
+               " is required for kv_cache_dtype '", kv_cache_dtype,
                "' (a float32 tensor of one element)");
+    if (!s->has_value()) continue;
     const Meta m(**s);
     check_same_device(q, "query", m, op, name);
     ROPE_CHECK(m.dtype == ScalarType::Float && m.numel == 1, op, ": ", name,
@@ -713,6 +776,14 @@ inline CacheGeometry check_apply_and_cache(const Tensor& query_t, const Tensor& 
   check_disjoint_bytes(vc, "value_cache", v, "value", op);
   const Meta table(cache_t);
   for (const auto& [cname, c] : caches) check_disjoint_bytes(*c, cname, table, "cos_sin_cache", op);
+  // The scales are read while query, key and the caches are written: the kernels would see the
+  // old or the new value depending on the order of their reads.
+  for (const auto& [name, s] : scales) {
+    if (!s->has_value()) continue;
+    const Meta m(**s);
+    for (const auto& [wname, w] : rotated) check_disjoint_bytes(*w, wname, m, name, op);
+    for (const auto& [cname, c] : caches) check_disjoint_bytes(*c, cname, m, name, op);
+  }
 
   int64_t slots;
   ROPE_CHECK(mul_fits(kc.sizes[0], kc.sizes[1], slots), op,

@@ -8,40 +8,10 @@ import numbers
 
 import torch
 
-from ..ops import check_head_size  # noqa: F401  (re-exported for the drop-ins)
+from .._args import check_int  # noqa: F401  (re-exported for the drop-ins)
+from ..ops import check_head_size, heads  # noqa: F401
 
 ops = torch.ops.rope
-
-
-def heads(t, head_size, lead, name):
-    """t as (*lead_dims, num_heads, head_size), a view: t is flat (*lead_dims, H * head_size), as
-    vLLM, SGLang and FlashInfer take slices of a fused qkv buffer, or already
-    (*lead_dims, H, head_size). `lead` is the number of token dims (positions' dims)."""
-    if t is None:
-        return None
-    if t.dim() == lead + 1:
-        if t.shape[-1] % head_size:
-            raise ValueError(
-                f"{name} of shape {list(t.shape)}: its last dim {t.shape[-1]} must be a multiple of "
-                f"head_size = {head_size} (flat (num_tokens, num_heads * head_size) layout)")
-        # Splitting one dim is always a view, so in-place writes reach the caller's tensor.
-        return t.unflatten(-1, (t.shape[-1] // head_size, head_size))
-    if t.dim() == lead + 2:
-        if t.shape[-1] != head_size:
-            raise ValueError(f"{name} of shape {list(t.shape)}: its last dim must be head_size = "
-                             f"{head_size} in the (num_tokens, num_heads, head_size) layout")
-        return t
-    raise ValueError(
-        f"{name} of shape {list(t.shape)} must have {lead + 1} dims (tokens, num_heads * head_size) "
-        f"or {lead + 2} (tokens, num_heads, head_size) for positions with {lead} dim(s)")
-
-
-def check_int(value, name, minimum=None):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
 
 
 def check_index_tensor(t, name, shape=None):
@@ -65,7 +35,7 @@ def check_cache_views(positions, query, key, head_size, cos_sin_cache, key_requi
         raise ValueError(f"positions must have shape (nnz,), got {list(positions.shape)}")
     if key is None and key_required is not None:
         raise ValueError(key_required)
-    return heads(query, head_size, 1, "query"), heads(key, head_size, 1, "key")
+    return heads(query, head_size, "query", 1), heads(key, head_size, "key", 1)
 
 
 def uncached_when_compiling(cached):

@@ -6,10 +6,10 @@
 Same arguments, layouts, defaults, return values and in-place behaviour. Like flash-attn's
 autograd Functions, the gradient flows to x / qkv / kv only: cos and sin get none.
 Differences, all on inputs flash-attn mishandles: a position past the table (cos.size(0)) is an
-error (flash-attn's kernel leaves such tokens unrotated); cos/sin may have another float dtype
-than x (flash-attn asserts they match); with cu_seqlens every token up to cu_seqlens[-1] is
-rotated, whatever max_seqlen says (flash-attn skips tokens past max_seqlen of their sequence),
-and a token past cu_seqlens[-1] is an error (its position: -1), not left unwritten.
+error (flash-attn's kernel leaves such tokens unrotated); with cu_seqlens every token from
+cu_seqlens[0] up to cu_seqlens[-1] is rotated, whatever max_seqlen says (flash-attn skips tokens
+past max_seqlen of their sequence), and a token outside every sequence is an error (its
+position: -1), not left unwritten.
 """
 
 import numbers

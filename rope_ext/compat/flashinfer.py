@@ -73,11 +73,9 @@ def _table(positions, valid, rotary_dim, rope_scale, rope_theta, llama31=None):
     angles = positions.to(F32)[:, None] * freq
     if valid is not None:
         angles = angles.masked_fill(~valid[:, None], 0.0)
-    half = rotary_dim // 2
-    table = torch.empty(positions.shape[0], rotary_dim, dtype=F32, device=positions.device)
-    torch.cos(angles, out=table[:, :half])
-    torch.sin(angles, out=table[:, half:])
-    return table
+    # One cat, not cos/sin into slices of one buffer: out= of a strided slice breaks
+    # torch.compile(fullgraph=True).
+    return torch.cat((angles.cos(), angles.sin()), dim=-1)
 
 
 def _indptr_positions(q, indptr, offsets):

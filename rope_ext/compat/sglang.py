@@ -35,7 +35,7 @@ def _slots(buffer, head_size, name):
     if buffer.dim() not in (2, 3):
         raise ValueError(f"{name} must have shape (num_slots, num_kv_heads * head_size) or "
                          f"(num_slots, num_kv_heads, head_size), got {list(buffer.shape)}")
-    return heads(buffer, head_size, 1, name).unsqueeze(1)
+    return heads(buffer, head_size, name, 1).unsqueeze(1)
 
 
 def _cache_format(arg, key):
@@ -69,7 +69,7 @@ def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_
     if key is None:
         raise ValueError("fused_set_kv_buffer_arg needs key: the rotated key is what is stored")
     fmt, k_scale, v_scale = _cache_format(arg, key)
-    value = heads(arg.value, head_size, 1, "value")
+    value = heads(arg.value, head_size, "value", 1)
     apply_rope_and_cache_(q, k, value, positions, cos_sin_cache,
                           _slots(arg.k_buffer, head_size, "k_buffer"),
                           _slots(arg.v_buffer, head_size, "v_buffer"), arg.cache_loc,

@@ -24,7 +24,7 @@ def _table_grad(*tables):
 
 def _check_width(x, cos, sin, what, name):
     rot = cos.shape[-1]
-    if sin.shape[-1] != rot or rot % 2 or rot == 0 or rot > x.shape[-1]:
+    if sin.shape[-1] != rot or rot % 2 or rot > x.shape[-1]:  # 0: nothing rotates (rotary_pct=0)
         raise ValueError(f"cos and sin of shapes {list(cos.shape)} and {list(sin.shape)}: their last "
                          f"dim must be one even {what} <= {name}.size(-1) = {x.shape[-1]}")
 

@@ -26,6 +26,6 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
     if lead not in (1, 2):
         raise ValueError(f"positions must have shape (num_tokens,) or (batch, seq_len), got "
                          f"{list(positions.shape)}")
-    q = heads(query, head_size, lead, "query")
-    k = heads(key, head_size, lead, "key")
+    q = heads(query, head_size, "query", lead)
+    k = heads(key, head_size, "key", lead)
     apply_rope_(q, k, positions, cos_sin_cache, interleaved=not is_neox)

@@ -27,7 +27,8 @@
 namespace rope::sim {
 namespace {
 
-enum Perm : uint8_t { kRead = 1, kWrite = 2, kMustWrite = 4 };
+// kAtomic: written by several threads through atomics (the slot set), not a race.
+enum Perm : uint8_t { kRead = 1, kWrite = 2, kMustWrite = 4, kAtomic = 8 };
 
 struct ElementState {
   uint8_t perm = 0;
@@ -90,7 +91,7 @@ bool on_access(const void* p, size_t bytes, size_t elem_bytes, size_t align, boo
       r.fail(s.str());
       ok = false;
     }
-    if (e.perm & kWrite) {  // only elements someone may write can race
+    if ((e.perm & kWrite) && !(e.perm & kAtomic)) {  // only elements someone may write can race
       if (e.first_thread < 0) e.first_thread = r.thread;
       if (e.first_thread != r.thread) e.shared = true;
     }
@@ -262,6 +263,18 @@ struct SimRunner {
     if (force_idx64) a.rot.idx32 = false;
     simulate(plan, a.rot.idx32, [&](Recorder& rec) { allow_cache_operands(rec, a); },
              [&](const ThreadPos& tp) { gpu::cache_thread<x_t, tab_t>(a, tp); });
+  }
+
+  void operator()(const LaunchPlan& plan, const gpu::SlotSetArgs& a) const {
+    simulate(plan, true,
+             [&](Recorder& rec) {
+               const int64_t es = a.slots64 ? 8 : 4;
+               for (int64_t t = 0; t < a.tokens; ++t) {
+                 rec.allow(static_cast<const char*>(a.slots) + t * a.slot_stride * es, es, kRead);
+               }
+               for (int64_t i = 0; i <= a.mask; ++i) rec.allow(a.set + i, 8, kRead | kWrite | kAtomic);
+             },
+             [&](const ThreadPos& tp) { gpu::slot_set_thread(a, tp); });
   }
 
  private:

@@ -25,8 +25,10 @@ int dt_index(ScalarType t) {
       return kF64;
     case ScalarType::Half:
       return kF16;
-    default:
+    case ScalarType::BFloat16:
       return kBF16;
+    default:  // the checks admit only the four: reaching here is a bug, not a bf16 tensor
+      fail("rope: no CPU kernel for dtype ", dtype_str(t));
   }
 }
 
@@ -108,12 +110,7 @@ RotateGeometry inplace_geometry(const Tensor& query, const std::optional<Tensor>
                               TableArgs{&cache, nullptr, nullptr, section, mrope_interleaved},
                               interleaved, false, true, op, "query");
   };
-  RotateGeometry g = check();
-  const Tensor once = positions_read_once(positions, {&query, key ? &*key : nullptr});
-  if (once.get() != positions.get()) {
-    positions = once;
-    g = check();  // the copy's strides
-  }
+  const RotateGeometry g = check_read_once(check, {&positions}, {&query, key ? &*key : nullptr});
   check_positions_in_range(positions, g.table.rows, op, "cos_sin_cache.size(0)");
   return g;
 }
@@ -176,27 +173,10 @@ void apply_and_cache_cpu(Tensor query, Tensor key, Tensor value, Tensor position
                                  value_cache, slot_mapping, interleaved, kv_cache_dtype, k_scale,
                                  v_scale);
   };
-  CacheGeometry cg = check();
-  {
-    const Tensor pos = positions_read_once(positions, {&query, &key, &key_cache, &value_cache});
-    const Tensor slots = positions_read_once(slot_mapping, {&query, &key, &key_cache, &value_cache});
-    if (pos.get() != positions.get() || slots.get() != slot_mapping.get()) {
-      positions = pos;
-      slot_mapping = slots;
-      cg = check();
-    }
-  }
+  const CacheGeometry cg = check_read_once(check, {&positions, &slot_mapping},
+                                           {&query, &key, &key_cache, &value_cache});
   check_positions_in_range(positions, cg.rot.table.rows, op, "cos_sin_cache.size(0)");
-  {  // slots (one per token): below num_blocks * block_size; negative ones are padding
-    const char* p = static_cast<const char*>(slot_mapping.const_data_ptr());
-    for (int64_t t = 0; t < cg.rot.tokens; ++t) {
-      const int64_t off = t * cg.slot_stride;
-      const int64_t s = cg.slots64 ? reinterpret_cast<const int64_t*>(p)[off]
-                                   : reinterpret_cast<const int32_t*>(p)[off];
-      ROPE_CHECK(s < cg.slots, op, ": slot_mapping must lie below num_blocks * block_size = ",
-                 cg.slots, " (negative: padding, skipped), got ", s, " at index ", t);
-    }
-  }
+  check_slots(slot_mapping, cg.slots, op);
   CacheJob job{};
   job.g = &cg;
   job.rot.g = &cg.rot;

@@ -32,6 +32,10 @@ __global__ void __launch_bounds__(kMaxBlockThreads, 1) cache_kernel(const CacheA
   cache_thread<x_t, tab_t>(a, here());
 }
 
+__global__ void __launch_bounds__(kThreadsPerBlock) slot_set_kernel(const SlotSetArgs a) {
+  slot_set_thread(a, here());
+}
+
 dim3 to_dim3(const Idx3& i) { return dim3(i.x, i.y, i.z); }
 
 // The one place every CUDA op goes through: the tensors' device made current, the stream torch
@@ -56,6 +60,11 @@ class CudaLaunch {
   template <typename x_t, typename tab_t>
   void operator()(const LaunchPlan& p, const CacheArgs<x_t, tab_t>& a) const {
     cache_kernel<x_t, tab_t><<<to_dim3(p.grid), to_dim3(p.block), 0, stream_>>>(a);
+    check_launch();
+  }
+
+  void operator()(const LaunchPlan& p, const SlotSetArgs& a) const {
+    slot_set_kernel<<<to_dim3(p.grid), to_dim3(p.block), 0, stream_>>>(a);
     check_launch();
   }
 

@@ -222,13 +222,11 @@ void rotate_inplace_host(const Tensor& query, const std::optional<Tensor>& key,
                               TableArgs{&cache, nullptr, nullptr, section, mrope_interleaved},
                               interleaved, false, true, op, "query");
   };
-  RotateGeometry g = check(cache_in);
-  positions = positions_read_once(positions, {&query, key ? &*key : nullptr});
+  RotateGeometry g = check_read_once([&] { return check(cache_in); }, {&positions},
+                                     {&query, key ? &*key : nullptr});
   RotateTensors t;
   t.cos_table = table_for(cache_in, query.scalar_type());
-  if (positions.get() != positions_in.get() || t.cos_table.get() != cache_in.get()) {
-    g = check(t.cos_table);
-  }
+  if (t.cos_table.get() != cache_in.get()) g = check(t.cos_table);
   t.src[0] = t.dst[0] = &query;
   if (key) t.src[1] = t.dst[1] = &*key;
   t.cos = t.cos_table.const_data_ptr();
@@ -271,17 +269,24 @@ void apply_and_cache_host(const Tensor& query, const Tensor& key, const Tensor& 
     return check_apply_and_cache(query, key, value, positions, cache, key_cache, value_cache,
                                  slots, interleaved, kv_cache_dtype, k_scale, v_scale);
   };
-  CacheGeometry cg = check(cache_in);
-  positions = positions_read_once(positions, {&query, &key, &key_cache, &value_cache});
-  slots = positions_read_once(slots, {&query, &key, &key_cache, &value_cache});
+  CacheGeometry cg = check_read_once([&] { return check(cache_in); }, {&positions, &slots},
+                                     {&query, &key, &key_cache, &value_cache});
   const Tensor cache = table_for(cache_in, query.scalar_type());
-  if (positions.get() != positions_in.get() || slots.get() != slots_in.get() ||
-      cache.get() != cache_in.get()) {
-    cg = check(cache);
-  }
+  if (cache.get() != cache_in.get()) cg = check(cache);
   const RotateGeometry& g = cg.rot;
   // Rows to rotate or values to store; key rows of head_dim 0 still carry their values.
   if (g.tokens == 0 || g.target[0].heads + cg.kv_heads == 0) return;
+  if (g.tokens >= 2) {  // slots used at most once: checked on the device before any write
+    const int64_t capacity = pow2_at_least(2 * g.tokens);
+    Tensor set = torch::stable::new_empty(slots, {capacity}, ScalarType::Long);
+    torch::stable::fill_(set, -1.0);  // kEmptySlot
+    const SlotSetArgs s{slots.const_data_ptr(), cg.slots64, cg.slot_stride, g.tokens,
+                        capacity - 1, static_cast<unsigned long long*>(set.mutable_data_ptr())};
+    LaunchPlan p;
+    p.block = Idx3{static_cast<unsigned>(kThreadsPerBlock), 1, 1};
+    p.grid = Idx3{static_cast<unsigned>(std::min(ceil_div(g.tokens, kThreadsPerBlock), max_blocks)), 1, 1};
+    run(p, s);
+  }
   dispatch_types(query.scalar_type(), cache.scalar_type(), [&](auto x0, auto tab0) {
     using x_t = decltype(x0);
     using tab_t = decltype(tab0);

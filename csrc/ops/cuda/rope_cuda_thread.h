@@ -556,4 +556,53 @@ ROPE_HD void cache_thread(const CacheArgs<x_t, tab_t>& a, const ThreadPos& tp) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// slot_set_thread: rope.apply_and_cache_'s slots used at most once. Launched before the cache
+// kernel when there are two tokens or more: each token inserts its non-negative slot into an
+// open-addressing set (`mask + 1` entries, a power of two >= 2 * tokens, all kEmptySlot). A token
+// that finds its slot there shares it with another token, whose rows would race for the slot:
+// the device-side assert stops the stream before the cache kernel writes anything.
+
+constexpr unsigned long long kEmptySlot = ~0ull;  // -1 as int64; slots lie below 2^63
+
+struct SlotSetArgs {
+  const void* slots;
+  bool slots64;
+  int64_t slot_stride, tokens, mask;
+  unsigned long long* set;
+};
+
+// Compare-and-swap of one set entry: atomic on the device; the simulator runs one thread at a time.
+ROPE_HD unsigned long long cas_entry(unsigned long long* p, unsigned long long expected,
+                                     unsigned long long desired) {
+#if defined(__CUDA_ARCH__)
+  return atomicCAS(p, expected, desired);
+#else
+  if (!ROPE_ACCESS_OK(p, sizeof(*p), sizeof(*p), alignof(unsigned long long), true)) return desired;
+  const unsigned long long old = *p;
+  if (old == expected) *p = desired;
+  return old;
+#endif
+}
+
+ROPE_HD void slot_set_thread(const SlotSetArgs& a, const ThreadPos& tp) {
+  const int64_t step = static_cast<int64_t>(tp.grid_dim.x) * tp.block_dim.x;
+  for (int64_t tok = static_cast<int64_t>(tp.block.x) * tp.block_dim.x + tp.thread.x;
+       tok < a.tokens; tok += step) {
+    const int64_t slot = load_position(a.slots, a.slots64, tok * a.slot_stride);
+    if (slot < 0) continue;  // padding
+    const auto key = static_cast<unsigned long long>(slot);
+    const unsigned long long h = key * 0x9E3779B97F4A7C15ull;  // spreads neighbouring slots
+    for (int64_t probe = 0; probe <= a.mask; ++probe) {
+      const unsigned long long old =
+          cas_entry(a.set + (((h ^ (h >> 31)) + static_cast<unsigned long long>(probe)) &
+                             static_cast<unsigned long long>(a.mask)),
+                    kEmptySlot, key);
+      if (old == kEmptySlot) break;
+      ROPE_DEVICE_CHECK(old != key, "rope: slot_mapping must not repeat a slot");
+      if (old == key) break;
+    }
+  }
+}
+
 }  // namespace rope::gpu
