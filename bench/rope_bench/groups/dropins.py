@@ -79,7 +79,7 @@ def run(ctx):
                     _record(ctx, rows, "compat." + op, size, dtype_name, "inference_mode", timed,
                             op, op + " peer", f"tests/peers.py {peer_name}")
                 print(f"  dropins {size:13s} {dtype_name:8s} " + ", ".join(
-                    f"{r['drop_in'].split('.')[1]} {r['x_peer']:.2f}x" for r in rows
+                    f"{r['drop_in'][len('compat.'):]} {r['x_peer']:.2f}x" for r in rows
                     if r["size"] == size and r["dtype"] == dtype_name), flush=True)
         for shape in HF_SIZES[:1] if ctx.quick else HF_SIZES:
             try:

@@ -1,4 +1,5 @@
-// How an allocating op first touches its output (docs/cpu-performance.md "Large fresh outputs").
+// How an allocating op first touches its output (docs/cpu-performance.md "First touch of a fresh
+// output").
 //
 // A large output straight from malloc is often a fresh mapping that the OS has not backed yet:
 // the first write to each 4 KiB page faults, and the page is zeroed before the store lands.
