@@ -215,3 +215,37 @@ def test_device_cuda_without_a_gpu_fails_clearly():
     r = _run("--device", "cuda", timeout=120)
     assert r.returncode == 2
     assert "--device cuda, but torch sees no CUDA device" in r.stderr
+
+
+def test_case_groups_are_modules_with_the_group_interface():
+    from rope_bench import groups
+
+    found = groups.discover()
+    assert {"calls", "dropins", "models"} <= set(found)
+    for name, mod in found.items():
+        assert mod.NAME == name and mod.ABOUT and callable(mod.run) and callable(mod.table)
+
+
+def test_quick_run_of_the_case_groups_writes_their_tables(tmp_path):
+    run = _run("--quick", "--cases", "calls,dropins,models", "--dtypes", "float32", "--threads", "1",
+             "--out", str(tmp_path))
+    assert run.returncode == 0, run.stdout + run.stderr
+    doc = json.loads((tmp_path / "cpu-calls-dropins-models-quick.json").read_text())
+    md = (tmp_path / "cpu-calls-dropins-models-quick.md").read_text()
+    assert doc["results"] == [] and doc["errors"] == [], doc["errors"]
+    assert list(doc["groups"]) == ["calls", "dropins", "models"]
+    calls = doc["groups"]["calls"]["rows"]
+    assert {r["mode"] for r in calls} == {"inference_mode", "no_grad"}
+    names = {r["call"] for r in calls}
+    assert {"floor: q.mul_(c); k.mul_(c)", "torch.ops.rope.apply_", "rope_ext.apply_rope_",
+            "torch.ops.rope.apply_positions (q, k)"} <= names
+    for r in calls:
+        assert r["x_floor"] == pytest.approx(r["median_s"] / r["floor_s"], rel=1e-9)
+    for r in doc["groups"]["dropins"]["rows"]:
+        assert r["x_peer"] == pytest.approx(r["peer_median_s"] / r["median_s"], rel=1e-9)
+    models = doc["groups"]["models"]
+    if models["rows"]:  # transformers importable
+        assert {r["what"] for r in models["rows"]} == {"generate", "prefill"}
+        assert all(r.get("same_tokens", True) for r in models["rows"])
+    for name, g in doc["groups"].items():
+        assert g["table"] in md and g["table"] in run.stdout

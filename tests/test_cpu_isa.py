@@ -130,6 +130,32 @@ def _digest(seed):
 
 
 @native
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_every_variant_writes_torchs_nan_codes(variant, interleaved):
+    """NaN results are 0xFFFF in bfloat16 (torch's CPU conversion) on every variant, in vector
+    bodies and tails, out of place, in place and streamed; blocks without NaN keep their values."""
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    x = torch.randn(9, 3, 160, generator=g).to(torch.bfloat16)  # 80 pairs: vectors and a tail
+    x[0, 0, 0], x[1, 1, 70], x[2, 0, 159], x[3, 2, 5] = (float("nan"), -float("nan"),
+                                                        float("inf"), -float("inf"))
+    x[4, 1, :].view(torch.int16)[7] = 0x7F81  # a signalling NaN's code
+    cache = rope_ext.cos_sin_cache(64, 160)
+    pos = torch.randint(0, 64, (9,), generator=g)
+    rows = cache[pos].unsqueeze(1)
+    cos, sin = rows[..., :80], rows[..., 80:]
+    expected = rope_ext.reference.apply_rope(x, cos, sin, interleaved=interleaved)
+    assert expected.isnan().any() and (expected.view(torch.int16) == -1).any()
+    for isa in runnable():
+        for stream_all in (False, True):
+            variant(isa, stream_all)
+            got = torch.ops.rope.apply(x, cos, sin, interleaved)
+            q = x.clone()
+            torch.ops.rope.apply_(q, None, pos, cache, interleaved)
+            for t in (got, q):
+                assert torch.equal(t.view(torch.int16), expected.view(torch.int16)), (isa, stream_all)
+
+
+@native
 def test_every_variant_gives_the_same_bits(variant):
     """No FMA anywhere (csrc/build.json): each vectorized variant must give exactly the bits of
     the baseline kernels, not just something within tolerance; with non-temporal stores too."""

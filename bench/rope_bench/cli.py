@@ -14,7 +14,7 @@ import torch
 import rope_ext
 from rope_ext import envs
 
-from . import dropins, malloc, peers, plot, report
+from . import dropins, groups, malloc, peers, plot, report
 from .cases import DTYPES, QUICK_CASES, Inputs, cases_for, default_cases
 from .rows import KINDS, OPS, limit_rows, op_rows
 from .timing import clock_class, clock_for, measure_interleaved
@@ -92,8 +92,11 @@ def parse(argv):
                    "temporary directory for --quick)")
     p.add_argument("--stem", default=None, help="file names STEM.json/.md/.png (default: the device,"
                    " -quick appended for --quick)")
+    group_mods = groups.discover()
     p.add_argument("--cases", default=None, help="comma-separated; cpu: decode,cache,mid,prefill"
-                   " (default), fresh; cuda: decode-1,decode-16,decode-64,prefill,long")
+                   " (default), fresh; cuda: decode-1,decode-16,decode-64,prefill,long; and case "
+                   "groups (rope_bench/groups/): " + "; ".join(
+                       f"{n}: {m.ABOUT}" for n, m in group_mods.items()))
     p.add_argument("--dtypes", default=None, help=", ".join(DTYPES) + " (default: float32,bfloat16;"
                    " bfloat16,float32 on cuda)")
     p.add_argument("--ops", default=",".join(OPS), help=", ".join(OPS))
@@ -110,16 +113,23 @@ def parse(argv):
     args = p.parse_args(argv)
     table = QUICK_CASES if args.quick else cases_for(args.device)
     names = list(table) if args.quick else list(default_cases(args.device))
+    args.group_list = []
     if args.cases:
-        names = _list(args.cases, list(table), "cases", p)
+        names = _list(args.cases, list(table) + list(group_mods), "cases", p)
+        args.group_list = [n for n in names if n in group_mods]
+        names = [n for n in names if n in table]
+    args.group_mods = {n: group_mods[n] for n in args.group_list}
     args.case_table = {n: table[n] for n in names}
+    args.dtypes_given = args.dtypes is not None
     dtypes = args.dtypes or ("bfloat16,float32" if args.device == "cuda" else "float32,bfloat16")
     args.dtype_list = _list(dtypes, list(DTYPES), "dtypes", p)
     args.op_list = _list(args.ops, list(OPS), "ops", p)
     args.kind_list = _list(args.kinds, [k for k in KINDS if k != "limit"], "kinds", p)
     args.repeat = args.repeat or (3 if args.quick else 15)
     args.min_block_s = (args.min_block_ms or (2 if args.quick else 5 if args.device == "cuda" else 20)) / 1e3
-    args.stem = args.stem or args.device + ("-quick" if args.quick else "")
+    # Groups run alone write beside the shape cases' results, not over them.
+    alone = "-" + "-".join(args.group_list) if args.group_list and not args.case_table else ""
+    args.stem = args.stem or args.device + alone + ("-quick" if args.quick else "")
     if args.out is None:  # a smoke run leaves nothing among the committed results
         args.out = (os.path.join(tempfile.gettempdir(), "rope_bench") if args.quick else RESULTS)
     return p, args
@@ -193,6 +203,27 @@ def run_case(args, case, shape, dtype_name, dropin_module, doc):
               f"{rec['gbps']:8.2f} GB/s", flush=True)
 
 
+def run_groups(args, doc, start):
+    """Each asked-for case group (rope_bench/groups/), its result under doc["groups"][name]."""
+    doc["groups"] = {}
+    ctx = groups.Context(device=args.device, dtypes=args.dtype_list, dtypes_given=args.dtypes_given,
+                         repeat=args.repeat, min_block_s=args.min_block_s,
+                         clock=clock_for(args.device), quick=args.quick, errors=doc["errors"])
+    for name, mod in args.group_mods.items():
+        if args.time_budget is not None and time.perf_counter() - start > args.time_budget:
+            doc["skipped"].append(f"group {name}: time budget ({args.time_budget:.0f} s) spent")
+            continue
+        t0 = time.perf_counter()
+        result = mod.run(ctx)
+        result["about"] = mod.ABOUT
+        result["wall_s"] = round(time.perf_counter() - t0, 1)
+        result["table"] = mod.table(result)
+        doc["groups"][name] = result
+        doc["skipped"] += result.get("notes", [])
+        gc.collect()
+        finish(doc, start)
+
+
 def finish(doc, start):
     m = doc["meta"]
     m["loadavg_end"] = _loadavg()
@@ -242,6 +273,8 @@ def main(argv=None):
                 if args.device == "cuda":
                     torch.cuda.empty_cache()
                 finish(doc, start)  # after every case, so a run cut short leaves its results
+    if args.group_mods:
+        run_groups(args, doc, start)
     for p, s in doc["peers"].items():
         if p != "drop-ins":
             print(f"bench: peer {p}: {s}", flush=True)
@@ -249,6 +282,7 @@ def main(argv=None):
     print()
     print(report.markdown(doc))
     png = os.path.join(args.out, args.stem + ".png")
-    drew = plot.plot(doc, png)
-    print(f"wrote {json_path}, {md_path}" + (f", {png}" if drew else " (no PNG: matplotlib is not installed)"))
+    drew = plot.plot(doc, png) if doc["results"] else None
+    print(f"wrote {json_path}, {md_path}" + (
+        f", {png}" if drew else "" if drew is None else " (no PNG: matplotlib is not installed)"))
     return 0

@@ -122,6 +122,22 @@ def markdown(doc):
         f"allocator: {m['allocator']}; load average {m['loadavg_start']} at start, "
         f"{m['loadavg_end']} at end. Median of {m['repeat']} blocks of >= {m['min_block_ms']} ms "
         f"per row, the rows of a case timed round-robin; {m['mode']}.",
+    ]
+    if doc["results"] or not doc.get("groups"):
+        parts += _case_tables(doc)
+    for name, g in doc.get("groups", {}).items():
+        parts += ["", f"Group `{name}`: {g['about']} ({g['wall_s']} s).", "", g["table"]]
+    notes = [f"- {p}: {s}" for p, s in doc["peers"].items()]
+    notes += [f"- {e['case']} {e.get('dtype', '')} {e['name']}: failed ({e['error']})"
+              for e in doc["errors"]]
+    notes += [f"- skipped: {s}" for s in doc["skipped"]]
+    if notes:
+        parts += ["", "Notes:", ""] + notes
+    return "\n".join(parts) + "\n"
+
+
+def _case_tables(doc):
+    parts = [
         "",
         "Memory-copy limits (bytes: x read + x written):",
         "",
@@ -136,12 +152,7 @@ def markdown(doc):
     d = dropin_table(doc["summary"])
     if d:
         parts += ["", "Drop-ins (rope_ext.compat) against the peer's own eager code path:", "", d]
-    notes = [f"- {p}: {s}" for p, s in doc["peers"].items()]
-    notes += [f"- {e['case']} {e['dtype']} {e['name']}: failed ({e['error']})" for e in doc["errors"]]
-    notes += [f"- skipped: {s}" for s in doc["skipped"]]
-    if notes:
-        parts += ["", "Notes:", ""] + notes
-    return "\n".join(parts) + "\n"
+    return parts
 
 
 def write(doc, out_dir, stem):

@@ -84,7 +84,10 @@ ROPE_INLINE void put(T* p, typename Ops::V v) {
 // - half-split rows take 2 * W elements of each half per step;
 // - interleaved rows load 2 * W values as one vector and split it into its W even elements (the
 //   pairs' first members) and W odd ones with a shift and a mask: plain tables, no lane swap;
-//   join_even_odd puts them back in order with one word permute.
+//   join_even_odd_raw puts them back in order with one word permute.
+// NaN codes are fixed once per block rather than per vector: each result is folded into a NanAcc,
+// and only a block that produced a NaN has its NaN codes set to 0xFFFF afterwards
+// (fix_bf16_nans), which is what the per-vector fix would have written.
 // The arithmetic per element is the other variants', and so are the bits.
 template <class Ops, class = void>
 struct HasBf16Pairs : std::false_type {};
@@ -92,6 +95,16 @@ template <class Ops>
 struct HasBf16Pairs<Ops, std::enable_if_t<Ops::kBf16Pairs>> : std::true_type {};
 template <class Ops, typename x_t>
 constexpr bool kBf16Pairs = std::is_same<x_t, BF16Bits>::value && HasBf16Pairs<Ops>::value;
+
+// NaN codes (magnitude above 0x7F80) of n bfloat16 values to 0xFFFF, as float_to_bf16 writes
+// NaN. Values written with streaming stores are fenced first, so the reads see them.
+template <bool kStream>
+void fix_bf16_nans(BF16Bits* p, int64_t n) {
+  if (kStream) store_fence();
+  for (int64_t j = 0; j < n; ++j) {
+    if ((p[j].bits & 0x7FFFu) > 0x7F80u) p[j].bits = 0xFFFF;
+  }
+}
 
 // Whether a row reads its tables duplicated per element, c2 = [c0, c0, c1, c1, ...] and
 // s2 = [-s0, s0, -s1, s1, ...] (interleaved rows, but for even/odd bf16), or plain c[i], s[i].
@@ -109,19 +122,23 @@ ROPE_INLINE void rotate_half_split(const x_t* a, const x_t* b, x_t* oa, x_t* ob,
   constexpr int W = Ops::W;
   int64_t i = 0;
   if constexpr (kBf16Pairs<Ops, x_t>) {
+    auto nan = Ops::nan_acc_init();
     for (; i + 2 * W <= n; i += 2 * W) {
       const V a0 = Ops::load(a + i), b0 = Ops::load(b + i);
       const V a1 = Ops::load(a + i + W), b1 = Ops::load(b + i + W);
       const V c0 = Ops::load(c + i), s0 = Ops::load(s + i);
       const V c1 = Ops::load(c + i + W), s1 = Ops::load(s + i + W);
-      Ops::write_bf16x32(oa + i,
-                         Ops::to_bf16_pair(Ops::sub(Ops::mul(a0, c0), Ops::mul(b0, s0)),
-                                           Ops::sub(Ops::mul(a1, c1), Ops::mul(b1, s1))),
-                         kStream);
-      Ops::write_bf16x32(ob + i,
-                         Ops::to_bf16_pair(Ops::add(Ops::mul(b0, c0), Ops::mul(a0, s0)),
-                                           Ops::add(Ops::mul(b1, c1), Ops::mul(a1, s1))),
-                         kStream);
+      const auto ra = Ops::to_bf16_pair_raw(Ops::sub(Ops::mul(a0, c0), Ops::mul(b0, s0)),
+                                            Ops::sub(Ops::mul(a1, c1), Ops::mul(b1, s1)));
+      const auto rb = Ops::to_bf16_pair_raw(Ops::add(Ops::mul(b0, c0), Ops::mul(a0, s0)),
+                                            Ops::add(Ops::mul(b1, c1), Ops::mul(a1, s1)));
+      nan = Ops::nan_acc(Ops::nan_acc(nan, ra), rb);
+      Ops::write_bf16x32(oa + i, ra, kStream);
+      Ops::write_bf16x32(ob + i, rb, kStream);
+    }
+    if (Ops::nan_any(nan)) {
+      fix_bf16_nans<kStream>(oa, i);
+      fix_bf16_nans<kStream>(ob, i);
     }
   }
   for (; i + W <= n; i += W) {
@@ -146,15 +163,17 @@ ROPE_INLINE void rotate_interleaved(const x_t* x, x_t* out, const typename Ops::
   constexpr int W = Ops::W;
   if constexpr (kBf16Pairs<Ops, x_t>) {
     int64_t p = 0;
+    auto nan = Ops::nan_acc_init();
     for (; p + W <= n; p += W) {
       V a, b;
       Ops::load_even_odd(x + 2 * p, a, b);
       const V vc = Ops::load(c2 + p), vs = Ops::load(s2 + p);
-      Ops::write_bf16x32(out + 2 * p,
-                         Ops::join_even_odd(Ops::sub(Ops::mul(a, vc), Ops::mul(b, vs)),
-                                            Ops::add(Ops::mul(b, vc), Ops::mul(a, vs))),
-                         kStream);
+      const auto r = Ops::join_even_odd_raw(Ops::sub(Ops::mul(a, vc), Ops::mul(b, vs)),
+                                            Ops::add(Ops::mul(b, vc), Ops::mul(a, vs)));
+      nan = Ops::nan_acc(nan, r);
+      Ops::write_bf16x32(out + 2 * p, r, kStream);
     }
+    if (Ops::nan_any(nan)) fix_bf16_nans<kStream>(out, 2 * p);
     for (; p < n; ++p) {
       const auto a = to_acc<Ops>(x[2 * p]), b = to_acc<Ops>(x[2 * p + 1]);
       out[2 * p] = from_acc<x_t>(a * c2[p] - b * s2[p]);

@@ -12,6 +12,7 @@
 
 #include "../checks.h"
 #include "../routes.h"
+#include "fresh_output.h"
 #include "kernel_api.h"
 
 namespace rope {
@@ -61,9 +62,17 @@ void run_tokens(const RotateGeometry& g, const F& fn, int64_t more_per_token = 0
   }
 }
 
-void run_rotate(const RotateJob& job, ScalarType x_type) {
+int64_t nbytes(const Tensor& t) {
+  return t.numel() * static_cast<int64_t>(t.element_size());  // an allocated tensor: fits
+}
+
+// `fresh`: the output of an allocating op not yet backed by the OS (fresh_output.h), first
+// touched chunk by chunk by the thread that writes it.
+void run_rotate(const RotateJob& job, ScalarType x_type, const FreshOutput& fresh = {}) {
   const RotateTokensFn fn = selected_cpu_kernels()->rotate[dt_index(x_type)];
-  run_tokens(*job.g, [&](int64_t b, int64_t e) { fn(job, b, e); });
+  run_tokens(*job.g, [&](int64_t b, int64_t e) {
+    first_touch_chunks(fresh, b, e, [&](int64_t cb, int64_t ce) { fn(job, cb, ce); });
+  });
 }
 
 RotateJob job_for(const RotateGeometry& g, const Tensor& x, void* dst, const Tensor& cos,
@@ -79,8 +88,12 @@ RotateJob job_for(const RotateGeometry& g, const Tensor& x, void* dst, const Ten
   return job;
 }
 
-int64_t nbytes(const Tensor& t) {
-  return t.numel() * static_cast<int64_t>(t.element_size());  // an allocated tensor: fits
+// An allocating op's job into its new `out`: streamed as job_for says, unless out is fresh
+// (then plain stores after a chunked first touch: fresh_output.h).
+void run_rotate_new(RotateJob job, const Tensor& out, ScalarType x_type) {
+  const FreshOutput fresh = fresh_output(*job.g, job.dst[0], nbytes(out));
+  if (fresh.per_token != 0) job.stream = false;
+  run_rotate(job, x_type, fresh);
 }
 
 // rope.apply (kInverse = false) and rope.apply_backward (true) into a fresh tensor.
@@ -90,7 +103,8 @@ Tensor apply_cpu(Tensor x, Tensor cos, Tensor sin, bool interleaved) {
                                        kInverse ? "rope.apply_backward" : "rope.apply",
                                        kInverse ? "grad" : "x");
   Tensor out = torch::stable::new_empty(x, x.sizes());
-  run_rotate(job_for(g, x, out.mutable_data_ptr(), cos, sin, nbytes(out)), x.scalar_type());
+  run_rotate_new(job_for(g, x, out.mutable_data_ptr(), cos, sin, nbytes(out)), out,
+                 x.scalar_type());
   return out;
 }
 
@@ -155,7 +169,7 @@ Tensor apply_positions_cpu(Tensor x, Tensor positions, Tensor cos, Tensor sin, b
   Tensor out = torch::stable::new_empty(x, x.sizes());
   RotateJob job = job_for(g, x, out.mutable_data_ptr(), cos, sin, nbytes(out));
   job.positions = positions.const_data_ptr();
-  run_rotate(job, x.scalar_type());
+  run_rotate_new(job, out, x.scalar_type());
   return out;
 }
 

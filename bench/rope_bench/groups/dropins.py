@@ -1,0 +1,107 @@
+"""Each rope_ext.compat drop-in against its peer's own code, at decode and prefill sizes: one
+row per drop-in and size, with the peer's time over the drop-in's (above 1: the drop-in is
+faster).
+
+- Every drop-in of rope_bench/dropins.py (vLLM, FlashInfer, SGLang, flash-attn, transformers)
+  against the peer's code as tests/peers.py re-implements it, on T = 1, 8 and 2048 tokens of
+  q (T, 32, 128), k (T, 8, 128), under inference_mode as serving stacks run.
+- compat.transformers.apply_rotary_pos_emb against transformers' own apply_rotary_pos_emb
+  (imported from transformers.models.llama.modeling_llama) at the sizes a Llama attention layer
+  calls it with, q (batch, heads, seq, head_dim), k with a quarter of the heads, cos/sin
+  (batch, seq, head_dim) in q's dtype; under no_grad, as transformers' generate runs.
+"""
+
+import torch
+
+from .. import dropins
+from ..cases import DTYPES, Inputs, Shape
+
+NAME = "dropins"
+ABOUT = "each drop-in against its peer's own code at decode and prefill sizes"
+ORDER = 20
+
+SIZES = {"decode-1": 1, "decode-8": 8, "prefill-2048": 2048}
+# (batch, q heads, seq, head_dim) of transformers' apply_rotary_pos_emb calls.
+HF_SIZES = ((1, 32, 1, 128), (1, 8, 1, 64), (4, 32, 1, 128), (1, 32, 256, 128))
+
+
+def _hf_pair(shape, dtype):
+    """(ours, theirs) callables of compat.transformers vs transformers' own function."""
+    from transformers.models.llama import modeling_llama
+
+    from rope_ext.compat import transformers as compat_hf
+
+    B, H, S, D = shape
+    g = torch.Generator().manual_seed(S)
+    q = torch.randn(B, H, S, D, generator=g).to(dtype)
+    k = torch.randn(B, max(1, H // 4), S, D, generator=g).to(dtype)
+    pos = torch.arange(100, 100 + S, dtype=torch.float32)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    emb = torch.cat([pos[:, None] * inv] * 2, dim=-1)
+    cos = emb.cos()[None].expand(B, S, D).to(dtype)  # as LlamaRotaryEmbedding returns them
+    sin = emb.sin()[None].expand(B, S, D).to(dtype)
+    return (lambda: compat_hf.apply_rotary_pos_emb(q, k, cos, sin),
+            lambda: modeling_llama.apply_rotary_pos_emb(q, k, cos, sin))
+
+
+def _record(ctx, rows, what, size, dtype_name, mode, timed, ours, theirs, peer):
+    if ours not in timed or theirs not in timed:
+        return
+    a, b = timed[ours]["median_s"], timed[theirs]["median_s"]
+    rows.append({"drop_in": what, "size": size, "dtype": dtype_name, "mode": mode, "peer": peer,
+                 "median_s": a, "peer_median_s": b, "x_peer": b / a,
+                 "times_s": timed[ours]["times_s"], "peer_times_s": timed[theirs]["times_s"]})
+
+
+def run(ctx):
+    rows, notes = [], []
+    loaded, status = dropins.load()
+    if loaded is None:
+        notes.append(f"drop-ins against tests/peers.py: {status}")
+    for dtype_name in ctx.dtypes:
+        dt = DTYPES[dtype_name]
+        if loaded is not None:
+            for size, T in (list(SIZES.items())[:1] if ctx.quick else SIZES.items()):
+                with torch.inference_mode():
+                    i = Inputs(Shape(T, 32, 8, 128), dt, "cpu")
+                    made, fns = [], {}
+                    for make in dropins.PAIRS:
+                        try:
+                            op, _, _, ours, peer_name, theirs = make(i, *loaded)
+                        except Exception as e:  # noqa: BLE001 - one missing pair is a note
+                            notes.append(f"{size} {dtype_name}: {make.__name__[1:]} skipped "
+                                         f"({type(e).__name__}: {e})")
+                            continue
+                        fns[op], fns[op + " peer"] = ours, theirs
+                        made.append((op, peer_name))
+                    timed = ctx.time(fns, f"dropins {size} {dtype_name}")
+                for op, peer_name in made:
+                    _record(ctx, rows, "compat." + op, size, dtype_name, "inference_mode", timed,
+                            op, op + " peer", f"tests/peers.py {peer_name}")
+                print(f"  dropins {size:13s} {dtype_name:8s} " + ", ".join(
+                    f"{r['drop_in'][len('compat.'):]} {r['x_peer']:.2f}x" for r in rows
+                    if r["size"] == size and r["dtype"] == dtype_name), flush=True)
+        for shape in HF_SIZES[:1] if ctx.quick else HF_SIZES:
+            try:
+                ours, theirs = _hf_pair(shape, dt)
+            except Exception as e:  # noqa: BLE001 - transformers missing: a note
+                notes.append(f"transformers' own apply_rotary_pos_emb: {type(e).__name__}: {e}")
+                break
+            size = "q " + "x".join(map(str, shape))
+            with torch.no_grad():
+                timed = ctx.time({"ours": ours, "theirs": theirs}, f"dropins hf {size}")
+            _record(ctx, rows, "compat.transformers.apply_rotary_pos_emb", size, dtype_name,
+                    "no_grad", timed, "ours", "theirs",
+                    "transformers.models.llama.modeling_llama.apply_rotary_pos_emb")
+            if rows and rows[-1]["size"] == size:
+                print(f"  dropins hf {size} {dtype_name}: {rows[-1]['x_peer']:.2f}x", flush=True)
+    return {"rows": rows, "notes": notes}
+
+
+def table(result):
+    from . import md_table, us, x
+
+    return md_table(
+        ["drop-in", "size", "dtype", "mode", "us", "peer us", "x peer", "peer's code"],
+        [[f"`{r['drop_in']}`", r["size"], r["dtype"], r["mode"], us(r["median_s"]),
+          us(r["peer_median_s"]), x(r["x_peer"]), r["peer"]] for r in result["rows"]])

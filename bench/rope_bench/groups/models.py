@@ -1,0 +1,115 @@
+"""A Hugging Face model patched with rope_ext.integrations.transformers.patch against the same
+model unpatched: greedy generate (tokens/s) and a long prefill (ms).
+
+A small Llama-style model with random weights from its config (8 layers, hidden 512, 8 heads of
+64, 2 KV heads), float32 unless --dtypes says otherwise. The unpatched model is a deep copy made
+before patching, so both hold the same weights. Per block, each of the four calls runs once:
+generate 48 new tokens from a 16-token prompt (greedy, no early stop), then a 2048-token prefill
+(a forward under no_grad); blocks interleave patched and unpatched, and the table gives medians.
+Whether both models generated the same tokens is recorded (a check that the patch computes what
+the model does, not a timing).
+"""
+
+import copy
+import time
+
+import torch
+
+NAME = "models"
+ABOUT = "patched vs unpatched HF Llama: greedy generate tokens/s and prefill ms"
+ORDER = 30
+
+CONFIG = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+PROMPT, NEW_TOKENS, PREFILL = 16, 48, 2048
+
+
+def _models(dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rope_ext.integrations import transformers as integration
+
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(LlamaConfig(**CONFIG)).to(dtype).eval()
+    patched = integration.patch(copy.deepcopy(plain))
+    return plain, patched
+
+
+
+def run(ctx):
+    from ..cases import DTYPES
+
+    dtypes = ctx.dtypes if ctx.dtypes_given else ["float32"]
+    repeat = max(3, ctx.repeat // 3)
+    prefill = 16 if ctx.quick else PREFILL  # --quick: a smoke run
+    new_tokens = 2 if ctx.quick else NEW_TOKENS
+    rows, notes = [], []
+    for dtype_name in dtypes:
+        try:
+            plain, patched = _models(DTYPES[dtype_name])
+        except Exception as e:  # noqa: BLE001 - transformers missing or the patch refused
+            notes.append(f"models {dtype_name}: skipped ({type(e).__name__}: {e})")
+            continue
+        g = torch.Generator().manual_seed(1)
+        prompt = torch.randint(3, CONFIG["vocab_size"], (1, PROMPT), generator=g)
+        long = torch.randint(3, CONFIG["vocab_size"], (1, prefill), generator=g)
+        kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  pad_token_id=0)
+        out = {}
+
+        def generate(m, name):
+            def f():
+                out[name] = m.generate(prompt, **kw)
+            return f
+
+        def forward(m):
+            def f():
+                with torch.no_grad():
+                    m(long)
+            return f
+
+        fns = {("generate", "unpatched"): generate(plain, "unpatched"),
+               ("generate", "patched"): generate(patched, "patched"),
+               ("prefill", "unpatched"): forward(plain),
+               ("prefill", "patched"): forward(patched)}
+        times = {k: [] for k in fns}
+        for f in fns.values():  # warm-up
+            f()
+        for _ in range(repeat):
+            for k, f in fns.items():
+                t0 = time.perf_counter()
+                f()
+                times[k].append(time.perf_counter() - t0)
+        from . import stats
+
+        same = torch.equal(out["unpatched"], out["patched"])
+        for what in ("generate", "prefill"):
+            u, p = stats(times[(what, "unpatched")]), stats(times[(what, "patched")])
+            row = {"what": what, "dtype": dtype_name, "unpatched": u, "patched": p,
+                   "x_unpatched": u["median_s"] / p["median_s"], "blocks": repeat,
+                   "tokens": new_tokens if what == "generate" else prefill}
+            if what == "generate":
+                row["same_tokens"] = same
+                row["unpatched_tok_s"] = new_tokens / u["median_s"]
+                row["patched_tok_s"] = new_tokens / p["median_s"]
+            rows.append(row)
+            print(f"  models {what:8s} {dtype_name:8s} unpatched {u['median_s'] * 1e3:.1f} ms, "
+                  f"patched {p['median_s'] * 1e3:.1f} ms ({row['x_unpatched']:.2f}x)", flush=True)
+    return {"rows": rows, "notes": notes, "config": CONFIG}
+
+
+def table(result):
+    from . import md_table, ms, x
+
+    lines = []
+    for r in result["rows"]:
+        if r["what"] == "generate":
+            what = f"greedy generate {r['tokens']} tokens: tokens/s"
+            u, p = f"{r['unpatched_tok_s']:.1f}", f"{r['patched_tok_s']:.1f}"
+            note = "same tokens" if r["same_tokens"] else "TOKENS DIFFER"
+        else:
+            what = f"prefill {r['tokens']} tokens: ms"
+            u, p, note = ms(r["unpatched"]["median_s"]), ms(r["patched"]["median_s"]), ""
+        lines.append([what, r["dtype"], u, p, x(r["x_unpatched"]), r["blocks"], note or "-"])
+    return md_table(["measure", "dtype", "unpatched", "patched", "patched speed-up", "blocks",
+                     "check"], lines)
