@@ -2,7 +2,9 @@
 rope_ext's ops and unpatch(model) undoes it. Tiny randomly initialised models built from config
 (no downloads): the patched model must give the unpatched model's logits, run rope ops (counted
 at the dispatcher, so a silent no-op fails), touch no other model, and unpatch must restore
-transformers' code exactly.
+transformers' code exactly. A patched model must survive what users do with models: deepcopy,
+torch.save / torch.load, state_dict round trips, torch.compile(fullgraph=True), hooks.
+The same tests run under transformers 4 and 5 (`make hf5-test`).
 
 Tolerance: in float32 the native kernel computes each output as x1*c - x2*s, rounding like
 transformers' q*cos + rotate_half(q)*sin, so the logits agree to ~1 ulp (we allow 1e-5 relative);
@@ -35,6 +37,7 @@ def vl_model(config_cls, model_cls, vision, text=None):
 
 
 T = transformers
+HF5 = int(transformers.__version__.split(".")[0]) >= 5
 FAMILIES = {
     "llama": causal_lm(T.LlamaConfig(**BASE)),
     "mistral": causal_lm(T.MistralConfig(**BASE)),
@@ -48,6 +51,7 @@ FAMILIES = {
                                             moe_intermediate_size=32)),
     "gemma": causal_lm(T.GemmaConfig(**BASE, head_dim=16)),
     "gemma2": causal_lm(T.Gemma2Config(**BASE, head_dim=16)),
+    "gemma3_text": causal_lm(T.Gemma3TextConfig(**BASE, head_dim=16)),
     "phi3": causal_lm(T.Phi3Config(**BASE, partial_rotary_factor=0.5, pad_token_id=0)),  # partial
     "phi": causal_lm(T.PhiConfig(**BASE, partial_rotary_factor=0.5)),
     "gpt_neox": causal_lm(T.GPTNeoXConfig(**BASE, rotary_pct=0.25)),  # partial rotary
@@ -99,9 +103,11 @@ def inputs(family):
     # that runs the vision tower's RoPE too.
     image_ids = torch.randint(10, 128, (1, 12))
     image_ids[0, 2], image_ids[0, 3:7], image_ids[0, 7] = 7, 5, 8
-    return [dict(input_ids=ids, position_ids=torch.randint(0, 100, (3, 2, 12))),
-            dict(input_ids=image_ids, pixel_values=torch.randn(16, 12),
-                 image_grid_thw=torch.tensor([[1, 4, 4]]))]
+    image = dict(input_ids=image_ids, pixel_values=torch.randn(16, 12),
+                 image_grid_thw=torch.tensor([[1, 4, 4]]))
+    if HF5:  # transformers 5 takes the image tokens' places from the processor's token types
+        image["mm_token_type_ids"] = (image_ids == 5).int()
+    return [dict(input_ids=ids, position_ids=torch.randint(0, 100, (3, 2, 12))), image]
 
 
 def logits(model, batches):
@@ -114,7 +120,7 @@ def logits(model, batches):
 def rope_functions(family):
     path, functions = integration.FAMILIES[family]
     module = __import__(f"transformers.models.{path}", fromlist=["_"])
-    return {name: getattr(module, name) for name in functions}
+    return {name: getattr(module, name) for name in functions if hasattr(module, name)}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -206,26 +212,29 @@ def test_patch_twice_and_unpatch_unpatched_are_harmless():
     assert logits(model, inputs("qwen2"))[1] == 0
 
 
-def test_unpatch_restores_an_existing_forward_override():
+def test_patch_and_unpatch_follow_an_instance_forward_installed_before():
     model = build("mistral")
+    batches = inputs("mistral")
     attention = model.model.layers[0].self_attn
-    hooked = attention.forward  # what e.g. accelerate's hooks install as an instance attribute
-    attention.forward = hooked
+    original = type(attention).forward
+    attention.forward = attention.forward  # a bound instance forward, as hooks install them
+    want, _ = logits(model, batches)
     integration.patch(model)
-    assert attention.forward is not hooked
+    got, n = logits(model, batches)
+    assert n == 4  # the bound forward now runs the patched class's forward
+    assert attention.__dict__["forward"].__func__ is type(attention).forward
     integration.unpatch(model)
-    assert attention.__dict__["forward"] is hooked
+    assert attention.__dict__["forward"].__func__ is original
     assert "forward" not in model.model.layers[1].self_attn.__dict__
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
 
 
-def test_dropped_patched_model_releases_transformers_function():
+def test_patch_replaces_no_transformers_function():
     original = rope_functions("gemma")["apply_rotary_pos_emb"]
     model = build("gemma")
     integration.patch(model)
-    assert rope_functions("gemma")["apply_rotary_pos_emb"] is not original
-    del model
-    gc.collect()
     assert rope_functions("gemma")["apply_rotary_pos_emb"] is original
+    assert logits(build("gemma"), inputs("gemma"))[1] == 0  # another model of the family
 
 
 @pytest.mark.parametrize("config", [
