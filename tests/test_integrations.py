@@ -267,3 +267,163 @@ def test_a_changed_transformers_function_is_refused(monkeypatch):
 def test_not_a_transformers_model_is_an_error():
     with pytest.raises(ValueError, match="has no config.model_type"):
         integration.patch(torch.nn.Linear(2, 2))
+
+
+# ---- a patched model under ordinary model handling ----
+
+def perturbed(model, seed):
+    """model with every parameter moved by a fixed random amount (in place), returned."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.05)
+    return model
+
+
+def test_deepcopy_of_a_patched_model_runs_its_own_weights():
+    import copy
+
+    model = build("llama")
+    batches = inputs("llama")
+    reference = perturbed(copy.deepcopy(model), 1)  # modified independently, never patched
+    integration.patch(model)
+    before, _ = logits(model, batches)
+    clone = perturbed(copy.deepcopy(model), 1)  # TRL's reference model is made this way
+    assert integration.is_patched(clone)
+    got, n = logits(clone, batches)
+    want, _ = logits(reference, batches)
+    assert n == 4
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(logits(model, batches)[0][0], before[0])  # the original is untouched
+    integration.unpatch(clone)
+    assert integration.is_patched(model) and not integration.is_patched(clone)
+    assert logits(clone, batches)[1] == 0 and logits(model, batches)[1] == 4
+
+
+def test_torch_save_and_load_of_a_whole_patched_model(tmp_path):
+    model = build("qwen2")
+    batches = inputs("qwen2")
+    integration.patch(model)
+    want, _ = logits(model, batches)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert integration.is_patched(loaded)
+    got, n = logits(loaded, batches)
+    assert n == 4 and torch.equal(got[0], want[0])
+    integration.unpatch(loaded)
+    assert logits(loaded, batches)[1] == 0
+
+
+def test_a_saved_patched_model_loads_in_a_fresh_process(tmp_path):
+    # The patched classes are made at run time: loading must rebuild them where none exists yet.
+    import os
+    import subprocess
+    import sys
+
+    model = build("gemma2")
+    integration.patch(model)
+    ids = torch.randint(10, 128, (2, 12))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    torch.save({"model": model, "ids": ids, "want": want}, tmp_path / "saved.pt")
+    script = (
+        "import sys, torch\n"
+        f"saved = torch.load({str(tmp_path / 'saved.pt')!r}, weights_only=False)\n"
+        "from rope_ext.integrations import transformers as integration\n"
+        "model = saved['model']\n"
+        "assert integration.is_patched(model)\n"
+        "with torch.no_grad():\n"
+        "    got = model(input_ids=saved['ids']).logits\n"
+        "assert torch.equal(got, saved['want']), (got - saved['want']).abs().max()\n"
+        "print('ok')\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                         cwd=str(tmp_path), timeout=600)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+
+
+def test_state_dict_round_trips_between_patched_and_unpatched():
+    batches = inputs("phi3")
+    source = perturbed(build("phi3"), 2)
+    want, _ = logits(source, batches)
+    patched = integration.patch(build("phi3"))
+    assert patched.state_dict().keys() == source.state_dict().keys()
+    patched.load_state_dict(source.state_dict())
+    got, n = logits(patched, batches)
+    assert n == 4
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    back = build("phi3")
+    back.load_state_dict(patched.state_dict())
+    assert torch.equal(logits(back, batches)[0][0], want[0])
+
+
+class GraphOps:
+    """A torch.compile backend that records the ops of the graphs it is given, then runs them."""
+
+    def __init__(self):
+        self.targets = []
+
+    def __call__(self, gm, example_inputs):
+        self.targets += [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        return gm.forward
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_torch_compile_fullgraph(family):
+    model = build(family)
+    ids = torch.randint(10, 128, (2, 12))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    integration.patch(model)
+    torch._dynamo.reset()
+    backend = GraphOps()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    with torch.no_grad():
+        got = compiled(input_ids=ids).logits
+    torch._dynamo.reset()
+    assert sum(t.startswith("rope.") for t in backend.targets) == 4, backend.targets
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_hooks_installed_after_patch_keep_working():
+    import functools
+
+    model = build("llama")
+    batches = inputs("llama")
+    want, _ = logits(model, batches)
+    integration.patch(model)
+    attention = model.model.layers[0].self_attn
+    seen = []
+    handle = attention.register_forward_hook(lambda m, args, out: seen.append("hook"))
+
+    # accelerate's add_hook_to_module: the bound forward kept, a new instance forward around it.
+    def new_forward(module, *args, **kwargs):
+        seen.append("instance forward")
+        return module._old_forward(*args, **kwargs)
+
+    attention._old_forward = attention.forward
+    attention.forward = functools.update_wrapper(functools.partial(new_forward, attention),
+                                                 attention._old_forward)
+    got, n = logits(model, batches)
+    assert n == 4 and seen == ["instance forward", "hook"] * len(batches)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    installed = attention.__dict__["forward"]
+    integration.unpatch(model)
+    assert attention.__dict__["forward"] is installed  # unpatch leaves what others installed
+    seen.clear()
+    again, n = logits(model, batches)
+    assert n == 0 and seen == ["instance forward", "hook"] * len(batches)
+    assert torch.equal(again[0], want[0])
+    handle.remove()
+
+
+def test_unpatch_removes_only_what_patch_added():
+    model = build("qwen3_moe")
+    attrs = {name: dict(m.__dict__) for name, m in model.named_modules()}
+    classes = {name: type(m) for name, m in model.named_modules()}
+    integration.patch(model)
+    assert {name: dict(m.__dict__) for name, m in model.named_modules()} == attrs
+    integration.unpatch(model)
+    assert {name: type(m) for name, m in model.named_modules()} == classes
+    assert {name: dict(m.__dict__) for name, m in model.named_modules()} == attrs
