@@ -73,7 +73,14 @@ def _fast_path(q, k, cos, sin, unsqueeze_dim):
     if (sin.shape != cos.shape or rot % 2 or rot == 0 or rot > head_dim
             or k.shape[-1] != head_dim):
         return None
-    c, s = _half_view(cos, rot // 2, unsqueeze_dim), _half_view(sin, rot // 2, unsqueeze_dim)
+    # cos.unsqueeze(unsqueeze_dim)[..., :rot // 2] in one view op (the op costs most per tensor
+    # at these sizes; a fresh as_strided view is its cheapest argument).
+    (b, t, _), (sb, st, sd) = cos.shape, cos.stride()
+    size, stride = ((b, 1, t, rot // 2), (sb, 0, st, sd)) if unsqueeze_dim == 1 else \
+        ((b, t, 1, rot // 2), (sb, st, 0, sd))
+    c = cos.as_strided(size, stride, cos.storage_offset())
+    s = sin.as_strided(size, stride, sin.storage_offset()) if sin.stride() == cos.stride() else \
+        sin.unsqueeze(unsqueeze_dim)[..., : rot // 2]
     q_shape, k_shape = q.shape, k.shape
     if (q.numel() + k.numel() <= ONE_CALL_NUMEL
             and q_shape[:unsqueeze_dim] == k_shape[:unsqueeze_dim]
@@ -82,15 +89,6 @@ def _fast_path(q, k, cos, sin, unsqueeze_dim):
         return both.split_with_sizes((q_shape[unsqueeze_dim], k_shape[unsqueeze_dim]), unsqueeze_dim)
     c, s = float32_table(c), float32_table(s)
     return ops.apply(q, c, s, False), ops.apply(k, c, s, False)
-
-
-def _half_view(table, half, unsqueeze_dim):
-    """table (batch, seq, rotary_dim) as the view (batch, 1, seq, half) (unsqueeze_dim 1) or
-    (batch, seq, 1, half) (2): table.unsqueeze(unsqueeze_dim)[..., :half] in one view op."""
-    (b, t, _), (sb, st, sd) = table.shape, table.stride()
-    if unsqueeze_dim == 1:
-        return table.as_strided((b, 1, t, half), (sb, 0, st, sd), table.storage_offset())
-    return table.as_strided((b, t, 1, half), (sb, st, 0, sd), table.storage_offset())
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
