@@ -18,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
+from rope_ext import qk_norm  # noqa: E402
 from rope_ext.integrations import transformers as integration  # noqa: E402
 
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -52,6 +53,14 @@ FAMILIES = {
     "gemma": causal_lm(T.GemmaConfig(**BASE, head_dim=16)),
     "gemma2": causal_lm(T.Gemma2Config(**BASE, head_dim=16)),
     "gemma3_text": causal_lm(T.Gemma3TextConfig(**BASE, head_dim=16)),
+    "qwen3_next": causal_lm(T.Qwen3NextConfig(  # a linear-attention and a full-attention layer
+        **BASE, head_dim=16, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"],
+        linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8)),
+    "glm4_moe": causal_lm(T.Glm4MoeConfig(**BASE, head_dim=16, use_qk_norm=True, n_routed_experts=2,
+                                          num_experts_per_tok=1, moe_intermediate_size=32,
+                                          first_k_dense_replace=1, n_group=1, topk_group=1)),
     "phi3": causal_lm(T.Phi3Config(**BASE, partial_rotary_factor=0.5, pad_token_id=0)),  # partial
     "phi": causal_lm(T.PhiConfig(**BASE, partial_rotary_factor=0.5)),
     "gpt_neox": causal_lm(T.GPTNeoXConfig(**BASE, rotary_pct=0.25)),  # partial rotary
@@ -75,7 +84,17 @@ FAMILIES = {
                          text=dict(BASE, head_dim=16, rope_scaling=dict(
                              rope_type="default", mrope_section=[2, 3, 3], mrope_interleaved=True))),
 }
+if HF5:
+    FAMILIES["qwen3_5_text"] = causal_lm(T.Qwen3_5TextConfig(**BASE, head_dim=16, layer_types=[
+        "linear_attention", "full_attention"], linear_num_value_heads=2, linear_num_key_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8))
 VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# The families that normalize q and k per head right before RoPE: patched onto the fused op.
+QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "qwen3_next", "glm4_moe", "qwen3_5_text",
+           "qwen3_vl"}
+# rope ops of one batch through a 2-layer model of a family without QK norms: at these sizes
+# compat.transformers rotates q and k in one call (ONE_CALL_NUMEL).
+OPS = 2
 
 
 class RopeOps(TorchDispatchMode):
@@ -123,6 +142,33 @@ def rope_functions(family):
     return {name: getattr(module, name) for name in functions if hasattr(module, name)}
 
 
+def patched_calls(model, batches):
+    """(logits, rope ops, calls of patched attention modules, of fused ones, of the fused op's
+    Python API): what ran rope_ext while the model ran on `batches`."""
+    calls = {"attention": 0, "fused attention": 0, "fused": 0}
+    handles = []
+    for m in model.modules():
+        spec = getattr(type(m), "_rope_ext_spec", None)
+        if spec is not None:
+            kind = "fused attention" if spec[2] else "attention"
+            handles.append(m.register_forward_pre_hook(
+                lambda *_, kind=kind: calls.__setitem__(kind, calls[kind] + 1)))
+    api = qk_norm.qk_norm_rope
+
+    def counted(*args, **kwargs):
+        calls["fused"] += 1
+        return api(*args, **kwargs)
+
+    qk_norm.qk_norm_rope = counted
+    try:
+        out, n = logits(model, batches)
+    finally:
+        qk_norm.qk_norm_rope = api
+        for h in handles:
+            h.remove()
+    return out, n, calls
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_patched_model_same_logits(family):
     model = build(family)
@@ -131,9 +177,13 @@ def test_patched_model_same_logits(family):
     want, n_before = logits(model, batches)
     assert n_before == 0
     assert integration.patch(model) is model and integration.is_patched(model)
-    got, n_patched = logits(model, batches)
-    # q and k of each of the 2 text layers (and of the 1 vision block for the image batch).
-    assert n_patched == 2 * 2 * len(batches) + (2 if family in VL else 0)
+    got, n_patched, calls = patched_calls(model, batches)
+    # Every patched attention call ran rope_ext: its rope ops (q and k in one call or two), or
+    # the fused QK-norm + RoPE once per call, in exactly the families that normalize q and k.
+    assert calls["attention"] + calls["fused attention"] > 0
+    assert n_patched >= calls["attention"]
+    assert calls["fused"] == calls["fused attention"]
+    assert (calls["fused attention"] > 0) == (family in QK_NORM)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     assert integration.unpatch(model) is model and not integration.is_patched(model)
@@ -150,7 +200,7 @@ def test_bf16_logits():
     integration.patch(model)
     got, n = logits(model, batches)
     integration.unpatch(model)
-    assert n == 4
+    assert n == OPS
     torch.testing.assert_close(got[0].float(), want[0].float(), rtol=2e-2, atol=2e-2)
 
 
@@ -191,11 +241,11 @@ def test_patch_is_per_model():
     try:
         _, n_other = logits(other, batches)
         _, n_patched = logits(patched, batches)
-        assert (n_other, n_patched) == (0, 4)
+        assert (n_other, n_patched) == (0, OPS)
         second = build("llama")
         integration.patch(second)
         integration.unpatch(patched)  # the family stays routed for `second`
-        assert logits(second, batches)[1] == 4 and logits(patched, batches)[1] == 0
+        assert logits(second, batches)[1] == OPS and logits(patched, batches)[1] == 0
         integration.unpatch(second)
     finally:
         integration.unpatch(patched)
@@ -206,7 +256,7 @@ def test_patch_twice_and_unpatch_unpatched_are_harmless():
     model = build("qwen2")
     integration.patch(model)
     integration.patch(model)
-    assert logits(model, inputs("qwen2"))[1] == 4  # one layer of wrapping, not two
+    assert logits(model, inputs("qwen2"))[1] == OPS  # one layer of wrapping, not two
     integration.unpatch(model)
     integration.unpatch(model)
     assert logits(model, inputs("qwen2"))[1] == 0
@@ -221,7 +271,7 @@ def test_patch_and_unpatch_follow_an_instance_forward_installed_before():
     want, _ = logits(model, batches)
     integration.patch(model)
     got, n = logits(model, batches)
-    assert n == 4  # the bound forward now runs the patched class's forward
+    assert n == OPS  # the bound forward now runs the patched class's forward
     assert attention.__dict__["forward"].__func__ is type(attention).forward
     integration.unpatch(model)
     assert attention.__dict__["forward"].__func__ is original
@@ -292,12 +342,12 @@ def test_deepcopy_of_a_patched_model_runs_its_own_weights():
     assert integration.is_patched(clone)
     got, n = logits(clone, batches)
     want, _ = logits(reference, batches)
-    assert n == 4
+    assert n == OPS
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
     assert torch.equal(logits(model, batches)[0][0], before[0])  # the original is untouched
     integration.unpatch(clone)
     assert integration.is_patched(model) and not integration.is_patched(clone)
-    assert logits(clone, batches)[1] == 0 and logits(model, batches)[1] == 4
+    assert logits(clone, batches)[1] == 0 and logits(model, batches)[1] == OPS
 
 
 def test_torch_save_and_load_of_a_whole_patched_model(tmp_path):
@@ -309,7 +359,7 @@ def test_torch_save_and_load_of_a_whole_patched_model(tmp_path):
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
     assert integration.is_patched(loaded)
     got, n = logits(loaded, batches)
-    assert n == 4 and torch.equal(got[0], want[0])
+    assert n == OPS and torch.equal(got[0], want[0])
     integration.unpatch(loaded)
     assert logits(loaded, batches)[1] == 0
 
@@ -351,7 +401,7 @@ def test_state_dict_round_trips_between_patched_and_unpatched():
     assert patched.state_dict().keys() == source.state_dict().keys()
     patched.load_state_dict(source.state_dict())
     got, n = logits(patched, batches)
-    assert n == 4
+    assert n == OPS
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
     back = build("phi3")
     back.load_state_dict(patched.state_dict())
@@ -379,10 +429,21 @@ def test_torch_compile_fullgraph(family):
     torch._dynamo.reset()
     backend = GraphOps()
     compiled = torch.compile(model, fullgraph=True, backend=backend)
-    with torch.no_grad():
-        got = compiled(input_ids=ids).logits
-    torch._dynamo.reset()
-    assert sum(t.startswith("rope.") for t in backend.targets) == 4, backend.targets
+    api, traced = qk_norm.qk_norm_rope, []
+    qk_norm.qk_norm_rope = lambda *a, **k: traced.append(1) or api(*a, **k)
+    try:
+        with torch.no_grad():
+            got = compiled(input_ids=ids).logits
+    finally:
+        qk_norm.qk_norm_rope = api
+        torch._dynamo.reset()
+    rope_ops = [t for t in backend.targets if t.startswith("rope.")]
+    if family in QK_NORM:  # the fused op, traced once per layer
+        assert len(traced) == 2
+        if hasattr(torch.ops.rope, "qk_norm_rope"):
+            assert rope_ops == ["rope.qk_norm_rope.default"] * 2, rope_ops
+    else:
+        assert len(rope_ops) == 4 and not traced, backend.targets  # q and k of 2 layers
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -406,7 +467,7 @@ def test_hooks_installed_after_patch_keep_working():
     attention.forward = functools.update_wrapper(functools.partial(new_forward, attention),
                                                  attention._old_forward)
     got, n = logits(model, batches)
-    assert n == 4 and seen == ["instance forward", "hook"] * len(batches)
+    assert n == OPS and seen == ["instance forward", "hook"] * len(batches)
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
     installed = attention.__dict__["forward"]
     integration.unpatch(model)

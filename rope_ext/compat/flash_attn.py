@@ -59,6 +59,8 @@ def _rows_view(table, rows, head_dims):
     """float32_table(table[rows]) as (1, seqlen, 1 x head_dims, rotary_dim / 2), broadcasting
     over the batch and the heads; a float32 table in one view op (a call at decode sizes costs
     about as much per tensor op as the rotation itself)."""
+    if torch.compiler.is_compiling():  # a traced graph has no storage offsets
+        return float32_table(table[rows])[(None, slice(None)) + (None,) * head_dims]
     offset = rows.start
     if table.dtype in (torch.float16, torch.bfloat16):
         table, offset = table[rows].float(), 0

@@ -75,12 +75,21 @@ def _fast_path(q, k, cos, sin, unsqueeze_dim):
         return None
     # cos.unsqueeze(unsqueeze_dim)[..., :rot // 2] in one view op (the op costs most per tensor
     # at these sizes; a fresh as_strided view is its cheapest argument).
+    if torch.compiler.is_compiling():
+        # A traced graph has no storage offsets, and no per-call cost for a copy to save.
+        c = float32_table(cos.unsqueeze(unsqueeze_dim)[..., : rot // 2])
+        s = float32_table(sin.unsqueeze(unsqueeze_dim)[..., : rot // 2])
+        return ops.apply(q, c, s, False), ops.apply(k, c, s, False)
     (b, t, _), (sb, st, sd) = cos.shape, cos.stride()
     size, stride = ((b, 1, t, rot // 2), (sb, 0, st, sd)) if unsqueeze_dim == 1 else \
         ((b, t, 1, rot // 2), (sb, st, 0, sd))
     c = cos.as_strided(size, stride, cos.storage_offset())
     s = sin.as_strided(size, stride, sin.storage_offset()) if sin.stride() == cos.stride() else \
         sin.unsqueeze(unsqueeze_dim)[..., : rot // 2]
+    return _rotate_both(q, k, c, s, unsqueeze_dim)
+
+
+def _rotate_both(q, k, c, s, unsqueeze_dim):
     q_shape, k_shape = q.shape, k.shape
     if (q.numel() + k.numel() <= ONE_CALL_NUMEL
             and q_shape[:unsqueeze_dim] == k_shape[:unsqueeze_dim]

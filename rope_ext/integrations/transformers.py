@@ -33,6 +33,7 @@ import types
 import torch
 
 from ..compat import transformers as hf
+from . import _qk_norm
 
 
 class UnsupportedModelError(ValueError, NotImplementedError):
@@ -126,6 +127,10 @@ FAMILIES = {
     "gemma": ("gemma.modeling_gemma", _ROTATE_HALF),
     "gemma2": ("gemma2.modeling_gemma2", _ROTATE_HALF),
     "gemma3_text": ("gemma3.modeling_gemma3", _ROTATE_HALF),
+    "qwen3_next": ("qwen3_next.modeling_qwen3_next", _ROTATE_HALF),
+    "qwen3_5_text": ("qwen3_5.modeling_qwen3_5", _ROTATE_HALF),  # transformers >= 5
+    "qwen3_5_moe_text": ("qwen3_5_moe.modeling_qwen3_5_moe", _ROTATE_HALF),  # transformers >= 5
+    "glm4_moe": ("glm4_moe.modeling_glm4_moe", _ROTATE_HALF),
     "phi3": ("phi3.modeling_phi3", _ROTATE_HALF),
     "phi": ("phi.modeling_phi", _ROTATE_HALF),
     "gpt_neox": ("gpt_neox.modeling_gpt_neox", _ROTATE_HALF),
@@ -200,44 +205,61 @@ def _renamed_code(code, renames):
     return code.replace(co_names=tuple(renames.get(n, n) for n in code.co_names), co_consts=consts)
 
 
-def _cell(value):
-    return types.CellType(value)
-
-
-def _rebuilt(fn, renames):
-    """A copy of function `fn` whose global reads of the names in `renames` read the new names
-    instead. fn may be a decorator's wrapper (functools.wraps, the wrapped function in one of
-    its closure cells, as transformers' deprecate_kwarg makes them): the wrapper is rebuilt
-    around the renamed function."""
+def _rebuilt(fn, make):
+    """A copy of function `fn` with its code made by `make(plain function)`. fn may be a
+    decorator's wrapper (functools.wraps, the wrapped function in one of its closure cells, as
+    transformers' deprecate_kwarg makes them): the wrapper is rebuilt around the new function."""
     inner = getattr(fn, "__wrapped__", None)
-    if inner is not None:
-        new_inner = _rebuilt(inner, renames)
-        cells, found = [], False
-        for cell in fn.__closure__ or ():
-            try:
-                held = cell.cell_contents
-            except ValueError:  # an empty cell
-                held = None
-            if held is inner:
-                cells.append(_cell(new_inner))
-                found = True
-            else:
-                cells.append(cell)
-        if not found:
-            raise UnsupportedModelError(
-                f"rope_ext.integrations.transformers.patch: {fn.__qualname__} wraps its forward in "
-                "a way rope_ext cannot rebuild; not patchable")
-        code, closure = fn.__code__, tuple(cells)
-    else:
-        code, closure = _renamed_code(fn.__code__, renames), fn.__closure__
+    if inner is None:
+        return make(fn)
+    new_inner = _rebuilt(inner, make)
+    cells, found = [], False
+    for cell in fn.__closure__ or ():
+        try:
+            held = cell.cell_contents
+        except ValueError:  # an empty cell
+            held = None
+        if held is inner:
+            cells.append(types.CellType(new_inner))
+            found = True
+        else:
+            cells.append(cell)
+    if not found:
+        raise UnsupportedModelError(
+            f"rope_ext.integrations.transformers.patch: {fn.__qualname__} wraps its forward in "
+            "a way rope_ext cannot rebuild; not patchable")
+    new = _copy_function(fn, fn.__code__, tuple(cells))
+    new.__wrapped__ = new_inner
+    return new
+
+
+def _copy_function(fn, code, closure):
     new = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, closure)
     new.__kwdefaults__ = fn.__kwdefaults__
     new.__dict__.update(fn.__dict__)
     new.__qualname__, new.__doc__, new.__module__ = fn.__qualname__, fn.__doc__, fn.__module__
     new.__annotations__ = dict(getattr(fn, "__annotations__", {}))
-    if inner is not None:
-        new.__wrapped__ = new_inner
     return new
+
+
+def _renaming(renames):
+    """make() for _rebuilt: the function's global reads of `renames` read the new names."""
+    return lambda fn: _copy_function(fn, _renamed_code(fn.__code__, renames), fn.__closure__)
+
+
+def _fusing(rope_name):
+    """make() for _rebuilt: q_norm / k_norm fused into the RoPE call (integrations/_qk_norm)."""
+    def make(fn):
+        new = _qk_norm.rewritten_forward(fn, rope_name)
+        if new is None:
+            raise _NotFusable
+        return new
+
+    return make
+
+
+class _NotFusable(Exception):
+    pass
 
 
 def _rope_calls(cls, modeling, functions):
@@ -256,47 +278,63 @@ class _PatchedAttention:
     """Marks the classes patch() makes (each `type(name, (original, _PatchedAttention))`)."""
 
     __slots__ = ()
-    _rope_ext_spec = None  # (original class, the RoPE function names), set on each subclass
+    _rope_ext_spec = None  # (original class, RoPE function names, fused), set on each subclass
 
     def __reduce_ex__(self, protocol):
         # Pickle (torch.save) and deepcopy name the object's class; a class made at run time is
-        # named by what rebuilds it: the original class (pickled by reference) and the names.
+        # named by what rebuilds it: the original class (pickled by reference) and the spec.
         reduced = super().__reduce_ex__(protocol)
         return (_new_patched, self._rope_ext_spec) + tuple(reduced[2:])
 
 
-_classes = {}  # (original class, names) -> patched class
+_classes = {}  # (original class, names, fused) -> patched class, or None: cannot be fused
 
 
-def _patched_class(original, names):
+def _patched_class(original, names, fused=False):
     """The patched subclass of `original` (made once), after checking that the functions `names`
-    of its modeling module, as they are now, compute what their replacements do."""
-    key = (original, tuple(names))
+    of its modeling module, as they are now, compute what their replacements do. fused: q_norm
+    and k_norm fused into the RoPE call; None if the forward is not of a shape that allows it."""
+    key = (original, tuple(names), fused)
     modeling = importlib.import_module(inspect.unwrap(original.forward).__module__)
     functions = _functions_of(modeling)
     for name in names:
         replacement, probe = functions[name]
         _verify(modeling, name, replacement, probe)
-    renames = {name: _PREFIX + name for name in names}
     with _lock:
-        patched = _classes.get(key)
-        if patched is not None:
-            return patched
-        for name in names:
-            setattr(modeling, _PREFIX + name, functions[name][0])
+        if key in _classes:
+            return _classes[key]
+        if fused:
+            (rope_name,) = names
+            try:
+                forward = _rebuilt(original.forward, _fusing(rope_name))
+            except _NotFusable:
+                _classes[key] = None
+                return None
+            setattr(modeling, _qk_norm.FUSED_NAME, _qk_norm.qk_norm_rope_call)
+        else:
+            for name in names:
+                setattr(modeling, _PREFIX + name, functions[name][0])
+            forward = _rebuilt(original.forward, _renaming({n: _PREFIX + n for n in names}))
         namespace = {"__slots__": (), "__module__": original.__module__,
                      "__qualname__": original.__qualname__, "__doc__": original.__doc__,
-                     "forward": _rebuilt(original.forward, renames),
-                     "_rope_ext_spec": key}
+                     "forward": forward, "_rope_ext_spec": key}
         patched = type(original)(original.__name__, (original, _PatchedAttention), namespace)
         _classes[key] = patched
     return patched
 
 
-def _new_patched(original, names):
+def _new_patched(original, names, fused=False):
     """An empty instance of the patched subclass of `original` (unpickling, deepcopy)."""
-    cls = _patched_class(original, names)
+    cls = _patched_class(original, names, fused)
     return cls.__new__(cls)
+
+
+def _fused_class(module, names, functions):
+    """The fused patched class for `module`, or None (patch RoPE only)."""
+    if (names != ("apply_rotary_pos_emb",) or functions[names[0]][0] is not hf.apply_rotary_pos_emb
+            or _qk_norm.qk_norm_api() is None or not _qk_norm.fusable_norms(module)):
+        return None
+    return _patched_class(type(module), names, fused=True)
 
 
 _functions_by_module = {}  # modeling module name -> {function name: (replacement, probe)}
@@ -367,7 +405,8 @@ def patch(model):
             f"{type(model).__name__} calling {' or '.join(functions)} of {modeling.__name__}; "
             "nothing to patch")
     # Every class is built (and its functions checked) before any module changes class.
-    classes = [_patched_class(type(m), names) for m, names in targets]
+    classes = [_fused_class(m, names, functions) or _patched_class(type(m), names)
+               for m, names in targets]
     for (m, _), cls in zip(targets, classes):
         _rebind(m, cls.__bases__[0].forward, cls.forward)
         m.__class__ = cls
