@@ -488,3 +488,65 @@ def test_unpatch_removes_only_what_patch_added():
     integration.unpatch(model)
     assert {name: type(m) for name, m in model.named_modules()} == classes
     assert {name: dict(m.__dict__) for name, m in model.named_modules()} == attrs
+
+
+# ---- the QK-norm families on the fused op: generation and training as unpatched ----
+
+QK_NORM_TEXT = sorted(f for f in QK_NORM if f in FAMILIES and f not in VL)
+
+
+@pytest.mark.parametrize("family", QK_NORM_TEXT)
+def test_qk_norm_families_generate_the_same_tokens(family):
+    model = perturbed(build(family), 3)  # norm weights away from their initial 1 (or 0)
+    ids = torch.randint(10, 128, (2, 6))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, **kw)
+    integration.patch(model)
+    assert any(getattr(type(m), "_rope_ext_spec", (0, 0, False))[2] for m in model.modules())
+    got = model.generate(ids, **kw)
+    integration.unpatch(model)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("family", QK_NORM_TEXT)
+def test_qk_norm_families_same_gradients(family):
+    model = perturbed(build(family), 4).train()
+    ids = torch.randint(0, 128, (2, 10))
+
+    def grads():
+        model.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want = grads()
+    integration.patch(model)
+    _, _, calls = patched_calls(model, [dict(input_ids=ids)])  # the fused path runs
+    assert calls["fused"] == calls["fused attention"] > 0
+    got = grads()
+    integration.unpatch(model)
+    assert got.keys() == want.keys()
+    assert any("q_norm" in n for n in want)  # the norms' weights get their gradients too
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6)
+
+
+def test_qk_norm_bf16_logits():
+    model = perturbed(build("qwen3"), 5).to(torch.bfloat16)
+    batches = inputs("qwen3")
+    want, _ = logits(model, batches)
+    integration.patch(model)
+    got, _, calls = patched_calls(model, batches)
+    integration.unpatch(model)
+    assert calls["fused"] == 2
+    # transformers rounds the normalized value to bf16 before the weight and again after RoPE;
+    # the fused op rounds once.
+    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=3e-2, atol=3e-2)
+
+
+def test_olmo2_norms_over_all_heads_are_not_fused():
+    model = build("olmo2")
+    integration.patch(model)
+    specs = [type(m)._rope_ext_spec for m in model.modules() if integration.is_patched(m)
+             and getattr(type(m), "_rope_ext_spec", None)]
+    integration.unpatch(model)
+    assert specs and not any(spec[2] for spec in specs)
