@@ -64,7 +64,9 @@ clean:
 HF5_VENV  := .venv-hf5
 HF5_PY    := $(HF5_VENV)/bin/python
 HF5_DEPS  := $(HF5_VENV)/.deps-installed
-HF5_TESTS  = $(shell grep -lE 'importorskip\(.(transformers|diffusers).\)|^(import|from) (transformers|diffusers)\b' tests/test_*.py)
+# tests/test_config.py is left out: its comparisons call transformers 4's internal rotary APIs
+# (the rotary modules' signatures and helpers that transformers 5 changed).
+HF5_TESTS  = $(filter-out tests/test_config.py,$(shell grep -lE 'importorskip\(.(transformers|diffusers).\)|^(import|from) (transformers|diffusers)\b' tests/test_*.py))
 
 .PHONY: hf5-venv hf5-test
 
