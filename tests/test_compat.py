@@ -41,13 +41,17 @@ def cos_sin_cache(max_pos, rot, dtype=torch.float32):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("unsqueeze_dim", [1, 2])
 @pytest.mark.parametrize("rot_frac", [1.0, 0.5])
-def test_hf_apply_rotary_pos_emb(dtype, unsqueeze_dim, rot_frac):
+@pytest.mark.parametrize("one_call", [True, False])  # q and k rotated in one call, or one each
+def test_hf_apply_rotary_pos_emb(dtype, unsqueeze_dim, rot_frac, one_call, monkeypatch):
+    monkeypatch.setattr(hf, "ONE_CALL_NUMEL", 1 << 30 if one_call else 0)
     B, S, Hq, Hk, D = 2, 7, 4, 2, 32
     rot = int(D * rot_frac)
     position_ids = torch.randint(0, 200, (B, S))
     cos, sin = peers.hf_cos_sin(position_ids, rot, dtype=dtype)
     shape = (lambda h: (B, h, S, D)) if unsqueeze_dim == 1 else (lambda h: (B, S, h, D))
     q, k = torch.randn(shape(Hq), dtype=dtype), torch.randn(shape(Hk), dtype=dtype)
+    if one_call:  # transformers' q and k are transposed views of the projections
+        q = torch.randn(shape(Hq)[::-1], dtype=dtype).permute(3, 2, 1, 0)
     q0, k0 = q.clone(), k.clone()
     got = hf.apply_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim=unsqueeze_dim)
     want = peers.hf_apply_rotary_pos_emb(*f64(q, k, cos, sin), unsqueeze_dim=unsqueeze_dim)
@@ -96,7 +100,9 @@ def test_hf_gradients(rot):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-def test_hf_gradients_without_table_grads():
+@pytest.mark.parametrize("one_call", [True, False])
+def test_hf_gradients_without_table_grads(one_call, monkeypatch):
+    monkeypatch.setattr(hf, "ONE_CALL_NUMEL", 1 << 30 if one_call else 0)
     q = torch.randn(2, 3, 4, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, 1, 4, 8, dtype=torch.float64, requires_grad=True)
     cos, sin = peers.hf_cos_sin(torch.randint(0, 50, (2, 4)), 8, dtype=torch.float64)

@@ -2,7 +2,9 @@
 rope_ext's ops and unpatch(model) undoes it. Tiny randomly initialised models built from config
 (no downloads): the patched model must give the unpatched model's logits, run rope ops (counted
 at the dispatcher, so a silent no-op fails), touch no other model, and unpatch must restore
-transformers' code exactly.
+transformers' code exactly. A patched model must survive what users do with models: deepcopy,
+torch.save / torch.load, state_dict round trips, torch.compile(fullgraph=True), hooks.
+The same tests run under transformers 4 and 5 (`make hf5-test`).
 
 Tolerance: in float32 the native kernel computes each output as x1*c - x2*s, rounding like
 transformers' q*cos + rotate_half(q)*sin, so the logits agree to ~1 ulp (we allow 1e-5 relative);
@@ -16,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
+from rope_ext import qk_norm  # noqa: E402
 from rope_ext.integrations import transformers as integration  # noqa: E402
 
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -35,6 +38,7 @@ def vl_model(config_cls, model_cls, vision, text=None):
 
 
 T = transformers
+HF5 = int(transformers.__version__.split(".")[0]) >= 5
 FAMILIES = {
     "llama": causal_lm(T.LlamaConfig(**BASE)),
     "mistral": causal_lm(T.MistralConfig(**BASE)),
@@ -48,6 +52,15 @@ FAMILIES = {
                                             moe_intermediate_size=32)),
     "gemma": causal_lm(T.GemmaConfig(**BASE, head_dim=16)),
     "gemma2": causal_lm(T.Gemma2Config(**BASE, head_dim=16)),
+    "gemma3_text": causal_lm(T.Gemma3TextConfig(**BASE, head_dim=16)),
+    "qwen3_next": causal_lm(T.Qwen3NextConfig(  # a linear-attention and a full-attention layer
+        **BASE, head_dim=16, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"],
+        linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8)),
+    "glm4_moe": causal_lm(T.Glm4MoeConfig(**BASE, head_dim=16, use_qk_norm=True, n_routed_experts=2,
+                                          num_experts_per_tok=1, moe_intermediate_size=32,
+                                          first_k_dense_replace=1, n_group=1, topk_group=1)),
     "phi3": causal_lm(T.Phi3Config(**BASE, partial_rotary_factor=0.5, pad_token_id=0)),  # partial
     "phi": causal_lm(T.PhiConfig(**BASE, partial_rotary_factor=0.5)),
     "gpt_neox": causal_lm(T.GPTNeoXConfig(**BASE, rotary_pct=0.25)),  # partial rotary
@@ -71,7 +84,17 @@ FAMILIES = {
                          text=dict(BASE, head_dim=16, rope_scaling=dict(
                              rope_type="default", mrope_section=[2, 3, 3], mrope_interleaved=True))),
 }
+if HF5:
+    FAMILIES["qwen3_5_text"] = causal_lm(T.Qwen3_5TextConfig(**BASE, head_dim=16, layer_types=[
+        "linear_attention", "full_attention"], linear_num_value_heads=2, linear_num_key_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8))
 VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# The families that normalize q and k per head right before RoPE: patched onto the fused op.
+QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "qwen3_next", "glm4_moe", "qwen3_5_text",
+           "qwen3_vl"}
+# rope ops of one batch through a 2-layer model of a family without QK norms: at these sizes
+# compat.transformers rotates q and k in one call (ONE_CALL_NUMEL).
+OPS = 2
 
 
 class RopeOps(TorchDispatchMode):
@@ -99,9 +122,11 @@ def inputs(family):
     # that runs the vision tower's RoPE too.
     image_ids = torch.randint(10, 128, (1, 12))
     image_ids[0, 2], image_ids[0, 3:7], image_ids[0, 7] = 7, 5, 8
-    return [dict(input_ids=ids, position_ids=torch.randint(0, 100, (3, 2, 12))),
-            dict(input_ids=image_ids, pixel_values=torch.randn(16, 12),
-                 image_grid_thw=torch.tensor([[1, 4, 4]]))]
+    image = dict(input_ids=image_ids, pixel_values=torch.randn(16, 12),
+                 image_grid_thw=torch.tensor([[1, 4, 4]]))
+    if HF5:  # transformers 5 takes the image tokens' places from the processor's token types
+        image["mm_token_type_ids"] = (image_ids == 5).int()
+    return [dict(input_ids=ids, position_ids=torch.randint(0, 100, (3, 2, 12))), image]
 
 
 def logits(model, batches):
@@ -114,7 +139,34 @@ def logits(model, batches):
 def rope_functions(family):
     path, functions = integration.FAMILIES[family]
     module = __import__(f"transformers.models.{path}", fromlist=["_"])
-    return {name: getattr(module, name) for name in functions}
+    return {name: getattr(module, name) for name in functions if hasattr(module, name)}
+
+
+def patched_calls(model, batches):
+    """(logits, rope ops, calls of patched attention modules, of fused ones, of the fused op's
+    Python API): what ran rope_ext while the model ran on `batches`."""
+    calls = {"attention": 0, "fused attention": 0, "fused": 0}
+    handles = []
+    for m in model.modules():
+        spec = getattr(type(m), "_rope_ext_spec", None)
+        if spec is not None:
+            kind = "fused attention" if spec[2] else "attention"
+            handles.append(m.register_forward_pre_hook(
+                lambda *_, kind=kind: calls.__setitem__(kind, calls[kind] + 1)))
+    api = qk_norm.qk_norm_rope
+
+    def counted(*args, **kwargs):
+        calls["fused"] += 1
+        return api(*args, **kwargs)
+
+    qk_norm.qk_norm_rope = counted
+    try:
+        out, n = logits(model, batches)
+    finally:
+        qk_norm.qk_norm_rope = api
+        for h in handles:
+            h.remove()
+    return out, n, calls
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -125,9 +177,13 @@ def test_patched_model_same_logits(family):
     want, n_before = logits(model, batches)
     assert n_before == 0
     assert integration.patch(model) is model and integration.is_patched(model)
-    got, n_patched = logits(model, batches)
-    # q and k of each of the 2 text layers (and of the 1 vision block for the image batch).
-    assert n_patched == 2 * 2 * len(batches) + (2 if family in VL else 0)
+    got, n_patched, calls = patched_calls(model, batches)
+    # Every patched attention call ran rope_ext: its rope ops (q and k in one call or two), or
+    # the fused QK-norm + RoPE once per call, in exactly the families that normalize q and k.
+    assert calls["attention"] + calls["fused attention"] > 0
+    assert n_patched >= calls["attention"]
+    assert calls["fused"] == calls["fused attention"]
+    assert (calls["fused attention"] > 0) == (family in QK_NORM)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     assert integration.unpatch(model) is model and not integration.is_patched(model)
@@ -144,7 +200,7 @@ def test_bf16_logits():
     integration.patch(model)
     got, n = logits(model, batches)
     integration.unpatch(model)
-    assert n == 4
+    assert n == OPS
     torch.testing.assert_close(got[0].float(), want[0].float(), rtol=2e-2, atol=2e-2)
 
 
@@ -185,11 +241,11 @@ def test_patch_is_per_model():
     try:
         _, n_other = logits(other, batches)
         _, n_patched = logits(patched, batches)
-        assert (n_other, n_patched) == (0, 4)
+        assert (n_other, n_patched) == (0, OPS)
         second = build("llama")
         integration.patch(second)
         integration.unpatch(patched)  # the family stays routed for `second`
-        assert logits(second, batches)[1] == 4 and logits(patched, batches)[1] == 0
+        assert logits(second, batches)[1] == OPS and logits(patched, batches)[1] == 0
         integration.unpatch(second)
     finally:
         integration.unpatch(patched)
@@ -200,32 +256,35 @@ def test_patch_twice_and_unpatch_unpatched_are_harmless():
     model = build("qwen2")
     integration.patch(model)
     integration.patch(model)
-    assert logits(model, inputs("qwen2"))[1] == 4  # one layer of wrapping, not two
+    assert logits(model, inputs("qwen2"))[1] == OPS  # one layer of wrapping, not two
     integration.unpatch(model)
     integration.unpatch(model)
     assert logits(model, inputs("qwen2"))[1] == 0
 
 
-def test_unpatch_restores_an_existing_forward_override():
+def test_patch_and_unpatch_follow_an_instance_forward_installed_before():
     model = build("mistral")
+    batches = inputs("mistral")
     attention = model.model.layers[0].self_attn
-    hooked = attention.forward  # what e.g. accelerate's hooks install as an instance attribute
-    attention.forward = hooked
+    original = type(attention).forward
+    attention.forward = attention.forward  # a bound instance forward, as hooks install them
+    want, _ = logits(model, batches)
     integration.patch(model)
-    assert attention.forward is not hooked
+    got, n = logits(model, batches)
+    assert n == OPS  # the bound forward now runs the patched class's forward
+    assert attention.__dict__["forward"].__func__ is type(attention).forward
     integration.unpatch(model)
-    assert attention.__dict__["forward"] is hooked
+    assert attention.__dict__["forward"].__func__ is original
     assert "forward" not in model.model.layers[1].self_attn.__dict__
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
 
 
-def test_dropped_patched_model_releases_transformers_function():
+def test_patch_replaces_no_transformers_function():
     original = rope_functions("gemma")["apply_rotary_pos_emb"]
     model = build("gemma")
     integration.patch(model)
-    assert rope_functions("gemma")["apply_rotary_pos_emb"] is not original
-    del model
-    gc.collect()
     assert rope_functions("gemma")["apply_rotary_pos_emb"] is original
+    assert logits(build("gemma"), inputs("gemma"))[1] == 0  # another model of the family
 
 
 @pytest.mark.parametrize("config", [
@@ -258,3 +317,236 @@ def test_a_changed_transformers_function_is_refused(monkeypatch):
 def test_not_a_transformers_model_is_an_error():
     with pytest.raises(ValueError, match="has no config.model_type"):
         integration.patch(torch.nn.Linear(2, 2))
+
+
+# ---- a patched model under ordinary model handling ----
+
+def perturbed(model, seed):
+    """model with every parameter moved by a fixed random amount (in place), returned."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.05)
+    return model
+
+
+def test_deepcopy_of_a_patched_model_runs_its_own_weights():
+    import copy
+
+    model = build("llama")
+    batches = inputs("llama")
+    reference = perturbed(copy.deepcopy(model), 1)  # modified independently, never patched
+    integration.patch(model)
+    before, _ = logits(model, batches)
+    clone = perturbed(copy.deepcopy(model), 1)  # TRL's reference model is made this way
+    assert integration.is_patched(clone)
+    got, n = logits(clone, batches)
+    want, _ = logits(reference, batches)
+    assert n == OPS
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(logits(model, batches)[0][0], before[0])  # the original is untouched
+    integration.unpatch(clone)
+    assert integration.is_patched(model) and not integration.is_patched(clone)
+    assert logits(clone, batches)[1] == 0 and logits(model, batches)[1] == OPS
+
+
+def test_torch_save_and_load_of_a_whole_patched_model(tmp_path):
+    model = build("qwen2")
+    batches = inputs("qwen2")
+    integration.patch(model)
+    want, _ = logits(model, batches)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert integration.is_patched(loaded)
+    got, n = logits(loaded, batches)
+    assert n == OPS and torch.equal(got[0], want[0])
+    integration.unpatch(loaded)
+    assert logits(loaded, batches)[1] == 0
+
+
+def test_a_saved_patched_model_loads_in_a_fresh_process(tmp_path):
+    # The patched classes are made at run time: loading must rebuild them where none exists yet.
+    import os
+    import subprocess
+    import sys
+
+    model = build("gemma2")
+    integration.patch(model)
+    ids = torch.randint(10, 128, (2, 12))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    torch.save({"model": model, "ids": ids, "want": want}, tmp_path / "saved.pt")
+    script = (
+        "import sys, torch\n"
+        f"saved = torch.load({str(tmp_path / 'saved.pt')!r}, weights_only=False)\n"
+        "from rope_ext.integrations import transformers as integration\n"
+        "model = saved['model']\n"
+        "assert integration.is_patched(model)\n"
+        "with torch.no_grad():\n"
+        "    got = model(input_ids=saved['ids']).logits\n"
+        "assert torch.equal(got, saved['want']), (got - saved['want']).abs().max()\n"
+        "print('ok')\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                         cwd=str(tmp_path), timeout=600)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+
+
+def test_state_dict_round_trips_between_patched_and_unpatched():
+    batches = inputs("phi3")
+    source = perturbed(build("phi3"), 2)
+    want, _ = logits(source, batches)
+    patched = integration.patch(build("phi3"))
+    assert patched.state_dict().keys() == source.state_dict().keys()
+    patched.load_state_dict(source.state_dict())
+    got, n = logits(patched, batches)
+    assert n == OPS
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    back = build("phi3")
+    back.load_state_dict(patched.state_dict())
+    assert torch.equal(logits(back, batches)[0][0], want[0])
+
+
+class GraphOps:
+    """A torch.compile backend that records the ops of the graphs it is given, then runs them."""
+
+    def __init__(self):
+        self.targets = []
+
+    def __call__(self, gm, example_inputs):
+        self.targets += [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        return gm.forward
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_torch_compile_fullgraph(family):
+    model = build(family)
+    ids = torch.randint(10, 128, (2, 12))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    integration.patch(model)
+    torch._dynamo.reset()
+    backend = GraphOps()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    api, traced = qk_norm.qk_norm_rope, []
+    qk_norm.qk_norm_rope = lambda *a, **k: traced.append(1) or api(*a, **k)
+    try:
+        with torch.no_grad():
+            got = compiled(input_ids=ids).logits
+    finally:
+        qk_norm.qk_norm_rope = api
+        torch._dynamo.reset()
+    rope_ops = [t for t in backend.targets if t.startswith("rope.")]
+    if family in QK_NORM:  # the fused op, traced once per layer
+        assert len(traced) == 2
+        if hasattr(torch.ops.rope, "qk_norm_rope"):
+            assert rope_ops == ["rope.qk_norm_rope.default"] * 2, rope_ops
+    else:
+        assert len(rope_ops) == 4 and not traced, backend.targets  # q and k of 2 layers
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_hooks_installed_after_patch_keep_working():
+    import functools
+
+    model = build("llama")
+    batches = inputs("llama")
+    want, _ = logits(model, batches)
+    integration.patch(model)
+    attention = model.model.layers[0].self_attn
+    seen = []
+    handle = attention.register_forward_hook(lambda m, args, out: seen.append("hook"))
+
+    # accelerate's add_hook_to_module: the bound forward kept, a new instance forward around it.
+    def new_forward(module, *args, **kwargs):
+        seen.append("instance forward")
+        return module._old_forward(*args, **kwargs)
+
+    attention._old_forward = attention.forward
+    attention.forward = functools.update_wrapper(functools.partial(new_forward, attention),
+                                                 attention._old_forward)
+    got, n = logits(model, batches)
+    assert n == OPS and seen == ["instance forward", "hook"] * len(batches)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    installed = attention.__dict__["forward"]
+    integration.unpatch(model)
+    assert attention.__dict__["forward"] is installed  # unpatch leaves what others installed
+    seen.clear()
+    again, n = logits(model, batches)
+    assert n == 0 and seen == ["instance forward", "hook"] * len(batches)
+    assert torch.equal(again[0], want[0])
+    handle.remove()
+
+
+def test_unpatch_removes_only_what_patch_added():
+    model = build("qwen3_moe")
+    attrs = {name: dict(m.__dict__) for name, m in model.named_modules()}
+    classes = {name: type(m) for name, m in model.named_modules()}
+    integration.patch(model)
+    assert {name: dict(m.__dict__) for name, m in model.named_modules()} == attrs
+    integration.unpatch(model)
+    assert {name: type(m) for name, m in model.named_modules()} == classes
+    assert {name: dict(m.__dict__) for name, m in model.named_modules()} == attrs
+
+
+# ---- the QK-norm families on the fused op: generation and training as unpatched ----
+
+QK_NORM_TEXT = sorted(f for f in QK_NORM if f in FAMILIES and f not in VL)
+
+
+@pytest.mark.parametrize("family", QK_NORM_TEXT)
+def test_qk_norm_families_generate_the_same_tokens(family):
+    model = perturbed(build(family), 3)  # norm weights away from their initial 1 (or 0)
+    ids = torch.randint(10, 128, (2, 6))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, **kw)
+    integration.patch(model)
+    assert any(getattr(type(m), "_rope_ext_spec", (0, 0, False))[2] for m in model.modules())
+    got = model.generate(ids, **kw)
+    integration.unpatch(model)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("family", QK_NORM_TEXT)
+def test_qk_norm_families_same_gradients(family):
+    model = perturbed(build(family), 4).train()
+    ids = torch.randint(0, 128, (2, 10))
+
+    def grads():
+        model.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want = grads()
+    integration.patch(model)
+    _, _, calls = patched_calls(model, [dict(input_ids=ids)])  # the fused path runs
+    assert calls["fused"] == calls["fused attention"] > 0
+    got = grads()
+    integration.unpatch(model)
+    assert got.keys() == want.keys()
+    assert any("q_norm" in n for n in want)  # the norms' weights get their gradients too
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6)
+
+
+def test_qk_norm_bf16_logits():
+    model = perturbed(build("qwen3"), 5).to(torch.bfloat16)
+    batches = inputs("qwen3")
+    want, _ = logits(model, batches)
+    integration.patch(model)
+    got, _, calls = patched_calls(model, batches)
+    integration.unpatch(model)
+    assert calls["fused"] == 2
+    # transformers rounds the normalized value to bf16 before the weight and again after RoPE;
+    # the fused op rounds once.
+    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=3e-2, atol=3e-2)
+
+
+def test_olmo2_norms_over_all_heads_are_not_fused():
+    model = build("olmo2")
+    integration.patch(model)
+    specs = [type(m)._rope_ext_spec for m in model.modules() if integration.is_patched(m)
+             and getattr(type(m), "_rope_ext_spec", None)]
+    integration.unpatch(model)
+    assert specs and not any(spec[2] for spec in specs)

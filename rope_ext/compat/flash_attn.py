@@ -29,7 +29,9 @@ def _tables(cos, sin):
         raise ValueError(f"cos and sin must be tables of one shape (seqlen_ro, rotary_dim / 2), got "
                          f"cos {list(cos.shape)} and sin {list(sin.shape)}")
     # flash-attn's Functions return no gradient for the tables.
-    return cos.detach(), sin.detach()
+    if cos.requires_grad or sin.requires_grad:
+        return cos.detach(), sin.detach()
+    return cos, sin
 
 
 def _offsets(seqlen_offsets, batch):
@@ -53,6 +55,21 @@ def _table_rows(cos, offsets, seqlen):
     return slice(offsets, offsets + seqlen)
 
 
+def _rows_view(table, rows, head_dims):
+    """float32_table(table[rows]) as (1, seqlen, 1 x head_dims, rotary_dim / 2), broadcasting
+    over the batch and the heads; a float32 table in one view op (a call at decode sizes costs
+    about as much per tensor op as the rotation itself)."""
+    if torch.compiler.is_compiling():  # a traced graph has no storage offsets
+        return float32_table(table[rows])[(None, slice(None)) + (None,) * head_dims]
+    offset = rows.start
+    if table.dtype in (torch.float16, torch.bfloat16):
+        table, offset = table[rows].float(), 0
+    seqlen = rows.stop - rows.start
+    (_, width), (s0, s1) = table.shape, table.stride()
+    return table.as_strided((1, seqlen) + (1,) * head_dims + (width,),
+                            (0, s0) + (0,) * head_dims + (s1,), table.storage_offset() + offset * s0)
+
+
 def _rotated(x, cos, sin, interleaved, seqlen_offsets):
     """Rotated copy of x (batch, seqlen, *heads, headdim): token s of sequence b at position
     s + seqlen_offsets[b] (or + seqlen_offsets)."""
@@ -62,8 +79,8 @@ def _rotated(x, cos, sin, interleaved, seqlen_offsets):
     if isinstance(offsets, int):
         # One row per sequence position: the table slice itself, no gather.
         rows = _table_rows(cos, offsets, seqlen)
-        index = (None, slice(None)) + heads
-        return ops.apply(x, float32_table(cos[rows])[index], float32_table(sin[rows])[index], interleaved)
+        return ops.apply(x, _rows_view(cos, rows, len(heads)), _rows_view(sin, rows, len(heads)),
+                         interleaved)
     positions = torch.arange(seqlen, device=x.device) + offsets.to(torch.int64)[:, None]
     positions = positions[(Ellipsis,) + heads[1:]].expand(x.shape[:-2])
     return ops.apply_positions(x, positions, cos, sin, interleaved, False, None, False)

@@ -15,7 +15,7 @@ reads it (two passes), so the tables' gradients are transformers' own, half by h
 
 import torch
 
-from ._layout import float32_table, rotate_pairs
+from ._layout import float32_table, ops, rotate_pairs
 
 
 def _table_grad(*tables):
@@ -54,6 +54,52 @@ def _rotate_half_style(tensors, cos, sin, dtypes):
     return tuple(out)
 
 
+# Up to this many elements of q and k together, one call rotates both: q and k are concatenated
+# along the heads dim (a copy, cheap at this size) and split again (views). At decode sizes the
+# op's fixed cost exceeds the copy's; above this, the copy costs more than a second call.
+ONE_CALL_NUMEL = 1 << 16
+
+
+def _fast_path(q, k, cos, sin, unsqueeze_dim):
+    """(q_embed, k_embed) for the common call, in as few tensor ops as possible: transformers'
+    layouts (batch, heads, seq, head_dim) or (batch, seq, heads, head_dim), tables (batch, seq,
+    rotary_dim) of q's dtype needing no gradient; None for anything else (the general path)."""
+    dtype = q.dtype
+    if (k.dtype != dtype or cos.dtype != dtype or sin.dtype != dtype or q.dim() != 4
+            or k.dim() != 4 or cos.dim() != 3 or unsqueeze_dim not in (1, 2)
+            or (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad))):
+        return None
+    rot, head_dim = cos.shape[-1], q.shape[-1]
+    if (sin.shape != cos.shape or rot % 2 or rot == 0 or rot > head_dim
+            or k.shape[-1] != head_dim):
+        return None
+    # cos.unsqueeze(unsqueeze_dim)[..., :rot // 2] in one view op (the op costs most per tensor
+    # at these sizes; a fresh as_strided view is its cheapest argument).
+    if torch.compiler.is_compiling():
+        # A traced graph has no storage offsets, and no per-call cost for a copy to save.
+        c = float32_table(cos.unsqueeze(unsqueeze_dim)[..., : rot // 2])
+        s = float32_table(sin.unsqueeze(unsqueeze_dim)[..., : rot // 2])
+        return ops.apply(q, c, s, False), ops.apply(k, c, s, False)
+    (b, t, _), (sb, st, sd) = cos.shape, cos.stride()
+    size, stride = ((b, 1, t, rot // 2), (sb, 0, st, sd)) if unsqueeze_dim == 1 else \
+        ((b, t, 1, rot // 2), (sb, st, 0, sd))
+    c = cos.as_strided(size, stride, cos.storage_offset())
+    s = sin.as_strided(size, stride, sin.storage_offset()) if sin.stride() == cos.stride() else \
+        sin.unsqueeze(unsqueeze_dim)[..., : rot // 2]
+    return _rotate_both(q, k, c, s, unsqueeze_dim)
+
+
+def _rotate_both(q, k, c, s, unsqueeze_dim):
+    q_shape, k_shape = q.shape, k.shape
+    if (q.numel() + k.numel() <= ONE_CALL_NUMEL
+            and q_shape[:unsqueeze_dim] == k_shape[:unsqueeze_dim]
+            and q_shape[unsqueeze_dim + 1:] == k_shape[unsqueeze_dim + 1:]):
+        both = ops.apply(torch.cat((q, k), unsqueeze_dim), c, s, False)
+        return both.split_with_sizes((q_shape[unsqueeze_dim], k_shape[unsqueeze_dim]), unsqueeze_dim)
+    c, s = float32_table(c), float32_table(s)
+    return ops.apply(q, c, s, False), ops.apply(k, c, s, False)
+
+
 def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """transformers' apply_rotary_pos_emb (Llama, Mistral, Qwen2/3, Gemma, Phi-3, GPT-NeoX, ...):
     returns (q_embed, k_embed) = (q * cos + rotate_half(q) * sin, likewise for k), with cos and sin
@@ -61,7 +107,11 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     2 for (batch, seq, heads, head_dim)). cos, sin: (batch, seq, rotary_dim) as transformers'
     rotary modules make them, halves equal. rotary_dim < head_dim rotates the first rotary_dim
     dims and passes the rest through, as the GPT-NeoX and Phi-3 versions do. position_ids:
-    unused, as in transformers. Differentiable w.r.t. q, k, cos and sin."""
+    unused, as in transformers. Differentiable w.r.t. q, k, cos and sin. At small sizes q_embed
+    and k_embed may be views of one tensor, as torch's split returns them."""
+    fast = _fast_path(q, k, cos, sin, unsqueeze_dim)
+    if fast is not None:
+        return fast
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     _check_width(q, cos, sin, "rotary_dim", "q")
     _check_width(k, cos, sin, "rotary_dim", "k")

@@ -5,30 +5,35 @@ popular:
     rope_ext.integrations.transformers.patch(model)     # RoPE now runs on rope_ext's ops
     rope_ext.integrations.transformers.unpatch(model)   # back to transformers' code
 
-What is patched: the RoPE function the family's attention modules call (the modeling module's
-`apply_rotary_pos_emb`, Qwen2-VL's `apply_multimodal_rotary_pos_emb` and vision
-`apply_rotary_pos_emb_vision`) is replaced by its rope_ext.compat.transformers twin, for this
-model only: its attention modules' `forward` (an instance attribute, removed by unpatch) marks
-the calls as theirs, and the module-level function, while any model of that family is patched,
-routes those calls to rope_ext and every other call to transformers' own function. Before the
-first patch of a family, the replacement is checked against transformers' function on random
-inputs, so a transformers release that changes the function is refused, not silently patched.
-A family not listed in FAMILIES raises UnsupportedModelError (a ValueError, and a
+What is patched: each attention module whose forward calls its modeling module's RoPE function
+(`apply_rotary_pos_emb`, Qwen2-VL's `apply_multimodal_rotary_pos_emb` and vision
+`apply_rotary_pos_emb_vision`) changes class, to a subclass of its own class whose forward is
+transformers' forward, the same code, with that one call resolved to its
+rope_ext.compat.transformers twin. Nothing else changes: no instance attribute is set, no
+transformers function is replaced (other models, patched or not, run transformers' code), and
+`unpatch` sets the original class back.
+
+So a patched model is an ordinary module tree: `copy.deepcopy` gives a patched copy running its
+own weights, `torch.save(model)` / `torch.load` round-trip it (the patched classes are rebuilt on
+load, see `_PatchedAttention.__reduce_ex__`), `torch.compile(fullgraph=True)` traces it, and hooks
+or instance `forward`s installed after `patch` (accelerate's) are left as they are by `unpatch`.
+
+Before the first patch of a family, the replacement is checked against transformers' function on
+random inputs, so a transformers release that changes the function is refused, not silently
+patched. A family not listed in FAMILIES raises UnsupportedModelError (a ValueError, and a
 NotImplementedError).
 """
 
-import contextvars
-import functools
+import dis
 import importlib
 import inspect
 import threading
-import weakref
+import types
 
 import torch
 
 from ..compat import transformers as hf
-
-_CALLER_PATCHED = contextvars.ContextVar("rope_ext_patched_attention", default=False)
+from . import _qk_norm
 
 
 class UnsupportedModelError(ValueError, NotImplementedError):
@@ -94,7 +99,10 @@ def _probe_vision(original, replacement):
 
 _ROTATE_HALF = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb, _probe_rotate_half)}
 _GPTJ = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_gptj, _probe_gptj)}
+# Transformers 5 dropped apply_multimodal_rotary_pos_emb: its Qwen2-VL rotary module mixes the
+# MRoPE sections itself and the attention calls the plain apply_rotary_pos_emb.
 _QWEN_VL = {
+    "apply_rotary_pos_emb": (hf.apply_rotary_pos_emb, _probe_rotate_half),
     "apply_multimodal_rotary_pos_emb": (hf.apply_multimodal_rotary_pos_emb, _probe_mrope),
     "apply_rotary_pos_emb_vision": (hf.apply_rotary_pos_emb_vision, _probe_vision),
 }
@@ -105,8 +113,9 @@ _QWEN3_VL = {
     "apply_rotary_pos_emb_vision": (hf.apply_rotary_pos_emb_vision, _probe_vision),
 }
 
-# model_type -> (modeling module under transformers.models, the functions patched there).
-# Each family is tested on a tiny model (tests/test_integrations.py).
+# model_type -> (modeling module under transformers.models, the functions patched there; those
+# a transformers version does not define or its attention does not call are skipped).
+# Each family is tested on a tiny model under transformers 4 and 5 (tests/test_integrations.py).
 FAMILIES = {
     "llama": ("llama.modeling_llama", _ROTATE_HALF),
     "mistral": ("mistral.modeling_mistral", _ROTATE_HALF),
@@ -117,6 +126,11 @@ FAMILIES = {
     "qwen3_moe": ("qwen3_moe.modeling_qwen3_moe", _ROTATE_HALF),
     "gemma": ("gemma.modeling_gemma", _ROTATE_HALF),
     "gemma2": ("gemma2.modeling_gemma2", _ROTATE_HALF),
+    "gemma3_text": ("gemma3.modeling_gemma3", _ROTATE_HALF),
+    "qwen3_next": ("qwen3_next.modeling_qwen3_next", _ROTATE_HALF),
+    "qwen3_5_text": ("qwen3_5.modeling_qwen3_5", _ROTATE_HALF),  # transformers >= 5
+    "qwen3_5_moe_text": ("qwen3_5_moe.modeling_qwen3_5_moe", _ROTATE_HALF),  # transformers >= 5
+    "glm4_moe": ("glm4_moe.modeling_glm4_moe", _ROTATE_HALF),
     "phi3": ("phi3.modeling_phi3", _ROTATE_HALF),
     "phi": ("phi.modeling_phi", _ROTATE_HALF),
     "gpt_neox": ("gpt_neox.modeling_gpt_neox", _ROTATE_HALF),
@@ -134,52 +148,13 @@ FAMILIES = {
 }
 
 
-# ---- the module-level dispatchers, installed while a model of the family is patched ----
-
 _lock = threading.Lock()
-_installed = {}  # (module name, function name) -> [dispatcher, original, number of patched models]
-_verified = set()  # (module name, function name, id(original)) whose probe passed
-_patches = weakref.WeakKeyDictionary()  # patched model -> its _Patch
+_verified = set()  # (module name, function name, id(function)) whose probe passed
 
 
-def _dispatcher(original, replacement):
-    @functools.wraps(original)
-    def dispatch(*args, **kwargs):
-        if _CALLER_PATCHED.get():
-            return replacement(*args, **kwargs)
-        return original(*args, **kwargs)
-
-    return dispatch
-
-
-def _acquire(module, name, replacement):
-    key = (module.__name__, name)
-    entry = _installed.get(key)
-    if entry is None:
-        original = getattr(module, name)
-        entry = _installed[key] = [_dispatcher(original, replacement), original, 0]
-        setattr(module, name, entry[0])
-    entry[2] += 1
-
-
-def _release(keys):
-    with _lock:
-        for key in keys:
-            entry = _installed[key]
-            entry[2] -= 1
-            if entry[2] == 0:
-                setattr(importlib.import_module(key[0]), key[1], entry[1])
-                del _installed[key]
-
-
-def _original(module, name):
-    entry = _installed.get((module.__name__, name))
-    return getattr(module, name) if entry is None else entry[1]
-
-
-def _verify(module, name, replacement, probe):
-    original = _original(module, name)
-    key = (module.__name__, name, id(original))
+def _verify(modeling, name, replacement, probe):
+    original = getattr(modeling, name)
+    key = (modeling.__name__, name, id(original))
     if key in _verified:
         return
     with torch.no_grad():
@@ -188,39 +163,196 @@ def _verify(module, name, replacement, probe):
         import transformers
 
         raise RuntimeError(
-            f"rope_ext.integrations.transformers.patch: {module.__name__}.{name} of transformers "
+            f"rope_ext.integrations.transformers.patch: {modeling.__name__}.{name} of transformers "
             f"{transformers.__version__} does not compute what its rope_ext replacement does; "
             "refusing to patch (please report it)")
     _verified.add(key)
 
 
-# ---- the attention modules ----
+# ---- the patched forward: transformers' code with its RoPE call resolved to rope_ext ----
 
-def _marking(forward):
-    @functools.wraps(forward)
-    def marked_forward(*args, **kwargs):
-        token = _CALLER_PATCHED.set(True)
+# The name under which a replacement is reachable from the modeling module's globals. The
+# patched forward keeps the module's own (live) globals, so everything else it looks up (the
+# attention interface, eager_attention_forward, a later monkeypatch of either) stays
+# transformers' own; only the renamed RoPE call differs.
+_PREFIX = "_rope_ext_"
+
+# Opcodes that read a global; anything else naming a RoPE function (an attribute of the same
+# name, a store) would change meaning when renamed, so such code is refused.
+_GLOBAL_READS = {"LOAD_GLOBAL"}
+
+
+def _code_names(code):
+    """The global names `code` (and the code nested in it) reads."""
+    names = set()
+    for inst in dis.get_instructions(code):
+        if inst.opname in _GLOBAL_READS:
+            names.add(inst.argval)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def _renamed_code(code, renames):
+    for inst in dis.get_instructions(code):
+        if inst.opcode in dis.hasname and inst.argval in renames and inst.opname not in _GLOBAL_READS:
+            raise UnsupportedModelError(
+                f"rope_ext.integrations.transformers.patch: {code.co_name} uses the name "
+                f"{inst.argval!r} other than as a global function; not patchable")
+    consts = tuple(_renamed_code(c, renames) if isinstance(c, types.CodeType) else c
+                   for c in code.co_consts)
+    return code.replace(co_names=tuple(renames.get(n, n) for n in code.co_names), co_consts=consts)
+
+
+def _rebuilt(fn, make):
+    """A copy of function `fn` with its code made by `make(plain function)`. fn may be a
+    decorator's wrapper (functools.wraps, the wrapped function in one of its closure cells, as
+    transformers' deprecate_kwarg makes them): the wrapper is rebuilt around the new function."""
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is None:
+        return make(fn)
+    new_inner = _rebuilt(inner, make)
+    cells, found = [], False
+    for cell in fn.__closure__ or ():
         try:
-            return forward(*args, **kwargs)
-        finally:
-            _CALLER_PATCHED.reset(token)
+            held = cell.cell_contents
+        except ValueError:  # an empty cell
+            held = None
+        if held is inner:
+            cells.append(types.CellType(new_inner))
+            found = True
+        else:
+            cells.append(cell)
+    if not found:
+        raise UnsupportedModelError(
+            f"rope_ext.integrations.transformers.patch: {fn.__qualname__} wraps its forward in "
+            "a way rope_ext cannot rebuild; not patchable")
+    new = _copy_function(fn, fn.__code__, tuple(cells))
+    new.__wrapped__ = new_inner
+    return new
 
-    return marked_forward
+
+def _copy_function(fn, code, closure):
+    new = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, closure)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__dict__.update(fn.__dict__)
+    new.__qualname__, new.__doc__, new.__module__ = fn.__qualname__, fn.__doc__, fn.__module__
+    new.__annotations__ = dict(getattr(fn, "__annotations__", {}))
+    return new
 
 
-def _calls(module_obj, modeling, names):
-    """Whether module_obj's class forward is code of `modeling` that calls one of `names`."""
-    fn = inspect.unwrap(type(module_obj).forward)
+def _renaming(renames):
+    """make() for _rebuilt: the function's global reads of `renames` read the new names."""
+    return lambda fn: _copy_function(fn, _renamed_code(fn.__code__, renames), fn.__closure__)
+
+
+def _fusing(rope_name):
+    """make() for _rebuilt: q_norm / k_norm fused into the RoPE call (integrations/_qk_norm)."""
+    def make(fn):
+        new = _qk_norm.rewritten_forward(fn, rope_name)
+        if new is None:
+            raise _NotFusable
+        return new
+
+    return make
+
+
+class _NotFusable(Exception):
+    pass
+
+
+def _rope_calls(cls, modeling, functions):
+    """The names of `functions` that cls.forward, code of `modeling`, calls (empty if none)."""
+    fn = inspect.unwrap(getattr(cls, "forward", None) or (lambda: None))
     code = getattr(fn, "__code__", None)
-    return (code is not None and getattr(fn, "__globals__", None) is vars(modeling)
-            and any(n in code.co_names for n in names))
+    if code is None or getattr(fn, "__globals__", None) is not vars(modeling):
+        return ()
+    used = _code_names(code)
+    return tuple(sorted(n for n in functions if n in used and hasattr(modeling, n)))
 
 
-class _Patch:
-    def __init__(self, modules):
-        self.modules = modules  # (module, its previous instance `forward` or None)
-        self.finalizer = None
+# ---- the patched classes ----
 
+class _PatchedAttention:
+    """Marks the classes patch() makes (each `type(name, (original, _PatchedAttention))`)."""
+
+    __slots__ = ()
+    _rope_ext_spec = None  # (original class, RoPE function names, fused), set on each subclass
+
+    def __reduce_ex__(self, protocol):
+        # Pickle (torch.save) and deepcopy name the object's class; a class made at run time is
+        # named by what rebuilds it: the original class (pickled by reference) and the spec.
+        reduced = super().__reduce_ex__(protocol)
+        return (_new_patched, self._rope_ext_spec) + tuple(reduced[2:])
+
+
+_classes = {}  # (original class, names, fused) -> patched class, or None: cannot be fused
+
+
+def _patched_class(original, names, fused=False):
+    """The patched subclass of `original` (made once), after checking that the functions `names`
+    of its modeling module, as they are now, compute what their replacements do. fused: q_norm
+    and k_norm fused into the RoPE call; None if the forward is not of a shape that allows it."""
+    key = (original, tuple(names), fused)
+    modeling = importlib.import_module(inspect.unwrap(original.forward).__module__)
+    functions = _functions_of(modeling)
+    for name in names:
+        replacement, probe = functions[name]
+        _verify(modeling, name, replacement, probe)
+    with _lock:
+        if key in _classes:
+            return _classes[key]
+        if fused:
+            (rope_name,) = names
+            try:
+                forward = _rebuilt(original.forward, _fusing(rope_name))
+            except _NotFusable:
+                _classes[key] = None
+                return None
+            setattr(modeling, _qk_norm.FUSED_NAME, _qk_norm.qk_norm_rope_call)
+        else:
+            for name in names:
+                setattr(modeling, _PREFIX + name, functions[name][0])
+            forward = _rebuilt(original.forward, _renaming({n: _PREFIX + n for n in names}))
+        namespace = {"__slots__": (), "__module__": original.__module__,
+                     "__qualname__": original.__qualname__, "__doc__": original.__doc__,
+                     "forward": forward, "_rope_ext_spec": key}
+        patched = type(original)(original.__name__, (original, _PatchedAttention), namespace)
+        _classes[key] = patched
+    return patched
+
+
+def _new_patched(original, names, fused=False):
+    """An empty instance of the patched subclass of `original` (unpickling, deepcopy)."""
+    cls = _patched_class(original, names, fused)
+    return cls.__new__(cls)
+
+
+def _fused_class(module, names, functions):
+    """The fused patched class for `module`, or None (patch RoPE only)."""
+    if (names != ("apply_rotary_pos_emb",) or functions[names[0]][0] is not hf.apply_rotary_pos_emb
+            or _qk_norm.qk_norm_api() is None or not _qk_norm.fusable_norms(module)):
+        return None
+    return _patched_class(type(module), names, fused=True)
+
+
+_functions_by_module = {}  # modeling module name -> {function name: (replacement, probe)}
+
+
+def _functions_of(modeling):
+    if not _functions_by_module:
+        for path, functions in FAMILIES.values():
+            _functions_by_module.setdefault(f"transformers.models.{path}", functions)
+    try:
+        return _functions_by_module[modeling.__name__]
+    except KeyError:
+        raise UnsupportedModelError(
+            f"rope_ext.integrations.transformers: {modeling.__name__} is no module rope_ext "
+            "patches") from None
+
+
+# ---- patch / unpatch ----
 
 def _model_type(model):
     config = getattr(model, "config", None)
@@ -232,12 +364,25 @@ def _model_type(model):
     return model_type
 
 
+# Instance attributes that hold the module's own forward as a bound method: an instance forward,
+# and accelerate's `_old_forward` (its hooks call it from the `forward` they install).
+_BOUND_FORWARDS = ("forward", "_old_forward")
+
+
+def _rebind(module, old, new):
+    """Points the instance attributes holding `old` bound to `module` to `new` bound to it, so
+    that a hook installed before patch (or before unpatch) calls the forward of the module's
+    class; any other instance attribute is left as it is."""
+    for name in _BOUND_FORWARDS:
+        held = module.__dict__.get(name)
+        if isinstance(held, types.MethodType) and held.__self__ is module and held.__func__ is old:
+            module.__dict__[name] = types.MethodType(new, module)
+
+
 def patch(model):
     """Routes `model`'s RoPE through rope_ext's ops; returns the model. Other models, patched or
     not, are unaffected. Patching a patched model does nothing. Raises UnsupportedModelError (a
     ValueError) for a family rope_ext cannot patch (see FAMILIES)."""
-    if model in _patches:
-        return model
     model_type = _model_type(model)
     if model_type not in FAMILIES:
         raise UnsupportedModelError(
@@ -246,43 +391,39 @@ def patch(model):
             f"model types: {', '.join(sorted(FAMILIES))}")
     path, functions = FAMILIES[model_type]
     modeling = importlib.import_module(f"transformers.models.{path}")
-    for name, (replacement, probe) in functions.items():
-        _verify(modeling, name, replacement, probe)
-    targets = [m for m in model.modules() if _calls(m, modeling, functions)]
-    if not targets:
+    targets, already = [], False
+    for m in model.modules():
+        if isinstance(m, _PatchedAttention):
+            already = True
+            continue
+        names = _rope_calls(type(m), modeling, functions)
+        if names:
+            targets.append((m, names))
+    if not targets and not already:
         raise UnsupportedModelError(
             f"rope_ext.integrations.transformers.patch: found no attention module of "
             f"{type(model).__name__} calling {' or '.join(functions)} of {modeling.__name__}; "
             "nothing to patch")
-    keys = [(modeling.__name__, name) for name in functions]
-    with _lock:
-        for name, (replacement, _) in functions.items():
-            _acquire(modeling, name, replacement)
-    record = _Patch([])
-    for m in targets:
-        record.modules.append((m, m.__dict__.get("forward")))
-        m.forward = _marking(m.forward)
-    # A patched model dropped without unpatch still releases the dispatchers.
-    record.finalizer = weakref.finalize(model, _release, keys)
-    _patches[model] = record
+    # Every class is built (and its functions checked) before any module changes class.
+    classes = [_fused_class(m, names, functions) or _patched_class(type(m), names)
+               for m, names in targets]
+    for (m, _), cls in zip(targets, classes):
+        _rebind(m, cls.__bases__[0].forward, cls.forward)
+        m.__class__ = cls
     return model
 
 
 def unpatch(model):
-    """Undoes patch(model): its attention modules get their own forward back, and transformers'
-    functions are restored once no model of the family is patched. Returns the model; a model
-    that is not patched is returned unchanged."""
-    record = _patches.pop(model, None)
-    if record is None:
-        return model
-    for m, previous in record.modules:
-        if previous is None:
-            del m.forward
-        else:
-            m.forward = previous
-    record.finalizer()  # releases the dispatchers now, once
+    """Undoes patch(model): its attention modules get their original classes back. Nothing else
+    is touched (hooks, instance attributes). Returns the model; a model that is not patched is
+    returned unchanged."""
+    for m in model.modules():
+        if isinstance(m, _PatchedAttention):
+            original = m._rope_ext_spec[0]
+            _rebind(m, type(m).forward, original.forward)
+            m.__class__ = original
     return model
 
 
 def is_patched(model):
-    return model in _patches
+    return any(isinstance(m, _PatchedAttention) for m in model.modules())

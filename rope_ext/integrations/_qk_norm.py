@@ -1,0 +1,271 @@
+"""Patched forwards that fuse per-head QK-RMSNorm with RoPE (Qwen3, Qwen3-MoE, Qwen3-Next and
+3.5, Gemma 3, GLM-4 MoE, ...): transformers' attention forward with its `self.q_norm(x)` and
+`self.k_norm(x)` calls dropped and its RoPE call replaced by rope_ext.qk_norm.qk_norm_rope, which
+normalizes and rotates q and k in one pass.
+
+The rewrite is made on the forward's source (ast), only when it has the one shape this fusion
+is right for: exactly one `self.q_norm(...)` and one `self.k_norm(...)` call, each the value
+(through view / transpose / reshape / contiguous only) last assigned to the name passed as q or
+k to the one RoPE call, under the same `if` conditions (passed to the fused call, which falls back
+to the plain rotation when they are false). Anything else is not rewritten, and the module is
+patched for RoPE only. The norm modules are checked on random inputs against the two RMSNorm
+forms the op computes (x * w and Gemma's x * (1 + w)), per norm class.
+"""
+
+import ast
+import inspect
+import textwrap
+import types
+
+import torch
+
+from ..compat import transformers as hf
+
+FUSED_NAME = "_rope_ext_qk_norm_rope"
+_LAYOUT_METHODS = {"transpose", "view", "reshape", "contiguous"}
+_NORMS = ("q_norm", "k_norm")
+_EPS_ATTRS = ("variance_epsilon", "eps")
+
+_norm_forms = {}  # norm class -> (unit_offset, eps attribute name), or None: not an RMSNorm
+
+
+def qk_norm_api():
+    try:
+        from ..qk_norm import qk_norm_rope
+    except ImportError:
+        return None
+    return qk_norm_rope
+
+
+def _is_self_norm(node):
+    f = node.func if isinstance(node, ast.Call) else None
+    return (isinstance(f, ast.Attribute) and f.attr in _NORMS and isinstance(f.value, ast.Name)
+            and f.value.id == "self" and len(node.args) == 1 and not node.keywords)
+
+
+def _norm_inside(value):
+    """The self.q_norm / self.k_norm call that `value` is, through layout-only method calls."""
+    while isinstance(value, ast.Call):
+        if _is_self_norm(value):
+            return value
+        f = value.func
+        if not (isinstance(f, ast.Attribute) and f.attr in _LAYOUT_METHODS):
+            return None
+        value = f.value
+    return None
+
+
+def _layout_of(value):
+    """The name `value` is a layout-only view of (x.transpose(1, 2), ...), else None."""
+    if not isinstance(value, ast.Call):
+        return None
+    while isinstance(value, ast.Call):
+        f = value.func
+        if not (isinstance(f, ast.Attribute) and f.attr in _LAYOUT_METHODS):
+            return None
+        value = f.value
+    return value.id if isinstance(value, ast.Name) else None
+
+
+def _assigned_names(node):
+    if isinstance(node, ast.Name):
+        return [node.id]
+    if isinstance(node, (ast.Tuple, ast.List)):
+        return [n for e in node.elts for n in _assigned_names(e)]
+    return []
+
+
+class _Scan(ast.NodeVisitor):
+    """Finds the norm assignments, the RoPE call and every assignment of the forward."""
+
+    def __init__(self, rope_name):
+        self.rope_name = rope_name
+        self.conditions = []
+        self.norm_calls = []  # (call, enclosing if tests, the statement)
+        self.norm_assigns = {}  # norm name -> (target name, lineno, conditions)
+        self.rope_calls = []  # (call, conditions)
+        self.assigns = []  # (name, lineno)
+
+    def visit_If(self, node):
+        self.visit(node.test)
+        self.conditions.append(node.test)
+        for stmt in node.body:
+            self.visit(stmt)
+        self.conditions.pop()
+        self.conditions.append(None)  # an else branch: not a condition we pass on
+        for stmt in node.orelse:
+            self.visit(stmt)
+        self.conditions.pop()
+
+    def visit_Assign(self, node):
+        relayout = (len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                    and _layout_of(node.value) == node.targets[0].id)
+        for target in node.targets:
+            for name in _assigned_names(target):
+                self.assigns.append((name, node.lineno, relayout))
+        norm = _norm_inside(node.value)
+        if norm is not None and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            self.norm_assigns.setdefault(norm.func.attr, []).append(
+                (node.targets[0].id, node.lineno, list(self.conditions)))
+        self.generic_visit(node)
+
+    def visit_Call(self, node):
+        if _is_self_norm(node):
+            self.norm_calls.append(node)
+        if isinstance(node.func, ast.Name) and node.func.id == self.rope_name:
+            self.rope_calls.append((node, list(self.conditions)))
+        self.generic_visit(node)
+
+
+class _Rewrite(ast.NodeTransformer):
+    def __init__(self, rope_call, normed):
+        self.rope_call, self.normed = rope_call, normed
+
+    def visit_Call(self, node):
+        self.generic_visit(node)
+        if _is_self_norm(node):
+            return node.args[0]
+        if node is self.rope_call:
+            node.func = ast.Name(FUSED_NAME, ast.Load())
+            node.args = [ast.Name("self", ast.Load())] + node.args
+            node.keywords = node.keywords + [ast.keyword("_normed", self.normed)]
+        return node
+
+
+def _flows_unchanged(assigns, name, start, end):
+    """Whether `name`, assigned at line `start`, reaches line `end` changed in layout only."""
+    return start < end and all(relayout for n, line, relayout in assigns
+                               if n == name and start < line < end)
+
+
+def rewritten_forward(fn, rope_name):
+    """A function like `fn` (a plain function: the forward, unwrapped) with q_norm / k_norm fused
+    into its RoPE call, or None when its code is not of the shape described above."""
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        return None
+    tree = ast.parse(source)
+    fdef = tree.body[0] if tree.body else None
+    if not isinstance(fdef, (ast.FunctionDef, ast.AsyncFunctionDef)) or fdef.name != fn.__name__:
+        return None
+    scan = _Scan(rope_name)
+    scan.visit(fdef)
+    if len(scan.rope_calls) != 1 or len(scan.norm_calls) != 2:
+        return None
+    rope_call, rope_conditions = scan.rope_calls[0]
+    if rope_conditions or len(rope_call.args) < 2:
+        return None
+    conditions = None
+    for norm, arg in zip(_NORMS, rope_call.args[:2]):
+        found = scan.norm_assigns.get(norm, [])
+        if len(found) != 1 or not isinstance(arg, ast.Name):
+            return None
+        target, line, conds = found[0]
+        if target != arg.id or not _flows_unchanged(scan.assigns, target, line, rope_call.lineno):
+            return None
+        if None in conds or (conditions is not None and
+                             [ast.dump(c) for c in conds] != [ast.dump(c) for c in conditions]):
+            return None
+        conditions = conds
+    normed = (ast.Constant(True) if not conditions else
+              conditions[0] if len(conditions) == 1 else ast.BoolOp(ast.And(), conditions))
+    fdef = _Rewrite(rope_call, normed).visit(fdef)
+    fdef.decorator_list = []
+    # Compiled inside a class so that a zero-argument super() gets its __class__ cell as in the
+    # original; line numbers are the source file's, for tracebacks.
+    holder = ast.ClassDef(name="_Holder", bases=[], keywords=[], body=[fdef], decorator_list=[])
+    module = ast.Module(body=[holder], type_ignores=[])
+    ast.fix_missing_locations(module)
+    ast.increment_lineno(module, fn.__code__.co_firstlineno - 1)
+    code = compile(module, fn.__code__.co_filename, "exec")
+    body = next(c for c in code.co_consts if isinstance(c, types.CodeType))
+    new_code = next(c for c in body.co_consts if isinstance(c, types.CodeType)
+                    and c.co_name == fn.__name__)
+    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+    if any(name not in cells for name in new_code.co_freevars):
+        return None
+    closure = tuple(cells[name] for name in new_code.co_freevars) or None
+    new = types.FunctionType(new_code, fn.__globals__, fn.__name__, fn.__defaults__, closure)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__qualname__, new.__doc__, new.__module__ = fn.__qualname__, fn.__doc__, fn.__module__
+    new.__annotations__ = dict(getattr(fn, "__annotations__", {}))
+    return new
+
+
+# ---- the norm modules ----
+
+def _norm_form(norm):
+    """(unit_offset, eps attribute) of norm's class, probed once per class on a fresh instance
+    of it; None when the class is not an RMSNorm the op computes."""
+    cls = type(norm)
+    if cls in _norm_forms:
+        return _norm_forms[cls]
+    _norm_forms[cls] = form = _probe_norm(norm)
+    return form
+
+
+def _probe_norm(norm):
+    weight = getattr(norm, "weight", None)
+    attr = next((a for a in _EPS_ATTRS if isinstance(getattr(norm, a, None), float)), None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or attr is None:
+        return None
+    try:
+        probe = type(norm)(8, eps=0.25)
+    except Exception:  # noqa: BLE001 - a constructor of another shape: not a norm we know
+        return None
+    if getattr(probe, attr, None) != 0.25 or getattr(probe, "weight", None) is None:
+        return None
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 2, 8, generator=g)
+    w = torch.randn(8, generator=g)
+    with torch.no_grad():
+        probe.weight.copy_(w)
+        got = probe(x).double()
+    x, w = x.double(), w.double()
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 0.25)
+    for unit_offset in (False, True):
+        want = normed * ((1 + w) if unit_offset else w)
+        if got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+            return unit_offset, attr
+    return None
+
+
+def fusable_norms(module):
+    """Whether module.q_norm and module.k_norm are RMSNorms of one form over head_dim (OLMo 2's
+    norms over all heads at once are not)."""
+    forms = []
+    head_dim = getattr(module, "head_dim", None)
+    for name in _NORMS:
+        norm = getattr(module, name, None)
+        if (not isinstance(norm, torch.nn.Module) or not isinstance(head_dim, int)
+                or getattr(getattr(norm, "weight", None), "shape", None) != (head_dim,)):
+            return False
+        form = _norm_form(norm)
+        if form is None:
+            return False
+        forms.append(form[0])
+    return forms[0] == forms[1]
+
+
+def qk_norm_rope_call(module, q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *, _normed):
+    """What the rewritten forward calls in place of `q_norm`, `k_norm` and the RoPE function."""
+    if not _normed:  # the forward's conditions on its norms are false: RoPE only
+        return hf.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    q_norm, k_norm = module.q_norm, module.k_norm
+    q_form, k_form = _norm_form(q_norm), _norm_form(k_norm)
+    q_eps = k_eps = None
+    if q_form is not None and k_form is not None:
+        q_eps, k_eps = getattr(q_norm, q_form[1]), getattr(k_norm, k_form[1])
+    if q_norm.weight.shape[-1] != q.shape[-1] or k_norm.weight.shape[-1] != k.shape[-1]:
+        raise RuntimeError(
+            f"rope_ext: {type(module).__name__} was patched with per-head q/k norms, but q_norm "
+            f"and k_norm now have weights of {list(q_norm.weight.shape)} and "
+            f"{list(k_norm.weight.shape)} for head_dim {q.shape[-1]}; unpatch and patch again")
+    if (q_eps is None or q_eps != k_eps or q_form[0] != k_form[0] or unsqueeze_dim not in (1, 2)
+            or q.dim() != 4):
+        # One eps for both and transformers' two layouts: anything else runs unfused (the
+        # norms act on the last dim, whatever the layout).
+        return hf.apply_rotary_pos_emb(q_norm(q), k_norm(k), cos, sin, unsqueeze_dim=unsqueeze_dim)
+    return qk_norm_api()(q, k, q_norm.weight, k_norm.weight, cos, sin, eps=q_eps,
+                          unit_offset=q_form[0], head_first=unsqueeze_dim == 1)
