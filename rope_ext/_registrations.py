@@ -33,14 +33,17 @@ def _ref_apply_backward(grad, cos, sin, interleaved=False):
     return reference.apply_rope_backward(grad, cos, sin, interleaved=interleaved)
 
 
-def _ref_apply_(query, key, positions, cos_sin_cache, interleaved=False):
-    reference.apply_rope_(query, key, positions, cos_sin_cache, interleaved=interleaved)
+def _ref_apply_(query, key, positions, cos_sin_cache, interleaved=False, rope_dim_offset=0,
+                inverse=False):
+    reference.apply_rope_(query, key, positions, cos_sin_cache, interleaved=interleaved,
+                          rope_dim_offset=rope_dim_offset, inverse=inverse)
 
 
 def _ref_mrope_(query, key, positions, cos_sin_cache, mrope_section, interleaved=False,
-                mrope_interleaved=False):
+                mrope_interleaved=False, rope_dim_offset=0, inverse=False):
     reference.apply_mrope_(query, key, positions, cos_sin_cache, mrope_section,
-                           interleaved=interleaved, mrope_interleaved=mrope_interleaved)
+                           interleaved=interleaved, mrope_interleaved=mrope_interleaved,
+                           rope_dim_offset=rope_dim_offset, inverse=inverse)
 
 
 def _ref_apply_positions(x, positions, cos, sin, interleaved=False, inverse=False,
@@ -74,13 +77,16 @@ def _fake_apply_backward(grad, cos, sin, interleaved=False):
     return grad.new_empty(grad.shape)
 
 
-def _fake_apply_(query, key, positions, cos_sin_cache, interleaved=False):
-    _checks.check_apply_inplace(query, key, positions, cos_sin_cache, memory=False)
+def _fake_apply_(query, key, positions, cos_sin_cache, interleaved=False, rope_dim_offset=0,
+                 inverse=False):
+    _checks.check_apply_inplace(query, key, positions, cos_sin_cache, memory=False,
+                                rope_dim_offset=rope_dim_offset)
 
 
 def _fake_mrope_(query, key, positions, cos_sin_cache, mrope_section, interleaved=False,
-                 mrope_interleaved=False):
-    _checks.check_mrope(query, key, positions, cos_sin_cache, mrope_section, memory=False)
+                 mrope_interleaved=False, rope_dim_offset=0, inverse=False):
+    _checks.check_mrope(query, key, positions, cos_sin_cache, mrope_section, memory=False,
+                        rope_dim_offset=rope_dim_offset)
 
 
 def _fake_apply_positions(x, positions, cos, sin, interleaved=False, inverse=False,
@@ -154,17 +160,19 @@ class _RotateInPlace(torch.autograd.Function):
     in-place ops mark theirs (so a leaf that requires grad is refused, a view rebases its
     history, and a tensor saved for backward that this overwrites is detected). One tensor per
     Function: autograd lets a Function modify a view in place only when it is its one output.
-    The gradient is the out-of-place op's: the inverse rotation of the incoming gradient."""
+    The gradient is the out-of-place op's: the opposite rotation of the incoming gradient (the
+    forward rotation for inverse=True) on the rotary dims, the identity on the others."""
 
     @staticmethod
-    def forward(ctx, t, positions, cos_sin_cache, interleaved, section, mi):
+    def forward(ctx, t, positions, cos_sin_cache, interleaved, section, mi, offset, inverse):
         with torch._C._AutoDispatchBelowAutograd():
             if section is None:
-                ops.apply_(t, None, positions, cos_sin_cache, interleaved)
+                ops.apply_(t, None, positions, cos_sin_cache, interleaved, offset, inverse)
             else:
-                ops.mrope_(t, None, positions, cos_sin_cache, section, interleaved, mi)
+                ops.mrope_(t, None, positions, cos_sin_cache, section, interleaved, mi, offset,
+                           inverse)
         ctx.mark_dirty(t)
-        ctx.args = (interleaved, section, mi)
+        ctx.args = (interleaved, section, mi, offset, inverse)
         if cos_sin_cache.requires_grad:  # the table gradient needs the output (saved below)
             ctx.save_for_backward(positions, cos_sin_cache, t)
         else:
@@ -174,18 +182,21 @@ class _RotateInPlace(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         positions, cache, *output = ctx.saved_tensors
-        interleaved, section, mi = ctx.args
+        interleaved, section, mi, offset, inverse = ctx.args
         cos, sin = reference.cache_halves(cache)
 
-        def unrotate(t):
-            return ops.apply_positions(t, positions, cos, sin, interleaved, True, section, mi)
+        def unrotate(t):  # dims from the offset on; the rotary ones first among them
+            tail = ops.apply_positions(t[..., offset:], positions, cos, sin, interleaved,
+                                       not inverse, section, mi)
+            return torch.cat((t[..., :offset], tail), dim=-1) if offset else tail
 
         grad_cache = None
         if ctx.needs_input_grad[2]:
-            g_cos, g_sin = reference.positions_table_grads(unrotate(output[0]), grad, positions, cos,
-                                                           sin, interleaved, False, section, mi)
+            g_cos, g_sin = reference.positions_table_grads(
+                unrotate(output[0])[..., offset:], grad[..., offset:], positions, cos, sin,
+                interleaved, inverse, section, mi)
             grad_cache = torch.cat((g_cos, g_sin), dim=1)
-        return unrotate(grad), None, grad_cache, None, None, None
+        return unrotate(grad), None, grad_cache, None, None, None, None, None
 
 
 MUTABLE_OPS = ("apply.out", "apply_", "mrope_", "apply_and_cache_")
@@ -236,7 +247,8 @@ def _below_autograd(op, keyset, written, *args, **kwargs):
     return op.redispatch(keyset & _AFTER_AD_INPLACE, *args, **kwargs)
 
 
-def _rotate_each(query, key, positions, cos_sin_cache, interleaved, section, mi):
+def _rotate_each(query, key, positions, cos_sin_cache, interleaved, section, mi, offset=0,
+                 inverse=False):
     """The in-place rotation under autograd: the whole call checked once (query and key
     together), then one Function per tensor."""
     # Memory checks only on plain tensors: a tensor subclass (DTensor) is checked where its op
@@ -244,31 +256,38 @@ def _rotate_each(query, key, positions, cos_sin_cache, interleaved, section, mi)
     # is written.
     memory = type(query) is torch.Tensor
     if section is None:
-        _checks.check_apply_inplace(query, key, positions, cos_sin_cache, memory=memory)
+        _checks.check_apply_inplace(query, key, positions, cos_sin_cache, memory=memory,
+                                    rope_dim_offset=offset)
     else:
-        _checks.check_mrope(query, key, positions, cos_sin_cache, section, memory=memory)
+        _checks.check_mrope(query, key, positions, cos_sin_cache, section, memory=memory,
+                            rope_dim_offset=offset)
     # Positions that share memory with query or key would change under the rotation; the
     # backward reads them again.
     positions = _checks.positions_read_once(positions, (query, key))
     for t in (query, key):
         if t is not None:
-            _RotateInPlace.apply(t, positions, cos_sin_cache, interleaved, section, mi)
+            _RotateInPlace.apply(t, positions, cos_sin_cache, interleaved, section, mi, offset,
+                                 inverse)
 
 
-def _autograd_apply_(keyset, query, key, positions, cos_sin_cache, interleaved=False):
+def _autograd_apply_(keyset, query, key, positions, cos_sin_cache, interleaved=False,
+                     rope_dim_offset=0, inverse=False):
     if not _needs_grad(query, key, cos_sin_cache):
         return _below_autograd(ops.apply_.default, keyset, (query, key), query, key, positions,
-                               cos_sin_cache, interleaved)
-    _rotate_each(query, key, positions, cos_sin_cache, interleaved, None, False)
+                               cos_sin_cache, interleaved, rope_dim_offset, inverse)
+    _rotate_each(query, key, positions, cos_sin_cache, interleaved, None, False, rope_dim_offset,
+                 inverse)
 
 
 def _autograd_mrope_(keyset, query, key, positions, cos_sin_cache, mrope_section,
-                     interleaved=False, mrope_interleaved=False):
+                     interleaved=False, mrope_interleaved=False, rope_dim_offset=0,
+                     inverse=False):
     if not _needs_grad(query, key, cos_sin_cache):
         return _below_autograd(ops.mrope_.default, keyset, (query, key), query, key, positions,
-                               cos_sin_cache, mrope_section, interleaved, mrope_interleaved)
+                               cos_sin_cache, mrope_section, interleaved, mrope_interleaved,
+                               rope_dim_offset, inverse)
     _rotate_each(query, key, positions, cos_sin_cache, interleaved, list(mrope_section),
-                 mrope_interleaved)
+                 mrope_interleaved, rope_dim_offset, inverse)
 
 
 def _autograd_apply_out(keyset, x, cos, sin, interleaved=False, *, out):

@@ -16,11 +16,12 @@ SCHEMAS = {
     ),
     "apply_": (
         "apply_(Tensor(a!) query, Tensor(b!)? key, Tensor positions, Tensor cos_sin_cache, "
-        "bool interleaved=False) -> ()"
+        "bool interleaved=False, int rope_dim_offset=0, bool inverse=False) -> ()"
     ),
     "mrope_": (
         "mrope_(Tensor(a!) query, Tensor(b!)? key, Tensor positions, Tensor cos_sin_cache, "
-        "int[] mrope_section, bool interleaved=False, bool mrope_interleaved=False) -> ()"
+        "int[] mrope_section, bool interleaved=False, bool mrope_interleaved=False, "
+        "int rope_dim_offset=0, bool inverse=False) -> ()"
     ),
     "apply_positions": (
         "apply_positions(Tensor x, Tensor positions, Tensor cos, Tensor sin, "

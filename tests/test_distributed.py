@@ -543,6 +543,18 @@ def case_in_place_partial_sum(run):
 
 
 @case
+def case_in_place_offset_inverse(run):
+    """apply_rope_ with rope_dim_offset (the tail of each head, DeepSeek-V4) and inverse, on
+    token- and head-sharded query and key: each rank rotates its shard, no communication."""
+    S, R = run.S, run.R
+    q, k = torch.randn(T, HQ, D), torch.randn(T, HK, D)
+    pos = torch.randint(0, MAXPOS, (T,))
+    for qp, kp, pp in ((S(0), S(0), S(0)), (S(1), S(1), R), (R, S(1), R)):
+        _in_place(run, q, k, pos, qp, kp, pp, rope_dim_offset=D - ROT, inverse=True)
+        _in_place(run, q, k, pos, qp, kp, pp, rope_dim_offset=1)
+
+
+@case
 def case_in_place_autograd(run):
     """Gradients through apply_rope_ (query and key non-leaf, rotated in place) w.r.t. their
     leaves: the inverse rotation, token- and head-sharded."""

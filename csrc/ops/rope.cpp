@@ -16,16 +16,19 @@ STABLE_TORCH_LIBRARY(rope, m) {
   // Gradient of apply w.r.t. x: the inverse rotation of grad.
   m.def("apply_backward(Tensor grad, Tensor cos, Tensor sin, bool interleaved=False) -> Tensor");
   // In-place rotation of query (..., Hq, D) and key (..., Hk, D) by the rows of cos_sin_cache
-  // (max_position, rotary_dim) at positions (query.shape[:-2]).
+  // (max_position, rotary_dim) at positions (query.shape[:-2]): dims [rope_dim_offset,
+  // rope_dim_offset + rotary_dim) of each head; inverse=True rotates by the negative angle.
   m.def(
       "apply_(Tensor(a!) query, Tensor(b!)? key, Tensor positions, Tensor cos_sin_cache, "
-      "bool interleaved=False) -> ()");
+      "bool interleaved=False, int rope_dim_offset=0, bool inverse=False) -> ()");
   // Multimodal RoPE (Qwen2-VL, Qwen3-VL): positions (3,) + query.shape[:-2] = (temporal,
   // height, width); mrope_section splits the rotary_dim/2 pairs into 3 groups, in order
-  // (chunked) or T,H,W,T,H,W,... (mrope_interleaved), group j rotated by component j.
+  // (chunked) or T,H,W,T,H,W,... (mrope_interleaved), group j rotated by component j;
+  // rope_dim_offset and inverse as for apply_.
   m.def(
       "mrope_(Tensor(a!) query, Tensor(b!)? key, Tensor positions, Tensor cos_sin_cache, "
-      "int[] mrope_section, bool interleaved=False, bool mrope_interleaved=False) -> ()");
+      "int[] mrope_section, bool interleaved=False, bool mrope_interleaved=False, "
+      "int rope_dim_offset=0, bool inverse=False) -> ()");
   // Rotated copy of x (..., H, D) by the rows of the tables cos and sin (max_position,
   // rotary_dim/2) at positions (x.shape[:-2], or (3,) + x.shape[:-2] with mrope_section);
   // inverse=True rotates by the negative angle (its own gradient). The differentiable twin of

@@ -148,7 +148,8 @@ void allow_rotate_operands(Recorder& rec, const RotateArgs<x_t, tab_t>& a) {
     for (int k = 0; k < g.targets; ++k) {
       const TargetDesc& t = g.target[k];
       for (int64_t h = 0; h < t.heads; ++h) {
-        for (int64_t j = 0; j < g.head_dim; ++j) {
+        // The row's elements: the host bound the row at rot_offset (in place with an offset).
+        for (int64_t j = -g.rot_offset; j < g.head_dim - g.rot_offset; ++j) {
           rec.allow(a.src[k] + off[2 * k] + h * t.src_head + j * t.src_last, sizeof(x_t), kRead);
         }
         for (int64_t j = 0; j < write_end; ++j) {
@@ -298,15 +299,19 @@ void apply_out_sim(Tensor x, Tensor cos, Tensor sin, bool interleaved, int64_t m
 }
 
 void apply_inplace_sim(Tensor query, std::optional<Tensor> key, Tensor positions, Tensor cache,
-                       bool interleaved, int64_t max_blocks, bool force_idx64, Tensor info) {
+                       bool interleaved, int64_t rope_dim_offset, bool inverse,
+                       int64_t max_blocks, bool force_idx64, Tensor info) {
   gpu::rotate_inplace_host(query, key, positions, cache, interleaved, nullptr, false,
+                           rope_dim_offset, inverse,
                            SimRunner{"rope_sim.apply_", force_idx64, &info}, max_blocks);
 }
 
 void mrope_sim(Tensor query, std::optional<Tensor> key, Tensor positions, Tensor cache,
                std::vector<int64_t> section, bool interleaved, bool mrope_interleaved,
-               int64_t max_blocks, bool force_idx64, Tensor info) {
+               int64_t rope_dim_offset, bool inverse, int64_t max_blocks, bool force_idx64,
+               Tensor info) {
   gpu::rotate_inplace_host(query, key, positions, cache, interleaved, &section, mrope_interleaved,
+                           rope_dim_offset, inverse,
                            SimRunner{"rope_sim.mrope_", force_idx64, &info}, max_blocks);
 }
 
@@ -340,10 +345,11 @@ STABLE_TORCH_LIBRARY(rope_sim, m) {
   m.def("apply_out(Tensor x, Tensor cos, Tensor sin, bool interleaved, int max_blocks, "
         "bool force_idx64, Tensor info, Tensor(a!) out) -> ()");
   m.def("apply_(Tensor(a!) query, Tensor(b!)? key, Tensor positions, Tensor cos_sin_cache, "
-        "bool interleaved, int max_blocks, bool force_idx64, Tensor info) -> ()");
+        "bool interleaved, int rope_dim_offset, bool inverse, int max_blocks, bool force_idx64, "
+        "Tensor info) -> ()");
   m.def("mrope_(Tensor(a!) query, Tensor(b!)? key, Tensor positions, Tensor cos_sin_cache, "
-        "int[] mrope_section, bool interleaved, bool mrope_interleaved, int max_blocks, "
-        "bool force_idx64, Tensor info) -> ()");
+        "int[] mrope_section, bool interleaved, bool mrope_interleaved, int rope_dim_offset, "
+        "bool inverse, int max_blocks, bool force_idx64, Tensor info) -> ()");
   m.def("apply_positions(Tensor x, Tensor positions, Tensor cos, Tensor sin, bool interleaved, "
         "bool inverse, int[]? mrope_section, bool mrope_interleaved, int max_blocks, "
         "bool force_idx64, Tensor info) -> Tensor");
