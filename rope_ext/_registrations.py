@@ -8,7 +8,7 @@ kernels alike: both paths behave the same under autograd.
 
 import torch
 
-from . import _checks, reference
+from . import _checks, _kv_shift_reference, reference
 
 _libraries = []  # keeps the torch.library.Library objects (and so their registrations) alive
 ops = torch.ops.rope
@@ -309,9 +309,46 @@ def _autograd_apply_and_cache_(keyset, query, key, value, positions, cos_sin_cac
                            slot_mapping, interleaved, kv_cache_dtype, k_scale, v_scale)
 
 
+# ==== rope.shift_kv_cache_ (K-shift): reference and fake kernels, autograd, in-place bookkeeping ====
+
+def _ref_shift_kv_cache_(key_cache, slot_mapping, delta, cos_sin_cache, interleaved=False,
+                         kv_cache_dtype="auto", k_scale=None):
+    _kv_shift_reference.shift_kv_cache_(key_cache, slot_mapping, delta, cos_sin_cache,
+                                        interleaved=interleaved, kv_cache_dtype=kv_cache_dtype,
+                                        k_scale=k_scale)
+
+
+def _fake_shift_kv_cache_(key_cache, slot_mapping, delta, cos_sin_cache, interleaved=False,
+                          kv_cache_dtype="auto", k_scale=None):
+    _kv_shift_reference.check_shift_kv_cache(key_cache, slot_mapping, delta, cos_sin_cache,
+                                             kv_cache_dtype, k_scale, memory=False)
+
+
+def _autograd_shift_kv_cache_(keyset, key_cache, slot_mapping, delta, cos_sin_cache,
+                              interleaved=False, kv_cache_dtype="auto", k_scale=None):
+    if _needs_grad(key_cache, cos_sin_cache):
+        raise RuntimeError(
+            "rope.shift_kv_cache_: a serving op, not differentiable, but one of the arguments "
+            "requires grad; call it under torch.no_grad() or torch.inference_mode()"
+        )
+    return _below_autograd(ops.shift_kv_cache_.default, keyset, (key_cache,), key_cache,
+                           slot_mapping, delta, cos_sin_cache, interleaved, kv_cache_dtype, k_scale)
+
+
+def _register_shift_kv_cache(lib):
+    name = "shift_kv_cache_"
+    lib.impl(name, _ref_shift_kv_cache_, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"rope::{name}", _fake_shift_kv_cache_, lib=lib)
+    lib.impl(name, _autograd_shift_kv_cache_, "Autograd", with_keyset=True)
+    lib.impl(name, _ad_inplace_or_view_kernel(name), "ADInplaceOrView", with_keyset=True)
+
+# ==== end of rope.shift_kv_cache_ ====
+
+
 def register():
     lib = torch.library.Library("rope", "IMPL")
     _libraries.append(lib)
+    _register_shift_kv_cache(lib)
     for name, kernel in (
         ("apply", _ref_apply), ("apply.out", _ref_apply_out),
         ("apply_backward", _ref_apply_backward), ("apply_", _ref_apply_),

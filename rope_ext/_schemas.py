@@ -34,6 +34,12 @@ SCHEMAS = {
         "bool interleaved=False, str kv_cache_dtype=\"auto\", Tensor? k_scale=None, "
         "Tensor? v_scale=None) -> ()"
     ),
+    # ---- K-shift (rope_ext/kv_shift.py) ----
+    "shift_kv_cache_": (
+        "shift_kv_cache_(Tensor(a!) key_cache, Tensor slot_mapping, Tensor delta, "
+        "Tensor cos_sin_cache, bool interleaved=False, str kv_cache_dtype=\"auto\", "
+        "Tensor? k_scale=None) -> ()"
+    ),
     "cpu_isa": "cpu_isa() -> int",
     "set_cpu_isa": "set_cpu_isa(int isa) -> int",
     "set_cpu_stream_threshold": "set_cpu_stream_threshold(int bytes) -> int",

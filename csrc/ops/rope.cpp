@@ -45,6 +45,15 @@ STABLE_TORCH_LIBRARY(rope, m) {
       "Tensor cos_sin_cache, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, "
       "bool interleaved=False, str kv_cache_dtype=\"auto\", Tensor? k_scale=None, "
       "Tensor? v_scale=None) -> ()");
+  // K-shift: the keys of the paged key_cache (num_blocks, block_size, Hk, head_dim) at the
+  // slots of slot_mapping (N,) (negative: skipped) rotated in place by delta (shape () or (N,))
+  // positions: the unit (cos, sin) of table row |delta|, negated sin for delta < 0; float8
+  // caches dequantized with k_scale, rotated, requantized (saturated). Kernels:
+  // cpu/shift_cpu.cpp, cuda/shift_cuda.cu.
+  m.def(
+      "shift_kv_cache_(Tensor(a!) key_cache, Tensor slot_mapping, Tensor delta, "
+      "Tensor cos_sin_cache, bool interleaved=False, str kv_cache_dtype=\"auto\", "
+      "Tensor? k_scale=None) -> ()");
   // The compiled CPU kernel variant that serves: 0 baseline, 1 avx2, 2 avx512, 3 avx512_bf16.
   m.def("cpu_isa() -> int");
   // Serve with CPU variant isa (-1: the best the CPU supports); returns the variant serving.
