@@ -104,3 +104,10 @@ def apply_and_cache_(query, key, value, positions, cache, key_cache, value_cache
     return _run("apply_and_cache_", query, key, value, positions, cache,
                 key_cache, value_cache, slots, interleaved, kv_cache_dtype, k_scale, v_scale,
                 **kw)[1]
+
+
+def shift_kv_cache_(key_cache, slots, delta, cache, interleaved=False, kv_cache_dtype="auto",
+                    k_scale=None, **kw):
+    """The simulated rope.shift_kv_cache_ (the cache rotated in place): Plan."""
+    return _run("shift_kv_cache_", key_cache, slots, delta, cache, interleaved, kv_cache_dtype,
+                k_scale, **kw)[1]

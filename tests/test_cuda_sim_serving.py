@@ -1,7 +1,8 @@
 """The CUDA kernels of the serving features, proven on the CPU simulator (tests/sim/cuda_sim.cpp:
 every access in bounds of its operand, aligned, each output element written once by one thread,
-in place only the rotary dims): rope_dim_offset and inverse of rope.apply_ / rope.mrope_, compared
-bit for bit with the CPU kernels and with the float64 oracle."""
+in place only the rotary dims): rope_dim_offset and inverse of rope.apply_ / rope.mrope_, and the
+K-shift (rope.shift_kv_cache_), compared bit for bit with the CPU kernels and the reference, and
+with the float64 oracle."""
 
 import pytest
 import torch
@@ -79,3 +80,62 @@ def test_offset_error_before_any_write():
     with pytest.raises(RuntimeError, match="rope.apply_: rope_dim_offset = 17 must lie in"):
         cuda_sim.apply_(q, None, torch.arange(3), cache_table(4, 16), False, 17, False)
     assert torch.equal(q, q0)
+
+
+# ---- K-shift ----
+
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [
+    (torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.float16, "auto"),
+    (torch.float64, "auto"), (torch.float8_e4m3fn, "fp8"), (torch.float8_e5m2, "fp8_e5m2")])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16])
+def test_shift_kv_cache(dtype, kv_cache_dtype, interleaved, table_dtype):
+    from rope_ext import _kv_shift_reference as ref
+    from test_kv_shift import assert_same_result
+
+    big = (torch.randn(5, 4, 6, 48) * 2).to(dtype)
+    k_scale = torch.tensor([0.125]) if kv_cache_dtype != "auto" else None
+    table = rope_ext.cos_sin_cache(64, 40, dtype=table_dtype,
+                                   scaling={"rope_type": "yarn", "factor": 4.0,
+                                            "original_max_position_embeddings": 16})
+    slots = torch.tensor([0, 19, -1, 7, 12, 3, -4, 15], dtype=torch.int32)
+    delta = torch.tensor([5, -63, 99, 0, 63, -1, 7, 30])
+    sim, want = big.clone(), big.clone()
+    plan = cuda_sim.shift_kv_cache_(sim[:, :, 1:5], slots, delta, table, interleaved,
+                                    kv_cache_dtype, k_scale, max_blocks=2)
+    assert plan.grid == 2  # the grid strides over the listed slots
+    ref.shift_kv_cache_(want[:, :, 1:5], slots, delta, table, interleaved=interleaved,
+                        kv_cache_dtype=kv_cache_dtype, k_scale=k_scale)
+    assert_same_result(sim, want, dtype, None if k_scale is None else 0.125)
+    if native_cpu():
+        cpu = big.clone()
+        rope_ext.shift_kv_cache_(cpu[:, :, 1:5], slots, delta, table, interleaved=interleaved,
+                                 kv_cache_dtype=kv_cache_dtype, k_scale=k_scale)
+        assert torch.equal(sim.view(torch.uint8), cpu.view(torch.uint8))
+
+
+@pytest.mark.parametrize("slots,delta,msg", [
+    ([3, 20], [1, 1], "slot_mapping must lie below num_blocks \\* block_size = 20"),
+    ([3, 3], [1, 1], "slot_mapping must list each slot at most once"),
+    ([3, 4], [1, -64], "delta must lie in \\(-max_position, max_position\\) = \\(-64, 64\\)"),
+])
+def test_shift_errors_before_any_write(slots, delta, msg):
+    key_cache = torch.randn(5, 4, 2, 16)
+    before = key_cache.clone()
+    with pytest.raises(RuntimeError, match="rope.shift_kv_cache_: " + msg):
+        cuda_sim.shift_kv_cache_(key_cache, torch.tensor(slots)[::1], torch.tensor(delta),
+                                 cache_table(64, 16))
+    assert torch.equal(key_cache, before)
+
+
+def test_shift_strided_slots_and_scalar_delta():
+    key_cache = torch.randn(4, 4, 3, 32, dtype=torch.bfloat16)
+    want = key_cache.clone()
+    slots = torch.tensor([1, 99, 5, 99, 14, 99])[::2]  # a strided view: slots 1, 5, 14
+    cuda_sim.shift_kv_cache_(key_cache, slots, torch.tensor(-9), cache_table(32, 32))
+    from rope_ext import _kv_shift_reference as ref
+    from test_kv_shift import assert_same_result
+
+    ref.shift_kv_cache_(want, slots, torch.tensor(-9), cache_table(32, 32))
+    assert_same_result(key_cache, want, torch.bfloat16)
+    assert torch.equal(key_cache[0, 0], want[0, 0])  # slot 0: not listed
