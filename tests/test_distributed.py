@@ -555,6 +555,26 @@ def case_in_place_offset_inverse(run):
 
 
 @case
+def case_shift_kv_cache(run):
+    """K-shift of a key cache replicated or sharded over its kv heads: each rank rotates its
+    heads of the listed slots, no communication; other layouts are refused, nothing written."""
+    S, R = run.S, run.R
+    kc = torch.randn(3, 4, HK, D)
+    slots, delta, table = torch.tensor([5, -1, 0, 11]), torch.tensor([3, 9, -2, 1]), _table()
+    want = kc.clone()
+    rope_ext.shift_kv_cache_(want, slots, delta, table)
+    for p in (R, S(2)):
+        dk = run.d(kc.clone(), p)  # a Replicate DTensor may share kc's memory
+        run.no_comm(rope_ext.shift_kv_cache_, dk, run.d(slots, R), run.d(delta, R), run.d(table, R))
+        run.expect(dk, want, [p])
+    for p, what in ((S(0), "sharded over its blocks"), (S(3), "Shard(3)")):
+        dk = run.d(kc.clone(), p)
+        run.fails(("rope.shift_kv_cache_:", what), rope_ext.shift_kv_cache_, dk, run.d(slots, R),
+                  run.d(delta, R), run.d(table, R))
+        run.unchanged(dk, kc)
+
+
+@case
 def case_in_place_autograd(run):
     """Gradients through apply_rope_ (query and key non-leaf, rotated in place) w.r.t. their
     leaves: the inverse rotation, token- and head-sharded."""
