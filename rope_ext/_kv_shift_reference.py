@@ -102,14 +102,16 @@ def check_shift_data(key_cache, slot_mapping, delta, cos_sin_cache, k_scale):
                   f"(negative: skipped), got {int(slots[i])} at index {i}")
         _fail(f"{op}: delta must lie in (-max_position, max_position) = (-{rows}, {rows}) (table "
               f"row |delta|; max_position = cos_sin_cache.size(0)), got {int(deltas[i])} at index {i}")
-    first = {}
-    for i, s in enumerate(slots.tolist()):
-        if s < 0:
-            continue
-        if s in first:
-            _fail(f"{op}: slot_mapping must list each slot at most once (negative: skipped), got "
-                  f"slot {s} at indices {first[s]} and {i}")
-        first[s] = i
+    # Duplicates: in a stable sort of the listed slots, equal slots are adjacent in index order;
+    # the repeat with the smallest index is reported with the group's first index.
+    index = listed.nonzero().flatten()
+    order = torch.sort(slots[index], stable=True).indices
+    ordered, at = slots[index][order], index[order]
+    repeat = (ordered[1:] == ordered[:-1]).nonzero().flatten()
+    if repeat.numel():
+        k = int(repeat[at[repeat + 1].argmin()])
+        _fail(f"{op}: slot_mapping must list each slot at most once (negative: skipped), got "
+              f"slot {int(ordered[k + 1])} at indices {int(at[k])} and {int(at[k + 1])}")
 
 
 def _acc_dtype(dtype):

@@ -274,6 +274,9 @@ BAD = {
     "duplicate slot": (dict(slot_mapping=torch.tensor([4, 6, 4])),
                        "slot_mapping must list each slot at most once \\(negative: skipped\\), got slot 4 at "
                        "indices 0 and 2"),
+    "duplicates, several": (dict(slot_mapping=torch.tensor([9, 2, 9, -3, 2, 2]), delta=torch.tensor(1)),
+                            "slot_mapping must list each slot at most once \\(negative: skipped\\), "
+                            "got slot 9 at indices 0 and 2"),
     "delta too large": (dict(delta=torch.tensor([2, 96, 1])),
                         "delta must lie in \\(-max_position, max_position\\) = \\(-96, 96\\) "
                         "\\(table row \\|delta\\|; max_position = cos_sin_cache.size\\(0\\)\\), got "

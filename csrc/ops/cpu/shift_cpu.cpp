@@ -83,18 +83,59 @@ struct ShiftJob {
   float scale;
 };
 
+// Rows of at most this many pairs keep their unit rotation in a stack buffer, reused by every
+// head and by the next slots while their delta is the same (one delta for every slot: computed
+// once per task). Longer rows compute it pair by pair.
+constexpr int64_t kRowPairs = 512;
+
+template <Stored S>
+void rotate_row(const ShiftDesc& d, char* row, int64_t es, const acc_of<S>* c,
+                const acc_of<S>* s, float scale) {
+  using acc_t = acc_of<S>;
+  for (int64_t j = 0; j < d.half; ++j) {
+    const int64_t ea = d.interleaved ? 2 * j : j, eb = d.interleaved ? 2 * j + 1 : d.half + j;
+    char* const pa = row + ea * d.kc.last * es;
+    char* const pb = row + eb * d.kc.last * es;
+    acc_t ra, rb;
+    rotate_pair<acc_t>(load_elem<S>(pa, d.format, scale), load_elem<S>(pb, d.format, scale), c[j],
+                       s[j], ra, rb);
+    store_elem<S>(pa, ra, d.format, scale);
+    store_elem<S>(pb, rb, d.format, scale);
+  }
+}
+
 template <Stored S>
 void shift_entries(const ShiftJob& job, int64_t begin, int64_t end) {
   using acc_t = acc_of<S>;
   const ShiftDesc& d = *job.d;
   const int64_t es = job.es;
+  const bool buffered = d.half <= kRowPairs;
+  acc_t c_buf[kRowPairs], s_buf[kRowPairs];
+  int64_t cached = 0;
+  bool have = false;
   for (int64_t i = begin; i < end; ++i) {
     const int64_t slot = read_index(job.slots, d.slots64, i * d.slot_stride);
     if (slot < 0) continue;
     const int64_t k = read_index(job.delta, d.delta64, i * d.delta_stride);
     const int64_t row = k < 0 ? -k : k;  // |k| < max_position: checked
     char* const base = job.cache + d.kc.slot_row(slot, d.block_size) * es;
-    for (int64_t j = 0; j < d.half; ++j) {
+    if (buffered) {
+      if (!have || k != cached) {
+        for (int64_t j = 0; j < d.half; ++j) {
+          unit_rotation(table_elem<acc_t>(job.table, job.table_type, row * d.cos_row + j * d.cos_col),
+                        table_elem<acc_t>(job.table, job.table_type,
+                                          row * d.cos_row + (d.half + j) * d.cos_col),
+                        k < 0, c_buf[j], s_buf[j]);
+        }
+        cached = k;
+        have = true;
+      }
+      for (int64_t h = 0; h < d.heads; ++h) {
+        rotate_row<S>(d, base + h * d.kc.head * es, es, c_buf, s_buf, job.scale);
+      }
+      continue;
+    }
+    for (int64_t j = 0; j < d.half; ++j) {  // long rows: the rotation pair by pair
       acc_t c, s;
       unit_rotation(table_elem<acc_t>(job.table, job.table_type, row * d.cos_row + j * d.cos_col),
                     table_elem<acc_t>(job.table, job.table_type,
@@ -104,11 +145,11 @@ void shift_entries(const ShiftJob& job, int64_t begin, int64_t end) {
       for (int64_t h = 0; h < d.heads; ++h) {
         char* const pa = base + (h * d.kc.head + ea * d.kc.last) * es;
         char* const pb = base + (h * d.kc.head + eb * d.kc.last) * es;
-        acc_t a2, b2;
+        acc_t ra, rb;
         rotate_pair<acc_t>(load_elem<S>(pa, d.format, job.scale),
-                           load_elem<S>(pb, d.format, job.scale), c, s, a2, b2);
-        store_elem<S>(pa, a2, d.format, job.scale);
-        store_elem<S>(pb, b2, d.format, job.scale);
+                           load_elem<S>(pb, d.format, job.scale), c, s, ra, rb);
+        store_elem<S>(pa, ra, d.format, job.scale);
+        store_elem<S>(pb, rb, d.format, job.scale);
       }
     }
   }
