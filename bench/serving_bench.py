@@ -104,7 +104,10 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="output directory (default bench/results/, or a "
                    "temporary directory for --quick)")
     p.add_argument("--repeat", type=int, default=None, help="timed blocks per row (default 11; 3 quick)")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads; "
+                   "default 1, as bench/bench.py: timings per core, steady on a shared machine)")
     args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("serving_bench: --device cuda needs a GPU (torch.cuda.is_available() is False)")
         return 2

@@ -57,6 +57,11 @@ void store_elem(char* p, acc_of<S> v, CacheFormat format, float scale) {
   }
 }
 
+template <Stored S>
+constexpr int64_t elem_bytes() {
+  return S == Stored::kF64 ? 8 : (S == Stored::kF32 ? 4 : (S == Stored::kFp8 ? 1 : 2));
+}
+
 // One table element in the arithmetic type (converted on load, as the rotation kernels do).
 template <typename acc_t>
 acc_t table_elem(const char* base, ScalarType t, int64_t offset) {
@@ -88,19 +93,35 @@ struct ShiftJob {
 // once per task). Longer rows compute it pair by pair.
 constexpr int64_t kRowPairs = 512;
 
-template <Stored S>
-void rotate_row(const ShiftDesc& d, char* row, int64_t es, const acc_of<S>* c,
-                const acc_of<S>* s, float scale) {
+// One head's row. The layout and a unit stride are template parameters: the common rows
+// (contiguous, either layout) get a loop the compiler can vectorize.
+template <Stored S, bool kInterleaved, bool kUnit>
+void rotate_row_impl(const ShiftDesc& d, char* row, int64_t es, const acc_of<S>* c,
+                     const acc_of<S>* s, float scale) {
   using acc_t = acc_of<S>;
+  const int64_t last = kUnit ? 1 : d.kc.last;
+  if constexpr (kUnit) es = elem_bytes<S>();  // a constant: the addresses are plain indexing
   for (int64_t j = 0; j < d.half; ++j) {
-    const int64_t ea = d.interleaved ? 2 * j : j, eb = d.interleaved ? 2 * j + 1 : d.half + j;
-    char* const pa = row + ea * d.kc.last * es;
-    char* const pb = row + eb * d.kc.last * es;
+    const int64_t ea = kInterleaved ? 2 * j : j, eb = kInterleaved ? 2 * j + 1 : d.half + j;
+    char* const pa = row + ea * last * es;
+    char* const pb = row + eb * last * es;
     acc_t ra, rb;
     rotate_pair<acc_t>(load_elem<S>(pa, d.format, scale), load_elem<S>(pb, d.format, scale), c[j],
                        s[j], ra, rb);
     store_elem<S>(pa, ra, d.format, scale);
     store_elem<S>(pb, rb, d.format, scale);
+  }
+}
+
+template <Stored S>
+void rotate_row(const ShiftDesc& d, char* row, int64_t es, const acc_of<S>* c,
+                const acc_of<S>* s, float scale) {
+  if (d.kc.last == 1) {
+    d.interleaved ? rotate_row_impl<S, true, true>(d, row, es, c, s, scale)
+                  : rotate_row_impl<S, false, true>(d, row, es, c, s, scale);
+  } else {
+    d.interleaved ? rotate_row_impl<S, true, false>(d, row, es, c, s, scale)
+                  : rotate_row_impl<S, false, false>(d, row, es, c, s, scale);
   }
 }
 
@@ -122,10 +143,14 @@ void shift_entries(const ShiftJob& job, int64_t begin, int64_t end) {
     if (buffered) {
       if (!have || k != cached) {
         for (int64_t j = 0; j < d.half; ++j) {
-          unit_rotation(table_elem<acc_t>(job.table, job.table_type, row * d.cos_row + j * d.cos_col),
-                        table_elem<acc_t>(job.table, job.table_type,
-                                          row * d.cos_row + (d.half + j) * d.cos_col),
-                        k < 0, c_buf[j], s_buf[j]);
+          c_buf[j] = table_elem<acc_t>(job.table, job.table_type, row * d.cos_row + j * d.cos_col);
+          s_buf[j] = table_elem<acc_t>(job.table, job.table_type,
+                                       row * d.cos_row + (d.half + j) * d.cos_col);
+        }
+        // Separate from the loads (a switch on the table dtype), so that it vectorizes.
+        const bool negative = k < 0;
+        for (int64_t j = 0; j < d.half; ++j) {
+          unit_rotation(c_buf[j], s_buf[j], negative, c_buf[j], s_buf[j]);
         }
         cached = k;
         have = true;
