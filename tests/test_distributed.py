@@ -872,7 +872,8 @@ REGISTERED = r"""
 ops = torch.ops.rope
 funcs = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
 for op in (ops.apply.default, ops.apply.out, ops.apply_backward.default, ops.apply_.default,
-           ops.mrope_.default, ops.apply_positions.default, ops.apply_and_cache_.default):
+           ops.mrope_.default, ops.apply_positions.default, ops.apply_and_cache_.default,
+           ops.shift_kv_cache_.default):
     assert op in funcs, op
 assert ops.apply.out in DTensor._op_dispatcher._custom_op_handlers
 assert not any(type(f).__module__ == "rope_ext.distributed" for f in sys.meta_path), "hook left"
