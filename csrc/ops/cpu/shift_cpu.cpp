@@ -35,25 +35,39 @@ void write_as(char* p, T v) {
   std::memcpy(p, &v, sizeof(T));
 }
 
-// A cache element in the arithmetic type; float8 codes are dequantized (code * scale).
+// How float8 codes convert: the format, k_scale, and every code dequantized (code * scale),
+// filled once per task so that a load is one table read.
+struct Quant {
+  CacheFormat format = CacheFormat::kSame;
+  float scale = 1.0f;
+  float decoded[256];
+
+  void fill() {
+    for (int code = 0; code < 256; ++code) {
+      decoded[code] = fp8_to_float(static_cast<uint8_t>(code), format) * scale;
+    }
+  }
+};
+
+// A cache element in the arithmetic type; float8 codes are dequantized.
 template <Stored S>
-acc_of<S> load_elem(const char* p, CacheFormat format, float scale) {
+acc_of<S> load_elem(const char* p, const Quant& q) {
   if constexpr (S == Stored::kF32) return read_as<float>(p);
   if constexpr (S == Stored::kF64) return read_as<double>(p);
   if constexpr (S == Stored::kF16) return half_bits_to_float(read_as<uint16_t>(p));
   if constexpr (S == Stored::kBF16) return bf16_to_float(read_as<uint16_t>(p));
-  if constexpr (S == Stored::kFp8) return fp8_to_float(read_as<uint8_t>(p), format) * scale;
+  if constexpr (S == Stored::kFp8) return q.decoded[read_as<uint8_t>(p)];
 }
 
 // And back: rounded to nearest even; float8 requantized (value / scale, saturated).
 template <Stored S>
-void store_elem(char* p, acc_of<S> v, CacheFormat format, float scale) {
+void store_elem(char* p, acc_of<S> v, const Quant& q) {
   if constexpr (S == Stored::kF32 || S == Stored::kF64) write_as(p, v);
   if constexpr (S == Stored::kF16) write_as(p, float_to_half_bits(v));
   if constexpr (S == Stored::kBF16) write_as(p, float_to_bf16(v));
   if constexpr (S == Stored::kFp8) {
-    const Fp8Format fmt = format == CacheFormat::kE4M3FN ? Fp8Format::kE4M3FN : Fp8Format::kE5M2;
-    write_as(p, float_to_fp8(v / scale, fmt));
+    const Fp8Format fmt = q.format == CacheFormat::kE4M3FN ? Fp8Format::kE4M3FN : Fp8Format::kE5M2;
+    write_as(p, float_to_fp8(v / q.scale, fmt));
   }
 }
 
@@ -97,7 +111,7 @@ constexpr int64_t kRowPairs = 512;
 // (contiguous, either layout) get a loop the compiler can vectorize.
 template <Stored S, bool kInterleaved, bool kUnit>
 void rotate_row_impl(const ShiftDesc& d, char* row, int64_t es, const acc_of<S>* c,
-                     const acc_of<S>* s, float scale) {
+                     const acc_of<S>* s, const Quant& q) {
   using acc_t = acc_of<S>;
   const int64_t last = kUnit ? 1 : d.kc.last;
   if constexpr (kUnit) es = elem_bytes<S>();  // a constant: the addresses are plain indexing
@@ -106,22 +120,22 @@ void rotate_row_impl(const ShiftDesc& d, char* row, int64_t es, const acc_of<S>*
     char* const pa = row + ea * last * es;
     char* const pb = row + eb * last * es;
     acc_t ra, rb;
-    rotate_pair<acc_t>(load_elem<S>(pa, d.format, scale), load_elem<S>(pb, d.format, scale), c[j],
+    rotate_pair<acc_t>(load_elem<S>(pa, q), load_elem<S>(pb, q), c[j],
                        s[j], ra, rb);
-    store_elem<S>(pa, ra, d.format, scale);
-    store_elem<S>(pb, rb, d.format, scale);
+    store_elem<S>(pa, ra, q);
+    store_elem<S>(pb, rb, q);
   }
 }
 
 template <Stored S>
 void rotate_row(const ShiftDesc& d, char* row, int64_t es, const acc_of<S>* c,
-                const acc_of<S>* s, float scale) {
+                const acc_of<S>* s, const Quant& q) {
   if (d.kc.last == 1) {
-    d.interleaved ? rotate_row_impl<S, true, true>(d, row, es, c, s, scale)
-                  : rotate_row_impl<S, false, true>(d, row, es, c, s, scale);
+    d.interleaved ? rotate_row_impl<S, true, true>(d, row, es, c, s, q)
+                  : rotate_row_impl<S, false, true>(d, row, es, c, s, q);
   } else {
-    d.interleaved ? rotate_row_impl<S, true, false>(d, row, es, c, s, scale)
-                  : rotate_row_impl<S, false, false>(d, row, es, c, s, scale);
+    d.interleaved ? rotate_row_impl<S, true, false>(d, row, es, c, s, q)
+                  : rotate_row_impl<S, false, false>(d, row, es, c, s, q);
   }
 }
 
@@ -130,6 +144,10 @@ void shift_entries(const ShiftJob& job, int64_t begin, int64_t end) {
   using acc_t = acc_of<S>;
   const ShiftDesc& d = *job.d;
   const int64_t es = job.es;
+  Quant q;
+  q.format = d.format;
+  q.scale = job.scale;
+  if constexpr (S == Stored::kFp8) q.fill();
   const bool buffered = d.half <= kRowPairs;
   acc_t c_buf[kRowPairs], s_buf[kRowPairs];
   int64_t cached = 0;
@@ -156,7 +174,7 @@ void shift_entries(const ShiftJob& job, int64_t begin, int64_t end) {
         have = true;
       }
       for (int64_t h = 0; h < d.heads; ++h) {
-        rotate_row<S>(d, base + h * d.kc.head * es, es, c_buf, s_buf, job.scale);
+        rotate_row<S>(d, base + h * d.kc.head * es, es, c_buf, s_buf, q);
       }
       continue;
     }
@@ -171,10 +189,10 @@ void shift_entries(const ShiftJob& job, int64_t begin, int64_t end) {
         char* const pa = base + (h * d.kc.head + ea * d.kc.last) * es;
         char* const pb = base + (h * d.kc.head + eb * d.kc.last) * es;
         acc_t ra, rb;
-        rotate_pair<acc_t>(load_elem<S>(pa, d.format, job.scale),
-                           load_elem<S>(pb, d.format, job.scale), c, s, ra, rb);
-        store_elem<S>(pa, ra, d.format, job.scale);
-        store_elem<S>(pb, rb, d.format, job.scale);
+        rotate_pair<acc_t>(load_elem<S>(pa, q),
+                           load_elem<S>(pb, q), c, s, ra, rb);
+        store_elem<S>(pa, ra, q);
+        store_elem<S>(pb, rb, q);
       }
     }
   }
