@@ -25,6 +25,7 @@ from .ops import (  # noqa: E402
     varlen_positions,
 )
 from .tables import cos_sin_cache  # noqa: E402
+from .kv_shift import shift_kv_cache_  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -39,5 +40,6 @@ __all__ = [
     "reference",
     "RotaryEmbedding",
     "set_cpu_isa",
+    "shift_kv_cache_",
     "varlen_positions",
 ]

@@ -262,14 +262,28 @@ def check_mrope_sections(section, half, op, half_name):
     return section
 
 
-def check_apply_inplace(query, key, positions, cache, memory=True):
-    return check_positions_op(query, key, positions, 0, cache=cache, op="rope.apply_", memory=memory)
+def check_rope_dim_offset(offset, head_dim, half, op):
+    """Mirrors checks.h set_rope_dim_offset: the rotary dims [offset, offset + rotary_dim) lie in
+    the head."""
+    rotary_dim = 2 * half
+    if not 0 <= offset <= head_dim - rotary_dim:
+        _fail(f"{op}: rope_dim_offset = {offset} must lie in [0, head_dim - rotary_dim] = "
+              f"[0, {head_dim - rotary_dim}] (head_dim = {head_dim}, rotary_dim = {rotary_dim})")
 
 
-def check_mrope(query, key, positions, cache, mrope_section, memory=True):
+def check_apply_inplace(query, key, positions, cache, memory=True, rope_dim_offset=0):
+    op = "rope.apply_"
+    half = check_positions_op(query, key, positions, 0, cache=cache, op=op, memory=memory)
+    check_rope_dim_offset(rope_dim_offset, query.shape[-1], half, op)
+    return half
+
+
+def check_mrope(query, key, positions, cache, mrope_section, memory=True, rope_dim_offset=0):
     op = "rope.mrope_"
     half = check_positions_op(query, key, positions, 1, cache=cache, op=op, memory=memory)
-    return check_mrope_sections(mrope_section, half, op, "cos_sin_cache.size(1)/2")
+    section = check_mrope_sections(mrope_section, half, op, "cos_sin_cache.size(1)/2")
+    check_rope_dim_offset(rope_dim_offset, query.shape[-1], half, op)
+    return section
 
 
 def check_apply_positions(x, positions, cos, sin, mrope_section=None):

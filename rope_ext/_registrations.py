@@ -10,7 +10,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from . import _checks, reference
+from . import _checks, _kv_shift_reference, reference
 
 _libraries = []  # keeps the torch.library.Library objects (and so their registrations) alive
 ops = torch.ops.rope
@@ -35,14 +35,17 @@ def _ref_apply_backward(grad, cos, sin, interleaved=False):
     return reference.apply_rope_backward(grad, cos, sin, interleaved=interleaved)
 
 
-def _ref_apply_(query, key, positions, cos_sin_cache, interleaved=False):
-    reference.apply_rope_(query, key, positions, cos_sin_cache, interleaved=interleaved)
+def _ref_apply_(query, key, positions, cos_sin_cache, interleaved=False, rope_dim_offset=0,
+                inverse=False):
+    reference.apply_rope_(query, key, positions, cos_sin_cache, interleaved=interleaved,
+                          rope_dim_offset=rope_dim_offset, inverse=inverse)
 
 
 def _ref_mrope_(query, key, positions, cos_sin_cache, mrope_section, interleaved=False,
-                mrope_interleaved=False):
+                mrope_interleaved=False, rope_dim_offset=0, inverse=False):
     reference.apply_mrope_(query, key, positions, cos_sin_cache, mrope_section,
-                           interleaved=interleaved, mrope_interleaved=mrope_interleaved)
+                           interleaved=interleaved, mrope_interleaved=mrope_interleaved,
+                           rope_dim_offset=rope_dim_offset, inverse=inverse)
 
 
 def _ref_apply_positions(x, positions, cos, sin, interleaved=False, inverse=False,
@@ -76,13 +79,16 @@ def _fake_apply_backward(grad, cos, sin, interleaved=False):
     return grad.new_empty(grad.shape)
 
 
-def _fake_apply_(query, key, positions, cos_sin_cache, interleaved=False):
-    _checks.check_apply_inplace(query, key, positions, cos_sin_cache, memory=False)
+def _fake_apply_(query, key, positions, cos_sin_cache, interleaved=False, rope_dim_offset=0,
+                 inverse=False):
+    _checks.check_apply_inplace(query, key, positions, cos_sin_cache, memory=False,
+                                rope_dim_offset=rope_dim_offset)
 
 
 def _fake_mrope_(query, key, positions, cos_sin_cache, mrope_section, interleaved=False,
-                 mrope_interleaved=False):
-    _checks.check_mrope(query, key, positions, cos_sin_cache, mrope_section, memory=False)
+                 mrope_interleaved=False, rope_dim_offset=0, inverse=False):
+    _checks.check_mrope(query, key, positions, cos_sin_cache, mrope_section, memory=False,
+                        rope_dim_offset=rope_dim_offset)
 
 
 def _fake_apply_positions(x, positions, cos, sin, interleaved=False, inverse=False,
@@ -157,29 +163,35 @@ class _RotateInPlace(torch.autograd.Function):
     errors), and rebases a view's history, before any tensor of the call is written; the caller
     rotates the data once every tensor has passed. One tensor per Function: autograd lets a
     Function modify a view in place only when it is its one output. The gradient is the
-    out-of-place op's: the inverse rotation of the incoming gradient."""
+    out-of-place op's: the opposite rotation of the incoming gradient (the forward rotation for
+    inverse=True) on the rotary dims, the identity on the others."""
 
     @staticmethod
-    def forward(ctx, t, t_input, positions, cos_sin_cache, interleaved, section, mi):
+    def forward(ctx, t, t_input, positions, cos_sin_cache, interleaved, section, mi, offset,
+                inverse):
         # t_input: a copy of t's values made before the call (only when the table requires grad:
         # its gradient needs them), differentiable, so double backward reaches t's history.
         ctx.mark_dirty(t)
-        ctx.args = (interleaved, section, mi)
+        ctx.args = (interleaved, section, mi, offset, inverse)
         ctx.save_for_backward(positions, cos_sin_cache, t_input)
         return t
 
     @staticmethod
     def backward(ctx, grad):
         positions, cache, t_input = ctx.saved_tensors
-        interleaved, section, mi = ctx.args
+        interleaved, section, mi, offset, inverse = ctx.args
         cos, sin = reference.cache_halves(cache)
         grad_cache = None
         if ctx.needs_input_grad[3]:
-            g_cos, g_sin = reference.positions_table_grads(t_input, grad, positions, cos, sin,
-                                                           interleaved, False, section, mi)
+            g_cos, g_sin = reference.positions_table_grads(
+                t_input[..., offset:], grad[..., offset:], positions, cos, sin, interleaved,
+                inverse, section, mi)
             grad_cache = torch.cat((g_cos, g_sin), dim=1)
-        grad_t = ops.apply_positions(grad, positions, cos, sin, interleaved, True, section, mi)
-        return grad_t, None, None, grad_cache, None, None, None
+        # dims from the offset on, the rotary ones first among them
+        tail = ops.apply_positions(grad[..., offset:], positions, cos, sin, interleaved,
+                                   not inverse, section, mi)
+        grad_t = torch.cat((grad[..., :offset], tail), dim=-1) if offset else tail
+        return grad_t, None, None, grad_cache, None, None, None, None, None
 
 
 INFERENCE_TENSOR_UPDATE = (
@@ -229,7 +241,8 @@ def _below_autograd(op, keyset, written, *args, **kwargs):
     return op.redispatch(keyset & _AFTER_AD_INPLACE, *args, **kwargs)
 
 
-def _rotate_each(op, keyset, query, key, positions, cos_sin_cache, interleaved, section, mi):
+def _rotate_each(op, keyset, query, key, positions, cos_sin_cache, interleaved, section, mi,
+                 offset=0, inverse=False):
     """The in-place rotation under autograd: the whole call checked, each tensor recorded (torch's
     in-place errors raised before anything is written), then one kernel call for both."""
     # Memory checks only on plain tensors: a tensor subclass (DTensor) is checked where its op
@@ -237,9 +250,11 @@ def _rotate_each(op, keyset, query, key, positions, cos_sin_cache, interleaved, 
     # is written.
     memory = type(query) is torch.Tensor
     if section is None:
-        _checks.check_apply_inplace(query, key, positions, cos_sin_cache, memory=memory)
+        _checks.check_apply_inplace(query, key, positions, cos_sin_cache, memory=memory,
+                                    rope_dim_offset=offset)
     else:
-        _checks.check_mrope(query, key, positions, cos_sin_cache, section, memory=memory)
+        _checks.check_mrope(query, key, positions, cos_sin_cache, section, memory=memory,
+                            rope_dim_offset=offset)
     check_not_inference(query, key)
     # Positions that share memory with query or key would change under the rotation; the
     # backward reads them again.
@@ -248,28 +263,32 @@ def _rotate_each(op, keyset, query, key, positions, cos_sin_cache, interleaved, 
     for t in (query, key):
         if t is not None:
             _RotateInPlace.apply(t, t.clone() if table_grad else None, positions, cos_sin_cache,
-                                 interleaved, section, mi)
+                                 interleaved, section, mi, offset, inverse)
     args = (query, key, positions, cos_sin_cache)
     args += (interleaved,) if section is None else (section, interleaved, mi)
+    args += (offset, inverse)
     with torch._C._AutoDispatchBelowAutograd():
         _below_autograd(op, keyset, (query, key), *args)
 
 
-def _autograd_apply_(keyset, query, key, positions, cos_sin_cache, interleaved=False):
+def _autograd_apply_(keyset, query, key, positions, cos_sin_cache, interleaved=False,
+                     rope_dim_offset=0, inverse=False):
     if not _needs_grad(query, key, cos_sin_cache):
         return _below_autograd(ops.apply_.default, keyset, (query, key), query, key, positions,
-                               cos_sin_cache, interleaved)
+                               cos_sin_cache, interleaved, rope_dim_offset, inverse)
     _rotate_each(ops.apply_.default, keyset, query, key, positions, cos_sin_cache, interleaved,
-                 None, False)
+                 None, False, rope_dim_offset, inverse)
 
 
 def _autograd_mrope_(keyset, query, key, positions, cos_sin_cache, mrope_section,
-                     interleaved=False, mrope_interleaved=False):
+                     interleaved=False, mrope_interleaved=False, rope_dim_offset=0,
+                     inverse=False):
     if not _needs_grad(query, key, cos_sin_cache):
         return _below_autograd(ops.mrope_.default, keyset, (query, key), query, key, positions,
-                               cos_sin_cache, mrope_section, interleaved, mrope_interleaved)
+                               cos_sin_cache, mrope_section, interleaved, mrope_interleaved,
+                               rope_dim_offset, inverse)
     _rotate_each(ops.mrope_.default, keyset, query, key, positions, cos_sin_cache, interleaved,
-                 list(mrope_section), mrope_interleaved)
+                 list(mrope_section), mrope_interleaved, rope_dim_offset, inverse)
 
 
 def _autograd_apply_out(keyset, x, cos, sin, interleaved=False, *, out):
@@ -289,6 +308,32 @@ def _autograd_apply_and_cache_(keyset, query, key, value, positions, cos_sin_cac
     return _below_autograd(ops.apply_and_cache_.default, keyset, (query, key, key_cache, value_cache),
                            query, key, value, positions, cos_sin_cache, key_cache, value_cache,
                            slot_mapping, interleaved, kv_cache_dtype, k_scale, v_scale)
+
+
+# ---- rope.shift_kv_cache_ (K-shift): reference and fake kernels, autograd ----
+
+def _ref_shift_kv_cache_(key_cache, slot_mapping, delta, cos_sin_cache, interleaved=False,
+                         kv_cache_dtype="auto", k_scale=None):
+    _kv_shift_reference.shift_kv_cache_(key_cache, slot_mapping, delta, cos_sin_cache,
+                                        interleaved=interleaved, kv_cache_dtype=kv_cache_dtype,
+                                        k_scale=k_scale)
+
+
+def _fake_shift_kv_cache_(key_cache, slot_mapping, delta, cos_sin_cache, interleaved=False,
+                          kv_cache_dtype="auto", k_scale=None):
+    _kv_shift_reference.check_shift_kv_cache(key_cache, slot_mapping, delta, cos_sin_cache,
+                                             kv_cache_dtype, k_scale, memory=False)
+
+
+def _autograd_shift_kv_cache_(keyset, key_cache, slot_mapping, delta, cos_sin_cache,
+                              interleaved=False, kv_cache_dtype="auto", k_scale=None):
+    if _needs_grad(key_cache, cos_sin_cache):
+        raise RuntimeError(
+            "rope.shift_kv_cache_: a serving op, not differentiable, but one of the arguments "
+            "requires grad; call it under torch.no_grad() or torch.inference_mode()"
+        )
+    return _below_autograd(ops.shift_kv_cache_.default, keyset, (key_cache,), key_cache,
+                           slot_mapping, delta, cos_sin_cache, interleaved, kv_cache_dtype, k_scale)
 
 
 # ---- every op's facts, in one table ----
@@ -315,6 +360,8 @@ OPS = {
                           (_backward_positions, _setup_positions)),
     "apply_and_cache_": Op(_ref_apply_and_cache_, _fake_apply_and_cache_,
                            mutable_autograd=_autograd_apply_and_cache_),
+    "shift_kv_cache_": Op(_ref_shift_kv_cache_, _fake_shift_kv_cache_,
+                          mutable_autograd=_autograd_shift_kv_cache_),
 }
 MUTABLE_OPS = tuple(name for name, op in OPS.items() if op.mutable_autograd is not None)
 

@@ -12,6 +12,7 @@ code. What we assume, in order of precedence:
    Falcon and most checkpoints).
 """
 
+import copy
 import json
 import os
 from collections.abc import Mapping
@@ -20,7 +21,7 @@ from .scaling import scaling_type
 
 INTERLEAVED_MODEL_TYPES = frozenset({
     "gptj", "codegen", "chatglm", "glm", "glm4", "cohere", "cohere2", "deepseek_v2", "deepseek_v3",
-    "kimi_k2", "llama4", "llama4_text", "ernie4_5", "ernie4_5_moe", "helium",
+    "kimi_k2", "llama4", "llama4_text", "ernie4_5", "ernie4_5_moe", "helium", "deepseek_v4",
 })
 _LAYOUT_KEYS = ("rope_interleave", "rope_interleaved", "rotary_interleaved")
 
@@ -34,6 +35,7 @@ _TEXT_MODEL_TYPES = {
     "gemma3": "gemma3_text", "gemma3n": "gemma3n_text", "qwen2_vl": "qwen2_vl_text",
     "qwen2_5_vl": "qwen2_5_vl_text", "qwen3_vl": "qwen3_vl_text", "qwen3_vl_moe": "qwen3_vl_moe_text",
     "llava": "llama", "mistral3": "mistral", "llama4": "llama4_text", "paligemma": "gemma",
+    "gemma4": "gemma4_text",
 }
 _SUB_CONFIGS = ("text_config", "vision_config", "audio_config")
 # Other spellings of the standard keys (transformers' attribute_map).
@@ -50,6 +52,11 @@ _LOCAL_LAYER_TYPES = ("full_attention", "sliding_attention")
 # is meant to read original * factor positions (serving engines size their tables so): the
 # default table length covers that. llama3 and longrope configs state the extended length.
 _EXTENDING = ("dynamic", "yarn", "deepseek_yarn")
+# DeepSeek-V4 keys its RoPE by these labels (plain RoPE for the sliding-window attention,
+# compress_rope_theta and the file's YaRN for the compressed branches), and rotates the last
+# rotary_dim dims of each head (rope_dim_offset = head_dim - rotary_dim).
+_DEEPSEEK_V4_LABELS = ("main", "compress")
+_GEMMA4_TYPES = frozenset({"gemma4", "gemma4_text"})
 
 
 def _fail(msg):
@@ -123,6 +130,21 @@ def layout_from_config(config, interleaved=None):
     return cfg.model_type in INTERLEAVED_MODEL_TYPES
 
 
+def _deepseek_v4_rope(cfg, src):
+    """DeepSeek-V4's RoPE keyed by label, as transformers 5 builds it from a file that gives one
+    flat dict (the YaRN of the compressed branches) or none."""
+    if all(isinstance(src.get(k), Mapping) for k in _DEEPSEEK_V4_LABELS):
+        return {k: dict(src[k]) for k in _DEEPSEEK_V4_LABELS}
+    flat = {k: v for k, v in src.items() if k not in _DEEPSEEK_V4_LABELS}
+    if "rope_type" not in flat:
+        flat["rope_type"] = flat.get("type", "default")
+    compress = dict(flat, rope_theta=cfg.get("compress_rope_theta"))
+    if compress["rope_type"] == "yarn":
+        compress.setdefault("attention_factor", 1.0)  # V4 does not scale cos/sin by YaRN's mscale
+    return {"main": {"rope_type": "default", "rope_theta": cfg.get("rope_theta")},
+            "compress": compress}
+
+
 def _rope_dict(cfg, layer_type):
     """(params, form): a fresh copy of the RoPE settings that serve `layer_type`, and how the
     config spells them: "legacy" (rope_scaling, transformers 4), "v5" (rope_parameters),
@@ -131,10 +153,14 @@ def _rope_dict(cfg, layer_type):
     if scaling is not None and params is not None and scaling != params:
         _fail("the config has both rope_scaling and rope_parameters, and they differ; keep one")
     src, form = (scaling, "legacy") if scaling is not None else (params, "v5")
+    if src is None and isinstance(cfg.defaults.get("rope_parameters"), Mapping):
+        src = copy.deepcopy(cfg.defaults["rope_parameters"])  # a sparse transformers 5 file
     if src is not None and not isinstance(src, Mapping):
         _fail(f"{'rope_scaling' if form == 'legacy' else 'rope_parameters'} must be a dict, got "
               f"{type(src).__name__}")
     src = dict(src or {})
+    if cfg.model_type == "deepseek_v4":
+        src = _deepseek_v4_rope(cfg, src)
     declared = cfg.get("layer_types")
     per_layer = [v for v in src.values() if v is not None]
     if per_layer and all(isinstance(v, Mapping) for v in per_layer):  # {"full_attention": {...}, ...}
@@ -168,10 +194,38 @@ def _positive(value, name, integer=False):
     return int(value) if integer else float(value)
 
 
-def _dims(cfg, params):
+def _layer_head_dim(cfg, layer_type):
+    """The head dim of `layer_type`'s layers where the config gives them their own (Gemma 4's
+    global layers: per_layer_config overrides by layer index, or global_head_dim in a file)."""
+    if layer_type is None:
+        return None
+    overrides = cfg.file("per_layer_config")
+    types = cfg.get("layer_types") or []
+    if isinstance(overrides, Mapping):
+        for key, over in overrides.items():
+            index = int(key) if str(key).isdigit() else None
+            match = key == layer_type or (index is not None and index < len(types)
+                                          and types[index] == layer_type)
+            if match and isinstance(over, Mapping) and over.get("head_dim") is not None:
+                return over["head_dim"]
+        return None
+    if cfg.model_type in _GEMMA4_TYPES and layer_type == "full_attention":
+        return cfg.get("global_head_dim")
+    return None
+
+
+def _dims(cfg, params, layer_type=None):
     """(head_dim, rotary_dim)."""
     qk_rope = cfg.get("qk_rope_head_dim")  # MLA (DeepSeek): only this part of a head rotates
-    if qk_rope is not None:
+    layer_dim = _layer_head_dim(cfg, layer_type)
+    if layer_dim is not None:
+        head_dim = _positive(layer_dim, f"the head_dim of {layer_type} layers", integer=True)
+    elif cfg.model_type == "deepseek_v4":  # V4: the rope part is the tail of a full head
+        head_dim = _positive(cfg.get("head_dim"), "head_dim", integer=True)
+        if cfg.file("partial_rotary_factor") is None and params.get("partial_rotary_factor") is None \
+                and qk_rope is not None:
+            return head_dim, _positive(qk_rope, "qk_rope_head_dim", integer=True)
+    elif qk_rope is not None:
         head_dim = _positive(qk_rope, "qk_rope_head_dim", integer=True)
     elif cfg.get("head_dim") is not None:
         head_dim = _positive(cfg.get("head_dim"), "head_dim", integer=True)
@@ -184,6 +238,12 @@ def _dims(cfg, params):
         if hidden % heads:
             _fail(f"hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads})")
         head_dim = hidden // heads
+    if _is_proportional(params):  # the table spans the head; the factor goes to the scaling
+        partial = next((v for v in (cfg.file("partial_rotary_factor"),
+                                    params.get("partial_rotary_factor")) if v is not None), None)
+        if partial is not None:
+            params["partial_rotary_factor"] = _positive(partial, "partial_rotary_factor")
+        return head_dim, head_dim
     # The top level wins over rope_parameters (transformers 5 copies it in); GPT-NeoX says rotary_pct.
     partial = next((v for v in (cfg.file("partial_rotary_factor"), params.get("partial_rotary_factor"),
                                 cfg.file("rotary_pct"), cfg.defaults.get("partial_rotary_factor"),
@@ -196,6 +256,10 @@ def _dims(cfg, params):
     if cfg.get("rotary_dim") is not None:  # GPT-J, CodeGen: a count of dims
         return head_dim, _positive(cfg.get("rotary_dim"), "rotary_dim", integer=True)
     return head_dim, head_dim
+
+
+def _is_proportional(params):
+    return "proportional" in (params.get("rope_type"), params.get("type"))
 
 
 def _theta(cfg, params, form):
@@ -267,8 +331,9 @@ def rope_kwargs_from_config(config, *, layer_type=None, interleaved=None, max_po
         if cfg.model_type == "phi3" and params.get(k) in ("su", "yarn"):
             params[k] = "longrope"
     base = _theta(cfg, params, form)
-    head_dim, rotary_dim = _dims(cfg, params)
-    params.pop("partial_rotary_factor", None)
+    head_dim, rotary_dim = _dims(cfg, params, layer_type)
+    if not _is_proportional(params):
+        params.pop("partial_rotary_factor", None)
     try:
         kind = scaling_type(params)
     except ValueError as e:
@@ -311,4 +376,5 @@ def rope_kwargs_from_config(config, *, layer_type=None, interleaved=None, max_po
         scaling=scaling,
         mrope_section=section,
         mrope_interleaved=bool(mrope_interleaved),
+        rope_dim_offset=head_dim - rotary_dim if cfg.model_type == "deepseek_v4" else 0,
     )

@@ -375,6 +375,22 @@ def _rule_apply_and_cache(op, a):
                   "slot_mapping": r, "k_scale": r, "v_scale": r}
 
 
+def _rule_shift_kv_cache(op, a):
+    """K-shift: key_cache rotated in place, Replicate or sharded over its kv heads (Shard(2)):
+    each rank rotates its heads of the listed slots; the rest Replicate."""
+    kc = a["key_cache"]
+    for m, p in enumerate(kc.placements):
+        d = _shard_dim(p, 4)
+        if p.is_replicate() or d == 2:
+            continue
+        what = f" (sharded over {_CACHE_DIMS[d]})" if d in _CACHE_DIMS else ""
+        _fail(op, f"key_cache is {_name(p)} on mesh dim {m}{what}; K-shift rotates a cache that is "
+                  "Replicate or sharded over its kv heads (Shard(2)): slots are global indices, "
+                  "and the rotation pairs span head_dim")
+    r = _replicated(kc.mesh)
+    return None, {"key_cache": kc, "slot_mapping": r, "delta": r, "cos_sin_cache": r, "k_scale": r}
+
+
 # op -> (rule, index of its first non-tensor argument: from there on, arguments are part of
 # DTensor's sharding cache key; mrope_section, for one, decides the positions' layout)
 _RULES = {
@@ -385,6 +401,7 @@ _RULES = {
     "apply_": (_rule_rotate_in_place, 4),
     "mrope_": (_rule_rotate_in_place, 4),
     "apply_and_cache_": (_rule_apply_and_cache, 8),
+    "shift_kv_cache_": (_rule_shift_kv_cache, 4),
 }
 
 

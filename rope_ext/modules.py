@@ -29,6 +29,8 @@ class RotaryEmbedding(torch.nn.Module):
     seq_len: instead, one fixed table built for that length (no switching, no state).
     `mode` says which: "static" (one table), "longrope" or "dynamic"; `dynamic_len` is the
     dynamic-NTK length buffer.
+    rope_dim_offset: the rotary dims are [rope_dim_offset, rope_dim_offset + rotary_dim) of each
+    head (DeepSeek-V4 rotates the tail); the others pass through.
     mrope_section: 3 ints summing to rotary_dim/2 (Qwen2-VL); positions of shape
     (3,) + query.shape[:-2] then give each section its own position component, and positions of
     shape query.shape[:-2] (text only) stay plain RoPE. mrope_interleaved: the sections are laid
@@ -45,7 +47,7 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, head_dim, *, rotary_dim=None, max_position=8192, base=10000.0,
                  interleaved=False, scaling=None, seq_len=None, mrope_section=None,
-                 mrope_interleaved=False):
+                 mrope_interleaved=False, rope_dim_offset=0):
         super().__init__()
         head_dim = check_int(head_dim, "RotaryEmbedding: head_dim", 1)
         max_position = check_int(max_position, "RotaryEmbedding: max_position", 1)
@@ -54,6 +56,11 @@ class RotaryEmbedding(torch.nn.Module):
         if not 0 < freq_dim <= head_dim or rotary_dim > head_dim:
             raise ValueError(f"RotaryEmbedding: rotary_dim must be in (0, head_dim={head_dim}] (an odd one "
                              f"rotates one dim more), got {freq_dim}")
+        if isinstance(rope_dim_offset, bool) or not isinstance(rope_dim_offset, int) or \
+                not 0 <= rope_dim_offset <= head_dim - rotary_dim:
+            raise ValueError(f"RotaryEmbedding: rope_dim_offset must be an int in [0, head_dim - "
+                             f"rotary_dim] = [0, {head_dim - rotary_dim}], got {rope_dim_offset!r}")
+        self.rope_dim_offset = rope_dim_offset
         if mrope_section is not None:
             mrope_section = [int(s) for s in mrope_section]
             if len(mrope_section) != 3 or min(mrope_section) < 0 or sum(mrope_section) != rotary_dim // 2:
@@ -136,6 +143,8 @@ class RotaryEmbedding(torch.nn.Module):
             s += f", mode={self.mode}"
         if self.mrope_section is not None:
             s += f", mrope_section={self.mrope_section}, mrope_interleaved={self.mrope_interleaved}"
+        if self.rope_dim_offset:
+            s += f", rope_dim_offset={self.rope_dim_offset}"
         return s
 
     # ---- per call ------------------------------------------------------------------------
@@ -208,10 +217,15 @@ class RotaryEmbedding(torch.nn.Module):
         section = self._section(query, positions)
         table, index, length = self._table_and_index(positions)
 
+        off = self.rope_dim_offset
+
         def rotate(t):
-            return None if t is None else apply_rope_at(
-                t, index, table, interleaved=self.interleaved,
-                mrope_section=section, mrope_interleaved=self.mrope_interleaved)
+            if t is None:
+                return None
+            out = apply_rope_at(t[..., off:] if off else t, index, table,
+                                interleaved=self.interleaved, mrope_section=section,
+                                mrope_interleaved=self.mrope_interleaved)
+            return torch.cat((t[..., :off], out), dim=-1) if off else out
 
         out = rotate(query), rotate(key)
         self._keep(length)
@@ -223,9 +237,11 @@ class RotaryEmbedding(torch.nn.Module):
         table, index, length = self._table_and_index(positions)
         if section is not None:
             out = apply_mrope_(query, key, index, table, section, interleaved=self.interleaved,
-                               mrope_interleaved=self.mrope_interleaved)
+                               mrope_interleaved=self.mrope_interleaved,
+                               rope_dim_offset=self.rope_dim_offset)
         else:
-            out = apply_rope_(query, key, index, table, interleaved=self.interleaved)
+            out = apply_rope_(query, key, index, table, interleaved=self.interleaved,
+                              rope_dim_offset=self.rope_dim_offset)
         self._keep(length)
         return out
 

@@ -71,27 +71,33 @@ def apply_rope(x, cos, sin, *, interleaved=False, out=None):
     return out
 
 
-def apply_rope_(query, key, positions, cos_sin_cache, *, interleaved=False, head_size=None):
+def apply_rope_(query, key, positions, cos_sin_cache, *, interleaved=False, head_size=None,
+                rope_dim_offset=0, inverse=False):
     """Rotates query (..., Hq, D) and key (..., Hk, D) (or None) in place by the rows of
     cos_sin_cache (max_position, rotary_dim) at positions (query.shape[:-2], int32/int64).
     head_size: query/key are flat (..., H * head_size), as vLLM and FlashInfer take them.
+    rope_dim_offset: the rotary dims are [rope_dim_offset, rope_dim_offset + rotary_dim) of each
+    head (DeepSeek-V4 rotates the tail: head_dim - rotary_dim); the others stay as they are.
+    inverse: rotate by the negative angle (undoes the rotation of the same positions).
     Differentiable like torch's in-place ops. Returns (query, key)."""
     check_not_inference(query, key)
     ops.apply_(heads(query, head_size, "query"), heads(key, head_size, "key"), positions,
-               cos_sin_cache, interleaved)
+               cos_sin_cache, interleaved, rope_dim_offset, inverse)
     return query, key
 
 
 def apply_mrope_(query, key, positions, cos_sin_cache, mrope_section, *, interleaved=False,
-                 mrope_interleaved=False, head_size=None):
+                 mrope_interleaved=False, head_size=None, rope_dim_offset=0, inverse=False):
     """Multimodal RoPE (Qwen2-VL, Qwen3-VL) in place: positions (3,) + query.shape[:-2] hold the
     (temporal, height, width) components; mrope_section (3 ints summing to rotary_dim/2) splits
     the pairs into 3 groups, in order (chunked) or T,H,W,T,H,W,... (mrope_interleaved, Qwen3-VL),
     and group j is rotated by component j. Tokens whose 3 components are equal get exactly
-    apply_rope_. Differentiable like apply_rope_. Returns (query, key)."""
+    apply_rope_. rope_dim_offset and inverse as for apply_rope_. Differentiable like apply_rope_.
+    Returns (query, key)."""
     check_not_inference(query, key)
     ops.mrope_(heads(query, head_size, "query"), heads(key, head_size, "key"), positions,
-               cos_sin_cache, [int(s) for s in mrope_section], interleaved, mrope_interleaved)
+               cos_sin_cache, [int(s) for s in mrope_section], interleaved, mrope_interleaved,
+               rope_dim_offset, inverse)
     return query, key
 
 

@@ -149,34 +149,42 @@ def cache_halves(cos_sin_cache):
 
 
 def _rotate_inplace(query, key, positions, cos_sin_cache, interleaved, mrope_section=None,
-                    mrope_interleaved=False):
+                    mrope_interleaved=False, rope_dim_offset=0, inverse=False):
     if query.numel() == 0 and (key is None or key.numel() == 0):
         return query, key  # no rows, however many (broadcast) positions
     cos, sin = cache_halves(cos_sin_cache)
     c, s = gather_tables(positions, cos, sin, mrope_section, mrope_interleaved)
     for t in (query, key):
         if t is not None:
-            t.copy_(_rotate(t, c, s, interleaved, inverse=False))
+            part = t[..., rope_dim_offset:]  # the rotary dims start at the offset
+            part.copy_(_rotate(part, c, s, interleaved, inverse=inverse))
     return query, key
 
 
-def apply_rope_(query, key, positions, cos_sin_cache, *, interleaved=False):
-    """Rotates query (and key, unless None) in place by the cache rows at `positions`."""
-    _checks.check_apply_inplace(query, key, positions, cos_sin_cache)
+def apply_rope_(query, key, positions, cos_sin_cache, *, interleaved=False, rope_dim_offset=0,
+                inverse=False):
+    """Rotates query (and key, unless None) in place by the cache rows at `positions`: dims
+    [rope_dim_offset, rope_dim_offset + rotary_dim) of each head, by the negative angle with
+    inverse=True."""
+    _checks.check_apply_inplace(query, key, positions, cos_sin_cache,
+                                rope_dim_offset=rope_dim_offset)
     positions = _checks.positions_read_once(positions, (query, key))
     _checks.check_positions_in_range(positions, cos_sin_cache.shape[0], "rope.apply_")
-    return _rotate_inplace(query, key, positions, cos_sin_cache, interleaved)
+    return _rotate_inplace(query, key, positions, cos_sin_cache, interleaved,
+                           rope_dim_offset=rope_dim_offset, inverse=inverse)
 
 
 def apply_mrope_(query, key, positions, cos_sin_cache, mrope_section, *, interleaved=False,
-                 mrope_interleaved=False):
+                 mrope_interleaved=False, rope_dim_offset=0, inverse=False):
     """Multimodal RoPE in place: positions (3,) + query.shape[:-2] (temporal, height, width);
-    mrope_section splits the rotary_dim/2 pairs into 3 groups (chunked or interleaved)."""
-    section = _checks.check_mrope(query, key, positions, cos_sin_cache, mrope_section)
+    mrope_section splits the rotary_dim/2 pairs into 3 groups (chunked or interleaved);
+    rope_dim_offset and inverse as for apply_rope_."""
+    section = _checks.check_mrope(query, key, positions, cos_sin_cache, mrope_section,
+                                  rope_dim_offset=rope_dim_offset)
     positions = _checks.positions_read_once(positions, (query, key))
     _checks.check_positions_in_range(positions, cos_sin_cache.shape[0], "rope.mrope_")
     return _rotate_inplace(query, key, positions, cos_sin_cache, interleaved, section,
-                           mrope_interleaved)
+                           mrope_interleaved, rope_dim_offset, inverse)
 
 
 def fp8_code(x, scale, dtype):

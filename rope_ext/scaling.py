@@ -37,6 +37,9 @@ _KEYS = {
     # short_mscale / long_mscale (Phi-3.5-MoE) replace the attention factor of each set.
     "longrope": frozenset({"short_factor", "long_factor", "factor", "original_max_position_embeddings",
                            "attention_factor", "short_mscale", "long_mscale"}),
+    # Gemma 4's global layers: the table spans the whole head (rotary_dim = head_dim); the first
+    # partial_rotary_factor of its pairs rotate with exponents over head_dim, the rest not at all.
+    "proportional": frozenset({"factor", "partial_rotary_factor"}),
 }
 
 
@@ -215,6 +218,20 @@ def _llama3(scaling, rotary_dim, base, seq_len, device):
     return torch.where(wavelen < original / high_ff, inv_freq, out), 1.0
 
 
+def _proportional(scaling, rotary_dim, base, seq_len, device):
+    """w_i = base^(-2i / head_dim) / factor for the first int(partial * head_dim / 2) pairs and 0
+    (cos 1, sin 0: the pair passes through) for the rest; rotary_dim is the head dim here."""
+    factor = _number(scaling, "factor", "proportional", default=1.0)
+    partial = _number(scaling, "partial_rotary_factor", "proportional", default=1.0)
+    if partial > 1:
+        _fail(f"rope scaling 'proportional': partial_rotary_factor must be in (0, 1], got {partial!r}")
+    angles = int(partial * rotary_dim // 2)  # as transformers rounds it
+    inv_freq = torch.zeros(rotary_dim // 2, dtype=torch.float64, device=device)
+    i = torch.arange(angles, dtype=torch.float64, device=device)
+    inv_freq[:angles] = float(base) ** (-2.0 * i / rotary_dim)
+    return inv_freq / factor, 1.0
+
+
 def _factor_list(scaling, key, rotary_dim):
     values = scaling.get(key)
     if values is None:
@@ -257,6 +274,7 @@ _HANDLERS = {
     "yarn": _yarn,
     "deepseek_yarn": _deepseek_yarn,
     "llama3": _llama3,
+    "proportional": _proportional,
 }
 
 

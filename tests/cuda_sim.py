@@ -77,15 +77,18 @@ def apply_out(x, cos, sin, out, interleaved=False, max_blocks=1 << 20, force_idx
     return Plan(bool(v[0]), bool(v[1]), v[2], (v[3], v[4], v[5]), v[6], v[7], v[8], v[9])
 
 
-def apply_(query, key, positions, cache, interleaved=False, **kw):
+def apply_(query, key, positions, cache, interleaved=False, rope_dim_offset=0, inverse=False,
+           **kw):
     """The simulated rope.apply_ (in place): Plan."""
-    return _run("apply_", query, key, positions, cache, interleaved, **kw)[1]
+    return _run("apply_", query, key, positions, cache, interleaved, rope_dim_offset, inverse,
+                **kw)[1]
 
 
-def mrope_(query, key, positions, cache, section, interleaved=False, mrope_interleaved=False, **kw):
+def mrope_(query, key, positions, cache, section, interleaved=False, mrope_interleaved=False,
+           rope_dim_offset=0, inverse=False, **kw):
     """The simulated rope.mrope_ (in place): Plan."""
     return _run("mrope_", query, key, positions, cache, list(section),
-                interleaved, mrope_interleaved, **kw)[1]
+                interleaved, mrope_interleaved, rope_dim_offset, inverse, **kw)[1]
 
 
 def apply_positions(x, positions, cos, sin, interleaved=False, inverse=False, mrope_section=None,
@@ -101,3 +104,10 @@ def apply_and_cache_(query, key, value, positions, cache, key_cache, value_cache
     return _run("apply_and_cache_", query, key, value, positions, cache,
                 key_cache, value_cache, slots, interleaved, kv_cache_dtype, k_scale, v_scale,
                 **kw)[1]
+
+
+def shift_kv_cache_(key_cache, slots, delta, cache, interleaved=False, kv_cache_dtype="auto",
+                    k_scale=None, **kw):
+    """The simulated rope.shift_kv_cache_ (the cache rotated in place): Plan."""
+    return _run("shift_kv_cache_", key_cache, slots, delta, cache, interleaved, kv_cache_dtype,
+                k_scale, **kw)[1]

@@ -5,8 +5,8 @@
                         [--expect-under DIR] [--expect-library-under DIR]
 
 Checks that rope_ext (and its native library) came from where the caller expects, then runs every
-op (apply, apply.out, apply_backward and its autograd, apply_, mrope_, apply_positions,
-apply_and_cache_) against rope_ext.reference. Prints "OK <loaded_by> <loaded_from>" on success.
+op (apply, apply.out, apply_backward and its autograd, apply_ (with rope_dim_offset and
+inverse), mrope_, apply_positions, apply_and_cache_, shift_kv_cache_) against rope_ext.reference. Prints "OK <loaded_by> <loaded_from>" on success.
 """
 
 import argparse
@@ -123,6 +123,22 @@ def check_ops(torch, rope_ext):
             ref.apply_and_cache_(*want, interleaved=interleaved)
             for got, exp in zip((q, k, kc, vc), (want[0], want[1], want[5], want[6])):
                 assert torch.equal(got, exp), "apply_and_cache_ differs from the reference"
+
+            # rope_dim_offset and inverse in place, and the K-shift of the cache just written
+            y = x.clone()
+            torch.ops.rope.apply_(y, None, positions, cache[:, :16], interleaved, 16, True)
+            ey = x.double().clone()
+            ref.apply_rope_(ey, None, positions, cache[:, :16].double(), interleaved=interleaved,
+                            rope_dim_offset=16, inverse=True)
+            close(torch, y, ey, dtype)
+            from rope_ext import _kv_shift_reference
+
+            delta = torch.tensor([3, -2, 7, 0, -5, 1])
+            ekc = kc.double()
+            torch.ops.rope.shift_kv_cache_(kc, slots, delta, cache, interleaved)
+            _kv_shift_reference.shift_kv_cache_(ekc, slots, delta, cache.double(),
+                                                interleaved=interleaved)
+            close(torch, kc, ekc, dtype)
 
 
 def main():

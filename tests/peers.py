@@ -178,19 +178,24 @@ def fa_apply_rotary_emb_kv_(kv, cos, sin, interleaved=False, seqlen_offsets=0):
 
 # ---- vLLM (_custom_ops.rotary_embedding, the in-place kernel) ----
 
-def vllm_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
-    """In place, like vLLM's kernel: every head's first rot_dim dims rotated by
-    cos_sin_cache[positions] (cos | sin); query/key flat (tokens, H * head_size) or
-    (tokens, H, head_size). Returns None."""
+def vllm_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox,
+                          rope_dim_offset=0, inverse=False):
+    """In place, like vLLM's kernel (0.33): dims [rope_dim_offset, rope_dim_offset + rot_dim) of
+    every head rotated by cos_sin_cache[positions] (cos | sin), by the negative angle (sin
+    negated) with inverse; query/key flat (tokens, H * head_size) or (tokens, H, head_size).
+    Returns None."""
     rot = cos_sin_cache.shape[1]
     rows = cos_sin_cache[positions.flatten().long()]
     cos, sin = rows[:, None, : rot // 2], rows[:, None, rot // 2 :]
+    if inverse:
+        sin = -sin
+    lo, hi = rope_dim_offset, rope_dim_offset + rot
     for t in (query, key):
         if t is None:
             continue
         heads = t.reshape(positions.numel(), -1, head_size)  # a copy when t is not viewable
         rotated = heads.clone()
-        rotated[..., :rot] = kernel_rotate(heads[..., :rot], cos, sin, is_neox)
+        rotated[..., lo:hi] = kernel_rotate(heads[..., lo:hi], cos, sin, is_neox)
         t.copy_(rotated.reshape(t.shape))
 
 

@@ -711,7 +711,7 @@ def test_phimoe_mscale_per_set():
          r"'yarn' does not understand the key 'extrapolation_factor'"),
         (dict(llama2_7b(), rope_scaling={"type": "ntk-by-parts", "factor": 2.0}),
          r"unknown rope scaling type 'ntk-by-parts'; supported: deepseek_yarn, default, dynamic, linear, "
-         r"llama3, longrope, mrope, su, yarn"),
+         r"llama3, longrope, mrope, proportional, su, yarn"),
         (dict(llama2_7b(), rope_parameters={"rope_type": "default", "rope_theta": 1e4, "factor": 2.0}),
          r"'default' does not understand the key 'factor'"),
         (dict(llama2_7b(), rope_scaling={"rope_type": "linear", "type": "dynamic", "factor": 2.0}),

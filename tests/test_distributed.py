@@ -569,6 +569,38 @@ def case_in_place_partial_sum(run):
 
 
 @case
+def case_in_place_offset_inverse(run):
+    """apply_rope_ with rope_dim_offset (the tail of each head, DeepSeek-V4) and inverse, on
+    token- and head-sharded query and key: each rank rotates its shard, no communication."""
+    S, R = run.S, run.R
+    q, k = torch.randn(T, HQ, D), torch.randn(T, HK, D)
+    pos = torch.randint(0, MAXPOS, (T,))
+    for qp, kp, pp in ((S(0), S(0), S(0)), (S(1), S(1), R), (R, S(1), R)):
+        _in_place(run, q, k, pos, qp, kp, pp, rope_dim_offset=D - ROT, inverse=True)
+        _in_place(run, q, k, pos, qp, kp, pp, rope_dim_offset=1)
+
+
+@case
+def case_shift_kv_cache(run):
+    """K-shift of a key cache replicated or sharded over its kv heads: each rank rotates its
+    heads of the listed slots, no communication; other layouts are refused, nothing written."""
+    S, R = run.S, run.R
+    kc = torch.randn(3, 4, HK, D)
+    slots, delta, table = torch.tensor([5, -1, 0, 11]), torch.tensor([3, 9, -2, 1]), _table()
+    want = kc.clone()
+    rope_ext.shift_kv_cache_(want, slots, delta, table)
+    for p in (R, S(2)):
+        dk = run.d(kc.clone(), p)  # a Replicate DTensor may share kc's memory
+        run.no_comm(rope_ext.shift_kv_cache_, dk, run.d(slots, R), run.d(delta, R), run.d(table, R))
+        run.expect(dk, want, [p])
+    for p, what in ((S(0), "sharded over its blocks"), (S(3), "Shard(3)")):
+        dk = run.d(kc.clone(), p)
+        run.fails(("rope.shift_kv_cache_:", what), rope_ext.shift_kv_cache_, dk, run.d(slots, R),
+                  run.d(delta, R), run.d(table, R))
+        run.unchanged(dk, kc)
+
+
+@case
 def case_in_place_autograd(run):
     """Gradients through apply_rope_ (query and key non-leaf, rotated in place) w.r.t. their
     leaves: the inverse rotation, token- and head-sharded."""
@@ -884,7 +916,8 @@ REGISTERED = r"""
 ops = torch.ops.rope
 funcs = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
 for op in (ops.apply.default, ops.apply.out, ops.apply_backward.default, ops.apply_.default,
-           ops.mrope_.default, ops.apply_positions.default, ops.apply_and_cache_.default):
+           ops.mrope_.default, ops.apply_positions.default, ops.apply_and_cache_.default,
+           ops.shift_kv_cache_.default):
     assert op in funcs, op
 assert ops.apply.out in DTensor._op_dispatcher._custom_op_handlers
 assert not any(type(f).__module__ == "rope_ext.distributed" for f in sys.meta_path), "hook left"

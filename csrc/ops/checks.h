@@ -656,6 +656,25 @@ inline RotateGeometry check_positions_op(const Tensor& query_t, const std::optio
   return g;
 }
 
+// rope.apply_ / rope.mrope_ with rope_dim_offset (vLLM's DeepSeek-V4 rotates the tail of each
+// head): the rotary dims are [offset, offset + rotary_dim). No sum is formed: rotary_dim <=
+// head_dim is already checked, so head_dim - rotary_dim cannot overflow.
+inline void set_rope_dim_offset(RotateGeometry& g, int64_t offset, const char* op) {
+  const int64_t rotary_dim = 2 * g.half;
+  ROPE_CHECK(offset >= 0 && offset <= g.head_dim - rotary_dim, op, ": rope_dim_offset = ", offset,
+             " must lie in [0, head_dim - rotary_dim] = [0, ", g.head_dim - rotary_dim,
+             "] (head_dim = ", g.head_dim, ", rotary_dim = ", rotary_dim, ")");
+  g.rot_offset = offset;
+}
+
+// The element of a row where its rotary dims start (rot_offset along the head dim); an empty
+// tensor's pointer (possibly null) is left as it is.
+inline void* rotary_start(const Tensor& t, const RotateGeometry& g, int64_t last_stride) {
+  char* p = static_cast<char*>(t.mutable_data_ptr());
+  if (g.rot_offset == 0 || g.half == 0 || t.numel() == 0) return p;
+  return p + g.rot_offset * last_stride * static_cast<int64_t>(t.element_size());
+}
+
 // The MRoPE part: the sections, as 3 entries >= 0 summing to rotary_dim/2 (no sum formed that
 // could overflow: an entry above rotary_dim/2 already fails).
 inline void set_mrope_sections(RotateGeometry& g, const std::vector<int64_t>& section,

@@ -78,6 +78,10 @@ struct RotateGeometry {
   bool interleaved = false;
   bool inverse = false;    // rotate by the negative angle (the backward)
   bool copy_tail = false;  // out of place: dims >= rotary_dim are copied to dst
+  // In place with rope_dim_offset: the rotary dims are [rot_offset, rot_offset + 2 * half) of
+  // each row. The host binds every row's pointer at rot_offset, so the kernels never read it;
+  // the simulator does, to bound the rows' elements.
+  int64_t rot_offset = 0;
   int32_t targets = 0;
   TargetDesc target[2];
   TableDesc table;

@@ -53,13 +53,16 @@ def _cache_format(arg, key):
 
 
 def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_sin_cache,
-                                          is_neox=True, fused_set_kv_buffer_arg=None):
+                                          is_neox=True, fused_set_kv_buffer_arg=None,
+                                          enable_pdl=None):
     """Rotates query (nnz, num_q_heads * head_size) and key (nnz, num_k_heads * head_size) in
     place by the rows of cos_sin_cache (max_seq_len, rotary_dim) float32 (cos | sin) at positions
     (nnz,); is_neox=False: interleaved pairs. With fused_set_kv_buffer_arg, the rotated key and
     the value are also stored at cache_loc in the same pass (a negative cache_loc skips the
     token); float8 buffers store value / scale (scale 1 when None), saturated. Returns None.
-    Positions outside the table are an error (SGLang reads outside it)."""
+    Positions outside the table are an error (SGLang reads outside it). enable_pdl (programmatic
+    dependent launch, a scheduling hint for Hopper GPUs) is accepted and changes no result: the
+    kernels here launch without it."""
     q, k = check_cache_views(positions, query, key, head_size, cos_sin_cache)
     head_size = q.shape[-1]  # checked, as an int
     arg = fused_set_kv_buffer_arg

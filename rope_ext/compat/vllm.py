@@ -1,22 +1,26 @@
 """vLLM's RoPE kernel entry point, `vllm._custom_ops.rotary_embedding`, on rope_ext's in-place op.
 
     from vllm import _custom_ops as ops          ->  from rope_ext.compat import vllm as ops
-    ops.rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
+    ops.rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox,
+                         rope_dim_offset=0, inverse=False)
 """
 
 from ..ops import apply_rope_
 from ._layout import check_head_size, heads
 
 
-def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
+def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, rope_dim_offset=0,
+                     inverse=False):
     """Rotates query and key (or None) in place; returns None, as vLLM's op does.
 
     positions: (num_tokens,) or (batch, seq_len), int32 or int64 (vLLM takes int64 only).
     query: (*positions.shape, num_heads * head_size), e.g. a slice of a fused qkv buffer, or
     (*positions.shape, num_heads, head_size); key likewise with num_kv_heads, or None.
     cos_sin_cache: (max_position, rot_dim), cos in the first rot_dim/2 columns and sin in the
-    rest, any float dtype; the first rot_dim dims of each head rotate, the rest stay as they are.
+    rest, any float dtype; dims [rope_dim_offset, rope_dim_offset + rot_dim) of each head rotate
+    (DeepSeek-V4 passes head_size - rot_dim: the tail), the rest stay as they are.
     is_neox: pairs (i, i + rot_dim/2) if True, (2i, 2i+1) (GPT-J) if False.
+    inverse: rotate by the negative angle (sin negated), in place like the forward rotation.
 
     Unlike vLLM's kernel, a position outside [0, max_position) is an error (vLLM reads outside
     the table), and the call is differentiable like torch's in-place ops.
@@ -28,4 +32,5 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
                          f"{list(positions.shape)}")
     q = heads(query, head_size, "query", lead)
     k = heads(key, head_size, "key", lead)
-    apply_rope_(q, k, positions, cos_sin_cache, interleaved=not is_neox)
+    apply_rope_(q, k, positions, cos_sin_cache, interleaved=not is_neox,
+                rope_dim_offset=rope_dim_offset, inverse=inverse)

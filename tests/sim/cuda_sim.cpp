@@ -23,6 +23,7 @@
 #include <torch/csrc/stable/library.h>
 
 #include "ops/cuda/rope_cuda_host.h"
+#include "ops/cuda/shift_cuda_host.h"
 
 namespace rope::sim {
 namespace {
@@ -149,7 +150,8 @@ void allow_rotate_operands(Recorder& rec, const RotateArgs<x_t, tab_t>& a) {
     for (int k = 0; k < g.targets; ++k) {
       const TargetDesc& t = g.target[k];
       for (int64_t h = 0; h < t.heads; ++h) {
-        for (int64_t j = 0; j < g.head_dim; ++j) {
+        // The row's elements: the host bound the row at rot_offset (in place with an offset).
+        for (int64_t j = -g.rot_offset; j < g.head_dim - g.rot_offset; ++j) {
           rec.allow(a.src[k] + off[2 * k] + h * t.src_head + j * t.src_last, sizeof(x_t), kRead);
         }
         for (int64_t j = 0; j < write_end; ++j) {
@@ -218,6 +220,36 @@ void allow_cache_operands(Recorder& rec, const CacheArgs<x_t, tab_t>& a) {
   }
 }
 
+// rope.shift_kv_cache_: slots and deltas read; the table rows; the rotary elements of every
+// head of each listed slot read and written once (pass-through dims and other slots untouched).
+template <typename x_t, typename acc_t>
+void allow_shift_operands(Recorder& rec, const gpu::ShiftArgs<x_t, acc_t>& a) {
+  const ShiftDesc& d = a.d;
+  for (int64_t r = 0; r < d.rows; ++r) {
+    for (int64_t j = 0; j < 2 * d.half; ++j) {
+      rec.allow(a.table + r * d.cos_row + j * d.cos_col, sizeof(acc_t), kRead);
+    }
+  }
+  for (int64_t i = 0; i < d.n; ++i) {
+    const int64_t es_s = d.slots64 ? 8 : 4, es_d = d.delta64 ? 8 : 4;
+    const char* sp = static_cast<const char*>(a.slots) + i * d.slot_stride * es_s;
+    rec.allow(sp, es_s, kRead);
+    rec.allow(static_cast<const char*>(a.delta) + i * d.delta_stride * es_d, es_d, kRead);
+    const int64_t slot = d.slots64 ? *reinterpret_cast<const int64_t*>(sp)
+                                   : *reinterpret_cast<const int32_t*>(sp);
+    if (slot < 0 || slot >= d.slots) continue;
+    // Written out here, not with CacheStrides::slot_row: an independent statement of the layout.
+    const int64_t block = slot / d.block_size, in_block = slot % d.block_size;
+    for (int64_t h = 0; h < d.heads; ++h) {
+      for (int64_t j = 0; j < 2 * d.half; ++j) {
+        rec.allow(a.cache + block * d.kc.block + in_block * d.kc.offset + h * d.kc.head +
+                      j * d.kc.last,
+                  sizeof(x_t), kRead | kWrite | kMustWrite);
+      }
+    }
+  }
+}
+
 void finish(Recorder& rec, const char* op) {
   for (const auto& [addr, e] : rec.elems) {
     if ((e.perm & kMustWrite) && e.writes != 1) {
@@ -256,6 +288,12 @@ struct SimRunner {
     if (force_idx64) a.idx32 = false;
     simulate(plan, a.idx32, [&](Recorder& rec) { allow_rotate_operands(rec, a); },
              [&](const ThreadPos& tp) { gpu::rotate_thread<x_t, tab_t, kI>(a, tp); });
+  }
+
+  template <typename x_t, typename acc_t>
+  void operator()(const LaunchPlan& plan, const gpu::ShiftArgs<x_t, acc_t>& a) const {
+    simulate(plan, plan.idx32, [&](Recorder& rec) { allow_shift_operands(rec, a); },
+             [&](const ThreadPos& tp) { gpu::shift_thread<x_t, acc_t>(a, tp); });
   }
 
   template <typename x_t, typename tab_t>
@@ -311,15 +349,19 @@ void apply_out_sim(Tensor x, Tensor cos, Tensor sin, bool interleaved, int64_t m
 }
 
 void apply_inplace_sim(Tensor query, std::optional<Tensor> key, Tensor positions, Tensor cache,
-                       bool interleaved, int64_t max_blocks, bool force_idx64, Tensor info) {
+                       bool interleaved, int64_t rope_dim_offset, bool inverse,
+                       int64_t max_blocks, bool force_idx64, Tensor info) {
   gpu::rotate_inplace_host(query, key, positions, cache, interleaved, nullptr, false,
+                           rope_dim_offset, inverse,
                            SimRunner{"rope_sim.apply_", force_idx64, &info}, max_blocks);
 }
 
 void mrope_sim(Tensor query, std::optional<Tensor> key, Tensor positions, Tensor cache,
                std::vector<int64_t> section, bool interleaved, bool mrope_interleaved,
-               int64_t max_blocks, bool force_idx64, Tensor info) {
+               int64_t rope_dim_offset, bool inverse, int64_t max_blocks, bool force_idx64,
+               Tensor info) {
   gpu::rotate_inplace_host(query, key, positions, cache, interleaved, &section, mrope_interleaved,
+                           rope_dim_offset, inverse,
                            SimRunner{"rope_sim.mrope_", force_idx64, &info}, max_blocks);
 }
 
@@ -344,6 +386,15 @@ void apply_and_cache_sim(Tensor query, Tensor key, Tensor value, Tensor position
                             max_blocks);
 }
 
+void shift_kv_cache_sim(Tensor key_cache, Tensor slots, Tensor delta, Tensor cache,
+                        bool interleaved, std::string kv_cache_dtype,
+                        std::optional<Tensor> k_scale, int64_t max_blocks, bool force_idx64,
+                        Tensor info) {
+  gpu::shift_kv_cache_host(key_cache, slots, delta, cache, interleaved, kv_cache_dtype, k_scale,
+                           SimRunner{"rope_sim.shift_kv_cache_", force_idx64, &info},
+                           max_blocks);
+}
+
 }  // namespace
 }  // namespace rope::sim
 
@@ -353,10 +404,11 @@ STABLE_TORCH_LIBRARY(rope_sim, m) {
   m.def("apply_out(Tensor x, Tensor cos, Tensor sin, bool interleaved, int max_blocks, "
         "bool force_idx64, Tensor info, Tensor(a!) out) -> ()");
   m.def("apply_(Tensor(a!) query, Tensor(b!)? key, Tensor positions, Tensor cos_sin_cache, "
-        "bool interleaved, int max_blocks, bool force_idx64, Tensor info) -> ()");
+        "bool interleaved, int rope_dim_offset, bool inverse, int max_blocks, bool force_idx64, "
+        "Tensor info) -> ()");
   m.def("mrope_(Tensor(a!) query, Tensor(b!)? key, Tensor positions, Tensor cos_sin_cache, "
-        "int[] mrope_section, bool interleaved, bool mrope_interleaved, int max_blocks, "
-        "bool force_idx64, Tensor info) -> ()");
+        "int[] mrope_section, bool interleaved, bool mrope_interleaved, int rope_dim_offset, "
+        "bool inverse, int max_blocks, bool force_idx64, Tensor info) -> ()");
   m.def("apply_positions(Tensor x, Tensor positions, Tensor cos, Tensor sin, bool interleaved, "
         "bool inverse, int[]? mrope_section, bool mrope_interleaved, int max_blocks, "
         "bool force_idx64, Tensor info) -> Tensor");
@@ -366,7 +418,14 @@ STABLE_TORCH_LIBRARY(rope_sim, m) {
         "bool force_idx64, Tensor info) -> ()");
 }
 
+STABLE_TORCH_LIBRARY_FRAGMENT(rope_sim, m) {
+  m.def("shift_kv_cache_(Tensor(a!) key_cache, Tensor slot_mapping, Tensor delta, "
+        "Tensor cos_sin_cache, bool interleaved, str kv_cache_dtype, Tensor? k_scale, "
+        "int max_blocks, bool force_idx64, Tensor info) -> ()");
+}
+
 STABLE_TORCH_LIBRARY_IMPL(rope_sim, CPU, m) {
+  m.impl("shift_kv_cache_", TORCH_BOX(&rope::sim::shift_kv_cache_sim));
   m.impl("apply", TORCH_BOX(&rope::sim::apply_sim));
   m.impl("apply_out", TORCH_BOX(&rope::sim::apply_out_sim));
   m.impl("apply_", TORCH_BOX(&rope::sim::apply_inplace_sim));

@@ -114,15 +114,17 @@ void apply_out_cpu(Tensor x, Tensor cos, Tensor sin, bool interleaved, Tensor ou
 }
 
 // The in-place ops on query/key: positions copied if they share memory with what is written,
-// range-checked, then the rotation.
+// range-checked, then the rotation of dims [rope_dim_offset, rope_dim_offset + rotary_dim).
 RotateGeometry inplace_geometry(const Tensor& query, const std::optional<Tensor>& key,
                                 Tensor& positions, const Tensor& cache, bool interleaved,
                                 const std::vector<int64_t>* section, bool mrope_interleaved,
-                                const char* op) {
+                                int64_t rope_dim_offset, bool inverse, const char* op) {
   auto check = [&] {
-    return check_positions_op(query, key, positions,
-                              TableArgs{&cache, nullptr, nullptr, section, mrope_interleaved},
-                              interleaved, false, true, op, "query");
+    RotateGeometry g = check_positions_op(
+        query, key, positions, TableArgs{&cache, nullptr, nullptr, section, mrope_interleaved},
+        interleaved, inverse, true, op, "query");
+    set_rope_dim_offset(g, rope_dim_offset, op);
+    return g;
   };
   const RotateGeometry g = check_read_once(check, {&positions}, {&query, key ? &*key : nullptr});
   check_positions_in_range(positions, g.table.rows, op, "cos_sin_cache.size(0)");
@@ -133,8 +135,8 @@ void rotate_inplace(const RotateGeometry& g, const Tensor& query, const std::opt
                     const Tensor& positions, const Tensor& cache) {
   RotateJob job{};
   job.g = &g;
-  job.src[0] = job.dst[0] = query.mutable_data_ptr();
-  if (key.has_value()) job.src[1] = job.dst[1] = key->mutable_data_ptr();
+  job.src[0] = job.dst[0] = rotary_start(query, g, g.target[0].src_last);
+  if (key.has_value()) job.src[1] = job.dst[1] = rotary_start(*key, g, g.target[1].src_last);
   job.cos = cache.const_data_ptr();
   job.sin = sin_of_cache(cache, g);
   job.positions = positions.const_data_ptr();
@@ -143,17 +145,20 @@ void rotate_inplace(const RotateGeometry& g, const Tensor& query, const std::opt
 }
 
 void apply_inplace_cpu(Tensor query, std::optional<Tensor> key, Tensor positions,
-                       Tensor cos_sin_cache, bool interleaved) {
+                       Tensor cos_sin_cache, bool interleaved, int64_t rope_dim_offset,
+                       bool inverse) {
   const RotateGeometry g = inplace_geometry(query, key, positions, cos_sin_cache, interleaved,
-                                            nullptr, false, "rope.apply_");
+                                            nullptr, false, rope_dim_offset, inverse,
+                                            "rope.apply_");
   rotate_inplace(g, query, key, positions, cos_sin_cache);
 }
 
 void mrope_inplace_cpu(Tensor query, std::optional<Tensor> key, Tensor positions,
                        Tensor cos_sin_cache, std::vector<int64_t> mrope_section, bool interleaved,
-                       bool mrope_interleaved) {
+                       bool mrope_interleaved, int64_t rope_dim_offset, bool inverse) {
   const RotateGeometry g = inplace_geometry(query, key, positions, cos_sin_cache, interleaved,
-                                            &mrope_section, mrope_interleaved, "rope.mrope_");
+                                            &mrope_section, mrope_interleaved, rope_dim_offset,
+                                            inverse, "rope.mrope_");
   rotate_inplace(g, query, key, positions, cos_sin_cache);
 }
 

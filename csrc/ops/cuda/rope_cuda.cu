@@ -90,16 +90,17 @@ void apply_out_cuda(Tensor x, Tensor cos, Tensor sin, bool interleaved, Tensor o
 }
 
 void apply_inplace_cuda(Tensor query, std::optional<Tensor> key, Tensor positions,
-                        Tensor cos_sin_cache, bool interleaved) {
+                        Tensor cos_sin_cache, bool interleaved, int64_t rope_dim_offset,
+                        bool inverse) {
   rotate_inplace_host(query, key, positions, cos_sin_cache, interleaved, nullptr, false,
-                      CudaLaunch(query, "rope.apply_"));
+                      rope_dim_offset, inverse, CudaLaunch(query, "rope.apply_"));
 }
 
 void mrope_inplace_cuda(Tensor query, std::optional<Tensor> key, Tensor positions,
                         Tensor cos_sin_cache, std::vector<int64_t> mrope_section, bool interleaved,
-                        bool mrope_interleaved) {
+                        bool mrope_interleaved, int64_t rope_dim_offset, bool inverse) {
   rotate_inplace_host(query, key, positions, cos_sin_cache, interleaved, &mrope_section,
-                      mrope_interleaved, CudaLaunch(query, "rope.mrope_"));
+                      mrope_interleaved, rope_dim_offset, inverse, CudaLaunch(query, "rope.mrope_"));
 }
 
 Tensor apply_positions_cuda(Tensor x, Tensor positions, Tensor cos, Tensor sin, bool interleaved,

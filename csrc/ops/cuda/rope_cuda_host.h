@@ -158,9 +158,9 @@ void run_rotate(const RotateGeometry& g, const RotateTensors& t, ScalarType x_ty
     using x_t = decltype(x0);
     using tab_t = decltype(tab0);
     RotateArgs<x_t, tab_t> a{};
-    for (int k = 0; k < g.targets; ++k) {
-      a.src[k] = t.src[k]->const_data_ptr<x_t>();
-      a.dst[k] = t.dst[k]->mutable_data_ptr<x_t>();
+    for (int k = 0; k < g.targets; ++k) {  // rows bound where their rotary dims start
+      a.src[k] = static_cast<const x_t*>(rotary_start(*t.src[k], g, g.target[k].src_last));
+      a.dst[k] = static_cast<x_t*>(rotary_start(*t.dst[k], g, g.target[k].dst_last));
     }
     a.cos = static_cast<const tab_t*>(t.cos);
     a.sin = static_cast<const tab_t*>(t.sin);
@@ -214,13 +214,16 @@ template <class Runner>
 void rotate_inplace_host(const Tensor& query, const std::optional<Tensor>& key,
                          const Tensor& positions_in, const Tensor& cache_in, bool interleaved,
                          const std::vector<int64_t>* section, bool mrope_interleaved,
-                         Runner&& run, int64_t max_blocks = kMaxBlocks) {
+                         int64_t rope_dim_offset, bool inverse, Runner&& run,
+                         int64_t max_blocks = kMaxBlocks) {
   const char* op = section ? "rope.mrope_" : "rope.apply_";
   Tensor positions = positions_in;
   auto check = [&](const Tensor& cache) {
-    return check_positions_op(query, key, positions,
-                              TableArgs{&cache, nullptr, nullptr, section, mrope_interleaved},
-                              interleaved, false, true, op, "query");
+    RotateGeometry g = check_positions_op(
+        query, key, positions, TableArgs{&cache, nullptr, nullptr, section, mrope_interleaved},
+        interleaved, inverse, true, op, "query");
+    set_rope_dim_offset(g, rope_dim_offset, op);
+    return g;
   };
   RotateGeometry g = check_read_once([&] { return check(cache_in); }, {&positions},
                                      {&query, key ? &*key : nullptr});

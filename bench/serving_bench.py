@@ -1,0 +1,158 @@
+"""Benchmark of the serving ops: `python bench/serving_bench.py --device cpu|cuda [--quick]
+[--out DIR]`.
+
+Rows per case: the rope_ext op, its unfused eager PyTorch equivalent (rope_ext's reference
+path, checks included, as a user calling it gets it), and the copy limit (a contiguous copy of
+the bytes the op must read and write). Every row of a case counts the same bytes, the least
+traffic the work needs, so GB/s compare directly. Cases:
+- shift_kv_cache_: K-shift of N cached slots of a paged key cache (float and float8 caches);
+- apply_ rope_dim_offset + inverse: DeepSeek-V4's RoPE on the tail of each head, undone in place.
+
+Prints a table and writes STEM.json and STEM.md to --out (default bench/results/). Timing reuses
+rope_bench (round-robin blocks, robust to a shared machine); the ratios are what to read.
+"""
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # rope_bench
+sys.path.insert(1, os.path.dirname(HERE))  # rope_ext from this checkout
+
+import torch  # noqa: E402
+
+import rope_ext  # noqa: E402
+from rope_bench.timing import clock_for, measure_interleaved, median, quantile  # noqa: E402
+from rope_ext import _kv_shift_reference, reference  # noqa: E402
+
+RESULTS = os.path.join(HERE, "results")
+
+
+def copy_limit(nbytes, device):
+    """A contiguous copy moving `nbytes` (half read, half written)."""
+    src = torch.randn(max(1, nbytes // 8), device=device)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+def shift_case(device, slots, heads, head_dim, rotary_dim, kv_cache_dtype):
+    """(name, shape, bytes, {row: fn}) of one K-shift case: `slots` listed slots of a 4x larger
+    cache, each shifted by its own delta."""
+    fmt = _kv_shift_reference.KV_CACHE_DTYPES[kv_cache_dtype]
+    dtype = fmt or torch.bfloat16
+    block_size = 16
+    blocks = 4 * slots // block_size + 1
+    key_cache = (torch.randn(blocks, block_size, heads, head_dim, device=device)).to(dtype)
+    slot_mapping = torch.randperm(blocks * block_size, device=device)[:slots]
+    table = rope_ext.cos_sin_cache(4096, rotary_dim, device=device)
+    delta = torch.randint(-4095, 4096, (slots,), device=device)
+    k_scale = torch.tensor([0.1], device=device) if fmt is not None else None
+    kw = dict(kv_cache_dtype=kv_cache_dtype, k_scale=k_scale)
+    es = key_cache.element_size()
+    # Rotary dims of each listed row read and written; slots and deltas read; the table rows.
+    nbytes = (2 * slots * heads * rotary_dim * es + 2 * slots * 8 + slots * rotary_dim * 4)
+    rows = {
+        "rope_ext": lambda: rope_ext.shift_kv_cache_(key_cache, slot_mapping, delta, table, **kw),
+        "eager": lambda: _kv_shift_reference.shift_kv_cache_(key_cache, slot_mapping, delta, table,
+                                                             **kw),
+        "copy": copy_limit(nbytes, device),
+    }
+    name = f"shift_kv_cache_ {kv_cache_dtype if fmt is not None else 'bfloat16'}"
+    return name, [slots, heads, head_dim, rotary_dim], nbytes, rows
+
+
+def offset_case(device, tokens, heads, head_dim, rotary_dim, dtype):
+    """apply_ with rope_dim_offset = head_dim - rotary_dim and inverse=True (DeepSeek-V4)."""
+    q = torch.randn(tokens, heads, head_dim, device=device, dtype=dtype)
+    k = torch.randn(tokens, 1, head_dim, device=device, dtype=dtype)
+    positions = torch.randint(0, 4096, (tokens,), device=device)
+    table = rope_ext.cos_sin_cache(4096, rotary_dim, device=device)
+    off = head_dim - rotary_dim
+    es = q.element_size()
+    nbytes = 2 * tokens * (heads + 1) * rotary_dim * es + tokens * 8 + tokens * rotary_dim * 4
+    kw = dict(rope_dim_offset=off, inverse=True)
+    rows = {
+        "rope_ext": lambda: rope_ext.apply_rope_(q, k, positions, table, **kw),
+        "eager": lambda: reference.apply_rope_(q, k, positions, table, **kw),
+        "copy": copy_limit(nbytes, device),
+    }
+    return (f"apply_ rope_dim_offset+inverse {str(dtype).removeprefix('torch.')}",
+            [tokens, heads, head_dim, rotary_dim], nbytes, rows)
+
+
+def cases(device, quick):
+    if quick:
+        return [shift_case(device, 32, 2, 64, 64, "auto"), shift_case(device, 32, 2, 64, 64, "fp8"),
+                offset_case(device, 16, 4, 128, 64, torch.float32)]
+    return [
+        shift_case(device, 4096, 8, 128, 128, "auto"),
+        shift_case(device, 4096, 8, 128, 128, "fp8"),
+        shift_case(device, 64, 8, 128, 128, "auto"),  # a few slots: the per-call cost
+        offset_case(device, 1024, 16, 512, 64, torch.bfloat16),
+        offset_case(device, 1024, 16, 512, 64, torch.float32),
+    ]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--quick", action="store_true", help="tiny cases, few repeats (a smoke run)")
+    p.add_argument("--out", default=None, help="output directory (default bench/results/, or a "
+                   "temporary directory for --quick)")
+    p.add_argument("--repeat", type=int, default=None, help="timed blocks per row (default 11; 3 quick)")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads; "
+                   "default 1, as bench/bench.py: timings per core, steady on a shared machine)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("serving_bench: --device cuda needs a GPU (torch.cuda.is_available() is False)")
+        return 2
+    repeat = args.repeat or (3 if args.quick else 11)
+    min_block_s = 0.002 if args.quick else (0.005 if args.device == "cuda" else 0.02)
+    out = args.out or (os.path.join(tempfile.gettempdir(), "rope_bench") if args.quick else RESULTS)
+    stem = f"serving-{args.device}" + ("-quick" if args.quick else "")
+    torch.manual_seed(0)
+    clock = clock_for(args.device)
+    results, errors = [], []
+    for name, shape, nbytes, rows in cases(args.device, args.quick):
+        plan = measure_interleaved(rows, clock, repeat=repeat, min_block_s=min_block_s,
+                                   on_error=lambda row, e: errors.append(f"{name} / {row}: {e!r}"))
+        med = {row: median(p["times"]) for row, p in plan.items()}
+        for row, p in plan.items():
+            results.append({
+                "case": name, "shape": shape, "row": row, "bytes": nbytes,
+                "times_s": p["times"], "median_s": med[row],
+                "p25_s": quantile(p["times"], 0.25), "p75_s": quantile(p["times"], 0.75),
+                "gbps": nbytes / med[row] / 1e9,
+                "vs_rope_ext": med[row] / med["rope_ext"] if "rope_ext" in med else None,
+            })
+    doc = {"meta": {"device": args.device, "torch": torch.__version__,
+                    "rope_ext": rope_ext.__version__, "backend": rope_ext.backend(args.device),
+                    "threads": torch.get_num_threads(), "machine": platform.machine(),
+                    "repeat": repeat, "min_block_ms": min_block_s * 1e3, "clock": clock.name},
+           "results": results, "errors": errors}
+    lines = ["| case | shape | row | median (us) | GB/s | time / rope_ext |", "|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['case']} | {r['shape']} | {r['row']} | {r['median_s'] * 1e6:.1f} | "
+                     f"{r['gbps']:.2f} | {r['vs_rope_ext']:.2f}x |")
+    table = "\n".join(lines)
+    print(table)
+    for e in errors:
+        print("error:", e)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, stem + ".json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    with open(os.path.join(out, stem + ".md"), "w") as f:
+        m = doc["meta"]
+        f.write(f"# Serving ops ({m['device']}, {m['backend']}, {m['threads']} threads, torch "
+                f"{m['torch']})\n\nBytes: the least traffic each case needs; copy: a contiguous "
+                f"copy of as many bytes.\n\n{table}\n")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+// Checks of rope.shift_kv_cache_: the argument metadata first, then the data (slots, deltas,
+// duplicates), all before anything is written. Header-only, like checks.h;
+// rope_ext/_kv_shift_reference.py mirrors it message for message.
+#pragma once
+
+#include <limits>
+#include <optional>
+#include <string>
+#include <unordered_map>
+
+#include "checks.h"
+#include "shift_geometry.h"
+
+namespace rope {
+
+constexpr const char* kShiftOp = "rope.shift_kv_cache_";
+
+inline CacheFormat shift_cache_format(const std::string& kv_cache_dtype, ScalarType& want) {
+  if (kv_cache_dtype == "auto") return CacheFormat::kSame;
+  if (kv_cache_dtype == "fp8" || kv_cache_dtype == "fp8_e4m3") {
+    want = ScalarType::Float8_e4m3fn;
+    return CacheFormat::kE4M3FN;
+  }
+  if (kv_cache_dtype == "fp8_e5m2") {
+    want = ScalarType::Float8_e5m2;
+    return CacheFormat::kE5M2;
+  }
+  fail(kShiftOp, ": kv_cache_dtype must be 'auto', 'fp8', 'fp8_e4m3' or 'fp8_e5m2', got '",
+       kv_cache_dtype, "'");
+}
+
+// The metadata checks (no data read): dtypes, devices, shapes, memory overlap.
+inline ShiftDesc check_shift_kv_cache(const Tensor& key_cache_t, const Tensor& slots_t,
+                                      const Tensor& delta_t, const Tensor& table_t,
+                                      bool interleaved, const std::string& kv_cache_dtype,
+                                      const std::optional<Tensor>& k_scale_t) {
+  const char* op = kShiftOp;
+  const Meta kc(key_cache_t), sl(slots_t), dl(delta_t), tab(table_t);
+  ShiftDesc d;
+  ScalarType want = ScalarType::Undefined;
+  d.format = shift_cache_format(kv_cache_dtype, want);
+  if (d.format == CacheFormat::kSame) {
+    ROPE_CHECK(is_float(kc.dtype), op,
+               ": key_cache must be float16, bfloat16, float32 or float64 for kv_cache_dtype "
+               "'auto', got ", dtype_str(kc.dtype));
+  } else {
+    ROPE_CHECK(kc.dtype == want, op, ": key_cache must be ", dtype_str(want),
+               " for kv_cache_dtype '", kv_cache_dtype, "', got ", dtype_str(kc.dtype));
+  }
+  ROPE_CHECK(kc.dim == 4, op,
+             ": key_cache must have shape (num_blocks, block_size, num_kv_heads, head_dim), got ",
+             shape_str(kc));
+  ROPE_CHECK(kc.sizes[1] >= 1, op, ": key_cache must have block_size >= 1, got ", shape_str(kc));
+  d.heads = kc.sizes[2];
+  d.head_dim = kc.sizes[3];
+
+  check_same_device(kc, "key_cache", tab, op, "cos_sin_cache");
+  check_float(tab, op, "cos_sin_cache");
+  ROPE_CHECK(tab.dim == 2, op, ": cos_sin_cache must have shape (max_position, rotary_dim), got ",
+             shape_str(tab));
+  const int64_t rotary_dim = tab.sizes[1];
+  ROPE_CHECK(rotary_dim % 2 == 0 && rotary_dim <= d.head_dim, op,
+             ": rotary_dim = cos_sin_cache.size(1) = ", rotary_dim,
+             " must be even and <= head_dim = ", d.head_dim);
+  d.half = rotary_dim / 2;
+  d.rows = tab.sizes[0];
+  d.cos_row = tab.strides[0];
+  d.cos_col = tab.strides[1];
+
+  check_same_device(kc, "key_cache", sl, op, "slot_mapping");
+  ROPE_CHECK(sl.dtype == ScalarType::Long || sl.dtype == ScalarType::Int, op,
+             ": slot_mapping must be int32 or int64, got ", dtype_str(sl.dtype));
+  ROPE_CHECK(sl.dim == 1, op, ": slot_mapping must have shape (num_slots_shifted,), got ",
+             shape_str(sl));
+  d.n = sl.sizes[0];
+  check_same_device(kc, "key_cache", dl, op, "delta");
+  ROPE_CHECK(dl.dtype == ScalarType::Long || dl.dtype == ScalarType::Int, op,
+             ": delta must be int32 or int64, got ", dtype_str(dl.dtype));
+  ROPE_CHECK(dl.dim == 0 || (dl.dim == 1 && dl.sizes[0] == d.n), op,
+             ": delta must have shape () or slot_mapping's (", d.n, ",), got ", shape_str(dl));
+  if (d.format != CacheFormat::kSame) {
+    ROPE_CHECK(k_scale_t.has_value(), op, ": k_scale is required for kv_cache_dtype '",
+               kv_cache_dtype, "' (a float32 tensor of one element)");
+    const Meta s(*k_scale_t);
+    check_same_device(kc, "key_cache", s, op, "k_scale");
+    ROPE_CHECK(s.dtype == ScalarType::Float && s.numel == 1, op,
+               ": k_scale must be a float32 tensor of one element, got ", dtype_str(s.dtype),
+               " of shape ", shape_str(s));
+  }
+
+  // Written: key_cache alone. Nothing it reads may share its memory.
+  check_no_internal_overlap(kc, op, "key_cache");
+  check_disjoint_bytes(kc, "key_cache", sl, "slot_mapping", op);
+  check_disjoint_bytes(kc, "key_cache", dl, "delta", op);
+  check_disjoint_bytes(kc, "key_cache", tab, "cos_sin_cache", op);
+  if (d.format != CacheFormat::kSame) {
+    check_disjoint_bytes(kc, "key_cache", Meta(*k_scale_t), "k_scale", op);
+  }
+
+  ROPE_CHECK(mul_fits(kc.sizes[0], kc.sizes[1], d.slots), op,
+             ": key_cache has more than 2^63 slots");
+  d.block_size = kc.sizes[1];
+  d.interleaved = interleaved;
+  d.kc = CacheStrides{kc.strides[0], kc.strides[1], kc.strides[2], kc.strides[3]};
+  d.slots64 = sl.dtype == ScalarType::Long;
+  d.slot_stride = sl.dim == 1 ? sl.strides[0] : 0;
+  d.delta64 = dl.dtype == ScalarType::Long;
+  d.delta_stride = dl.dim == 1 ? dl.strides[0] : 0;
+  return d;
+}
+
+inline int64_t read_index(const void* base, bool is64, int64_t offset) {
+  return is64 ? static_cast<const int64_t*>(base)[offset]
+              : static_cast<const int32_t*>(base)[offset];
+}
+
+// The data checks, on host memory (CPU tensors, or host copies of CUDA ones), before anything
+// is written: a float8 cache's k_scale finite and > 0 (`k_scale`: nullptr otherwise); in index
+// order, each listed slot below num_blocks * block_size and its delta in (-max_position,
+// max_position); then no slot listed twice (a slot would be rotated twice, and on a GPU by two
+// threads at once). Negative slots are skipped, their deltas unread.
+inline void check_shift_data(const ShiftDesc& d, const void* slots, const void* delta,
+                             const float* k_scale) {
+  const char* op = kShiftOp;
+  if (k_scale != nullptr) {
+    const float s = *k_scale;
+    ROPE_CHECK(s > 0.0f && s <= std::numeric_limits<float>::max(), op,
+               ": k_scale must be finite and > 0 (the keys are dequantized, rotated and "
+               "requantized with it), got ", s);
+  }
+  for (int64_t i = 0; i < d.n; ++i) {
+    const int64_t s = read_index(slots, d.slots64, i * d.slot_stride);
+    if (s < 0) continue;
+    ROPE_CHECK(s < d.slots, op, ": slot_mapping must lie below num_blocks * block_size = ",
+               d.slots, " (negative: skipped), got ", s, " at index ", i);
+    const int64_t k = read_index(delta, d.delta64, i * d.delta_stride);
+    // Both bounds without forming -k or |k| (k may be INT64_MIN).
+    ROPE_CHECK(k < d.rows && k > -d.rows, op, ": delta must lie in (-max_position, max_position) = (-",
+               d.rows, ", ", d.rows, ") (table row |delta|; max_position = cos_sin_cache.size(0)), "
+               "got ", k, " at index ", i);
+  }
+  std::unordered_map<int64_t, int64_t> first;
+  for (int64_t i = 0; i < d.n; ++i) {
+    const int64_t s = read_index(slots, d.slots64, i * d.slot_stride);
+    if (s < 0) continue;
+    const auto [it, fresh] = first.emplace(s, i);
+    ROPE_CHECK(fresh, op, ": slot_mapping must list each slot at most once (negative: skipped), "
+               "got slot ", s, " at indices ", it->second, " and ", i);
+  }
+}
+
+}  // namespace rope

@@ -1,0 +1,71 @@
+// rope.shift_kv_cache_ (K-shift): the keys of a paged cache re-rotated in place by a position
+// change. Its plain-data description and its per-pair math, shared by the CPU kernel, the CUDA
+// kernel and the CUDA simulator (host and device code); the checks are in shift_checks.h.
+// docs/kv-shift.md has the semantics.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "../rope_math.h"
+#include "geometry.h"
+
+namespace rope {
+
+// One call: `n` listed slots; for each slot >= 0 and each of `heads` key heads, the first
+// rotary_dim = 2 * half dims of the row are rotated by the unit (cos, sin) pair of table row
+// |delta| (sin negated for delta < 0). Strides in elements.
+struct ShiftDesc {
+  int64_t n = 0;
+  int64_t heads = 0, head_dim = 0, half = 0;
+  bool interleaved = false;
+  CacheFormat format = CacheFormat::kSame;
+  int64_t slots = 0;  // num_blocks * block_size
+  int64_t block_size = 1;
+  CacheStrides kc;
+  int64_t cos_row = 0, cos_col = 1;  // of cos_sin_cache; a row's sin is half columns further
+  int64_t rows = 0;                  // max_position = cos_sin_cache.size(0)
+  bool slots64 = true, delta64 = true;
+  int64_t slot_stride = 1;
+  int64_t delta_stride = 0;  // 0: one delta for every slot
+};
+
+// ---- per-pair math (host and device) ----
+
+ROPE_HD float shift_sqrt(float x) { return sqrtf(x); }
+ROPE_HD double shift_sqrt(double x) { return sqrt(x); }
+
+// The unit rotation of table row (c, s): a pure rotation even where the table carries an
+// attention factor (YaRN's mscale, LongRoPE's), by the negative angle for a negative delta.
+// IEEE square root and division: every device rounds it identically.
+template <typename acc_t>
+ROPE_HD void unit_rotation(acc_t c, acc_t s, bool negative, acc_t& uc, acc_t& us) {
+  const acc_t n = shift_sqrt(c * c + s * s);
+  uc = c / n;
+  us = (negative ? -s : s) / n;
+}
+
+// An 8-bit float code to float (exact: every code is a float). e4m3fn: 4 exponent bits (bias
+// 7), 3 mantissa bits, no infinities, NaN at S.1111.111; e5m2: 5 exponent bits (bias 15), 2
+// mantissa bits, IEEE infinities and NaNs.
+ROPE_HD float fp8_to_float(uint8_t code, CacheFormat format) {
+  const bool e4m3 = format == CacheFormat::kE4M3FN;
+  const int mant_bits = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
+  const uint32_t sign = static_cast<uint32_t>(code & 0x80u) << 24;
+  const uint32_t exp = (code & 0x7Fu) >> mant_bits;
+  const uint32_t mant = code & ((1u << mant_bits) - 1u);
+  const uint32_t exp_max = e4m3 ? 15u : 31u;
+  uint32_t u;
+  if (e4m3 ? (exp == exp_max && mant == 7u) : exp == exp_max) {
+    u = sign | 0x7F800000u | (e4m3 || mant != 0 ? 0x400000u : 0u);  // NaN (or e5m2 infinity)
+  } else if (exp != 0) {
+    u = sign | ((exp + 127u - static_cast<uint32_t>(bias)) << 23) | (mant << (23 - mant_bits));
+  } else {
+    // Subnormal: mant * 2^(1 - bias - mant_bits), exact in float.
+    const float m = static_cast<float>(mant) * bits_float(static_cast<uint32_t>(127 + 1 - bias - mant_bits) << 23);
+    u = sign | float_bits(m);
+  }
+  return bits_float(u);
+}
+
+}  // namespace rope

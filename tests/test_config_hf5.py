@@ -1,0 +1,199 @@
+"""RotaryEmbedding.from_config on the RoPE of transformers 5.23's newer configs, against what
+transformers 5.23 itself builds: every rope_type of its ROPE_INIT_FUNCTIONS (Gemma 4's
+`proportional` among them), Gemma 4's per-layer-type RoPE (sliding layers, and global layers
+with their own head dim), and DeepSeek-V4 (RoPE on the last rotary_dim dims of each head, keyed
+`main` / `compress`).
+
+Needs transformers >= 5.23 (skipped under older versions; the project's second test
+environment has it). Tolerances as in test_config.py: transformers computes inv_freq, the angle
+and cos/sin in float32, rope_ext in float64 rounded once, so cos/sin differ by at most
+a * (|theta| * 2^-19 + 2^-21) (a: the attention factor); the rotations are then compared on the
+same float32 cos/sin.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import rope_ext
+from rope_ext.config import rope_kwargs_from_config
+
+transformers = pytest.importorskip("transformers")
+from packaging.version import Version  # noqa: E402
+
+if Version(transformers.__version__) < Version("5.23"):
+    pytest.skip(f"needs transformers >= 5.23, found {transformers.__version__}", allow_module_level=True)
+transformers.logging.set_verbosity_error()
+
+from transformers import DeepseekV4Config, Gemma4TextConfig, LlamaConfig  # noqa: E402
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_dsv4  # noqa: E402
+from transformers.models.gemma4 import modeling_gemma4 as hf_gemma4  # noqa: E402
+from transformers.models.llama import modeling_llama as hf_llama  # noqa: E402
+
+POSITIONS = torch.tensor([0, 1, 2, 7, 100, 511, 1000, 2047])
+
+
+def close_tables(ours, theirs, positions, inv_freq, attention=1.0):
+    """cos/sin of rope_ext (float32) against transformers' (float32), bound per element."""
+    theta = positions.double()[:, None] * inv_freq.double()
+    bound = 2 * attention * (theta.abs() * 2.0**-19 + 2.0**-21)
+    err = (ours.double() - theirs.double()).abs()
+    assert (err <= bound).all(), float((err / bound).max())
+
+
+def hf_half(cos):
+    """transformers' full-width cos (the half repeated, cat or interleave) -> one per pair."""
+    return cos[..., : cos.shape[-1] // 2]
+
+
+# ---- every rope_type transformers 5.23 defines, on a Llama config ----------------------------
+
+LLAMA = dict(hidden_size=256, num_attention_heads=4, head_dim=64, max_position_embeddings=2048,
+             num_hidden_layers=1, num_key_value_heads=2, intermediate_size=64, vocab_size=32)
+RANKS = 32  # rotary_dim / 2 for head_dim 64
+ROPE_PARAMETERS = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    "yarn": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 256,
+             "rope_theta": 500000.0},
+    "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 1024,
+                 "short_factor": [1.0 + 0.01 * i for i in range(RANKS)],
+                 "long_factor": [1.0 + 0.5 * i for i in range(RANKS)], "rope_theta": 10000.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 256, "rope_theta": 500000.0},
+    "proportional": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "factor": 2.0,
+                     "rope_theta": 10000.0},
+}
+
+
+def test_every_rope_type_of_transformers_is_checked():
+    assert set(ROPE_INIT_FUNCTIONS) | {"default"} <= set(ROPE_PARAMETERS)
+
+
+@pytest.mark.parametrize("rope_type", list(ROPE_PARAMETERS))
+@pytest.mark.parametrize("as_object", [True, False])
+def test_llama_tables_of_every_rope_type(rope_type, as_object):
+    config = LlamaConfig(**LLAMA, rope_parameters=copy.deepcopy(ROPE_PARAMETERS[rope_type]))
+    hf = hf_llama.LlamaRotaryEmbedding(config)
+    ours = rope_ext.RotaryEmbedding.from_config(config if as_object else config.to_dict())
+    for positions in (POSITIONS[:5], POSITIONS):  # a short call, then one past the originals
+        cos, sin = hf(torch.zeros(1, dtype=torch.float32), positions[None])
+        c, s = ours.cos_sin(positions)
+        close_tables(c, hf_half(cos[0]), positions, hf.inv_freq, hf.attention_scaling)
+        close_tables(s, hf_half(sin[0]), positions, hf.inv_freq, hf.attention_scaling)
+
+
+def test_proportional_tail_pairs_pass_through():
+    config = LlamaConfig(**LLAMA, rope_parameters=copy.deepcopy(ROPE_PARAMETERS["proportional"]))
+    ours = rope_ext.RotaryEmbedding.from_config(config)
+    assert ours.rotary_dim == 64  # the table spans the head
+    c, s = ours.cos_sin(POSITIONS)
+    angles = int(0.5 * 64 // 2)
+    assert torch.equal(c[:, angles:], torch.ones_like(c[:, angles:]))
+    assert torch.equal(s[:, angles:], torch.zeros_like(s[:, angles:]))
+    q = torch.randn(len(POSITIONS), 4, 64, dtype=torch.float64)
+    out, _ = ours(q, None, POSITIONS)
+    pairs = torch.cat((torch.arange(angles), 32 + torch.arange(angles)))
+    rest = torch.ones(64, dtype=torch.bool)
+    rest[pairs] = False
+    assert torch.equal(out[..., rest], q[..., rest])
+
+
+# ---- Gemma 4 --------------------------------------------------------------------------------
+
+def gemma4_file():
+    """A Gemma 4 text config.json as transformers 5 writes it (keys equal to the class defaults
+    left out), with the global layers' head dim."""
+    return {"model_type": "gemma4_text", "num_hidden_layers": 6, "global_head_dim": 512,
+            "max_position_embeddings": 4096}
+
+
+@pytest.mark.parametrize("layer_type", ["full_attention", "sliding_attention"])
+@pytest.mark.parametrize("form", ["object", "to_dict", "file", "multimodal"])
+def test_gemma4_tables(layer_type, form):
+    config = Gemma4TextConfig(num_hidden_layers=6, max_position_embeddings=4096)
+    hf = hf_gemma4.Gemma4TextRotaryEmbedding(config)
+    source = {"object": config, "to_dict": config.to_dict(), "file": gemma4_file(),
+              "multimodal": {"model_type": "gemma4", "text_config": gemma4_file()}}[form]
+    ours = rope_ext.RotaryEmbedding.from_config(source, layer_type=layer_type)
+    head_dim = 512 if layer_type == "full_attention" else 256
+    assert (ours.head_dim, ours.rotary_dim, ours.interleaved) == (head_dim, head_dim, False)
+    cos, sin = hf(torch.zeros(1), POSITIONS[None], layer_type)
+    inv_freq = getattr(hf, f"{layer_type}_inv_freq")
+    c, s = ours.cos_sin(POSITIONS)
+    close_tables(c, hf_half(cos[0]), POSITIONS, inv_freq)
+    close_tables(s, hf_half(sin[0]), POSITIONS, inv_freq)
+    # The rotation: transformers' apply function and rope_ext on the same float32 cos/sin.
+    q = torch.randn(1, 2, len(POSITIONS), head_dim, dtype=torch.float64)
+    want = hf_gemma4.apply_rotary_pos_emb(q, cos.double(), sin.double())
+    x = q[0].transpose(0, 1)  # (tokens, heads, head_dim)
+    table = torch.cat((hf_half(cos[0]), hf_half(sin[0])), -1).double()
+    got = rope_ext.apply_rope_at(x, torch.arange(len(POSITIONS)), table)
+    torch.testing.assert_close(got.transpose(0, 1)[None], want, rtol=1e-12, atol=1e-12)
+
+
+def test_gemma4_layer_type_required():
+    with pytest.raises(ValueError, match="pass layer_type="):
+        rope_kwargs_from_config(gemma4_file())
+
+
+# ---- DeepSeek-V4 ----------------------------------------------------------------------------
+
+YARN = {"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 256, "beta_fast": 32,
+        "beta_slow": 1}
+
+
+def deepseek_v4_file():
+    """DeepSeek-V4's config.json keys that decide RoPE, in the legacy spelling checkpoints ship
+    (rope_scaling for the compressed branches, qk_rope_head_dim)."""
+    return {"model_type": "deepseek_v4", "head_dim": 512, "qk_rope_head_dim": 64, "rope_theta": 10000.0,
+            "compress_rope_theta": 160000.0, "max_position_embeddings": 4096,
+            "rope_scaling": dict(YARN)}
+
+
+@pytest.mark.parametrize("label", ["main", "compress"])
+@pytest.mark.parametrize("form", ["object", "to_dict", "file"])
+def test_deepseek_v4_tables_and_rotation(label, form):
+    config = DeepseekV4Config(num_hidden_layers=4, max_position_embeddings=4096,
+                              rope_scaling=dict(YARN))
+    hf = hf_dsv4.DeepseekV4RotaryEmbedding(config)
+    source = {"object": config, "to_dict": config.to_dict(), "file": deepseek_v4_file()}[form]
+    kwargs = rope_kwargs_from_config(source, layer_type=label)
+    assert (kwargs["head_dim"], kwargs["rotary_dim"], kwargs["rope_dim_offset"]) == (512, 64, 448)
+    assert kwargs["interleaved"] is True
+    ours = rope_ext.RotaryEmbedding.from_config(source, layer_type=label)
+    cos, sin = hf(torch.zeros(1), POSITIONS[None], layer_type=label)  # one per pair
+    inv_freq = getattr(hf, f"{label}_inv_freq")
+    c, s = ours.cos_sin(POSITIONS)
+    attention = getattr(hf, f"{label}_attention_scaling")
+    close_tables(c, cos[0], POSITIONS, inv_freq, attention)
+    close_tables(s, sin[0], POSITIONS, inv_freq, attention)
+    # The rotation of the tail, on the same cos/sin: transformers' apply function, rope_ext's
+    # module (out of place) and the in-place op with rope_dim_offset.
+    # float32 values (transformers' apply function rounds x to float32 first), held in float64.
+    x = torch.randn(len(POSITIONS), 3, 512).double()
+    want = hf_dsv4.apply_rotary_pos_emb(x.transpose(0, 1)[None], cos.double(), sin.double()).squeeze(0)
+    want = want.transpose(0, 1)
+    table = torch.cat((cos[0], sin[0]), -1).double()
+    index = torch.arange(len(POSITIONS))
+    y = x.clone()
+    rope_ext.apply_rope_(y, None, index, table, interleaved=True, rope_dim_offset=448)
+    torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
+    module = rope_ext.RotaryEmbedding(512, rotary_dim=64, max_position=8, interleaved=True,
+                                      rope_dim_offset=448)
+    module._tables = table.float()
+    out, _ = module(x.float(), None, index)
+    torch.testing.assert_close(out.double(), want, rtol=2e-6, atol=2e-6)
+    q = x.float().clone()
+    module.forward_(q, None, index)
+    torch.testing.assert_close(q, out, rtol=0, atol=0)
+
+
+def test_deepseek_v4_labels():
+    with pytest.raises(ValueError, match="pass layer_type= one of them"):
+        rope_kwargs_from_config(deepseek_v4_file())
+    with pytest.raises(ValueError, match="layer_type 'sliding_attention' has no RoPE parameters"):
+        rope_kwargs_from_config(deepseek_v4_file(), layer_type="sliding_attention")
