@@ -1,0 +1,99 @@
+"""Argument checks of the fused QK-RMSNorm + RoPE ops (rope.qk_norm_rope, rope.qk_norm_rope_,
+rope.qkv_norm_rope_), for the reference and fake kernels. They reuse rope_ext._checks for what
+the rotation ops share (query/key, positions, the cos_sin_cache) and add the norm's arguments;
+the native checks (csrc/ops/qk_norm_checks.h) raise the same messages in the same order.
+"""
+
+import math
+import numbers
+
+from . import _checks
+from ._checks import _fail, _shape, dtype_name
+
+OP_OUT = "rope.qk_norm_rope"
+OP_INPLACE = "rope.qk_norm_rope_"
+OP_PACKED = "rope.qkv_norm_rope_"
+
+
+def check_eps(eps, op):
+    if not (isinstance(eps, numbers.Real) and not isinstance(eps, bool)) or not math.isfinite(eps) or eps < 0:
+        _fail(f"{op}: eps must be a finite number >= 0, got {eps!r}")
+
+
+def check_weights(q_weight, k_weight, head_dim, ref, ref_name, op):
+    """q_weight and k_weight: 1-D (head_dim,), floating point, on ref's device."""
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        _checks._check_same_device(ref, ref_name, w, op, name)
+        if w.dtype not in _checks.FLOAT_DTYPES:
+            _fail(f"{op}: {name} must be float16, bfloat16, float32 or float64, got "
+                  f"{dtype_name(w.dtype)}")
+        if w.dim() != 1 or w.shape[0] != head_dim:
+            _fail(f"{op}: {name} must have shape (head_dim,) = ({head_dim},), got {_shape(w)}")
+
+
+def check_qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps):
+    """The out-of-place op: query (..., Hq, D) and key (..., Hk, D) of one dtype with the same
+    leading dims; cos/sin (..., rotary_dim/2) broadcast to each as rope.apply takes them."""
+    op = OP_OUT
+    _checks.check_apply(query, cos, sin, op=op, x_name="query")
+    _checks.check_apply(key, cos, sin, op=op, x_name="key")
+    if query.dim() < 2:
+        _fail(f"{op}: query must have shape (..., num_heads, head_dim), got {_shape(query)}")
+    if key.dtype != query.dtype:
+        _fail(f"{op}: key must have the dtype of query ({dtype_name(query.dtype)}), got "
+              f"{dtype_name(key.dtype)}")
+    if key.dim() != query.dim() or key.shape[-1] != query.shape[-1]:
+        _fail(f"{op}: key must have shape (..., num_kv_heads, head_dim) with the number of dims "
+              f"and head_dim of query {_shape(query)}, got {_shape(key)}")
+    check_weights(q_weight, k_weight, query.shape[-1], query, "query", op)
+    check_eps(eps, op)
+
+
+def check_qk_norm_rope_inplace(query, key, q_weight, k_weight, positions, cache, eps,
+                               mrope_section=None, memory=True, op=OP_INPLACE):
+    """The in-place op on query (..., Hq, D) and key (..., Hk, D); returns the mrope section
+    (a list) or None."""
+    half = _checks.check_positions_op(query, key, positions, 0 if mrope_section is None else 1,
+                                      cache=cache, op=op, memory=memory)
+    check_weights(q_weight, k_weight, query.shape[-1], query, "query", op)
+    check_eps(eps, op)
+    if mrope_section is None:
+        return None
+    return _checks.check_mrope_sections(mrope_section, half, op, "cos_sin_cache.size(1)/2")
+
+
+def _positive_int(v, op, name):
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+        _fail(f"{op}: {name} must be an int >= 0, got {v!r}")
+    return int(v)
+
+
+def packed_views(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, op=OP_PACKED):
+    """query (T, Hq, D) and key (T, Hk, D): views of the q and k columns of qkv
+    (T, (Hq + Hk + Hv) * D), after checking that its width matches the head counts."""
+    hq = _positive_int(num_heads_q, op, "num_heads_q")
+    hk = _positive_int(num_heads_k, op, "num_heads_k")
+    hv = _positive_int(num_heads_v, op, "num_heads_v")
+    d = _positive_int(head_dim, op, "head_dim")
+    if d == 0:
+        _fail(f"{op}: head_dim must be >= 1, got 0")
+    _checks._check_float(qkv, op, "qkv")
+    if qkv.dim() != 2:
+        _fail(f"{op}: qkv must have shape (num_tokens, (num_heads_q + num_heads_k + num_heads_v) * "
+              f"head_dim), got {_shape(qkv)}")
+    width = (hq + hk + hv) * d
+    if qkv.shape[1] != width:
+        _fail(f"{op}: qkv.size(1) = {qkv.shape[1]} must be (num_heads_q + num_heads_k + "
+              f"num_heads_v) * head_dim = ({hq} + {hk} + {hv}) * {d} = {width}")
+    query = qkv[:, : hq * d].unflatten(1, (hq, d))
+    key = qkv[:, hq * d : (hq + hk) * d].unflatten(1, (hk, d))
+    return query, key
+
+
+def check_qkv_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight, k_weight,
+                        positions, cache, eps, mrope_section=None, memory=True):
+    """The packed in-place op; returns (query view, key view, mrope section or None)."""
+    query, key = packed_views(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim)
+    section = check_qk_norm_rope_inplace(query, key, q_weight, k_weight, positions, cache, eps,
+                                         mrope_section, memory=memory, op=OP_PACKED)
+    return query, key, section

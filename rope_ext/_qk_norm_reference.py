@@ -1,0 +1,72 @@
+"""Pure-PyTorch fused QK-RMSNorm + RoPE: the readable spec of rope.qk_norm_rope* and the kernel
+wherever no native one serves. Math in float32 (float64 for float64 inputs), rounded once to the
+input dtype, like the native kernels; docs/qk_norm.md has the formulas.
+"""
+
+import torch
+
+from . import _qk_norm_checks as checks
+from . import reference
+
+
+def _acc_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rms_norm(x, weight, eps, unit_offset):
+    """Per-head RMSNorm of x (..., head_dim) in the arithmetic type, not rounded:
+    x * rsqrt(mean(x^2) + eps) * w, with w = weight (or 1 + weight when unit_offset)."""
+    acc = _acc_dtype(x.dtype)
+    xf = x.to(acc)
+    r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    w = weight.to(acc)
+    if unit_offset:
+        w = w + 1
+    return (xf * r) * w
+
+
+def norm_rope(x, weight, cos, sin, eps, unit_offset, interleaved):
+    """RMSNorm then RoPE of x by cos/sin (..., rotary_dim/2, broadcast), rounded once to x.dtype."""
+    y = rms_norm(x, weight, eps, unit_offset)
+    # reference._rotate computes in y's (arithmetic) dtype and does not round
+    return reference._rotate(y, cos, sin, interleaved, inverse=False).to(x.dtype)
+
+
+def qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps, unit_offset=False,
+                 interleaved=False):
+    checks.check_qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps)
+    return (norm_rope(query, q_weight, cos, sin, eps, unit_offset, interleaved),
+            norm_rope(key, k_weight, cos, sin, eps, unit_offset, interleaved))
+
+
+def _norm_rope_inplace(query, key, q_weight, k_weight, positions, cache, eps, unit_offset,
+                       interleaved, section, mrope_interleaved):
+    if query.numel() == 0 and key.numel() == 0:
+        return
+    cos, sin = reference.cache_halves(cache)
+    c, s = reference.gather_tables(positions, cos, sin, section, mrope_interleaved)
+    for t, w in ((query, q_weight), (key, k_weight)):
+        t.copy_(norm_rope(t, w, c, s, eps, unit_offset, interleaved))
+
+
+def qk_norm_rope_(query, key, q_weight, k_weight, positions, cos_sin_cache, eps,
+                  unit_offset=False, interleaved=False, mrope_section=None,
+                  mrope_interleaved=False):
+    section = checks.check_qk_norm_rope_inplace(query, key, q_weight, k_weight, positions,
+                                                cos_sin_cache, eps, mrope_section)
+    positions = reference._checks.positions_read_once(positions, (query, key))
+    reference._checks.check_positions_in_range(positions, cos_sin_cache.shape[0], checks.OP_INPLACE)
+    _norm_rope_inplace(query, key, q_weight, k_weight, positions, cos_sin_cache, eps, unit_offset,
+                       interleaved, section, mrope_interleaved)
+
+
+def qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight, k_weight,
+                   positions, cos_sin_cache, eps, unit_offset=False, interleaved=False,
+                   mrope_section=None, mrope_interleaved=False):
+    query, key, section = checks.check_qkv_norm_rope(
+        qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight, k_weight, positions,
+        cos_sin_cache, eps, mrope_section)
+    positions = reference._checks.positions_read_once(positions, (qkv,))
+    reference._checks.check_positions_in_range(positions, cos_sin_cache.shape[0], checks.OP_PACKED)
+    _norm_rope_inplace(query, key, q_weight, k_weight, positions, cos_sin_cache, eps, unit_offset,
+                       interleaved, section, mrope_interleaved)

@@ -1,0 +1,125 @@
+"""Fused per-head QK-RMSNorm + RoPE: the attention prologue of Qwen3, Gemma 3/4, GLM-4 MoE and
+their kin, which normalize each head of q and k (RMSNorm over head_dim) right before RoPE.
+
+Each head of query and key is normalized in float32 (float64 for float64 inputs),
+    y = x * rsqrt(mean(x^2) + eps) * w,   w = weight, or 1 + weight when unit_offset (Gemma),
+then its first rotary_dim dims are rotated (the rest stay normalized, unrotated) and the result
+is rounded once to the input dtype. Values (V) are never touched.
+
+- qk_norm_rope: out-of-place and differentiable (w.r.t. query, key, both weights and the
+  tables), taking cos/sin as transformers' rotary embedding returns them; for training and
+  model patching.
+- qk_norm_rope_ / qkv_norm_rope_: in place on separate query/key or on a packed qkv buffer
+  (vLLM's layout), positions gathered from a cos_sin_cache; for serving, not differentiable.
+"""
+
+import numbers
+
+import torch
+
+from . import _qk_norm_reference as _ref
+
+__all__ = ["qk_norm_rope", "qk_norm_rope_", "qkv_norm_rope_", "half_tables"]
+
+TABLE_WIDTHS = ("full", "half")
+
+
+def half_tables(cos, sin, *, interleaved=False, head_first=False, ndim=4):
+    """transformers' full-width tables (..., seq, rotary_dim) -> the half-width tables
+    (..., rotary_dim/2) that the ops take, with a size-1 head dim inserted and leading 1s so
+    they have `ndim` dims. The full-width tables hold each angle twice: the halves duplicated
+    (half-split pairs: cos[..., i] == cos[..., i + rotary_dim/2]) or each entry repeated
+    (interleaved pairs: cos[..., 2i] == cos[..., 2i+1]); the first copy is read."""
+    if cos.dim() < 2 or cos.shape != sin.shape:
+        raise ValueError(f"cos and sin must have one shape (..., seq, rotary_dim), got cos "
+                         f"{list(cos.shape)} and sin {list(sin.shape)}")
+    width = cos.shape[-1]
+    if width % 2:
+        raise ValueError(f"rotary_dim = cos.size(-1) = {width} must be even (full-width tables: "
+                         "each angle twice)")
+    if interleaved:
+        cos, sin = cos[..., 0::2], sin[..., 0::2]
+    else:
+        cos, sin = cos[..., : width // 2], sin[..., : width // 2]
+    head_axis = -3 if head_first else -2
+    cos, sin = cos.unsqueeze(head_axis), sin.unsqueeze(head_axis)
+    if cos.dim() > ndim:
+        raise ValueError(f"cos and sin of shape {list(cos.shape[:-1])} + (rotary_dim,) have more "
+                         f"leading dims than query and key ({ndim} dims)")
+    lead = (1,) * (ndim - cos.dim())
+    return cos.reshape(lead + tuple(cos.shape)), sin.reshape(lead + tuple(sin.shape))
+
+
+def qk_norm_rope(query, key, q_weight, k_weight, cos, sin, *, eps=1e-6, unit_offset=False,
+                 interleaved=False, head_first=False, table_width="full"):
+    """Normalized and rotated copies (q, k) of query and key. Out of place, differentiable
+    w.r.t. query, key, q_weight, k_weight, cos and sin.
+
+    query: (batch, seq, Hq, head_dim), as transformers has it right after the projection and
+        `.view(hidden_shape)` (before the transpose); or (batch, Hq, seq, head_dim) with
+        head_first=True. Any number of leading dims, any strides; float16/bfloat16/float32/
+        float64. key: (batch, seq, Hk, head_dim) alike, the same dtype.
+    q_weight, k_weight: (head_dim,) RMSNorm weights, any float dtype (the norm runs in float32,
+        or float64 for float64 inputs).
+    cos, sin: table_width="full" (default): transformers' rotary embedding output
+        (batch, seq, rotary_dim) or (seq, rotary_dim), each angle twice (see half_tables);
+        table_width="half": (..., rotary_dim/2) with query's number of dims (size 1 where they
+        broadcast, e.g. over heads), or one row (rotary_dim/2,), as rope_ext.apply_rope takes.
+        Any float dtype. rotary_dim <= head_dim; dims >= rotary_dim are normalized only.
+    eps: >= 0, added to mean(x^2). unit_offset: the norm scales by (1 + weight) (Gemma).
+    interleaved: pairs (x[2i], x[2i+1]) (GPT-J, GLM) if True, (x[i], x[i + rotary_dim/2]) if
+        False (GPT-NeoX, Llama, Qwen: transformers' rotate_half).
+    Returns (q, k), of query's and key's shapes and dtype, contiguous.
+    """
+    if table_width not in TABLE_WIDTHS:
+        raise ValueError(f"table_width must be 'full' or 'half', got {table_width!r}")
+    if table_width == "full":
+        cos, sin = half_tables(cos, sin, interleaved=interleaved, head_first=head_first,
+                               ndim=query.dim())
+    return _ref.qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps, unit_offset,
+                             interleaved)
+
+
+def _section(mrope_section):
+    return None if mrope_section is None else [int(s) for s in mrope_section]
+
+
+def _heads(t, head_size, name):
+    if head_size is None:
+        return t
+    if isinstance(head_size, bool) or not isinstance(head_size, numbers.Integral) or head_size < 1:
+        raise ValueError(f"head_size must be a positive int, got {head_size!r}")
+    if t.dim() < 1 or t.shape[-1] % head_size:
+        raise ValueError(f"{name} of shape {list(t.shape)}: its last dim must be a multiple of "
+                         f"head_size = {head_size} (flat (..., num_heads * head_size) layout)")
+    return t.unflatten(-1, (t.shape[-1] // head_size, head_size))
+
+
+def qk_norm_rope_(query, key, q_weight, k_weight, positions, cos_sin_cache, *, eps=1e-6,
+                  unit_offset=False, interleaved=False, mrope_section=None,
+                  mrope_interleaved=False, head_size=None):
+    """In place: normalizes and rotates query (..., Hq, D) and key (..., Hk, D) (one dtype, the
+    same leading dims, any strides) by the rows of cos_sin_cache (max_position, rotary_dim;
+    cos in the first half of each row, sin in the second, any float dtype) at positions
+    (query.shape[:-2], int32/int64). With mrope_section (3 ints summing to rotary_dim/2),
+    positions are (3,) + query.shape[:-2] (temporal, height, width), the pairs split in order
+    (chunked) or T,H,W,T,H,W,... (mrope_interleaved). head_size: query and key are flat
+    (..., H * head_size). eps, unit_offset, interleaved: as qk_norm_rope. Serving only: not
+    differentiable. A rejected call writes nothing. Returns (query, key)."""
+    _ref.qk_norm_rope_(_heads(query, head_size, "query"), _heads(key, head_size, "key"),
+                       q_weight, k_weight, positions, cos_sin_cache, eps, unit_offset,
+                       interleaved, _section(mrope_section), mrope_interleaved)
+    return query, key
+
+
+def qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight, k_weight,
+                   positions, cos_sin_cache, *, eps=1e-6, unit_offset=False, interleaved=False,
+                   mrope_section=None, mrope_interleaved=False):
+    """In place on a packed qkv (num_tokens, (Hq + Hk + Hv) * head_dim) (vLLM's layout, rows of
+    any stride): the q and k heads normalized and rotated as qk_norm_rope_ does, positions
+    (num_tokens,) (or (3, num_tokens) with mrope_section); the v heads untouched. Serving only.
+    Returns qkv."""
+    _ref.qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight, k_weight,
+                        positions, cos_sin_cache, eps, unit_offset, interleaved,
+                        _section(mrope_section), mrope_interleaved)
+    return qkv
