@@ -37,3 +37,8 @@ SCHEMAS = {
     "set_cpu_isa": "set_cpu_isa(int isa) -> int",
     "set_cpu_stream_threshold": "set_cpu_stream_threshold(int bytes) -> int",
 }
+
+# ---- fused QK-RMSNorm + RoPE (their own module) ----
+from ._qk_norm_schemas import QK_NORM_SCHEMAS  # noqa: E402
+
+SCHEMAS.update(QK_NORM_SCHEMAS)

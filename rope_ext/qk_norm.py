@@ -17,7 +17,9 @@ import numbers
 
 import torch
 
-from . import _qk_norm_reference as _ref
+from ._registrations import check_not_inference
+
+ops = torch.ops.rope
 
 __all__ = ["qk_norm_rope", "qk_norm_rope_", "qkv_norm_rope_", "half_tables"]
 
@@ -76,8 +78,8 @@ def qk_norm_rope(query, key, q_weight, k_weight, cos, sin, *, eps=1e-6, unit_off
     if table_width == "full":
         cos, sin = half_tables(cos, sin, interleaved=interleaved, head_first=head_first,
                                ndim=query.dim())
-    return _ref.qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps, unit_offset,
-                             interleaved)
+    return ops.qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps, unit_offset,
+                            interleaved)
 
 
 def _section(mrope_section):
@@ -106,9 +108,10 @@ def qk_norm_rope_(query, key, q_weight, k_weight, positions, cos_sin_cache, *, e
     (chunked) or T,H,W,T,H,W,... (mrope_interleaved). head_size: query and key are flat
     (..., H * head_size). eps, unit_offset, interleaved: as qk_norm_rope. Serving only: not
     differentiable. A rejected call writes nothing. Returns (query, key)."""
-    _ref.qk_norm_rope_(_heads(query, head_size, "query"), _heads(key, head_size, "key"),
-                       q_weight, k_weight, positions, cos_sin_cache, eps, unit_offset,
-                       interleaved, _section(mrope_section), mrope_interleaved)
+    check_not_inference(query, key)
+    ops.qk_norm_rope_(_heads(query, head_size, "query"), _heads(key, head_size, "key"),
+                      q_weight, k_weight, positions, cos_sin_cache, eps, unit_offset,
+                      interleaved, _section(mrope_section), mrope_interleaved)
     return query, key
 
 
@@ -119,7 +122,8 @@ def qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weigh
     any stride): the q and k heads normalized and rotated as qk_norm_rope_ does, positions
     (num_tokens,) (or (3, num_tokens) with mrope_section); the v heads untouched. Serving only.
     Returns qkv."""
-    _ref.qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight, k_weight,
-                        positions, cos_sin_cache, eps, unit_offset, interleaved,
-                        _section(mrope_section), mrope_interleaved)
+    check_not_inference(qkv)
+    ops.qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight, k_weight,
+                       positions, cos_sin_cache, eps, unit_offset, interleaved,
+                       _section(mrope_section), mrope_interleaved)
     return qkv
