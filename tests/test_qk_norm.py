@@ -400,3 +400,80 @@ def test_torch_compile_backward():
     expect = torch.autograd.grad(f(q, k, w), (q, k, w))
     got = torch.autograd.grad(torch.compile(f, fullgraph=True)(q, k, w), (q, k, w))
     torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
+
+
+# ---- drop-ins ----
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("rot_dim", [128, 64])
+def test_vllm_fused_qk_norm_rope(dtype, is_neox, rot_dim):
+    from rope_ext.compat.vllm import fused_qk_norm_rope
+
+    T, Hq, Hk, Hv, D = 6, 4, 2, 2, 128
+    qkv = torch.randn(T, (Hq + Hk + Hv) * D, dtype=dtype)
+    before = qkv.clone()
+    wq, wk = torch.randn(D, dtype=dtype), torch.randn(D, dtype=dtype)
+    cache = torch.randn(64, rot_dim, dtype=torch.float32)
+    pos = torch.randint(0, 64, (T,))
+    assert fused_qk_norm_rope(qkv, Hq, Hk, Hv, D, 1e-6, wq, wk, cache, is_neox, pos, 4) is None
+    c, s = gathered(cache, pos)
+    q0 = before[:, : Hq * D].view(T, Hq, D)
+    k0 = before[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
+    close(qkv[:, : Hq * D].view(T, Hq, D), oracle(q0, wq, c, s, 1e-6, False, not is_neox), dtype)
+    close(qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D),
+          oracle(k0, wk, c, s, 1e-6, False, not is_neox), dtype)
+    assert torch.equal(qkv[:, (Hq + Hk) * D :], before[:, (Hq + Hk) * D :])
+
+
+def test_vllm_fused_qk_norm_rope_bad_input_changes_nothing():
+    from rope_ext.compat.vllm import fused_qk_norm_rope
+
+    qkv = torch.randn(3, 4 * 16)
+    before = qkv.clone()
+    w = torch.ones(16)
+    cases = [
+        ((qkv, 2, 2, 1, 16, 1e-6, w, w, torch.randn(8, 16), True, torch.zeros(3, dtype=torch.long)),
+         "qkv.size\\(1\\) = 64 must be"),
+        ((qkv, 2, 1, 1, 16, 1e-6, w, w, torch.randn(8, 16), True, torch.tensor([0, 8, 1])),
+         "positions must lie in \\[0, 8\\)"),
+        ((qkv, 2, 1, 1, 16, -1e-6, w, w, torch.randn(8, 16), True, torch.zeros(3, dtype=torch.long)),
+         "eps must be a finite number >= 0"),
+        ((qkv, 2, 1, 1, 16, 1e-6, w, torch.ones(15), torch.randn(8, 16), True,
+          torch.zeros(3, dtype=torch.long)), "k_weight must have shape"),
+        ((qkv, 2, 1, 1, 16, 1e-6, w, w, torch.randn(8, 15), True, torch.zeros(3, dtype=torch.long)),
+         "rotary_dim = cos_sin_cache.size\\(1\\) = 15 must be even"),
+    ]
+    for args, match in cases:
+        with pytest.raises(RuntimeError, match=match):
+            fused_qk_norm_rope(*args)
+        assert torch.equal(qkv, before)
+
+
+@pytest.mark.parametrize("factor", [1.0, 4.0])
+@pytest.mark.parametrize("rotary_dim", [None, 32])
+def test_sglang_fused_qk_norm_rope(factor, rotary_dim):
+    from rope_ext.compat.sglang import fused_qk_norm_rope
+
+    T, Hq, Hk, Hv, D = 5, 2, 1, 1, 64
+    qkv = torch.randn(T, (Hq + Hk + Hv) * D, dtype=torch.bfloat16)
+    before = qkv.clone()
+    wq, wk = torch.randn(D, dtype=torch.bfloat16), torch.randn(D, dtype=torch.bfloat16)
+    pos = torch.randint(0, 4000, (T,), dtype=torch.int32)
+    base, low, high, att = 1e6, 3.0, 20.0, 1.2
+    fused_qk_norm_rope(qkv, Hq, Hk, Hv, D, 1e-6, wq, wk, base, True, pos, factor, low, high, att,
+                       rotary_dim)
+    r = D if rotary_dim is None else rotary_dim
+    freqs = []  # SGLang's frequencies, one pair at a time
+    for i in range(r // 2):
+        f = base ** (-2.0 * i / r)
+        if factor != 1.0:
+            ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+            f = (f / factor) * ramp + f * (1.0 - ramp)
+        freqs.append(f)
+    angle = pos.double()[:, None] * torch.tensor(freqs, dtype=torch.float64)
+    c, s = (angle.cos() * att)[:, None], (angle.sin() * att)[:, None]
+    q0 = before[:, : Hq * D].view(T, Hq, D)
+    close(qkv[:, : Hq * D].view(T, Hq, D), oracle(q0, wq, c, s, 1e-6, False, False),
+          torch.bfloat16)
+    assert torch.equal(qkv[:, (Hq + Hk) * D :], before[:, (Hq + Hk) * D :])

@@ -29,3 +29,7 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
     q = heads(query, head_size, lead, "query")
     k = heads(key, head_size, lead, "key")
     apply_rope_(q, k, positions, cos_sin_cache, interleaved=not is_neox)
+
+
+# fused QK-RMSNorm + RoPE (vLLM's `_custom_ops.fused_qk_norm_rope`), with the SGLang twin
+from ._qk_norm import fused_qk_norm_rope  # noqa: E402,F401
