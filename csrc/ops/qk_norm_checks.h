@@ -11,20 +11,13 @@
 #include <vector>
 
 #include "checks.h"
+#include "qk_norm_geometry.h"
 
 namespace rope {
 
 constexpr const char* kQkNormOp = "rope.qk_norm_rope";
 constexpr const char* kQkNormInplaceOp = "rope.qk_norm_rope_";
 constexpr const char* kQkvNormOp = "rope.qkv_norm_rope_";
-
-// The norm of one call: eps, the (1 + w) form, and the weights' strides (their dtype is the
-// arithmetic type: the host casts them, see norm_weight).
-struct NormDesc {
-  double eps = 0;
-  bool unit_offset = false;
-  int64_t w_stride[2] = {1, 1};  // target 0 (query), target 1 (key)
-};
 
 // Spelled as Python's format(eps, "g") (a stream's default), so messages match the Python paths.
 inline void check_eps(double eps, const char* op) {
@@ -114,11 +107,11 @@ inline std::pair<Tensor, Tensor> qkv_views(const Tensor& qkv, int64_t hq, int64_
              " + ", hv, ") * ", head_dim, " = ",
              fits ? std::to_string(width) : std::string("more than 2^63"));
   const int64_t tokens = m.sizes[0];
-  Tensor q = torch::stable::narrow(const_cast<Tensor&>(qkv), 1, 0, hq * head_dim);
-  Tensor k = torch::stable::narrow(const_cast<Tensor&>(qkv), 1, hq * head_dim, hk * head_dim);
-  q = torch::stable::view(q, {tokens, hq, head_dim});
-  k = torch::stable::view(k, {tokens, hk, head_dim});
-  return {q, k};
+  Tensor base = qkv;  // narrow takes a non-const reference; this is a handle copy
+  Tensor q = torch::stable::narrow(base, 1, 0, hq * head_dim);
+  Tensor k = torch::stable::narrow(base, 1, hq * head_dim, hk * head_dim);
+  const std::vector<int64_t> qs{tokens, hq, head_dim}, ks{tokens, hk, head_dim};
+  return {torch::stable::view(q, qs), torch::stable::view(k, ks)};
 }
 
 }  // namespace rope
