@@ -477,3 +477,45 @@ def test_sglang_fused_qk_norm_rope(factor, rotary_dim):
     close(qkv[:, : Hq * D].view(T, Hq, D), oracle(q0, wq, c, s, 1e-6, False, False),
           torch.bfloat16)
     assert torch.equal(qkv[:, (Hq + Hk) * D :], before[:, (Hq + Hk) * D :])
+
+
+# ---- every compiled CPU variant, and rows past the kernel's stack buffers ----
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_cpu_variant_agrees_with_the_oracle(dtype):
+    if not native_cpu():
+        pytest.skip("no native CPU library")
+    T, D = 5, 96
+    q, k = torch.randn(T, 3, D, dtype=dtype), torch.randn(T, 2, D, dtype=dtype)
+    wq, wk = torch.randn(D, dtype=torch.bfloat16), torch.randn(D)
+    cache = torch.randn(16, 64)
+    pos = torch.randint(0, 16, (T,))
+    c, s = gathered(cache, pos)
+    before = rope_ext.cpu_isa()
+    try:
+        for isa in ("baseline", "avx2", "avx512", "avx512_bf16"):
+            if rope_ext.set_cpu_isa(isa) != isa:
+                continue  # this CPU lacks it: capped to what it has
+            for interleaved in (False, True):
+                a, b = q.clone(), k.clone()
+                ops.qk_norm_rope_(a, b, wq, wk, pos, cache, 1e-6, True, interleaved)
+                close(a, oracle(q, wq, c, s, 1e-6, True, interleaved), dtype)
+                close(b, oracle(k, wk, c, s, 1e-6, True, interleaved), dtype)
+    finally:
+        rope_ext.set_cpu_isa(before)
+
+
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rows_longer_than_the_stack_buffers(unit_offset, interleaved):
+    T, D, R = 3, 2 * 1024 + 2, 1030  # head_dim past 1024: weights cast by the host; 2 blocks
+    q, k = torch.randn(T, 2, D, dtype=torch.bfloat16), torch.randn(T, 1, D, dtype=torch.bfloat16)
+    q = q.transpose(0, 1).contiguous().transpose(0, 1)  # strided heads
+    wq, wk = torch.randn(D, dtype=torch.bfloat16), torch.randn(2 * D)[::2]
+    cache = torch.randn(8, R)
+    pos = torch.randint(0, 8, (T,))
+    a, b = q.clone(), k.clone()
+    qk_norm_rope_(a, b, wq, wk, pos, cache, unit_offset=unit_offset, interleaved=interleaved)
+    c, s = gathered(cache, pos)
+    close(a, oracle(q, wq, c, s, 1e-6, unit_offset, interleaved), torch.bfloat16)
+    close(b, oracle(k, wk, c, s, 1e-6, unit_offset, interleaved), torch.bfloat16)
