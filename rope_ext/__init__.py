@@ -24,6 +24,7 @@ from .ops import (  # noqa: E402
     backend,
     varlen_positions,
 )
+from .qk_norm import qk_norm_rope, qk_norm_rope_, qkv_norm_rope_  # noqa: E402
 from .tables import cos_sin_cache  # noqa: E402
 from .kv_shift import shift_kv_cache_  # noqa: E402
 
@@ -37,6 +38,9 @@ __all__ = [
     "backend",
     "cos_sin_cache",
     "cpu_isa",
+    "qk_norm_rope",
+    "qk_norm_rope_",
+    "qkv_norm_rope_",
     "reference",
     "RotaryEmbedding",
     "set_cpu_isa",

@@ -15,9 +15,16 @@ OP_INPLACE = "rope.qk_norm_rope_"
 OP_PACKED = "rope.qkv_norm_rope_"
 
 
+def _eps_str(eps):
+    try:
+        return format(float(eps), "g")  # as the native checks print it
+    except (TypeError, ValueError):
+        return repr(eps)
+
+
 def check_eps(eps, op):
     if not (isinstance(eps, numbers.Real) and not isinstance(eps, bool)) or not math.isfinite(eps) or eps < 0:
-        _fail(f"{op}: eps must be a finite number >= 0, got {eps!r}")
+        _fail(f"{op}: eps must be a finite number >= 0, got {_eps_str(eps)}")
 
 
 def check_weights(q_weight, k_weight, head_dim, ref, ref_name, op):
@@ -55,14 +62,15 @@ def check_qk_norm_rope_inplace(query, key, q_weight, k_weight, positions, cache,
     (a list) or None."""
     half = _checks.check_positions_op(query, key, positions, 0 if mrope_section is None else 1,
                                       cache=cache, op=op, memory=memory)
+    section = None
+    if mrope_section is not None:
+        section = _checks.check_mrope_sections(mrope_section, half, op, "cos_sin_cache.size(1)/2")
     check_weights(q_weight, k_weight, query.shape[-1], query, "query", op)
     check_eps(eps, op)
-    if mrope_section is None:
-        return None
-    return _checks.check_mrope_sections(mrope_section, half, op, "cos_sin_cache.size(1)/2")
+    return section
 
 
-def _positive_int(v, op, name):
+def _count(v, op, name):
     if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
         _fail(f"{op}: {name} must be an int >= 0, got {v!r}")
     return int(v)
@@ -71,10 +79,10 @@ def _positive_int(v, op, name):
 def packed_views(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, op=OP_PACKED):
     """query (T, Hq, D) and key (T, Hk, D): views of the q and k columns of qkv
     (T, (Hq + Hk + Hv) * D), after checking that its width matches the head counts."""
-    hq = _positive_int(num_heads_q, op, "num_heads_q")
-    hk = _positive_int(num_heads_k, op, "num_heads_k")
-    hv = _positive_int(num_heads_v, op, "num_heads_v")
-    d = _positive_int(head_dim, op, "head_dim")
+    hq = _count(num_heads_q, op, "num_heads_q")
+    hk = _count(num_heads_k, op, "num_heads_k")
+    hv = _count(num_heads_v, op, "num_heads_v")
+    d = _count(head_dim, op, "head_dim")
     if d == 0:
         _fail(f"{op}: head_dim must be >= 1, got 0")
     _checks._check_float(qkv, op, "qkv")
@@ -83,8 +91,9 @@ def packed_views(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, op=OP_PAC
               f"head_dim), got {_shape(qkv)}")
     width = (hq + hk + hv) * d
     if qkv.shape[1] != width:
+        shown = width if width < 2**63 else "more than 2^63"
         _fail(f"{op}: qkv.size(1) = {qkv.shape[1]} must be (num_heads_q + num_heads_k + "
-              f"num_heads_v) * head_dim = ({hq} + {hk} + {hv}) * {d} = {width}")
+              f"num_heads_v) * head_dim = ({hq} + {hk} + {hv}) * {d} = {shown}")
     query = qkv[:, : hq * d].unflatten(1, (hq, d))
     key = qkv[:, hq * d : (hq + hk) * d].unflatten(1, (hk, d))
     return query, key

@@ -70,3 +70,26 @@ def qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weigh
     reference._checks.check_positions_in_range(positions, cos_sin_cache.shape[0], checks.OP_PACKED)
     _norm_rope_inplace(query, key, q_weight, k_weight, positions, cos_sin_cache, eps, unit_offset,
                        interleaved, section, mrope_interleaved)
+
+
+def norm_rope_backward(x, weight, grad, cos, sin, eps, unit_offset, interleaved, need_x=True,
+                       need_w=True, need_tables=False):
+    """Gradients (x, weight, cos, sin) of norm_rope (None where not needed): the inverse rotation
+    of grad, then the RMSNorm backward, in the arithmetic type (docs/qk_norm.md "Backward")."""
+    acc = _acc_dtype(x.dtype)
+    g = torch.ops.rope.apply_backward(grad.to(acc), cos, sin, interleaved)
+    xf = x.to(acc)
+    r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    n = xf * r
+    w = weight.to(acc)
+    if unit_offset:
+        w = w + 1
+    gx = gw = gc = gs = None
+    if need_w:
+        gw = (g * n).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype)
+    if need_x:
+        gn = g * w
+        gx = (r * (gn - n * (gn * n).mean(-1, keepdim=True))).to(x.dtype)
+    if need_tables:
+        gc, gs = reference.table_grads(n * w, grad, cos, sin, interleaved)
+    return gx, gw, gc, gs

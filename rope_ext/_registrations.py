@@ -363,6 +363,9 @@ OPS = {
     "shift_kv_cache_": Op(_ref_shift_kv_cache_, _fake_shift_kv_cache_,
                           mutable_autograd=_autograd_shift_kv_cache_),
 }
+from . import _qk_norm_registrations  # noqa: E402  (its functions reach this module at call time)
+
+OPS.update(_qk_norm_registrations.ops_table(Op))  # fused QK-RMSNorm + RoPE
 MUTABLE_OPS = tuple(name for name, op in OPS.items() if op.mutable_autograd is not None)
 
 

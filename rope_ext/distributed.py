@@ -405,6 +405,102 @@ _RULES = {
 }
 
 
+# ---- fused QK-RMSNorm + RoPE: the norm runs over head_dim within one head, so heads and tokens
+# shard freely (no communication); a Partial sum cannot be normalized shard by shard. ----
+
+def _check_normed(op, name, spec, written):
+    _check_rotated(op, name, spec, written)
+    for m, p in enumerate(spec.placements):
+        if p.is_partial() and written:
+            _fail(op, f"{name} is {_name(p)} on mesh dim {m}: RMSNorm is not linear, so a "
+                      f"partial value cannot be normalized shard by shard, and a tensor written in "
+                      f"place cannot be reduced first; redistribute {name} to Replicate() first")
+
+
+def _whole(spec):
+    """spec with every Partial placement made Replicate (reduced before the op: the norm is not
+    linear)."""
+    placements = [_dt.Replicate() if p.is_partial() else p for p in spec.placements]
+    if placements == list(spec.placements):
+        return spec
+    order = None if spec.use_strided_shard_as_shard_order else spec.shard_order
+    return _spec(spec.mesh, placements, order, spec.tensor_meta)
+
+
+def _rule_qk_norm_rope(op, a):
+    """qk_norm_rope: query and key (..., H, D) each sharded over any dim but head_dim (Partial
+    reduced first); cos/sin sharded like both along the dims where they have their size (query
+    and key must agree there), Replicate where broadcast; the weights Replicate."""
+    q, k = a["query"], a["key"]
+    _check_normed(op, "query", q, written=False)
+    _check_normed(op, "key", k, written=False)
+    q, k = _whole(q), _whole(k)
+    q_shape, t_shape = q.tensor_meta.shape, a["cos"].tensor_meta.shape
+    full = len(t_shape) == len(q_shape)
+
+    def table_dims(d):
+        return d if full and t_shape[d] != 1 else None
+
+    tables = _aligned(q, table_dims)
+    if _layout(_aligned(k, table_dims)) != _layout(tables):
+        _fail(op, f"query {_names(q)} and key {_names(k)} must be sharded alike over the dims "
+                  "along which cos and sin vary, since they read the same tables")
+    r = _replicated(q.mesh)
+    return (q, k), {"query": q, "key": k, "q_weight": r, "k_weight": r, "cos": tables,
+                    "sin": tables}
+
+
+def _rule_qk_norm_rope_in_place(op, a):
+    """qk_norm_rope_: as apply_ (query and key keep their layouts: Replicate, sharded over their
+    heads, or over tokens alike, positions sharded like the tokens), no Partial; the table and
+    the weights Replicate."""
+    q, k = a["query"], a["key"]
+    _check_normed(op, "query", q, written=True)
+    _check_normed(op, "key", k, written=True)
+    off = 0 if a["mrope_section"] is None else 1  # mrope positions: (3,) + the token dims
+    nd = _ndim(q)
+
+    def tokens(d):
+        return d + off if d < nd - 2 else None
+
+    positions = _aligned(q, tokens)
+    if _layout(_aligned(k, tokens)) != _layout(positions):
+        _fail(op, f"query {_names(q)} and key {_names(k)} must be sharded alike over the token "
+                  "dims, since they share positions (each may be sharded over its own heads, or "
+                  "replicated, independently)")
+    r = _replicated(q.mesh)
+    return None, {"query": q, "key": k, "positions": positions, "cos_sin_cache": r,
+                  "q_weight": r, "k_weight": r}
+
+
+def _rule_qkv_norm_rope(op, a):
+    """qkv_norm_rope_: qkv (T, (Hq + Hk + Hv) * D) Replicate or sharded over its tokens
+    (positions sharded alike); not over its width: a shard of the packed columns is not a packed
+    [q | k | v] of fewer heads. Tables and weights Replicate."""
+    qkv = a["qkv"]
+    for m, p in enumerate(qkv.placements):
+        if _shard_dim(p, 2) == 1:
+            _fail(op, f"qkv is {_name(p)} on mesh dim {m} (its packed columns): a shard of "
+                      "[q | k | v] is not the packed qkv of fewer heads; shard the tokens "
+                      "(Shard(0)), or call the op on each rank's local qkv with its local head "
+                      "counts")
+        if p.is_partial():
+            _fail(op, f"qkv is {_name(p)} on mesh dim {m}: RMSNorm is not linear and qkv is "
+                      "written in place; redistribute qkv to Replicate() first")
+    off = 1 if a["mrope_section"] is not None else 0
+    positions = _aligned(qkv, lambda d: d + off if d == 0 else None)
+    r = _replicated(qkv.mesh)
+    return None, {"qkv": qkv, "positions": positions, "cos_sin_cache": r, "q_weight": r,
+                  "k_weight": r}
+
+
+_RULES.update({
+    "qk_norm_rope": (_rule_qk_norm_rope, 6),
+    "qk_norm_rope_": (_rule_qk_norm_rope_in_place, 6),
+    "qkv_norm_rope_": (_rule_qkv_norm_rope, 1),
+})
+
+
 # ---- glue to DTensor's sharding propagation ----
 
 def _arguments(op_schema):

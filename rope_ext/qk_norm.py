@@ -17,7 +17,10 @@ import numbers
 
 import torch
 
-from . import _qk_norm_reference as _ref
+from ._registrations import check_not_inference
+from .ops import heads
+
+ops = torch.ops.rope
 
 __all__ = ["qk_norm_rope", "qk_norm_rope_", "qkv_norm_rope_", "half_tables"]
 
@@ -76,23 +79,12 @@ def qk_norm_rope(query, key, q_weight, k_weight, cos, sin, *, eps=1e-6, unit_off
     if table_width == "full":
         cos, sin = half_tables(cos, sin, interleaved=interleaved, head_first=head_first,
                                ndim=query.dim())
-    return _ref.qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps, unit_offset,
-                             interleaved)
+    return ops.qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps, unit_offset,
+                            interleaved)
 
 
 def _section(mrope_section):
     return None if mrope_section is None else [int(s) for s in mrope_section]
-
-
-def _heads(t, head_size, name):
-    if head_size is None:
-        return t
-    if isinstance(head_size, bool) or not isinstance(head_size, numbers.Integral) or head_size < 1:
-        raise ValueError(f"head_size must be a positive int, got {head_size!r}")
-    if t.dim() < 1 or t.shape[-1] % head_size:
-        raise ValueError(f"{name} of shape {list(t.shape)}: its last dim must be a multiple of "
-                         f"head_size = {head_size} (flat (..., num_heads * head_size) layout)")
-    return t.unflatten(-1, (t.shape[-1] // head_size, head_size))
 
 
 def qk_norm_rope_(query, key, q_weight, k_weight, positions, cos_sin_cache, *, eps=1e-6,
@@ -106,9 +98,10 @@ def qk_norm_rope_(query, key, q_weight, k_weight, positions, cos_sin_cache, *, e
     (chunked) or T,H,W,T,H,W,... (mrope_interleaved). head_size: query and key are flat
     (..., H * head_size). eps, unit_offset, interleaved: as qk_norm_rope. Serving only: not
     differentiable. A rejected call writes nothing. Returns (query, key)."""
-    _ref.qk_norm_rope_(_heads(query, head_size, "query"), _heads(key, head_size, "key"),
-                       q_weight, k_weight, positions, cos_sin_cache, eps, unit_offset,
-                       interleaved, _section(mrope_section), mrope_interleaved)
+    check_not_inference(query, key)
+    ops.qk_norm_rope_(heads(query, head_size, "query"), heads(key, head_size, "key"),
+                      q_weight, k_weight, positions, cos_sin_cache, eps, unit_offset,
+                      interleaved, _section(mrope_section), mrope_interleaved)
     return query, key
 
 
@@ -119,7 +112,8 @@ def qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weigh
     any stride): the q and k heads normalized and rotated as qk_norm_rope_ does, positions
     (num_tokens,) (or (3, num_tokens) with mrope_section); the v heads untouched. Serving only.
     Returns qkv."""
-    _ref.qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight, k_weight,
-                        positions, cos_sin_cache, eps, unit_offset, interleaved,
-                        _section(mrope_section), mrope_interleaved)
+    check_not_inference(qkv)
+    ops.qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight, k_weight,
+                       positions, cos_sin_cache, eps, unit_offset, interleaved,
+                       _section(mrope_section), mrope_interleaved)
     return qkv

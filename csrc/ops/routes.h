@@ -43,12 +43,15 @@ struct Route {
 
 enum RouteId : int {
   kApply,
+  kQkNormRope,
   kApplyBackward,
   kApplyPositions,
   kApplyOut,
   kApplyInplace,
   kMropeInplace,
   kApplyAndCache,
+  kQkNormRopeInplace,
+  kQkvNormRopeInplace,
   kNumRoutes,
   kNoRoute = kNumRoutes  // an op without the C++ call path (rope_ext/schemas.def)
 };
@@ -56,12 +59,15 @@ enum RouteId : int {
 // The kernel's device is the first argument's (a Tensor in every op).
 inline constexpr Route kRoutes[kNumRoutes] = {
     {"apply", 0, {}},
+    {"qk_norm_rope", 0, {}},
     {"apply_backward", 0, {}},
     {"apply_positions", 0, {}},
     {"apply.out", 1, {{4, false}}},
     {"apply_", 2, {{0, false}, {1, true}}},
     {"mrope_", 2, {{0, false}, {1, true}}},
     {"apply_and_cache_", 4, {{0, false}, {1, false}, {5, false}, {6, false}}},
+    {"qk_norm_rope_", 2, {{0, false}, {1, false}}},
+    {"qkv_norm_rope_", 1, {{0, false}}},
 };
 
 // "apply.out" -> "<prefix>apply.out"
@@ -76,6 +82,12 @@ BoxedKernel& routed_cpu_kernel(RouteId r);
 inline void impl_routed(torch::stable::detail::StableLibrary& m, RouteId r, BoxedKernel fn) {
   m.impl(kRoutes[r].name, fn);
   m.impl(twin_name("_impl_", r).c_str(), fn);
+}
+
+// The same for a CPU kernel, which the router also calls directly.
+inline void impl_routed_cpu(torch::stable::detail::StableLibrary& m, RouteId r, BoxedKernel fn) {
+  impl_routed(m, r, fn);
+  routed_cpu_kernel(r) = fn;
 }
 
 }  // namespace rope

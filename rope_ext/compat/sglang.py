@@ -78,3 +78,7 @@ def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_
                           _slots(arg.v_buffer, head_size, "v_buffer"), arg.cache_loc,
                           interleaved=not is_neox, kv_cache_dtype=fmt, k_scale=k_scale,
                           v_scale=v_scale)
+
+
+# fused QK-RMSNorm + RoPE (`sgl_kernel.fused_qk_norm_rope`: angles from base and YaRN)
+from ._qk_norm import sglang_fused_qk_norm_rope as fused_qk_norm_rope  # noqa: E402,F401

@@ -34,3 +34,7 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, r
     k = heads(key, head_size, "key", lead)
     apply_rope_(q, k, positions, cos_sin_cache, interleaved=not is_neox,
                 rope_dim_offset=rope_dim_offset, inverse=inverse)
+
+
+# fused QK-RMSNorm + RoPE (vLLM's `_custom_ops.fused_qk_norm_rope`), with the SGLang twin
+from ._qk_norm import fused_qk_norm_rope  # noqa: E402,F401

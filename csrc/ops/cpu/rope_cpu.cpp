@@ -219,20 +219,12 @@ void apply_and_cache_cpu(Tensor query, Tensor key, Tensor value, Tensor position
 }  // namespace
 }  // namespace rope
 
-namespace {
-// A routed op's CPU kernel: registered, and handed to the router (routes.h).
-void impl_routed_cpu(torch::stable::detail::StableLibrary& m, rope::RouteId r, rope::BoxedKernel fn) {
-  rope::impl_routed(m, r, fn);
-  rope::routed_cpu_kernel(r) = fn;
-}
-}  // namespace
-
 STABLE_TORCH_LIBRARY_IMPL(rope, CPU, m) {
-  impl_routed_cpu(m, rope::kApply, TORCH_BOX(&rope::apply_cpu<false>));
-  impl_routed_cpu(m, rope::kApplyOut, TORCH_BOX(&rope::apply_out_cpu));
-  impl_routed_cpu(m, rope::kApplyBackward, TORCH_BOX(&rope::apply_cpu<true>));
-  impl_routed_cpu(m, rope::kApplyInplace, TORCH_BOX(&rope::apply_inplace_cpu));
-  impl_routed_cpu(m, rope::kMropeInplace, TORCH_BOX(&rope::mrope_inplace_cpu));
-  impl_routed_cpu(m, rope::kApplyPositions, TORCH_BOX(&rope::apply_positions_cpu));
-  impl_routed_cpu(m, rope::kApplyAndCache, TORCH_BOX(&rope::apply_and_cache_cpu));
+  rope::impl_routed_cpu(m, rope::kApply, TORCH_BOX(&rope::apply_cpu<false>));
+  rope::impl_routed_cpu(m, rope::kApplyOut, TORCH_BOX(&rope::apply_out_cpu));
+  rope::impl_routed_cpu(m, rope::kApplyBackward, TORCH_BOX(&rope::apply_cpu<true>));
+  rope::impl_routed_cpu(m, rope::kApplyInplace, TORCH_BOX(&rope::apply_inplace_cpu));
+  rope::impl_routed_cpu(m, rope::kMropeInplace, TORCH_BOX(&rope::mrope_inplace_cpu));
+  rope::impl_routed_cpu(m, rope::kApplyPositions, TORCH_BOX(&rope::apply_positions_cpu));
+  rope::impl_routed_cpu(m, rope::kApplyAndCache, TORCH_BOX(&rope::apply_and_cache_cpu));
 }

@@ -1,0 +1,32 @@
+// The fused QK-RMSNorm + RoPE kernel compiled for AVX2 + FMA + F16C (chosen at run time only on
+// CPUs that have them, as the rotation kernels of isa_avx2.cpp). -ffp-contract=off keeps
+// products and sums unfused.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+
+#include "convert.h"
+#include "qk_norm_kernel_api.h"
+
+// Everything with external linkage is included above this line, before the target switch.
+#ifdef ROPE_CPU_X86_VARIANTS
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+
+#include "qk_norm_kernels.h"
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+ROPE_DEFINE_QK_NORM_KERNEL(qk_norm_kernel_avx2)
+
+#endif  // ROPE_CPU_X86_VARIANTS

@@ -1,0 +1,33 @@
+// The fused QK-RMSNorm + RoPE kernel compiled for AVX-512 (F, BW, VL, DQ), chosen at run time
+// only on CPUs that have them.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+
+#include "convert.h"
+#include "qk_norm_kernel_api.h"
+
+// Everything with external linkage is included above this line, before the target switch.
+#ifdef ROPE_CPU_X86_VARIANTS
+
+#if defined(__clang__)
+#pragma clang attribute push( \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))), \
+    apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#endif
+
+#include "qk_norm_kernels.h"
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+ROPE_DEFINE_QK_NORM_KERNEL(qk_norm_kernel_avx512)
+
+#endif  // ROPE_CPU_X86_VARIANTS

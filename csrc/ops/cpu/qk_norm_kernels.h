@@ -1,0 +1,334 @@
+// The fused QK-RMSNorm + RoPE CPU kernel, written once in plain loops that the compiler
+// vectorizes for the instruction set of the file including it (qk_norm_isa_*.cpp). Everything
+// has internal linkage (see kernel_api.h). Per row (one head of one token): the sum of squares
+// (kLanes partial sums, so the loop vectorizes), then each rotary pair read again (from L1),
+// normalized, scaled by its weights, rotated and written once, then the dims past rotary_dim
+// normalized and written. Arithmetic in float (double for float64), rounded once.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "convert.h"
+#include "qk_norm_kernel_api.h"
+
+namespace rope {
+namespace {
+
+template <typename T>
+struct AccOf {
+  using type = float;
+};
+template <>
+struct AccOf<double> {
+  using type = double;
+};
+
+inline float to_f(float v) { return v; }
+inline double to_f(double v) { return v; }
+inline float to_f(HalfBits v) { return half_bits_to_float(v.bits); }
+inline float to_f(BF16Bits v) { return bf16_to_float(v.bits); }
+
+template <typename T, typename A>
+inline T from_f(A v) {
+  return static_cast<T>(v);
+}
+template <>
+inline HalfBits from_f<HalfBits, float>(float v) {
+  return HalfBits{float_to_half_bits(v)};
+}
+// convert.h's float_to_bf16 with the NaN case as a select, so the loops vectorize: the same bits.
+template <>
+inline BF16Bits from_f<BF16Bits, float>(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  const uint16_t r = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return BF16Bits{v != v ? static_cast<uint16_t>(0xFFFF) : r};
+}
+
+template <int kDt>
+using ElemOf = std::conditional_t<kDt == kF32, float,
+               std::conditional_t<kDt == kF64, double,
+               std::conditional_t<kDt == kF16, HalfBits, BF16Bits>>>;
+
+// f(T{}) with the element type of DtIndex dt.
+template <class F>
+inline void with_type(int dt, F&& f) {
+  switch (dt) {
+    case kF32:
+      return f(float{});
+    case kF64:
+      return f(double{});
+    case kF16:
+      return f(HalfBits{});
+    default:
+      return f(BF16Bits{});
+  }
+}
+
+constexpr int64_t kQkBlockPairs = 256;
+constexpr int kLanes = 8;
+
+template <typename x_t, typename acc>
+inline acc sum_squares(const x_t* x, int64_t last, int64_t n) {
+  acc part[kLanes] = {};
+  int64_t j = 0;
+  if (last == 1) {
+    for (; j + kLanes <= n; j += kLanes) {
+      for (int l = 0; l < kLanes; ++l) {
+        const acc v = to_f(x[j + l]);
+        part[l] += v * v;
+      }
+    }
+  }
+  for (; j < n; ++j) {
+    const acc v = to_f(x[j * last]);
+    part[j % kLanes] += v * v;
+  }
+  acc s = 0;
+  for (int l = 0; l < kLanes; ++l) s += part[l];
+  return s;
+}
+
+// Rows that fit the stack: converted once into a float (double) buffer, whose sum of squares
+// then vectorizes (kSumLanes independent partial sums: lanes of one vector) and which the
+// rotation reads instead of the row.
+constexpr int kSumLanes = 16;
+
+template <typename x_t, typename acc>
+inline void load_row(const x_t* x, int64_t last, int64_t n, acc* buf) {
+  if (last == 1) {
+    for (int64_t j = 0; j < n; ++j) buf[j] = static_cast<acc>(to_f(x[j]));
+  } else {
+    for (int64_t j = 0; j < n; ++j) buf[j] = static_cast<acc>(to_f(x[j * last]));
+  }
+}
+
+template <typename acc>
+inline acc sum_squares_buf(const acc* buf, int64_t n) {
+  acc part[kSumLanes] = {};
+  int64_t j = 0;
+  for (; j + kSumLanes <= n; j += kSumLanes) {
+    for (int l = 0; l < kSumLanes; ++l) part[l] += buf[j + l] * buf[j + l];
+  }
+  for (int l = 0; j < n; ++j, ++l) part[l] += buf[j] * buf[j];
+  acc s = 0;
+  for (int l = 0; l < kSumLanes; ++l) s += part[l];
+  return s;
+}
+
+// The pairs [b0, b0 + n) of a buffered row (unit stride) into dst (stride dl; kUnit: 1).
+template <typename x_t, typename acc, bool kI, bool kUnit>
+inline void norm_rotate_buf(const acc* buf, x_t* dst, int64_t dl, const acc* w, acc r,
+                            int64_t half, int64_t b0, int64_t n, const acc* c, const acc* s) {
+  if (kUnit) dl = 1;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t p = b0 + i;
+    const int64_t ia = kI ? 2 * p : p, ib = kI ? 2 * p + 1 : p + half;
+    const acc a = (buf[ia] * r) * w[ia];
+    const acc b = (buf[ib] * r) * w[ib];
+    dst[ia * dl] = from_f<x_t>(a * c[i] - b * s[i]);
+    dst[ib * dl] = from_f<x_t>(b * c[i] + a * s[i]);
+  }
+}
+
+template <typename x_t, typename acc, bool kUnit>
+inline void norm_tail_buf(const acc* buf, x_t* dst, int64_t dl, const acc* w, acc r, int64_t from,
+                          int64_t to) {
+  if (kUnit) dl = 1;
+  for (int64_t j = from; j < to; ++j) dst[j * dl] = from_f<x_t>((buf[j] * r) * w[j]);
+}
+
+// The pairs [b0, b0 + n) of one row. kUnit: unit strides (constants, so the loop vectorizes).
+template <typename x_t, typename acc, bool kI, bool kUnit>
+inline void norm_rotate_block(const x_t* src, int64_t sl, x_t* dst, int64_t dl, const acc* w,
+                              int64_t ws, acc r, int64_t half, int64_t b0, int64_t n,
+                              const acc* c, const acc* s) {
+  if (kUnit) sl = dl = ws = 1;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t p = b0 + i;
+    const int64_t ia = kI ? 2 * p : p, ib = kI ? 2 * p + 1 : p + half;
+    const acc a = (static_cast<acc>(to_f(src[ia * sl])) * r) * w[ia * ws];
+    const acc b = (static_cast<acc>(to_f(src[ib * sl])) * r) * w[ib * ws];
+    dst[ia * dl] = from_f<x_t>(a * c[i] - b * s[i]);
+    dst[ib * dl] = from_f<x_t>(b * c[i] + a * s[i]);
+  }
+}
+
+template <typename x_t, typename acc, bool kUnit>
+inline void norm_tail(const x_t* src, int64_t sl, x_t* dst, int64_t dl, const acc* w, int64_t ws,
+                      acc r, int64_t from, int64_t to) {
+  if (kUnit) sl = dl = ws = 1;
+  for (int64_t j = from; j < to; ++j) {
+    dst[j * dl] = from_f<x_t>((static_cast<acc>(to_f(src[j * sl])) * r) * w[j * ws]);
+  }
+}
+
+inline int64_t read_pos(const void* pos, bool pos64, int64_t off) {
+  return pos64 ? static_cast<const int64_t*>(pos)[off]
+               : static_cast<int64_t>(static_cast<const int32_t*>(pos)[off]);
+}
+
+template <typename x_t, typename tab_t, bool kI>
+void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
+  using acc = typename AccOf<x_t>::type;
+  const RotateGeometry& g = *job.g;
+  const TableDesc& t = g.table;
+  const int64_t half = g.half, D = g.head_dim;
+  const acc eps = static_cast<acc>(job.norm.eps);
+  const acc unit = job.norm.unit_offset ? acc(1) : acc(0);
+  // The weights (+ 1 for the Gemma form) in the arithmetic type: converted here for rows that
+  // fit the stack buffers, else already cast by the host (then read with their stride).
+  alignas(64) acc wbuf[2][kQkNormStackHeadDim];
+  const acc* w[2];
+  int64_t ws[2];
+  for (int k = 0; k < g.targets; ++k) {
+    if (D <= kQkNormStackHeadDim) {
+      with_type(job.w_dt[k], [&](auto elem) {
+        using W = decltype(elem);
+        const W* p = static_cast<const W*>(job.w[k]);
+        for (int64_t j = 0; j < D; ++j) {
+          wbuf[k][j] = static_cast<acc>(to_f(p[j * job.norm.w_stride[k]])) + unit;
+        }
+      });
+      w[k] = wbuf[k];
+      ws[k] = 1;
+    } else {
+      w[k] = static_cast<const acc*>(job.w[k]);
+      ws[k] = job.norm.w_stride[k];
+    }
+  }
+  const bool weights_plus_unit = D <= kQkNormStackHeadDim || !job.norm.unit_offset;
+  alignas(64) acc c[kQkBlockPairs];
+  alignas(64) acc s[kQkBlockPairs];
+  alignas(64) acc row[kQkNormStackHeadDim];
+  alignas(64) acc wtmp[2][2 * kQkBlockPairs];  // long rows with unit_offset: w + 1 per block
+  const tab_t* key[2 * kMropeComponents] = {};
+  int64_t key_b0 = -1;
+  for (int64_t tok = b; tok < e; ++tok) {
+    int64_t off[kMaxOperands];
+    g.lead.offsets(tok, off);
+    const tab_t* cr[kMropeComponents];
+    const tab_t* sr[kMropeComponents];
+    if (t.kind == TableKind::kStrided) {
+      cr[0] = cr[1] = cr[2] = static_cast<const tab_t*>(job.cos) + off[kTab0];
+      sr[0] = sr[1] = sr[2] = static_cast<const tab_t*>(job.sin) + off[kTab1];
+    } else {
+      const bool mrope = t.kind == TableKind::kMrope;
+      for (int j = 0; j < kMropeComponents; ++j) {
+        const int64_t p = read_pos(job.positions, t.pos64,
+                                   off[kTab0] + (mrope ? j * t.pos_component : 0));
+        cr[j] = static_cast<const tab_t*>(job.cos) + p * t.cos_row;
+        sr[j] = static_cast<const tab_t*>(job.sin) + p * t.sin_row;
+      }
+    }
+    auto tables = [&](int64_t b0, int64_t n) {
+      bool same = key_b0 == b0;
+      for (int j = 0; j < kMropeComponents; ++j) {
+        same = same && key[2 * j] == cr[j] && key[2 * j + 1] == sr[j];
+        key[2 * j] = cr[j];
+        key[2 * j + 1] = sr[j];
+      }
+      if (same) return;
+      key_b0 = b0;
+      const bool mrope = t.kind == TableKind::kMrope;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t pair = b0 + i;
+        const int j = mrope ? mrope_component(pair, t.section, t.mrope_interleaved) : 0;
+        c[i] = static_cast<acc>(to_f(cr[j][pair * t.cos_col]));
+        s[i] = static_cast<acc>(to_f(sr[j][pair * t.sin_col]));
+      }
+    };
+    for (int k = 0; k < g.targets; ++k) {
+      const TargetDesc& tg = g.target[k];
+      const x_t* src = static_cast<const x_t*>(job.src[k]) + off[2 * k];
+      x_t* dst = static_cast<x_t*>(job.dst[k]) + off[2 * k + 1];
+      const bool unit_strides = tg.src_last == 1 && tg.dst_last == 1 && ws[k] == 1;
+      for (int64_t h = 0; h < tg.heads; ++h, src += tg.src_head, dst += tg.dst_head) {
+        if (D <= kQkNormStackHeadDim) {  // the row through a stack buffer (weights there too)
+          load_row<x_t, acc>(src, tg.src_last, D, row);
+          const acc r = acc(1) / std::sqrt(sum_squares_buf<acc>(row, D) / static_cast<acc>(D) + eps);
+          const bool unit_dst = tg.dst_last == 1;
+          for (int64_t b0 = 0; b0 < half; b0 += kQkBlockPairs) {
+            const int64_t n = std::min(kQkBlockPairs, half - b0);
+            tables(b0, n);
+            if (unit_dst) {
+              norm_rotate_buf<x_t, acc, kI, true>(row, dst, 1, w[k], r, half, b0, n, c, s);
+            } else {
+              norm_rotate_buf<x_t, acc, kI, false>(row, dst, tg.dst_last, w[k], r, half, b0, n, c,
+                                                   s);
+            }
+          }
+          if (unit_dst) {
+            norm_tail_buf<x_t, acc, true>(row, dst, 1, w[k], r, 2 * half, D);
+          } else {
+            norm_tail_buf<x_t, acc, false>(row, dst, tg.dst_last, w[k], r, 2 * half, D);
+          }
+          continue;
+        }
+        const acc ss = sum_squares<x_t, acc>(src, tg.src_last, D);
+        const acc r = acc(1) / std::sqrt(ss / static_cast<acc>(D) + eps);
+        for (int64_t b0 = 0; b0 < half; b0 += kQkBlockPairs) {
+          const int64_t n = std::min(kQkBlockPairs, half - b0);
+          tables(b0, n);
+          if (!weights_plus_unit) {  // rows past the stack buffers, Gemma form: w + 1 here
+            for (int64_t i = 0; i < n; ++i) {
+              const int64_t p = b0 + i;
+              const int64_t ia = kI ? 2 * p : p, ib = kI ? 2 * p + 1 : p + half;
+              wtmp[k][2 * i] = w[k][ia * ws[k]] + unit;
+              wtmp[k][2 * i + 1] = w[k][ib * ws[k]] + unit;
+            }
+            for (int64_t i = 0; i < n; ++i) {
+              const int64_t p = b0 + i;
+              const int64_t ia = kI ? 2 * p : p, ib = kI ? 2 * p + 1 : p + half;
+              const acc a = (static_cast<acc>(to_f(src[ia * tg.src_last])) * r) * wtmp[k][2 * i];
+              const acc bb =
+                  (static_cast<acc>(to_f(src[ib * tg.src_last])) * r) * wtmp[k][2 * i + 1];
+              dst[ia * tg.dst_last] = from_f<x_t>(a * c[i] - bb * s[i]);
+              dst[ib * tg.dst_last] = from_f<x_t>(bb * c[i] + a * s[i]);
+            }
+          } else if (unit_strides) {
+            norm_rotate_block<x_t, acc, kI, true>(src, 1, dst, 1, w[k], 1, r, half, b0, n, c, s);
+          } else {
+            norm_rotate_block<x_t, acc, kI, false>(src, tg.src_last, dst, tg.dst_last, w[k],
+                                                   ws[k], r, half, b0, n, c, s);
+          }
+        }
+        if (!weights_plus_unit) {
+          for (int64_t j = 2 * half; j < D; ++j) {
+            dst[j * tg.dst_last] = from_f<x_t>((static_cast<acc>(to_f(src[j * tg.src_last])) * r) *
+                                               (w[k][j * ws[k]] + unit));
+          }
+        } else if (unit_strides) {
+          norm_tail<x_t, acc, true>(src, 1, dst, 1, w[k], 1, r, 2 * half, D);
+        } else {
+          norm_tail<x_t, acc, false>(src, tg.src_last, dst, tg.dst_last, w[k], ws[k], r, 2 * half,
+                                     D);
+        }
+      }
+    }
+  }
+}
+
+template <typename x_t, typename tab_t>
+void norm_rope_layout(const NormJob& job, int64_t b, int64_t e) {
+  job.g->interleaved ? norm_rope_tokens_impl<x_t, tab_t, true>(job, b, e)
+                     : norm_rope_tokens_impl<x_t, tab_t, false>(job, b, e);
+}
+
+void norm_rope_tokens(const NormJob& job, int64_t b, int64_t e) {
+  with_type(job.x_dt, [&](auto x0) {
+    with_type(job.table_dt, [&](auto t0) {
+      norm_rope_layout<decltype(x0), decltype(t0)>(job, b, e);
+    });
+  });
+}
+
+}  // namespace
+}  // namespace rope
+
+#define ROPE_DEFINE_QK_NORM_KERNEL(entry)                        \
+  namespace rope {                                               \
+  NormRopeTokensFn entry() { return &norm_rope_tokens; }         \
+  }

@@ -1,0 +1,184 @@
+// The CPU host side of the fused QK-RMSNorm + RoPE ops (rope.qk_norm_rope, rope.qk_norm_rope_,
+// rope.qkv_norm_rope_; docs/qk_norm.md): checks (../qk_norm_checks.h), positions read once and
+// range-checked before anything is written, the threading, and the call into the kernel of the
+// CPU variant that serves (qk_norm_kernels.h). Each call is a RotateGeometry plus a NormDesc.
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+
+#include "../qk_norm_checks.h"
+#include "../routes.h"
+#include "qk_norm_kernel_api.h"
+
+namespace rope {
+namespace {
+
+int dt_index(ScalarType t) {
+  switch (t) {
+    case ScalarType::Float:
+      return kF32;
+    case ScalarType::Double:
+      return kF64;
+    case ScalarType::Half:
+      return kF16;
+    default:
+      return kBF16;
+  }
+}
+
+// The kernel of the CPU variant that serves (rope.set_cpu_isa caps it).
+NormRopeTokensFn selected_kernel() {
+  switch (selected_cpu_isa()) {
+#ifdef ROPE_CPU_X86_VARIANTS
+    case CpuIsa::kAvx512Bf16:
+    case CpuIsa::kAvx512:
+      return qk_norm_kernel_avx512();
+    case CpuIsa::kAvx2:
+      return qk_norm_kernel_avx2();
+#endif
+    default:
+      return qk_norm_kernel_baseline();
+  }
+}
+
+// Work per task: at least this many elements, so decode-sized calls run on the calling thread.
+constexpr int64_t kGrainElements = 1 << 15;
+
+void run_norm_rope(const NormJob& job) {
+  const RotateGeometry& g = *job.g;
+  if (g.tokens == 0 || g.head_dim == 0) return;
+  int64_t per_token = 0;
+  for (int k = 0; k < g.targets; ++k) {
+    int64_t rows;
+    if (!mul_fits(g.target[k].heads, g.head_dim, rows) || !add_fits(per_token, rows, per_token)) {
+      per_token = kInt64Max;
+      break;
+    }
+  }
+  if (per_token == 0) return;
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / per_token);
+  const NormRopeTokensFn kernel = selected_kernel();
+  auto fn = [&](int64_t b, int64_t e) { kernel(job, b, e); };
+  if (g.tokens <= grain || torch::stable::get_num_threads() <= 1) {
+    fn(0, g.tokens);
+  } else {
+    torch::stable::parallel_for(0, g.tokens, grain, fn);
+  }
+}
+
+// A weight as the kernel reads it: as it is for rows that fit its stack buffers (it converts
+// them), else cast to the arithmetic type (a torch op: an allocation).
+Tensor norm_weight(const Tensor& w, ScalarType x, int64_t head_dim) {
+  const ScalarType acc = x == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
+  if (head_dim <= kQkNormStackHeadDim || w.scalar_type() == acc) return w;
+  return torch::stable::to(w, std::optional<ScalarType>(acc));
+}
+
+NormJob make_job(const RotateGeometry& g, double eps, bool unit_offset, const Tensor& wq,
+                 const Tensor& wk, ScalarType x, ScalarType table) {
+  NormJob job{};
+  job.g = &g;
+  job.norm.eps = eps;
+  job.norm.unit_offset = unit_offset;
+  const Tensor* ws[2] = {&wq, &wk};
+  for (int k = 0; k < 2; ++k) {
+    job.w[k] = ws[k]->const_data_ptr();
+    job.w_dt[k] = dt_index(ws[k]->scalar_type());
+    job.norm.w_stride[k] = ws[k]->stride(0);
+  }
+  job.x_dt = dt_index(x);
+  job.table_dt = dt_index(table);
+  return job;
+}
+
+std::tuple<Tensor, Tensor> qk_norm_rope_cpu(Tensor query, Tensor key, Tensor q_weight,
+                                            Tensor k_weight, Tensor cos, Tensor sin, double eps,
+                                            bool unit_offset, bool interleaved) {
+  const auto [gq, gk] =
+      check_qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps, interleaved);
+  const ScalarType xt = query.scalar_type();
+  const Tensor wq = norm_weight(q_weight, xt, query.size(-1));
+  const Tensor wk = norm_weight(k_weight, xt, query.size(-1));
+  Tensor oq = torch::stable::new_empty(query, query.sizes());
+  Tensor ok = torch::stable::new_empty(key, key.sizes());
+  const std::pair<const RotateGeometry*, std::pair<const Tensor*, const Tensor*>> parts[] = {
+      {&gq, {&query, &oq}}, {&gk, {&key, &ok}}};
+  for (int i = 0; i < 2; ++i) {
+    const RotateGeometry& g = *parts[i].first;
+    const Tensor& w = i == 0 ? wq : wk;
+    NormJob job = make_job(g, eps, unit_offset, w, w, xt, cos.scalar_type());
+    job.src[0] = parts[i].second.first->const_data_ptr();
+    job.dst[0] = parts[i].second.second->mutable_data_ptr();
+    job.cos = cos.const_data_ptr();
+    job.sin = sin.const_data_ptr();
+    run_norm_rope(job);
+  }
+  return {oq, ok};
+}
+
+// The in-place ops: positions copied if they share memory with what is written (re-checked:
+// the copy's strides), range-checked, then one pass.
+void norm_rope_inplace(const Tensor& query, const Tensor& key, const Tensor* written0,
+                       const Tensor* written1,
+                       const Tensor& q_weight, const Tensor& k_weight, Tensor positions,
+                       const Tensor& cache, double eps, bool unit_offset, bool interleaved,
+                       const std::optional<std::vector<int64_t>>& section, bool mrope_interleaved,
+                       const char* op) {
+  const std::vector<int64_t>* sec = section ? &*section : nullptr;
+  auto check = [&] {
+    return check_qk_norm_rope_inplace(query, key, q_weight, k_weight, positions, cache, eps,
+                                      interleaved, sec, mrope_interleaved, op);
+  };
+  RotateGeometry g = check();
+  const Tensor once = positions_read_once(positions, {written0, written1});
+  if (once.get() != positions.get()) {
+    positions = once;
+    g = check();
+  }
+  check_positions_in_range(positions, g.table.rows, op, "cos_sin_cache.size(0)");
+  const ScalarType xt = query.scalar_type();
+  const Tensor wq = norm_weight(q_weight, xt, g.head_dim);
+  const Tensor wk = norm_weight(k_weight, xt, g.head_dim);
+  NormJob job = make_job(g, eps, unit_offset, wq, wk, xt, cache.scalar_type());
+  job.src[0] = job.dst[0] = query.mutable_data_ptr();
+  job.src[1] = job.dst[1] = key.mutable_data_ptr();
+  job.cos = cache.const_data_ptr();
+  job.sin = sin_of_cache(cache, g);
+  job.positions = positions.const_data_ptr();
+  run_norm_rope(job);
+}
+
+void qk_norm_rope_inplace_cpu(Tensor query, Tensor key, Tensor q_weight, Tensor k_weight,
+                              Tensor positions, Tensor cos_sin_cache, double eps, bool unit_offset,
+                              bool interleaved, std::optional<std::vector<int64_t>> mrope_section,
+                              bool mrope_interleaved) {
+  norm_rope_inplace(query, key, &query, &key, q_weight, k_weight, positions, cos_sin_cache, eps,
+                    unit_offset,
+                    interleaved, mrope_section, mrope_interleaved, kQkNormInplaceOp);
+}
+
+void qkv_norm_rope_inplace_cpu(Tensor qkv, int64_t num_heads_q, int64_t num_heads_k,
+                               int64_t num_heads_v, int64_t head_dim, Tensor q_weight,
+                               Tensor k_weight, Tensor positions, Tensor cos_sin_cache, double eps,
+                               bool unit_offset, bool interleaved,
+                               std::optional<std::vector<int64_t>> mrope_section,
+                               bool mrope_interleaved) {
+  const auto [q, k] = qkv_views(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim);
+  norm_rope_inplace(q, k, &qkv, nullptr, q_weight, k_weight, positions, cos_sin_cache, eps, unit_offset,
+                    interleaved, mrope_section, mrope_interleaved, kQkvNormOp);
+}
+
+}  // namespace
+}  // namespace rope
+
+STABLE_TORCH_LIBRARY_IMPL(rope, CPU, m) {
+  rope::impl_routed_cpu(m, rope::kQkNormRope, TORCH_BOX(&rope::qk_norm_rope_cpu));
+  rope::impl_routed_cpu(m, rope::kQkNormRopeInplace, TORCH_BOX(&rope::qk_norm_rope_inplace_cpu));
+  rope::impl_routed_cpu(m, rope::kQkvNormRopeInplace, TORCH_BOX(&rope::qkv_norm_rope_inplace_cpu));
+}

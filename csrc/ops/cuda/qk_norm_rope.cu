@@ -1,0 +1,89 @@
+// CUDA kernels of the fused QK-RMSNorm + RoPE ops, registered for the CUDA key. Per-thread code:
+// qk_norm_rope_thread.h; host logic: qk_norm_rope_host.h (both shared with the simulator).
+#include <cuda_runtime.h>
+
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
+
+#include "../routes.h"
+#include "qk_norm_rope_host.h"
+
+namespace rope::gpu {
+namespace {
+
+template <typename x_t, typename tab_t, bool kInterleaved>
+__global__ void __launch_bounds__(kNormThreadsPerBlock)
+    norm_rope_kernel(const NormRopeArgs<x_t, tab_t> a) {
+  norm_rope_thread<x_t, tab_t, kInterleaved>(
+      a, ThreadPos{{threadIdx.x, threadIdx.y, threadIdx.z},
+                   {blockIdx.x, blockIdx.y, blockIdx.z},
+                   {blockDim.x, blockDim.y, blockDim.z},
+                   {gridDim.x, gridDim.y, gridDim.z}});
+}
+
+// The device made current, torch's current stream there, a launch check after the kernel.
+class NormLaunch {
+ public:
+  NormLaunch(const Tensor& on, const char* op) : guard_(on.get_device_index()), op_(op) {
+    void* stream = nullptr;
+    ROPE_CHECK(aoti_torch_get_current_cuda_stream(on.get_device_index(), &stream) ==
+                   AOTI_TORCH_SUCCESS,
+               op, ": could not get the current CUDA stream of device ", on.get_device_index());
+    stream_ = static_cast<cudaStream_t>(stream);
+  }
+
+  template <typename x_t, typename tab_t, bool kI>
+  void operator()(const LaunchPlan& p, const NormRopeArgs<x_t, tab_t>& a, Bool<kI>) const {
+    norm_rope_kernel<x_t, tab_t, kI>
+        <<<dim3(p.grid.x, p.grid.y, p.grid.z), dim3(p.block.x, p.block.y, p.block.z), 0,
+           stream_>>>(a);
+    const cudaError_t err = cudaGetLastError();
+    ROPE_CHECK(err == cudaSuccess, op_, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+  }
+
+ private:
+  torch::stable::accelerator::DeviceGuard guard_;
+  const char* op_;
+  cudaStream_t stream_ = nullptr;
+};
+
+std::tuple<Tensor, Tensor> qk_norm_rope_cuda(Tensor query, Tensor key, Tensor q_weight,
+                                             Tensor k_weight, Tensor cos, Tensor sin, double eps,
+                                             bool unit_offset, bool interleaved) {
+  return qk_norm_rope_host(query, key, q_weight, k_weight, cos, sin, eps, unit_offset,
+                           interleaved, NormLaunch(query, kQkNormOp));
+}
+
+void qk_norm_rope_inplace_cuda(Tensor query, Tensor key, Tensor q_weight, Tensor k_weight,
+                               Tensor positions, Tensor cos_sin_cache, double eps,
+                               bool unit_offset, bool interleaved,
+                               std::optional<std::vector<int64_t>> mrope_section,
+                               bool mrope_interleaved) {
+  qk_norm_rope_inplace_host(query, key, &query, &key, q_weight, k_weight, positions,
+                            cos_sin_cache, eps, unit_offset, interleaved,
+                            mrope_section ? &*mrope_section : nullptr, mrope_interleaved,
+                            kQkNormInplaceOp, NormLaunch(query, kQkNormInplaceOp));
+}
+
+void qkv_norm_rope_inplace_cuda(Tensor qkv, int64_t num_heads_q, int64_t num_heads_k,
+                                int64_t num_heads_v, int64_t head_dim, Tensor q_weight,
+                                Tensor k_weight, Tensor positions, Tensor cos_sin_cache,
+                                double eps, bool unit_offset, bool interleaved,
+                                std::optional<std::vector<int64_t>> mrope_section,
+                                bool mrope_interleaved) {
+  const auto [q, k] = qkv_views(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim);
+  qk_norm_rope_inplace_host(q, k, &qkv, nullptr, q_weight, k_weight, positions, cos_sin_cache,
+                            eps, unit_offset, interleaved,
+                            mrope_section ? &*mrope_section : nullptr, mrope_interleaved,
+                            kQkvNormOp, NormLaunch(qkv, kQkvNormOp));
+}
+
+}  // namespace
+}  // namespace rope::gpu
+
+STABLE_TORCH_LIBRARY_IMPL(rope, CUDA, m) {
+  rope::impl_routed(m, rope::kQkNormRope, TORCH_BOX(&rope::gpu::qk_norm_rope_cuda));
+  rope::impl_routed(m, rope::kQkNormRopeInplace, TORCH_BOX(&rope::gpu::qk_norm_rope_inplace_cuda));
+  rope::impl_routed(m, rope::kQkvNormRopeInplace, TORCH_BOX(&rope::gpu::qkv_norm_rope_inplace_cuda));
+}

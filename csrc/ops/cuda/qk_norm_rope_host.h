@@ -1,0 +1,139 @@
+// Host side of the fused QK-RMSNorm + RoPE CUDA ops, shared by the kernels (qk_norm_rope.cu) and
+// the CPU simulator (tests/sim/qk_norm_sim.cpp): checks (../qk_norm_checks.h), positions read
+// once, table and weight casts, the launch plan and the dtype dispatch. A `Runner` launches the
+// kernel instantiation it is given, or simulates it. Positions are range-checked on the device.
+#pragma once
+
+#include <algorithm>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "../qk_norm_checks.h"
+#include "qk_norm_rope_thread.h"
+#include "rope_cuda_host.h"
+
+namespace rope::gpu {
+
+constexpr int64_t kNormThreadsPerBlock = 128;
+
+// A weight in the arithmetic type (a cast only when it has another dtype).
+inline Tensor norm_weight_for(const Tensor& w, ScalarType x_type) {
+  const ScalarType acc = x_type == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
+  if (w.scalar_type() == acc) return w;
+  return torch::stable::to(w, std::optional<ScalarType>(acc));
+}
+
+struct NormRopeTensors {
+  const void* src[2] = {nullptr, nullptr};
+  void* dst[2] = {nullptr, nullptr};
+  const Tensor* w[2] = {nullptr, nullptr};
+  const void* cos = nullptr;
+  const void* sin = nullptr;
+  const void* pos = nullptr;
+  ScalarType table_type = ScalarType::Float;
+};
+
+template <class Runner>
+void run_norm_rope(const RotateGeometry& g, const NormRopeTensors& t, double eps,
+                   bool unit_offset, ScalarType x_type, Runner&& run, int64_t max_blocks) {
+  const int64_t heads = g.target[0].heads + (g.targets > 1 ? g.target[1].heads : 0);
+  if (g.tokens == 0 || g.head_dim == 0 || heads == 0) return;
+  dispatch_types(x_type, t.table_type, [&](auto x0, auto tab0) {
+    using x_t = decltype(x0);
+    using tab_t = decltype(tab0);
+    using acc_t = opmath_t<x_t>;
+    NormRopeArgs<x_t, tab_t> a{};
+    for (int k = 0; k < g.targets; ++k) {
+      a.src[k] = static_cast<const x_t*>(t.src[k]);
+      a.dst[k] = static_cast<x_t*>(t.dst[k]);
+      a.w[k] = static_cast<const acc_t*>(t.w[k]->const_data_ptr());
+      a.norm.w_stride[k] = t.w[k]->stride(0);
+    }
+    a.norm.eps = eps;
+    a.norm.unit_offset = unit_offset;
+    a.cos = static_cast<const tab_t*>(t.cos);
+    a.sin = static_cast<const tab_t*>(t.sin);
+    a.pos = t.pos;
+    a.g = g;
+    a.rows = g.tokens * heads;  // the rows of the operands: fits
+    const void* src[2] = {a.src[0], a.src[1]};
+    const void* dst[2] = {a.dst[0], a.dst[1]};
+    a.vec = vectorizable<x_t>(g, src, dst, true) && (g.interleaved || g.half % kWidth<x_t> == 0);
+    LaunchPlan p;
+    p.vec = a.vec;
+    p.block = {static_cast<unsigned>(kNormThreadsPerBlock), 1, 1};
+    p.grid = {static_cast<unsigned>(std::min(ceil_div(a.rows, kNormThreadsPerBlock), max_blocks)),
+              1, 1};
+    p.idx32 = g.tokens <= static_cast<int64_t>(UINT32_MAX);
+    a.idx32 = p.idx32;
+    g.interleaved ? run(p, a, Bool<true>{}) : run(p, a, Bool<false>{});
+  });
+}
+
+template <class Runner>
+std::tuple<Tensor, Tensor> qk_norm_rope_host(const Tensor& query, const Tensor& key,
+                                             const Tensor& q_weight, const Tensor& k_weight,
+                                             const Tensor& cos_in, const Tensor& sin_in,
+                                             double eps, bool unit_offset, bool interleaved,
+                                             Runner&& run, int64_t max_blocks = kMaxBlocks) {
+  auto geoms = check_qk_norm_rope(query, key, q_weight, k_weight, cos_in, sin_in, eps, interleaved);
+  const ScalarType xt = query.scalar_type();
+  const Tensor cos = table_for(cos_in, xt), sin = table_for(sin_in, xt);
+  if (cos.get() != cos_in.get() || sin.get() != sin_in.get()) {
+    geoms = check_qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps, interleaved);
+  }
+  const Tensor wq = norm_weight_for(q_weight, xt), wk = norm_weight_for(k_weight, xt);
+  Tensor oq = torch::stable::new_empty(query, query.sizes());
+  Tensor ok = torch::stable::new_empty(key, key.sizes());
+  const RotateGeometry* gs[2] = {&geoms.first, &geoms.second};
+  const Tensor* in[2] = {&query, &key};
+  Tensor* out[2] = {&oq, &ok};
+  const Tensor* ws[2] = {&wq, &wk};
+  for (int i = 0; i < 2; ++i) {
+    NormRopeTensors t;
+    t.src[0] = in[i]->const_data_ptr();
+    t.dst[0] = out[i]->mutable_data_ptr();
+    t.w[0] = t.w[1] = ws[i];
+    t.cos = cos.const_data_ptr();
+    t.sin = sin.const_data_ptr();
+    t.table_type = cos.scalar_type();
+    run_norm_rope(*gs[i], t, eps, unit_offset, xt, run, max_blocks);
+  }
+  return {oq, ok};
+}
+
+// rope.qk_norm_rope_ (written1 = &key) and rope.qkv_norm_rope_ (query/key: views of written0 =
+// &qkv, written1 = nullptr).
+template <class Runner>
+void qk_norm_rope_inplace_host(const Tensor& query, const Tensor& key, const Tensor* written0,
+                               const Tensor* written1, const Tensor& q_weight,
+                               const Tensor& k_weight, const Tensor& positions_in,
+                               const Tensor& cache_in, double eps, bool unit_offset,
+                               bool interleaved, const std::vector<int64_t>* section,
+                               bool mrope_interleaved, const char* op, Runner&& run,
+                               int64_t max_blocks = kMaxBlocks) {
+  Tensor positions = positions_in;
+  auto check = [&](const Tensor& cache) {
+    return check_qk_norm_rope_inplace(query, key, q_weight, k_weight, positions, cache, eps,
+                                      interleaved, section, mrope_interleaved, op);
+  };
+  RotateGeometry g = check(cache_in);
+  positions = positions_read_once(positions, {written0, written1});
+  const Tensor cache = table_for(cache_in, query.scalar_type());
+  if (positions.get() != positions_in.get() || cache.get() != cache_in.get()) g = check(cache);
+  const ScalarType xt = query.scalar_type();
+  const Tensor wq = norm_weight_for(q_weight, xt), wk = norm_weight_for(k_weight, xt);
+  NormRopeTensors t;
+  t.src[0] = t.dst[0] = query.mutable_data_ptr();
+  t.src[1] = t.dst[1] = key.mutable_data_ptr();
+  t.w[0] = &wq;
+  t.w[1] = &wk;
+  t.cos = cache.const_data_ptr();
+  t.sin = sin_of_cache(cache, g);
+  t.pos = positions.const_data_ptr();
+  t.table_type = cache.scalar_type();
+  run_norm_rope(g, t, eps, unit_offset, xt, run, max_blocks);
+}
+
+}  // namespace rope::gpu

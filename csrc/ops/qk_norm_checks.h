@@ -1,0 +1,117 @@
+// Argument checks of the fused QK-RMSNorm + RoPE ops (rope.qk_norm_rope, rope.qk_norm_rope_,
+// rope.qkv_norm_rope_), shared by every device: the rotation's part is checks.h's
+// (check_apply / check_positions_op), the norm's part is here. rope_ext/_qk_norm_checks.py
+// mirrors it message for message, in the same order.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "checks.h"
+#include "qk_norm_geometry.h"
+
+namespace rope {
+
+constexpr const char* kQkNormOp = "rope.qk_norm_rope";
+constexpr const char* kQkNormInplaceOp = "rope.qk_norm_rope_";
+constexpr const char* kQkvNormOp = "rope.qkv_norm_rope_";
+
+// Spelled as Python's format(eps, "g") (a stream's default), so messages match the Python paths.
+inline void check_eps(double eps, const char* op) {
+  ROPE_CHECK(std::isfinite(eps) && eps >= 0, op, ": eps must be a finite number >= 0, got ", eps);
+}
+
+inline void check_norm_weights(const Tensor& q_weight, const Tensor& k_weight, int64_t head_dim,
+                               const Meta& ref, const char* ref_name, const char* op) {
+  const std::pair<const char*, const Tensor*> ws[] = {{"q_weight", &q_weight},
+                                                      {"k_weight", &k_weight}};
+  for (const auto& [name, t] : ws) {
+    const Meta w(*t);
+    check_same_device(ref, ref_name, w, op, name);
+    check_float(w, op, name);
+    ROPE_CHECK(w.dim == 1 && w.sizes[0] == head_dim, op, ": ", name,
+               " must have shape (head_dim,) = (", head_dim, ",), got ", shape_str(w));
+  }
+}
+
+// rope.qk_norm_rope: query (..., Hq, D) and key (..., Hk, D) of one dtype and number of dims;
+// cos/sin broadcast to each as rope.apply takes them. One geometry per tensor (each may
+// broadcast the tables differently), both writing fresh contiguous outputs.
+inline std::pair<RotateGeometry, RotateGeometry> check_qk_norm_rope(
+    const Tensor& query, const Tensor& key, const Tensor& q_weight, const Tensor& k_weight,
+    const Tensor& cos, const Tensor& sin, double eps, bool interleaved) {
+  const char* op = kQkNormOp;
+  RotateGeometry gq = check_apply(query, cos, sin, interleaved, false, op, "query");
+  RotateGeometry gk = check_apply(key, cos, sin, interleaved, false, op, "key");
+  const Meta q(query), k(key);
+  ROPE_CHECK(q.dim >= 2, op, ": query must have shape (..., num_heads, head_dim), got ",
+             shape_str(q));
+  ROPE_CHECK(k.dtype == q.dtype, op, ": key must have the dtype of query (", dtype_str(q.dtype),
+             "), got ", dtype_str(k.dtype));
+  ROPE_CHECK(k.dim == q.dim && k.size(-1) == q.size(-1), op,
+             ": key must have shape (..., num_kv_heads, head_dim) with the number of dims and "
+             "head_dim of query ",
+             shape_str(q), ", got ", shape_str(k));
+  check_norm_weights(q_weight, k_weight, q.size(-1), q, "query", op);
+  check_eps(eps, op);
+  return {gq, gk};
+}
+
+// rope.qk_norm_rope_ (and the packed op on its views): check_positions_op in place on query and
+// key with the cos_sin_cache (and MRoPE sections), then the norm's arguments.
+inline RotateGeometry check_qk_norm_rope_inplace(const Tensor& query, const Tensor& key,
+                                                 const Tensor& q_weight, const Tensor& k_weight,
+                                                 const Tensor& positions, const Tensor& cache,
+                                                 double eps, bool interleaved,
+                                                 const std::vector<int64_t>* section,
+                                                 bool mrope_interleaved, const char* op) {
+  const RotateGeometry g = check_positions_op(
+      query, std::optional<Tensor>(key), positions,
+      TableArgs{&cache, nullptr, nullptr, section, mrope_interleaved}, interleaved, false, true,
+      op, "query");
+  check_norm_weights(q_weight, k_weight, g.head_dim, Meta(query), "query", op);
+  check_eps(eps, op);
+  return g;
+}
+
+inline int64_t check_count(int64_t v, const char* op, const char* name) {
+  ROPE_CHECK(v >= 0, op, ": ", name, " must be an int >= 0, got ", v);
+  return v;
+}
+
+// rope.qkv_norm_rope_: qkv (num_tokens, (Hq + Hk + Hv) * head_dim); returns the views of its q
+// and k columns, (T, Hq, D) and (T, Hk, D). No size product can overflow: each factor is
+// compared against qkv's width (a real tensor's size) before the products are formed.
+inline std::pair<Tensor, Tensor> qkv_views(const Tensor& qkv, int64_t hq, int64_t hk, int64_t hv,
+                                           int64_t head_dim) {
+  const char* op = kQkvNormOp;
+  check_count(hq, op, "num_heads_q");
+  check_count(hk, op, "num_heads_k");
+  check_count(hv, op, "num_heads_v");
+  check_count(head_dim, op, "head_dim");
+  ROPE_CHECK(head_dim != 0, op, ": head_dim must be >= 1, got 0");
+  const Meta m(qkv);
+  check_float(m, op, "qkv");
+  ROPE_CHECK(m.dim == 2, op,
+             ": qkv must have shape (num_tokens, (num_heads_q + num_heads_k + num_heads_v) * "
+             "head_dim), got ",
+             shape_str(m));
+  int64_t heads = 0, width = 0;
+  const bool fits = add_fits(hq, hk, heads) && add_fits(heads, hv, heads) &&
+                    mul_fits(heads, head_dim, width);
+  ROPE_CHECK(fits && width == m.sizes[1], op, ": qkv.size(1) = ", m.sizes[1],
+             " must be (num_heads_q + num_heads_k + num_heads_v) * head_dim = (", hq, " + ", hk,
+             " + ", hv, ") * ", head_dim, " = ",
+             fits ? std::to_string(width) : std::string("more than 2^63"));
+  const int64_t tokens = m.sizes[0];
+  Tensor base = qkv;  // narrow takes a non-const reference; this is a handle copy
+  Tensor q = torch::stable::narrow(base, 1, 0, hq * head_dim);
+  Tensor k = torch::stable::narrow(base, 1, hq * head_dim, hk * head_dim);
+  const std::vector<int64_t> qs{tokens, hq, head_dim}, ks{tokens, hk, head_dim};
+  return {torch::stable::view(q, qs), torch::stable::view(k, ks)};
+}
+
+}  // namespace rope

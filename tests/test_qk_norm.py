@@ -1,0 +1,521 @@
+"""Fused QK-RMSNorm + RoPE (rope.qk_norm_rope, rope.qk_norm_rope_, rope.qkv_norm_rope_): results
+against an independent float64 computation, the native and reference paths against each other,
+gradients (gradcheck, and equal to the unfused eager computation's), errors (same on both
+paths, nothing written), opcheck and torch.compile."""
+
+import pytest
+import torch
+
+import rope_ext
+from rope_ext import _qk_norm_reference as reference
+from rope_ext.qk_norm import qk_norm_rope, qk_norm_rope_, qkv_norm_rope_
+
+from conftest import native_cpu, poison_like
+from tolerances import DTYPES, TOL
+
+ops = torch.ops.rope
+# float32 norms sum head_dim squares: a few float32 roundings more than a rotation alone.
+TOLS = {**TOL, torch.float32: (1e-5, 1e-5)}
+
+
+def close(actual, expected, dtype):
+    rtol, atol = TOLS[dtype]
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=atol)
+
+
+def oracle(x, w, cos, sin, eps, unit_offset, interleaved):
+    """float64: x / sqrt(mean(x^2) + eps) * w (or 1 + w), then the first 2 * cos.size(-1) dims
+    rotated by (cos, sin) (..., rotary_dim/2, broadcast)."""
+    x = x.double()
+    w = w.double() + (1.0 if unit_offset else 0.0)
+    y = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+    half = cos.shape[-1]
+    c, s = cos.double(), sin.double()
+    ia = torch.arange(half) * 2 if interleaved else torch.arange(half)
+    ib = ia + 1 if interleaved else ia + half
+    a, b = y[..., ia], y[..., ib]
+    out = y.clone()
+    out[..., ia] = a * c - b * s
+    out[..., ib] = b * c + a * s
+    return out
+
+
+def gathered(cache, positions, section=None, mrope_interleaved=False):
+    """cos/sin rows (..., 1, rotary_dim/2) each token of a positions-indexed op reads."""
+    cos, sin = rope_ext.reference.cache_halves(cache)
+    return rope_ext.reference.gather_tables(positions, cos, sin, section, mrope_interleaved)
+
+
+def hf_tables(batch, seq, rotary_dim, interleaved, dtype=torch.float32):
+    """transformers' rotary embedding output: (batch, seq, rotary_dim), each angle twice."""
+    inv = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    pos = torch.randint(0, 100, (batch, seq)).double()
+    f = pos[..., None] * inv
+    emb = f.repeat_interleave(2, -1) if interleaved else torch.cat((f, f), -1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+# ---- out of place ----
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary_dim", [32, 16, 2])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_out_of_place_hf_layout(dtype, interleaved, rotary_dim, unit_offset):
+    B, S, Hq, Hk, D = 2, 7, 4, 2, 32
+    q = torch.randn(B, S, Hq * D, dtype=dtype).view(B, S, Hq, D)
+    k = torch.randn(B, S, Hk, D, dtype=dtype)
+    wq, wk = torch.randn(D, dtype=dtype), torch.randn(D, dtype=torch.float32)
+    cos, sin = hf_tables(B, S, rotary_dim, interleaved)
+    oq, ok = qk_norm_rope(q, k, wq, wk, cos, sin, eps=1e-6, unit_offset=unit_offset,
+                          interleaved=interleaved)
+    h = rotary_dim // 2
+    c = (cos[..., ::2] if interleaved else cos[..., :h])[:, :, None]
+    s = (sin[..., ::2] if interleaved else sin[..., :h])[:, :, None]
+    assert oq.dtype == dtype and oq.shape == q.shape and ok.shape == k.shape
+    close(oq, oracle(q, wq, c, s, 1e-6, unit_offset, interleaved), dtype)
+    close(ok, oracle(k, wk, c, s, 1e-6, unit_offset, interleaved), dtype)
+
+
+def test_out_of_place_head_first_half_tables_and_strides():
+    B, S, H, D = 2, 6, 3, 16
+    base = torch.randn(B, S, H, D)
+    q = base.transpose(1, 2)  # (B, H, S, D), not contiguous
+    k = torch.randn(B, S, 1, 2 * D)[..., ::2].transpose(1, 2)  # strided along head_dim too
+    wq, wk = torch.randn(D), torch.randn(D)
+    cos, sin = hf_tables(B, S, D, False)
+    oq, ok = qk_norm_rope(q, k, wq, wk, cos, sin, eps=1e-5, head_first=True)
+    c, s = cos[:, None, :, : D // 2], sin[:, None, :, : D // 2]
+    close(oq, oracle(q, wq, c, s, 1e-5, False, False), torch.float32)
+    close(ok, oracle(k, wk, c, s, 1e-5, False, False), torch.float32)
+    # half-width tables as rope.apply takes them give the same
+    hq, hk = qk_norm_rope(q, k, wq, wk, c, s, eps=1e-5, table_width="half")
+    torch.testing.assert_close(hq, oq, rtol=0, atol=0)
+    torch.testing.assert_close(hk, ok, rtol=0, atol=0)
+    # (seq, rotary_dim) tables shared by the batch
+    oq2, _ = qk_norm_rope(q[:1], k[:1], wq, wk, cos[0], sin[0], eps=1e-5, head_first=True)
+    torch.testing.assert_close(oq2, oq[:1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_native_equals_reference_out_of_place(dtype, table_dtype):
+    q, k = torch.randn(3, 5, 4, 24, dtype=dtype), torch.randn(3, 5, 2, 24, dtype=dtype)
+    wq, wk = torch.randn(24, dtype=torch.bfloat16), torch.randn(24, dtype=torch.float64)
+    cos, sin = torch.randn(3, 5, 1, 8, dtype=table_dtype), torch.randn(3, 5, 1, 8, dtype=table_dtype)
+    for interleaved in (False, True):
+        a = ops.qk_norm_rope(q, k, wq, wk, cos, sin, 1e-4, True, interleaved)
+        b = reference.qk_norm_rope(q, k, wq, wk, cos, sin, 1e-4, True, interleaved)
+        # the sums of squares are added in another order: equal up to float rounding
+        for x, y in zip(a, b):
+            close(x, y, dtype)
+
+
+def test_empty_and_single_row():
+    for shape in ((0, 3, 16), (1, 1, 16), (4, 0, 16)):
+        q, k = torch.randn(*shape), torch.randn(*shape)
+        cos, sin = torch.randn(shape[0], 1, 4), torch.randn(shape[0], 1, 4)
+        oq, ok = ops.qk_norm_rope(q, k, torch.ones(16), torch.ones(16), cos, sin, 1e-6)
+        close(oq, oracle(q, torch.ones(16), cos, sin, 1e-6, False, False), torch.float32)
+
+
+# ---- in place ----
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary_dim", [64, 32, 6])
+def test_packed_qkv_in_place(dtype, interleaved, rotary_dim):
+    T, Hq, Hk, Hv, D = 9, 4, 2, 2, 64
+    qkv = torch.randn(T, (Hq + Hk + Hv) * D, dtype=dtype)
+    before = qkv.clone()
+    wq, wk = torch.randn(D, dtype=dtype), torch.randn(D, dtype=dtype)
+    cache = torch.randn(50, rotary_dim, dtype=torch.float32)
+    pos = torch.randint(0, 50, (T,), dtype=torch.int32)
+    qkv_norm_rope_(qkv, Hq, Hk, Hv, D, wq, wk, pos, cache, eps=1e-6, interleaved=interleaved)
+    c, s = gathered(cache, pos)
+    q0 = before[:, : Hq * D].view(T, Hq, D)
+    k0 = before[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
+    close(qkv[:, : Hq * D].view(T, Hq, D), oracle(q0, wq, c, s, 1e-6, False, interleaved), dtype)
+    close(qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D),
+          oracle(k0, wk, c, s, 1e-6, False, interleaved), dtype)
+    assert torch.equal(qkv[:, (Hq + Hk) * D :], before[:, (Hq + Hk) * D :])  # V untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("section,mrope_interleaved", [(None, False), ([2, 3, 3], False),
+                                                        ([3, 3, 2], True)])
+def test_separate_in_place_mrope_and_layouts(dtype, section, mrope_interleaved):
+    B, S, Hq, Hk, D = 2, 5, 3, 2, 32
+    q = torch.randn(B, S, Hq, D, dtype=dtype)
+    k = torch.randn(B, S, 2 * Hk, D, dtype=dtype)[:, :, ::2]  # strided heads
+    q0, k0 = q.clone(), k.clone()
+    wq, wk = torch.randn(D), torch.randn(D)
+    cache = torch.randn(40, 16, dtype=torch.bfloat16)
+    pos = torch.randint(0, 40, (B, S) if section is None else (3, B, S))
+    qk_norm_rope_(q, k, wq, wk, pos, cache, eps=1e-5, unit_offset=True, mrope_section=section,
+                  mrope_interleaved=mrope_interleaved)
+    c, s = gathered(cache, pos, section, mrope_interleaved)
+    close(q, oracle(q0, wq, c, s, 1e-5, True, False), dtype)
+    close(k, oracle(k0, wk, c, s, 1e-5, True, False), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_equals_reference_in_place(dtype):
+    T, D = 6, 48
+    q, k = torch.randn(T, 4, D, dtype=dtype), torch.randn(T, 2, D, dtype=dtype)
+    wq, wk = torch.randn(D), torch.randn(D, dtype=torch.float16)
+    cache = torch.randn(20, 32, dtype=torch.float64)
+    pos = torch.randint(0, 20, (T,))
+    for interleaved in (False, True):
+        a = (q.clone(), k.clone())
+        b = (q.clone(), k.clone())
+        ops.qk_norm_rope_(*a, wq, wk, pos, cache, 1e-6, False, interleaved)
+        reference.qk_norm_rope_(*b, wq, wk, pos, cache, 1e-6, False, interleaved)
+        for x, y in zip(a, b):
+            close(x, y, dtype)
+
+
+def test_positions_sharing_memory_with_qkv_are_read_before_written():
+    T, D = 4, 16
+    qkv = torch.randn(T, 3 * D)
+    cache = torch.randn(8, 16)
+    pos_src = torch.tensor([1, 3, 0, 7])
+    # positions stored (as float bits) in the V columns, which the op does not write anyway;
+    # the op must still give the results of an independent copy.
+    expect = qkv.clone()
+    qkv_norm_rope_(expect, 1, 1, 1, D, torch.ones(D), torch.ones(D), pos_src, cache)
+    qkv_norm_rope_(qkv, 1, 1, 1, D, torch.ones(D), torch.ones(D), pos_src.clone(), cache)
+    torch.testing.assert_close(qkv, expect, rtol=0, atol=0)
+
+
+# ---- autograd ----
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_gradcheck(interleaved, unit_offset):
+    d = dict(dtype=torch.float64, requires_grad=True)
+    q, k = torch.randn(2, 3, 2, 8, **d), torch.randn(2, 3, 1, 8, **d)
+    wq, wk = torch.randn(8, **d), torch.randn(8, **d)
+    cos, sin = torch.randn(1, 3, 1, 3, **d), torch.randn(1, 3, 1, 3, **d)
+
+    def f(q, k, wq, wk, cos, sin):
+        return ops.qk_norm_rope(q, k, wq, wk, cos, sin, 1e-3, unit_offset, interleaved)
+
+    assert torch.autograd.gradcheck(f, (q, k, wq, wk, cos, sin))
+
+
+def _eager(q, k, wq, wk, cos, sin, eps):
+    """The unfused computation as transformers writes it (Qwen3: RMSNorm in float32, RoPE with
+    rotate_half on full-width tables)."""
+    def norm(x, w):
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    def rot(x):
+        a, b = x.chunk(2, -1)
+        return torch.cat((-b, a), -1)
+
+    c, s = cos.unsqueeze(2), sin.unsqueeze(2)
+    qn, kn = norm(q, wq), norm(k, wk)
+    return qn * c + rot(qn) * s, kn * c + rot(kn) * s
+
+
+def test_gradients_equal_unfused_eager():
+    B, S, D = 2, 5, 16
+    q = torch.randn(B, S, 4, D, requires_grad=True)
+    k = torch.randn(B, S, 2, D, requires_grad=True)
+    wq = torch.randn(D, requires_grad=True)
+    wk = torch.randn(D, requires_grad=True)
+    cos, sin = hf_tables(B, S, D, False)
+    gq, gk = torch.randn(B, S, 4, D), torch.randn(B, S, 2, D)
+    fused = qk_norm_rope(q, k, wq, wk, cos, sin, eps=1e-6)
+    eager = _eager(q, k, wq, wk, cos, sin, 1e-6)
+    for a, b in zip(fused, eager):
+        close(a, b, torch.float32)
+    ga = torch.autograd.grad(fused, (q, k, wq, wk), (gq, gk))
+    gb = torch.autograd.grad(eager, (q, k, wq, wk), (gq, gk))
+    for a, b in zip(ga, gb):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_in_place_ops_refuse_grad():
+    q = torch.randn(3, 2, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="rope.qk_norm_rope_: a serving op, not differentiable"):
+        qk_norm_rope_(q, torch.randn(3, 1, 8), torch.ones(8), torch.ones(8),
+                      torch.zeros(3, dtype=torch.long), torch.randn(4, 8))
+    with torch.no_grad():
+        qk_norm_rope_(q, torch.randn(3, 1, 8), torch.ones(8), torch.ones(8),
+                      torch.zeros(3, dtype=torch.long), torch.randn(4, 8))
+
+
+# ---- errors: clear, the same on both paths, nothing written ----
+
+def _packed_args():
+    T, D = 5, 16
+    return dict(qkv=torch.randn(T, 4 * D), hq=2, hk=1, hv=1, d=D, wq=torch.randn(D),
+                wk=torch.randn(D), pos=torch.randint(0, 10, (T,)), cache=torch.randn(10, 16),
+                eps=1e-6)
+
+
+PACKED_CASES = [
+    ("width", dict(hq=3), r"rope.qkv_norm_rope_: qkv.size\(1\) = 64 must be \(num_heads_q \+ "
+                          r"num_heads_k \+ num_heads_v\) \* head_dim = \(3 \+ 1 \+ 1\) \* 16 = 80"),
+    ("negative_heads", dict(hv=-1), r"num_heads_v must be an int >= 0, got -1"),
+    ("qkv_dims", dict(qkv=torch.randn(5, 1, 64)), r"qkv must have shape \(num_tokens, "),
+    ("int_qkv", dict(qkv=torch.zeros(5, 64, dtype=torch.long)), r"qkv must be float16"),
+    ("weight_shape", dict(wq=torch.randn(8)), r"q_weight must have shape \(head_dim,\) = \(16,\), got \[8\]"),
+    ("weight_dtype", dict(wk=torch.ones(16, dtype=torch.int32)), r"k_weight must be float16, bfloat16, float32 or float64, got Int"),
+    ("rotary_odd", dict(cache=torch.randn(10, 7)), r"rotary_dim = cos_sin_cache.size\(1\) = 7 must be even and <= head_dim = 16"),
+    ("rotary_big", dict(cache=torch.randn(10, 18)), r"rotary_dim = cos_sin_cache.size\(1\) = 18 must be even"),
+    ("pos_range", dict(pos=torch.tensor([0, 1, 10, 2, 3])), r"positions must lie in \[0, 10\) .* got 10 at flat index 2"),
+    ("pos_negative", dict(pos=torch.tensor([0, -1, 1, 2, 3])), r"positions must lie in \[0, 10\)"),
+    ("pos_length", dict(pos=torch.zeros(4, dtype=torch.long)), r"positions must have shape query.shape\[:-2\]"),
+    ("pos_dtype", dict(pos=torch.zeros(5)), r"positions must be int32 or int64, got Float"),
+    ("eps_negative", dict(eps=-1.0), r"eps must be a finite number >= 0, got -1"),
+    ("eps_nan", dict(eps=float("nan")), r"eps must be a finite number >= 0, got nan"),
+]
+
+
+def _run_packed(fn, a):
+    fn(a["qkv"], a["hq"], a["hk"], a["hv"], a["d"], a["wq"], a["wk"], a["pos"], a["cache"], a["eps"])
+
+
+@pytest.mark.parametrize("path", ["native", "reference"])
+@pytest.mark.parametrize("case,change,match", PACKED_CASES, ids=[c[0] for c in PACKED_CASES])
+def test_packed_errors(path, case, change, match):
+    if path == "native" and not native_cpu():
+        pytest.skip("no native CPU library")
+    a = dict(_packed_args(), **change)
+    before = a["qkv"].clone()
+    fn = ops.qkv_norm_rope_ if path == "native" else reference.qkv_norm_rope_
+    with pytest.raises(RuntimeError, match=match):
+        _run_packed(fn, a)
+    assert torch.equal(a["qkv"], before)
+
+
+def test_native_and_reference_messages_agree():
+    if not native_cpu():
+        pytest.skip("no native CPU library")
+    for _, change, _ in PACKED_CASES:
+        msgs = []
+        for fn in (ops.qkv_norm_rope_, reference.qkv_norm_rope_):
+            with pytest.raises(RuntimeError) as e:
+                _run_packed(fn, dict(_packed_args(), **change))
+            msgs.append(str(e.value))
+        assert msgs[0] == msgs[1]
+    q, k = torch.randn(2, 3, 2, 8), torch.randn(2, 3, 1, 8)
+    bad = [
+        dict(k=k.double()), dict(k=torch.randn(2, 3, 1, 6)), dict(wq=torch.randn(2, 8)),
+        dict(cos=torch.randn(2, 3, 1, 5)), dict(sin=torch.randn(2, 3, 1, 3)), dict(eps=-0.5),
+        dict(q=torch.randn(8)),
+    ]
+    for change in bad:
+        a = dict(q=q, k=k, wq=torch.randn(8), wk=torch.randn(8), cos=torch.randn(2, 3, 1, 2),
+                 sin=torch.randn(2, 3, 1, 2), eps=1e-6)
+        a.update(change)
+        msgs = []
+        for fn in (ops.qk_norm_rope, reference.qk_norm_rope):
+            with pytest.raises(RuntimeError) as e:
+                fn(a["q"], a["k"], a["wq"], a["wk"], a["cos"], a["sin"], a["eps"])
+            msgs.append(str(e.value))
+        assert msgs[0] == msgs[1], change
+
+
+def test_in_place_error_writes_nothing():
+    q, k = torch.randn(4, 2, 16), torch.randn(4, 1, 16)
+    q0, k0 = q.clone(), k.clone()
+    with pytest.raises(RuntimeError, match="positions must lie in"):
+        qk_norm_rope_(q, k, torch.ones(16), torch.ones(16), torch.tensor([0, 1, 2, 99]),
+                      torch.randn(10, 16))
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+    with pytest.raises(RuntimeError, match="mrope_section"):
+        qk_norm_rope_(q, k, torch.ones(16), torch.ones(16), torch.zeros(3, 4, dtype=torch.long),
+                      torch.randn(10, 16), mrope_section=[2, 2, 2])
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+
+
+# ---- opcheck, torch.compile ----
+
+def _opcheck_samples():
+    q, k = torch.randn(7, 4, 16), torch.randn(7, 2, 16)
+    pos = torch.randint(0, 20, (7,), dtype=torch.int32)
+    cache = torch.randn(20, 12)
+    w = torch.randn(16)
+    d = dict(dtype=torch.float64, requires_grad=True)
+    return [
+        (ops.qk_norm_rope.default, (torch.randn(2, 5, 3, 16), torch.randn(2, 5, 1, 16), w, w,
+                                    torch.randn(2, 5, 1, 6), torch.randn(2, 5, 1, 6), 1e-6)),
+        (ops.qk_norm_rope.default, (torch.randn(2, 3, 2, 8, **d), torch.randn(2, 3, 1, 8, **d),
+                                    torch.randn(8, **d), torch.randn(8, **d),
+                                    torch.randn(2, 3, 1, 4, **d), torch.randn(2, 3, 1, 4, **d),
+                                    1e-5, True, True)),
+        (ops.qk_norm_rope_.default, (q.clone(), k.clone(), w, w, pos, cache, 1e-6, False, True)),
+        (ops.qk_norm_rope_.default, (q.clone(), k.clone(), w, w, torch.randint(0, 20, (3, 7)),
+                                     cache, 1e-6, True, False, [2, 2, 2], True)),
+        (ops.qkv_norm_rope_.default, (torch.randn(7, 8 * 16), 4, 2, 2, 16, w, w, pos, cache,
+                                      1e-6)),
+    ]
+
+
+@pytest.mark.parametrize("i", range(5))
+def test_opcheck(i):
+    op, args = _opcheck_samples()[i]
+    torch.library.opcheck(op, args)
+
+
+def test_torch_compile_fullgraph():
+    torch._dynamo.reset()
+    D = 16
+    wq, wk = torch.randn(D), torch.randn(D)
+    cache = torch.randn(32, D)
+
+    def step(qkv, pos, q, k, cos, sin):
+        qkv_norm_rope_(qkv, 2, 1, 1, D, wq, wk, pos, cache)
+        a, b = qk_norm_rope(q, k, wq, wk, cos, sin, eps=1e-6)
+        return a * 2, b
+
+    qkv = torch.randn(5, 4 * D)
+    pos = torch.randint(0, 32, (5,))
+    q, k = torch.randn(1, 5, 2, D), torch.randn(1, 5, 1, D)
+    cos, sin = hf_tables(1, 5, D, False)
+    e_qkv = qkv.clone()
+    expect = step(e_qkv, pos, q, k, cos, sin)
+    got_qkv = qkv.clone()
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(got_qkv, pos, q, k, cos, sin)
+    torch.testing.assert_close(got, expect, rtol=0, atol=0)
+    torch.testing.assert_close(got_qkv, e_qkv, rtol=0, atol=0)
+
+
+def test_torch_compile_backward():
+    torch._dynamo.reset()
+    q = torch.randn(1, 4, 2, 16, requires_grad=True)
+    k = torch.randn(1, 4, 1, 16, requires_grad=True)
+    w = torch.randn(16, requires_grad=True)
+    cos, sin = hf_tables(1, 4, 16, False)
+
+    def f(q, k, w):
+        a, b = qk_norm_rope(q, k, w, w, cos, sin)
+        return (a * a).sum() + (b * 3).sum()
+
+    expect = torch.autograd.grad(f(q, k, w), (q, k, w))
+    got = torch.autograd.grad(torch.compile(f, fullgraph=True)(q, k, w), (q, k, w))
+    torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
+
+
+# ---- drop-ins ----
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("rot_dim", [128, 64])
+def test_vllm_fused_qk_norm_rope(dtype, is_neox, rot_dim):
+    from rope_ext.compat.vllm import fused_qk_norm_rope
+
+    T, Hq, Hk, Hv, D = 6, 4, 2, 2, 128
+    qkv = torch.randn(T, (Hq + Hk + Hv) * D, dtype=dtype)
+    before = qkv.clone()
+    wq, wk = torch.randn(D, dtype=dtype), torch.randn(D, dtype=dtype)
+    cache = torch.randn(64, rot_dim, dtype=torch.float32)
+    pos = torch.randint(0, 64, (T,))
+    assert fused_qk_norm_rope(qkv, Hq, Hk, Hv, D, 1e-6, wq, wk, cache, is_neox, pos, 4) is None
+    c, s = gathered(cache, pos)
+    q0 = before[:, : Hq * D].view(T, Hq, D)
+    k0 = before[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
+    close(qkv[:, : Hq * D].view(T, Hq, D), oracle(q0, wq, c, s, 1e-6, False, not is_neox), dtype)
+    close(qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D),
+          oracle(k0, wk, c, s, 1e-6, False, not is_neox), dtype)
+    assert torch.equal(qkv[:, (Hq + Hk) * D :], before[:, (Hq + Hk) * D :])
+
+
+def test_vllm_fused_qk_norm_rope_bad_input_changes_nothing():
+    from rope_ext.compat.vllm import fused_qk_norm_rope
+
+    qkv = torch.randn(3, 4 * 16)
+    before = qkv.clone()
+    w = torch.ones(16)
+    cases = [
+        ((qkv, 2, 2, 1, 16, 1e-6, w, w, torch.randn(8, 16), True, torch.zeros(3, dtype=torch.long)),
+         "qkv.size\\(1\\) = 64 must be"),
+        ((qkv, 2, 1, 1, 16, 1e-6, w, w, torch.randn(8, 16), True, torch.tensor([0, 8, 1])),
+         "positions must lie in \\[0, 8\\)"),
+        ((qkv, 2, 1, 1, 16, -1e-6, w, w, torch.randn(8, 16), True, torch.zeros(3, dtype=torch.long)),
+         "eps must be a finite number >= 0"),
+        ((qkv, 2, 1, 1, 16, 1e-6, w, torch.ones(15), torch.randn(8, 16), True,
+          torch.zeros(3, dtype=torch.long)), "k_weight must have shape"),
+        ((qkv, 2, 1, 1, 16, 1e-6, w, w, torch.randn(8, 15), True, torch.zeros(3, dtype=torch.long)),
+         "rotary_dim = cos_sin_cache.size\\(1\\) = 15 must be even"),
+    ]
+    for args, match in cases:
+        with pytest.raises(RuntimeError, match=match):
+            fused_qk_norm_rope(*args)
+        assert torch.equal(qkv, before)
+
+
+@pytest.mark.parametrize("factor", [1.0, 4.0])
+@pytest.mark.parametrize("rotary_dim", [None, 32])
+def test_sglang_fused_qk_norm_rope(factor, rotary_dim):
+    from rope_ext.compat.sglang import fused_qk_norm_rope
+
+    T, Hq, Hk, Hv, D = 5, 2, 1, 1, 64
+    qkv = torch.randn(T, (Hq + Hk + Hv) * D, dtype=torch.bfloat16)
+    before = qkv.clone()
+    wq, wk = torch.randn(D, dtype=torch.bfloat16), torch.randn(D, dtype=torch.bfloat16)
+    pos = torch.randint(0, 4000, (T,), dtype=torch.int32)
+    base, low, high, att = 1e6, 3.0, 20.0, 1.2
+    fused_qk_norm_rope(qkv, Hq, Hk, Hv, D, 1e-6, wq, wk, base, True, pos, factor, low, high, att,
+                       rotary_dim)
+    r = D if rotary_dim is None else rotary_dim
+    freqs = []  # SGLang's frequencies, one pair at a time
+    for i in range(r // 2):
+        f = base ** (-2.0 * i / r)
+        if factor != 1.0:
+            ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+            f = (f / factor) * ramp + f * (1.0 - ramp)
+        freqs.append(f)
+    angle = pos.double()[:, None] * torch.tensor(freqs, dtype=torch.float64)
+    c, s = (angle.cos() * att)[:, None], (angle.sin() * att)[:, None]
+    q0 = before[:, : Hq * D].view(T, Hq, D)
+    close(qkv[:, : Hq * D].view(T, Hq, D), oracle(q0, wq, c, s, 1e-6, False, False),
+          torch.bfloat16)
+    assert torch.equal(qkv[:, (Hq + Hk) * D :], before[:, (Hq + Hk) * D :])
+
+
+# ---- every compiled CPU variant, and rows past the kernel's stack buffers ----
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_cpu_variant_agrees_with_the_oracle(dtype):
+    if not native_cpu():
+        pytest.skip("no native CPU library")
+    T, D = 5, 96
+    q, k = torch.randn(T, 3, D, dtype=dtype), torch.randn(T, 2, D, dtype=dtype)
+    wq, wk = torch.randn(D, dtype=torch.bfloat16), torch.randn(D)
+    cache = torch.randn(16, 64)
+    pos = torch.randint(0, 16, (T,))
+    c, s = gathered(cache, pos)
+    before = rope_ext.cpu_isa()
+    try:
+        for isa in ("baseline", "avx2", "avx512", "avx512_bf16"):
+            if rope_ext.set_cpu_isa(isa) != isa:
+                continue  # this CPU lacks it: capped to what it has
+            for interleaved in (False, True):
+                a, b = q.clone(), k.clone()
+                ops.qk_norm_rope_(a, b, wq, wk, pos, cache, 1e-6, True, interleaved)
+                close(a, oracle(q, wq, c, s, 1e-6, True, interleaved), dtype)
+                close(b, oracle(k, wk, c, s, 1e-6, True, interleaved), dtype)
+    finally:
+        rope_ext.set_cpu_isa(before)
+
+
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rows_longer_than_the_stack_buffers(unit_offset, interleaved):
+    T, D, R = 3, 2 * 1024 + 2, 1030  # head_dim past 1024: weights cast by the host; 2 blocks
+    q, k = torch.randn(T, 2, D, dtype=torch.bfloat16), torch.randn(T, 1, D, dtype=torch.bfloat16)
+    q = q.transpose(0, 1).contiguous().transpose(0, 1)  # strided heads
+    wq, wk = torch.randn(D, dtype=torch.bfloat16), torch.randn(2 * D)[::2]
+    cache = torch.randn(8, R)
+    pos = torch.randint(0, 8, (T,))
+    a, b = q.clone(), k.clone()
+    qk_norm_rope_(a, b, wq, wk, pos, cache, unit_offset=unit_offset, interleaved=interleaved)
+    c, s = gathered(cache, pos)
+    close(a, oracle(q, wq, c, s, 1e-6, unit_offset, interleaved), torch.bfloat16)
+    close(b, oracle(k, wk, c, s, 1e-6, unit_offset, interleaved), torch.bfloat16)

@@ -1,0 +1,83 @@
+"""The fused QK-RMSNorm + RoPE CUDA kernels, run by the CPU simulator (tests/sim/qk_norm_sim.cpp)
+over every thread of the grid their host code plans, every access checked: results against the
+float64 oracle, the vector and scalar paths, grid striding, in-place layouts (packed qkv,
+strided heads), MRoPE, and a device-side trap for a position out of range."""
+
+import pytest
+import torch
+
+import qk_norm_sim as sim
+from test_qk_norm import close, gathered, oracle
+from tolerances import DTYPES
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary_dim", [64, 32, 6])
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16])
+def test_packed_in_place(dtype, interleaved, rotary_dim, table_dtype):
+    T, Hq, Hk, Hv, D = 5, 3, 2, 1, 64
+    qkv = torch.randn(T, (Hq + Hk + Hv) * D, dtype=dtype)
+    before = qkv.clone()
+    wq, wk = torch.randn(D, dtype=dtype), torch.randn(D)
+    cache = torch.randn(30, rotary_dim, dtype=table_dtype)
+    pos = torch.randint(0, 30, (T,), dtype=torch.int32)
+    info = sim.qkv_norm_rope_(qkv, Hq, Hk, Hv, D, wq, wk, pos, cache, 1e-6, True, interleaved,
+                              max_blocks=1)  # one block: the grid strides
+    # vector path exactly where every rotary chunk and the tail are whole vectors
+    W = 16 // qkv.element_size()
+    assert bool(info[0]) == (rotary_dim % (W if interleaved else 2 * W) == 0 and D % W == 0)
+    c, s = gathered(cache, pos)
+    q0 = before[:, : Hq * D].view(T, Hq, D)
+    k0 = before[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
+    close(qkv[:, : Hq * D].view(T, Hq, D), oracle(q0, wq, c, s, 1e-6, True, interleaved), dtype)
+    close(qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D),
+          oracle(k0, wk, c, s, 1e-6, True, interleaved), dtype)
+    assert torch.equal(qkv[:, (Hq + Hk) * D :], before[:, (Hq + Hk) * D :])
+
+
+@pytest.mark.parametrize("section,mrope_interleaved", [(None, False), ([2, 3, 3], False),
+                                                        ([3, 3, 2], True)])
+def test_separate_in_place_strided_and_mrope(section, mrope_interleaved):
+    B, S, D = 2, 3, 32
+    q = torch.randn(B, S, 2, D, dtype=torch.bfloat16)
+    k = torch.randn(B, S, 4, D, dtype=torch.bfloat16)[:, :, ::2]
+    q0, k0 = q.clone(), k.clone()
+    wq, wk = torch.randn(D), torch.randn(D)[:, None].expand(D, 2)[:, 0]
+    cache = torch.randn(20, 16)
+    pos = torch.randint(0, 20, (B, S) if section is None else (3, B, S))
+    sim.qk_norm_rope_(q, k, wq, wk, pos, cache, 1e-5, False, False, section, mrope_interleaved)
+    c, s = gathered(cache, pos, section, mrope_interleaved)
+    close(q, oracle(q0, wq, c, s, 1e-5, False, False), torch.bfloat16)
+    close(k, oracle(k0, wk, c, s, 1e-5, False, False), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_out_of_place(dtype):
+    q = torch.randn(2, 4, 3, 48, dtype=dtype)
+    k = torch.randn(2, 4, 1, 96, dtype=dtype)[..., ::2]  # strided along head_dim: scalar path
+    wq, wk = torch.randn(48), torch.randn(48, dtype=dtype)
+    cos, sin = torch.randn(2, 4, 1, 12), torch.randn(2, 4, 1, 12)
+    (oq, ok), info = sim.qk_norm_rope(q, k, wq, wk, cos, sin, 1e-6, False, True, max_blocks=2)
+    close(oq, oracle(q, wq, cos, sin, 1e-6, False, True), dtype)
+    close(ok, oracle(k, wk, cos, sin, 1e-6, False, True), dtype)
+    assert info[2] > 0 and info[3] > 0  # q took the vector path, k the scalar one
+
+
+def test_position_out_of_range_traps():
+    q, k = torch.randn(3, 2, 16), torch.randn(3, 1, 16)
+    with pytest.raises(RuntimeError, match="device-side assert triggered"):
+        sim.qk_norm_rope_(q, k, torch.ones(16), torch.ones(16), torch.tensor([0, 9, 1]),
+                          torch.randn(8, 16), 1e-6)
+
+
+def test_host_checks_are_the_native_ones():
+    qkv = torch.randn(3, 64)
+    with pytest.raises(RuntimeError, match=r"rope.qkv_norm_rope_: qkv.size\(1\) = 64 must be"):
+        sim.qkv_norm_rope_(qkv, 2, 2, 1, 16, torch.ones(16), torch.ones(16),
+                           torch.zeros(3, dtype=torch.long), torch.randn(4, 16), 1e-6)
+    with pytest.raises(RuntimeError, match="eps must be a finite number >= 0, got -1"):
+        sim.qkv_norm_rope_(qkv, 2, 1, 1, 16, torch.ones(16), torch.ones(16),
+                           torch.zeros(3, dtype=torch.long), torch.randn(4, 16), -1.0)

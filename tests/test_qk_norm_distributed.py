@@ -1,0 +1,161 @@
+"""The fused QK-RMSNorm + RoPE ops on DTensors: two gloo processes (CPU) run them on head- and
+token-sharded DTensors, without communication, and compare each rank's shard with the same shard
+of the single-process result; unsupported layouts fail clearly and change nothing. Uses the
+worker machinery of test_distributed.py."""
+
+import os
+import sys
+import traceback
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+import test_distributed as td  # noqa: E402
+from rope_ext.qk_norm import qk_norm_rope, qk_norm_rope_, qkv_norm_rope_  # noqa: E402
+
+CASES = {}
+B, S, T, HQ, HK, D, ROT, MAXPOS = 2, 4, 6, 4, 2, 16, 12, 32
+
+
+def case(fn):
+    CASES[fn.__name__.removeprefix("case_")] = fn
+    return fn
+
+
+def _weights():
+    return torch.randn(D), torch.randn(D)
+
+
+@case
+def case_out_of_place_heads_and_tokens(run):
+    Sh, R = run.S, run.R
+    wq, wk = _weights()
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k = torch.randn(B, S, HQ, D, dtype=dtype), torch.randn(B, S, HK, D, dtype=dtype)
+        cos, sin = torch.randn(B, S, 1, ROT // 2), torch.randn(B, S, 1, ROT // 2)
+        want = qk_norm_rope(q, k, wq, wk, cos, sin, table_width="half")
+        for p, pt in ((Sh(2), R), (Sh(1), Sh(1)), (Sh(1), R), (Sh(0), Sh(0))):
+            got = run.no_comm(qk_norm_rope, run.d(q, p), run.d(k, p), run.d(wq, R),
+                              run.d(wk, R), run.d(cos, pt), run.d(sin, pt), table_width="half")
+            run.expect(got[0], want[0], [p])
+            run.expect(got[1], want[1], [p])
+
+
+@case
+def case_in_place_heads_and_tokens(run):
+    Sh, R = run.S, run.R
+    wq, wk = _weights()
+    cache = torch.randn(MAXPOS, ROT)
+    q, k = torch.randn(T, HQ, D), torch.randn(T, HK, D)
+    pos = torch.randint(0, MAXPOS, (T,))
+    want_q, want_k = q.clone(), k.clone()
+    qk_norm_rope_(want_q, want_k, wq, wk, pos, cache, unit_offset=True)
+    for p, pp in ((Sh(1), R), (Sh(0), Sh(0))):
+        dq, dk = run.d(q, p), run.d(k, p)
+        run.no_comm(qk_norm_rope_, dq, dk, run.d(wq, R), run.d(wk, R), run.d(pos, pp),
+                    run.d(cache, R), unit_offset=True)
+        run.expect(dq, want_q, [p])
+        run.expect(dk, want_k, [p])
+
+
+@case
+def case_packed_tokens(run):
+    Sh, R = run.S, run.R
+    wq, wk = _weights()
+    cache = torch.randn(MAXPOS, ROT)
+    qkv = torch.randn(T, (HQ + 2 * HK) * D)
+    pos = torch.randint(0, MAXPOS, (T,))
+    want = qkv.clone()
+    qkv_norm_rope_(want, HQ, HK, HK, D, wq, wk, pos, cache)
+    dqkv = run.d(qkv, Sh(0))
+    run.no_comm(qkv_norm_rope_, dqkv, HQ, HK, HK, D, run.d(wq, R), run.d(wk, R),
+                run.d(pos, Sh(0)), run.d(cache, R))
+    run.expect(dqkv, want, [Sh(0)])
+
+
+@case
+def case_rejected_layouts(run):
+    Sh, R = run.S, run.R
+    wq, wk = _weights()
+    cache = torch.randn(MAXPOS, ROT)
+    qkv = torch.randn(T, (HQ + 2 * HK) * D)
+    dqkv = run.d(qkv, Sh(1))
+    run.fails(["qkv is Shard(1)", "packed"], qkv_norm_rope_, dqkv, HQ, HK, HK, D, run.d(wq, R),
+              run.d(wk, R), run.d(torch.zeros(T, dtype=torch.long), R), run.d(cache, R))
+    run.unchanged(dqkv, qkv)
+    q, k = torch.randn(T, HQ, D), torch.randn(T, HK, D)
+    dq = run.partial(q)
+    run.fails(["query is Partial('sum')", "not linear"], qk_norm_rope_, dq, run.d(k, R),
+              run.d(wq, R), run.d(wk, R), run.d(torch.zeros(T, dtype=torch.long), R),
+              run.d(cache, R))
+    dq = run.d(q, Sh(2))
+    run.fails([td.HEAD_DIM_SHARDED], qk_norm_rope_, dq, run.d(k, Sh(1)), run.d(wq, R),
+              run.d(wk, R), run.d(torch.zeros(T, dtype=torch.long), R), run.d(cache, R))
+    run.unchanged(dq, q)
+
+
+def _main_worker(out_dir, seed):
+    import datetime
+    import json
+
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
+                            world_size=td.WORLD, timeout=datetime.timedelta(seconds=60))
+    import rope_ext
+    import rope_ext.distributed  # noqa: F401
+    from torch.distributed.tensor import init_device_mesh
+
+    torch.set_num_threads(1)
+    run = td.Run(init_device_mesh("cpu", (td.WORLD,)))
+    results = {"backend": rope_ext.backend("cpu")}
+    for i, name in enumerate(CASES):
+        torch.manual_seed(seed + i)
+        try:
+            CASES[name](run)
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc(limit=-4)
+        dist.barrier()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def _spawn(seed, backend):
+    saved = td.CASES, td.__file__
+    td.CASES = CASES
+    try:
+        # td._spawn runs this file as the worker script: point it here
+        td.__file__ = os.path.abspath(__file__)
+        return td._spawn(seed, backend)
+    finally:
+        td.CASES, td.__file__ = saved
+
+
+@pytest.fixture(scope="module", params=td._backends() if __name__ != "__main__" else [])
+def outcomes(request):
+    seed = int(os.environ.get("ROPE_TEST_SEED", torch.seed() % (2**31)))
+    print(f"ROPE_TEST_SEED={seed}")
+    results, logs = _spawn(seed, request.param)
+    return request.param, results, logs, seed
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_case(outcomes, name):
+    backend, results, logs, seed = outcomes
+    got = results[name]
+    if got != ["ok"] * td.WORLD:
+        detail = "\n".join(f"rank {r}: {o}" for r, o in enumerate(got))
+        if "no result" in got:
+            detail += "\n" + logs
+        pytest.fail(f"{name}, {backend} backend (ROPE_TEST_SEED={seed}):\n{detail}", pytrace=False)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    _main_worker(sys.argv[2], int(sys.argv[3]))
