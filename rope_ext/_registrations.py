@@ -321,3 +321,7 @@ def register():
         lib.impl(name, kernel, "Autograd", with_keyset=True)
     for name in MUTABLE_OPS:
         lib.impl(name, _ad_inplace_or_view_kernel(name), "ADInplaceOrView", with_keyset=True)
+    # ---- RoPE + FP8 quantization ops (rope.quantize_fp8*): rope_ext/_quant_ops.py ----
+    from . import _quant_ops
+
+    _quant_ops.register(lib)

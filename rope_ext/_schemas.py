@@ -37,3 +37,8 @@ SCHEMAS = {
     "set_cpu_isa": "set_cpu_isa(int isa) -> int",
     "set_cpu_stream_threshold": "set_cpu_stream_threshold(int bytes) -> int",
 }
+
+# ---- RoPE + FP8 quantization (FlashInfer's rope_quantize_fp8 family): rope_ext/_quant_schemas.py ----
+from ._quant_schemas import SCHEMAS as _QUANT_SCHEMAS  # noqa: E402
+
+SCHEMAS.update(_QUANT_SCHEMAS)
