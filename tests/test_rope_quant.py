@@ -456,7 +456,8 @@ def sim_info():
 def test_simulated_kernel_quantize(sim, dtype, interleave):
     fmt = torch.float8_e4m3fn if dtype != torch.float32 else torch.float8_e5m2
     for rope_dim, nope, mla, fused, vec in ((64, 128, True, False, True), (32, 32, False, False, True),
-                                            (64, 128, True, True, False), (6, 5, False, False, False)):
+                                            (64, 120, True, True, False), (6, 5, False, False, False),
+                                            (64, 128, False, True, True)):
         parts, table, pos = make_inputs(dtype, nnz=6, hq=3, hk=2, rope_dim=rope_dim, nope=nope,
                                         mla=mla, fused=fused)
         outs = [poisoned(p.shape, fmt) for p in parts]
@@ -473,17 +474,16 @@ def test_simulated_kernel_quantize(sim, dtype, interleave):
 def test_simulated_kernel_paged(sim, mla, kv_layout, interleave):
     page_size = 4
     fmt = torch.float8_e5m2
-    for fused in (False, True):
+    for nope, vec in ((32, True), (40, False)):  # 40: rows off the 16-element chunk (scalar path)
         parts, v, table, pos, index, caches = paged_case(torch.bfloat16, fmt, mla, kv_layout,
-                                                         page_size)
-        if not fused:
-            parts = tuple(p.contiguous() for p in parts)
+                                                         page_size, nope=nope)
+        parts = tuple(p.contiguous() for p in parts)
         q_out = [poisoned(parts[i].shape, fmt) for i in (0, 2)]
         before = tuple(c.clone() for c in caches)
         info = sim_info()
         sim.quantize_fp8_append_paged_kv_cache(*parts, v, table, pos, *q_out, *caches, *index,
                                                page_size, kv_layout, 0.5, 2.0, interleave, 3, info)
-        assert bool(info[0]) == (not fused)
+        assert bool(info[0]) == vec
         qr, qn, c0, c1 = peer_paged(parts, v, table, pos, *index, page_size, kv_layout,
                                     interleave, 0.5, 2.0, fmt, before)
         for a, b in ((q_out[0], qr), (q_out[1], qn), (caches[0], c0), (caches[1], c1)):
@@ -497,7 +497,7 @@ def test_simulated_kernel_traps_on_bad_page_tables(sim):
     kv_indices, kv_indptr, batch, positions = index
     q_out = [poisoned(parts[i].shape, torch.float8_e4m3fn) for i in (0, 2)]
     bad_pages = kv_indices.clone()
-    bad_pages[0] = caches[0].shape[0]
+    bad_pages[:] = caches[0].shape[0]
     far = positions.clone()
     far[0] = 1000
     for idx in ((bad_pages, kv_indptr, batch, positions), (kv_indices, kv_indptr, batch, far)):
