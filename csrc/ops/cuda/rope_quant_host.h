@@ -28,10 +28,11 @@ struct QuantTensors {
   const Tensor *kc, *vc, *kv_indices, *kv_indptr, *batch_indices, *positions;
 };
 
-inline bool quant_aligned(const void* p, const QuantRows& r, int64_t elem) {
-  const int64_t w = kQuantChunk;  // rows start on chunk boundaries: 16 codes, 16 x_t (32 or 64 B)
-  return p == nullptr || (r.last == 1 && aligned(p, kVecBytes) && r.tok % w == 0 && r.head % w == 0 &&
-                          elem > 0);
+// Rows start on chunk boundaries (16 codes, or 16 x_t: 32 or 64 bytes), so every 16-byte access
+// of the vector path is aligned. An absent operand (nullptr) constrains nothing.
+inline bool quant_aligned(const void* p, const QuantRows& r) {
+  const int64_t w = kQuantChunk;
+  return p == nullptr || (r.last == 1 && aligned(p, kVecBytes) && r.tok % w == 0 && r.head % w == 0);
 }
 
 inline bool quant_cache_aligned(const void* p, const QuantCache& c) {
@@ -53,7 +54,7 @@ QuantArgs<x_t> quant_args(const QuantGeometry& g, const QuantTensors& t) {
   a.k_nope = in(t.k_nope);
   a.v = in(t.v);
   a.cos = static_cast<const float*>(t.cos_sin_cache->const_data_ptr());
-  a.sin = a.cos + g.half * g.cos_col;
+  a.sin = a.cos != nullptr ? a.cos + g.half * g.cos_col : nullptr;  // a table of 0 rows: null
   a.pos = idx(t.pos_ids);
   a.q_rope_out = out(t.q_rope_out);
   a.k_rope_out = out(t.k_rope_out);
@@ -77,7 +78,7 @@ QuantArgs<x_t> quant_args(const QuantGeometry& g, const QuantTensors& t) {
       {a.q_rope, &g.q_rope},         {a.k_rope, &g.k_rope},         {a.q_nope, &g.q_nope},
       {a.k_nope, &g.k_nope},         {a.v, &g.v},                   {a.q_rope_out, &g.q_rope_out},
       {a.k_rope_out, &g.k_rope_out}, {a.q_nope_out, &g.q_nope_out}, {a.k_nope_out, &g.k_nope_out}};
-  for (const auto& [p, r] : rows) vec = vec && quant_aligned(p, *r, 1);
+  for (const auto& [p, r] : rows) vec = vec && quant_aligned(p, *r);
   if (g.paged) vec = vec && quant_cache_aligned(a.kc, g.kc) && quant_cache_aligned(a.vc, g.vc);
   a.vec = vec;
   return a;
