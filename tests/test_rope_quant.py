@@ -509,3 +509,29 @@ def test_simulated_kernel_traps_on_bad_page_tables(sim):
         sim.quantize_fp8_append_paged_kv_cache(*parts, v, table, torch.full_like(pos, 64), *q_out,
                                                *caches, *index, page_size, "NHD", 1.0, 1.0, False,
                                                4, sim_info())
+
+
+def test_bench_rows_do_the_same_work():
+    """bench/rope_bench/quant.py: its unfused eager rows compute what the fused op computes."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "bench"))
+    from rope_bench import quant
+
+    for case in (("mla", 5, 4, 0, 64, 64), ("gqa", 5, 4, 2, 32, 32)):
+        i = quant.Inputs(case, "cpu")
+        want = quant.unfused(i)
+        rows = quant.rows(i)
+        rows["rope_ext quantize_fp8"][1]()
+        for got, w in zip(i.outs, want):
+            same_bits(got, w)
+        before = [c.clone() for c in i.caches]
+        q_want = quant.unfused_paged(i)
+        expected = [c.clone() for c in i.caches]
+        for c, b in zip(i.caches, before):
+            c.copy_(b)
+        rows["rope_ext paged append"][1]()
+        for got, w in zip((i.outs[0], i.outs[2], *i.caches), (*q_want, *expected)):
+            same_bits(got, w)
