@@ -535,3 +535,47 @@ def test_bench_rows_do_the_same_work():
         rows["rope_ext paged append"][1]()
         for got, w in zip((i.outs[0], i.outs[2], *i.caches), (*q_want, *expected)):
             same_bits(got, w)
+
+
+def random_case(g):
+    """Random shapes, strides, dtypes and formats: every path must agree bit for bit."""
+    pick = lambda seq: seq[int(torch.randint(len(seq), (1,), generator=g))]  # noqa: E731
+    dtype, fmt, interleave, mla = pick(X_DTYPES), pick(FP8), pick([False, True]), pick([False, True])
+    nnz = pick([0, 1, 3, 6])
+    hq, hk = pick([1, 2, 5]), 1 if mla else pick([1, 2, 3])
+    rope_dim, nope = 2 * pick([1, 4, 8, 16, 17, 32]), pick([0, 1, 16, 23, 64])
+    rows = pick([1, 5, 40])
+    lead = lambda h: (nnz,) if h is None else (nnz, h)  # noqa: E731
+
+    def tensor(shape, layout):
+        if layout == "transposed" and len(shape) == 3:  # heads outermost in memory
+            return torch.randn(shape[1], shape[0], shape[2], generator=g).to(dtype).transpose(0, 1)
+        if layout == "padded":  # rows inside a wider buffer
+            return torch.randn(*shape[:-1], shape[-1] + 5, generator=g).to(dtype)[..., 3:3 + shape[-1]]
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    layout = pick(["contiguous", "transposed", "padded"])
+    kh = None if mla else hk
+    parts = (tensor((nnz, hq, rope_dim), layout), tensor((*lead(kh), rope_dim), layout),
+             tensor((nnz, hq, nope), layout), tensor((*lead(kh), nope), layout))
+    table = torch.randn(rows, rope_dim, generator=g)
+    pos = torch.randint(0, rows, (nnz,), generator=g).to(pick([torch.int32, torch.int64]))
+    scales = (float(torch.rand((), generator=g)) * 4, float(torch.rand((), generator=g)) * 4)
+    return parts, table, pos, fmt, interleave, scales
+
+
+def test_random_cases_every_path_agrees(sim):
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    for _ in range(40):
+        parts, table, pos, fmt, interleave, (sq, skv) = random_case(g)
+        want = peer_quantize(*parts, table, pos, interleave, sq, skv, fmt)
+        runs = [lambda o: _quant_ops.quantize_fp8(*parts, table, pos, *o, sq, skv, interleave),
+                lambda o: sim.quantize_fp8(*parts, table, pos, *o, sq, skv, interleave, 3, sim_info())]
+        if rope_ext.backend("cpu") == "native":
+            runs.append(lambda o: torch.ops.rope.quantize_fp8(*parts, table, pos, *o, sq, skv,
+                                                              interleave))
+        for run in runs:
+            outs = [poisoned(p.shape, fmt) for p in parts]
+            run(outs)
+            for got, w in zip(outs, want):
+                same_bits(got, w)
