@@ -8,6 +8,9 @@ their angles as FlashInfer's kernels do, in float32: w_i = (1/theta)^(2i/rotary_
 (Llama 3.1: blended with the unscaled w_i by FlashInfer's smooth factor), angle = float(pos) * w_i.
 That per-token cos|sin table ((nnz, rotary_dim) float32, small next to q and k) then drives
 rope_ext's in-place op, so q and k are rotated in one native pass.
+rope_quantize_fp8, mla_rope_quantize_fp8 and rope_quantize_fp8_append_paged_kv_cache (RoPE + FP8
+quantization, MLA and GQA/MHA) each run one fused op: torch.ops.rope.quantize_fp8 and
+torch.ops.rope.quantize_fp8_append_paged_kv_cache (docs/migrating.md).
 Differences, on inputs FlashInfer mishandles: positions outside a cos_sin_cache are an error (FlashInfer
 reads outside it); tokens outside indptr[0] .. indptr[-1] are left as they are (FlashInfer leaves
 them unwritten, uninitialised in the out-of-place outputs).
