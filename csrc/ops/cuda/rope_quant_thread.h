@@ -159,7 +159,7 @@ ROPE_HD int64_t quant_rows(const QuantGeometry& g) {
   return 2 * (g.q_heads + g.kv_heads) + (g.paged && !g.mla ? g.kv_heads : 0);
 }
 
-// Chunks [c0, chunks) step cs of rows [r0, rows) step rs of token tok.
+// Rows [r0, rows) step rs, chunks [c0, chunks) step cs of each, of token tok.
 template <typename x_t>
 ROPE_HD void quant_token(const QuantArgs<x_t>& a, int64_t tok, int64_t c0, int64_t cs, int64_t r0,
                          int64_t rs) {
@@ -179,8 +179,10 @@ ROPE_HD void quant_token(const QuantArgs<x_t>& a, int64_t tok, int64_t c0, int64
   // The token's cache rows (head 0).
   const int64_t kc_row = page * g.kc.page + entry * g.kc.entry;
   const int64_t vc_row = page * g.vc.page + entry * g.vc.entry;
-  for (int64_t c = c0; c < chunks; c += cs) {
-    for (int64_t r = r0; r < rows; r += rs) {
+  // Rows outer, chunks inner: one thread (a CPU core) walks a row front to back, which the
+  // hardware prefetchers follow.
+  for (int64_t r = r0; r < rows; r += rs) {
+    for (int64_t c = c0; c < chunks; c += cs) {
       if (r < hq) {  // query rope
         if (c >= a.rope_chunks) continue;
         quant_rope_chunk(a.q_rope + tok * g.q_rope.tok + r * g.q_rope.head, g.q_rope.last,
