@@ -52,6 +52,8 @@ enum RouteId : int {
   kApplyAndCache,
   kQkNormRopeInplace,
   kQkvNormRopeInplace,
+  kQuantizeFp8,
+  kQuantizeFp8Paged,
   kNumRoutes,
   kNoRoute = kNumRoutes  // an op without the C++ call path (rope_ext/schemas.def)
 };
@@ -68,6 +70,8 @@ inline constexpr Route kRoutes[kNumRoutes] = {
     {"apply_and_cache_", 4, {{0, false}, {1, false}, {5, false}, {6, false}}},
     {"qk_norm_rope_", 2, {{0, false}, {1, false}}},
     {"qkv_norm_rope_", 1, {{0, false}}},
+    {"quantize_fp8", 4, {{6, false}, {7, false}, {8, false}, {9, false}}},
+    {"quantize_fp8_append_paged_kv_cache", 4, {{7, false}, {8, false}, {9, false}, {10, false}}},
 };
 
 // "apply.out" -> "<prefix>apply.out"

@@ -6,7 +6,9 @@ its peer. docs/migrating.md has the one-line change per library.
     rope_ext.compat.flash_attn     apply_rotary_emb, apply_rotary_emb_qkv_, apply_rotary_emb_kv_
     rope_ext.compat.vllm           rotary_embedding
     rope_ext.compat.flashinfer     apply_rope[_pos_ids][_inplace], apply_llama31_rope*,
-                                   apply_rope_with_cos_sin_cache[_inplace]
+                                   apply_rope_with_cos_sin_cache[_inplace],
+                                   rope_quantize_fp8, mla_rope_quantize_fp8,
+                                   rope_quantize_fp8_append_paged_kv_cache
     rope_ext.compat.sglang         apply_rope_with_cos_sin_cache_inplace, FusedSetKVBufferArg
 """
 

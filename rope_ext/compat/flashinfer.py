@@ -8,6 +8,9 @@ their angles as FlashInfer's kernels do, in float32: w_i = (1/theta)^(2i/rotary_
 (Llama 3.1: blended with the unscaled w_i by FlashInfer's smooth factor), angle = float(pos) * w_i.
 That per-token cos|sin table ((nnz, rotary_dim) float32, small next to q and k) then drives
 rope_ext's in-place op, so q and k are rotated in one native pass.
+rope_quantize_fp8, mla_rope_quantize_fp8 and rope_quantize_fp8_append_paged_kv_cache (RoPE + FP8
+quantization, MLA and GQA/MHA) each run one fused op: torch.ops.rope.quantize_fp8 and
+torch.ops.rope.quantize_fp8_append_paged_kv_cache (docs/migrating.md).
 Differences, on inputs FlashInfer mishandles: positions outside a cos_sin_cache are an error (FlashInfer
 reads outside it); tokens outside indptr[0] .. indptr[-1] are left as they are (FlashInfer leaves
 them unwritten, uninitialised in the out-of-place outputs).
@@ -202,3 +205,122 @@ def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cach
     rotate = lambda t, like: apply_rope_at(t, positions, cos_sin_cache,  # noqa: E731
                                            interleaved=not is_neox).reshape(like.shape)
     return rotate(q, query), rotate(k, key)
+
+
+# ---- RoPE + FP8 quantization (flashinfer.rope.rope_quantize_fp8 and family) ----
+# FlashInfer's convention: stored = fp8(rotated * quant_scale), saturated to the format's finite
+# range. (rope_ext's own cache write, apply_rope_and_cache_, divides by its scale, as vLLM does.)
+
+_FP8_DEFAULT = torch.float8_e4m3fn
+
+
+def _nope_parts(q_rope, k_rope, q_nope, k_nope):
+    """FlashInfer's None nope parts: size-0 tensors of the right leading dims."""
+    nnz, heads = q_rope.shape[0], q_rope.shape[1]
+    if q_nope is None:
+        q_nope = torch.empty(nnz, heads, 0, dtype=q_rope.dtype, device=q_rope.device)
+    if k_nope is None:
+        lead = (nnz,) if k_rope.dim() == 2 else (nnz, k_rope.shape[1])
+        k_nope = torch.empty(*lead, 0, dtype=k_rope.dtype, device=k_rope.device)
+    return q_nope, k_nope
+
+
+def _check_table(cos_sin_cache):
+    if cos_sin_cache.dtype != F32:
+        raise ValueError("cos_sin_cache should be float32")
+
+
+def rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox=True,
+                      quantize_dtype=None, quant_scale_q=1.0, quant_scale_kv=1.0, q_rope_out=None,
+                      k_rope_out=None, q_nope_out=None, k_nope_out=None, enable_pdl=False,
+                      backend="cuda"):
+    """RoPE on q_rope (nnz, Hq, rope_dim) and k_rope ((nnz, Hk, rope_dim), or (nnz, rope_dim) for
+    MLA) by the rows of cos_sin_cache (max_seq_len, rope_dim) float32 (cos | sin) at pos_ids;
+    q_nope / k_nope (None: size 0) pass unrotated; queries times quant_scale_q, keys times
+    quant_scale_kv, saturated to float8 (quantize_dtype, else the given outputs' dtype, else
+    float8_e4m3fn). Outputs are written in place when given, allocated otherwise. One fused
+    rope_ext op (torch.ops.rope.quantize_fp8). enable_pdl and backend are accepted (both
+    FlashInfer backends compute the same values). Returns (q_rope_out, k_rope_out, q_nope_out,
+    k_nope_out)."""
+    if backend not in ("cuda", "cutile"):
+        raise ValueError(f"Unsupported backend for rope_quantize_fp8: {backend!r}; "
+                         "expected 'cuda' or 'cutile'.")
+    _check_table(cos_sin_cache)
+    q_nope, k_nope = _nope_parts(q_rope, k_rope, q_nope, k_nope)
+    if quantize_dtype is None:
+        given = [o for o in (q_rope_out, k_rope_out, q_nope_out, k_nope_out) if o is not None]
+        quantize_dtype = given[0].dtype if given else _FP8_DEFAULT
+    outs = [o if o is not None else torch.empty_like(x, dtype=quantize_dtype)
+            for o, x in ((q_rope_out, q_rope), (k_rope_out, k_rope), (q_nope_out, q_nope),
+                         (k_nope_out, k_nope))]
+    torch.ops.rope.quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, *outs,
+                                float(quant_scale_q), float(quant_scale_kv), not is_neox)
+    return tuple(outs)
+
+
+def mla_rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox=True,
+                          quantize_dtype=None, quant_scale_q=1.0, quant_scale_kv=1.0,
+                          q_rope_out=None, k_rope_out=None, q_nope_out=None, k_nope_out=None,
+                          enable_pdl=False):
+    """rope_quantize_fp8 with MLA's 2-D keys: k_rope (nnz, rope_dim), k_nope (nnz,
+    no_rope_dim)."""
+    return rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox,
+                             quantize_dtype, quant_scale_q, quant_scale_kv, q_rope_out,
+                             k_rope_out, q_nope_out, k_nope_out, enable_pdl)
+
+
+def rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache,
+                                            pos_ids, paged_kv_cache, kv_indices, kv_indptr,
+                                            batch_indices, positions, is_neox=True,
+                                            quantize_dtype=None, quant_scale_q=1.0,
+                                            quant_scale_kv=1.0, page_size=16, kv_layout="NHD",
+                                            q_rope_out=None, q_nope_out=None, enable_pdl=False):
+    """rope_quantize_fp8 for the queries (returned: (q_rope_out, q_nope_out)), while the keys go
+    straight into a paged float8 cache: MLA (2-D k_rope, v None) into paged_kv_cache = (ckv_cache
+    (max_pages, page_size, no_rope_dim), kpe_cache (max_pages, page_size, rope_dim)); GQA/MHA
+    (3-D k_rope) the full key row (rotated part first) and v (nnz, Hk, head_dim) into
+    paged_kv_cache = (k_cache, v_cache), (max_pages, page_size, Hk, head_dim) for kv_layout
+    "NHD" or (max_pages, Hk, page_size, head_dim) for "HND". Token t of request
+    batch_indices[t] (negative: padding, not stored) at in-request position positions[t] goes to
+    page kv_indices[kv_indptr[b] + positions[t] // page_size], entry positions[t] % page_size.
+    One fused rope_ext op (torch.ops.rope.quantize_fp8_append_paged_kv_cache)."""
+    _check_table(cos_sin_cache)
+    mla = k_rope.dim() == 2
+    q_nope, k_nope = _nope_parts(q_rope, k_rope, q_nope, k_nope)
+    if quantize_dtype is None:
+        if q_rope_out is not None:
+            quantize_dtype = q_rope_out.dtype
+        elif q_nope_out is not None:
+            quantize_dtype = q_nope_out.dtype
+        else:
+            quantize_dtype = _FP8_DEFAULT
+    if q_rope_out is None:
+        q_rope_out = torch.empty_like(q_rope, dtype=quantize_dtype)
+    if q_nope_out is None:
+        q_nope_out = torch.empty_like(q_nope, dtype=quantize_dtype)
+    if mla and v is not None:
+        raise ValueError("MLA should not have V input (pass None)")
+    if len(paged_kv_cache) != 2:
+        raise ValueError("paged_kv_cache must be a tuple of 2 tensors")
+    cache_0, cache_1 = paged_kv_cache
+    if mla:
+        if cache_0.dtype != quantize_dtype or cache_1.dtype != quantize_dtype:
+            raise ValueError(f"MLA cache dtype mismatch: expected {quantize_dtype}, "
+                             f"got ckv={cache_0.dtype}, kpe={cache_1.dtype}")
+        if cache_0.ndim != 3 or cache_1.ndim != 3:
+            raise ValueError(f"MLA cache must be 3D: (max_pages, page_size, dim), "
+                             f"got ckv={cache_0.ndim}D, kpe={cache_1.ndim}D")
+    else:
+        if v is None:
+            raise ValueError("GQA/MHA expects a V tensor, but got None. "
+                             "Only MLA uses None for V (compressed KV representation).")
+        if cache_0.dtype != quantize_dtype or cache_1.dtype != quantize_dtype:
+            raise ValueError(f"GQA/MHA cache dtype mismatch: expected {quantize_dtype}, "
+                             f"got k={cache_0.dtype}, v={cache_1.dtype}")
+        if cache_0.ndim != 4 or cache_1.ndim != 4:
+            raise ValueError(f"GQA/MHA cache must be 4D, got k={cache_0.ndim}D, v={cache_1.ndim}D")
+    torch.ops.rope.quantize_fp8_append_paged_kv_cache(
+        q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, q_rope_out, q_nope_out,
+        cache_0, cache_1, kv_indices, kv_indptr, batch_indices, positions, int(page_size),
+        kv_layout, float(quant_scale_q), float(quant_scale_kv), not is_neox)
+    return q_rope_out, q_nope_out

@@ -433,3 +433,6 @@ STABLE_TORCH_LIBRARY_IMPL(rope_sim, CPU, m) {
   m.impl("apply_positions", TORCH_BOX(&rope::sim::apply_positions_sim));
   m.impl("apply_and_cache_", TORCH_BOX(&rope::sim::apply_and_cache_sim));
 }
+
+// The RoPE + FP8 quantization kernels (their own file, same translation unit).
+#include "quant_sim.inc"

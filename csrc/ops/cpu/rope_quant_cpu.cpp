@@ -1,0 +1,114 @@
+// RoPE + FP8 quantization (FlashInfer's rope_quantize_fp8 family): the schemas and the CPU
+// kernels. The per-token code is the CUDA kernels' (../cuda/rope_quant_thread.h), run here over
+// token ranges on torch's thread pool, after the data checks (positions, page tables) that the
+// CUDA kernels make on the device: on the CPU they run first, so a rejected call writes nothing.
+#include <algorithm>
+#include <optional>
+#include <string>
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+
+#include "../cuda/rope_quant_host.h"
+#include "../routes.h"
+
+namespace rope {
+namespace {
+
+int64_t read_index(const void* p, const QuantIndex& ix, int64_t i) {
+  return ix.is64 ? static_cast<const int64_t*>(p)[i * ix.stride]
+                 : static_cast<const int32_t*>(p)[i * ix.stride];
+}
+
+// The data checks, in token order, with the Python paths' messages (rope_ext/_quant_checks.py).
+template <typename x_t>
+void check_data(const gpu::QuantArgs<x_t>& a, const char* op) {
+  const QuantGeometry& g = a.g;
+  for (int64_t t = 0; t < g.tokens; ++t) {
+    const int64_t p = read_index(a.pos, g.pos, t);
+    ROPE_CHECK(p >= 0 && p < g.table_rows, op,
+               ": pos_ids must lie in [0, max_position = cos_sin_cache.size(0) = ", g.table_rows,
+               "), got ", p, " at index ", t);
+  }
+  if (!g.paged) return;
+  for (int64_t t = 0; t < g.tokens; ++t) {
+    const int64_t b = read_index(a.batch_indices, g.batch_indices, t);
+    if (b < 0) continue;
+    ROPE_CHECK(b < g.batch, op, ": batch_indices must lie below batch_size = kv_indptr.size(0) - 1 = ",
+               g.batch, " (negative: padding, skipped), got ", b, " at index ", t);
+    const int64_t start = read_index(a.kv_indptr, g.kv_indptr, b);
+    const int64_t end = read_index(a.kv_indptr, g.kv_indptr, b + 1);
+    ROPE_CHECK(start >= 0 && start <= end && end <= g.num_indices, op,
+               ": kv_indptr must be non-decreasing within [0, kv_indices.size(0) = ", g.num_indices,
+               "], got kv_indptr[", b, "] = ", start, " and kv_indptr[", b + 1, "] = ", end,
+               " (token ", t, ")");
+    const int64_t pos = read_index(a.positions, g.positions, t);
+    // (end - start) * page_size as a bound without forming the product: pos / page_size.
+    if (pos < 0 || pos / g.page_size >= end - start) {
+      int64_t bound;
+      const std::string shown = mul_fits(end - start, g.page_size, bound) ? std::to_string(bound)
+                                                                          : "more than 2^63";
+      fail(op, ": positions must lie in [0, (kv_indptr[b + 1] - kv_indptr[b]) * page_size) = [0, ",
+           shown, ") for request b = ", b, ", got ", pos, " at index ", t);
+    }
+    const int64_t j = start + pos / g.page_size;
+    const int64_t page = read_index(a.kv_indices, g.kv_indices, j);
+    ROPE_CHECK(page >= 0 && page < g.max_pages, op, ": kv_indices must lie in [0, max_pages = ",
+               g.max_pages, "), got ", page, " at index ", j, " (token ", t, ")");
+  }
+}
+
+// Work per task: at least this many output elements (decode-sized calls run inline).
+constexpr int64_t kGrainElements = 1 << 15;
+
+struct CpuRunner {
+  const char* op;
+
+  template <typename x_t>
+  void operator()(const gpu::LaunchPlan&, const gpu::QuantArgs<x_t>& a) const {
+    check_data(a, op);
+    const QuantGeometry& g = a.g;
+    const int64_t per_token = std::max<int64_t>(
+        1, (g.q_heads + g.kv_heads) * (2 * g.half + g.nope) +
+               (g.paged && !g.mla ? g.kv_heads * (2 * g.half + g.nope) : 0));
+    const int64_t grain = std::max<int64_t>(1, kGrainElements / per_token);
+    auto fn = [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) gpu::quant_token(a, t, 0, 1, 0, 1);
+    };
+    if (g.tokens <= grain || torch::stable::get_num_threads() <= 1) {
+      fn(0, g.tokens);
+    } else {
+      torch::stable::parallel_for(0, g.tokens, grain, fn);
+    }
+  }
+};
+
+void quantize_fp8_cpu(Tensor q_rope, Tensor k_rope, Tensor q_nope, Tensor k_nope,
+                      Tensor cos_sin_cache, Tensor pos_ids, Tensor q_rope_out, Tensor k_rope_out,
+                      Tensor q_nope_out, Tensor k_nope_out, double quant_scale_q,
+                      double quant_scale_kv, bool interleaved) {
+  gpu::quantize_host(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, q_rope_out,
+                     k_rope_out, q_nope_out, k_nope_out, quant_scale_q, quant_scale_kv,
+                     interleaved, CpuRunner{"rope.quantize_fp8"});
+}
+
+void quantize_fp8_paged_cpu(Tensor q_rope, Tensor k_rope, Tensor q_nope, Tensor k_nope,
+                            std::optional<Tensor> v, Tensor cos_sin_cache, Tensor pos_ids,
+                            Tensor q_rope_out, Tensor q_nope_out, Tensor k_cache, Tensor v_cache,
+                            Tensor kv_indices, Tensor kv_indptr, Tensor batch_indices,
+                            Tensor positions, int64_t page_size, std::string kv_layout,
+                            double quant_scale_q, double quant_scale_kv, bool interleaved) {
+  gpu::quantize_paged_host(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, q_rope_out,
+                           q_nope_out, k_cache, v_cache, kv_indices, kv_indptr, batch_indices,
+                           positions, page_size, kv_layout, quant_scale_q, quant_scale_kv,
+                           interleaved, CpuRunner{"rope.quantize_fp8_append_paged_kv_cache"});
+}
+
+}  // namespace
+}  // namespace rope
+
+STABLE_TORCH_LIBRARY_IMPL(rope, CPU, m) {
+  rope::impl_routed_cpu(m, rope::kQuantizeFp8, TORCH_BOX(&rope::quantize_fp8_cpu));
+  rope::impl_routed_cpu(m, rope::kQuantizeFp8Paged, TORCH_BOX(&rope::quantize_fp8_paged_cpu));
+}
