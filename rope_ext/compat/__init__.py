@@ -8,8 +8,9 @@ its peer. docs/migrating.md has the one-line change per library.
     rope_ext.compat.flashinfer     apply_rope[_pos_ids][_inplace], apply_llama31_rope*,
                                    apply_rope_with_cos_sin_cache[_inplace]
     rope_ext.compat.sglang         apply_rope_with_cos_sin_cache_inplace, FusedSetKVBufferArg
+    rope_ext.compat.diffusers      apply_rotary_emb, apply_rotary_emb_qwen, ..._ltx, ..._wan, ..._mochi
 """
 
-from . import flash_attn, flashinfer, sglang, transformers, vllm
+from . import diffusers, flash_attn, flashinfer, sglang, transformers, vllm
 
-__all__ = ["flash_attn", "flashinfer", "sglang", "transformers", "vllm"]
+__all__ = ["diffusers", "flash_attn", "flashinfer", "sglang", "transformers", "vllm"]
