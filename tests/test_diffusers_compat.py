@@ -63,6 +63,8 @@ def test_apply_rotary_emb_real(dtype, sequence_dim, unbind, duplicated):
         got = rd.apply_rotary_emb(x, (cos, sin), **kw)
         want = emb.apply_rotary_emb(x, (cos, sin), **kw)
         close(got, want, torch.float32 if dtype == torch.float64 else dtype)
+        if dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(got, want)  # the same products and sums, rounded alike
     want64 = oracle(x, placed(cos, sequence_dim), placed(sin, sequence_dim), unbind == -1)
     # diffusers computes in float32 whatever x is (x.float()): float32 accuracy, x's dtype.
     close(got.double(), want64, torch.float32 if dtype == torch.float64 else dtype, scale=2.0)
