@@ -193,6 +193,15 @@ def test_table_changed_in_place_is_seen():
     close(rd.apply_rotary_emb(x, (cos, sin)), emb.apply_rotary_emb(x, (cos, sin)), torch.float32)
 
 
+def test_inference_mode_tables():
+    x = torch.randn(1, 2, 5, 8)
+    with torch.inference_mode():
+        cos, sin = tables(5, 8, True, True)
+        close(rd.apply_rotary_emb(x, (cos, sin)), emb.apply_rotary_emb(x, (cos, sin)), torch.float32)
+        cos[:, 1::2] += 0.25  # no version counter here: the check runs again
+        close(rd.apply_rotary_emb(x, (cos, sin)), emb.apply_rotary_emb(x, (cos, sin)), torch.float32)
+
+
 def test_compiled_drop_in():
     x = torch.randn(1, 7, 2, 16)
     compiled = torch.compile(rd.apply_rotary_emb, fullgraph=True, backend="aot_eager")

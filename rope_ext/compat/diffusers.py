@@ -13,7 +13,8 @@ diffusers' for any tables all the same: a table whose two entries of some pair d
 that requires grad) goes through two passes, each exact for one member of every pair, so values
 and gradients are diffusers' own. Which case a table is takes one comparison of its two halves,
 remembered per table object and version (a model computes its table once per forward and passes
-it to every attention layer); under torch.compile nothing can be remembered, and the two passes
+it to every attention layer; inference tensors have no version, and are compared at each call);
+under torch.compile nothing can be remembered, and the two passes
 serve. See docs/diffusers.md.
 """
 
@@ -48,6 +49,9 @@ def _one_per_pair(table, interleaved):
     value, else None. Remembered per table object and version, outside torch.compile."""
     if torch.compiler.is_compiling() or table.device.type == "meta":
         return None
+    if table.is_inference():  # no version counter to tell an in-place change: check each call
+        first, second = _members(table, interleaved)
+        return float32_table(first) if torch.equal(first, second) else None
     key = (id(table), interleaved)
     entry = _PAIRED.get(key)
     if entry is not None and entry[0]() is table and entry[1] == table._version:
