@@ -157,6 +157,20 @@ def test_processors_shared_within_a_model():
     assert type(shared) is rdi.FluxAttnProcessor._rope_ext_base
 
 
+def test_a_pipeline_patches_its_transformer():
+    class Pipeline:  # what patch reads of a DiffusionPipeline: its components
+        def __init__(self, **components):
+            self.components = components
+
+    model, inputs = dm.build("wan")
+    want = run(model, inputs)
+    pipe = Pipeline(transformer=model, scheduler=object(), text_encoder=torch.nn.Linear(2, 2))
+    assert rdi.patch(pipe) is pipe and rdi.is_patched(pipe) and rdi.is_patched(model)
+    torch.testing.assert_close(run(model, inputs), want, **TOLS[torch.float32])
+    rdi.unpatch(pipe)
+    assert not rdi.is_patched(model) and torch.equal(run(model, inputs), want)
+
+
 def test_unsupported_model_changes_nothing():
     from diffusers import SD3Transformer2DModel
 
@@ -170,7 +184,7 @@ def test_unsupported_model_changes_nothing():
     assert processor_classes(model) == classes and not rdi.is_patched(model)
     with pytest.raises(ValueError, match="Linear"):
         rdi.patch(torch.nn.Linear(2, 2))
-    with pytest.raises(NotImplementedError, match="expected a torch.nn.Module"):
+    with pytest.raises(NotImplementedError, match="expected a torch.nn.Module or a diffusers pipeline"):
         rdi.patch("flux")
     assert rdi.unpatch(model) is model
 

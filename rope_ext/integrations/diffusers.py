@@ -302,16 +302,25 @@ def _patchable_name(proc):
     return cls.__name__
 
 
+def _models(obj, caller):
+    """The models behind `obj`: obj itself (a torch.nn.Module), or the nn.Module components of
+    a diffusers pipeline (its transformer, and Wan 2.2's transformer_2)."""
+    if isinstance(obj, torch.nn.Module):
+        return [obj]
+    components = getattr(obj, "components", None)
+    if isinstance(components, dict):
+        return [m for m in components.values() if isinstance(m, torch.nn.Module)]
+    raise UnsupportedModelError(f"rope_ext.integrations.diffusers.{caller}: expected a torch.nn.Module "
+                                f"or a diffusers pipeline, got {type(obj).__name__}")
+
+
 def patch(model):
-    """Routes the attention RoPE of `model` (a diffusers transformer, e.g. pipe.transformer)
-    through rope_ext's ops; returns the model. Patching a patched model does nothing more.
-    Processors shared with another model are patched for it too (they are one object). Raises
-    UnsupportedModelError, changing nothing, when no attention processor of the model is one
-    rope_ext reproduces."""
-    if not isinstance(model, torch.nn.Module):
-        raise UnsupportedModelError(f"rope_ext.integrations.diffusers.patch: expected a "
-                                    f"torch.nn.Module, got {type(model).__name__}")
-    processors = _processors(model)
+    """Routes the attention RoPE of `model` (a diffusers transformer such as pipe.transformer, or
+    a pipeline: each of its components that can be) through rope_ext's ops; returns `model`.
+    Patching a patched model does nothing more. Processors shared with another model are patched
+    for it too (they are one object). Raises UnsupportedModelError, changing nothing, when no
+    attention processor is one rope_ext reproduces."""
+    processors = [p for m in _models(model, "patch") for p in _processors(m)]
     targets = [(p, _patchable_name(p)) for p in processors]
     targets = [(p, name) for p, name in targets if name is not None]
     if not targets and not any(_is_ours(p) for p in processors):
@@ -328,16 +337,17 @@ def patch(model):
 
 
 def unpatch(model):
-    """Undoes patch(model): every processor of the model gets diffusers' class back (the same
-    object, so the model computes exactly what it did before patch). Returns the model; a model
-    that is not patched is returned unchanged."""
-    for p in _processors(model):
-        if _is_ours(p):
-            p.__class__ = type(p)._rope_ext_base
+    """Undoes patch(model): every processor gets diffusers' class back (the same object, so the
+    model computes exactly what it did before patch). Returns `model`; a model that is not
+    patched is returned unchanged."""
+    for m in _models(model, "unpatch"):
+        for p in _processors(m):
+            if _is_ours(p):
+                p.__class__ = type(p)._rope_ext_base
     return model
 
 
 def is_patched(model):
-    """Whether any attention processor of `model` runs on rope_ext."""
-    return any(_is_ours(p) for p in _processors(model))
-
+    """Whether any attention processor of `model` (or of a pipeline's components) runs on
+    rope_ext."""
+    return any(_is_ours(p) for m in _models(model, "is_patched") for p in _processors(m))
