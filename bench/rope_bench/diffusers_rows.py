@@ -18,6 +18,7 @@ import sys
 
 import torch
 
+from . import malloc
 from .timing import clock_for, measure_interleaved, median
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
@@ -203,6 +204,13 @@ def markdown(rows):
     return "\n".join(lines) + "\n"
 
 
+def _loadavg():
+    try:
+        return round(os.getloadavg()[0], 2)  # a busy machine makes every row slower, not alike
+    except OSError:
+        return None
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--families", default=",".join(SHAPES), help=", ".join(SHAPES))
@@ -225,6 +233,7 @@ def main(argv=None):
         p.error(f"unknown families {sorted(unknown)}; choose from {', '.join(SHAPES)}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    allocator = malloc.pin_thresholds()  # as bench/bench.py does: rows independent of order
     repeat = args.repeat or (2 if args.quick else 7)
     print(HEADER)
     rows = run(families, args.dtypes.split(","), scale=QUICK_DIVISOR if args.quick else 1,
@@ -235,6 +244,7 @@ def main(argv=None):
            "torch": torch.__version__, "diffusers": diffusers.__version__,
            "rope_ext": rope_ext.__version__, "cpu_isa": rope_ext.cpu_isa(),
            "threads": torch.get_num_threads(), "machine": platform.machine(),
+           "allocator": allocator, "loadavg_1min": _loadavg(),
            "quick": args.quick, "repeat": repeat, "rows": rows}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, args.stem + ".json"), "w") as f:
