@@ -218,6 +218,8 @@ def test_compiled_drop_in():
     (lambda x, cs: rd.apply_rotary_emb(x, (cs[0][:, :4], cs[1][:, :4])), "head dim"),
     (lambda x, cs: rd.apply_rotary_emb(x, (cs[0][:3], cs[1][:3])), "do not broadcast"),
     (lambda x, cs: rd.apply_rotary_emb(x, cs[0]), "pair of tensors"),
+    (lambda x, cs: rd.apply_rotary_emb(x, (cs[0].numpy(), cs[1])), "cos must be a floating-point tensor"),
+    (lambda x, cs: rd.apply_rotary_emb(x, (cs[0], cs[1].long())), "sin must be a floating-point tensor"),
     (lambda x, cs: rd.apply_rotary_emb(x, cs[0][:, :4], use_real=False), "complex"),
     (lambda x, cs: rd.apply_rotary_emb_wan(x, cs[0][:, :4], cs[1]), "freqs_cos"),
     (lambda x, cs: rd.apply_rotary_emb_ltx(x, cs), "3-D"),

@@ -72,11 +72,15 @@ def _check_x(x, name="x"):
         raise ValueError(f"{name}.size(-1) = {x.shape[-1]} must be even")
 
 
-def _check_tables(x, cos, sin):
+def _check_float_tables(cos, sin):
     for t, name in ((cos, "cos"), (sin, "sin")):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"freqs_cis: {name} must be a floating-point tensor, got {got}")
+
+
+def _check_tables(x, cos, sin):
+    for t, name in ((cos, "cos"), (sin, "sin")):
         if t.shape[-1] != x.shape[-1]:
             raise ValueError(f"freqs_cis: {name} of shape {list(t.shape)} must have the head dim "
                              f"x.size(-1) = {x.shape[-1]} as its last dim")
@@ -103,6 +107,7 @@ def _real(x, cos, sin, interleaved, place=lambda t: t):
     indexing), computed in float32 (float64 for float64 x) and returned in x's dtype. The check
     for one entry per pair looks at cos and sin themselves, the objects a model passes to every
     layer, so that it is remembered."""
+    _check_float_tables(cos, sin)
     cos, sin = cos.to(x.device), sin.to(x.device)
     _check_tables(x, place(cos), place(sin))
     grads = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
@@ -214,7 +219,7 @@ def apply_rotary_emb_ltx(x, freqs):
     return _real(x, cos, sin, True)
 
 
-def _check_half_tables(x, freqs_cos, freqs_sin, want, name):
+def _check_freqs(x, freqs_cos, freqs_sin, want, name):
     _check_x(x, name)
     for t, tname in ((freqs_cos, "freqs_cos"), (freqs_sin, "freqs_sin")):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.shape[-1] != want:
@@ -235,7 +240,7 @@ def apply_rotary_emb_wan(hidden_states, freqs_cos, freqs_sin):
     them; pair (2i, 2i+1) is rotated by freqs_cos[..., 2i] and freqs_sin[..., 2i+1], exactly as
     Wan reads them (any tables). Computed in float32 (float64 if either is), in x's dtype."""
     x = hidden_states
-    _check_half_tables(x, freqs_cos, freqs_sin, x.shape[-1], "hidden_states")
+    _check_freqs(x, freqs_cos, freqs_sin, x.shape[-1], "hidden_states")
     c = float32_table(freqs_cos[..., 0::2].to(x.device))
     s = float32_table(freqs_sin[..., 1::2].to(x.device))
     return rotate_pairs(x, c, s, _math_dtype(x, c, s), interleaved=True).to(x.dtype)
@@ -245,6 +250,6 @@ def apply_rotary_emb_mochi(x, freqs_cos, freqs_sin):
     """diffusers' Mochi attention RoPE (the apply_rotary_emb inside MochiAttnProcessor2_0):
     x (B, S, H, D), freqs_cos/freqs_sin (S, H, D/2), one entry per pair (2i, 2i+1); computed in
     float32 (float64 with float64 tables), returned in x's dtype."""
-    _check_half_tables(x, freqs_cos, freqs_sin, x.shape[-1] // 2, "x")
+    _check_freqs(x, freqs_cos, freqs_sin, x.shape[-1] // 2, "x")
     c, s = float32_table(freqs_cos.to(x.device)), float32_table(freqs_sin.to(x.device))
     return _float_math(x, c, s, interleaved=True)
