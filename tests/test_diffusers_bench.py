@@ -25,8 +25,10 @@ def test_quick_run_writes_rows(tmp_path):
     assert [r["family"] for r in doc["rows"]] == ["flux", "wan"]
     for r in doc["rows"]:
         assert not r["errors"]
-        assert set(r["median_s"]) == {"rope_ext", "diffusers eager", "diffusers compiled"}
+        assert set(r["median_s"]) == {"rope_ext", "diffusers eager", "diffusers compiled",
+                                      "rope_ext compiled"}
         assert r["x vs diffusers eager"] > 0 and r["x vs diffusers compiled"] > 0
+        assert r["compiled x vs diffusers compiled"] > 0
     table = (tmp_path / "diffusers-cpu.md").read_text()
     assert "FLUX.1" in table and "Wan" in table
 

@@ -202,13 +202,19 @@ def test_inference_mode_tables():
         close(rd.apply_rotary_emb(x, (cos, sin)), emb.apply_rotary_emb(x, (cos, sin)), torch.float32)
 
 
-def test_compiled_drop_in():
+@pytest.mark.parametrize("unbind", [-1, -2])
+def test_compiled_drop_in(unbind):
+    # In a graph the pairs' comparison runs each call and torch.cond picks the path.
     x = torch.randn(1, 7, 2, 16)
     compiled = torch.compile(rd.apply_rotary_emb, fullgraph=True, backend="aot_eager")
-    for duplicated in (True, False):
-        cos, sin = tables(7, 16, True, duplicated)
-        close(compiled(x, (cos, sin), sequence_dim=1),
-              emb.apply_rotary_emb(x, (cos, sin), sequence_dim=1), torch.float32)
+    kw = dict(sequence_dim=1, use_real_unbind_dim=unbind)
+    for duplicated in (True, False, True):
+        cos, sin = tables(7, 16, unbind == -1, duplicated)
+        close(compiled(x, (cos, sin), **kw), emb.apply_rotary_emb(x, (cos, sin), **kw), torch.float32)
+        xs = [x.clone().requires_grad_() for _ in range(2)]
+        compiled(xs[0], (cos, sin), **kw).pow(2).sum().backward()
+        emb.apply_rotary_emb(xs[1], (cos, sin), **kw).pow(2).sum().backward()
+        close(xs[0].grad, xs[1].grad, torch.float32)
 
 
 @pytest.mark.parametrize("call, match", [

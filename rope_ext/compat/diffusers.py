@@ -13,9 +13,10 @@ diffusers' for any tables all the same: a table whose two entries of some pair d
 that requires grad) goes through two passes, each exact for one member of every pair, so values
 and gradients are diffusers' own. Which case a table is takes one comparison of its two halves,
 remembered per table object and version (a model computes its table once per forward and passes
-it to every attention layer; inference tensors have no version, and are compared at each call);
-under torch.compile nothing can be remembered, and the two passes
-serve. See docs/diffusers.md.
+it to every attention layer; inference tensors have no version, and are compared at each call).
+Under torch.compile the comparison runs in the graph at each call and torch.cond picks the path
+(the two passes where x needs a gradient); tensor subclasses take the two passes. See
+docs/diffusers.md.
 """
 
 import weakref
@@ -49,6 +50,8 @@ def _one_per_pair(table, interleaved):
     value, else None. Remembered per table object and version, outside torch.compile."""
     if torch.compiler.is_compiling() or table.device.type == "meta":
         return None
+    if type(table) not in (torch.Tensor, torch.nn.Parameter):
+        return None  # fake, functional, distributed tensors: no data to compare here
     if table.is_inference():  # no version counter to tell an in-place change: check each call
         first, second = _members(table, interleaved)
         return float32_table(first) if torch.equal(first, second) else None
@@ -102,6 +105,29 @@ def _float_math(x, c, s, interleaved):
     return rotate_pairs(x, c, s, dtype, interleaved).to(x.dtype)
 
 
+def _two_passes(x, cos, sin, interleaved):
+    """Exact for any placed full-width tables: one pass per member of the pairs."""
+    (c0, c1), (s0, s1) = _members(cos, interleaved), _members(sin, interleaved)
+    first = _float_math(x, float32_table(c0), float32_table(s0), interleaved)
+    second = _float_math(x, float32_table(c1), float32_table(s1), interleaved)
+    if interleaved:
+        return torch.stack((first[..., 0::2], second[..., 1::2]), dim=-1).flatten(-2)
+    half = x.shape[-1] // 2
+    return torch.cat((first[..., :half], second[..., half:]), dim=-1)
+
+
+def _one_pass(x, cos, sin, interleaved):
+    """For placed full-width tables whose pairs hold one value: each pair's first entry."""
+    return _float_math(x, float32_table(_members(cos, interleaved)[0]),
+                       float32_table(_members(sin, interleaved)[0]), interleaved)
+
+
+def _paired_pred(cos, sin, interleaved):
+    """A 0-d bool tensor: both tables hold one value per pair."""
+    (c0, c1), (s0, s1) = _members(cos, interleaved), _members(sin, interleaved)
+    return torch.logical_and((c0 == c1).all(), (s0 == s1).all())
+
+
 def _real(x, cos, sin, interleaved, place=lambda t: t):
     """x * cos + rotated(x) * sin for full-width tables, placed against x by `place` (diffusers'
     indexing), computed in float32 (float64 for float64 x) and returned in x's dtype. The check
@@ -111,17 +137,35 @@ def _real(x, cos, sin, interleaved, place=lambda t: t):
     cos, sin = cos.to(x.device), sin.to(x.device)
     _check_tables(x, place(cos), place(sin))
     grads = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
+    if not grads and torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad):
+        # Nothing is remembered in a graph: the comparison runs each call (a table's size, next
+        # to x's heads times that), and torch.cond takes the one pass where it may.
+        return torch.cond(_paired_pred(cos, sin, interleaved),
+                          _one_pass_true if interleaved else _one_pass_false,
+                          _two_passes_true if interleaved else _two_passes_false,
+                          (x, place(cos), place(sin)))
     if not grads:
         c, s = _one_per_pair(cos, interleaved), _one_per_pair(sin, interleaved)
         if c is not None and s is not None:
             return _float_math(x, place(c), place(s), interleaved)
-    (c0, c1), (s0, s1) = _members(place(cos), interleaved), _members(place(sin), interleaved)
-    first = _float_math(x, float32_table(c0), float32_table(s0), interleaved)
-    second = _float_math(x, float32_table(c1), float32_table(s1), interleaved)
-    if interleaved:
-        return torch.stack((first[..., 0::2], second[..., 1::2]), dim=-1).flatten(-2)
-    half = x.shape[-1] // 2
-    return torch.cat((first[..., :half], second[..., half:]), dim=-1)
+    return _two_passes(x, place(cos), place(sin), interleaved)
+
+
+# torch.cond's branches: functions of tensors only.
+def _one_pass_true(x, cos, sin):
+    return _one_pass(x, cos, sin, True)
+
+
+def _one_pass_false(x, cos, sin):
+    return _one_pass(x, cos, sin, False)
+
+
+def _two_passes_true(x, cos, sin):
+    return _two_passes(x, cos, sin, True)
+
+
+def _two_passes_false(x, cos, sin):
+    return _two_passes(x, cos, sin, False)
 
 
 def _at_seq2(t):
