@@ -54,3 +54,42 @@ def cos_sin_cache(max_position, rotary_dim, *, base=10000.0, scaling=None, dtype
         check_int(seq_len, "cos_sin_cache: seq_len", 1)
     inv_freq, attention = rope_parameters(scaling, rotary_dim, base, max_position, seq_len, device)
     return table_rows(max_position, inv_freq, attention, dtype, device)
+
+
+def _check_axes(positions, axes_dim, theta):
+    if not isinstance(positions, torch.Tensor) or positions.dim() < 1 or positions.dtype == torch.bool \
+            or positions.is_complex():
+        got = f"{positions.dtype} of shape {list(positions.shape)}" if isinstance(positions, torch.Tensor) \
+            else type(positions).__name__
+        raise ValueError(f"multi_axis_cos_sin: positions must be a real tensor (..., n_axes), got {got}")
+    dims = list(axes_dim)
+    if not dims or any(isinstance(d, bool) or not isinstance(d, int) or d < 2 or d % 2 for d in dims):
+        raise ValueError(f"multi_axis_cos_sin: axes_dim must be a non-empty sequence of positive even "
+                         f"ints, got {axes_dim!r}")
+    if positions.shape[-1] != len(dims):
+        raise ValueError(f"multi_axis_cos_sin: positions of shape {list(positions.shape)} must have "
+                         f"len(axes_dim) = {len(dims)} axes in its last dim")
+    thetas = list(theta) if isinstance(theta, (list, tuple)) else [theta] * len(dims)
+    if len(thetas) != len(dims) or not all(float(t) > 0 for t in thetas):
+        raise ValueError(f"multi_axis_cos_sin: theta must be a positive number or one per axis "
+                         f"({len(dims)}), got {theta!r}")
+    return dims, [float(t) for t in thetas]
+
+
+def multi_axis_cos_sin(positions, axes_dim, theta=10000.0, *, dtype=torch.float32):
+    """cos and sin tables for N-axis positions (docs/math.md "Multi-axis tables"): positions
+    (..., n_axes), integer or float (FLUX's ids, Wan's and HunyuanVideo's frame/height/width);
+    axes_dim: n_axes even ints; theta: one base, or one per axis. Axis a owns axes_dim[a] / 2
+    consecutive pairs, in axis order; its pair j turns by positions[..., a] / theta_a^(2j / d_a).
+    Returns (cos, sin), each positions.shape[:-1] + (sum(axes_dim) / 2,), one entry per pair, on
+    positions' device: angles and cos/sin in float64, rounded once to `dtype`. They serve
+    rope_ext.apply_rope directly (a heads dim of size 1 to broadcast); diffusers' full-width
+    (cos, sin) is each repeated per pair (repeat_interleave(2, -1))."""
+    dims, thetas = _check_axes(positions, axes_dim, theta)
+    pos = positions.to(torch.float64)
+    angles = []
+    for a, (d, t) in enumerate(zip(dims, thetas)):
+        inv_freq = 1.0 / (t ** (torch.arange(0, d, 2, dtype=torch.float64, device=pos.device) / d))
+        angles.append(pos[..., a, None] * inv_freq)
+    angles = torch.cat(angles, dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)

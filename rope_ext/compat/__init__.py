@@ -10,8 +10,9 @@ its peer. docs/migrating.md has the one-line change per library.
                                    rope_quantize_fp8, mla_rope_quantize_fp8,
                                    rope_quantize_fp8_append_paged_kv_cache
     rope_ext.compat.sglang         apply_rope_with_cos_sin_cache_inplace, FusedSetKVBufferArg
+    rope_ext.compat.diffusers      apply_rotary_emb, apply_rotary_emb_qwen, ..._ltx, ..._wan, ..._mochi
 """
 
-from . import flash_attn, flashinfer, sglang, transformers, vllm
+from . import diffusers, flash_attn, flashinfer, sglang, transformers, vllm
 
-__all__ = ["flash_attn", "flashinfer", "sglang", "transformers", "vllm"]
+__all__ = ["diffusers", "flash_attn", "flashinfer", "sglang", "transformers", "vllm"]

@@ -1,0 +1,299 @@
+"""Hugging Face diffusers' RoPE functions (0.42) on rope_ext's native op, with diffusers'
+signatures, broadcasting, output dtypes and autograd.
+
+    from diffusers.models.embeddings import apply_rotary_emb
+ -> from rope_ext.compat.diffusers import apply_rotary_emb
+
+(`rope_ext.integrations.diffusers.patch(model)` routes a whole model through these.)
+
+The tables. diffusers' real form passes cos/sin of the full head dim, each pair's angle written
+twice: `repeat_interleave` (pairs (2i, 2i+1), `use_real_unbind_dim=-1`) or `cat` (pairs
+(i, i + D/2), `use_real_unbind_dim=-2`). rope_ext reads one entry per pair, once. Its output is
+diffusers' for any tables all the same: a table whose two entries of some pair differ (or a table
+that requires grad) goes through two passes, each exact for one member of every pair, so values
+and gradients are diffusers' own. Which case a table is takes one comparison of its two halves,
+remembered per table object and version (a model computes its table once per forward and passes
+it to every attention layer; inference tensors have no version, and are compared at each call).
+Under torch.compile the comparison runs in the graph at each call and torch.cond picks the path
+(the two passes where x needs a gradient); tensor subclasses take the two passes. See
+docs/diffusers.md.
+"""
+
+import weakref
+
+import torch
+
+from ._layout import float32_table, rotate_pairs
+
+# (id(table), interleaved) -> (weakref to table, table._version, the one-entry-per-pair cos or
+# sin as a contiguous float32 tensor, or None where the pairs' entries differ)
+_PAIRED = {}
+
+
+def _forget(key, ref):
+    entry = _PAIRED.get(key)
+    if entry is not None and entry[0] is ref:
+        del _PAIRED[key]
+
+
+def _members(table, interleaved):
+    """The two (..., D/2) views of a full-width table: the entry of each pair's first member, and
+    of its second."""
+    if interleaved:
+        return table[..., 0::2], table[..., 1::2]
+    half = table.shape[-1] // 2
+    return table[..., :half], table[..., half:]
+
+
+def _one_per_pair(table, interleaved):
+    """The (..., D/2) table of one entry per pair when both members of every pair hold the same
+    value, else None. Remembered per table object and version, outside torch.compile."""
+    if torch.compiler.is_compiling() or table.device.type == "meta":
+        return None
+    if type(table) not in (torch.Tensor, torch.nn.Parameter):
+        return None  # fake, functional, distributed tensors: no data to compare here
+    if table.is_inference():  # no version counter to tell an in-place change: check each call
+        first, second = _members(table, interleaved)
+        return float32_table(first) if torch.equal(first, second) else None
+    key = (id(table), interleaved)
+    entry = _PAIRED.get(key)
+    if entry is not None and entry[0]() is table and entry[1] == table._version:
+        return entry[2]
+    first, second = _members(table, interleaved)
+    paired = float32_table(first).contiguous() if torch.equal(first, second) else None
+    ref = weakref.ref(table, lambda r, key=key: _forget(key, r))
+    _PAIRED[key] = (ref, table._version, paired)
+    return paired
+
+
+def _check_x(x, name="x"):
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 4:
+        what = f"{x.dtype} tensor of shape {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be a 4-D floating-point tensor (batch, heads, seq, head_dim) "
+                         f"or (batch, seq, heads, head_dim), got {what}")
+    if x.shape[-1] % 2:
+        raise ValueError(f"{name}.size(-1) = {x.shape[-1]} must be even")
+
+
+def _check_float_tables(cos, sin):
+    for t, name in ((cos, "cos"), (sin, "sin")):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"freqs_cis: {name} must be a floating-point tensor, got {got}")
+
+
+def _check_tables(x, cos, sin):
+    for t, name in ((cos, "cos"), (sin, "sin")):
+        if t.shape[-1] != x.shape[-1]:
+            raise ValueError(f"freqs_cis: {name} of shape {list(t.shape)} must have the head dim "
+                             f"x.size(-1) = {x.shape[-1]} as its last dim")
+    try:
+        torch.broadcast_shapes(x.shape, cos.shape, sin.shape)
+    except RuntimeError:
+        raise ValueError(f"freqs_cis: cos {list(cos.shape)} and sin {list(sin.shape)} (as placed "
+                         f"against x) do not broadcast with x of shape {list(x.shape)}") from None
+
+
+def _float_math(x, c, s, interleaved):
+    """rotate_pairs as diffusers computes `x.float() * cos + ...`: in float32 (float64 x too,
+    which diffusers rounds to float32 first), in float64 when a table is float64; returned in
+    x's dtype. Half-precision x needs no copy: the op computes in float32 and rounds once."""
+    if torch.float64 in (c.dtype, s.dtype):
+        dtype = torch.float64
+    else:
+        dtype = torch.float32 if x.dtype == torch.float64 else x.dtype
+    return rotate_pairs(x, c, s, dtype, interleaved).to(x.dtype)
+
+
+def _two_passes(x, cos, sin, interleaved):
+    """Exact for any placed full-width tables: one pass per member of the pairs."""
+    (c0, c1), (s0, s1) = _members(cos, interleaved), _members(sin, interleaved)
+    first = _float_math(x, float32_table(c0), float32_table(s0), interleaved)
+    second = _float_math(x, float32_table(c1), float32_table(s1), interleaved)
+    if interleaved:
+        return torch.stack((first[..., 0::2], second[..., 1::2]), dim=-1).flatten(-2)
+    half = x.shape[-1] // 2
+    return torch.cat((first[..., :half], second[..., half:]), dim=-1)
+
+
+def _one_pass(x, cos, sin, interleaved):
+    """For placed full-width tables whose pairs hold one value: each pair's first entry."""
+    return _float_math(x, float32_table(_members(cos, interleaved)[0]),
+                       float32_table(_members(sin, interleaved)[0]), interleaved)
+
+
+def _paired_pred(cos, sin, interleaved):
+    """A 0-d bool tensor: both tables hold one value per pair."""
+    (c0, c1), (s0, s1) = _members(cos, interleaved), _members(sin, interleaved)
+    return torch.logical_and((c0 == c1).all(), (s0 == s1).all())
+
+
+def _real(x, cos, sin, interleaved, place=lambda t: t):
+    """x * cos + rotated(x) * sin for full-width tables, placed against x by `place` (diffusers'
+    indexing), computed in float32 (float64 for float64 x) and returned in x's dtype. The check
+    for one entry per pair looks at cos and sin themselves, the objects a model passes to every
+    layer, so that it is remembered."""
+    _check_float_tables(cos, sin)
+    cos, sin = cos.to(x.device), sin.to(x.device)
+    _check_tables(x, place(cos), place(sin))
+    grads = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
+    if not grads and torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad):
+        # Nothing is remembered in a graph: the comparison runs each call (a table's size, next
+        # to x's heads times that), and torch.cond takes the one pass where it may.
+        return torch.cond(_paired_pred(cos, sin, interleaved),
+                          _one_pass_true if interleaved else _one_pass_false,
+                          _two_passes_true if interleaved else _two_passes_false,
+                          (x, place(cos), place(sin)))
+    if not grads:
+        c, s = _one_per_pair(cos, interleaved), _one_per_pair(sin, interleaved)
+        if c is not None and s is not None:
+            return _float_math(x, place(c), place(s), interleaved)
+    return _two_passes(x, place(cos), place(sin), interleaved)
+
+
+# torch.cond's branches: functions of tensors only.
+def _one_pass_true(x, cos, sin):
+    return _one_pass(x, cos, sin, True)
+
+
+def _one_pass_false(x, cos, sin):
+    return _one_pass(x, cos, sin, False)
+
+
+def _two_passes_true(x, cos, sin):
+    return _two_passes(x, cos, sin, True)
+
+
+def _two_passes_false(x, cos, sin):
+    return _two_passes(x, cos, sin, False)
+
+
+def _at_seq2(t):
+    return t[None, None, :, :]
+
+
+def _at_seq1(t):
+    return t[None, :, None, :]
+
+
+def _at_front(t):
+    return t[None, None]
+
+
+def _complex(x, freqs_cis, unsqueeze_dim):
+    """diffusers' complex form: x's interleaved pairs as complex numbers times
+    freqs_cis.unsqueeze(unsqueeze_dim), in x's dtype."""
+    if not isinstance(freqs_cis, torch.Tensor) or not freqs_cis.is_complex():
+        got = freqs_cis.dtype if isinstance(freqs_cis, torch.Tensor) else type(freqs_cis).__name__
+        raise ValueError(f"freqs_cis must be a complex tensor when use_real=False, got {got}")
+    f = freqs_cis.unsqueeze(unsqueeze_dim).to(x.device)
+    pairs = x.shape[:-1] + (x.shape[-1] // 2,)
+    try:
+        shape = torch.broadcast_shapes(pairs, f.shape)
+    except RuntimeError:
+        shape = None
+    if shape is None or len(shape) != 4 or shape[-1] != pairs[-1]:
+        raise ValueError(f"freqs_cis of shape {list(freqs_cis.shape)}, unsqueezed at dim "
+                         f"{unsqueeze_dim}, must broadcast with x's {list(pairs)} complex pairs "
+                         f"to 4 dims ending in {pairs[-1]}")
+    ri = torch.view_as_real(f)
+    return _float_math(x, ri[..., 0], ri[..., 1], interleaved=True)
+
+
+def _unbind_layout(use_real_unbind_dim):
+    if use_real_unbind_dim == -1:
+        return True
+    if use_real_unbind_dim == -2:
+        return False
+    raise ValueError(f"`use_real_unbind_dim={use_real_unbind_dim}` but should be -1 or -2.")
+
+
+def _cos_sin(freqs_cis):
+    try:
+        cos, sin = freqs_cis
+    except (TypeError, ValueError):
+        raise ValueError("freqs_cis must be a (cos, sin) pair of tensors when use_real=True, got "
+                         f"{type(freqs_cis).__name__}") from None
+    return cos, sin
+
+
+def apply_rotary_emb(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequence_dim=2):
+    """diffusers.models.embeddings.apply_rotary_emb: returns x rotated, in x's dtype.
+
+    x: (B, H, S, D) for sequence_dim=2, (B, S, H, D) for sequence_dim=1.
+    use_real=True: freqs_cis = (cos, sin), each (S, D) (anything diffusers' indexing
+    cos[None, None, :, :] / cos[None, :, None, :] broadcasts against x), computed in float32
+    (float64 x included, as diffusers' x.float() does; float64 tables: float64);
+    use_real_unbind_dim=-1 rotates pairs (2i, 2i+1) (FLUX, HunyuanVideo, CogVideoX), -2 pairs
+    (i, i + D/2) (CogView4, Stable Audio, OmniGen, Cosmos).
+    use_real=False: freqs_cis is complex and multiplies x's (2i, 2i+1) pairs after
+    freqs_cis.unsqueeze(2) (Lumina: freqs_cis (B, S, D/2) against x (B, S, H, D)); sequence_dim
+    is not read, as in diffusers.
+    Differentiable w.r.t. x and the tables."""
+    _check_x(x)
+    if not use_real:
+        return _complex(x, freqs_cis, 2)
+    interleaved = _unbind_layout(use_real_unbind_dim)
+    if sequence_dim not in (1, 2):
+        raise ValueError(f"`sequence_dim={sequence_dim}` but should be 1 or 2.")
+    cos, sin = _cos_sin(freqs_cis)
+    return _real(x, cos, sin, interleaved, _at_seq2 if sequence_dim == 2 else _at_seq1)
+
+
+def apply_rotary_emb_qwen(x, freqs_cis, use_real=True, use_real_unbind_dim=-1):
+    """diffusers' QwenImage apply_rotary_emb_qwen: x (B, S, H, D). use_real=False (what
+    QwenImage's processors use): complex freqs_cis (S, D/2), unsqueezed at dim 1, multiplies
+    the (2i, 2i+1) pairs. use_real=True: (cos, sin) placed as cos[None, None], as diffusers does."""
+    _check_x(x)
+    if not use_real:
+        return _complex(x, freqs_cis, 1)
+    interleaved = _unbind_layout(use_real_unbind_dim)
+    cos, sin = _cos_sin(freqs_cis)
+    return _real(x, cos, sin, interleaved, _at_front)
+
+
+def apply_rotary_emb_ltx(x, freqs):
+    """diffusers' LTX-Video apply_rotary_emb(x, freqs) of transformer_ltx: x (B, S, C) with the
+    heads still flat, freqs = (cos, sin) of shape (B, S, C), pairs (2i, 2i+1) across C."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 3 or x.shape[-1] % 2:
+        what = f"{x.dtype} tensor of shape {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be a 3-D floating-point tensor (batch, seq, channels) with an even "
+                         f"channel count, got {what}")
+    cos, sin = _cos_sin(freqs)
+    return _real(x, cos, sin, True)
+
+
+def _check_freqs(x, freqs_cos, freqs_sin, want, name):
+    _check_x(x, name)
+    for t, tname in ((freqs_cos, "freqs_cos"), (freqs_sin, "freqs_sin")):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.shape[-1] != want:
+            got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{tname} must be a floating-point tensor whose last dim is {want}, "
+                             f"got {got}")
+
+
+def _math_dtype(x, c, s):
+    """The dtype rotate_pairs computes in to match diffusers' float32 math: float64 where any
+    operand is (a copy of x then), else x's own (the op computes in float32 and rounds once)."""
+    return torch.float64 if torch.float64 in (x.dtype, c.dtype, s.dtype) else x.dtype
+
+
+def apply_rotary_emb_wan(hidden_states, freqs_cos, freqs_sin):
+    """diffusers' Wan attention RoPE (the apply_rotary_emb inside WanAttnProcessor.__call__):
+    hidden_states (B, S, H, D), freqs_cos/freqs_sin (1, S, 1, D) as WanRotaryPosEmbed returns
+    them; pair (2i, 2i+1) is rotated by freqs_cos[..., 2i] and freqs_sin[..., 2i+1], exactly as
+    Wan reads them (any tables). Computed in float32 (float64 if either is), in x's dtype."""
+    x = hidden_states
+    _check_freqs(x, freqs_cos, freqs_sin, x.shape[-1], "hidden_states")
+    c = float32_table(freqs_cos[..., 0::2].to(x.device))
+    s = float32_table(freqs_sin[..., 1::2].to(x.device))
+    return rotate_pairs(x, c, s, _math_dtype(x, c, s), interleaved=True).to(x.dtype)
+
+
+def apply_rotary_emb_mochi(x, freqs_cos, freqs_sin):
+    """diffusers' Mochi attention RoPE (the apply_rotary_emb inside MochiAttnProcessor2_0):
+    x (B, S, H, D), freqs_cos/freqs_sin (S, H, D/2), one entry per pair (2i, 2i+1); computed in
+    float32 (float64 with float64 tables), returned in x's dtype."""
+    _check_freqs(x, freqs_cos, freqs_sin, x.shape[-1] // 2, "x")
+    c, s = float32_table(freqs_cos.to(x.device)), float32_table(freqs_sin.to(x.device))
+    return _float_math(x, c, s, interleaved=True)
