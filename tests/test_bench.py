@@ -228,11 +228,12 @@ def test_case_groups_are_modules_with_the_group_interface():
 
 def test_quick_run_of_the_case_groups_writes_their_tables(tmp_path):
     run = _run("--quick", "--cases", "calls,dropins,models", "--dtypes", "float32", "--threads", "1",
-             "--out", str(tmp_path))
+               "--clock", "thread", "--out", str(tmp_path))
     assert run.returncode == 0, run.stdout + run.stderr
     doc = json.loads((tmp_path / "cpu-calls-dropins-models-quick.json").read_text())
     md = (tmp_path / "cpu-calls-dropins-models-quick.md").read_text()
     assert doc["results"] == [] and doc["errors"] == [], doc["errors"]
+    assert doc["meta"]["timing"].startswith("time.thread_time")
     assert list(doc["groups"]) == ["calls", "dropins", "models"]
     calls = doc["groups"]["calls"]["rows"]
     assert {r["mode"] for r in calls} == {"inference_mode", "no_grad"}
@@ -249,3 +250,8 @@ def test_quick_run_of_the_case_groups_writes_their_tables(tmp_path):
         assert all(r.get("same_tokens", True) for r in models["rows"])
     for name, g in doc["groups"].items():
         assert g["table"] in md and g["table"] in run.stdout
+
+
+def test_thread_clock_needs_one_thread():
+    r = _run("--clock", "thread", "--threads", "2", "--cases", "calls", timeout=120)
+    assert r.returncode == 2 and "--clock thread times the calling thread only" in r.stderr

@@ -17,7 +17,7 @@ from rope_ext import envs
 from . import dropins, groups, malloc, peers, plot, report
 from .cases import DTYPES, QUICK_CASES, Inputs, cases_for, default_cases
 from .rows import KINDS, OPS, limit_rows, op_rows
-from .timing import clock_class, clock_for, measure_interleaved
+from .timing import CLOCKS, clock_class, clock_for, measure_interleaved
 
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
@@ -106,6 +106,10 @@ def parse(argv):
     p.add_argument("--min-block-ms", type=float, default=None,
                    help="least duration of a timed block (default 20 on cpu, 5 on cuda, 2 quick)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads first")
+    p.add_argument("--clock", choices=CLOCKS, default="wall",
+                   help="cpu: time blocks by the wall clock (default) or by the calling thread's CPU "
+                   "time (thread: needs --threads 1; leaves out the waits for a core on a machine "
+                   "other jobs load)")
     p.add_argument("--malloc", choices=("pinned", "default"), default="pinned",
                    help="cpu: pin glibc's malloc thresholds for the run (rope_bench/malloc.py)")
     p.add_argument("--time-budget", type=float, default=None,
@@ -162,7 +166,7 @@ def meta_for(args):
         "cpu_isa": rope_ext.cpu_isa(), "threads": torch.get_num_threads(),
         "stream_threshold_bytes": _stream_threshold(),
         "repeat": args.repeat, "min_block_ms": args.min_block_s * 1e3,
-        "timing": clock_class(dev).name,
+        "timing": clock_class(dev, args.clock).name,
         "mode": "torch.inference_mode()",
         "env": {k: os.environ[k] for k in ENV_RECORDED if os.environ.get(k)},
         "thp": {"enabled": _sysfs("/sys/kernel/mm/transparent_hugepage/enabled"),
@@ -191,7 +195,7 @@ def run_case(args, case, shape, dtype_name, dropin_module, doc):
         doc["errors"].append({"case": case, "dtype": dtype_name, "name": name, "error": msg})
         print(f"  {case:9s} {dtype_name:8s} {name:30s} FAILED {msg}", flush=True)
 
-    plan = measure_interleaved({r.name: r.fn for r in rows}, clock_for(args.device),
+    plan = measure_interleaved({r.name: r.fn for r in rows}, clock_for(args.device, args.clock),
                                repeat=args.repeat, min_block_s=args.min_block_s, on_error=failed)
     shape_d = {"tokens": shape.tokens, "q_heads": shape.q_heads, "kv_heads": shape.kv_heads,
                "head_dim": shape.head_dim}
@@ -208,7 +212,8 @@ def run_groups(args, doc, start):
     doc["groups"] = {}
     ctx = groups.Context(device=args.device, dtypes=args.dtype_list, dtypes_given=args.dtypes_given,
                          repeat=args.repeat, min_block_s=args.min_block_s,
-                         clock=clock_for(args.device), quick=args.quick, errors=doc["errors"])
+                         clock=clock_for(args.device, args.clock), quick=args.quick,
+                         errors=doc["errors"])
     for name, mod in args.group_mods.items():
         if args.time_budget is not None and time.perf_counter() - start > args.time_budget:
             doc["skipped"].append(f"group {name}: time budget ({args.time_budget:.0f} s) spent")
@@ -237,6 +242,9 @@ def main(argv=None):
     check_device(parser, args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.clock == "thread" and (args.device != "cpu" or torch.get_num_threads() != 1):
+        parser.error("--clock thread times the calling thread only: it needs --device cpu and "
+                     f"--threads 1 (torch uses {torch.get_num_threads()} threads)")
     allocator = "glibc defaults"
     if args.device == "cpu":
         if args.malloc == "pinned":

@@ -121,7 +121,8 @@ def markdown(doc):
         f"{m['device_name']}; CPU kernels: {m['cpu_isa']}; threads: {m['threads']}; "
         f"allocator: {m['allocator']}; load average {m['loadavg_start']} at start, "
         f"{m['loadavg_end']} at end. Median of {m['repeat']} blocks of >= {m['min_block_ms']} ms "
-        f"per row, the rows of a case timed round-robin; {m['mode']}.",
+        f"per row, the rows of a case timed round-robin by {m.get('timing', 'the wall clock')}; "
+        f"{m['mode']}.",
     ]
     if doc["results"] or not doc.get("groups"):
         parts += _case_tables(doc)
