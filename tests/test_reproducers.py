@@ -100,16 +100,20 @@ def test_a_slot_used_by_two_tokens_is_refused_before_any_write(impl, dtype):
     assert_close(vc, want[6], torch.float32)
 
 
-def test_every_repeated_slot_is_found_among_many_tokens():
-    # Many tokens through the simulated device set (collisions in its hash), one repeat each time.
+@pytest.mark.parametrize("cache_blocks", ["few", "many"])
+def test_every_repeated_slot_is_found_among_many_tokens(cache_blocks):
+    # Many tokens through the simulated device set (collisions in its hash), one repeat each time;
+    # on CPU a cache of few slots beside the tokens takes a bitmap, one of many a sort.
     for _ in range(4):
         T = int(torch.randint(2, 300, ()))
-        slots = torch.randperm(4 * T)[:T]
+        blocks = T if cache_blocks == "few" else 2**20  # head_dim 0: no memory for the rows
+        slots = torch.randperm(4 * blocks)[:T]
         i, j = sorted(torch.randperm(T)[:2].tolist())
         slots[j] = slots[i]
-        q, k, v = torch.randn(T, 1, 4), torch.randn(T, 1, 4), torch.randn(T, 1, 4)
-        kc, vc = torch.zeros(T, 4, 1, 4), torch.zeros(T, 4, 1, 4)
-        pos, cache = torch.zeros(T, dtype=torch.long), rope_ext.cos_sin_cache(1, 4)
+        d = 4 if cache_blocks == "few" else 0
+        q, k, v = torch.randn(T, 1, d), torch.randn(T, 1, d), torch.randn(T, 1, d)
+        kc, vc = torch.zeros(blocks, 4, 1, d), torch.zeros(blocks, 4, 1, d)
+        pos, cache = torch.zeros(T, dtype=torch.long), rope_ext.cos_sin_cache(1, 4)[:, :d]
         for impl, msg in (("op", f"got {int(slots[i])} at indices {i} and {j}"),
                           ("reference", f"got {int(slots[i])} at indices {i} and {j}"),
                           ("cuda_host", "rope: slot_mapping must not repeat a slot")):

@@ -366,7 +366,29 @@ inline void check_slots(const Tensor& slot_mapping, int64_t slots, const char* o
     used += s >= 0;
   }
   if (used < 2) return;
-  // (slot, token) of the used slots, sorted: a repeated slot's tokens end up side by side.
+  auto fail_repeat = [&](int64_t first, int64_t repeat) {
+    fail(op, ": slot_mapping must not repeat a slot (negative: padding, skipped), got ",
+         slot_at(repeat), " at indices ", first, " and ", repeat);
+  };
+  // Few slots beside the tokens (a large prefill): one bit per slot, one pass in token order.
+  const int64_t bitmap_bytes = slots / 8 + 1;
+  if (bitmap_bytes <= 64 * used) {
+    Tensor bits = torch::stable::new_zeros(slot_mapping, {bitmap_bytes}, ScalarType::Byte);
+    auto* b = static_cast<uint8_t*>(bits.mutable_data_ptr());
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t s = slot_at(t);
+      if (s < 0) continue;
+      const uint8_t bit = static_cast<uint8_t>(1u << (s & 7));
+      if (b[s >> 3] & bit) {
+        int64_t first = 0;
+        while (slot_at(first) != s) ++first;
+        fail_repeat(first, t);
+      }
+      b[s >> 3] |= bit;
+    }
+    return;
+  }
+  // Otherwise (slot, token) of the used slots, sorted: a repeated slot's tokens side by side.
   Tensor buf = torch::stable::new_empty(slot_mapping, {used, 2}, ScalarType::Long);
   auto* pairs = static_cast<std::pair<int64_t, int64_t>*>(buf.mutable_data_ptr());
   static_assert(sizeof(std::pair<int64_t, int64_t>) == 2 * sizeof(int64_t), "packed pairs");
@@ -384,8 +406,7 @@ inline void check_slots(const Tensor& slot_mapping, int64_t slots, const char* o
       first = pairs[group].second;
     }
   }
-  ROPE_CHECK(repeat == n, op, ": slot_mapping must not repeat a slot (negative: padding, skipped), "
-             "got ", slot_at(repeat), " at indices ", first, " and ", repeat);
+  if (repeat != n) fail_repeat(first, repeat);
 }
 
 // The cos_sin_cache row's sin half: half * (column stride) elements past its cos.
