@@ -1,7 +1,7 @@
 """rope_ext: rotary positional embedding (RoPE) as torch.ops.rope.* with native CPU and CUDA
 kernels, autograd, torch.compile support, and a pure-PyTorch fallback."""
 
-from . import _library, _registrations, envs, jit
+from . import _library, _qk_norm_registrations, _registrations, envs, jit
 from ._version import __version__
 
 if envs.JIT != "0":
@@ -10,6 +10,7 @@ else:
     _library.load_compiled()
     _library.apply_cpu_settings()
 _registrations.register()
+_qk_norm_registrations.register()
 from . import distributed  # noqa: E402,F401  (DTensor sharding rules, registered when torch.distributed.tensor loads)
 
 from . import reference  # noqa: E402

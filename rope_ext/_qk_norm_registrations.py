@@ -1,8 +1,8 @@
 """Python-side registrations of the fused QK-RMSNorm + RoPE ops (rope.qk_norm_rope,
 rope.qk_norm_rope_, rope.qkv_norm_rope_): the reference kernels for devices without a native
 one, fake kernels, the autograd of the out-of-place op, and for the in-place (serving) ops the
-in-place bookkeeping of torch's own in-place ops plus an error under autograd. Called from
-rope_ext._registrations.register().
+in-place bookkeeping of torch's own in-place ops plus an error under autograd. Registered by
+rope_ext/__init__.py right after rope_ext._registrations.register() (whose helpers it uses).
 """
 
 import torch
@@ -94,8 +94,9 @@ def _autograd_qkv_norm_rope_(keyset, qkv, num_heads_q, num_heads_k, num_heads_v,
 MUTABLE_OPS = ("qk_norm_rope_", "qkv_norm_rope_")
 
 
-def register(lib):
-    """Registers everything into `lib` (a torch.library.Library("rope", "IMPL"))."""
+def register():
+    lib = torch.library.Library("rope", "IMPL")
+    base._libraries.append(lib)  # kept alive with the others
     for name, kernel in (
         ("qk_norm_rope", ref.qk_norm_rope), ("qk_norm_rope_", ref.qk_norm_rope_),
         ("qkv_norm_rope_", ref.qkv_norm_rope_),

@@ -321,7 +321,3 @@ def register():
         lib.impl(name, kernel, "Autograd", with_keyset=True)
     for name in MUTABLE_OPS:
         lib.impl(name, _ad_inplace_or_view_kernel(name), "ADInplaceOrView", with_keyset=True)
-    # ---- fused QK-RMSNorm + RoPE (their own module) ----
-    from . import _qk_norm_registrations
-
-    _qk_norm_registrations.register(lib)
