@@ -6,20 +6,7 @@ import numbers
 
 import torch
 
-from .. import _qk_norm_checks
-from ..qk_norm import qk_norm_rope_, qkv_norm_rope_
-
-
-def _packed(qkv, hq, hk, hv, head_dim, q_weight, k_weight, positions, cache, eps, interleaved):
-    """rope.qkv_norm_rope_ on qkv. A plain tensor takes its q and k column views made here and
-    rope.qk_norm_rope_ (views made in Python cost less per call than the op making them); a
-    tensor subclass (DTensor) takes the packed op, whose sharding rule sees the whole qkv."""
-    if type(qkv) is not torch.Tensor:
-        qkv_norm_rope_(qkv, hq, hk, hv, head_dim, q_weight, k_weight, positions, cache, eps=eps,
-                       interleaved=interleaved)
-        return
-    q, k = _qk_norm_checks.packed_views(qkv, hq, hk, hv, head_dim)
-    qk_norm_rope_(q, k, q_weight, k_weight, positions, cache, eps=eps, interleaved=interleaved)
+from ..qk_norm import qkv_norm_rope_
 
 
 def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight,
@@ -39,8 +26,8 @@ def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps
             forced_token_heads_per_warp, numbers.Integral):
         raise TypeError(f"forced_token_heads_per_warp must be an int, got "
                         f"{forced_token_heads_per_warp!r}")
-    _packed(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight, k_weight,
-            position_ids, cos_sin_cache, eps, not is_neox)
+    qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight, k_weight,
+                   position_ids, cos_sin_cache, eps=eps, interleaved=not is_neox)
 
 
 def _yarn_tables(positions, rotary_dim, base, factor, low, high, attention_factor):
@@ -87,5 +74,5 @@ def sglang_fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_d
     table = _yarn_tables(position_ids, int(rotary_dim), float(base), float(factor), float(low),
                          float(high), float(attention_factor))
     rows = torch.arange(position_ids.shape[0], device=position_ids.device)
-    _packed(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight, k_weight, rows, table,
-            eps, not is_neox)
+    qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight, k_weight,
+                   rows, table, eps=eps, interleaved=not is_neox)
