@@ -2,7 +2,8 @@
 rope.qk_norm_rope_, rope.qkv_norm_rope_): the reference kernels for devices without a native
 one, fake kernels, the autograd of the out-of-place op, and for the in-place (serving) ops the
 in-place bookkeeping of torch's own in-place ops plus an error under autograd. Registered by
-rope_ext/__init__.py right after rope_ext._registrations.register() (whose helpers it uses).
+rope_ext/__init__.py right after rope_ext._registrations.register(), whose in-place bookkeeping it
+reuses.
 """
 
 import torch
