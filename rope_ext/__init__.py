@@ -1,7 +1,8 @@
 """rope_ext: rotary positional embedding (RoPE) as torch.ops.rope.* with native CPU and CUDA
 kernels, autograd, torch.compile support, and a pure-PyTorch fallback."""
 
-from . import _library, _registrations, envs, jit
+# _qk_norm_registrations and _quant_ops add their ops to _registrations.OPS on import
+from . import _library, _qk_norm_registrations, _quant_ops, _registrations, envs, jit  # noqa: F401
 from ._version import __version__
 
 if envs.JIT != "0":

@@ -94,6 +94,9 @@ def packed_views(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, op=OP_PAC
         shown = width if width < 2**63 else "more than 2^63"
         _fail(f"{op}: qkv.size(1) = {qkv.shape[1]} must be (num_heads_q + num_heads_k + "
               f"num_heads_v) * head_dim = ({hq} + {hk} + {hv}) * {d} = {shown}")
+    if qkv.shape[1] > 1 and qkv.stride(1) != 1:
+        _fail(f"{op}: qkv must have unit stride along its columns (qkv.stride(1) == 1), got "
+              f"strides {list(qkv.stride())}")
     query = qkv[:, : hq * d].unflatten(1, (hq, d))
     key = qkv[:, hq * d : (hq + hk) * d].unflatten(1, (hk, d))
     return query, key

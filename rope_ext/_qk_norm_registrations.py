@@ -2,7 +2,7 @@
 rope.qk_norm_rope_, rope.qkv_norm_rope_): the reference kernels for devices without a native
 one, fake kernels, the autograd of the out-of-place op, and for the in-place (serving) ops the
 in-place bookkeeping of torch's own in-place ops plus an error under autograd. Their entries
-join rope_ext._registrations.OPS, which registers them like every op.
+join rope_ext._registrations.OPS on import, which registers them like every op.
 """
 
 import torch
@@ -100,3 +100,6 @@ def ops_table(op_type):
         "qkv_norm_rope_": op_type(ref.qkv_norm_rope_, _fake_qkv_norm_rope_,
                                   mutable_autograd=_autograd_qkv_norm_rope_),
     }
+
+
+base.OPS.update(ops_table(base.Op))

@@ -22,6 +22,7 @@ finite value (NaN stays NaN) with round-to-nearest-even: what FlashInfer's kerne
 import torch
 
 from . import _quant_checks as qc
+from . import _registrations as base
 from .reference import _join_pairs, _split_pairs
 
 ops = torch.ops.rope
@@ -131,7 +132,7 @@ def _fake_paged(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, q_rop
 # ---- autograd: serving ops, not differentiable; the version bump of what they write ----
 
 def _autograd_kernel(name):
-    from . import _registrations as reg
+    reg = base
 
     def kernel(keyset, *args, **kwargs):
         op = getattr(ops, name).default
@@ -156,3 +157,6 @@ def ops_table(op_type):
             quantize_fp8_append_paged_kv_cache, _fake_paged,
             mutable_autograd=_autograd_kernel("quantize_fp8_append_paged_kv_cache")),
     }
+
+
+base.OPS.update(ops_table(base.Op))

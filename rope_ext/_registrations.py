@@ -369,7 +369,6 @@ from . import _quant_ops  # noqa: E402
 
 OPS.update(_qk_norm_registrations.ops_table(Op))  # fused QK-RMSNorm + RoPE
 OPS.update(_quant_ops.ops_table(Op))  # RoPE + FP8 quantization
-MUTABLE_OPS = tuple(name for name, op in OPS.items() if op.mutable_autograd is not None)
 
 
 def routed(name):

@@ -263,6 +263,8 @@ PACKED_CASES = [
     ("negative_heads", dict(hv=-1), r"num_heads_v must be an int >= 0, got -1"),
     ("qkv_dims", dict(qkv=torch.randn(5, 1, 64)), r"qkv must have shape \(num_tokens, "),
     ("int_qkv", dict(qkv=torch.zeros(5, 64, dtype=torch.long)), r"qkv must be float16"),
+    ("qkv_columns_strided", dict(qkv=torch.randn(64, 5).t()),
+     r"qkv must have unit stride along its columns \(qkv.stride\(1\) == 1\), got strides \[1, 5\]"),
     ("weight_shape", dict(wq=torch.randn(8)), r"q_weight must have shape \(head_dim,\) = \(16,\), got \[8\]"),
     ("weight_dtype", dict(wk=torch.ones(16, dtype=torch.int32)), r"k_weight must be float16, bfloat16, float32 or float64, got Int"),
     ("rotary_odd", dict(cache=torch.randn(10, 7)), r"rotary_dim = cos_sin_cache.size\(1\) = 7 must be even and <= head_dim = 16"),

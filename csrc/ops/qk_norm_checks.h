@@ -106,6 +106,9 @@ inline std::pair<Tensor, Tensor> qkv_views(const Tensor& qkv, int64_t hq, int64_
              " must be (num_heads_q + num_heads_k + num_heads_v) * head_dim = (", hq, " + ", hk,
              " + ", hv, ") * ", head_dim, " = ",
              fits ? std::to_string(width) : std::string("more than 2^63"));
+  ROPE_CHECK(m.sizes[1] <= 1 || m.strides[1] == 1, op,
+             ": qkv must have unit stride along its columns (qkv.stride(1) == 1), got strides ",
+             list_str(m.strides, m.dim));
   const int64_t tokens = m.sizes[0];
   Tensor base = qkv;  // narrow takes a non-const reference; this is a handle copy
   Tensor q = torch::stable::narrow(base, 1, 0, hq * head_dim);
