@@ -363,12 +363,9 @@ OPS = {
     "shift_kv_cache_": Op(_ref_shift_kv_cache_, _fake_shift_kv_cache_,
                           mutable_autograd=_autograd_shift_kv_cache_),
 }
-from . import _qk_norm_registrations  # noqa: E402  (its functions reach this module at call time)
-
-from . import _quant_ops  # noqa: E402
-
-OPS.update(_qk_norm_registrations.ops_table(Op))  # fused QK-RMSNorm + RoPE
-OPS.update(_quant_ops.ops_table(Op))  # RoPE + FP8 quantization
+# Op families in modules of their own add their entries on import (rope_ext/__init__.py imports
+# them before register()): _qk_norm_registrations (fused QK-RMSNorm + RoPE), _quant_ops (RoPE +
+# FP8 quantization).
 
 
 def routed(name):
