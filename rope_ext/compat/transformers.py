@@ -61,39 +61,40 @@ ONE_CALL_NUMEL = 1 << 16
 
 
 def _fast_path(q, k, cos, sin, unsqueeze_dim):
-    """(q_embed, k_embed) for the common call, in as few tensor ops as possible: transformers'
-    layouts (batch, heads, seq, head_dim) or (batch, seq, heads, head_dim), tables (batch, seq,
+    """(q_embed, k_embed) for the common call, in as few tensor ops and Python steps as possible
+    (at decode sizes the call costs about what the rotation does): transformers' layouts
+    (batch, heads, seq, head_dim) or (batch, seq, heads, head_dim), tables (batch, seq,
     rotary_dim) of q's dtype needing no gradient; None for anything else (the general path)."""
     dtype = q.dtype
-    if (k.dtype != dtype or cos.dtype != dtype or sin.dtype != dtype or q.dim() != 4
-            or k.dim() != 4 or cos.dim() != 3 or unsqueeze_dim not in (1, 2)
-            or (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad))):
+    if (cos.requires_grad or sin.requires_grad or k.dtype != dtype or cos.dtype != dtype
+            or sin.dtype != dtype or unsqueeze_dim not in (1, 2)):
         return None
-    rot, head_dim = cos.shape[-1], q.shape[-1]
-    if (sin.shape != cos.shape or rot % 2 or rot == 0 or rot > head_dim
-            or k.shape[-1] != head_dim):
+    q_shape, k_shape, shape = q.shape, k.shape, cos.shape
+    if len(q_shape) != 4 or len(k_shape) != 4 or len(shape) != 3 or sin.shape != shape:
         return None
-    # cos.unsqueeze(unsqueeze_dim)[..., :rot // 2] in one view op (the op costs most per tensor
-    # at these sizes; a fresh as_strided view is its cheapest argument).
+    b, t, rot = shape
+    head_dim = q_shape[3]
+    if rot % 2 or rot == 0 or rot > head_dim or k_shape[3] != head_dim:
+        return None
+    half = rot // 2
     if torch.compiler.is_compiling():
         # A traced graph has no storage offsets, and no per-call cost for a copy to save.
-        c = float32_table(cos.unsqueeze(unsqueeze_dim)[..., : rot // 2])
-        s = float32_table(sin.unsqueeze(unsqueeze_dim)[..., : rot // 2])
+        c = float32_table(cos.unsqueeze(unsqueeze_dim)[..., :half])
+        s = float32_table(sin.unsqueeze(unsqueeze_dim)[..., :half])
         return ops.apply(q, c, s, False), ops.apply(k, c, s, False)
-    (b, t, _), (sb, st, sd) = cos.shape, cos.stride()
-    size, stride = ((b, 1, t, rot // 2), (sb, 0, st, sd)) if unsqueeze_dim == 1 else \
-        ((b, t, 1, rot // 2), (sb, st, 0, sd))
-    c = cos.as_strided(size, stride, cos.storage_offset())
-    s = sin.as_strided(size, stride, sin.storage_offset()) if sin.stride() == cos.stride() else \
-        sin.unsqueeze(unsqueeze_dim)[..., : rot // 2]
-    return _rotate_both(q, k, c, s, unsqueeze_dim)
-
-
-def _rotate_both(q, k, c, s, unsqueeze_dim):
-    q_shape, k_shape = q.shape, k.shape
-    if (q.numel() + k.numel() <= ONE_CALL_NUMEL
-            and q_shape[:unsqueeze_dim] == k_shape[:unsqueeze_dim]
-            and q_shape[unsqueeze_dim + 1:] == k_shape[unsqueeze_dim + 1:]):
+    # cos.unsqueeze(unsqueeze_dim)[..., :half] in one view op: a fresh as_strided view is the
+    # op's cheapest table argument.
+    sb, st, sd = cos.stride()
+    if unsqueeze_dim == 1:
+        size, stride = (b, 1, t, half), (sb, 0, st, sd)
+        same_rest = q_shape[0] == k_shape[0] and q_shape[2] == k_shape[2]
+    else:
+        size, stride = (b, t, 1, half), (sb, st, 0, sd)
+        same_rest = q_shape[0] == k_shape[0] and q_shape[1] == k_shape[1]
+    c = cos.as_strided(size, stride)  # the storage offset is cos's own
+    sb, st, sd = sin.stride()
+    s = sin.as_strided(size, (sb, 0, st, sd) if unsqueeze_dim == 1 else (sb, st, 0, sd))
+    if same_rest and q.numel() + k.numel() <= ONE_CALL_NUMEL:
         both = ops.apply(torch.cat((q, k), unsqueeze_dim), c, s, False)
         return both.split_with_sizes((q_shape[unsqueeze_dim], k_shape[unsqueeze_dim]), unsqueeze_dim)
     c, s = float32_table(c), float32_table(s)
