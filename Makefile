@@ -1,7 +1,8 @@
 # Two entry points do all set-up on a fresh machine:
 #   make run    builds everything, then reports the build, checks the kernels, times them
 #   make test   builds everything, then runs pytest tests/
-#   make bench  builds everything, then runs the CPU benchmark (bench/bench.py; options via BENCH_ARGS=...)
+#   make bench  builds everything, then runs the CPU benchmark (bench/bench.py; options via BENCH_ARGS=...);
+#               make bench-ops and make bench-diffusers run the other op families' benchmarks
 # Both are incremental: the venv is rebuilt only when requirements.txt changes, the extension
 # only when a source under csrc/ (or setup.py) changes.
 
@@ -50,6 +51,15 @@ BENCH_ARGS ?=
 bench: build
 	$(PY) bench/bench.py --device cpu $(BENCH_ARGS)
 
+# The benchmarks of the op families with scripts of their own (results under bench/results/):
+# fused QK-RMSNorm + RoPE, RoPE + FP8 quantization, K-shift and rope_dim_offset; the diffusers
+# rows need the second environment (diffusers).
+.PHONY: bench-ops bench-diffusers
+bench-ops: build
+	$(PY) bench/rope_bench/qk_norm.py --device cpu
+	cd bench && PYTHONPATH=..:. $(CURDIR)/$(PY) -m rope_bench.quant --device cpu --out results
+	$(PY) bench/serving_bench.py --device cpu
+
 # On a machine with a GPU: build or reuse the libraries, run the tests on CUDA and the GPU
 # benchmark; results under $$OUT (default gpu-results/).
 gpu-check:
@@ -79,6 +89,9 @@ hf5-venv: $(HF5_DEPS)
 
 hf5-test: $(HF5_DEPS) build
 	$(HF5_PY) -m pytest $(HF5_TESTS) -q -p no:cacheprovider
+
+bench-diffusers: $(HF5_DEPS) build
+	$(HF5_PY) bench/diffusers_bench.py --threads 1
 
 # ---- Three ways in (docs/packaging.md): a wheel, JIT loading, CMake/libtorch ----
 .PHONY: wheel wheel-test torch213-test jit-test cmake-build cmake-test packaging-test
