@@ -22,21 +22,24 @@ def heads(t, head_size, name, lead=None):
     None and head_size None give t itself."""
     if t is None or head_size is None:
         return t
-    head_size = check_head_size(head_size)
-    if lead is not None and t.dim() == lead + 2:
-        if t.shape[-1] != head_size:
-            raise ValueError(f"{name} of shape {list(t.shape)}: its last dim must be head_size = "
+    if type(head_size) is not int or head_size < 1:  # the common case costs no call (decode)
+        head_size = check_head_size(head_size)
+    shape = t.shape
+    nd = len(shape)
+    if lead is not None and nd == lead + 2:
+        if shape[-1] != head_size:
+            raise ValueError(f"{name} of shape {list(shape)}: its last dim must be head_size = "
                              f"{head_size} in the (num_tokens, num_heads, head_size) layout")
         return t
-    if lead is not None and t.dim() != lead + 1:
+    if lead is not None and nd != lead + 1:
         raise ValueError(
-            f"{name} of shape {list(t.shape)} must have {lead + 1} dims (tokens, num_heads * head_size) "
+            f"{name} of shape {list(shape)} must have {lead + 1} dims (tokens, num_heads * head_size) "
             f"or {lead + 2} (tokens, num_heads, head_size) for positions with {lead} dim(s)")
-    if t.dim() < 1 or t.shape[-1] % head_size:
-        raise ValueError(f"{name} of shape {list(t.shape)}: its last dim {t.shape[-1] if t.dim() else None} "
+    if nd < 1 or shape[-1] % head_size:
+        raise ValueError(f"{name} of shape {list(shape)}: its last dim {shape[-1] if nd else None} "
                          f"must be a multiple of head_size = {head_size} (flat (..., num_heads * head_size) "
                          "layout)")
-    return t.unflatten(-1, (t.shape[-1] // head_size, head_size))
+    return t.view(*shape[:-1], shape[-1] // head_size, head_size)  # ints: the cheapest view call
 
 
 def _table_halves(cos_sin_cache):
@@ -79,10 +82,13 @@ def apply_rope_(query, key, positions, cos_sin_cache, *, interleaved=False, head
     rope_dim_offset: the rotary dims are [rope_dim_offset, rope_dim_offset + rotary_dim) of each
     head (DeepSeek-V4 rotates the tail: head_dim - rotary_dim); the others stay as they are.
     inverse: rotate by the negative angle (undoes the rotation of the same positions).
-    Differentiable like torch's in-place ops. Returns (query, key)."""
-    check_not_inference(query, key)
-    ops.apply_(heads(query, head_size, "query"), heads(key, head_size, "key"), positions,
-               cos_sin_cache, interleaved, rope_dim_offset, inverse)
+    Differentiable like torch's in-place ops (the op refuses what torch's own in-place ops refuse,
+    before anything is written). Returns (query, key)."""
+    if head_size is None:
+        ops.apply_(query, key, positions, cos_sin_cache, interleaved, rope_dim_offset, inverse)
+    else:
+        ops.apply_(heads(query, head_size, "query"), heads(key, head_size, "key"), positions,
+                   cos_sin_cache, interleaved, rope_dim_offset, inverse)
     return query, key
 
 

@@ -5,8 +5,11 @@
                          rope_dim_offset=0, inverse=False)
 """
 
-from ..ops import apply_rope_
+import torch
+
 from ._layout import check_head_size, heads
+
+_apply_ = torch.ops.rope.apply_.default
 
 
 def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, rope_dim_offset=0,
@@ -25,15 +28,22 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, r
     Unlike vLLM's kernel, a position outside [0, max_position) is an error (vLLM reads outside
     the table), and the call is differentiable like torch's in-place ops.
     """
-    head_size = check_head_size(head_size)
+    if type(head_size) is not int or head_size < 1:
+        head_size = check_head_size(head_size)
     lead = positions.dim()
     if lead not in (1, 2):
         raise ValueError(f"positions must have shape (num_tokens,) or (batch, seq_len), got "
                          f"{list(positions.shape)}")
-    q = heads(query, head_size, "query", lead)
-    k = heads(key, head_size, "key", lead)
-    apply_rope_(q, k, positions, cos_sin_cache, interleaved=not is_neox,
-                rope_dim_offset=rope_dim_offset, inverse=inverse)
+    qs, ks = query.shape, None if key is None else key.shape
+    if lead == 1 and len(qs) == 2 and qs[1] % head_size == 0 and (
+            ks is None or (len(ks) == 2 and ks[1] % head_size == 0)):
+        # vLLM's own layout, flat (num_tokens, heads * head_size): the views alone (decode calls)
+        q = query.view(qs[0], qs[1] // head_size, head_size)
+        k = None if key is None else key.view(ks[0], ks[1] // head_size, head_size)
+    else:
+        q = heads(query, head_size, "query", lead)
+        k = heads(key, head_size, "key", lead)
+    _apply_(q, k, positions, cos_sin_cache, not is_neox, rope_dim_offset, inverse)
 
 
 # fused QK-RMSNorm + RoPE (vLLM's `_custom_ops.fused_qk_norm_rope`), with the SGLang twin
