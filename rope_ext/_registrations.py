@@ -412,17 +412,37 @@ def register():
         # A backend key (CPU, CUDA) registered by a native library wins over this.
         lib.impl(name, op.reference, "CompositeExplicitAutograd")
         torch.library.register_fake(f"rope::{name}", op.fake, lib=lib)
-        if op.functional_autograd is not None and routed(name):
-            autograd = _functional_autograd_kernel(name, *op.functional_autograd)
-            lib.impl(f"_grad_{name}", autograd, "Autograd", with_keyset=True)
-            lib.impl(name, autograd, "PythonTLSSnapshot", with_keyset=True)
-        elif op.functional_autograd is not None:
+        if routed(name):
+            continue  # the library's C++ kernels serve Autograd and ADInplaceOrView: see below
+        if op.functional_autograd is not None:
             backward, setup = op.functional_autograd
             torch.library.register_autograd(f"rope::{name}", backward, setup_context=setup, lib=lib)
-        elif routed(name):
-            lib.impl(f"_grad_{name}", op.mutable_autograd, "Autograd", with_keyset=True)
-            lib.impl(name, _snapshot_kernel(name, op.mutable_autograd), "PythonTLSSnapshot",
-                     with_keyset=True)
         else:
             lib.impl(name, op.mutable_autograd, "Autograd", with_keyset=True)
             lib.impl(name, _ad_inplace_or_view_kernel(name), "ADInplaceOrView", with_keyset=True)
+    register_routes()
+
+
+def register_routes():
+    """For the ops the native library routes (csrc/ops/routes.h): its C++ kernels serve their
+    Autograd and ADInplaceOrView keys (registered after the Python ones above, they win), so
+    the Python autograd path moves to each op's `_grad_` twin, and calls with a tensor subclass
+    or a Python mode take it at PythonTLSSnapshot. Called again by rope_ext.jit.load() when the
+    library comes after these registrations."""
+    lib = torch.library.Library("rope", "IMPL")
+    _libraries.append(lib)
+    for name, op in OPS.items():
+        if name in _routes_registered or not routed(name):
+            continue
+        if op.functional_autograd is not None:
+            autograd = _functional_autograd_kernel(name, *op.functional_autograd)
+            lib.impl(f"_grad_{name}", autograd, "Autograd", with_keyset=True)
+            lib.impl(name, autograd, "PythonTLSSnapshot", with_keyset=True)
+        else:
+            lib.impl(f"_grad_{name}", op.mutable_autograd, "Autograd", with_keyset=True)
+            lib.impl(name, _snapshot_kernel(name, op.mutable_autograd), "PythonTLSSnapshot",
+                     with_keyset=True)
+        _routes_registered.add(name)
+
+
+_routes_registered = set()

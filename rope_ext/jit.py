@@ -120,6 +120,10 @@ def load(verbose=False):
         raise
     state.path, state.loaded_by, state.error = path, "jit", None
     torch.ops.rope.apply  # noqa: B018  (fails loudly here if the library did not define the ops)
+    if had_python_defs:  # registered before the library: its C++ call path needs the twins' kernels
+        from . import _registrations
+
+        _registrations.register_routes()
     if with_cuda:
         state.cuda_path = build("cuda", True)
     _library.apply_cpu_settings()
