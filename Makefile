@@ -124,6 +124,12 @@ TORCH213_TREE  := build/torch2.13-tests
 # What the copies of the tree that run the tests take, rope_ext/ aside (torch213-test links the
 # installed package there, sanitize copies the sources beside its own library).
 TEST_TREE_FILES := tests csrc bench setup.py build_config.py pyproject.toml requirements.txt README.md
+# The tests of the native ops themselves (kernels, checks, torch's in-place rules, the call path):
+# what the torch 2.13 run and the sanitizer run repeat. The whole suite runs once, in `make test`.
+NATIVE_TESTS := $(addprefix tests/,test_apply.py test_apply_out.py test_inplace.py \
+	test_positions_api.py test_mrope.py test_cache_write.py test_adversarial.py test_reproducers.py \
+	test_fuzz.py test_cpu_isa.py test_fresh_output.py test_qk_norm.py test_rope_quant.py \
+	test_kv_shift.py test_rope_dim_offset.py test_call_path.py test_errors.py test_fallback.py)
 
 $(TORCH213_DEPS): requirements.txt
 	test -x $(TORCH213_PY) || $(PYTHON_BOOT) -m venv $(TORCH213_VENV)
@@ -141,7 +147,8 @@ torch213-test: $(TORCH213_WHEEL)
 	rm -rf $(TORCH213_TREE) && mkdir -p $(TORCH213_TREE)
 	tar -c --exclude=__pycache__ $(TEST_TREE_FILES) | tar -x -C $(TORCH213_TREE)
 	ln -s "$$($(TORCH213_PY) -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')/rope_ext" $(TORCH213_TREE)/rope_ext
-	cd $(TORCH213_TREE) && ROPE_EXT_EXPECT_INSTALLED=$(TORCH213) $(CURDIR)/$(TORCH213_PY) -m pytest tests -q -p no:cacheprovider
+	cd $(TORCH213_TREE) && ROPE_EXT_EXPECT_INSTALLED=$(TORCH213) $(CURDIR)/$(TORCH213_PY) -m pytest \
+		tests/test_wheel.py $(NATIVE_TESTS) -q -p no:cacheprovider
 
 # JIT loading: tests/test_jit.py builds csrc/ with torch.utils.cpp_extension (cached per checkout
 # under build/torch_extensions) and runs the ops through it. Part of `make test` too.
@@ -178,7 +185,9 @@ packaging-test: wheel-test torch213-test cmake-test
 SAN_DIR   := build/sanitize
 SAN_TREE  := $(SAN_DIR)/tree
 SAN_LIB   := $(SAN_DIR)/lib/rope_ext/_C.abi3.so
-SAN_TESTS ?= tests
+# the native tests, the CUDA thread code in the simulator, and the proof the run is instrumented
+SAN_TESTS ?= $(NATIVE_TESTS) $(addprefix tests/,test_cuda_sim.py test_qk_norm_cuda_sim.py \
+	test_cuda_sim_serving.py test_sanitizer_build.py)
 SAN_FUZZ  ?= 4000
 SAN_ENV   := ROPE_EXT_BUILD=sanitize \
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \

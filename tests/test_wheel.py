@@ -2,7 +2,7 @@
 source tree. `make wheel-test` sets ROPE_EXT_WHEEL; elsewhere these tests are skipped.
 
 test_this_process_uses_the_installed_wheel runs where ROPE_EXT_EXPECT_INSTALLED names a torch
-version (`make torch213-test`: the whole suite against the wheel installed beside torch 2.13).
+version (`make torch213-test`: the native ops' tests against the wheel installed beside torch 2.13).
 It proves that the suite is testing the wheel there, and runs every op against the reference."""
 
 import email.parser
