@@ -46,6 +46,19 @@ def gathered(cache, positions, section=None, mrope_interleaved=False):
     return rope_ext.reference.gather_tables(positions, cos, sin, section, mrope_interleaved)
 
 
+def check_packed(qkv, before, Hq, Hk, wq, wk, c, s, unit_offset, interleaved, dtype):
+    """A packed (T, (Hq + Hk + Hv) * D) qkv, normed and rotated in place from `before`: q and k
+    against the oracle (eps 1e-6), v untouched."""
+    T, D = qkv.shape[0], wq.shape[0]
+    q0 = before[:, : Hq * D].view(T, Hq, D)
+    k0 = before[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
+    close(qkv[:, : Hq * D].view(T, Hq, D), oracle(q0, wq, c, s, 1e-6, unit_offset, interleaved),
+          dtype)
+    close(qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D),
+          oracle(k0, wk, c, s, 1e-6, unit_offset, interleaved), dtype)
+    assert torch.equal(qkv[:, (Hq + Hk) * D :], before[:, (Hq + Hk) * D :])  # V untouched
+
+
 def hf_tables(batch, seq, rotary_dim, interleaved, dtype=torch.float32):
     """transformers' rotary embedding output: (batch, seq, rotary_dim), each angle twice."""
     inv = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
@@ -132,13 +145,7 @@ def test_packed_qkv_in_place(dtype, interleaved, rotary_dim):
     cache = torch.randn(50, rotary_dim, dtype=torch.float32)
     pos = torch.randint(0, 50, (T,), dtype=torch.int32)
     qkv_norm_rope_(qkv, Hq, Hk, Hv, D, wq, wk, pos, cache, eps=1e-6, interleaved=interleaved)
-    c, s = gathered(cache, pos)
-    q0 = before[:, : Hq * D].view(T, Hq, D)
-    k0 = before[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
-    close(qkv[:, : Hq * D].view(T, Hq, D), oracle(q0, wq, c, s, 1e-6, False, interleaved), dtype)
-    close(qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D),
-          oracle(k0, wk, c, s, 1e-6, False, interleaved), dtype)
-    assert torch.equal(qkv[:, (Hq + Hk) * D :], before[:, (Hq + Hk) * D :])  # V untouched
+    check_packed(qkv, before, Hq, Hk, wq, wk, *gathered(cache, pos), False, interleaved, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -419,13 +426,7 @@ def test_vllm_fused_qk_norm_rope(dtype, is_neox, rot_dim):
     cache = torch.randn(64, rot_dim, dtype=torch.float32)
     pos = torch.randint(0, 64, (T,))
     assert fused_qk_norm_rope(qkv, Hq, Hk, Hv, D, 1e-6, wq, wk, cache, is_neox, pos, 4) is None
-    c, s = gathered(cache, pos)
-    q0 = before[:, : Hq * D].view(T, Hq, D)
-    k0 = before[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
-    close(qkv[:, : Hq * D].view(T, Hq, D), oracle(q0, wq, c, s, 1e-6, False, not is_neox), dtype)
-    close(qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D),
-          oracle(k0, wk, c, s, 1e-6, False, not is_neox), dtype)
-    assert torch.equal(qkv[:, (Hq + Hk) * D :], before[:, (Hq + Hk) * D :])
+    check_packed(qkv, before, Hq, Hk, wq, wk, *gathered(cache, pos), False, not is_neox, dtype)
 
 
 def test_vllm_fused_qk_norm_rope_bad_input_changes_nothing():
