@@ -184,6 +184,20 @@ def check_apply_out(x, cos, sin, out, memory=True):
                 _fail(f"{op}: out must not overlap {name} in memory (use rope.apply_ to rotate in place)")
 
 
+def check_cos_sin_cache(cache, ref, ref_name, head_dim, op):
+    """A (max_position, rotary_dim) cos_sin_cache on ref's device, rotary_dim even and <= head_dim;
+    returns rotary_dim / 2."""
+    _check_same_device(ref, ref_name, cache, op, "cos_sin_cache")
+    _check_float(cache, op, "cos_sin_cache")
+    if cache.dim() != 2:
+        _fail(f"{op}: cos_sin_cache must have shape (max_position, rotary_dim), got {_shape(cache)}")
+    rotary_dim = cache.shape[1]
+    if rotary_dim % 2 or rotary_dim > head_dim:
+        _fail(f"{op}: rotary_dim = cos_sin_cache.size(1) = {rotary_dim} must be even and <= "
+              f"head_dim = {head_dim}")
+    return rotary_dim // 2
+
+
 def check_positions_op(query, key, positions, pos_lead_dim0, cache=None, cos=None, sin=None,
                        in_place=True, op="rope.apply_", q_name="query", memory=True):
     """Mirrors checks.h check_positions_op; returns rotary_dim / 2."""
@@ -211,15 +225,7 @@ def check_positions_op(query, key, positions, pos_lead_dim0, cache=None, cos=Non
               f"{q_name} is {_shape(query)}), got {_shape(positions)}")
     head_dim = query.shape[-1]
     if cache is not None:
-        _check_same_device(query, q_name, cache, op, "cos_sin_cache")
-        _check_float(cache, op, "cos_sin_cache")
-        if cache.dim() != 2:
-            _fail(f"{op}: cos_sin_cache must have shape (max_position, rotary_dim), got {_shape(cache)}")
-        rotary_dim = cache.shape[1]
-        if rotary_dim % 2 or rotary_dim > head_dim:
-            _fail(f"{op}: rotary_dim = cos_sin_cache.size(1) = {rotary_dim} must be even and <= "
-                  f"head_dim = {head_dim}")
-        half = rotary_dim // 2
+        half = check_cos_sin_cache(cache, query, q_name, head_dim, op)
     else:
         _check_same_device(query, q_name, cos, op, "cos")
         _check_same_device(query, q_name, sin, op, "sin")

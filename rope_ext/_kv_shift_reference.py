@@ -11,7 +11,7 @@ kernels do it.
 import torch
 
 from . import _checks
-from ._checks import _check_float, _check_same_device, _fail, _shape, dtype_name
+from ._checks import _check_same_device, _fail, _shape, dtype_name
 
 OP = "rope.shift_kv_cache_"
 KV_CACHE_DTYPES = _checks.KV_CACHE_DTYPES
@@ -39,14 +39,7 @@ def check_shift_kv_cache(key_cache, slot_mapping, delta, cos_sin_cache, kv_cache
         _fail(f"{op}: key_cache must have block_size >= 1, got {_shape(key_cache)}")
     head_dim = key_cache.shape[3]
     table = cos_sin_cache
-    _check_same_device(key_cache, "key_cache", table, op, "cos_sin_cache")
-    _check_float(table, op, "cos_sin_cache")
-    if table.dim() != 2:
-        _fail(f"{op}: cos_sin_cache must have shape (max_position, rotary_dim), got {_shape(table)}")
-    rotary_dim = table.shape[1]
-    if rotary_dim % 2 or rotary_dim > head_dim:
-        _fail(f"{op}: rotary_dim = cos_sin_cache.size(1) = {rotary_dim} must be even and <= "
-              f"head_dim = {head_dim}")
+    _checks.check_cos_sin_cache(table, key_cache, "key_cache", head_dim, op)
     _check_same_device(key_cache, "key_cache", slot_mapping, op, "slot_mapping")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         _fail(f"{op}: slot_mapping must be int32 or int64, got {dtype_name(slot_mapping.dtype)}")

@@ -336,6 +336,17 @@ TOKENS_IN_CACHE = (
 _CACHE_DIMS = {0: "its blocks", 1: "its block offsets", 3: "its last dim"}
 
 
+def _check_cache_placements(op, name, c, why):
+    """A paged cache (num_blocks, block_size, Hk, D) is Replicate or Shard(2) on every mesh dim;
+    why(cache dim) ends the error for any other placement."""
+    for m, p in enumerate(c.placements):
+        d = _shard_dim(p, 4)
+        if p.is_replicate() or d == 2:
+            continue
+        what = f" (sharded over {_CACHE_DIMS[d]})" if d in _CACHE_DIMS else ""
+        _fail(op, f"{name} is {_name(p)} on mesh dim {m}{what}; {why(d)}")
+
+
 def _rule_apply_and_cache(op, a):
     """Tensor parallelism: query Replicate or sharded over its heads (Shard(1)); key with
     key_cache, and value with value_cache, Replicate or sharded over the kv heads (Shard(1) of
@@ -352,14 +363,9 @@ def _rule_apply_and_cache(op, a):
             _fail(op, f"key is {_name(p)} on mesh dim {m}: it is written into key_cache, which "
                       "holds values, not partial sums; redistribute key to Replicate() first")
     for name, c in (("key_cache", kc), ("value_cache", vc)):
-        for m, p in enumerate(c.placements):
-            d = _shard_dim(p, 4)
-            if p.is_replicate() or d == 2:
-                continue
-            what = f" (sharded over {_CACHE_DIMS[d]})" if d in _CACHE_DIMS else ""
-            _fail(op, f"{name} is {_name(p)} on mesh dim {m}{what}; a paged cache is Replicate "
-                      "or sharded over its kv heads (Shard(2))"
-                      + (": " + TOKENS_IN_CACHE if d in (0, 1) else ""))
+        _check_cache_placements(op, name, c, lambda d: "a paged cache is Replicate or sharded "
+                                "over its kv heads (Shard(2))"
+                                + (": " + TOKENS_IN_CACHE if d in (0, 1) else ""))
     heads = _aligned(k, lambda d: 2 if d == 1 else None)
     _check_written(op, "key_cache", kc, heads,
                    "it holds key's heads (Shard(2) where key is Shard(1), Replicate where key "
@@ -379,14 +385,9 @@ def _rule_shift_kv_cache(op, a):
     """K-shift: key_cache rotated in place, Replicate or sharded over its kv heads (Shard(2)):
     each rank rotates its heads of the listed slots; the rest Replicate."""
     kc = a["key_cache"]
-    for m, p in enumerate(kc.placements):
-        d = _shard_dim(p, 4)
-        if p.is_replicate() or d == 2:
-            continue
-        what = f" (sharded over {_CACHE_DIMS[d]})" if d in _CACHE_DIMS else ""
-        _fail(op, f"key_cache is {_name(p)} on mesh dim {m}{what}; K-shift rotates a cache that is "
-                  "Replicate or sharded over its kv heads (Shard(2)): slots are global indices, "
-                  "and the rotation pairs span head_dim")
+    _check_cache_placements(op, "key_cache", kc, lambda d: "K-shift rotates a cache that is "
+                            "Replicate or sharded over its kv heads (Shard(2)): slots are global "
+                            "indices, and the rotation pairs span head_dim")
     r = _replicated(kc.mesh)
     return None, {"key_cache": kc, "slot_mapping": r, "delta": r, "cos_sin_cache": r, "k_scale": r}
 

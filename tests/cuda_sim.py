@@ -6,41 +6,15 @@ rope_cuda_host.h, rope_cuda_thread.h) over every thread of the planned launch gr
 every memory access; see the .cpp for what it proves.
 """
 
-import os
-import sys
 from dataclasses import dataclass
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-import build_config  # noqa: E402
-
-BUILD_DIR = os.path.join(ROOT, "build", "cuda_sim")
-SOURCES = [os.path.join(ROOT, "tests", "sim", "cuda_sim.cpp")]
-
-_loaded = False
+import sim_build
 
 
 def load():
-    global _loaded
-    if not _loaded:
-        build_config.configure_environment()  # CUDA_HOME: no "guessing /usr/local" warning
-        from torch.utils.cpp_extension import load as cpp_load
-
-        os.makedirs(BUILD_DIR, exist_ok=True)
-        cpp_load(
-            name="rope_cuda_sim",
-            sources=SOURCES,
-            # The flags of the real libraries (same rounding: no FP contraction), plus the hooks.
-            extra_cflags=build_config.cxx_flags() + ["-DROPE_SIM"],
-            extra_include_paths=build_config.include_dirs(),
-            build_directory=BUILD_DIR,
-            is_python_module=False,
-            verbose=False,
-        )
-        _loaded = True
+    sim_build.load("cuda_sim", "rope_cuda_sim")
 
 
 @dataclass

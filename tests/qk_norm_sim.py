@@ -2,37 +2,13 @@
 CUDA kernels, tests/sim/qk_norm_sim.cpp, and wraps its ops: each returns its result and the
 launch's info (vector path taken, grid, vector and scalar accesses)."""
 
-import os
-import sys
-
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-import build_config  # noqa: E402
-
-BUILD_DIR = os.path.join(ROOT, "build", "qk_norm_sim")
-_loaded = False
+import sim_build
 
 
 def load():
-    global _loaded
-    if not _loaded:
-        build_config.configure_environment()
-        from torch.utils.cpp_extension import load as cpp_load
-
-        os.makedirs(BUILD_DIR, exist_ok=True)
-        cpp_load(
-            name="rope_qk_norm_sim",
-            sources=[os.path.join(ROOT, "tests", "sim", "qk_norm_sim.cpp")],
-            extra_cflags=build_config.cxx_flags() + ["-DROPE_SIM"],
-            extra_include_paths=build_config.include_dirs(),
-            build_directory=BUILD_DIR,
-            is_python_module=False,
-            verbose=False,
-        )
-        _loaded = True
+    sim_build.load("qk_norm_sim", "rope_qk_norm_sim")
 
 
 def _info():

@@ -142,6 +142,13 @@ def rope_functions(family):
     return {name: getattr(module, name) for name in functions if hasattr(module, name)}
 
 
+def gradients(model, ids):
+    """Every parameter's gradient of the language-model loss on ids (fresh: grads zeroed first)."""
+    model.zero_grad()
+    model(input_ids=ids, labels=ids).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def patched_calls(model, batches):
     """(logits, rope ops, calls of patched attention modules, of fused ones, of the fused op's
     Python API): what ran rope_ext while the model ran on `batches`."""
@@ -209,14 +216,9 @@ def test_training_gradients_match(family):
     model = build(family).train()
     ids = torch.randint(0, 128, (2, 10))
 
-    def grads():
-        model.zero_grad()
-        model(input_ids=ids, labels=ids).loss.backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    want = grads()
+    want = gradients(model, ids)
     integration.patch(model)
-    got = grads()
+    got = gradients(model, ids)
     integration.unpatch(model)
     assert got.keys() == want.keys()
     for name in want:
@@ -513,16 +515,11 @@ def test_qk_norm_families_same_gradients(family):
     model = perturbed(build(family), 4).train()
     ids = torch.randint(0, 128, (2, 10))
 
-    def grads():
-        model.zero_grad()
-        model(input_ids=ids, labels=ids).loss.backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    want = grads()
+    want = gradients(model, ids)
     integration.patch(model)
     _, _, calls = patched_calls(model, [dict(input_ids=ids)])  # the fused path runs
     assert calls["fused"] == calls["fused attention"] > 0
-    got = grads()
+    got = gradients(model, ids)
     integration.unpatch(model)
     assert got.keys() == want.keys()
     assert any("q_norm" in n for n in want)  # the norms' weights get their gradients too

@@ -46,6 +46,30 @@ def gathered(cache, positions, section=None, mrope_interleaved=False):
     return rope_ext.reference.gather_tables(positions, cos, sin, section, mrope_interleaved)
 
 
+def packed_case(T, Hq, Hk, Hv, D, dtype, max_position, rotary_dim, wk_dtype=None,
+                table_dtype=torch.float32, pos_dtype=torch.int32):
+    """A packed (T, (Hq + Hk + Hv) * D) qkv and a copy of it, q and k weights (D,), a
+    (max_position, rotary_dim) cos_sin_cache and positions (T,), all random."""
+    qkv = torch.randn(T, (Hq + Hk + Hv) * D, dtype=dtype)
+    wq, wk = torch.randn(D, dtype=dtype), torch.randn(D, dtype=wk_dtype or dtype)
+    cache = torch.randn(max_position, rotary_dim, dtype=table_dtype)
+    return (qkv, qkv.clone(), wq, wk, cache,
+            torch.randint(0, max_position, (T,), dtype=pos_dtype))
+
+
+def check_packed(qkv, before, Hq, Hk, wq, wk, c, s, unit_offset, interleaved, dtype):
+    """A packed (T, (Hq + Hk + Hv) * D) qkv, normed and rotated in place from `before`: q and k
+    against the oracle (eps 1e-6), v untouched."""
+    T, D = qkv.shape[0], wq.shape[0]
+    q0 = before[:, : Hq * D].view(T, Hq, D)
+    k0 = before[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
+    close(qkv[:, : Hq * D].view(T, Hq, D), oracle(q0, wq, c, s, 1e-6, unit_offset, interleaved),
+          dtype)
+    close(qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D),
+          oracle(k0, wk, c, s, 1e-6, unit_offset, interleaved), dtype)
+    assert torch.equal(qkv[:, (Hq + Hk) * D :], before[:, (Hq + Hk) * D :])  # V untouched
+
+
 def hf_tables(batch, seq, rotary_dim, interleaved, dtype=torch.float32):
     """transformers' rotary embedding output: (batch, seq, rotary_dim), each angle twice."""
     inv = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
@@ -126,19 +150,9 @@ def test_empty_and_single_row():
 @pytest.mark.parametrize("rotary_dim", [64, 32, 6])
 def test_packed_qkv_in_place(dtype, interleaved, rotary_dim):
     T, Hq, Hk, Hv, D = 9, 4, 2, 2, 64
-    qkv = torch.randn(T, (Hq + Hk + Hv) * D, dtype=dtype)
-    before = qkv.clone()
-    wq, wk = torch.randn(D, dtype=dtype), torch.randn(D, dtype=dtype)
-    cache = torch.randn(50, rotary_dim, dtype=torch.float32)
-    pos = torch.randint(0, 50, (T,), dtype=torch.int32)
+    qkv, before, wq, wk, cache, pos = packed_case(T, Hq, Hk, Hv, D, dtype, 50, rotary_dim)
     qkv_norm_rope_(qkv, Hq, Hk, Hv, D, wq, wk, pos, cache, eps=1e-6, interleaved=interleaved)
-    c, s = gathered(cache, pos)
-    q0 = before[:, : Hq * D].view(T, Hq, D)
-    k0 = before[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
-    close(qkv[:, : Hq * D].view(T, Hq, D), oracle(q0, wq, c, s, 1e-6, False, interleaved), dtype)
-    close(qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D),
-          oracle(k0, wk, c, s, 1e-6, False, interleaved), dtype)
-    assert torch.equal(qkv[:, (Hq + Hk) * D :], before[:, (Hq + Hk) * D :])  # V untouched
+    check_packed(qkv, before, Hq, Hk, wq, wk, *gathered(cache, pos), False, interleaved, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -413,19 +427,10 @@ def test_vllm_fused_qk_norm_rope(dtype, is_neox, rot_dim):
     from rope_ext.compat.vllm import fused_qk_norm_rope
 
     T, Hq, Hk, Hv, D = 6, 4, 2, 2, 128
-    qkv = torch.randn(T, (Hq + Hk + Hv) * D, dtype=dtype)
-    before = qkv.clone()
-    wq, wk = torch.randn(D, dtype=dtype), torch.randn(D, dtype=dtype)
-    cache = torch.randn(64, rot_dim, dtype=torch.float32)
-    pos = torch.randint(0, 64, (T,))
+    qkv, before, wq, wk, cache, pos = packed_case(T, Hq, Hk, Hv, D, dtype, 64, rot_dim,
+                                                  pos_dtype=torch.int64)
     assert fused_qk_norm_rope(qkv, Hq, Hk, Hv, D, 1e-6, wq, wk, cache, is_neox, pos, 4) is None
-    c, s = gathered(cache, pos)
-    q0 = before[:, : Hq * D].view(T, Hq, D)
-    k0 = before[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
-    close(qkv[:, : Hq * D].view(T, Hq, D), oracle(q0, wq, c, s, 1e-6, False, not is_neox), dtype)
-    close(qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D),
-          oracle(k0, wk, c, s, 1e-6, False, not is_neox), dtype)
-    assert torch.equal(qkv[:, (Hq + Hk) * D :], before[:, (Hq + Hk) * D :])
+    check_packed(qkv, before, Hq, Hk, wq, wk, *gathered(cache, pos), False, not is_neox, dtype)
 
 
 def test_vllm_fused_qk_norm_rope_bad_input_changes_nothing():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import qk_norm_sim as sim
-from test_qk_norm import close, gathered, oracle
+from test_qk_norm import check_packed, close, gathered, oracle, packed_case
 from tolerances import DTYPES
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -19,23 +19,14 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16])
 def test_packed_in_place(dtype, interleaved, rotary_dim, table_dtype):
     T, Hq, Hk, Hv, D = 5, 3, 2, 1, 64
-    qkv = torch.randn(T, (Hq + Hk + Hv) * D, dtype=dtype)
-    before = qkv.clone()
-    wq, wk = torch.randn(D, dtype=dtype), torch.randn(D)
-    cache = torch.randn(30, rotary_dim, dtype=table_dtype)
-    pos = torch.randint(0, 30, (T,), dtype=torch.int32)
+    qkv, before, wq, wk, cache, pos = packed_case(T, Hq, Hk, Hv, D, dtype, 30, rotary_dim,
+                                                  torch.float32, table_dtype)
     info = sim.qkv_norm_rope_(qkv, Hq, Hk, Hv, D, wq, wk, pos, cache, 1e-6, True, interleaved,
                               max_blocks=1)  # one block: the grid strides
     # vector path exactly where every rotary chunk and the tail are whole vectors
     W = 16 // qkv.element_size()
     assert bool(info[0]) == (rotary_dim % (W if interleaved else 2 * W) == 0 and D % W == 0)
-    c, s = gathered(cache, pos)
-    q0 = before[:, : Hq * D].view(T, Hq, D)
-    k0 = before[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
-    close(qkv[:, : Hq * D].view(T, Hq, D), oracle(q0, wq, c, s, 1e-6, True, interleaved), dtype)
-    close(qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D),
-          oracle(k0, wk, c, s, 1e-6, True, interleaved), dtype)
-    assert torch.equal(qkv[:, (Hq + Hk) * D :], before[:, (Hq + Hk) * D :])
+    check_packed(qkv, before, Hq, Hk, wq, wk, *gathered(cache, pos), True, interleaved, dtype)
 
 
 @pytest.mark.parametrize("section,mrope_interleaved", [(None, False), ([2, 3, 3], False),

@@ -30,6 +30,12 @@ def _weights():
     return torch.randn(D), torch.randn(D)
 
 
+def _packed():
+    """Weights, a (MAXPOS, ROT) cos_sin_cache and a packed (T, (HQ + 2 * HK) * D) qkv."""
+    wq, wk = _weights()
+    return wq, wk, torch.randn(MAXPOS, ROT), torch.randn(T, (HQ + 2 * HK) * D)
+
+
 @case
 def case_out_of_place_heads_and_tokens(run):
     Sh, R = run.S, run.R
@@ -65,9 +71,7 @@ def case_in_place_heads_and_tokens(run):
 @case
 def case_packed_tokens(run):
     Sh, R = run.S, run.R
-    wq, wk = _weights()
-    cache = torch.randn(MAXPOS, ROT)
-    qkv = torch.randn(T, (HQ + 2 * HK) * D)
+    wq, wk, cache, qkv = _packed()
     pos = torch.randint(0, MAXPOS, (T,))
     want = qkv.clone()
     qkv_norm_rope_(want, HQ, HK, HK, D, wq, wk, pos, cache)
@@ -80,9 +84,7 @@ def case_packed_tokens(run):
 @case
 def case_rejected_layouts(run):
     Sh, R = run.S, run.R
-    wq, wk = _weights()
-    cache = torch.randn(MAXPOS, ROT)
-    qkv = torch.randn(T, (HQ + 2 * HK) * D)
+    wq, wk, cache, qkv = _packed()
     dqkv = run.d(qkv, Sh(1))
     run.fails(["qkv is Shard(1)", "packed"], qkv_norm_rope_, dqkv, HQ, HK, HK, D, run.d(wq, R),
               run.d(wk, R), run.d(torch.zeros(T, dtype=torch.long), R), run.d(cache, R))

@@ -218,6 +218,8 @@ def peer_paged(parts, v, table, pos, kv_indices, kv_indptr, batch, positions, pa
     qr, kr, qn, kn = peer_quantize(*parts, table, pos, interleave, sq, skv, fmt)
     c0, c1 = (c.clone() for c in caches)
     mla = parts[1].dim() == 2
+    # Writes go through (page, entry, ...) views: HND's (pages, heads, page_size, dim) transposed.
+    w0, w1 = (c.transpose(1, 2) if kv_layout == "HND" and not mla else c for c in (c0, c1))
     for t in range(pos.shape[0]):
         b = int(batch[t])
         if b < 0:
@@ -225,15 +227,10 @@ def peer_paged(parts, v, table, pos, kv_indices, kv_indptr, batch, positions, pa
         page_iter, entry = divmod(int(kv_indptr[b]) * page_size + int(positions[t]), page_size)
         page = int(kv_indices[page_iter])
         if mla:
-            c0[page, entry] = kn[t]
-            c1[page, entry] = kr[t]
-            continue
-        krow = torch.cat((kr[t], kn[t]), dim=-1)
-        vrow = peer_fp8(v[t].float(), skv, fmt)
-        if kv_layout == "NHD":
-            c0[page, entry], c1[page, entry] = krow, vrow
+            w0[page, entry], w1[page, entry] = kn[t], kr[t]
         else:
-            c0[page, :, entry], c1[page, :, entry] = krow, vrow
+            w0[page, entry] = torch.cat((kr[t], kn[t]), dim=-1)
+            w1[page, entry] = peer_fp8(v[t].float(), skv, fmt)
     return qr, qn, c0, c1
 
 

@@ -1,0 +1,34 @@
+"""Builds (once per process, cached under build/<name>/) and loads a CPU simulator of CUDA kernels,
+tests/sim/<name>.cpp, compiled with the flags of the real libraries (same rounding: no FP
+contraction) plus -DROPE_SIM for the hooks."""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+import build_config  # noqa: E402
+
+_loaded = set()
+
+
+def load(name, library):
+    """Loads tests/sim/<name>.cpp as the library `library`, whose ops it registers."""
+    if name in _loaded:
+        return
+    build_config.configure_environment()  # CUDA_HOME: no "guessing /usr/local" warning
+    from torch.utils.cpp_extension import load as cpp_load
+
+    build_dir = os.path.join(ROOT, "build", name)
+    os.makedirs(build_dir, exist_ok=True)
+    cpp_load(
+        name=library,
+        sources=[os.path.join(ROOT, "tests", "sim", name + ".cpp")],
+        extra_cflags=build_config.cxx_flags() + ["-DROPE_SIM"],
+        extra_include_paths=build_config.include_dirs(),
+        build_directory=build_dir,
+        is_python_module=False,
+        verbose=False,
+    )
+    _loaded.add(name)
