@@ -125,6 +125,21 @@ inline void check_positions_dtype(const Meta& m, const char* op) {
              ": positions must be int32 or int64, got ", dtype_str(m.dtype));
 }
 
+// A (max_position, rotary_dim) cos_sin_cache on ref's device, for rows of head_dim elements:
+// returns rotary_dim / 2.
+inline int64_t check_cos_sin_cache(const Meta& ref, const char* ref_name, const Meta& cache,
+                                   const char* op, int64_t head_dim) {
+  check_same_device(ref, ref_name, cache, op, "cos_sin_cache");
+  check_float(cache, op, "cos_sin_cache");
+  ROPE_CHECK(cache.dim == 2, op,
+             ": cos_sin_cache must have shape (max_position, rotary_dim), got ", shape_str(cache));
+  const int64_t rotary_dim = cache.sizes[1];
+  ROPE_CHECK(rotary_dim % 2 == 0 && rotary_dim <= head_dim, op,
+             ": rotary_dim = cos_sin_cache.size(1) = ", rotary_dim,
+             " must be even and <= head_dim = ", head_dim);
+  return rotary_dim / 2;
+}
+
 // ---- memory overlap (torch's rules for in-place ops, with its messages) ----
 
 // The byte range [begin, end) t's elements span; empty for an empty tensor.
@@ -589,16 +604,7 @@ inline RotateGeometry check_positions_op(const Tensor& query_t, const std::optio
   g.table.pos64 = pos.dtype == ScalarType::Long;
   if (tables.cache != nullptr) {
     const Meta cache(*tables.cache);
-    check_same_device(q, q_name, cache, op, "cos_sin_cache");
-    check_float(cache, op, "cos_sin_cache");
-    ROPE_CHECK(cache.dim == 2, op,
-               ": cos_sin_cache must have shape (max_position, rotary_dim), got ",
-               shape_str(cache));
-    const int64_t rotary_dim = cache.sizes[1];
-    ROPE_CHECK(rotary_dim % 2 == 0 && rotary_dim <= g.head_dim, op,
-               ": rotary_dim = cos_sin_cache.size(1) = ", rotary_dim,
-               " must be even and <= head_dim = ", g.head_dim);
-    g.half = rotary_dim / 2;
+    g.half = check_cos_sin_cache(q, q_name, cache, op, g.head_dim);
     g.table.rows = cache.sizes[0];
     g.table.cos_row = g.table.sin_row = cache.strides[0];
     g.table.cos_col = g.table.sin_col = cache.strides[1];

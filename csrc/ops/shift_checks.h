@@ -54,15 +54,7 @@ inline ShiftDesc check_shift_kv_cache(const Tensor& key_cache_t, const Tensor& s
   d.heads = kc.sizes[2];
   d.head_dim = kc.sizes[3];
 
-  check_same_device(kc, "key_cache", tab, op, "cos_sin_cache");
-  check_float(tab, op, "cos_sin_cache");
-  ROPE_CHECK(tab.dim == 2, op, ": cos_sin_cache must have shape (max_position, rotary_dim), got ",
-             shape_str(tab));
-  const int64_t rotary_dim = tab.sizes[1];
-  ROPE_CHECK(rotary_dim % 2 == 0 && rotary_dim <= d.head_dim, op,
-             ": rotary_dim = cos_sin_cache.size(1) = ", rotary_dim,
-             " must be even and <= head_dim = ", d.head_dim);
-  d.half = rotary_dim / 2;
+  d.half = check_cos_sin_cache(kc, "key_cache", tab, op, d.head_dim);
   d.rows = tab.sizes[0];
   d.cos_row = tab.strides[0];
   d.cos_col = tab.strides[1];

@@ -9,18 +9,12 @@
 // Everything with external linkage is included above this line, before the target switch.
 #ifdef ROPE_CPU_X86_VARIANTS
 
-#define ROPE_AVX512_PRAGMA(x) _Pragma(#x)
-#if defined(__clang__)
-#define ROPE_AVX512_PUSH(features) \
-  ROPE_AVX512_PRAGMA(clang attribute push(__attribute__((target(features))), apply_to = function))
-ROPE_AVX512_PUSH(ROPE_AVX512_TARGET)
-#else
-#define ROPE_AVX512_PUSH(features) ROPE_AVX512_PRAGMA(GCC target(features))
-#pragma GCC push_options
+#if !defined(__clang__)
 // GCC 12's own AVX-512 headers trip this warning (_mm512_undefined_*): not our code.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-ROPE_AVX512_PUSH(ROPE_AVX512_TARGET)
 #endif
+#define ROPE_ISA_TARGET ROPE_AVX512_TARGET
+#include "isa_target_begin.h"
 
 #include <immintrin.h>
 
@@ -166,11 +160,7 @@ CpuKernels make_kernels() {
 }  // namespace rope
 #endif
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+#include "isa_target_end.h"
 
 ROPE_DEFINE_CPU_KERNELS(ROPE_AVX512_ENTRY)
 #endif  // ROPE_CPU_X86_VARIANTS

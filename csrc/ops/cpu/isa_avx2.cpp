@@ -6,12 +6,8 @@
 // Everything with external linkage is included above this line, before the target switch.
 #ifdef ROPE_CPU_X86_VARIANTS
 
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#endif
+#define ROPE_ISA_TARGET "avx2,fma,f16c"
+#include "isa_target_begin.h"
 
 #include <immintrin.h>
 
@@ -89,11 +85,7 @@ void store_fence() { _mm_sfence(); }
 
 #include "kernels.h"
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+#include "isa_target_end.h"
 
 ROPE_DEFINE_CPU_KERNELS(cpu_kernels_avx2)
 #endif  // ROPE_CPU_X86_VARIANTS

@@ -28,6 +28,7 @@
 #include <type_traits>
 
 #include "convert.h"
+#include "dt_dispatch.h"
 #include "kernel_api.h"
 
 #define ROPE_INLINE inline __attribute__((always_inline))
@@ -198,28 +199,6 @@ ROPE_INLINE void rotate_interleaved(const x_t* x, x_t* out, const typename Ops::
 
 // ---- tables ----
 
-// The element type of a table, by DtIndex.
-template <int kDt>
-using TableElem = std::conditional_t<kDt == kF32, float,
-                  std::conditional_t<kDt == kF64, double,
-                  std::conditional_t<kDt == kF16, HalfBits, BF16Bits>>>;
-
-// Calls f(TableElem<dt>{}) with the table dtype as a type: the conversion loops then know it,
-// instead of switching per element.
-template <class F>
-ROPE_INLINE void with_table_type(int dt, F&& f) {
-  switch (dt) {
-    case kF32:
-      return f(float{});
-    case kF64:
-      return f(double{});
-    case kF16:
-      return f(HalfBits{});
-    default:
-      return f(BF16Bits{});
-  }
-}
-
 // The cos/sin rows a token reads: one (strided, gathered) or three (MRoPE) of each, as element
 // pointers into the tables with their column strides.
 struct TableRows {
@@ -248,7 +227,7 @@ struct TableBlock {
     }
     if (same) return;
     key_b0 = b0;
-    with_table_type(dt, [&](auto elem) {
+    with_dt_type(dt, [&](auto elem) {
       using T = decltype(elem);
       // Plain rows of a type the vector loads convert (float/half/bfloat16 to float, double to
       // double): whole vectors. Tables that change every row ((B, H, S, D) x with (1, 1, S, r/2)

@@ -11,22 +11,12 @@
 // Everything with external linkage is included above this line, before the target switch.
 #ifdef ROPE_CPU_X86_VARIANTS
 
-#if defined(__clang__)
-#pragma clang attribute push( \
-    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))), \
-    apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
-#endif
+#define ROPE_ISA_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"
+#include "isa_target_begin.h"
 
 #include "qk_norm_kernels.h"
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+#include "isa_target_end.h"
 
 ROPE_DEFINE_QK_NORM_KERNEL(qk_norm_kernel_avx512)
 

@@ -10,20 +10,13 @@
 #include <cmath>
 #include <cstring>
 
+#include "../../rope_math.h"
 #include "convert.h"
+#include "dt_dispatch.h"
 #include "qk_norm_kernel_api.h"
 
 namespace rope {
 namespace {
-
-template <typename T>
-struct AccOf {
-  using type = float;
-};
-template <>
-struct AccOf<double> {
-  using type = double;
-};
 
 inline float to_f(float v) { return v; }
 inline double to_f(double v) { return v; }
@@ -45,26 +38,6 @@ inline BF16Bits from_f<BF16Bits, float>(float v) {
   std::memcpy(&u, &v, 4);
   const uint16_t r = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
   return BF16Bits{v != v ? static_cast<uint16_t>(0xFFFF) : r};
-}
-
-template <int kDt>
-using ElemOf = std::conditional_t<kDt == kF32, float,
-               std::conditional_t<kDt == kF64, double,
-               std::conditional_t<kDt == kF16, HalfBits, BF16Bits>>>;
-
-// f(T{}) with the element type of DtIndex dt.
-template <class F>
-inline void with_type(int dt, F&& f) {
-  switch (dt) {
-    case kF32:
-      return f(float{});
-    case kF64:
-      return f(double{});
-    case kF16:
-      return f(HalfBits{});
-    default:
-      return f(BF16Bits{});
-  }
 }
 
 constexpr int64_t kQkBlockPairs = 256;
@@ -172,7 +145,7 @@ inline int64_t read_pos(const void* pos, bool pos64, int64_t off) {
 
 template <typename x_t, typename tab_t, bool kI>
 void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
-  using acc = typename AccOf<x_t>::type;
+  using acc = opmath_t<x_t>;
   const RotateGeometry& g = *job.g;
   const TableDesc& t = g.table;
   const int64_t half = g.half, D = g.head_dim;
@@ -185,7 +158,7 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
   int64_t ws[2];
   for (int k = 0; k < g.targets; ++k) {
     if (D <= kQkNormStackHeadDim) {
-      with_type(job.w_dt[k], [&](auto elem) {
+      with_dt_type(job.w_dt[k], [&](auto elem) {
         using W = decltype(elem);
         const W* p = static_cast<const W*>(job.w[k]);
         for (int64_t j = 0; j < D; ++j) {
@@ -318,8 +291,8 @@ void norm_rope_layout(const NormJob& job, int64_t b, int64_t e) {
 }
 
 void norm_rope_tokens(const NormJob& job, int64_t b, int64_t e) {
-  with_type(job.x_dt, [&](auto x0) {
-    with_type(job.table_dt, [&](auto t0) {
+  with_dt_type(job.x_dt, [&](auto x0) {
+    with_dt_type(job.table_dt, [&](auto t0) {
       norm_rope_layout<decltype(x0), decltype(t0)>(job, b, e);
     });
   });

@@ -14,23 +14,11 @@
 
 #include "../qk_norm_checks.h"
 #include "../routes.h"
+#include "dt_index.h"
 #include "qk_norm_kernel_api.h"
 
 namespace rope {
 namespace {
-
-int dt_index(ScalarType t) {
-  switch (t) {
-    case ScalarType::Float:
-      return kF32;
-    case ScalarType::Double:
-      return kF64;
-    case ScalarType::Half:
-      return kF16;
-    default:
-      return kBF16;
-  }
-}
 
 // The kernel of the CPU variant that serves (rope.set_cpu_isa caps it).
 NormRopeTokensFn selected_kernel() {

@@ -12,26 +12,12 @@
 
 #include "../checks.h"
 #include "../routes.h"
+#include "dt_index.h"
 #include "fresh_output.h"
 #include "kernel_api.h"
 
 namespace rope {
 namespace {
-
-int dt_index(ScalarType t) {
-  switch (t) {
-    case ScalarType::Float:
-      return kF32;
-    case ScalarType::Double:
-      return kF64;
-    case ScalarType::Half:
-      return kF16;
-    case ScalarType::BFloat16:
-      return kBF16;
-    default:  // the checks admit only the four: reaching here is a bug, not a bf16 tensor
-      fail("rope: no CPU kernel for dtype ", dtype_str(t));
-  }
-}
 
 // Work per task: at least this many elements, so decode-sized calls run inline on the calling
 // thread (waking the pool costs more than the work).

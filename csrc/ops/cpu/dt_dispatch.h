@@ -1,0 +1,28 @@
+// The storage type of a DtIndex as a C++ type, for the kernel headers (kernels.h,
+// qk_norm_kernels.h): their conversion loops then know it instead of switching per element.
+// Included by them, so inside the ISA file's target switch, like the lambdas it calls; internal
+// linkage (see kernel_api.h).
+#pragma once
+
+#include "kernel_api.h"
+
+namespace rope {
+namespace {
+
+// Calls f(T{}) with T the storage type of DtIndex dt.
+template <class F>
+inline __attribute__((always_inline)) void with_dt_type(int dt, F&& f) {
+  switch (dt) {
+    case kF32:
+      return f(float{});
+    case kF64:
+      return f(double{});
+    case kF16:
+      return f(HalfBits{});
+    default:
+      return f(BF16Bits{});
+  }
+}
+
+}  // namespace
+}  // namespace rope
