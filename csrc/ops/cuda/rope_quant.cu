@@ -1,13 +1,10 @@
 // CUDA kernels of the RoPE + FP8 quantization ops. The per-thread code is in
 // rope_quant_thread.h and the host logic in rope_quant_host.h, both shared with the CPU kernel and
 // the simulator; this file adds the device guard, the current stream and the launch.
-#include <cuda_runtime.h>
-
-#include <torch/csrc/inductor/aoti_torch/c/shim.h>
-#include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 
 #include "../routes.h"
+#include "cuda_launch.cuh"
 #include "rope_quant_host.h"
 
 namespace rope::gpu {
@@ -15,35 +12,18 @@ namespace {
 
 template <typename x_t>
 __global__ void __launch_bounds__(kMaxBlockThreads, 1) quant_kernel(const QuantArgs<x_t> a) {
-  const ThreadPos tp{{threadIdx.x, threadIdx.y, threadIdx.z},
-                     {blockIdx.x, blockIdx.y, blockIdx.z},
-                     {blockDim.x, blockDim.y, blockDim.z},
-                     {gridDim.x, gridDim.y, gridDim.z}};
-  quant_thread<x_t>(a, tp);
+  quant_thread<x_t>(a, here());
 }
 
-class QuantLaunch {
+class QuantLaunch : public CudaStreamLaunch {
  public:
-  QuantLaunch(const Tensor& on, const char* op) : guard_(on.get_device_index()), op_(op) {
-    void* stream = nullptr;
-    ROPE_CHECK(aoti_torch_get_current_cuda_stream(on.get_device_index(), &stream) ==
-                   AOTI_TORCH_SUCCESS,
-               op, ": could not get the current CUDA stream of device ", on.get_device_index());
-    stream_ = static_cast<cudaStream_t>(stream);
-  }
+  using CudaStreamLaunch::CudaStreamLaunch;
 
   template <typename x_t>
   void operator()(const LaunchPlan& p, const QuantArgs<x_t>& a) const {
-    quant_kernel<x_t><<<dim3(p.grid.x, p.grid.y, p.grid.z), dim3(p.block.x, p.block.y, p.block.z),
-                        0, stream_>>>(a);
-    const cudaError_t err = cudaGetLastError();
-    ROPE_CHECK(err == cudaSuccess, op_, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+    quant_kernel<x_t><<<to_dim3(p.grid), to_dim3(p.block), 0, stream()>>>(a);
+    check_launch();
   }
-
- private:
-  torch::stable::accelerator::DeviceGuard guard_;
-  const char* op_;
-  cudaStream_t stream_ = nullptr;
 };
 
 void quantize_fp8_cuda(Tensor q_rope, Tensor k_rope, Tensor q_nope, Tensor k_nope,
