@@ -176,16 +176,10 @@ struct SimRunner {
   // the launch was allowed to touch, and report the plan it ran with.
   template <typename Allow, typename Thread>
   void simulate(const LaunchPlan& plan, bool idx32, Allow allow, Thread thread) const {
-    Recorder rec;
-    g_rec = &rec;
-    struct Reset {
-      ~Reset() { g_rec = nullptr; }
-    } reset;
-    allow(rec);
     LaunchPlan p = plan;
     p.idx32 = idx32;
-    run_grid(p, rec, thread);
-    finish(rec, op);
+    Recorder rec;
+    simulate_launch(rec, p, op, allow, thread);
     fill_info(*info, p, rec);
   }
 };

@@ -60,13 +60,8 @@ struct SimRunner {
   template <typename x_t, typename tab_t, bool kI>
   void operator()(const LaunchPlan& p, const NormRopeArgs<x_t, tab_t>& a, Bool<kI>) const {
     Recorder rec;
-    g_rec = &rec;
-    struct Reset {
-      ~Reset() { g_rec = nullptr; }
-    } reset;
-    allow_operands(rec, a);
-    run_grid(p, rec, [&](const ThreadPos& tp) { gpu::norm_rope_thread<x_t, tab_t, kI>(a, tp); });
-    finish(rec, op);
+    simulate_launch(rec, p, op, [&](Recorder& r) { allow_operands(r, a); },
+                    [&](const ThreadPos& tp) { gpu::norm_rope_thread<x_t, tab_t, kI>(a, tp); });
     int64_t* o = info->mutable_data_ptr<int64_t>();
     o[0] += p.vec;
     o[1] = p.grid.x;
