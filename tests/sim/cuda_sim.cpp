@@ -15,128 +15,22 @@
 // `info` (int64, 12) reports the plan and counters so tests can see which path ran.
 #include <cstdint>
 #include <optional>
-#include <sstream>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include <torch/csrc/stable/library.h>
 
 #include "ops/cuda/rope_cuda_host.h"
 #include "ops/cuda/shift_cuda_host.h"
+#include "sim_recorder.inc"
 
 namespace rope::sim {
 namespace {
 
-// kAtomic: written by several threads through atomics (the slot set), not a race.
-enum Perm : uint8_t { kRead = 1, kWrite = 2, kMustWrite = 4, kAtomic = 8 };
-
-struct ElementState {
-  uint8_t perm = 0;
-  int64_t elem_bytes = 0;
-  int64_t first_thread = -1;
-  int64_t writes = 0;
-  bool shared = false;  // touched by a second thread
-};
-
-struct Recorder {
-  std::unordered_map<uintptr_t, ElementState> elems;
-  int64_t thread = 0;
-  int64_t vector_accesses = 0, scalar_accesses = 0;
-  std::ostringstream errors;
-  int64_t error_count = 0;
-  std::string trap;
-
-  void fail(const std::string& what) {
-    if (error_count++ < 8) errors << what << "\n";
-  }
-
-  void allow(const void* p, int64_t elem_bytes, uint8_t perm) {
-    auto& e = elems[reinterpret_cast<uintptr_t>(p)];
-    e.perm |= perm;
-    e.elem_bytes = elem_bytes;
-  }
-};
-
-Recorder* g_rec = nullptr;
-
-}  // namespace
-
-bool on_access(const void* p, size_t bytes, size_t elem_bytes, size_t align, bool is_write) {
-  Recorder& r = *g_rec;
-  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-  bool ok = true;
-  (bytes > elem_bytes ? r.vector_accesses : r.scalar_accesses)++;
-  if (a % align != 0) {
-    std::ostringstream s;
-    s << "misaligned " << bytes << "-byte access at " << p << " (needs " << align << ") by thread "
-      << r.thread;
-    r.fail(s.str());
-    ok = false;
-  }
-  for (size_t o = 0; o < bytes; o += elem_bytes) {
-    auto it = r.elems.find(a + o);
-    if (it == r.elems.end() || it->second.elem_bytes != static_cast<int64_t>(elem_bytes)) {
-      std::ostringstream s;
-      s << (is_write ? "write" : "read") << " outside every operand at " << (const void*)(a + o)
-        << " by thread " << r.thread;
-      r.fail(s.str());
-      ok = false;
-      continue;
-    }
-    ElementState& e = it->second;
-    if (!(e.perm & (is_write ? kWrite : kRead))) {
-      std::ostringstream s;
-      s << (is_write ? "write to a read-only" : "read of a write-only") << " element at "
-        << (const void*)(a + o) << " by thread " << r.thread;
-      r.fail(s.str());
-      ok = false;
-    }
-    if ((e.perm & kWrite) && !(e.perm & kAtomic)) {  // only elements someone may write can race
-      if (e.first_thread < 0) e.first_thread = r.thread;
-      if (e.first_thread != r.thread) e.shared = true;
-    }
-    if (is_write) ++e.writes;
-  }
-  return ok;  // a bad access is reported, not performed
-}
-
-void on_trap(const char* what) {
-  if (g_rec->trap.empty()) g_rec->trap = what;
-}
-
-namespace {
-
 using gpu::Bool;
 using gpu::CacheArgs;
-using gpu::LaunchPlan;
 using gpu::RotateArgs;
-using gpu::ThreadPos;
 using torch::stable::Tensor;
-
-// Calls f(ThreadPos) for every thread of the grid, in block order.
-template <class F>
-void run_grid(const LaunchPlan& p, Recorder& rec, F&& f) {
-  const int64_t threads = int64_t{p.block.x} * p.block.y * p.block.z;
-  ROPE_CHECK(threads >= 1 && threads <= gpu::kMaxBlockThreads, "sim: block of ", threads,
-             " threads exceeds the kernels' __launch_bounds__(", gpu::kMaxBlockThreads, ")");
-  ROPE_CHECK(p.grid.x >= 1 && p.grid.y == 1 && p.grid.z == 1, "sim: bad grid");
-  ThreadPos tp;
-  tp.block_dim = p.block;
-  tp.grid_dim = p.grid;
-  for (unsigned bx = 0; bx < p.grid.x; ++bx) {
-    for (unsigned tz = 0; tz < p.block.z; ++tz) {
-      for (unsigned ty = 0; ty < p.block.y; ++ty) {
-        for (unsigned tx = 0; tx < p.block.x; ++tx) {
-          tp.block = {bx, 0, 0};
-          tp.thread = {tx, ty, tz};
-          rec.thread = bx * threads + (int64_t{tz} * p.block.y + ty) * p.block.x + tx;
-          f(tp);
-        }
-      }
-    }
-  }
-}
 
 // The operand elements of a RotateGeometry, registered with their permissions. Each element is
 // marked with the strongest access any operand needs (an in-place row is read and written).
@@ -160,32 +54,9 @@ void allow_rotate_operands(Recorder& rec, const RotateArgs<x_t, tab_t>& a) {
         }
       }
     }
-    const TableDesc& d = g.table;
-    if (d.kind == TableKind::kStrided) {
-      for (int64_t i = 0; i < g.half; ++i) {
-        rec.allow(a.cos + off[kTab0] + i * d.cos_col, sizeof(tab_t), kRead);
-        rec.allow(a.sin + off[kTab1] + i * d.sin_col, sizeof(tab_t), kRead);
-      }
-    } else {
-      const int n = d.kind == TableKind::kMrope ? kMropeComponents : 1;
-      for (int j = 0; j < n; ++j) {
-        const int64_t e = off[kTab0] + j * d.pos_component;
-        if (d.pos64) {
-          rec.allow(static_cast<const int64_t*>(a.pos) + e, 8, kRead);
-        } else {
-          rec.allow(static_cast<const int32_t*>(a.pos) + e, 4, kRead);
-        }
-      }
-    }
+    allow_token_tables(rec, g, a.cos, a.sin, a.pos, off);
   }
-  if (g.table.kind != TableKind::kStrided) {  // any row of the tables may be gathered
-    for (int64_t p = 0; p < g.table.rows; ++p) {
-      for (int64_t i = 0; i < g.half; ++i) {
-        rec.allow(a.cos + p * g.table.cos_row + i * g.table.cos_col, sizeof(tab_t), kRead);
-        rec.allow(a.sin + p * g.table.sin_row + i * g.table.sin_col, sizeof(tab_t), kRead);
-      }
-    }
-  }
+  allow_gathered_tables(rec, g, a.cos, a.sin);
 }
 
 template <typename x_t, typename tab_t>
@@ -250,21 +121,6 @@ void allow_shift_operands(Recorder& rec, const gpu::ShiftArgs<x_t, acc_t>& a) {
   }
 }
 
-void finish(Recorder& rec, const char* op) {
-  for (const auto& [addr, e] : rec.elems) {
-    if ((e.perm & kMustWrite) && e.writes != 1) {
-      std::ostringstream s;
-      s << "an output element at " << (const void*)addr << " was written " << e.writes
-        << " times (expected once)";
-      rec.fail(s.str());
-    }
-    if (e.shared) rec.fail("an output element was touched by two threads");
-  }
-  ROPE_CHECK(rec.trap.empty(), op, ": device-side assert triggered: ", rec.trap);
-  ROPE_CHECK(rec.error_count == 0, op, ": simulated kernel made ", rec.error_count,
-             " bad accesses, first ones:\n", rec.errors.str());
-}
-
 void fill_info(Tensor& info, const LaunchPlan& p, const Recorder& rec) {
   ROPE_CHECK(info.scalar_type() == ScalarType::Long && info.numel() == 12 && info.is_contiguous(),
              "sim: info must be a contiguous int64 tensor of 12 elements");
@@ -320,16 +176,10 @@ struct SimRunner {
   // the launch was allowed to touch, and report the plan it ran with.
   template <typename Allow, typename Thread>
   void simulate(const LaunchPlan& plan, bool idx32, Allow allow, Thread thread) const {
-    Recorder rec;
-    g_rec = &rec;
-    struct Reset {
-      ~Reset() { g_rec = nullptr; }
-    } reset;
-    allow(rec);
     LaunchPlan p = plan;
     p.idx32 = idx32;
-    run_grid(p, rec, thread);
-    finish(rec, op);
+    Recorder rec;
+    simulate_launch(rec, p, op, allow, thread);
     fill_info(*info, p, rec);
   }
 };

@@ -11,90 +11,19 @@
 // kernel's trap. `info` (int64, 4): vector path, grid, vector accesses, scalar accesses.
 #include <cstdint>
 #include <optional>
-#include <sstream>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include <torch/csrc/stable/library.h>
 
 #include "ops/cuda/qk_norm_rope_host.h"
+#include "sim_recorder.inc"
 
 namespace rope::sim {
 namespace {
 
-enum Perm : uint8_t { kRead = 1, kWrite = 2, kMustWrite = 4 };
-
-struct Element {
-  uint8_t perm = 0;
-  int64_t bytes = 0;
-  int64_t writer = -1;
-  int64_t writes = 0;
-  bool shared = false;
-};
-
-struct Recorder {
-  std::unordered_map<uintptr_t, Element> elems;
-  int64_t thread = 0, vector_accesses = 0, scalar_accesses = 0, errors = 0;
-  std::ostringstream log;
-  std::string trap;
-
-  void fail(const std::string& what) {
-    if (errors++ < 8) log << what << "\n";
-  }
-  void allow(const void* p, int64_t bytes, uint8_t perm) {
-    Element& e = elems[reinterpret_cast<uintptr_t>(p)];
-    e.perm |= perm;
-    e.bytes = bytes;
-  }
-};
-
-Recorder* g_rec = nullptr;
-
-}  // namespace
-
-bool on_access(const void* p, size_t bytes, size_t elem_bytes, size_t align, bool is_write) {
-  Recorder& r = *g_rec;
-  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-  (bytes > elem_bytes ? r.vector_accesses : r.scalar_accesses)++;
-  bool ok = true;
-  if (a % align != 0) {
-    r.fail("misaligned access by thread " + std::to_string(r.thread));
-    ok = false;
-  }
-  for (size_t o = 0; o < bytes; o += elem_bytes) {
-    auto it = r.elems.find(a + o);
-    if (it == r.elems.end() || it->second.bytes != static_cast<int64_t>(elem_bytes)) {
-      r.fail(std::string(is_write ? "write" : "read") + " outside every operand by thread " +
-             std::to_string(r.thread));
-      ok = false;
-      continue;
-    }
-    Element& e = it->second;
-    if (!(e.perm & (is_write ? kWrite : kRead))) {
-      r.fail(std::string(is_write ? "write to a read-only" : "read of a write-only") +
-             " element by thread " + std::to_string(r.thread));
-      ok = false;
-    }
-    if (e.perm & kWrite) {
-      if (e.writer < 0) e.writer = r.thread;
-      if (e.writer != r.thread) e.shared = true;
-    }
-    if (is_write) ++e.writes;
-  }
-  return ok;
-}
-
-void on_trap(const char* what) {
-  if (g_rec->trap.empty()) g_rec->trap = what;
-}
-
-namespace {
-
 using gpu::Bool;
-using gpu::LaunchPlan;
 using gpu::NormRopeArgs;
-using gpu::ThreadPos;
 using torch::stable::Tensor;
 
 template <typename x_t, typename tab_t>
@@ -119,32 +48,9 @@ void allow_operands(Recorder& rec, const NormRopeArgs<x_t, tab_t>& a) {
         }
       }
     }
-    const TableDesc& d = g.table;
-    if (d.kind == TableKind::kStrided) {
-      for (int64_t i = 0; i < g.half; ++i) {
-        rec.allow(a.cos + off[kTab0] + i * d.cos_col, sizeof(tab_t), kRead);
-        rec.allow(a.sin + off[kTab1] + i * d.sin_col, sizeof(tab_t), kRead);
-      }
-    } else {
-      const int n = d.kind == TableKind::kMrope ? kMropeComponents : 1;
-      for (int j = 0; j < n; ++j) {
-        const int64_t e = off[kTab0] + j * d.pos_component;
-        if (d.pos64) {
-          rec.allow(static_cast<const int64_t*>(a.pos) + e, 8, kRead);
-        } else {
-          rec.allow(static_cast<const int32_t*>(a.pos) + e, 4, kRead);
-        }
-      }
-    }
+    allow_token_tables(rec, g, a.cos, a.sin, a.pos, off);
   }
-  if (g.table.kind != TableKind::kStrided) {
-    for (int64_t p = 0; p < g.table.rows; ++p) {
-      for (int64_t i = 0; i < g.half; ++i) {
-        rec.allow(a.cos + p * g.table.cos_row + i * g.table.cos_col, sizeof(tab_t), kRead);
-        rec.allow(a.sin + p * g.table.sin_row + i * g.table.sin_col, sizeof(tab_t), kRead);
-      }
-    }
-  }
+  allow_gathered_tables(rec, g, a.cos, a.sin);
 }
 
 struct SimRunner {
@@ -154,31 +60,8 @@ struct SimRunner {
   template <typename x_t, typename tab_t, bool kI>
   void operator()(const LaunchPlan& p, const NormRopeArgs<x_t, tab_t>& a, Bool<kI>) const {
     Recorder rec;
-    g_rec = &rec;
-    struct Reset {
-      ~Reset() { g_rec = nullptr; }
-    } reset;
-    allow_operands(rec, a);
-    ThreadPos tp;
-    tp.block_dim = p.block;
-    tp.grid_dim = p.grid;
-    for (unsigned b = 0; b < p.grid.x; ++b) {
-      for (unsigned t = 0; t < p.block.x; ++t) {
-        tp.block = {b, 0, 0};
-        tp.thread = {t, 0, 0};
-        rec.thread = int64_t{b} * p.block.x + t;
-        gpu::norm_rope_thread<x_t, tab_t, kI>(a, tp);
-      }
-    }
-    for (const auto& [addr, e] : rec.elems) {
-      if ((e.perm & kMustWrite) && e.writes != 1) {
-        rec.fail("an output element was written " + std::to_string(e.writes) + " times");
-      }
-      if (e.shared) rec.fail("an output element was touched by two threads");
-    }
-    ROPE_CHECK(rec.trap.empty(), op, ": device-side assert triggered: ", rec.trap);
-    ROPE_CHECK(rec.errors == 0, op, ": simulated kernel made ", rec.errors,
-               " bad accesses, first ones:\n", rec.log.str());
+    simulate_launch(rec, p, op, [&](Recorder& r) { allow_operands(r, a); },
+                    [&](const ThreadPos& tp) { gpu::norm_rope_thread<x_t, tab_t, kI>(a, tp); });
     int64_t* o = info->mutable_data_ptr<int64_t>();
     o[0] += p.vec;
     o[1] = p.grid.x;

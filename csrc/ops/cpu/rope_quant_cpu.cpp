@@ -63,6 +63,8 @@ void check_data(const gpu::QuantArgs<x_t>& a, const char* op) {
 constexpr int64_t kGrainElements = 1 << 15;
 
 struct CpuRunner {
+  CpuRunner(const Tensor&, const char* op_name) : op(op_name) {}
+
   const char* op;
 
   template <typename x_t>
@@ -84,31 +86,10 @@ struct CpuRunner {
   }
 };
 
-void quantize_fp8_cpu(Tensor q_rope, Tensor k_rope, Tensor q_nope, Tensor k_nope,
-                      Tensor cos_sin_cache, Tensor pos_ids, Tensor q_rope_out, Tensor k_rope_out,
-                      Tensor q_nope_out, Tensor k_nope_out, double quant_scale_q,
-                      double quant_scale_kv, bool interleaved) {
-  gpu::quantize_host(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, q_rope_out,
-                     k_rope_out, q_nope_out, k_nope_out, quant_scale_q, quant_scale_kv,
-                     interleaved, CpuRunner{"rope.quantize_fp8"});
-}
-
-void quantize_fp8_paged_cpu(Tensor q_rope, Tensor k_rope, Tensor q_nope, Tensor k_nope,
-                            std::optional<Tensor> v, Tensor cos_sin_cache, Tensor pos_ids,
-                            Tensor q_rope_out, Tensor q_nope_out, Tensor k_cache, Tensor v_cache,
-                            Tensor kv_indices, Tensor kv_indptr, Tensor batch_indices,
-                            Tensor positions, int64_t page_size, std::string kv_layout,
-                            double quant_scale_q, double quant_scale_kv, bool interleaved) {
-  gpu::quantize_paged_host(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, q_rope_out,
-                           q_nope_out, k_cache, v_cache, kv_indices, kv_indptr, batch_indices,
-                           positions, page_size, kv_layout, quant_scale_q, quant_scale_kv,
-                           interleaved, CpuRunner{"rope.quantize_fp8_append_paged_kv_cache"});
-}
-
 }  // namespace
 }  // namespace rope
 
 STABLE_TORCH_LIBRARY_IMPL(rope, CPU, m) {
-  rope::impl_routed_cpu(m, rope::kQuantizeFp8, TORCH_BOX(&rope::quantize_fp8_cpu));
-  rope::impl_routed_cpu(m, rope::kQuantizeFp8Paged, TORCH_BOX(&rope::quantize_fp8_paged_cpu));
+  rope::impl_routed_cpu(m, rope::kQuantizeFp8, TORCH_BOX(&rope::gpu::quantize_fp8_op<rope::CpuRunner>));
+  rope::impl_routed_cpu(m, rope::kQuantizeFp8Paged, TORCH_BOX(&rope::gpu::quantize_fp8_paged_op<rope::CpuRunner>));
 }

@@ -1,12 +1,9 @@
 // CUDA kernels of the fused QK-RMSNorm + RoPE ops, registered for the CUDA key. Per-thread code:
 // qk_norm_rope_thread.h; host logic: qk_norm_rope_host.h (both shared with the simulator).
-#include <cuda_runtime.h>
-
-#include <torch/csrc/inductor/aoti_torch/c/shim.h>
-#include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 
 #include "../routes.h"
+#include "cuda_launch.cuh"
 #include "qk_norm_rope_host.h"
 
 namespace rope::gpu {
@@ -15,37 +12,19 @@ namespace {
 template <typename x_t, typename tab_t, bool kInterleaved>
 __global__ void __launch_bounds__(kNormThreadsPerBlock)
     norm_rope_kernel(const NormRopeArgs<x_t, tab_t> a) {
-  norm_rope_thread<x_t, tab_t, kInterleaved>(
-      a, ThreadPos{{threadIdx.x, threadIdx.y, threadIdx.z},
-                   {blockIdx.x, blockIdx.y, blockIdx.z},
-                   {blockDim.x, blockDim.y, blockDim.z},
-                   {gridDim.x, gridDim.y, gridDim.z}});
+  norm_rope_thread<x_t, tab_t, kInterleaved>(a, here());
 }
 
 // The device made current, torch's current stream there, a launch check after the kernel.
-class NormLaunch {
+class NormLaunch : public CudaStreamLaunch {
  public:
-  NormLaunch(const Tensor& on, const char* op) : guard_(on.get_device_index()), op_(op) {
-    void* stream = nullptr;
-    ROPE_CHECK(aoti_torch_get_current_cuda_stream(on.get_device_index(), &stream) ==
-                   AOTI_TORCH_SUCCESS,
-               op, ": could not get the current CUDA stream of device ", on.get_device_index());
-    stream_ = static_cast<cudaStream_t>(stream);
-  }
+  using CudaStreamLaunch::CudaStreamLaunch;
 
   template <typename x_t, typename tab_t, bool kI>
   void operator()(const LaunchPlan& p, const NormRopeArgs<x_t, tab_t>& a, Bool<kI>) const {
-    norm_rope_kernel<x_t, tab_t, kI>
-        <<<dim3(p.grid.x, p.grid.y, p.grid.z), dim3(p.block.x, p.block.y, p.block.z), 0,
-           stream_>>>(a);
-    const cudaError_t err = cudaGetLastError();
-    ROPE_CHECK(err == cudaSuccess, op_, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+    norm_rope_kernel<x_t, tab_t, kI><<<to_dim3(p.grid), to_dim3(p.block), 0, stream()>>>(a);
+    check_launch();
   }
-
- private:
-  torch::stable::accelerator::DeviceGuard guard_;
-  const char* op_;
-  cudaStream_t stream_ = nullptr;
 };
 
 std::tuple<Tensor, Tensor> qk_norm_rope_cuda(Tensor query, Tensor key, Tensor q_weight,

@@ -2,24 +2,14 @@
 // rope_cuda_thread.h and the host logic (checks, table dtypes, launch plan, dispatch) in
 // rope_cuda_host.h, both shared with the CPU simulator that tests them without a GPU; this file
 // adds what only a GPU has: the device guard, the current stream, the launches and their checks.
-#include <cuda_runtime.h>
-
-#include <torch/csrc/inductor/aoti_torch/c/shim.h>
-#include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 
 #include "../routes.h"
+#include "cuda_launch.cuh"
 #include "rope_cuda_host.h"
 
 namespace rope::gpu {
 namespace {
-
-__device__ __forceinline__ ThreadPos here() {
-  return {{threadIdx.x, threadIdx.y, threadIdx.z},
-          {blockIdx.x, blockIdx.y, blockIdx.z},
-          {blockDim.x, blockDim.y, blockDim.z},
-          {gridDim.x, gridDim.y, gridDim.z}};
-}
 
 template <typename x_t, typename tab_t, bool kInterleaved>
 __global__ void __launch_bounds__(kMaxBlockThreads, 1)
@@ -36,47 +26,27 @@ __global__ void __launch_bounds__(kThreadsPerBlock) slot_set_kernel(const SlotSe
   slot_set_thread(a, here());
 }
 
-dim3 to_dim3(const Idx3& i) { return dim3(i.x, i.y, i.z); }
-
-// The one place every CUDA op goes through: the tensors' device made current, the stream torch
-// is using there (a CUDA graph's capture stream while capturing, a user's torch.cuda.Stream
-// inside `with torch.cuda.stream(s)`), and a launch check after each kernel.
-class CudaLaunch {
+// The one place every rotation op goes through (see CudaStreamLaunch).
+class CudaLaunch : public CudaStreamLaunch {
  public:
-  CudaLaunch(const Tensor& on, const char* op) : guard_(on.get_device_index()), op_(op) {
-    void* stream = nullptr;
-    ROPE_CHECK(aoti_torch_get_current_cuda_stream(on.get_device_index(), &stream) ==
-                   AOTI_TORCH_SUCCESS,
-               op, ": could not get the current CUDA stream of device ", on.get_device_index());
-    stream_ = static_cast<cudaStream_t>(stream);
-  }
+  using CudaStreamLaunch::CudaStreamLaunch;
 
   template <typename x_t, typename tab_t, bool kI>
   void operator()(const LaunchPlan& p, const RotateArgs<x_t, tab_t>& a, Bool<kI>) const {
-    rotate_kernel<x_t, tab_t, kI><<<to_dim3(p.grid), to_dim3(p.block), 0, stream_>>>(a);
+    rotate_kernel<x_t, tab_t, kI><<<to_dim3(p.grid), to_dim3(p.block), 0, stream()>>>(a);
     check_launch();
   }
 
   template <typename x_t, typename tab_t>
   void operator()(const LaunchPlan& p, const CacheArgs<x_t, tab_t>& a) const {
-    cache_kernel<x_t, tab_t><<<to_dim3(p.grid), to_dim3(p.block), 0, stream_>>>(a);
+    cache_kernel<x_t, tab_t><<<to_dim3(p.grid), to_dim3(p.block), 0, stream()>>>(a);
     check_launch();
   }
 
   void operator()(const LaunchPlan& p, const SlotSetArgs& a) const {
-    slot_set_kernel<<<to_dim3(p.grid), to_dim3(p.block), 0, stream_>>>(a);
+    slot_set_kernel<<<to_dim3(p.grid), to_dim3(p.block), 0, stream()>>>(a);
     check_launch();
   }
-
- private:
-  void check_launch() const {
-    const cudaError_t err = cudaGetLastError();  // also clears it, so it is reported once
-    ROPE_CHECK(err == cudaSuccess, op_, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
-  }
-
-  torch::stable::accelerator::DeviceGuard guard_;
-  const char* op_;
-  cudaStream_t stream_ = nullptr;
 };
 
 template <bool kInverse>

@@ -137,4 +137,29 @@ void quantize_paged_host(const Tensor& q_rope, const Tensor& k_rope, const Tenso
   run_quant(g, t, run, max_blocks);
 }
 
+// The two ops with their schemas' arguments, registered by the CPU and the CUDA library: each
+// gives its `Runner`, built from the first input and the op's name.
+template <class Runner>
+void quantize_fp8_op(Tensor q_rope, Tensor k_rope, Tensor q_nope, Tensor k_nope,
+                     Tensor cos_sin_cache, Tensor pos_ids, Tensor q_rope_out, Tensor k_rope_out,
+                     Tensor q_nope_out, Tensor k_nope_out, double quant_scale_q,
+                     double quant_scale_kv, bool interleaved) {
+  quantize_host(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, q_rope_out, k_rope_out,
+                q_nope_out, k_nope_out, quant_scale_q, quant_scale_kv, interleaved,
+                Runner(q_rope, "rope.quantize_fp8"));
+}
+
+template <class Runner>
+void quantize_fp8_paged_op(Tensor q_rope, Tensor k_rope, Tensor q_nope, Tensor k_nope,
+                           std::optional<Tensor> v, Tensor cos_sin_cache, Tensor pos_ids,
+                           Tensor q_rope_out, Tensor q_nope_out, Tensor k_cache, Tensor v_cache,
+                           Tensor kv_indices, Tensor kv_indptr, Tensor batch_indices,
+                           Tensor positions, int64_t page_size, std::string kv_layout,
+                           double quant_scale_q, double quant_scale_kv, bool interleaved) {
+  quantize_paged_host(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, q_rope_out,
+                      q_nope_out, k_cache, v_cache, kv_indices, kv_indptr, batch_indices,
+                      positions, page_size, kv_layout, quant_scale_q, quant_scale_kv, interleaved,
+                      Runner(q_rope, "rope.quantize_fp8_append_paged_kv_cache"));
+}
+
 }  // namespace rope::gpu
