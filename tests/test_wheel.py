@@ -60,11 +60,13 @@ def test_wheel_holds_the_package_and_nothing_else():
 
 @needs_wheel
 def test_wheel_native_libraries_carry_no_debug_info():
-    # Release builds: code only. The CPU and CUDA libraries together stay under 6 MB.
+    # Release builds: code only. The CPU and CUDA libraries together stay under 12 MB (five op
+    # families, each CPU kernel compiled per instruction set, each CUDA kernel for two archs; a
+    # build with debug info is several times that).
     with zipfile.ZipFile(WHEEL) as wheel:
         sizes = {i.filename: i.file_size for i in wheel.infolist() if NATIVE.fullmatch(i.filename)}
         data = {n: wheel.read(n) for n in sizes}
-    assert sum(sizes.values()) < 6 * 2**20, sizes
+    assert sum(sizes.values()) < 12 * 2**20, sizes
     for name, blob in data.items():
         assert b".debug_info" not in blob, f"{name} carries debug info"
 
