@@ -434,6 +434,9 @@ def register_routes():
     for name, op in OPS.items():
         if name in _routes_registered or not routed(name):
             continue
+        # The kernel-only twin serves every device but the CPU, meta included (no Python key:
+        # a plain meta tensor reaches the C++ router too).
+        torch.library.register_fake(f"rope::_impl_{name}", op.fake, lib=lib)
         if op.functional_autograd is not None:
             autograd = _functional_autograd_kernel(name, *op.functional_autograd)
             lib.impl(f"_grad_{name}", autograd, "Autograd", with_keyset=True)

@@ -169,3 +169,18 @@ def test_views_of_one_qkv_buffer_with_a_learned_table(interleaved):
     want = torch.autograd.grad(out_of_place(qkv, table), (qkv, table), grad)
     for g, w in zip(got, want):
         assert_close(g, w, torch.float64)
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_meta_tensors_take_the_shapes_path(mode):
+    # Meta tensors carry no Python key: they reach the C++ call path, whose kernel-only twin
+    # serves them with the fake kernels.
+    table = CACHE.to("meta")
+    with mode():
+        q, k = torch.empty(3, 4, 16, device="meta"), torch.empty(3, 2, 16, device="meta")
+        pos = torch.arange(3, device="meta")
+        OPS.apply_(q, k, pos, table)
+        assert OPS.apply_positions(q, pos, table[:, :8], table[:, 8:]).shape == q.shape
+        assert OPS.apply(q, table[:3, None, :8], table[:3, None, 8:]).device.type == "meta"
+        with pytest.raises(RuntimeError, match="rope.apply_: "):
+            OPS.apply_(q, k, pos[:2], table)
