@@ -77,10 +77,11 @@ at::Tensor cos_sin_cache(int64_t max_position, int64_t rotary_dim) {
 
 using ApplyFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool);
 using ApplyOutFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, at::Tensor&);
+// The in-place ops' trailing (rope_dim_offset, inverse): 0 and false in these checks.
 using ApplyInplaceFn = void(at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
-                            const at::Tensor&, bool);
+                            const at::Tensor&, bool, int64_t, bool);
 using MropeFn = void(at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
-                     const at::Tensor&, c10::ArrayRef<int64_t>, bool, bool);
+                     const at::Tensor&, c10::ArrayRef<int64_t>, bool, bool, int64_t, bool);
 
 const char* const kOps[] = {"rope::apply", "rope::apply_backward", "rope::apply_", "rope::mrope_",
                             "rope::apply_positions", "rope::apply_and_cache_"};
@@ -131,14 +132,14 @@ void check_apply_inplace(at::DeviceType device, at::ScalarType dtype, bool inter
     auto c = rows.narrow(-1, 0, 16), s = rows.narrow(-1, 16, 16);
     auto expected_q = reference(query, c, s, interleaved);
     auto expected_k = reference(key, c, s, interleaved);
-    apply_inplace_op->call(query, key, positions, cache, interleaved);
+    apply_inplace_op->call(query, key, positions, cache, interleaved, 0, false);
     expect_close(query, expected_q, dtype, "rope::apply_ query " + tag);
     expect_close(key, expected_k, dtype, "rope::apply_ key " + tag);
     expect(at::equal(qkv.narrow(1, 6, 2), value), "rope::apply_ leaves the value heads alone " + tag);
 
     auto q_only = at::randn({9, 4, 32}, at::TensorOptions().dtype(dtype).device(device));
     auto expected_q_only = reference(q_only, c, s, interleaved);
-    apply_inplace_op->call(q_only, std::nullopt, positions, cache, interleaved);
+    apply_inplace_op->call(q_only, std::nullopt, positions, cache, interleaved, 0, false);
     expect_close(q_only, expected_q_only, dtype, "rope::apply_ without key " + tag);
   }
 }
@@ -163,7 +164,7 @@ void check_mrope(at::DeviceType device, at::ScalarType dtype, bool interleaved) 
   auto c = at::cat(cos_parts, -1).unsqueeze(-2), s = at::cat(sin_parts, -1).unsqueeze(-2);
   auto expected_q = reference(query, c, s, interleaved);
   auto expected_k = reference(key, c, s, interleaved);
-  mrope_op->call(query, key, positions, cache, section, interleaved, false);
+  mrope_op->call(query, key, positions, cache, section, interleaved, false, 0, false);
   expect_close(query, expected_q, dtype, "rope::mrope_ query " + tag);
   expect_close(key, expected_k, dtype, "rope::mrope_ key " + tag);
 }
