@@ -17,7 +17,6 @@ import numbers
 
 import torch
 
-from ._registrations import check_not_inference
 from .ops import heads
 
 ops = torch.ops.rope
@@ -98,10 +97,12 @@ def qk_norm_rope_(query, key, q_weight, k_weight, positions, cos_sin_cache, *, e
     (chunked) or T,H,W,T,H,W,... (mrope_interleaved). head_size: query and key are flat
     (..., H * head_size). eps, unit_offset, interleaved: as qk_norm_rope. Serving only: not
     differentiable. A rejected call writes nothing. Returns (query, key)."""
-    check_not_inference(query, key)
+    # The op refuses inference tensors outside inference mode itself (torch's error, before any
+    # write), as every in-place op of the library does.
     ops.qk_norm_rope_(heads(query, head_size, "query"), heads(key, head_size, "key"),
                       q_weight, k_weight, positions, cos_sin_cache, eps, unit_offset,
-                      interleaved, _section(mrope_section), mrope_interleaved)
+                      interleaved, None if mrope_section is None else _section(mrope_section),
+                      mrope_interleaved)
     return query, key
 
 
@@ -112,8 +113,8 @@ def qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weigh
     any stride): the q and k heads normalized and rotated as qk_norm_rope_ does, positions
     (num_tokens,) (or (3, num_tokens) with mrope_section); the v heads untouched. Serving only.
     Returns qkv."""
-    check_not_inference(qkv)
     ops.qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight, k_weight,
                        positions, cos_sin_cache, eps, unit_offset, interleaved,
-                       _section(mrope_section), mrope_interleaved)
+                       None if mrope_section is None else _section(mrope_section),
+                       mrope_interleaved)
     return qkv

@@ -146,6 +146,24 @@ def test_empty_and_single_row():
 # ---- in place ----
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_whole_rotary_rows_of_common_head_dims(dtype, D, unit_offset):
+    """The CPU kernel's rows of head_dim 64/128/256 rotated whole (unit strides) take a path of
+    their own, heads in groups of four: 6 q heads (a group and two more) and 3 k heads."""
+    T, Hq, Hk, Hv = 5, 6, 3, 1
+    qkv, before, wq, wk, cache, pos = packed_case(T, Hq, Hk, Hv, D, dtype, 40, D)
+    qkv_norm_rope_(qkv, Hq, Hk, Hv, D, wq, wk, pos, cache, eps=1e-6, unit_offset=unit_offset)
+    c, s = gathered(cache, pos)
+    check_packed(qkv, before, Hq, Hk, wq, wk, c, s, unit_offset, False, dtype)
+    q = before[:, : Hq * D].view(T, Hq, D)
+    k = before[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
+    oq, ok = ops.qk_norm_rope(q, k, wq, wk, c, s, 1e-6, unit_offset, False)
+    close(oq, oracle(q, wq, c, s, 1e-6, unit_offset, False), dtype)
+    close(ok, oracle(k, wk, c, s, 1e-6, unit_offset, False), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("rotary_dim", [64, 32, 6])
 def test_packed_qkv_in_place(dtype, interleaved, rotary_dim):

@@ -45,8 +45,11 @@ class Case:
         self.qkv = torch.randn(tokens, (hq + hk + hv) * d, dtype=dtype, device=device)
         self.q = self.qkv[:, : hq * d].view(tokens, hq, d)
         self.k = self.qkv[:, hq * d : (hq + hk) * d].view(tokens, hk, d)
-        self.wq = torch.randn(d, dtype=dtype, device=device)
-        self.wk = torch.randn(d, dtype=dtype, device=device)
+        # Weights of magnitude 1 (random signs): every timed call rewrites q and k in place, and
+        # weights of other magnitudes would grow some dims and shrink the others geometrically
+        # call after call, down to subnormal floats, which the CPU computes with far slower.
+        self.wq = (torch.randint(0, 2, (d,), device=device) * 2 - 1).to(dtype)
+        self.wk = (torch.randint(0, 2, (d,), device=device) * 2 - 1).to(dtype)
         self.cache = rope_ext.cos_sin_cache(4096, d).to(device)
         self.pos = torch.randint(0, 4096, (tokens,), device=device)
         self.c = torch.tensor(1.0, dtype=dtype, device=device)

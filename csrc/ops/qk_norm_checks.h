@@ -110,11 +110,20 @@ inline std::pair<Tensor, Tensor> qkv_views(const Tensor& qkv, int64_t hq, int64_
              ": qkv must have unit stride along its columns (qkv.stride(1) == 1), got strides ",
              list_str(m.strides, m.dim));
   const int64_t tokens = m.sizes[0];
-  Tensor base = qkv;  // narrow takes a non-const reference; this is a handle copy
-  Tensor q = torch::stable::narrow(base, 1, 0, hq * head_dim);
-  Tensor k = torch::stable::narrow(base, 1, hq * head_dim, hk * head_dim);
   const std::vector<int64_t> qs{tokens, hq, head_dim}, ks{tokens, hk, head_dim};
-  return {torch::stable::view(q, qs), torch::stable::view(k, ks)};
+  if (m.numel == 0) {  // no data pointer to alias: torch's own views
+    Tensor base = qkv;  // narrow takes a non-const reference; this is a handle copy
+    Tensor q = torch::stable::narrow(base, 1, 0, hq * head_dim);
+    Tensor k = torch::stable::narrow(base, 1, hq * head_dim, hk * head_dim);
+    return {torch::stable::view(q, qs), torch::stable::view(k, ks)};
+  }
+  // Non-owning aliases of qkv's memory (the caller holds qkv for as long as they live): one
+  // tensor creation each, where narrow + view would be four dispatched ops, a cost a decode-sized
+  // call notices. They are internal: the op's version and autograd bookkeeping is qkv's.
+  const std::vector<int64_t> st{m.strides[0], head_dim, 1};
+  void* data = qkv.mutable_data_ptr();
+  return {torch::stable::from_blob(data, qs, st, m.device, m.dtype, 0),
+          torch::stable::from_blob(data, ks, st, m.device, m.dtype, hq * head_dim)};
 }
 
 }  // namespace rope

@@ -40,6 +40,8 @@ inline BF16Bits from_f<BF16Bits, float>(float v) {
   return BF16Bits{v != v ? static_cast<uint16_t>(0xFFFF) : r};
 }
 
+#define ROPE_QK_INLINE inline __attribute__((always_inline))
+
 constexpr int64_t kQkBlockPairs = 256;
 constexpr int kLanes = 8;
 
@@ -138,6 +140,88 @@ inline void norm_tail(const x_t* src, int64_t sl, x_t* dst, int64_t dl, const ac
   }
 }
 
+// part[0] += part[n]; then the halves of [0, n) likewise, down to one: log2 of the lane count
+// dependent adds (a template, so each step has a constant width and unrolls).
+template <int n, typename acc>
+ROPE_QK_INLINE void tree_sum(acc* part) {
+  for (int l = 0; l < n; ++l) part[l] += part[l + n];
+  if constexpr (n > 1) tree_sum<n / 2>(part);
+}
+
+// The common rows: unit strides, head_dim kD a compile-time constant (64, 128, 256) and every
+// dim rotated (half-split pairs). Every loop has a constant trip count, so the compiler keeps the
+// rows in registers (or L1) and vectorizes each step. kG heads go through each step together:
+// a row's sum of squares and rsqrt are a chain of dependent operations (a tree of partial sums,
+// a square root, a division), and kG independent chains overlap where one would stall.
+template <typename x_t, typename acc, int kD, int kG>
+ROPE_QK_INLINE void norm_rope_group(const x_t* src, x_t* dst, int64_t src_head,
+                                    int64_t dst_head, const acc* __restrict__ w,
+                                    const acc* __restrict__ c, const acc* __restrict__ s,
+                                    acc eps) {
+  constexpr int kHalf = kD / 2;
+  static_assert(kD % kSumLanes == 0, "whole vectors of partial sums");
+  alignas(64) acc row[kG][kD];
+  alignas(64) acc part[kG][kSumLanes];
+  acc r[kG];
+  for (int g = 0; g < kG; ++g) {
+    for (int j = 0; j < kD; ++j) row[g][j] = static_cast<acc>(to_f(src[g * src_head + j]));
+  }
+  for (int g = 0; g < kG; ++g) {
+    for (int l = 0; l < kSumLanes; ++l) part[g][l] = row[g][l] * row[g][l];
+    for (int j = kSumLanes; j < kD; j += kSumLanes) {
+      for (int l = 0; l < kSumLanes; ++l) part[g][l] += row[g][j + l] * row[g][j + l];
+    }
+    tree_sum<kSumLanes / 2>(part[g]);
+  }
+  for (int g = 0; g < kG; ++g) r[g] = acc(1) / std::sqrt(part[g][0] / static_cast<acc>(kD) + eps);
+  for (int g = 0; g < kG; ++g) {
+    x_t* d = dst + g * dst_head;
+    for (int i = 0; i < kHalf; ++i) {
+      const acc a = (row[g][i] * r[g]) * w[i];
+      const acc b = (row[g][i + kHalf] * r[g]) * w[i + kHalf];
+      d[i] = from_f<x_t>(a * c[i] - b * s[i]);
+      d[i + kHalf] = from_f<x_t>(b * c[i] + a * s[i]);
+    }
+  }
+}
+
+// Every head of one target of one token (not inlined: one copy per element type and kD, not one
+// per table type). w, c and s are the caller's stack buffers, so no write through dst reaches
+// them (__restrict__: the stores need not be ordered against their loads).
+template <typename x_t, typename acc, int kD>
+__attribute__((noinline)) void norm_rope_heads_fixed(const x_t* src, x_t* dst, int64_t src_head,
+                                                     int64_t dst_head, int64_t heads,
+                                                     const acc* __restrict__ w,
+                                                     const acc* __restrict__ c,
+                                                     const acc* __restrict__ s, acc eps,
+                                                     bool prefetch) {
+  constexpr int kG = 4;
+  // Rows from DRAM (prefetch: the call's rows outgrow the caches): the loads of a group wait on
+  // memory (the cache's miss buffers hold a group's lines at most), so the rows kAhead heads on
+  // are fetched (to be written: in place) meanwhile.
+  constexpr int kAhead = 2 * kG;
+  constexpr int kLineElems = 64 / static_cast<int>(sizeof(x_t));
+  int64_t h = 0;
+  for (; h + kG <= heads; h += kG, src += kG * src_head, dst += kG * dst_head) {
+    for (int g = 0; prefetch && g < kG && h + kAhead + g < heads; ++g) {
+      for (int j = 0; j < kD; j += kLineElems) {
+        __builtin_prefetch(src + (kAhead + g) * src_head + j, 1, 3);
+      }
+    }
+    norm_rope_group<x_t, acc, kD, kG>(src, dst, src_head, dst_head, w, c, s, eps);
+  }
+  for (; h < heads; ++h, src += src_head, dst += dst_head) {
+    norm_rope_group<x_t, acc, kD, 1>(src, dst, src_head, dst_head, w, c, s, eps);
+  }
+}
+
+// kD when the rows of target tg take the fixed path, else 0.
+inline int fixed_head_dim(const RotateGeometry& g, const TargetDesc& tg) {
+  if (g.interleaved || tg.src_last != 1 || tg.dst_last != 1 || 2 * g.half != g.head_dim) return 0;
+  return g.head_dim == 64 || g.head_dim == 128 || g.head_dim == 256 ? static_cast<int>(g.head_dim)
+                                                                     : 0;
+}
+
 inline int64_t read_pos(const void* pos, bool pos64, int64_t off) {
   return pos64 ? static_cast<const int64_t*>(pos)[off]
                : static_cast<int64_t>(static_cast<const int32_t*>(pos)[off]);
@@ -177,6 +261,12 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
   alignas(64) acc s[kQkBlockPairs];
   alignas(64) acc row[kQkNormStackHeadDim];
   alignas(64) acc wtmp[2][2 * kQkBlockPairs];  // long rows with unit_offset: w + 1 per block
+  // Rows past the caches (about a core's L2) are prefetched on the fixed-head_dim path.
+  // (In double: an estimate, which no product can overflow.)
+  const bool prefetch = static_cast<double>(g.tokens) *
+                            static_cast<double>(g.target[0].heads + g.target[1].heads) *
+                            static_cast<double>(D) * sizeof(x_t) >
+                        double(4 << 20);
   const tab_t* key[2 * kMropeComponents] = {};
   int64_t key_b0 = -1;
   for (int64_t tok = b; tok < e; ++tok) {
@@ -218,6 +308,23 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
       const x_t* src = static_cast<const x_t*>(job.src[k]) + off[2 * k];
       x_t* dst = static_cast<x_t*>(job.dst[k]) + off[2 * k + 1];
       const bool unit_strides = tg.src_last == 1 && tg.dst_last == 1 && ws[k] == 1;
+      if (const int fixed = D <= kQkNormStackHeadDim ? fixed_head_dim(g, tg) : 0) {
+        tables(0, half);
+        switch (fixed) {
+          case 64:
+            norm_rope_heads_fixed<x_t, acc, 64>(src, dst, tg.src_head, tg.dst_head, tg.heads,
+                                                w[k], c, s, eps, prefetch);
+            break;
+          case 128:
+            norm_rope_heads_fixed<x_t, acc, 128>(src, dst, tg.src_head, tg.dst_head, tg.heads,
+                                                 w[k], c, s, eps, prefetch);
+            break;
+          default:
+            norm_rope_heads_fixed<x_t, acc, 256>(src, dst, tg.src_head, tg.dst_head, tg.heads,
+                                                 w[k], c, s, eps, prefetch);
+        }
+        continue;
+      }
       for (int64_t h = 0; h < tg.heads; ++h, src += tg.src_head, dst += tg.dst_head) {
         if (D <= kQkNormStackHeadDim) {  // the row through a stack buffer (weights there too)
           load_row<x_t, acc>(src, tg.src_last, D, row);
