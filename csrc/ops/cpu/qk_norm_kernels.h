@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 
 #include "../../rope_math.h"
 #include "convert.h"
@@ -93,19 +94,45 @@ inline acc sum_squares_buf(const acc* buf, int64_t n) {
   return s;
 }
 
+// Rotates the pairs [b0, b0 + n) of one row, pair i's normalized and scaled elements given by
+// ab(i, ia, ib) -> {a, b}, into dst (stride dl). Interleaved pairs go through two arrays: their two
+// results land in adjacent elements, and GCC vectorizes "a*c - b*s, b*c + a*s" on adjacent lanes
+// as one fused multiply-add-subtract (vfmaddsub) even under -ffp-contract=off, one rounding fewer
+// than the other variants compute. Two plain loops and an interleaving store have no such lanes.
+template <typename x_t, typename acc, bool kI, typename AB>
+ROPE_QK_INLINE void rotate_pairs(x_t* dst, int64_t dl, int64_t half, int64_t b0, int64_t n,
+                                 const acc* c, const acc* s, AB ab) {
+  if constexpr (kI) {
+    alignas(64) acc lo[kQkBlockPairs];
+    alignas(64) acc hi[kQkBlockPairs];
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t p = b0 + i;
+      const auto [a, b] = ab(i, 2 * p, 2 * p + 1);
+      lo[i] = a * c[i] - b * s[i];
+      hi[i] = b * c[i] + a * s[i];
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      dst[2 * (b0 + i) * dl] = from_f<x_t>(lo[i]);
+      dst[(2 * (b0 + i) + 1) * dl] = from_f<x_t>(hi[i]);
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t p = b0 + i;
+      const auto [a, b] = ab(i, p, p + half);
+      dst[p * dl] = from_f<x_t>(a * c[i] - b * s[i]);
+      dst[(p + half) * dl] = from_f<x_t>(b * c[i] + a * s[i]);
+    }
+  }
+}
+
 // The pairs [b0, b0 + n) of a buffered row (unit stride) into dst (stride dl; kUnit: 1).
 template <typename x_t, typename acc, bool kI, bool kUnit>
 inline void norm_rotate_buf(const acc* buf, x_t* dst, int64_t dl, const acc* w, acc r,
                             int64_t half, int64_t b0, int64_t n, const acc* c, const acc* s) {
   if (kUnit) dl = 1;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t p = b0 + i;
-    const int64_t ia = kI ? 2 * p : p, ib = kI ? 2 * p + 1 : p + half;
-    const acc a = (buf[ia] * r) * w[ia];
-    const acc b = (buf[ib] * r) * w[ib];
-    dst[ia * dl] = from_f<x_t>(a * c[i] - b * s[i]);
-    dst[ib * dl] = from_f<x_t>(b * c[i] + a * s[i]);
-  }
+  rotate_pairs<x_t, acc, kI>(dst, dl, half, b0, n, c, s, [&](int64_t, int64_t ia, int64_t ib) {
+    return std::pair<acc, acc>((buf[ia] * r) * w[ia], (buf[ib] * r) * w[ib]);
+  });
 }
 
 template <typename x_t, typename acc, bool kUnit>
@@ -121,14 +148,10 @@ inline void norm_rotate_block(const x_t* src, int64_t sl, x_t* dst, int64_t dl, 
                               int64_t ws, acc r, int64_t half, int64_t b0, int64_t n,
                               const acc* c, const acc* s) {
   if (kUnit) sl = dl = ws = 1;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t p = b0 + i;
-    const int64_t ia = kI ? 2 * p : p, ib = kI ? 2 * p + 1 : p + half;
-    const acc a = (static_cast<acc>(to_f(src[ia * sl])) * r) * w[ia * ws];
-    const acc b = (static_cast<acc>(to_f(src[ib * sl])) * r) * w[ib * ws];
-    dst[ia * dl] = from_f<x_t>(a * c[i] - b * s[i]);
-    dst[ib * dl] = from_f<x_t>(b * c[i] + a * s[i]);
-  }
+  rotate_pairs<x_t, acc, kI>(dst, dl, half, b0, n, c, s, [&](int64_t, int64_t ia, int64_t ib) {
+    return std::pair<acc, acc>((static_cast<acc>(to_f(src[ia * sl])) * r) * w[ia * ws],
+                               (static_cast<acc>(to_f(src[ib * sl])) * r) * w[ib * ws]);
+  });
 }
 
 template <typename x_t, typename acc, bool kUnit>
@@ -359,15 +382,15 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
               wtmp[k][2 * i] = w[k][ia * ws[k]] + unit;
               wtmp[k][2 * i + 1] = w[k][ib * ws[k]] + unit;
             }
-            for (int64_t i = 0; i < n; ++i) {
-              const int64_t p = b0 + i;
-              const int64_t ia = kI ? 2 * p : p, ib = kI ? 2 * p + 1 : p + half;
-              const acc a = (static_cast<acc>(to_f(src[ia * tg.src_last])) * r) * wtmp[k][2 * i];
-              const acc bb =
-                  (static_cast<acc>(to_f(src[ib * tg.src_last])) * r) * wtmp[k][2 * i + 1];
-              dst[ia * tg.dst_last] = from_f<x_t>(a * c[i] - bb * s[i]);
-              dst[ib * tg.dst_last] = from_f<x_t>(bb * c[i] + a * s[i]);
-            }
+            const int64_t sl = tg.src_last;
+            const acc* wt = wtmp[k];
+            rotate_pairs<x_t, acc, kI>(dst, tg.dst_last, half, b0, n, c, s,
+                                       [&](int64_t i, int64_t ia, int64_t ib) {
+                                         return std::pair<acc, acc>(
+                                             (static_cast<acc>(to_f(src[ia * sl])) * r) * wt[2 * i],
+                                             (static_cast<acc>(to_f(src[ib * sl])) * r) *
+                                                 wt[2 * i + 1]);
+                                       });
           } else if (unit_strides) {
             norm_rotate_block<x_t, acc, kI, true>(src, 1, dst, 1, w[k], 1, r, half, b0, n, c, s);
           } else {
