@@ -8,6 +8,7 @@ at DRAM-sized prefill, cache-resident and decode-sized calls. Prints a table of 
 ratios, writes qk_norm_<device>.json to --out.
 
     python bench/rope_bench/qk_norm.py [--device cpu|cuda] [--quick] [--no-compile] [--out DIR]
+                                       [--threads N] [--clock wall|thread]
 """
 
 import argparse
@@ -26,7 +27,7 @@ if __package__ in (None, ""):
 
 import rope_ext  # noqa: E402
 from rope_ext.qk_norm import qkv_norm_rope_  # noqa: E402
-from rope_bench.timing import clock_for, measure_interleaved, median  # noqa: E402
+from rope_bench.timing import CLOCKS, clock_for, measure_interleaved, median  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 HEADS = (32, 8, 8)
@@ -94,7 +95,7 @@ def rows_for(case, with_compile):
 
 
 def run(args):
-    clock = clock_for(args.device)
+    clock = clock_for(args.device, args.clock)
     cases = QUICK_CASES if args.quick else CASES
     results = []
     for name, tokens in cases:
@@ -137,10 +138,18 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="fewer cases and repeats")
     p.add_argument("--no-compile", dest="compile", action="store_false",
                    help="skip the torch.compile row (its compilation takes a while)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads first")
+    p.add_argument("--clock", choices=CLOCKS, default="wall",
+                   help="cpu: the wall clock (default) or the calling thread's CPU time (thread: "
+                   "needs --threads 1; leaves out waits for a core on a busy machine)")
     p.add_argument("--repeat", type=int, default=None)
     p.add_argument("--min-block-ms", type=float, default=None)
     p.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "results"))
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.clock == "thread" and torch.get_num_threads() != 1:
+        p.error("--clock thread needs --threads 1 (other threads' work would go uncounted)")
     args.repeat = args.repeat or (5 if args.quick else 15)
     args.min_block_s = (args.min_block_ms or (20 if args.quick else 50)) / 1e3
     print(HEADER)
@@ -154,6 +163,7 @@ def main(argv=None):
             "torch": torch.__version__, "python": platform.python_version(),
             "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
             "repeat": args.repeat, "min_block_ms": args.min_block_s * 1e3,
+            "clock": args.clock,
             "rows": {"fused": "rope_ext.qkv_norm_rope_ (packed qkv, in place)",
                      "floor": "q.mul_(c); k.mul_(c): an in-place pass over the same bytes",
                      "unfused": "torch rms_norm of q and k, then rope_ext.apply_rope_",
