@@ -22,8 +22,7 @@ class NormLaunch : public CudaStreamLaunch {
 
   template <typename x_t, typename tab_t, bool kI>
   void operator()(const LaunchPlan& p, const NormRopeArgs<x_t, tab_t>& a, Bool<kI>) const {
-    norm_rope_kernel<x_t, tab_t, kI><<<to_dim3(p.grid), to_dim3(p.block), 0, stream()>>>(a);
-    check_launch();
+    launch(norm_rope_kernel<x_t, tab_t, kI>, p, a);
   }
 };
 

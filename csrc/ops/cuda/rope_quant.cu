@@ -21,8 +21,7 @@ class QuantLaunch : public CudaStreamLaunch {
 
   template <typename x_t>
   void operator()(const LaunchPlan& p, const QuantArgs<x_t>& a) const {
-    quant_kernel<x_t><<<to_dim3(p.grid), to_dim3(p.block), 0, stream()>>>(a);
-    check_launch();
+    launch(quant_kernel<x_t>, p, a);
   }
 };
 
