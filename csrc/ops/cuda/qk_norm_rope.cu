@@ -16,8 +16,7 @@ __global__ void __launch_bounds__(kNormThreadsPerBlock)
 }
 
 // The device made current, torch's current stream there, a launch check after the kernel.
-class NormLaunch : public CudaStreamLaunch {
- public:
+struct NormLaunch : CudaStreamLaunch {
   using CudaStreamLaunch::CudaStreamLaunch;
 
   template <typename x_t, typename tab_t, bool kI>

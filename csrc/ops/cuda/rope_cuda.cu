@@ -27,8 +27,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock) slot_set_kernel(const SlotSe
 }
 
 // The one place every rotation op goes through (see CudaStreamLaunch).
-class CudaLaunch : public CudaStreamLaunch {
- public:
+struct CudaLaunch : CudaStreamLaunch {
   using CudaStreamLaunch::CudaStreamLaunch;
 
   template <typename x_t, typename tab_t, bool kI>

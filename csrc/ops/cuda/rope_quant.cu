@@ -15,8 +15,7 @@ __global__ void __launch_bounds__(kMaxBlockThreads, 1) quant_kernel(const QuantA
   quant_thread<x_t>(a, here());
 }
 
-class QuantLaunch : public CudaStreamLaunch {
- public:
+struct QuantLaunch : CudaStreamLaunch {
   using CudaStreamLaunch::CudaStreamLaunch;
 
   template <typename x_t>

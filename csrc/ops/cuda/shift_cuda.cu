@@ -15,8 +15,7 @@ __global__ void __launch_bounds__(kMaxBlockThreads, 1)
   shift_thread<x_t, acc_t>(a, here());
 }
 
-class ShiftLaunch : public CudaStreamLaunch {
- public:
+struct ShiftLaunch : CudaStreamLaunch {
   using CudaStreamLaunch::CudaStreamLaunch;
 
   template <typename x_t, typename acc_t>
