@@ -1,7 +1,7 @@
 // Per-thread code of the fused QK-RMSNorm + RoPE CUDA kernels (rope.qk_norm_rope*), plain C++
 // over rope_cuda_thread.h's instrumented accesses, so that nvcc builds the kernels from it
 // (qk_norm_rope.cu) and g++ builds the simulator that checks every access
-// (tests/sim/qk_norm_sim.cpp).
+// (tests/sim/qk_norm_sim.inc).
 //
 // One thread per row (one head of one token): a first pass takes the sum of squares of the row,
 // a second reads each rotary pair again (now cached), normalizes it, scales it by its weights,
