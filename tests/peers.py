@@ -10,8 +10,6 @@ too, or in float64 when given float64 (the tests' references).
 """
 
 import math
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -315,20 +313,12 @@ def flashinfer_apply_rope_with_cos_sin_cache(positions, query, key, head_size, c
 
 # ---- SGLang (sgl_kernel.apply_rope_with_cos_sin_cache_inplace) ----
 
-@dataclass
-class FusedSetKVBufferArg:
-    value: torch.Tensor
-    k_buffer: torch.Tensor
-    v_buffer: torch.Tensor
-    k_scale: Optional[float]
-    v_scale: Optional[float]
-    cache_loc: torch.Tensor
-
-
 def sglang_apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_sin_cache,
                                                  is_neox=True, fused_set_kv_buffer_arg=None):
     """Rotates query and key in place; with fused_set_kv_buffer_arg also stores the rotated key and
-    the value at rows cache_loc of k_buffer / v_buffer (num_slots, H * head_size or H, head_size)."""
+    the value at rows cache_loc of k_buffer / v_buffer (num_slots, H * head_size or H, head_size).
+    fused_set_kv_buffer_arg: SGLang's record of those fields (value, k_buffer, v_buffer, k_scale,
+    v_scale, cache_loc), read by name; the callers pass rope_ext.compat.sglang's copy of it."""
     if cos_sin_cache.dtype != torch.float32:
         raise ValueError("cos_sin_cache should be float32")
     vllm_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)

@@ -1,14 +1,11 @@
-"""Builds (once, cached under build/) and loads the CPU simulator of the fused QK-RMSNorm + RoPE
-CUDA kernels, tests/sim/qk_norm_sim.cpp, and wraps its ops: each returns its result and the
-launch's info (vector path taken, grid, vector and scalar accesses)."""
+"""Builds (once, cached under build/) and loads the CPU simulator of the CUDA kernels,
+tests/sim/cuda_sim.cpp, and wraps its ops of the fused QK-RMSNorm + RoPE kernels
+(tests/sim/qk_norm_sim.inc): each returns its result and the launch's info (vector path taken,
+grid, vector and scalar accesses)."""
 
 import torch
 
-import sim_build
-
-
-def load():
-    sim_build.load("qk_norm_sim", "rope_qk_norm_sim")
+from cuda_sim import load
 
 
 def _info():
@@ -19,8 +16,8 @@ def _info():
 def qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps, unit_offset=False,
                  interleaved=False, max_blocks=1 << 20):
     info = _info()
-    out = torch.ops.rope_qk_sim.qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps,
-                                             unit_offset, interleaved, max_blocks, info)
+    out = torch.ops.rope_sim.qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps,
+                                          unit_offset, interleaved, max_blocks, info)
     return out, info.tolist()
 
 
@@ -28,9 +25,9 @@ def qk_norm_rope_(query, key, q_weight, k_weight, positions, cache, eps, unit_of
                   interleaved=False, mrope_section=None, mrope_interleaved=False,
                   max_blocks=1 << 20):
     info = _info()
-    torch.ops.rope_qk_sim.qk_norm_rope_(query, key, q_weight, k_weight, positions, cache, eps,
-                                        unit_offset, interleaved, mrope_section,
-                                        mrope_interleaved, max_blocks, info)
+    torch.ops.rope_sim.qk_norm_rope_(query, key, q_weight, k_weight, positions, cache, eps,
+                                     unit_offset, interleaved, mrope_section, mrope_interleaved,
+                                     max_blocks, info)
     return info.tolist()
 
 
@@ -38,7 +35,7 @@ def qkv_norm_rope_(qkv, hq, hk, hv, head_dim, q_weight, k_weight, positions, cac
                    unit_offset=False, interleaved=False, mrope_section=None,
                    mrope_interleaved=False, max_blocks=1 << 20):
     info = _info()
-    torch.ops.rope_qk_sim.qkv_norm_rope_(qkv, hq, hk, hv, head_dim, q_weight, k_weight, positions,
-                                         cache, eps, unit_offset, interleaved, mrope_section,
-                                         mrope_interleaved, max_blocks, info)
+    torch.ops.rope_sim.qkv_norm_rope_(qkv, hq, hk, hv, head_dim, q_weight, k_weight, positions,
+                                      cache, eps, unit_offset, interleaved, mrope_section,
+                                      mrope_interleaved, max_blocks, info)
     return info.tolist()

@@ -583,8 +583,8 @@ def test_sglang_apply_rope_with_cos_sin_cache_inplace(dtype, is_neox, fused):
         v_buffer = torch.full(shape, float("nan"), dtype=dtype)
         cache_loc = torch.randperm(slots)[:T]
         arg = sglang.FusedSetKVBufferArg(value, k_buffer, v_buffer, None, None, cache_loc)
-        w_arg = peers.FusedSetKVBufferArg(want[:, (Hq + Hk) * hs :], k_buffer.double(), v_buffer.double(),
-                                          None, None, cache_loc)
+        w_arg = sglang.FusedSetKVBufferArg(want[:, (Hq + Hk) * hs :], k_buffer.double(),
+                                           v_buffer.double(), None, None, cache_loc)
     peers.sglang_apply_rope_with_cos_sin_cache_inplace(
         positions, want[:, : Hq * hs], want[:, Hq * hs : (Hq + Hk) * hs], hs, cache, is_neox, w_arg)
     assert sglang.apply_rope_with_cos_sin_cache_inplace(positions, query, key, hs, cache, is_neox,

@@ -15,14 +15,7 @@ import pytest
 import torch
 
 import rope_ext
-from cuda_testing import (
-    DTYPES,
-    assert_close,
-    fused_qkv,
-    reference_apply,
-    reference_apply_,
-    tables,
-)
+from cuda_testing import DTYPES, assert_close, fused_qkv, reference_apply, reference_apply_, tables
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
 DEV = "cuda"

@@ -15,15 +15,8 @@ import torch
 
 import cuda_sim
 import rope_ext
-from cuda_testing import (
-    DTYPES,
-    assert_close,
-    fused_qkv,
-    reference_apply,
-    reference_apply_,
-    tables,
-    vec_width,
-)
+from cuda_testing import (DTYPES, assert_close, fused_qkv, reference_apply, reference_apply_,
+                          tables, vec_width)
 
 HEAD_DIMS = [64, 80, 96, 128, 256]
 # Not a multiple of any vector width: output rows and pass-through dims start misaligned.

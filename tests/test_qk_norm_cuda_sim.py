@@ -1,4 +1,4 @@
-"""The fused QK-RMSNorm + RoPE CUDA kernels, run by the CPU simulator (tests/sim/qk_norm_sim.cpp)
+"""The fused QK-RMSNorm + RoPE CUDA kernels, run by the CPU simulator (tests/sim/qk_norm_sim.inc)
 over every thread of the grid their host code plans, every access checked: results against the
 float64 oracle, the vector and scalar paths, grid striding, in-place layouts (packed qkv,
 strided heads), MRoPE, and a device-side trap for a position out of range."""

@@ -100,14 +100,13 @@ def _sglang(i, peers, compat):
     v = i.v.view(T, -1)
     kb = i.key_cache.view(-1, i.key_cache.shape[2] * i.key_cache.shape[3])
     vb = i.value_cache.view(-1, i.value_cache.shape[2] * i.value_cache.shape[3])
-    ours = compat.sglang.FusedSetKVBufferArg(v, kb, vb, None, None, i.slots)
-    theirs = peers.FusedSetKVBufferArg(v, kb, vb, None, None, i.slots)
+    arg = compat.sglang.FusedSetKVBufferArg(v, kb, vb, None, None, i.slots)  # the peer's record
     return ("sglang.apply_rope_with_cos_sin_cache_inplace+kv", "copy", cache_bytes(i),
             lambda: compat.sglang.apply_rope_with_cos_sin_cache_inplace(
-                i.positions, q, k, d, i.cache, True, fused_set_kv_buffer_arg=ours),
+                i.positions, q, k, d, i.cache, True, fused_set_kv_buffer_arg=arg),
             "sglang_apply_rope_with_cos_sin_cache_inplace",
             lambda: peers.sglang_apply_rope_with_cos_sin_cache_inplace(
-                i.positions, q, k, d, i.cache, True, fused_set_kv_buffer_arg=theirs))
+                i.positions, q, k, d, i.cache, True, fused_set_kv_buffer_arg=arg))
 
 
 PAIRS = (_hf, _flash_attn, _flash_attn_qkv, _vllm, _flashinfer, _sglang)

@@ -13,6 +13,8 @@
 //     the rotary dims are written,
 //   - a device-side check (position or slot out of range) is reported as the kernel's trap.
 // `info` (int64, 12) reports the plan and counters so tests can see which path ran.
+// The RoPE + FP8 quantization and fused QK-RMSNorm + RoPE kernels are simulated in quant_sim.inc
+// and qk_norm_sim.inc, part of this translation unit and of its one library (info: their own).
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -248,6 +250,11 @@ void shift_kv_cache_sim(Tensor key_cache, Tensor slots, Tensor delta, Tensor cac
 }  // namespace
 }  // namespace rope::sim
 
+// The RoPE + FP8 quantization kernels and the fused QK-RMSNorm + RoPE kernels (their own files,
+// same translation unit: one simulator library).
+#include "quant_sim.inc"
+#include "qk_norm_sim.inc"
+
 STABLE_TORCH_LIBRARY(rope_sim, m) {
   m.def("apply(Tensor x, Tensor cos, Tensor sin, bool interleaved, bool inverse, int max_blocks, "
         "bool force_idx64, Tensor info) -> Tensor");
@@ -266,23 +273,51 @@ STABLE_TORCH_LIBRARY(rope_sim, m) {
         "Tensor cos_sin_cache, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, "
         "bool interleaved, str kv_cache_dtype, Tensor? k_scale, Tensor? v_scale, int max_blocks, "
         "bool force_idx64, Tensor info) -> ()");
-}
-
-STABLE_TORCH_LIBRARY_FRAGMENT(rope_sim, m) {
   m.def("shift_kv_cache_(Tensor(a!) key_cache, Tensor slot_mapping, Tensor delta, "
         "Tensor cos_sin_cache, bool interleaved, str kv_cache_dtype, Tensor? k_scale, "
         "int max_blocks, bool force_idx64, Tensor info) -> ()");
+  m.def("quantize_fp8(Tensor q_rope, Tensor k_rope, Tensor q_nope, Tensor k_nope, "
+        "Tensor cos_sin_cache, Tensor pos_ids, Tensor(a!) q_rope_out, Tensor(b!) k_rope_out, "
+        "Tensor(c!) q_nope_out, Tensor(d!) k_nope_out, float quant_scale_q, float quant_scale_kv, "
+        "bool interleaved, int max_blocks, Tensor info) -> ()");
+  m.def("quantize_fp8_append_paged_kv_cache(Tensor q_rope, Tensor k_rope, Tensor q_nope, "
+        "Tensor k_nope, Tensor? v, Tensor cos_sin_cache, Tensor pos_ids, Tensor(a!) q_rope_out, "
+        "Tensor(b!) q_nope_out, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor kv_indices, "
+        "Tensor kv_indptr, Tensor batch_indices, Tensor positions, int page_size, str kv_layout, "
+        "float quant_scale_q, float quant_scale_kv, bool interleaved, int max_blocks, "
+        "Tensor info) -> ()");
+  m.def("qk_norm_rope(Tensor query, Tensor key, Tensor q_weight, Tensor k_weight, Tensor cos, "
+        "Tensor sin, float eps, bool unit_offset, bool interleaved, int max_blocks, "
+        "Tensor(a!) info) -> (Tensor, Tensor)");
+  m.def("qk_norm_rope_(Tensor(a!) query, Tensor(b!) key, Tensor q_weight, Tensor k_weight, "
+        "Tensor positions, Tensor cos_sin_cache, float eps, bool unit_offset, bool interleaved, "
+        "int[]? mrope_section, bool mrope_interleaved, int max_blocks, Tensor(c!) info) -> ()");
+  m.def("qkv_norm_rope_(Tensor(a!) qkv, int num_heads_q, int num_heads_k, int num_heads_v, "
+        "int head_dim, Tensor q_weight, Tensor k_weight, Tensor positions, Tensor cos_sin_cache, "
+        "float eps, bool unit_offset, bool interleaved, int[]? mrope_section, "
+        "bool mrope_interleaved, int max_blocks, Tensor(b!) info) -> ()");
 }
 
+// The implementations, one block per simulator file: this one's first.
 STABLE_TORCH_LIBRARY_IMPL(rope_sim, CPU, m) {
-  m.impl("shift_kv_cache_", TORCH_BOX(&rope::sim::shift_kv_cache_sim));
   m.impl("apply", TORCH_BOX(&rope::sim::apply_sim));
   m.impl("apply_out", TORCH_BOX(&rope::sim::apply_out_sim));
   m.impl("apply_", TORCH_BOX(&rope::sim::apply_inplace_sim));
   m.impl("mrope_", TORCH_BOX(&rope::sim::mrope_sim));
   m.impl("apply_positions", TORCH_BOX(&rope::sim::apply_positions_sim));
   m.impl("apply_and_cache_", TORCH_BOX(&rope::sim::apply_and_cache_sim));
+  m.impl("shift_kv_cache_", TORCH_BOX(&rope::sim::shift_kv_cache_sim));
 }
 
-// The RoPE + FP8 quantization kernels (their own file, same translation unit).
-#include "quant_sim.inc"
+// quant_sim.inc
+STABLE_TORCH_LIBRARY_IMPL(rope_sim, CPU, m) {
+  m.impl("quantize_fp8", TORCH_BOX(&rope::sim::quantize_fp8_sim));
+  m.impl("quantize_fp8_append_paged_kv_cache", TORCH_BOX(&rope::sim::quantize_fp8_paged_sim));
+}
+
+// qk_norm_sim.inc
+STABLE_TORCH_LIBRARY_IMPL(rope_sim, CPU, m) {
+  m.impl("qk_norm_rope", TORCH_BOX(&rope::sim::qk_norm_rope_sim));
+  m.impl("qk_norm_rope_", TORCH_BOX(&rope::sim::qk_norm_rope_inplace_sim));
+  m.impl("qkv_norm_rope_", TORCH_BOX(&rope::sim::qkv_norm_rope_inplace_sim));
+}

@@ -31,21 +31,6 @@ CpuIsa best_supported() {
   return CpuIsa::kBaseline;
 }
 
-const CpuKernels* kernels_of(CpuIsa isa) {
-  switch (isa) {
-#ifdef ROPE_CPU_X86_VARIANTS
-    case CpuIsa::kAvx512Bf16:
-      return cpu_kernels_avx512_bf16();
-    case CpuIsa::kAvx512:
-      return cpu_kernels_avx512();
-    case CpuIsa::kAvx2:
-      return cpu_kernels_avx2();
-#endif
-    default:
-      return cpu_kernels_baseline();
-  }
-}
-
 std::atomic<int> g_isa{-1};  // -1: not chosen yet
 
 // The size of cpu0's highest-level cache as Linux sysfs reports it ("32768K"), 0 if unreadable.
@@ -116,7 +101,11 @@ CpuIsa selected_cpu_isa() {
   return static_cast<CpuIsa>(isa);
 }
 
-const CpuKernels* selected_cpu_kernels() { return kernels_of(selected_cpu_isa()); }
+const CpuKernels* selected_cpu_kernels() {
+  const CpuIsa isa = selected_cpu_isa();
+  return ROPE_CPU_ENTRY(isa, cpu_kernels_baseline, cpu_kernels_avx2, cpu_kernels_avx512,
+                        cpu_kernels_avx512_bf16);
+}
 
 int64_t cpu_stream_threshold_bytes() {
   const int64_t t = g_stream_threshold.load(std::memory_order_relaxed);

@@ -88,4 +88,18 @@ const CpuKernels* selected_cpu_kernels();
 // Outputs of at least this many bytes are written with non-temporal stores.
 int64_t cpu_stream_threshold_bytes();
 
+// The entry of variant `isa` of a kernel family, from the family's entry function per variant
+// (a family without a bfloat16 variant names its avx512 entry twice): the one mapping every
+// family follows. A macro, not a function: the x86 entries are declared everywhere but defined,
+// and so named here, only where ROPE_CPU_X86_VARIANTS is.
+#ifdef ROPE_CPU_X86_VARIANTS
+#define ROPE_CPU_ENTRY(isa, baseline, avx2, avx512, avx512_bf16) \
+  ((isa) == CpuIsa::kAvx512Bf16 ? avx512_bf16()                 \
+   : (isa) == CpuIsa::kAvx512   ? avx512()                      \
+   : (isa) == CpuIsa::kAvx2     ? avx2()                        \
+                                : baseline())
+#else
+#define ROPE_CPU_ENTRY(isa, baseline, avx2, avx512, avx512_bf16) ((void)(isa), baseline())
+#endif
+
 }  // namespace rope

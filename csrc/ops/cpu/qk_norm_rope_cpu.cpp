@@ -22,17 +22,10 @@ namespace {
 
 // The kernel of the CPU variant that serves (rope.set_cpu_isa caps it).
 NormRopeTokensFn selected_kernel() {
-  switch (selected_cpu_isa()) {
-#ifdef ROPE_CPU_X86_VARIANTS
-    case CpuIsa::kAvx512Bf16:
-    case CpuIsa::kAvx512:
-      return qk_norm_kernel_avx512();
-    case CpuIsa::kAvx2:
-      return qk_norm_kernel_avx2();
-#endif
-    default:
-      return qk_norm_kernel_baseline();
-  }
+  const CpuIsa isa = selected_cpu_isa();
+  // No variant of its own for AVX512_BF16: the avx512 kernel serves it.
+  return ROPE_CPU_ENTRY(isa, qk_norm_kernel_baseline, qk_norm_kernel_avx2, qk_norm_kernel_avx512,
+                        qk_norm_kernel_avx512);
 }
 
 // Work per task: at least this many elements, so decode-sized calls run on the calling thread.

@@ -22,8 +22,7 @@ __device__ __forceinline__ ThreadPos here() {
 
 inline dim3 to_dim3(const Idx3& i) { return dim3(i.x, i.y, i.z); }
 
-// An op's runner derives from this and launches its kernels with `<<<..., stream()>>>`, then
-// calls check_launch().
+// An op's runner derives from this and launches each kernel with launch().
 class CudaStreamLaunch {
  public:
   CudaStreamLaunch(const Tensor& on, const char* op) : guard_(on.get_device_index()), op_(op) {
@@ -35,9 +34,10 @@ class CudaStreamLaunch {
   }
 
  protected:
-  cudaStream_t stream() const { return stream_; }
-
-  void check_launch() const {
+  // kernel(a) over the plan's grid and blocks on the stream, then the launch's check.
+  template <typename Args>
+  void launch(void (*kernel)(Args), const LaunchPlan& p, const Args& a) const {
+    kernel<<<to_dim3(p.grid), to_dim3(p.block), 0, stream_>>>(a);
     const cudaError_t err = cudaGetLastError();  // also clears it, so it is reported once
     ROPE_CHECK(err == cudaSuccess, op_, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
   }

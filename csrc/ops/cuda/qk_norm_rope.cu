@@ -16,14 +16,12 @@ __global__ void __launch_bounds__(kNormThreadsPerBlock)
 }
 
 // The device made current, torch's current stream there, a launch check after the kernel.
-class NormLaunch : public CudaStreamLaunch {
- public:
+struct NormLaunch : CudaStreamLaunch {
   using CudaStreamLaunch::CudaStreamLaunch;
 
   template <typename x_t, typename tab_t, bool kI>
   void operator()(const LaunchPlan& p, const NormRopeArgs<x_t, tab_t>& a, Bool<kI>) const {
-    norm_rope_kernel<x_t, tab_t, kI><<<to_dim3(p.grid), to_dim3(p.block), 0, stream()>>>(a);
-    check_launch();
+    launch(norm_rope_kernel<x_t, tab_t, kI>, p, a);
   }
 };
 

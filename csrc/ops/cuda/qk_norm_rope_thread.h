@@ -1,7 +1,7 @@
 // Per-thread code of the fused QK-RMSNorm + RoPE CUDA kernels (rope.qk_norm_rope*), plain C++
 // over rope_cuda_thread.h's instrumented accesses, so that nvcc builds the kernels from it
 // (qk_norm_rope.cu) and g++ builds the simulator that checks every access
-// (tests/sim/qk_norm_sim.cpp).
+// (tests/sim/qk_norm_sim.inc).
 //
 // One thread per row (one head of one token): a first pass takes the sum of squares of the row,
 // a second reads each rotary pair again (now cached), normalizes it, scales it by its weights,
@@ -61,29 +61,13 @@ ROPE_HD void norm_rope_thread(const NormRopeArgs<x_t, tab_t>& a, const ThreadPos
   for (int64_t row = static_cast<int64_t>(tp.block.x) * tp.block_dim.x + tp.thread.x;
        row < a.rows; row += step) {
     const int64_t tok = row / heads;
-    int64_t h = row - tok * heads;
+    const int64_t h = row - tok * heads;
     const Offsets off = lead_offsets(g.lead, tok, a.idx32);
     const TokenRows<tab_t> tr = token_rows(g, a.cos, a.sin, a.pos, off);
-    const x_t* src;
-    x_t* dst;
-    const acc_t* w;
-    int64_t sl, dl, ws;
-    if (h < t0.heads) {
-      src = a.src[0] + off.o[kSrc0] + h * t0.src_head;
-      dst = a.dst[0] + off.o[kDst0] + h * t0.dst_head;
-      sl = t0.src_last;
-      dl = t0.dst_last;
-      w = a.w[0];
-      ws = a.norm.w_stride[0];
-    } else {
-      h -= t0.heads;
-      src = a.src[1] + off.o[kSrc1] + h * t1.src_head;
-      dst = a.dst[1] + off.o[kDst1] + h * t1.dst_head;
-      sl = t1.src_last;
-      dl = t1.dst_last;
-      w = a.w[1];
-      ws = a.norm.w_stride[1];
-    }
+    const auto [src, dst, sl, dl] = head_row(a, off, h);
+    const bool first = h < t0.heads;
+    const acc_t* const w = first ? a.w[0] : a.w[1];
+    const int64_t ws = first ? a.norm.w_stride[0] : a.norm.w_stride[1];
     // pass 1: the sum of squares
     acc_t ss = 0;
     if (a.vec) {

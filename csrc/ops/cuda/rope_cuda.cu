@@ -27,25 +27,21 @@ __global__ void __launch_bounds__(kThreadsPerBlock) slot_set_kernel(const SlotSe
 }
 
 // The one place every rotation op goes through (see CudaStreamLaunch).
-class CudaLaunch : public CudaStreamLaunch {
- public:
+struct CudaLaunch : CudaStreamLaunch {
   using CudaStreamLaunch::CudaStreamLaunch;
 
   template <typename x_t, typename tab_t, bool kI>
   void operator()(const LaunchPlan& p, const RotateArgs<x_t, tab_t>& a, Bool<kI>) const {
-    rotate_kernel<x_t, tab_t, kI><<<to_dim3(p.grid), to_dim3(p.block), 0, stream()>>>(a);
-    check_launch();
+    launch(rotate_kernel<x_t, tab_t, kI>, p, a);
   }
 
   template <typename x_t, typename tab_t>
   void operator()(const LaunchPlan& p, const CacheArgs<x_t, tab_t>& a) const {
-    cache_kernel<x_t, tab_t><<<to_dim3(p.grid), to_dim3(p.block), 0, stream()>>>(a);
-    check_launch();
+    launch(cache_kernel<x_t, tab_t>, p, a);
   }
 
   void operator()(const LaunchPlan& p, const SlotSetArgs& a) const {
-    slot_set_kernel<<<to_dim3(p.grid), to_dim3(p.block), 0, stream()>>>(a);
-    check_launch();
+    launch(slot_set_kernel, p, a);
   }
 };
 

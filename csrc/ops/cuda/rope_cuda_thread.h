@@ -384,7 +384,10 @@ struct RotateArgs {
 };
 
 // Head h over both targets (target 0's heads, then target 1's): where its row starts in src and
-// dst for the token at `off`, and its strides along the head dim.
+// dst for the token at `off`, and its strides along the head dim. For every kernel's arguments
+// with src[2], dst[2] and a RotateGeometry g (RotateArgs, NormRopeArgs); the constant indices
+// keep the arguments in the kernel's parameter space (a variable index would copy them to a
+// stack frame).
 template <typename x_t>
 struct HeadRow {
   const x_t* src;
@@ -392,8 +395,8 @@ struct HeadRow {
   int64_t src_last, dst_last;
 };
 
-template <typename x_t, typename tab_t>
-ROPE_HD HeadRow<x_t> head_row(const RotateArgs<x_t, tab_t>& a, const Offsets& off, int64_t h) {
+template <template <typename, typename> class Args, typename x_t, typename tab_t>
+ROPE_HD HeadRow<x_t> head_row(const Args<x_t, tab_t>& a, const Offsets& off, int64_t h) {
   const TargetDesc& t0 = a.g.target[0];
   const TargetDesc& t1 = a.g.target[1];
   if (h < t0.heads) {

@@ -15,14 +15,12 @@ __global__ void __launch_bounds__(kMaxBlockThreads, 1) quant_kernel(const QuantA
   quant_thread<x_t>(a, here());
 }
 
-class QuantLaunch : public CudaStreamLaunch {
- public:
+struct QuantLaunch : CudaStreamLaunch {
   using CudaStreamLaunch::CudaStreamLaunch;
 
   template <typename x_t>
   void operator()(const LaunchPlan& p, const QuantArgs<x_t>& a) const {
-    quant_kernel<x_t><<<to_dim3(p.grid), to_dim3(p.block), 0, stream()>>>(a);
-    check_launch();
+    launch(quant_kernel<x_t>, p, a);
   }
 };
 
