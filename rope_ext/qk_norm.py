@@ -42,9 +42,11 @@ def half_tables(cos, sin, *, interleaved=False, head_first=False, ndim=4):
     if interleaved:
         cos, sin = cos[..., 0::2], sin[..., 0::2]
     else:
-        cos, sin = cos[..., : width // 2], sin[..., : width // 2]
+        cos, sin = cos.narrow(-1, 0, width // 2), sin.narrow(-1, 0, width // 2)
     head_axis = -3 if head_first else -2
     cos, sin = cos.unsqueeze(head_axis), sin.unsqueeze(head_axis)
+    if cos.dim() == ndim:  # transformers' (batch, seq, rotary_dim) tables for 4-dim q and k
+        return cos, sin
     if cos.dim() > ndim:
         raise ValueError(f"cos and sin of shape {list(cos.shape[:-1])} + (rotary_dim,) have more "
                          f"leading dims than query and key ({ndim} dims)")

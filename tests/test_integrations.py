@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
-from rope_ext import qk_norm  # noqa: E402
+from rope_ext.integrations import _qk_norm  # noqa: E402
 from rope_ext.integrations import transformers as integration  # noqa: E402
 
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -150,8 +150,8 @@ def gradients(model, ids):
 
 
 def patched_calls(model, batches):
-    """(logits, rope ops, calls of patched attention modules, of fused ones, of the fused op's
-    Python API): what ran rope_ext while the model ran on `batches`."""
+    """(logits, rope ops, calls of patched attention modules, of fused ones, of the fused op):
+    what ran rope_ext while the model ran on `batches`."""
     calls = {"attention": 0, "fused attention": 0, "fused": 0}
     handles = []
     for m in model.modules():
@@ -160,17 +160,17 @@ def patched_calls(model, batches):
             kind = "fused attention" if spec[2] else "attention"
             handles.append(m.register_forward_pre_hook(
                 lambda *_, kind=kind: calls.__setitem__(kind, calls[kind] + 1)))
-    api = qk_norm.qk_norm_rope
+    api = _qk_norm.fused_op
 
     def counted(*args, **kwargs):
         calls["fused"] += 1
         return api(*args, **kwargs)
 
-    qk_norm.qk_norm_rope = counted
+    _qk_norm.fused_op = counted
     try:
         out, n = logits(model, batches)
     finally:
-        qk_norm.qk_norm_rope = api
+        _qk_norm.fused_op = api
         for h in handles:
             h.remove()
     return out, n, calls
@@ -431,13 +431,13 @@ def test_torch_compile_fullgraph(family):
     torch._dynamo.reset()
     backend = GraphOps()
     compiled = torch.compile(model, fullgraph=True, backend=backend)
-    api, traced = qk_norm.qk_norm_rope, []
-    qk_norm.qk_norm_rope = lambda *a, **k: traced.append(1) or api(*a, **k)
+    api, traced = _qk_norm.fused_op, []
+    _qk_norm.fused_op = lambda *a, **k: traced.append(1) or api(*a, **k)
     try:
         with torch.no_grad():
             got = compiled(input_ids=ids).logits
     finally:
-        qk_norm.qk_norm_rope = api
+        _qk_norm.fused_op = api
         torch._dynamo.reset()
     rope_ops = [t for t in backend.targets if t.startswith("rope.")]
     if family in QK_NORM:  # the fused op, traced once per layer
@@ -538,6 +538,42 @@ def test_qk_norm_bf16_logits():
     # transformers rounds the normalized value to bf16 before the weight and again after RoPE;
     # the fused op rounds once.
     torch.testing.assert_close(got[0].float(), want[0].float(), rtol=3e-2, atol=3e-2)
+
+
+def test_qk_norm_tables_of_every_layer():
+    """The fused call keeps the half-width views of the last cos/sin it converted for the next
+    layer: given the same tensors after they changed in place it reads their new values, other
+    tensors are converted afresh, and tables that require grad get transformers' gradients."""
+    import copy
+
+    model = perturbed(build("qwen3"), 6)
+    plain = copy.deepcopy(model.model.layers[0].self_attn)  # never patched
+    integration.patch(model)
+    attn = model.model.layers[0].self_attn
+    assert type(attn)._rope_ext_spec[2]  # fused
+    h = torch.randn(2, 5, 64)
+    cos, sin = model.model.rotary_emb(h, torch.arange(5).expand(2, -1))
+
+    def check(cos, sin):
+        torch.testing.assert_close(attn(h, (cos, sin), None)[0], plain(h, (cos, sin), None)[0],
+                                   rtol=1e-5, atol=1e-5)
+
+    with torch.no_grad():
+        check(cos, sin)
+        check(cos, sin)  # the kept views
+        cos.mul_(0.5)
+        sin.add_(0.25)
+        check(cos, sin)  # the same tensors, new values
+        check(cos.clone(), sin.clone())
+        check(cos[:1], sin[:1])  # one batch row of tables for both rows of h
+    grads = []
+    for module in (attn, plain):
+        c, s = cos.clone().requires_grad_(), sin.clone().requires_grad_()
+        module(h, (c, s), None)[0].square().sum().backward()
+        grads.append((c.grad, s.grad))
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    integration.unpatch(model)
 
 
 def test_olmo2_norms_over_all_heads_are_not_fused():

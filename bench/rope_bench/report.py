@@ -122,7 +122,7 @@ def markdown(doc):
         f"allocator: {m['allocator']}; load average {m['loadavg_start']} at start, "
         f"{m['loadavg_end']} at end. Median of {m['repeat']} blocks of >= {m['min_block_ms']} ms "
         f"per row, the rows of a case timed round-robin by {m.get('timing', 'the wall clock')}; "
-        f"{m['mode']}.",
+        f"{m['mode']}." + (f" Command: `{m['command']}`." if m.get("command") else ""),
     ]
     if doc["results"] or not doc.get("groups"):
         parts += _case_tables(doc)

@@ -19,6 +19,7 @@ import types
 
 import torch
 
+from .. import qk_norm as _api
 from ..compat import transformers as hf
 
 FUSED_NAME = "_rope_ext_qk_norm_rope"
@@ -30,11 +31,7 @@ _norm_forms = {}  # norm class -> (unit_offset, eps attribute name), or None: no
 
 
 def qk_norm_api():
-    try:
-        from ..qk_norm import qk_norm_rope
-    except ImportError:
-        return None
-    return qk_norm_rope
+    return _api.qk_norm_rope
 
 
 def _is_self_norm(node):
@@ -248,24 +245,74 @@ def fusable_norms(module):
     return forms[0] == forms[1]
 
 
+# The half-width tables of the last cos/sin converted: (cos, sin, unsqueeze_dim, half cos,
+# half sin). See _tables.
+_last_tables = None
+
+
+def _tables(cos, sin, unsqueeze_dim):
+    """The op's half-width tables of transformers' cos/sin (which need no grad) for 4-dim q and
+    k (views: qk_norm.half_tables). transformers computes cos/sin once per forward and hands the
+    same two tensors to every layer, so the views made for the first layer are kept and reused
+    while the next ones get the same tensors (compared by identity; views read what the tables
+    hold now). Not while torch.compile traces."""
+    global _last_tables
+    if torch.compiler.is_compiling():
+        return _api.half_tables(cos, sin, head_first=unsqueeze_dim == 1, ndim=4)
+    last = _last_tables
+    if last is not None and last[0] is cos and last[1] is sin and last[2] == unsqueeze_dim:
+        return last[3], last[4]
+    half_cos, half_sin = _api.half_tables(cos, sin, head_first=unsqueeze_dim == 1, ndim=4)
+    _last_tables = (cos, sin, unsqueeze_dim, half_cos, half_sin)
+    return half_cos, half_sin
+
+
+def _submodule(module, name):
+    try:
+        return module._modules[name]  # what module.<name> returns, without Module.__getattr__
+    except KeyError:
+        return getattr(module, name)
+
+
+def _weight(norm):
+    """norm.weight: the registered parameter, else (a parametrized norm) the attribute."""
+    weight = norm._parameters.get("weight")
+    return norm.weight if weight is None else weight
+
+
 def qk_norm_rope_call(module, q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *, _normed):
-    """What the rewritten forward calls in place of `q_norm`, `k_norm` and the RoPE function."""
+    """What the rewritten forward calls in place of `q_norm`, `k_norm` and the RoPE function.
+    It runs once per layer and token step (at decode it costs about what the norms and RoPE it
+    replaces do), so the common case takes few Python steps and calls the op directly."""
     if not _normed:  # the forward's conditions on its norms are false: RoPE only
         return hf.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
-    q_norm, k_norm = module.q_norm, module.k_norm
-    q_form, k_form = _norm_form(q_norm), _norm_form(k_norm)
-    q_eps = k_eps = None
-    if q_form is not None and k_form is not None:
-        q_eps, k_eps = getattr(q_norm, q_form[1]), getattr(k_norm, k_form[1])
-    if q_norm.weight.shape[-1] != q.shape[-1] or k_norm.weight.shape[-1] != k.shape[-1]:
+    q_norm, k_norm = _submodule(module, "q_norm"), _submodule(module, "k_norm")
+    q_weight, k_weight = _weight(q_norm), _weight(k_norm)
+    if q_weight.shape[-1] != q.shape[-1] or k_weight.shape[-1] != k.shape[-1]:
         raise RuntimeError(
             f"rope_ext: {type(module).__name__} was patched with per-head q/k norms, but q_norm "
-            f"and k_norm now have weights of {list(q_norm.weight.shape)} and "
-            f"{list(k_norm.weight.shape)} for head_dim {q.shape[-1]}; unpatch and patch again")
-    if (q_eps is None or q_eps != k_eps or q_form[0] != k_form[0] or unsqueeze_dim not in (1, 2)
-            or q.dim() != 4):
+            f"and k_norm now have weights of {list(q_weight.shape)} and "
+            f"{list(k_weight.shape)} for head_dim {q.shape[-1]}; unpatch and patch again")
+    try:
+        q_form, k_form = _norm_forms[type(q_norm)], _norm_forms[type(k_norm)]
+    except KeyError:  # a norm class first seen here (replaced after patch)
+        q_form, k_form = _norm_form(q_norm), _norm_form(k_norm)
+    eps = None if q_form is None else getattr(q_norm, q_form[1])
+    if (eps is None or k_form is None or q_form[0] != k_form[0]
+            or eps != getattr(k_norm, k_form[1]) or unsqueeze_dim not in (1, 2) or q.dim() != 4
+            or cos.requires_grad or sin.requires_grad):
         # One eps for both and transformers' two layouts: anything else runs unfused (the
-        # norms act on the last dim, whatever the layout).
+        # norms act on the last dim, whatever the layout). So do tables that require grad: the
+        # op reads the first half of each (the angles), and transformers' gradients reach both
+        # halves, which compat.transformers reproduces.
         return hf.apply_rotary_pos_emb(q_norm(q), k_norm(k), cos, sin, unsqueeze_dim=unsqueeze_dim)
-    return qk_norm_api()(q, k, q_norm.weight, k_norm.weight, cos, sin, eps=q_eps,
-                          unit_offset=q_form[0], head_first=unsqueeze_dim == 1)
+    if cos.dim() == 3:  # transformers' (batch, seq, rotary_dim)
+        cos, sin = _tables(cos, sin, unsqueeze_dim)
+    else:
+        cos, sin = _api.half_tables(cos, sin, head_first=unsqueeze_dim == 1, ndim=4)
+    # rope_ext.qk_norm.qk_norm_rope(..., table_width="half") without its Python frames.
+    return fused_op(q, k, q_weight, k_weight, cos, sin, eps, q_form[0], False)
+
+
+# The op qk_norm_rope_call runs (looked up at each call: tests count its calls through it).
+fused_op = torch.ops.rope.qk_norm_rope.default
