@@ -251,41 +251,56 @@ inline void check_disjoint_bytes(const Meta& written, const char* written_name, 
 
 // ---- leading dims -> LeadIndexer ----
 
+// The leading dims' sizes and per-operand strides as the checks gather them, before make_indexer
+// merges them. Inline for up to kInline dims (every real layout): a check allocates nothing.
+struct LeadDims {
+  static constexpr int64_t kInline = 16;
+  explicit LeadDims(int64_t ndim) : n(ndim) {
+    if (n > kInline) heap.assign(static_cast<size_t>((kMaxOperands + 1) * n), 0);
+  }
+  int64_t& size(int64_t d) { return base()[d]; }
+  int64_t& stride(int t, int64_t d) { return base()[(t + 1) * stride_of_rows() + d]; }
+  int64_t size(int64_t d) const { return base()[d]; }
+  int64_t stride(int t, int64_t d) const { return base()[(t + 1) * stride_of_rows() + d]; }
+  const int64_t n;
+
+ private:
+  int64_t stride_of_rows() const { return n > kInline ? n : kInline; }
+  int64_t* base() { return n > kInline ? heap.data() : inline_dims; }
+  const int64_t* base() const { return n > kInline ? heap.data() : inline_dims; }
+  int64_t inline_dims[(kMaxOperands + 1) * kInline] = {};
+  std::vector<int64_t> heap;
+};
+
 // Builds the indexer from per-dim sizes and per-operand strides: drops size-1 dims and merges a
 // dim into the next inner one when every operand is contiguous across the two.
-inline LeadIndexer make_indexer(const std::vector<int64_t>& sizes,
-                                const std::vector<std::vector<int64_t>>& strides,
-                                const char* op) {
+inline LeadIndexer make_indexer(const LeadDims& in, const char* op) {
   LeadIndexer ix;
   // An empty operand visits no rows: keep no dims, so that no loop ever divides by zero.
-  if (std::find(sizes.begin(), sizes.end(), int64_t{0}) != sizes.end()) return ix;
-  std::vector<int64_t> sz;
-  std::vector<std::vector<int64_t>> st(kMaxOperands);
-  for (size_t d = 0; d < sizes.size(); ++d) {
-    if (sizes[d] == 1) continue;
-    bool merge = !sz.empty();
-    for (size_t t = 0; merge && t < strides.size(); ++t) {
+  for (int64_t d = 0; d < in.n; ++d) {
+    if (in.size(d) == 0) return ix;
+  }
+  int nd = 0;
+  for (int64_t d = 0; d < in.n; ++d) {
+    if (in.size(d) == 1) continue;
+    bool merge = nd > 0;
+    for (int t = 0; merge && t < kMaxOperands; ++t) {
       int64_t outer;
-      merge = mul_fits(strides[t][d], sizes[d], outer) && st[t].back() == outer;
+      merge = mul_fits(in.stride(t, d), in.size(d), outer) && ix.strides[t][nd - 1] == outer;
     }
     if (merge) {
-      sz.back() *= sizes[d];  // a product of a tensor's sizes: at most its numel
-      for (size_t t = 0; t < strides.size(); ++t) st[t].back() = strides[t][d];
+      ix.sizes[nd - 1] *= in.size(d);  // a product of a tensor's sizes: at most its numel
+      for (int t = 0; t < kMaxOperands; ++t) ix.strides[t][nd - 1] = in.stride(t, d);
     } else {
-      sz.push_back(sizes[d]);
-      for (size_t t = 0; t < kMaxOperands; ++t) {
-        st[t].push_back(t < strides.size() ? strides[t][d] : 0);
-      }
+      ROPE_CHECK(nd < kMaxLeadDims, op,
+                 ": the leading dims of the operands have a layout with more than ", kMaxLeadDims,
+                 " non-mergeable dims; call .contiguous() first");
+      ix.sizes[nd] = in.size(d);
+      for (int t = 0; t < kMaxOperands; ++t) ix.strides[t][nd] = in.stride(t, d);
+      ++nd;
     }
   }
-  ROPE_CHECK(static_cast<int>(sz.size()) <= kMaxLeadDims, op,
-             ": the leading dims of the operands have a layout with more than ", kMaxLeadDims,
-             " non-mergeable dims; call .contiguous() first");
-  ix.ndim = static_cast<int>(sz.size());
-  for (int d = 0; d < ix.ndim; ++d) {
-    ix.sizes[d] = sz[d];
-    for (int t = 0; t < kMaxOperands; ++t) ix.strides[t][d] = st[t][d];
-  }
+  ix.ndim = nd;
   return ix;
 }
 
@@ -485,20 +500,19 @@ inline RotateGeometry check_apply(const Tensor& x_t, const Tensor& cos_t, const 
   if (x.numel == 0) return g;  // tokens = 0: nothing to do (and no size product to form)
   g.tokens = x.numel / head_dim;
   const int64_t nlead = x.dim - 1;
-  std::vector<int64_t> sizes(nlead);
-  std::vector<std::vector<int64_t>> strides(kMaxOperands, std::vector<int64_t>(nlead, 0));
+  LeadDims lead(nlead);
   int64_t out_stride = head_dim;  // the output is contiguous
   for (int64_t d = nlead - 1; d >= 0; --d) {
-    sizes[d] = x.sizes[d];
-    strides[kSrc0][d] = x.strides[d];
-    strides[kDst0][d] = out_stride;
+    lead.size(d) = x.sizes[d];
+    lead.stride(kSrc0, d) = x.strides[d];
+    lead.stride(kDst0, d) = out_stride;
     if (cos.dim > 1 && cos.sizes[d] != 1) {
-      strides[kTab0][d] = cos.strides[d];
-      strides[kTab1][d] = sin.strides[d];
+      lead.stride(kTab0, d) = cos.strides[d];
+      lead.stride(kTab1, d) = sin.strides[d];
     }
     out_stride *= x.sizes[d];  // at most x's numel
   }
-  g.lead = make_indexer(sizes, strides, op);
+  g.lead = make_indexer(lead, op);
   // Rows that share a table row along the innermost leading dim (the heads of x (B, S, H, D)
   // with cos (B, S, 1, rotary_dim/2)) become the heads of one token: the kernels convert the
   // table row once and loop over the heads with nothing else per row.
@@ -653,29 +667,28 @@ inline RotateGeometry check_positions_op(const Tensor& query_t, const std::optio
     g.target[1] = TargetDesc{k->size(-2), k->stride(-2), k->stride(-2), k->stride(-1),
                              k->stride(-1)};
   }
-  std::vector<int64_t> sizes(nlead);
-  std::vector<std::vector<int64_t>> strides(kMaxOperands, std::vector<int64_t>(nlead, 0));
+  LeadDims lead(nlead);
   g.tokens = 1;
   for (int64_t d = 0; d < nlead; ++d) {
-    sizes[d] = q.sizes[d];
-    g.tokens = sizes[d] == 0 ? 0 : g.tokens;
-    strides[kSrc0][d] = strides[kDst0][d] = q.strides[d];
-    if (k) strides[kSrc1][d] = strides[kDst1][d] = k->strides[d];
-    strides[kTab0][d] = pos.strides[d + pos_lead_dim0];
+    lead.size(d) = q.sizes[d];
+    g.tokens = q.sizes[d] == 0 ? 0 : g.tokens;
+    lead.stride(kSrc0, d) = lead.stride(kDst0, d) = q.strides[d];
+    if (k) lead.stride(kSrc1, d) = lead.stride(kDst1, d) = k->strides[d];
+    lead.stride(kTab0, d) = pos.strides[d + pos_lead_dim0];
   }
   if (g.tokens != 0) {
-    for (int64_t d = 0; d < nlead; ++d) g.tokens *= sizes[d];  // positions' numel (< 2^63)
+    for (int64_t d = 0; d < nlead; ++d) g.tokens *= q.sizes[d];  // positions' numel (< 2^63)
   }
   if (!in_place) {  // a fresh contiguous output of x's shape (one target)
     g.target[0].dst_head = g.head_dim;
     g.target[0].dst_last = 1;
     int64_t st = q.size(-2) * g.head_dim;
     for (int64_t d = nlead - 1; d >= 0 && g.tokens != 0; --d) {
-      strides[kDst0][d] = st;
-      st *= sizes[d];  // at most x's numel
+      lead.stride(kDst0, d) = st;
+      st *= q.sizes[d];  // at most x's numel
     }
   }
-  g.lead = make_indexer(sizes, strides, op);
+  g.lead = make_indexer(lead, op);
   if (tables.mrope_section != nullptr) {
     set_mrope_sections(g, *tables.mrope_section, tables.mrope_interleaved, pos.strides[0], op,
                        tables.cache != nullptr ? "cos_sin_cache.size(1)/2" : "cos.size(1)");
