@@ -127,6 +127,7 @@ def _digest(seed):
                 # the fused QK-norm + RoPE: rows of head_dim 64/128/256 rotated whole take
                 # a path of their own; 3 heads of q, 5 of k (groups of four and the rest)
                 n = torch.cat((x, torch.randn(37, 5, head_dim, generator=g).to(dtype)), 1)
+                n[5, 4, 1] = float("nan")  # a NaN row: its codes must agree too
                 w = torch.randn(head_dim, generator=g).to(dtype)
                 torch.ops.rope.qk_norm_rope_(n[:, :3], n[:, 3:], w, w.flip(0), pos, cache,
                                              1e-6, False, interleaved)

@@ -35,5 +35,6 @@ NormRopeTokensFn qk_norm_kernel_baseline();
 // Defined only where ROPE_CPU_X86_VARIANTS is.
 NormRopeTokensFn qk_norm_kernel_avx2();
 NormRopeTokensFn qk_norm_kernel_avx512();
+NormRopeTokensFn qk_norm_kernel_avx512bf16();
 
 }  // namespace rope

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "../../rope_math.h"
@@ -171,6 +172,34 @@ ROPE_QK_INLINE void tree_sum(acc* part) {
   if constexpr (n > 1) tree_sum<n / 2>(part);
 }
 
+// A row of kD float results to bfloat16. With AVX512_BF16 (ROPE_QK_NATIVE_BF16, defined by
+// that variant's file): one instruction rounds 32 values to nearest even, then NaN lanes become
+// torch's 0xFFFF. Like the rotation kernels' variant, it treats float denormals (below 1.2e-38)
+// as zero, unlike torch's conversion (docs/cpu-performance.md).
+#ifdef ROPE_QK_NATIVE_BF16
+template <typename x_t>
+constexpr bool kNativeBf16Rows = std::is_same_v<x_t, BF16Bits>;
+
+template <int kD>
+ROPE_QK_INLINE void store_bf16_row(BF16Bits* d, const float* out) {
+  static_assert(kD % 32 == 0, "whole pairs of vectors");
+  for (int j = 0; j < kD; j += 32) {
+    const __m512 lo = _mm512_load_ps(out + j);
+    const __m512 hi = _mm512_load_ps(out + j + 16);
+    const __m512i r = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+    const __mmask32 nan = static_cast<__mmask32>(_mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q)) |
+                          (static_cast<__mmask32>(_mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q)) << 16);
+    _mm512_storeu_si512(d + j, _mm512_mask_mov_epi16(r, nan, _mm512_set1_epi16(-1)));
+  }
+}
+#else
+template <typename x_t>
+constexpr bool kNativeBf16Rows = false;
+
+template <int kD>
+ROPE_QK_INLINE void store_bf16_row(BF16Bits*, const float*) {}
+#endif
+
 // The common rows: unit strides, head_dim kD a compile-time constant (64, 128, 256) and every
 // dim rotated (half-split pairs). Every loop has a constant trip count, so the compiler keeps the
 // rows in registers (or L1) and vectorizes each step. kG heads go through each step together:
@@ -199,11 +228,22 @@ ROPE_QK_INLINE void norm_rope_group(const x_t* src, x_t* dst, int64_t src_head,
   for (int g = 0; g < kG; ++g) r[g] = acc(1) / std::sqrt(part[g][0] / static_cast<acc>(kD) + eps);
   for (int g = 0; g < kG; ++g) {
     x_t* d = dst + g * dst_head;
-    for (int i = 0; i < kHalf; ++i) {
-      const acc a = (row[g][i] * r[g]) * w[i];
-      const acc b = (row[g][i + kHalf] * r[g]) * w[i + kHalf];
-      d[i] = from_f<x_t>(a * c[i] - b * s[i]);
-      d[i + kHalf] = from_f<x_t>(b * c[i] + a * s[i]);
+    if constexpr (kNativeBf16Rows<x_t>) {  // the results in float, then converted at once
+      alignas(64) float out[kD];
+      for (int i = 0; i < kHalf; ++i) {
+        const acc a = (row[g][i] * r[g]) * w[i];
+        const acc b = (row[g][i + kHalf] * r[g]) * w[i + kHalf];
+        out[i] = a * c[i] - b * s[i];
+        out[i + kHalf] = b * c[i] + a * s[i];
+      }
+      store_bf16_row<kD>(d, out);
+    } else {
+      for (int i = 0; i < kHalf; ++i) {
+        const acc a = (row[g][i] * r[g]) * w[i];
+        const acc b = (row[g][i + kHalf] * r[g]) * w[i + kHalf];
+        d[i] = from_f<x_t>(a * c[i] - b * s[i]);
+        d[i + kHalf] = from_f<x_t>(b * c[i] + a * s[i]);
+      }
     }
   }
 }

@@ -23,9 +23,8 @@ namespace {
 // The kernel of the CPU variant that serves (rope.set_cpu_isa caps it).
 NormRopeTokensFn selected_kernel() {
   const CpuIsa isa = selected_cpu_isa();
-  // No variant of its own for AVX512_BF16: the avx512 kernel serves it.
   return ROPE_CPU_ENTRY(isa, qk_norm_kernel_baseline, qk_norm_kernel_avx2, qk_norm_kernel_avx512,
-                        qk_norm_kernel_avx512);
+                        qk_norm_kernel_avx512bf16);
 }
 
 // Work per task: at least this many elements, so decode-sized calls run on the calling thread.
