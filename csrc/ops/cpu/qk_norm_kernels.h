@@ -461,11 +461,18 @@ void norm_rope_layout(const NormJob& job, int64_t b, int64_t e) {
 }
 
 void norm_rope_tokens(const NormJob& job, int64_t b, int64_t e) {
+#ifdef ROPE_QK_NATIVE_BF16
+  // Only bfloat16 rows use the one-instruction conversion; every other dtype is avx512's (one
+  // copy of its code in the library, not two).
+  if (job.x_dt != kBF16) return qk_norm_kernel_avx512()(job, b, e);
+  with_dt_type(job.table_dt, [&](auto t0) { norm_rope_layout<BF16Bits, decltype(t0)>(job, b, e); });
+#else
   with_dt_type(job.x_dt, [&](auto x0) {
     with_dt_type(job.table_dt, [&](auto t0) {
       norm_rope_layout<decltype(x0), decltype(t0)>(job, b, e);
     });
   });
+#endif
 }
 
 }  // namespace
