@@ -2,8 +2,10 @@
 // vectorizes for the instruction set of the file including it (qk_norm_isa_*.cpp). Everything
 // has internal linkage (see kernel_api.h). Per row (one head of one token): the sum of squares
 // (kLanes partial sums, so the loop vectorizes), then each rotary pair read again (from L1),
-// normalized, scaled by its weights, rotated and written once, then the dims past rotary_dim
-// normalized and written. Arithmetic in float (double for float64), rounded once.
+// normalized (x * r), rotated with the weights folded into the token's cos and sin
+// (a * (w_a * cos) - b * (w_b * sin): the products per token and target, not per head) and
+// written once, then the dims past rotary_dim normalized, scaled and written. Arithmetic in float
+// (double for float64), rounded once.
 #pragma once
 
 #include <algorithm>
@@ -95,22 +97,32 @@ inline acc sum_squares_buf(const acc* buf, int64_t n) {
   return s;
 }
 
-// Rotates the pairs [b0, b0 + n) of one row, pair i's normalized and scaled elements given by
+// The block's weights folded into its cos and sin, for pair i of elements (ia, ib):
+// ca = w_a * cos, sb = w_b * sin, cb = w_b * cos, sa = w_a * sin.
+template <typename acc>
+struct Folded {
+  const acc* ca;
+  const acc* sb;
+  const acc* cb;
+  const acc* sa;
+};
+
+// Rotates the pairs [b0, b0 + n) of one row, pair i's normalized elements given by
 // ab(i, ia, ib) -> {a, b}, into dst (stride dl). Interleaved pairs go through two arrays: their two
 // results land in adjacent elements, and GCC vectorizes "a*c - b*s, b*c + a*s" on adjacent lanes
 // as one fused multiply-add-subtract (vfmaddsub) even under -ffp-contract=off, one rounding fewer
 // than the other variants compute. Two plain loops and an interleaving store have no such lanes.
 template <typename x_t, typename acc, bool kI, typename AB>
 ROPE_QK_INLINE void rotate_pairs(x_t* dst, int64_t dl, int64_t half, int64_t b0, int64_t n,
-                                 const acc* c, const acc* s, AB ab) {
+                                 Folded<acc> f, AB ab) {
   if constexpr (kI) {
     alignas(64) acc lo[kQkBlockPairs];
     alignas(64) acc hi[kQkBlockPairs];
     for (int64_t i = 0; i < n; ++i) {
       const int64_t p = b0 + i;
       const auto [a, b] = ab(i, 2 * p, 2 * p + 1);
-      lo[i] = a * c[i] - b * s[i];
-      hi[i] = b * c[i] + a * s[i];
+      lo[i] = a * f.ca[i] - b * f.sb[i];
+      hi[i] = b * f.cb[i] + a * f.sa[i];
     }
     for (int64_t i = 0; i < n; ++i) {
       dst[2 * (b0 + i) * dl] = from_f<x_t>(lo[i]);
@@ -120,19 +132,19 @@ ROPE_QK_INLINE void rotate_pairs(x_t* dst, int64_t dl, int64_t half, int64_t b0,
     for (int64_t i = 0; i < n; ++i) {
       const int64_t p = b0 + i;
       const auto [a, b] = ab(i, p, p + half);
-      dst[p * dl] = from_f<x_t>(a * c[i] - b * s[i]);
-      dst[(p + half) * dl] = from_f<x_t>(b * c[i] + a * s[i]);
+      dst[p * dl] = from_f<x_t>(a * f.ca[i] - b * f.sb[i]);
+      dst[(p + half) * dl] = from_f<x_t>(b * f.cb[i] + a * f.sa[i]);
     }
   }
 }
 
 // The pairs [b0, b0 + n) of a buffered row (unit stride) into dst (stride dl; kUnit: 1).
 template <typename x_t, typename acc, bool kI, bool kUnit>
-inline void norm_rotate_buf(const acc* buf, x_t* dst, int64_t dl, const acc* w, acc r,
-                            int64_t half, int64_t b0, int64_t n, const acc* c, const acc* s) {
+inline void norm_rotate_buf(const acc* buf, x_t* dst, int64_t dl, acc r, int64_t half,
+                            int64_t b0, int64_t n, Folded<acc> f) {
   if (kUnit) dl = 1;
-  rotate_pairs<x_t, acc, kI>(dst, dl, half, b0, n, c, s, [&](int64_t, int64_t ia, int64_t ib) {
-    return std::pair<acc, acc>((buf[ia] * r) * w[ia], (buf[ib] * r) * w[ib]);
+  rotate_pairs<x_t, acc, kI>(dst, dl, half, b0, n, f, [&](int64_t, int64_t ia, int64_t ib) {
+    return std::pair<acc, acc>(buf[ia] * r, buf[ib] * r);
   });
 }
 
@@ -145,13 +157,12 @@ inline void norm_tail_buf(const acc* buf, x_t* dst, int64_t dl, const acc* w, ac
 
 // The pairs [b0, b0 + n) of one row. kUnit: unit strides (constants, so the loop vectorizes).
 template <typename x_t, typename acc, bool kI, bool kUnit>
-inline void norm_rotate_block(const x_t* src, int64_t sl, x_t* dst, int64_t dl, const acc* w,
-                              int64_t ws, acc r, int64_t half, int64_t b0, int64_t n,
-                              const acc* c, const acc* s) {
-  if (kUnit) sl = dl = ws = 1;
-  rotate_pairs<x_t, acc, kI>(dst, dl, half, b0, n, c, s, [&](int64_t, int64_t ia, int64_t ib) {
-    return std::pair<acc, acc>((static_cast<acc>(to_f(src[ia * sl])) * r) * w[ia * ws],
-                               (static_cast<acc>(to_f(src[ib * sl])) * r) * w[ib * ws]);
+inline void norm_rotate_block(const x_t* src, int64_t sl, x_t* dst, int64_t dl, acc r,
+                              int64_t half, int64_t b0, int64_t n, Folded<acc> f) {
+  if (kUnit) sl = dl = 1;
+  rotate_pairs<x_t, acc, kI>(dst, dl, half, b0, n, f, [&](int64_t, int64_t ia, int64_t ib) {
+    return std::pair<acc, acc>(static_cast<acc>(to_f(src[ia * sl])) * r,
+                               static_cast<acc>(to_f(src[ib * sl])) * r);
   });
 }
 
@@ -204,59 +215,83 @@ ROPE_QK_INLINE void store_bf16_row(BF16Bits*, const float*) {}
 // dim rotated (half-split pairs). Every loop has a constant trip count, so the compiler keeps the
 // rows in registers (or L1) and vectorizes each step. kG heads go through each step together:
 // a row's sum of squares and rsqrt are a chain of dependent operations (a tree of partial sums,
-// a square root, a division), and kG independent chains overlap where one would stall.
+// a square root, a division), and kG independent chains overlap where one would stall; and the
+// rotation goes chunk by chunk through the kG rows, so each chunk of the folded tables is loaded
+// once for all of them (loads, not arithmetic, bound this loop).
 template <typename x_t, typename acc, int kD, int kG>
 ROPE_QK_INLINE void norm_rope_group(const x_t* src, x_t* dst, int64_t src_head,
-                                    int64_t dst_head, const acc* __restrict__ w,
-                                    const acc* __restrict__ c, const acc* __restrict__ s,
-                                    acc eps) {
+                                    int64_t dst_head, const acc* __restrict__ ca,
+                                    const acc* __restrict__ sb, const acc* __restrict__ cb,
+                                    const acc* __restrict__ sa, acc eps) {
   constexpr int kHalf = kD / 2;
-  static_assert(kD % kSumLanes == 0, "whole vectors of partial sums");
+  constexpr int kChunk = 32;
+  static_assert(kD % kSumLanes == 0 && kHalf % kChunk == 0, "whole vectors");
   alignas(64) acc row[kG][kD];
   alignas(64) acc part[kG][kSumLanes];
   acc r[kG];
-  for (int g = 0; g < kG; ++g) {
-    for (int j = 0; j < kD; ++j) row[g][j] = static_cast<acc>(to_f(src[g * src_head + j]));
-  }
-  for (int g = 0; g < kG; ++g) {
-    for (int l = 0; l < kSumLanes; ++l) part[g][l] = row[g][l] * row[g][l];
-    for (int j = kSumLanes; j < kD; j += kSumLanes) {
-      for (int l = 0; l < kSumLanes; ++l) part[g][l] += row[g][j + l] * row[g][j + l];
-    }
-    tree_sum<kSumLanes / 2>(part[g]);
-  }
-  for (int g = 0; g < kG; ++g) r[g] = acc(1) / std::sqrt(part[g][0] / static_cast<acc>(kD) + eps);
-  for (int g = 0; g < kG; ++g) {
-    x_t* d = dst + g * dst_head;
-    if constexpr (kNativeBf16Rows<x_t>) {  // the results in float, then converted at once
-      alignas(64) float out[kD];
-      for (int i = 0; i < kHalf; ++i) {
-        const acc a = (row[g][i] * r[g]) * w[i];
-        const acc b = (row[g][i + kHalf] * r[g]) * w[i + kHalf];
-        out[i] = a * c[i] - b * s[i];
-        out[i + kHalf] = b * c[i] + a * s[i];
+  if constexpr (std::is_same_v<x_t, acc>) {
+    // No conversion: each element loaded once, kept and squared in one pass.
+    for (int g = 0; g < kG; ++g) {
+      for (int l = 0; l < kSumLanes; ++l) part[g][l] = 0;
+      for (int j = 0; j < kD; j += kSumLanes) {
+        for (int l = 0; l < kSumLanes; ++l) {
+          const acc v = src[g * src_head + j + l];
+          row[g][j + l] = v;
+          part[g][l] += v * v;
+        }
       }
-      store_bf16_row<kD>(d, out);
-    } else {
-      for (int i = 0; i < kHalf; ++i) {
-        const acc a = (row[g][i] * r[g]) * w[i];
-        const acc b = (row[g][i + kHalf] * r[g]) * w[i + kHalf];
-        d[i] = from_f<x_t>(a * c[i] - b * s[i]);
-        d[i + kHalf] = from_f<x_t>(b * c[i] + a * s[i]);
+    }
+  } else {
+    // Converted rows first (as one loop the compiler converts in narrower, slower steps).
+    for (int g = 0; g < kG; ++g) {
+      for (int j = 0; j < kD; ++j) row[g][j] = static_cast<acc>(to_f(src[g * src_head + j]));
+    }
+    for (int g = 0; g < kG; ++g) {
+      for (int l = 0; l < kSumLanes; ++l) part[g][l] = 0;
+      for (int j = 0; j < kD; j += kSumLanes) {
+        for (int l = 0; l < kSumLanes; ++l) part[g][l] += row[g][j + l] * row[g][j + l];
+      }
+    }
+  }
+  for (int g = 0; g < kG; ++g) {
+    tree_sum<kSumLanes / 2>(part[g]);
+    r[g] = acc(1) / std::sqrt(part[g][0] / static_cast<acc>(kD) + eps);
+  }
+  for (int j = 0; j < kHalf; j += kChunk) {
+    for (int g = 0; g < kG; ++g) {
+      x_t* d = dst + g * dst_head;
+      if constexpr (kNativeBf16Rows<x_t>) {  // the results in float, then converted at once
+        alignas(64) float lo[kChunk], hi[kChunk];
+        for (int l = 0; l < kChunk; ++l) {
+          const int i = j + l;
+          const acc a = row[g][i] * r[g], b = row[g][i + kHalf] * r[g];
+          lo[l] = a * ca[i] - b * sb[i];
+          hi[l] = b * cb[i] + a * sa[i];
+        }
+        store_bf16_row<kChunk>(d + j, lo);
+        store_bf16_row<kChunk>(d + j + kHalf, hi);
+      } else {
+        for (int l = 0; l < kChunk; ++l) {
+          const int i = j + l;
+          const acc a = row[g][i] * r[g], b = row[g][i + kHalf] * r[g];
+          d[i] = from_f<x_t>(a * ca[i] - b * sb[i]);
+          d[i + kHalf] = from_f<x_t>(b * cb[i] + a * sa[i]);
+        }
       }
     }
   }
 }
 
 // Every head of one target of one token (not inlined: one copy per element type and kD, not one
-// per table type). w, c and s are the caller's stack buffers, so no write through dst reaches
-// them (__restrict__: the stores need not be ordered against their loads).
+// per table type). ca, sb, cb and sa are the caller's stack buffers, so no write through dst
+// reaches them (__restrict__: the stores need not be ordered against their loads).
 template <typename x_t, typename acc, int kD>
 __attribute__((noinline)) void norm_rope_heads_fixed(const x_t* src, x_t* dst, int64_t src_head,
                                                      int64_t dst_head, int64_t heads,
-                                                     const acc* __restrict__ w,
-                                                     const acc* __restrict__ c,
-                                                     const acc* __restrict__ s, acc eps,
+                                                     const acc* __restrict__ ca,
+                                                     const acc* __restrict__ sb,
+                                                     const acc* __restrict__ cb,
+                                                     const acc* __restrict__ sa, acc eps,
                                                      bool prefetch) {
   constexpr int kG = 4;
   // Rows from DRAM (prefetch: the call's rows outgrow the caches): the loads of a group wait on
@@ -271,10 +306,10 @@ __attribute__((noinline)) void norm_rope_heads_fixed(const x_t* src, x_t* dst, i
         __builtin_prefetch(src + (kAhead + g) * src_head + j, 1, 3);
       }
     }
-    norm_rope_group<x_t, acc, kD, kG>(src, dst, src_head, dst_head, w, c, s, eps);
+    norm_rope_group<x_t, acc, kD, kG>(src, dst, src_head, dst_head, ca, sb, cb, sa, eps);
   }
   for (; h < heads; ++h, src += src_head, dst += dst_head) {
-    norm_rope_group<x_t, acc, kD, 1>(src, dst, src_head, dst_head, w, c, s, eps);
+    norm_rope_group<x_t, acc, kD, 1>(src, dst, src_head, dst_head, ca, sb, cb, sa, eps);
   }
 }
 
@@ -320,10 +355,16 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
     }
   }
   const bool weights_plus_unit = D <= kQkNormStackHeadDim || !job.norm.unit_offset;
+  // The weight of element j as the rows are scaled by: w + 1 added here for long rows of the
+  // Gemma form (their weights are read from the host's cast, not the stack buffers).
+  auto weight = [&](int k, int64_t j) {
+    return weights_plus_unit ? w[k][j * ws[k]] : w[k][j * ws[k]] + unit;
+  };
   alignas(64) acc c[kQkBlockPairs];
   alignas(64) acc s[kQkBlockPairs];
+  alignas(64) acc fold[4][kQkBlockPairs];
+  const Folded<acc> folded{fold[0], fold[1], fold[2], fold[3]};
   alignas(64) acc row[kQkNormStackHeadDim];
-  alignas(64) acc wtmp[2][2 * kQkBlockPairs];  // long rows with unit_offset: w + 1 per block
   // Rows past the caches (about a core's L2) are prefetched on the fixed-head_dim path.
   // (In double: an estimate, which no product can overflow.)
   const bool prefetch = static_cast<double>(g.tokens) *
@@ -332,6 +373,7 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
                         double(4 << 20);
   const tab_t* key[2 * kMropeComponents] = {};
   int64_t key_b0 = -1;
+  int fold_k = -1;  // the target whose weights fold holds, with the cos and sin in c and s
   for (int64_t tok = b; tok < e; ++tok) {
     int64_t off[kMaxOperands];
     g.lead.offsets(tok, off);
@@ -349,21 +391,34 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
         sr[j] = static_cast<const tab_t*>(job.sin) + p * t.sin_row;
       }
     }
-    auto tables = [&](int64_t b0, int64_t n) {
+    // The cos and sin of pairs [b0, b0 + n) of this token in c and s (kept while the token's
+    // table rows and the block stay the same), then target k's weights folded into them.
+    auto tables = [&](int k, int64_t b0, int64_t n) {
       bool same = key_b0 == b0;
       for (int j = 0; j < kMropeComponents; ++j) {
         same = same && key[2 * j] == cr[j] && key[2 * j + 1] == sr[j];
         key[2 * j] = cr[j];
         key[2 * j + 1] = sr[j];
       }
-      if (same) return;
-      key_b0 = b0;
-      const bool mrope = t.kind == TableKind::kMrope;
+      if (same && fold_k == k) return;
+      if (!same) {
+        key_b0 = b0;
+        const bool mrope = t.kind == TableKind::kMrope;
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t pair = b0 + i;
+          const int j = mrope ? mrope_component(pair, t.section, t.mrope_interleaved) : 0;
+          c[i] = static_cast<acc>(to_f(cr[j][pair * t.cos_col]));
+          s[i] = static_cast<acc>(to_f(sr[j][pair * t.sin_col]));
+        }
+      }
+      fold_k = k;
       for (int64_t i = 0; i < n; ++i) {
-        const int64_t pair = b0 + i;
-        const int j = mrope ? mrope_component(pair, t.section, t.mrope_interleaved) : 0;
-        c[i] = static_cast<acc>(to_f(cr[j][pair * t.cos_col]));
-        s[i] = static_cast<acc>(to_f(sr[j][pair * t.sin_col]));
+        const int64_t p = b0 + i;
+        const acc wa = weight(k, kI ? 2 * p : p), wb = weight(k, kI ? 2 * p + 1 : p + half);
+        fold[0][i] = wa * c[i];
+        fold[1][i] = wb * s[i];
+        fold[2][i] = wb * c[i];
+        fold[3][i] = wa * s[i];
       }
     };
     for (int k = 0; k < g.targets; ++k) {
@@ -372,19 +427,22 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
       x_t* dst = static_cast<x_t*>(job.dst[k]) + off[2 * k + 1];
       const bool unit_strides = tg.src_last == 1 && tg.dst_last == 1 && ws[k] == 1;
       if (const int fixed = D <= kQkNormStackHeadDim ? fixed_head_dim(g, tg) : 0) {
-        tables(0, half);
+        tables(k, 0, half);
         switch (fixed) {
           case 64:
             norm_rope_heads_fixed<x_t, acc, 64>(src, dst, tg.src_head, tg.dst_head, tg.heads,
-                                                w[k], c, s, eps, prefetch);
+                                                fold[0], fold[1], fold[2], fold[3], eps,
+                                                prefetch);
             break;
           case 128:
             norm_rope_heads_fixed<x_t, acc, 128>(src, dst, tg.src_head, tg.dst_head, tg.heads,
-                                                 w[k], c, s, eps, prefetch);
+                                                 fold[0], fold[1], fold[2], fold[3], eps,
+                                                 prefetch);
             break;
           default:
             norm_rope_heads_fixed<x_t, acc, 256>(src, dst, tg.src_head, tg.dst_head, tg.heads,
-                                                 w[k], c, s, eps, prefetch);
+                                                 fold[0], fold[1], fold[2], fold[3], eps,
+                                                 prefetch);
         }
         continue;
       }
@@ -395,12 +453,11 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
           const bool unit_dst = tg.dst_last == 1;
           for (int64_t b0 = 0; b0 < half; b0 += kQkBlockPairs) {
             const int64_t n = std::min(kQkBlockPairs, half - b0);
-            tables(b0, n);
+            tables(k, b0, n);
             if (unit_dst) {
-              norm_rotate_buf<x_t, acc, kI, true>(row, dst, 1, w[k], r, half, b0, n, c, s);
+              norm_rotate_buf<x_t, acc, kI, true>(row, dst, 1, r, half, b0, n, folded);
             } else {
-              norm_rotate_buf<x_t, acc, kI, false>(row, dst, tg.dst_last, w[k], r, half, b0, n, c,
-                                                   s);
+              norm_rotate_buf<x_t, acc, kI, false>(row, dst, tg.dst_last, r, half, b0, n, folded);
             }
           }
           if (unit_dst) {
@@ -414,34 +471,18 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
         const acc r = acc(1) / std::sqrt(ss / static_cast<acc>(D) + eps);
         for (int64_t b0 = 0; b0 < half; b0 += kQkBlockPairs) {
           const int64_t n = std::min(kQkBlockPairs, half - b0);
-          tables(b0, n);
-          if (!weights_plus_unit) {  // rows past the stack buffers, Gemma form: w + 1 here
-            for (int64_t i = 0; i < n; ++i) {
-              const int64_t p = b0 + i;
-              const int64_t ia = kI ? 2 * p : p, ib = kI ? 2 * p + 1 : p + half;
-              wtmp[k][2 * i] = w[k][ia * ws[k]] + unit;
-              wtmp[k][2 * i + 1] = w[k][ib * ws[k]] + unit;
-            }
-            const int64_t sl = tg.src_last;
-            const acc* wt = wtmp[k];
-            rotate_pairs<x_t, acc, kI>(dst, tg.dst_last, half, b0, n, c, s,
-                                       [&](int64_t i, int64_t ia, int64_t ib) {
-                                         return std::pair<acc, acc>(
-                                             (static_cast<acc>(to_f(src[ia * sl])) * r) * wt[2 * i],
-                                             (static_cast<acc>(to_f(src[ib * sl])) * r) *
-                                                 wt[2 * i + 1]);
-                                       });
-          } else if (unit_strides) {
-            norm_rotate_block<x_t, acc, kI, true>(src, 1, dst, 1, w[k], 1, r, half, b0, n, c, s);
+          tables(k, b0, n);
+          if (tg.src_last == 1 && tg.dst_last == 1) {
+            norm_rotate_block<x_t, acc, kI, true>(src, 1, dst, 1, r, half, b0, n, folded);
           } else {
-            norm_rotate_block<x_t, acc, kI, false>(src, tg.src_last, dst, tg.dst_last, w[k],
-                                                   ws[k], r, half, b0, n, c, s);
+            norm_rotate_block<x_t, acc, kI, false>(src, tg.src_last, dst, tg.dst_last, r, half, b0,
+                                                   n, folded);
           }
         }
         if (!weights_plus_unit) {
           for (int64_t j = 2 * half; j < D; ++j) {
-            dst[j * tg.dst_last] = from_f<x_t>((static_cast<acc>(to_f(src[j * tg.src_last])) * r) *
-                                               (w[k][j * ws[k]] + unit));
+            dst[j * tg.dst_last] =
+                from_f<x_t>((static_cast<acc>(to_f(src[j * tg.src_last])) * r) * weight(k, j));
           }
         } else if (unit_strides) {
           norm_tail<x_t, acc, true>(src, 1, dst, 1, w[k], 1, r, 2 * half, D);
