@@ -213,67 +213,89 @@ ROPE_QK_INLINE void store_bf16_row(BF16Bits*, const float*) {}
 
 // The common rows: unit strides, head_dim kD a compile-time constant (64, 128, 256) and every
 // dim rotated (half-split pairs). Every loop has a constant trip count, so the compiler keeps the
-// rows in registers (or L1) and vectorizes each step. kG heads go through each step together:
-// a row's sum of squares and rsqrt are a chain of dependent operations (a tree of partial sums,
-// a square root, a division), and kG independent chains overlap where one would stall; and the
-// rotation goes chunk by chunk through the kG rows, so each chunk of the folded tables is loaded
-// once for all of them (loads, not arithmetic, bound this loop).
+// rows in registers (or L1) and vectorizes each step. Rows go in groups of kG heads, each in two
+// steps: the norm (group_norm: sums of squares, then r = rsqrt(mean + eps)) and the rotation
+// (group_rotate). A row's r is a chain of dependent operations (a tree of partial sums, a square
+// root, a division): kG independent chains overlap, and norm_rope_heads_fixed runs the next
+// group's norm before this group's rotation, so the chains' latency hides behind the rotation.
+
+// Rows in the arithmetic type already (float, double) are read where they are, twice (the
+// second time from L1); others are converted once into a stack buffer, read by the rotation.
 template <typename x_t, typename acc, int kD, int kG>
-ROPE_QK_INLINE void norm_rope_group(const x_t* src, x_t* dst, int64_t src_head,
-                                    int64_t dst_head, const acc* __restrict__ ca,
-                                    const acc* __restrict__ sb, const acc* __restrict__ cb,
-                                    const acc* __restrict__ sa, acc eps) {
-  constexpr int kHalf = kD / 2;
-  constexpr int kChunk = 32;
-  static_assert(kD % kSumLanes == 0 && kHalf % kChunk == 0, "whole vectors");
-  alignas(64) acc row[kG][kD];
-  alignas(64) acc part[kG][kSumLanes];
+struct GroupRows {
+  static constexpr bool kDirect = std::is_same_v<x_t, acc>;
+  alignas(64) acc row[kDirect ? 1 : kG][kDirect ? 1 : kD];
   acc r[kG];
-  if constexpr (std::is_same_v<x_t, acc>) {
-    // No conversion: each element loaded once, kept and squared in one pass.
-    for (int g = 0; g < kG; ++g) {
-      for (int l = 0; l < kSumLanes; ++l) part[g][l] = 0;
-      for (int j = 0; j < kD; j += kSumLanes) {
-        for (int l = 0; l < kSumLanes; ++l) {
-          const acc v = src[g * src_head + j + l];
-          row[g][j + l] = v;
-          part[g][l] += v * v;
-        }
-      }
+
+  ROPE_QK_INLINE acc at(const x_t* src, int64_t src_head, int g, int j) const {
+    if constexpr (kDirect) {
+      return src[g * src_head + j];
+    } else {
+      return row[g][j];
     }
-  } else {
-    // Converted rows first (as one loop the compiler converts in narrower, slower steps).
+  }
+};
+
+template <typename x_t, typename acc, int kD, int kG>
+ROPE_QK_INLINE void group_norm(const x_t* src, int64_t src_head, acc eps,
+                               GroupRows<x_t, acc, kD, kG>& rows) {
+  static_assert(kD % kSumLanes == 0, "whole vectors of partial sums");
+  if constexpr (!GroupRows<x_t, acc, kD, kG>::kDirect) {
+    // Converted rows first (as one loop with the squares the compiler converts in narrower,
+    // slower steps).
     for (int g = 0; g < kG; ++g) {
-      for (int j = 0; j < kD; ++j) row[g][j] = static_cast<acc>(to_f(src[g * src_head + j]));
+      for (int j = 0; j < kD; ++j) rows.row[g][j] = static_cast<acc>(to_f(src[g * src_head + j]));
     }
-    for (int g = 0; g < kG; ++g) {
-      for (int l = 0; l < kSumLanes; ++l) part[g][l] = 0;
-      for (int j = 0; j < kD; j += kSumLanes) {
-        for (int l = 0; l < kSumLanes; ++l) part[g][l] += row[g][j + l] * row[g][j + l];
+  }
+  alignas(64) acc part[kG][kSumLanes];
+  for (int g = 0; g < kG; ++g) {
+    for (int l = 0; l < kSumLanes; ++l) part[g][l] = 0;
+    for (int j = 0; j < kD; j += kSumLanes) {
+      for (int l = 0; l < kSumLanes; ++l) {
+        const acc v = rows.at(src, src_head, g, j + l);
+        part[g][l] += v * v;
       }
     }
   }
   for (int g = 0; g < kG; ++g) {
     tree_sum<kSumLanes / 2>(part[g]);
-    r[g] = acc(1) / std::sqrt(part[g][0] / static_cast<acc>(kD) + eps);
+    rows.r[g] = acc(1) / std::sqrt(part[g][0] / static_cast<acc>(kD) + eps);
   }
+}
+
+// The rotation goes chunk by chunk through the kG rows, so each chunk of the folded tables is
+// loaded once for all of them (loads and stores, not arithmetic, bound this loop).
+template <typename x_t, typename acc, int kD, int kG>
+ROPE_QK_INLINE void group_rotate(const x_t* src, x_t* dst, int64_t src_head, int64_t dst_head,
+                                 const GroupRows<x_t, acc, kD, kG>& rows,
+                                 const acc* __restrict__ ca, const acc* __restrict__ sb,
+                                 const acc* __restrict__ cb, const acc* __restrict__ sa) {
+  constexpr int kHalf = kD / 2;
+  constexpr int kChunk = 32;
+  static_assert(kHalf % kChunk == 0, "whole chunks");
   for (int j = 0; j < kHalf; j += kChunk) {
     for (int g = 0; g < kG; ++g) {
       x_t* d = dst + g * dst_head;
+      const acc r = rows.r[g];
       if constexpr (kNativeBf16Rows<x_t>) {  // the results in float, then converted at once
         alignas(64) float lo[kChunk], hi[kChunk];
         for (int l = 0; l < kChunk; ++l) {
           const int i = j + l;
-          const acc a = row[g][i] * r[g], b = row[g][i + kHalf] * r[g];
+          const acc a = rows.at(src, src_head, g, i) * r;
+          const acc b = rows.at(src, src_head, g, i + kHalf) * r;
           lo[l] = a * ca[i] - b * sb[i];
           hi[l] = b * cb[i] + a * sa[i];
         }
         store_bf16_row<kChunk>(d + j, lo);
         store_bf16_row<kChunk>(d + j + kHalf, hi);
       } else {
+        // In place (dst == src) each element is read before it is written, and no other
+        // element reads it: the loop has no dependence between iterations.
+#pragma GCC ivdep
         for (int l = 0; l < kChunk; ++l) {
           const int i = j + l;
-          const acc a = row[g][i] * r[g], b = row[g][i + kHalf] * r[g];
+          const acc a = rows.at(src, src_head, g, i) * r;
+          const acc b = rows.at(src, src_head, g, i + kHalf) * r;
           d[i] = from_f<x_t>(a * ca[i] - b * sb[i]);
           d[i + kHalf] = from_f<x_t>(b * cb[i] + a * sa[i]);
         }
@@ -295,21 +317,32 @@ __attribute__((noinline)) void norm_rope_heads_fixed(const x_t* src, x_t* dst, i
                                                      bool prefetch) {
   constexpr int kG = 4;
   // Rows from DRAM (prefetch: the call's rows outgrow the caches): the loads of a group wait on
-  // memory (the cache's miss buffers hold a group's lines at most), so the rows kAhead heads on
-  // are fetched (to be written: in place) meanwhile.
+  // memory (the cache's miss buffers hold a group's lines at most), so the rows kAhead heads
+  // past those being read are fetched (to be written: in place) meanwhile.
   constexpr int kAhead = 2 * kG;
   constexpr int kLineElems = 64 / static_cast<int>(sizeof(x_t));
-  int64_t h = 0;
-  for (; h + kG <= heads; h += kG, src += kG * src_head, dst += kG * dst_head) {
-    for (int g = 0; prefetch && g < kG && h + kAhead + g < heads; ++g) {
-      for (int j = 0; j < kD; j += kLineElems) {
-        __builtin_prefetch(src + (kAhead + g) * src_head + j, 1, 3);
+  const int64_t groups = heads / kG;
+  GroupRows<x_t, acc, kD, kG> rows[2];
+  if (groups > 0) group_norm<x_t, acc, kD, kG>(src, src_head, eps, rows[0]);
+  for (int64_t q = 0; q < groups; ++q) {
+    const int64_t h = q * kG;
+    if (q + 1 < groups) {
+      const int64_t read = h + kG;  // the next group's rows, normed now
+      for (int g = 0; prefetch && g < kG && read + kAhead + g < heads; ++g) {
+        for (int j = 0; j < kD; j += kLineElems) {
+          __builtin_prefetch(src + (read + kAhead + g) * src_head + j, 1, 3);
+        }
       }
+      group_norm<x_t, acc, kD, kG>(src + read * src_head, src_head, eps, rows[(q + 1) & 1]);
     }
-    norm_rope_group<x_t, acc, kD, kG>(src, dst, src_head, dst_head, ca, sb, cb, sa, eps);
+    group_rotate<x_t, acc, kD, kG>(src + h * src_head, dst + h * dst_head, src_head, dst_head,
+                                   rows[q & 1], ca, sb, cb, sa);
   }
-  for (; h < heads; ++h, src += src_head, dst += dst_head) {
-    norm_rope_group<x_t, acc, kD, 1>(src, dst, src_head, dst_head, ca, sb, cb, sa, eps);
+  for (int64_t h = groups * kG; h < heads; ++h) {
+    GroupRows<x_t, acc, kD, 1> one;
+    group_norm<x_t, acc, kD, 1>(src + h * src_head, src_head, eps, one);
+    group_rotate<x_t, acc, kD, 1>(src + h * src_head, dst + h * dst_head, src_head, dst_head, one,
+                                  ca, sb, cb, sa);
   }
 }
 
@@ -374,23 +407,52 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
   const tab_t* key[2 * kMropeComponents] = {};
   int64_t key_b0 = -1;
   int fold_k = -1;  // the target whose weights fold holds, with the cos and sin in c and s
-  for (int64_t tok = b; tok < e; ++tok) {
+  // A token's operand offsets and its table rows (per MRoPE component).
+  struct TokenRows {
     int64_t off[kMaxOperands];
-    g.lead.offsets(tok, off);
     const tab_t* cr[kMropeComponents];
     const tab_t* sr[kMropeComponents];
+  };
+  auto token_rows = [&](int64_t tok, TokenRows& r) {
+    g.lead.offsets(tok, r.off);
     if (t.kind == TableKind::kStrided) {
-      cr[0] = cr[1] = cr[2] = static_cast<const tab_t*>(job.cos) + off[kTab0];
-      sr[0] = sr[1] = sr[2] = static_cast<const tab_t*>(job.sin) + off[kTab1];
+      r.cr[0] = r.cr[1] = r.cr[2] = static_cast<const tab_t*>(job.cos) + r.off[kTab0];
+      r.sr[0] = r.sr[1] = r.sr[2] = static_cast<const tab_t*>(job.sin) + r.off[kTab1];
+      return;
+    }
+    const bool mrope = t.kind == TableKind::kMrope;
+    for (int j = 0; j < kMropeComponents; ++j) {
+      const int64_t p = read_pos(job.positions, t.pos64,
+                                 r.off[kTab0] + (mrope ? j * t.pos_component : 0));
+      r.cr[j] = static_cast<const tab_t*>(job.cos) + p * t.cos_row;
+      r.sr[j] = static_cast<const tab_t*>(job.sin) + p * t.sin_row;
+    }
+  };
+  // Gathered rows of a contiguous table: the next token's are fetched while this one runs
+  // (positions in any order, e.g. a decode batch, miss the caches at each token otherwise).
+  const bool prefetch_tables =
+      t.kind != TableKind::kStrided && t.cos_col == 1 && t.sin_col == 1;
+  const int64_t table_row_bytes = half * static_cast<int64_t>(sizeof(tab_t));
+  TokenRows cur, next;
+  for (int64_t tok = b; tok < e; ++tok) {
+    if (tok == b || !prefetch_tables) {
+      token_rows(tok, cur);
     } else {
-      const bool mrope = t.kind == TableKind::kMrope;
-      for (int j = 0; j < kMropeComponents; ++j) {
-        const int64_t p = read_pos(job.positions, t.pos64,
-                                   off[kTab0] + (mrope ? j * t.pos_component : 0));
-        cr[j] = static_cast<const tab_t*>(job.cos) + p * t.cos_row;
-        sr[j] = static_cast<const tab_t*>(job.sin) + p * t.sin_row;
+      cur = next;
+    }
+    if (prefetch_tables && tok + 1 < e) {
+      token_rows(tok + 1, next);
+      const int comps = t.kind == TableKind::kMrope ? kMropeComponents : 1;
+      for (int j = 0; j < comps; ++j) {
+        for (int64_t x = 0; x < table_row_bytes; x += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(next.cr[j]) + x, 0, 3);
+          __builtin_prefetch(reinterpret_cast<const char*>(next.sr[j]) + x, 0, 3);
+        }
       }
     }
+    const int64_t* off = cur.off;
+    const tab_t* const* cr = cur.cr;
+    const tab_t* const* sr = cur.sr;
     // The cos and sin of pairs [b0, b0 + n) of this token in c and s (kept while the token's
     // table rows and the block stay the same), then target k's weights folded into them.
     auto tables = [&](int k, int64_t b0, int64_t n) {
