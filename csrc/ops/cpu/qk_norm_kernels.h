@@ -466,21 +466,38 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
       if (!same) {
         key_b0 = b0;
         const bool mrope = t.kind == TableKind::kMrope;
-        for (int64_t i = 0; i < n; ++i) {
-          const int64_t pair = b0 + i;
-          const int j = mrope ? mrope_component(pair, t.section, t.mrope_interleaved) : 0;
-          c[i] = static_cast<acc>(to_f(cr[j][pair * t.cos_col]));
-          s[i] = static_cast<acc>(to_f(sr[j][pair * t.sin_col]));
+        if (!mrope && t.cos_col == 1 && t.sin_col == 1) {  // contiguous: a loop that vectorizes
+          const tab_t* c0 = cr[0] + b0;
+          const tab_t* s0 = sr[0] + b0;
+          for (int64_t i = 0; i < n; ++i) {
+            c[i] = static_cast<acc>(to_f(c0[i]));
+            s[i] = static_cast<acc>(to_f(s0[i]));
+          }
+        } else {
+          for (int64_t i = 0; i < n; ++i) {
+            const int64_t pair = b0 + i;
+            const int j = mrope ? mrope_component(pair, t.section, t.mrope_interleaved) : 0;
+            c[i] = static_cast<acc>(to_f(cr[j][pair * t.cos_col]));
+            s[i] = static_cast<acc>(to_f(sr[j][pair * t.sin_col]));
+          }
         }
       }
       fold_k = k;
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t p = b0 + i;
-        const acc wa = weight(k, kI ? 2 * p : p), wb = weight(k, kI ? 2 * p + 1 : p + half);
-        fold[0][i] = wa * c[i];
-        fold[1][i] = wb * s[i];
-        fold[2][i] = wb * c[i];
-        fold[3][i] = wa * s[i];
+      auto fold_pairs = [&](auto wa_of, auto wb_of) {
+        for (int64_t i = 0; i < n; ++i) {
+          const acc wa = wa_of(b0 + i), wb = wb_of(b0 + i);
+          fold[0][i] = wa * c[i];
+          fold[1][i] = wb * s[i];
+          fold[2][i] = wb * c[i];
+          fold[3][i] = wa * s[i];
+        }
+      };
+      if (!kI && ws[k] == 1 && weights_plus_unit) {  // unit-stride weights: vectorizes
+        const acc* wk = w[k];
+        fold_pairs([&](int64_t p) { return wk[p]; }, [&](int64_t p) { return wk[p + half]; });
+      } else {
+        fold_pairs([&](int64_t p) { return weight(k, kI ? 2 * p : p); },
+                   [&](int64_t p) { return weight(k, kI ? 2 * p + 1 : p + half); });
       }
     };
     for (int k = 0; k < g.targets; ++k) {
