@@ -304,6 +304,15 @@ ROPE_QK_INLINE void group_rotate(const x_t* src, x_t* dst, int64_t src_head, int
   }
 }
 
+// The rows a fixed-path call prefetches past its own (prefetch: rows from DRAM): those of the
+// next target or token, `heads` rows `head` elements apart from src (none: heads 0).
+template <typename x_t>
+struct NextRows {
+  bool prefetch = false;
+  const x_t* src = nullptr;
+  int64_t head = 0, heads = 0;
+};
+
 // Every head of one target of one token (not inlined: one copy per element type and kD, not one
 // per table type). ca, sb, cb and sa are the caller's stack buffers, so no write through dst
 // reaches them (__restrict__: the stores need not be ordered against their loads).
@@ -314,11 +323,12 @@ __attribute__((noinline)) void norm_rope_heads_fixed(const x_t* src, x_t* dst, i
                                                      const acc* __restrict__ sb,
                                                      const acc* __restrict__ cb,
                                                      const acc* __restrict__ sa, acc eps,
-                                                     bool prefetch) {
+                                                     const NextRows<x_t>& next) {
   constexpr int kG = 4;
-  // Rows from DRAM (prefetch: the call's rows outgrow the caches): the loads of a group wait on
-  // memory (the cache's miss buffers hold a group's lines at most), so the rows kAhead heads
-  // past those being read are fetched (to be written: in place) meanwhile.
+  // Rows from DRAM (next.prefetch: the call's rows outgrow the caches): the loads of a group
+  // wait on memory (the cache's miss buffers hold a group's lines at most), so the rows kAhead
+  // heads past those being read are fetched (to be written: in place) meanwhile, past the last
+  // head into the rows the caller runs next.
   constexpr int kAhead = 2 * kG;
   constexpr int kLineElems = 64 / static_cast<int>(sizeof(x_t));
   const int64_t groups = heads / kG;
@@ -326,14 +336,17 @@ __attribute__((noinline)) void norm_rope_heads_fixed(const x_t* src, x_t* dst, i
   if (groups > 0) group_norm<x_t, acc, kD, kG>(src, src_head, eps, rows[0]);
   for (int64_t q = 0; q < groups; ++q) {
     const int64_t h = q * kG;
-    if (q + 1 < groups) {
-      const int64_t read = h + kG;  // the next group's rows, normed now
-      for (int g = 0; prefetch && g < kG && read + kAhead + g < heads; ++g) {
-        for (int j = 0; j < kD; j += kLineElems) {
-          __builtin_prefetch(src + (read + kAhead + g) * src_head + j, 1, 3);
-        }
+    for (int g = 0; next.prefetch && g < kG; ++g) {
+      const int64_t ahead = h + kG + kAhead + g;  // past the next group's rows, normed now
+      const x_t* row = ahead < heads ? src + ahead * src_head
+                       : ahead - heads < next.heads ? next.src + (ahead - heads) * next.head
+                                                    : nullptr;
+      for (int j = 0; row != nullptr && j < kD; j += kLineElems) {
+        __builtin_prefetch(row + j, 1, 3);
       }
-      group_norm<x_t, acc, kD, kG>(src + read * src_head, src_head, eps, rows[(q + 1) & 1]);
+    }
+    if (q + 1 < groups) {
+      group_norm<x_t, acc, kD, kG>(src + (h + kG) * src_head, src_head, eps, rows[(q + 1) & 1]);
     }
     group_rotate<x_t, acc, kD, kG>(src + h * src_head, dst + h * dst_head, src_head, dst_head,
                                    rows[q & 1], ca, sb, cb, sa);
@@ -435,13 +448,13 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
   const int64_t table_row_bytes = half * static_cast<int64_t>(sizeof(tab_t));
   TokenRows cur, next;
   for (int64_t tok = b; tok < e; ++tok) {
-    if (tok == b || !prefetch_tables) {
+    if (tok == b) {
       token_rows(tok, cur);
     } else {
       cur = next;
     }
+    if (tok + 1 < e) token_rows(tok + 1, next);
     if (prefetch_tables && tok + 1 < e) {
-      token_rows(tok + 1, next);
       const int comps = t.kind == TableKind::kMrope ? kMropeComponents : 1;
       for (int j = 0; j < comps; ++j) {
         for (int64_t x = 0; x < table_row_bytes; x += 64) {
@@ -507,21 +520,29 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
       const bool unit_strides = tg.src_last == 1 && tg.dst_last == 1 && ws[k] == 1;
       if (const int fixed = D <= kQkNormStackHeadDim ? fixed_head_dim(g, tg) : 0) {
         tables(k, 0, half);
+        NextRows<x_t> rows_after;  // the next target's rows, or the next token's first target's
+        rows_after.prefetch = prefetch;
+        const int nk = k + 1 < g.targets ? k + 1 : tok + 1 < e ? 0 : -1;
+        if (prefetch && nk >= 0) {
+          rows_after.src = static_cast<const x_t*>(job.src[nk]) + (nk > k ? off : next.off)[2 * nk];
+          rows_after.head = g.target[nk].src_head;
+          rows_after.heads = g.target[nk].heads;
+        }
         switch (fixed) {
           case 64:
             norm_rope_heads_fixed<x_t, acc, 64>(src, dst, tg.src_head, tg.dst_head, tg.heads,
                                                 fold[0], fold[1], fold[2], fold[3], eps,
-                                                prefetch);
+                                                rows_after);
             break;
           case 128:
             norm_rope_heads_fixed<x_t, acc, 128>(src, dst, tg.src_head, tg.dst_head, tg.heads,
                                                  fold[0], fold[1], fold[2], fold[3], eps,
-                                                 prefetch);
+                                                 rows_after);
             break;
           default:
             norm_rope_heads_fixed<x_t, acc, 256>(src, dst, tg.src_head, tg.dst_head, tg.heads,
                                                  fold[0], fold[1], fold[2], fold[3], eps,
-                                                 prefetch);
+                                                 rows_after);
         }
         continue;
       }
