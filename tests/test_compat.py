@@ -61,6 +61,27 @@ def test_hf_apply_rotary_pos_emb(dtype, unsqueeze_dim, rot_frac, one_call, monke
     assert torch.equal(got[0][..., rot:], q[..., rot:])  # partial rotary: the rest passes through
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+@pytest.mark.parametrize("rot_frac", [1.0, 0.5])
+def test_hf_apply_rotary_pos_emb_single(dtype, unsqueeze_dim, rot_frac):
+    # Gemma 4's one-tensor form: x rotated as the pair form rotates q, against float64 math.
+    B, S, H, D = 2, 7, 3, 32
+    rot = int(D * rot_frac)
+    cos, sin = peers.hf_cos_sin(torch.randint(0, 200, (B, S)), rot, dtype=dtype)
+    x = torch.randn((B, H, S, D) if unsqueeze_dim == 1 else (B, S, H, D), dtype=dtype)
+    x0 = x.clone()
+    got = hf.apply_rotary_pos_emb_single(x, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    want, _ = peers.hf_apply_rotary_pos_emb(*f64(x, x, cos, sin), unsqueeze_dim=unsqueeze_dim)
+    check(got, want, dtype)
+    assert torch.equal(x, x0) and torch.equal(got[..., rot:], x[..., rot:])
+    # gradients w.r.t. x and both tables (the tables' halves read where transformers reads them)
+    x64 = (x[:1, :2, :3] if unsqueeze_dim == 1 else x[:1, :3, :2]).double().requires_grad_()
+    c64, s64 = (t[:1, :3].double().requires_grad_() for t in (cos, sin))
+    assert gradcheck(lambda a, c, s: hf.apply_rotary_pos_emb_single(a, c, s, unsqueeze_dim),
+                     (x64, c64, s64))
+
+
 @pytest.mark.parametrize("q_dtype, table_dtype", [(torch.bfloat16, torch.float32),
                                                    (torch.float32, torch.bfloat16)])
 def test_hf_promotes_dtypes_like_torch(q_dtype, table_dtype):

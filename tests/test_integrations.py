@@ -88,10 +88,26 @@ if HF5:
     FAMILIES["qwen3_5_text"] = causal_lm(T.Qwen3_5TextConfig(**BASE, head_dim=16, layer_types=[
         "linear_attention", "full_attention"], linear_num_value_heads=2, linear_num_key_heads=2,
         linear_key_head_dim=8, linear_value_head_dim=8))
+    # Sliding and global layers (each with its own head dim and table), the last two reusing
+    # the keys of the first two (their attention norms and rotates q only).
+    FAMILIES["gemma4_text"] = causal_lm(T.Gemma4TextConfig(
+        **dict(BASE, num_hidden_layers=4), head_dim=16, global_head_dim=32, sliding_window=8,
+        num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128,
+        layer_types=["sliding_attention", "full_attention"] * 2))
 VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # The families that normalize q and k per head right before RoPE: patched onto the fused op.
 QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "qwen3_next", "glm4_moe", "qwen3_5_text",
-           "qwen3_vl"}
+           "qwen3_vl", "gemma4_text"}
+# Of those, the families whose attention norms and rotates q and k in separate calls: the fused
+# op runs once for each (q only in Gemma 4's layers that reuse another layer's keys).
+ONE_TENSOR = {"gemma4_text"}
+
+
+def fused_per_attention(family, calls):
+    """Whether the fused op ran as often as the family's patched attention calls it."""
+    if family in ONE_TENSOR:
+        return calls["fused attention"] <= calls["fused"] <= 2 * calls["fused attention"]
+    return calls["fused"] == calls["fused attention"]
 # rope ops of one batch through a 2-layer model of a family without QK norms: at these sizes
 # compat.transformers rotates q and k in one call (ONE_CALL_NUMEL).
 OPS = 2
@@ -189,7 +205,7 @@ def test_patched_model_same_logits(family):
     # the fused QK-norm + RoPE once per call, in exactly the families that normalize q and k.
     assert calls["attention"] + calls["fused attention"] > 0
     assert n_patched >= calls["attention"]
-    assert calls["fused"] == calls["fused attention"]
+    assert fused_per_attention(family, calls)
     assert (calls["fused attention"] > 0) == (family in QK_NORM)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
@@ -518,13 +534,16 @@ def test_qk_norm_families_same_gradients(family):
     want = gradients(model, ids)
     integration.patch(model)
     _, _, calls = patched_calls(model, [dict(input_ids=ids)])  # the fused path runs
-    assert calls["fused"] == calls["fused attention"] > 0
+    assert calls["fused attention"] > 0 and fused_per_attention(family, calls)
     got = gradients(model, ids)
     integration.unpatch(model)
     assert got.keys() == want.keys()
     assert any("q_norm" in n for n in want)  # the norms' weights get their gradients too
+    # Gemma 4's model is twice as deep, its logits soft-capped: float32 rounding differences
+    # reach a few 1e-6 in its embedding's gradient.
+    atol = 1e-5 if family in ONE_TENSOR else 1e-6
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=atol)
 
 
 def test_qk_norm_bf16_logits():

@@ -64,12 +64,14 @@ def _fast_path(q, k, cos, sin, unsqueeze_dim):
     """(q_embed, k_embed) for the common call, in as few tensor ops and Python steps as possible
     (at decode sizes the call costs about what the rotation does): transformers' layouts
     (batch, heads, seq, head_dim) or (batch, seq, heads, head_dim), tables (batch, seq,
-    rotary_dim) of q's dtype needing no gradient; None for anything else (the general path)."""
+    rotary_dim) of q's dtype needing no gradient; None for anything else (the general path).
+    k None: q alone, (q_embed,)."""
     dtype = q.dtype
-    if (cos.requires_grad or sin.requires_grad or k.dtype != dtype or cos.dtype != dtype
+    k_one = q if k is None else k
+    if (cos.requires_grad or sin.requires_grad or k_one.dtype != dtype or cos.dtype != dtype
             or sin.dtype != dtype or unsqueeze_dim not in (1, 2)):
         return None
-    q_shape, k_shape, shape = q.shape, k.shape, cos.shape
+    q_shape, k_shape, shape = q.shape, k_one.shape, cos.shape
     if len(q_shape) != 4 or len(k_shape) != 4 or len(shape) != 3 or sin.shape != shape:
         return None
     b, t, rot = shape
@@ -81,6 +83,8 @@ def _fast_path(q, k, cos, sin, unsqueeze_dim):
         # A traced graph has no storage offsets, and no per-call cost for a copy to save.
         c = float32_table(cos.unsqueeze(unsqueeze_dim)[..., :half])
         s = float32_table(sin.unsqueeze(unsqueeze_dim)[..., :half])
+        if k is None:
+            return (ops.apply(q, c, s, False),)
         return ops.apply(q, c, s, False), ops.apply(k, c, s, False)
     # cos.unsqueeze(unsqueeze_dim)[..., :half] in one view op: a fresh as_strided view is the
     # op's cheapest table argument.
@@ -94,6 +98,8 @@ def _fast_path(q, k, cos, sin, unsqueeze_dim):
     c = cos.as_strided(size, stride)  # the storage offset is cos's own
     sb, st, sd = sin.stride()
     s = sin.as_strided(size, (sb, 0, st, sd) if unsqueeze_dim == 1 else (sb, st, 0, sd))
+    if k is None:
+        return (ops.apply(q, float32_table(c), float32_table(s), False),)
     if same_rest and q.numel() + k.numel() <= ONE_CALL_NUMEL:
         both = ops.apply(torch.cat((q, k), unsqueeze_dim), c, s, False)
         return both.split_with_sizes((q_shape[unsqueeze_dim], k_shape[unsqueeze_dim]), unsqueeze_dim)
@@ -117,6 +123,17 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     _check_width(q, cos, sin, "rotary_dim", "q")
     _check_width(k, cos, sin, "rotary_dim", "k")
     return _rotate_half_style((q, k), cos, sin, (_promoted(q, cos, sin), _promoted(k, cos, sin)))
+
+
+def apply_rotary_pos_emb_single(x, cos, sin, unsqueeze_dim=1):
+    """transformers' one-tensor apply_rotary_pos_emb (Gemma 4, which rotates q and k in separate
+    calls): x * cos + rotate_half(x) * sin, as apply_rotary_pos_emb computes it for q."""
+    fast = _fast_path(x, None, cos, sin, unsqueeze_dim)
+    if fast is not None:
+        return fast[0]
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    _check_width(x, cos, sin, "rotary_dim", "x")
+    return _rotate_half_style((x,), cos, sin, (_promoted(x, cos, sin),))[0]
 
 
 def _sections(mrope_section, width):

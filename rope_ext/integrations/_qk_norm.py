@@ -1,10 +1,14 @@
 """Patched forwards that fuse per-head QK-RMSNorm with RoPE (Qwen3, Qwen3-MoE, Qwen3-Next and
-3.5, Gemma 3, GLM-4 MoE, ...): transformers' attention forward with its `self.q_norm(x)` and
+3.5, Gemma 3 and 4, GLM-4 MoE, ...): transformers' attention forward with its `self.q_norm(x)` and
 `self.k_norm(x)` calls dropped and its RoPE call replaced by rope_ext.qk_norm.qk_norm_rope, which
 normalizes and rotates q and k in one pass.
 
-The rewrite is made on the forward's source (ast), only when it has the one shape this fusion
-is right for: exactly one `self.q_norm(...)` and one `self.k_norm(...)` call, each the value
+Gemma 4 norms and rotates q and k in separate calls of a one-tensor RoPE function: there each
+`x = self.q_norm(x)` (or k_norm) followed in the same block by `x = rope(x, ...)` becomes one
+call of the op on x (_one_tensor_sites, norm_rope_one_call).
+
+Otherwise the rewrite is made on the forward's source (ast), only when it has the one shape this
+fusion is right for: exactly one `self.q_norm(...)` and one `self.k_norm(...)` call, each the value
 (through view / transpose / reshape / contiguous only) last assigned to the name passed as q or
 k to the one RoPE call, under the same `if` conditions (passed to the fused call, which falls back
 to the plain rotation when they are false). Anything else is not rewritten, and the module is
@@ -23,6 +27,7 @@ from .. import qk_norm as _api
 from ..compat import transformers as hf
 
 FUSED_NAME = "_rope_ext_qk_norm_rope"
+FUSED_ONE_NAME = "_rope_ext_norm_rope_one"  # the one-tensor form (Gemma 4)
 _LAYOUT_METHODS = {"transpose", "view", "reshape", "contiguous"}
 _NORMS = ("q_norm", "k_norm")
 _EPS_ATTRS = ("variance_epsilon", "eps")
@@ -114,6 +119,72 @@ class _Scan(ast.NodeVisitor):
         self.generic_visit(node)
 
 
+_SIMPLE_STATEMENTS = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr, ast.Return)
+
+
+def _statement_lists(node):
+    """Every list of statements in node (bodies, else branches, handlers), nested ones too."""
+    for child in ast.walk(node):
+        for field in ("body", "orelse", "finalbody"):
+            stmts = getattr(child, field, None)
+            if isinstance(stmts, list) and stmts and isinstance(stmts[0], ast.stmt):
+                yield stmts
+
+
+def _one_tensor_sites(fdef, rope_name):
+    """For a forward that norms and rotates q and k in separate calls (Gemma 4:
+    `x = self.q_norm(x)`, then `x = rope(x, cos, sin, ...)` in the same block, x reassigned in
+    between in layout only): {rope call: norm call}, covering every RoPE call and every norm
+    call of the forward; None when the forward is not of that shape."""
+    sites = {}
+    for stmts in _statement_lists(fdef):
+        pending = {}  # name -> the norm call last assigned to it in this block
+        for stmt in stmts:
+            if not isinstance(stmt, _SIMPLE_STATEMENTS):
+                pending.clear()  # a nested block or control flow: nothing carried past it
+                continue
+            for node in ast.walk(stmt):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                        and node.func.id == rope_name and node.args
+                        and isinstance(node.args[0], ast.Name) and node.args[0].id in pending):
+                    sites[node] = pending.pop(node.args[0].id)
+            if isinstance(stmt, ast.Assign):
+                norm = _norm_inside(stmt.value)
+                relayout = (len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+                            and _layout_of(stmt.value) == stmt.targets[0].id)
+                for target in stmt.targets:
+                    for name in _assigned_names(target):
+                        if norm is not None and isinstance(target, ast.Name):
+                            pending[name] = norm
+                        elif not relayout:
+                            pending.pop(name, None)
+            elif not isinstance(stmt, ast.Expr):
+                pending.clear()  # an augmented or annotated assignment, a return
+    scan = _Scan(rope_name)
+    scan.visit(fdef)
+    rope_calls = {call for call, _ in scan.rope_calls}
+    if (not sites or set(sites) != rope_calls
+            or {id(n) for n in sites.values()} != {id(n) for n in scan.norm_calls}):
+        return None
+    return sites
+
+
+class _RewriteOne(ast.NodeTransformer):
+    def __init__(self, sites):
+        self.sites = sites
+        self.norms = {id(n) for n in sites.values()}
+
+    def visit_Call(self, node):
+        site = self.sites.get(node)
+        self.generic_visit(node)
+        if id(node) in self.norms:
+            return node.args[0]
+        if site is not None:
+            node.func = ast.Name(FUSED_ONE_NAME, ast.Load())
+            node.args = [ast.Name("self", ast.Load()), ast.Constant(site.func.attr)] + node.args
+        return node
+
+
 class _Rewrite(ast.NodeTransformer):
     def __init__(self, rope_call, normed):
         self.rope_call, self.normed = rope_call, normed
@@ -135,9 +206,10 @@ def _flows_unchanged(assigns, name, start, end):
                                if n == name and start < line < end)
 
 
-def rewritten_forward(fn, rope_name):
+def rewritten_forward(fn, rope_name, one_tensor=False):
     """A function like `fn` (a plain function: the forward, unwrapped) with q_norm / k_norm fused
-    into its RoPE call, or None when its code is not of the shape described above."""
+    into its RoPE call, or None when its code is not of the shape described above. one_tensor:
+    the RoPE function takes one tensor, and each norm is fused into its own call of it."""
     try:
         source = textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError):
@@ -146,6 +218,11 @@ def rewritten_forward(fn, rope_name):
     fdef = tree.body[0] if tree.body else None
     if not isinstance(fdef, (ast.FunctionDef, ast.AsyncFunctionDef)) or fdef.name != fn.__name__:
         return None
+    if one_tensor:
+        sites = _one_tensor_sites(fdef, rope_name)
+        if sites is None:
+            return None
+        return _compiled_like(fn, _RewriteOne(sites).visit(fdef))
     scan = _Scan(rope_name)
     scan.visit(fdef)
     if len(scan.rope_calls) != 1 or len(scan.norm_calls) != 2:
@@ -167,7 +244,11 @@ def rewritten_forward(fn, rope_name):
         conditions = conds
     normed = (ast.Constant(True) if not conditions else
               conditions[0] if len(conditions) == 1 else ast.BoolOp(ast.And(), conditions))
-    fdef = _Rewrite(rope_call, normed).visit(fdef)
+    return _compiled_like(fn, _Rewrite(rope_call, normed).visit(fdef))
+
+
+def _compiled_like(fn, fdef):
+    """fdef (fn's rewritten definition) compiled into a function like fn, or None."""
     fdef.decorator_list = []
     # Compiled inside a class so that a zero-argument super() gets its __class__ cell as in the
     # original; line numbers are the source file's, for tracebacks.
@@ -228,13 +309,16 @@ def _probe_norm(norm):
     return None
 
 
-def fusable_norms(module):
+def fusable_norms(module, one_tensor=False):
     """Whether module.q_norm and module.k_norm are RMSNorms of one form over head_dim (OLMo 2's
-    norms over all heads at once are not)."""
+    norms over all heads at once are not). one_tensor (each norm fused on its own): those the
+    module has (Gemma 4's layers that reuse another layer's keys have no k_norm)."""
     forms = []
     head_dim = getattr(module, "head_dim", None)
     for name in _NORMS:
         norm = getattr(module, name, None)
+        if one_tensor and norm is None and name == "k_norm":
+            continue
         if (not isinstance(norm, torch.nn.Module) or not isinstance(head_dim, int)
                 or getattr(getattr(norm, "weight", None), "shape", None) != (head_dim,)):
             return False
@@ -242,7 +326,7 @@ def fusable_norms(module):
         if form is None:
             return False
         forms.append(form[0])
-    return forms[0] == forms[1]
+    return one_tensor or forms[0] == forms[1]
 
 
 # The half-width tables of the last cos/sin converted: (cos, sin, unsqueeze_dim, half cos,
@@ -312,6 +396,20 @@ def qk_norm_rope_call(module, q, k, cos, sin, position_ids=None, unsqueeze_dim=1
         cos, sin = _api.half_tables(cos, sin, head_first=unsqueeze_dim == 1, ndim=4)
     # rope_ext.qk_norm.qk_norm_rope(..., table_width="half") without its Python frames.
     return fused_op(q, k, q_weight, k_weight, cos, sin, eps, q_form[0], False)
+
+
+def norm_rope_one_call(module, norm_name, x, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """What the rewritten one-tensor forward (Gemma 4) calls in place of `self.<norm_name>(x)`
+    and the RoPE call on its result: the op on x alone (a key of no heads beside it)."""
+    norm = _submodule(module, norm_name)
+    weight = _weight(norm)
+    form = _norm_forms.get(type(norm)) or _norm_form(norm)
+    if (form is None or weight.shape[-1] != x.shape[-1] or unsqueeze_dim not in (1, 2)
+            or x.dim() != 4 or cos.dim() != 3 or cos.requires_grad or sin.requires_grad):
+        return hf.apply_rotary_pos_emb_single(norm(x), cos, sin, unsqueeze_dim=unsqueeze_dim)
+    cos, sin = _tables(cos, sin, unsqueeze_dim)
+    none = x.narrow(unsqueeze_dim, 0, 0)
+    return fused_op(x, none, weight, weight, cos, sin, getattr(norm, form[1]), form[0], False)[0]
 
 
 # The op qk_norm_rope_call runs (looked up at each call: tests count its calls through it).

@@ -71,6 +71,14 @@ def _probe_rotate_half(original, replacement):
     return True
 
 
+def _probe_one_tensor(original, replacement):
+    g = _generator()
+    x = torch.randn(2, 4, 3, 8, generator=g, dtype=torch.float64)  # (batch, seq, heads, dim)
+    emb = _duplicated(torch.randn(2, 4, 4, generator=g, dtype=torch.float64) * 3)
+    return _same([replacement(x, emb.cos(), emb.sin(), unsqueeze_dim=2)],
+                 [original(x, emb.cos(), emb.sin(), unsqueeze_dim=2)])
+
+
 def _probe_gptj(original, replacement):
     g = _generator()
     x = torch.randn(2, 4, 3, 8, generator=g, dtype=torch.float64)
@@ -99,6 +107,8 @@ def _probe_vision(original, replacement):
 
 _ROTATE_HALF = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb, _probe_rotate_half)}
 _GPTJ = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_gptj, _probe_gptj)}
+# Gemma 4's apply_rotary_pos_emb rotates one tensor; its attention calls it for q and for k.
+_ONE_TENSOR = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_single, _probe_one_tensor)}
 # Transformers 5 dropped apply_multimodal_rotary_pos_emb: its Qwen2-VL rotary module mixes the
 # MRoPE sections itself and the attention calls the plain apply_rotary_pos_emb.
 _QWEN_VL = {
@@ -131,6 +141,7 @@ FAMILIES = {
     "qwen3_5_text": ("qwen3_5.modeling_qwen3_5", _ROTATE_HALF),  # transformers >= 5
     "qwen3_5_moe_text": ("qwen3_5_moe.modeling_qwen3_5_moe", _ROTATE_HALF),  # transformers >= 5
     "glm4_moe": ("glm4_moe.modeling_glm4_moe", _ROTATE_HALF),
+    "gemma4_text": ("gemma4.modeling_gemma4", _ONE_TENSOR),  # transformers >= 5
     "phi3": ("phi3.modeling_phi3", _ROTATE_HALF),
     "phi": ("phi.modeling_phi", _ROTATE_HALF),
     "gpt_neox": ("gpt_neox.modeling_gpt_neox", _ROTATE_HALF),
@@ -247,10 +258,10 @@ def _renaming(renames):
     return lambda fn: _copy_function(fn, _renamed_code(fn.__code__, renames), fn.__closure__)
 
 
-def _fusing(rope_name):
+def _fusing(rope_name, one_tensor):
     """make() for _rebuilt: q_norm / k_norm fused into the RoPE call (integrations/_qk_norm)."""
     def make(fn):
-        new = _qk_norm.rewritten_forward(fn, rope_name)
+        new = _qk_norm.rewritten_forward(fn, rope_name, one_tensor)
         if new is None:
             raise _NotFusable
         return new
@@ -293,7 +304,8 @@ _classes = {}  # (original class, names, fused) -> patched class, or None: canno
 def _patched_class(original, names, fused=False):
     """The patched subclass of `original` (made once), after checking that the functions `names`
     of its modeling module, as they are now, compute what their replacements do. fused: q_norm
-    and k_norm fused into the RoPE call; None if the forward is not of a shape that allows it."""
+    and k_norm fused into the RoPE call (True; "one tensor": each into its own call of a
+    one-tensor RoPE function); None if the forward is not of a shape that allows it."""
     key = (original, tuple(names), fused)
     modeling = importlib.import_module(inspect.unwrap(original.forward).__module__)
     functions = _functions_of(modeling)
@@ -305,12 +317,16 @@ def _patched_class(original, names, fused=False):
             return _classes[key]
         if fused:
             (rope_name,) = names
+            one_tensor = fused == _ONE_TENSOR_FUSED
             try:
-                forward = _rebuilt(original.forward, _fusing(rope_name))
+                forward = _rebuilt(original.forward, _fusing(rope_name, one_tensor))
             except _NotFusable:
                 _classes[key] = None
                 return None
-            setattr(modeling, _qk_norm.FUSED_NAME, _qk_norm.qk_norm_rope_call)
+            if one_tensor:
+                setattr(modeling, _qk_norm.FUSED_ONE_NAME, _qk_norm.norm_rope_one_call)
+            else:
+                setattr(modeling, _qk_norm.FUSED_NAME, _qk_norm.qk_norm_rope_call)
         else:
             for name in names:
                 setattr(modeling, _PREFIX + name, functions[name][0])
@@ -329,12 +345,19 @@ def _new_patched(original, names, fused=False):
     return cls.__new__(cls)
 
 
+_ONE_TENSOR_FUSED = "one tensor"
+
+
 def _fused_class(module, names, functions):
     """The fused patched class for `module`, or None (patch RoPE only)."""
-    if (names != ("apply_rotary_pos_emb",) or functions[names[0]][0] is not hf.apply_rotary_pos_emb
-            or _qk_norm.qk_norm_api() is None or not _qk_norm.fusable_norms(module)):
+    if names != ("apply_rotary_pos_emb",) or _qk_norm.qk_norm_api() is None:
         return None
-    return _patched_class(type(module), names, fused=True)
+    fn = functions[names[0]][0]
+    fused = (True if fn is hf.apply_rotary_pos_emb
+             else _ONE_TENSOR_FUSED if fn is hf.apply_rotary_pos_emb_single else None)
+    if fused is None or not _qk_norm.fusable_norms(module, fused == _ONE_TENSOR_FUSED):
+        return None
+    return _patched_class(type(module), names, fused=fused)
 
 
 _functions_by_module = {}  # modeling module name -> {function name: (replacement, probe)}
