@@ -61,6 +61,15 @@ FAMILIES = {
     "glm4_moe": causal_lm(T.Glm4MoeConfig(**BASE, head_dim=16, use_qk_norm=True, n_routed_experts=2,
                                           num_experts_per_tok=1, moe_intermediate_size=32,
                                           first_k_dense_replace=1, n_group=1, topk_group=1)),
+    "dots1": causal_lm(T.Dots1Config(**BASE, head_dim=16, n_routed_experts=2, num_experts_per_tok=1,
+                                     moe_intermediate_size=32, first_k_dense_replace=1, n_group=1,
+                                     topk_group=1, n_shared_experts=1)),
+    "apertus": causal_lm(T.ApertusConfig(**BASE, head_dim=16)),
+    "gemma3n_text": causal_lm(T.Gemma3nTextConfig(  # q and k normed and rotated one at a time
+        **BASE, head_dim=16, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128,
+        laurel_rank=4, altup_num_inputs=2, num_kv_shared_layers=0,
+        activation_sparsity_pattern=[0.0, 0.0], layer_types=["sliding_attention", "full_attention"],
+        sliding_window=8)),
     "phi3": causal_lm(T.Phi3Config(**BASE, partial_rotary_factor=0.5, pad_token_id=0)),  # partial
     "phi": causal_lm(T.PhiConfig(**BASE, partial_rotary_factor=0.5)),
     "gpt_neox": causal_lm(T.GPTNeoXConfig(**BASE, rotary_pct=0.25)),  # partial rotary
@@ -97,10 +106,10 @@ if HF5:
 VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # The families that normalize q and k per head right before RoPE: patched onto the fused op.
 QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "qwen3_next", "glm4_moe", "qwen3_5_text",
-           "qwen3_vl", "gemma4_text"}
+           "qwen3_vl", "gemma4_text", "gemma3n_text", "dots1", "apertus"}
 # Of those, the families whose attention norms and rotates q and k in separate calls: the fused
 # op runs once for each (q only in Gemma 4's layers that reuse another layer's keys).
-ONE_TENSOR = {"gemma4_text"}
+ONE_TENSOR = {"gemma4_text", "gemma3n_text"}
 
 
 def fused_per_attention(family, calls):
@@ -539,8 +548,9 @@ def test_qk_norm_families_same_gradients(family):
     integration.unpatch(model)
     assert got.keys() == want.keys()
     assert any("q_norm" in n for n in want)  # the norms' weights get their gradients too
-    # Gemma 4's model is twice as deep, its logits soft-capped: float32 rounding differences
-    # reach a few 1e-6 in its embedding's gradient.
+    # Gemma 3n's and 4's models have more steps between the norms and the loss (soft-capped
+    # logits; Gemma 4 twice as deep): float32 rounding differences reach a few 1e-6 in some
+    # gradients.
     atol = 1e-5 if family in ONE_TENSOR else 1e-6
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=atol)

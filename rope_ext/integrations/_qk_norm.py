@@ -3,7 +3,7 @@
 `self.k_norm(x)` calls dropped and its RoPE call replaced by rope_ext.qk_norm.qk_norm_rope, which
 normalizes and rotates q and k in one pass.
 
-Gemma 4 norms and rotates q and k in separate calls of a one-tensor RoPE function: there each
+Gemma 3n and 4 norm and rotate q and k in separate calls of a one-tensor RoPE function: there each
 `x = self.q_norm(x)` (or k_norm) followed in the same block by `x = rope(x, ...)` becomes one
 call of the op on x (_one_tensor_sites, norm_rope_one_call).
 

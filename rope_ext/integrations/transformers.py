@@ -107,7 +107,8 @@ def _probe_vision(original, replacement):
 
 _ROTATE_HALF = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb, _probe_rotate_half)}
 _GPTJ = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_gptj, _probe_gptj)}
-# Gemma 4's apply_rotary_pos_emb rotates one tensor; its attention calls it for q and for k.
+# Gemma 3n's and Gemma 4's apply_rotary_pos_emb rotates one tensor; their attention calls it for q
+# and for k.
 _ONE_TENSOR = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_single, _probe_one_tensor)}
 # Transformers 5 dropped apply_multimodal_rotary_pos_emb: its Qwen2-VL rotary module mixes the
 # MRoPE sections itself and the attention calls the plain apply_rotary_pos_emb.
@@ -142,6 +143,9 @@ FAMILIES = {
     "qwen3_5_moe_text": ("qwen3_5_moe.modeling_qwen3_5_moe", _ROTATE_HALF),  # transformers >= 5
     "glm4_moe": ("glm4_moe.modeling_glm4_moe", _ROTATE_HALF),
     "gemma4_text": ("gemma4.modeling_gemma4", _ONE_TENSOR),  # transformers >= 5
+    "gemma3n_text": ("gemma3n.modeling_gemma3n", _ONE_TENSOR),
+    "dots1": ("dots1.modeling_dots1", _ROTATE_HALF),
+    "apertus": ("apertus.modeling_apertus", _ROTATE_HALF),
     "phi3": ("phi3.modeling_phi3", _ROTATE_HALF),
     "phi": ("phi.modeling_phi", _ROTATE_HALF),
     "gpt_neox": ("gpt_neox.modeling_gpt_neox", _ROTATE_HALF),
