@@ -126,8 +126,8 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
 
 
 def apply_rotary_pos_emb_single(x, cos, sin, unsqueeze_dim=1):
-    """transformers' one-tensor apply_rotary_pos_emb (Gemma 4, which rotates q and k in separate
-    calls): x * cos + rotate_half(x) * sin, as apply_rotary_pos_emb computes it for q."""
+    """transformers' one-tensor apply_rotary_pos_emb (Gemma 3n and 4, which rotate q and k in
+    separate calls): x * cos + rotate_half(x) * sin, as apply_rotary_pos_emb computes it for q."""
     fast = _fast_path(x, None, cos, sin, unsqueeze_dim)
     if fast is not None:
         return fast[0]

@@ -27,7 +27,7 @@ from .. import qk_norm as _api
 from ..compat import transformers as hf
 
 FUSED_NAME = "_rope_ext_qk_norm_rope"
-FUSED_ONE_NAME = "_rope_ext_norm_rope_one"  # the one-tensor form (Gemma 4)
+FUSED_ONE_NAME = "_rope_ext_norm_rope_one"  # the one-tensor form (Gemma 3n, Gemma 4)
 _LAYOUT_METHODS = {"transpose", "view", "reshape", "contiguous"}
 _NORMS = ("q_norm", "k_norm")
 _EPS_ATTRS = ("variance_epsilon", "eps")
@@ -132,7 +132,7 @@ def _statement_lists(node):
 
 
 def _one_tensor_sites(fdef, rope_name):
-    """For a forward that norms and rotates q and k in separate calls (Gemma 4:
+    """For a forward that norms and rotates q and k in separate calls (Gemma 3n and 4:
     `x = self.q_norm(x)`, then `x = rope(x, cos, sin, ...)` in the same block, x reassigned in
     between in layout only): {rope call: norm call}, covering every RoPE call and every norm
     call of the forward; None when the forward is not of that shape."""
@@ -399,8 +399,8 @@ def qk_norm_rope_call(module, q, k, cos, sin, position_ids=None, unsqueeze_dim=1
 
 
 def norm_rope_one_call(module, norm_name, x, cos, sin, position_ids=None, unsqueeze_dim=1):
-    """What the rewritten one-tensor forward (Gemma 4) calls in place of `self.<norm_name>(x)`
-    and the RoPE call on its result: the op on x alone (a key of no heads beside it)."""
+    """What the rewritten one-tensor forward (Gemma 3n, Gemma 4) calls in place of
+    `self.<norm_name>(x)` and the RoPE call on its result: the op on x alone (a key of no heads beside it)."""
     norm = _submodule(module, norm_name)
     weight = _weight(norm)
     form = _norm_forms.get(type(norm)) or _norm_form(norm)
