@@ -400,7 +400,8 @@ def qk_norm_rope_call(module, q, k, cos, sin, position_ids=None, unsqueeze_dim=1
 
 def norm_rope_one_call(module, norm_name, x, cos, sin, position_ids=None, unsqueeze_dim=1):
     """What the rewritten one-tensor forward (Gemma 3n, Gemma 4) calls in place of
-    `self.<norm_name>(x)` and the RoPE call on its result: the op on x alone (a key of no heads beside it)."""
+    `self.<norm_name>(x)` and the RoPE call on its result: the op on x alone (a key of no heads
+    beside it)."""
     norm = _submodule(module, norm_name)
     weight = _weight(norm)
     form = _norm_forms.get(type(norm)) or _norm_form(norm)
