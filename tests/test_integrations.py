@@ -12,6 +12,7 @@ bfloat16 logits differ by transformers' extra roundings of its intermediates (ro
 once), within bf16 tolerance."""
 
 import gc
+import types
 
 import pytest
 import torch
@@ -38,6 +39,13 @@ def vl_model(config_cls, model_cls, vision, text=None):
 
 
 T = transformers
+QWEN3_VL_VISION = dict(depth=1, hidden_size=32, out_hidden_size=64, intermediate_size=64,
+                       num_heads=2, patch_size=2, spatial_merge_size=2, temporal_patch_size=1,
+                       num_position_embeddings=16, deepstack_visual_indexes=[0])
+QWEN3_VL_TEXT = dict(BASE, head_dim=16, rope_scaling=dict(
+    rope_type="default", mrope_section=[2, 3, 3], mrope_interleaved=True))
+MOE = dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32)
+NOPE_GLOBAL = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
 HF5 = int(transformers.__version__.split(".")[0]) >= 5
 FAMILIES = {
     "llama": causal_lm(T.LlamaConfig(**BASE)),
@@ -87,11 +95,21 @@ FAMILIES = {
                                 num_heads=2, patch_size=2, spatial_merge_size=2,
                                 temporal_patch_size=1, window_size=8, fullatt_block_indexes=[0])),
     "qwen3_vl": vl_model(T.Qwen3VLConfig, T.Qwen3VLForConditionalGeneration,  # interleaved MRoPE
-                         dict(depth=1, hidden_size=32, out_hidden_size=64, intermediate_size=64,
-                              num_heads=2, patch_size=2, spatial_merge_size=2, temporal_patch_size=1,
-                              num_position_embeddings=16, deepstack_visual_indexes=[0]),
-                         text=dict(BASE, head_dim=16, rope_scaling=dict(
-                             rope_type="default", mrope_section=[2, 3, 3], mrope_interleaved=True))),
+                         QWEN3_VL_VISION,
+                         text=QWEN3_VL_TEXT),
+    "qwen3_vl_moe": vl_model(T.Qwen3VLMoeConfig, T.Qwen3VLMoeForConditionalGeneration,
+                             QWEN3_VL_VISION, text=dict(QWEN3_VL_TEXT, **MOE)),
+    # RoPE on sliding-window layers only (the global layers have none), QK norms on every layer.
+    "exaone4": causal_lm(T.Exaone4Config(**BASE, head_dim=16, **NOPE_GLOBAL)),
+    "doge": causal_lm(T.DogeConfig(**BASE, head_dim=16)),
+    "qwen3_omni_moe_thinker": lambda: T.Qwen3OmniMoeThinkerForConditionalGeneration(
+        T.Qwen3OmniMoeThinkerConfig(
+            text_config=dict(QWEN3_VL_TEXT, **MOE), vision_config=QWEN3_VL_VISION,
+            audio_config=dict(encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32,
+                              d_model=32, output_dim=64, num_mel_bins=16,
+                              downsample_hidden_size=8),
+            image_token_id=5, video_token_id=6, vision_start_token_id=7, audio_token_id=9,
+            audio_start_token_id=4)),
 }
 if HF5:
     FAMILIES["qwen3_5_text"] = causal_lm(T.Qwen3_5TextConfig(**BASE, head_dim=16, layer_types=[
@@ -103,19 +121,43 @@ if HF5:
         **dict(BASE, num_hidden_layers=4), head_dim=16, global_head_dim=32, sliding_window=8,
         num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128,
         layer_types=["sliding_attention", "full_attention"] * 2))
-VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+    FAMILIES["gemma4_unified_text"] = causal_lm(T.Gemma4UnifiedTextConfig(
+        **BASE, head_dim=16, global_head_dim=32, sliding_window=8, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=128, layer_types=["sliding_attention", "full_attention"]))
+    FAMILIES.update({  # Qwen3's shape, transformers 5 only
+        "hy_v3": causal_lm(T.HYV3Config(**BASE, head_dim=16)),
+        "laguna": causal_lm(T.LagunaConfig(**BASE, head_dim=16)),
+        "mellum": causal_lm(T.MellumConfig(**BASE, head_dim=16)),
+        "minimax_m3_vl_text": causal_lm(T.MiniMaxM3VLTextConfig(**BASE, head_dim=16)),
+        "lfm3": causal_lm(T.Lfm3Config(**BASE, head_dim=16, pad_token_id=0,
+                                       layer_types=["sliding_attention", "full_attention"])),
+    })
+    FAMILIES.update({  # RoPE on some layers only, as EXAONE 4
+        "exaone_moe": causal_lm(T.ExaoneMoeConfig(**BASE, head_dim=16, **NOPE_GLOBAL)),
+        "afmoe": causal_lm(T.AfmoeConfig(**BASE, head_dim=16, **NOPE_GLOBAL)),
+        "flint": causal_lm(T.FlintConfig(**BASE, head_dim=16, **NOPE_GLOBAL)),
+        "kolibri1": causal_lm(T.Kolibri1Config(**BASE, head_dim=16, **NOPE_GLOBAL)),
+    })
+VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # The families that normalize q and k per head right before RoPE: patched onto the fused op.
 QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "qwen3_next", "glm4_moe", "qwen3_5_text",
-           "qwen3_vl", "gemma4_text", "gemma3n_text", "dots1", "apertus"}
+           "qwen3_vl", "qwen3_vl_moe", "gemma4_text", "gemma3n_text", "dots1", "apertus",
+           "exaone4", "doge", "gemma4_unified_text", "hy_v3", "laguna", "mellum",
+           "minimax_m3_vl_text", "lfm3", "qwen3_omni_moe_thinker", "exaone_moe", "afmoe", "flint", "kolibri1"}
 # Of those, the families whose attention norms and rotates q and k in separate calls: the fused
 # op runs once for each (q only in Gemma 4's layers that reuse another layer's keys).
-ONE_TENSOR = {"gemma4_text", "gemma3n_text"}
+ONE_TENSOR = {"gemma4_text", "gemma3n_text", "gemma4_unified_text"}
+# And those whose attention rotates on some layers only (it norms on all): the fused op runs on
+# those, the norms alone on the others.
+SOME_LAYERS = {"exaone4", "exaone_moe", "afmoe", "flint", "kolibri1"}
 
 
 def fused_per_attention(family, calls):
     """Whether the fused op ran as often as the family's patched attention calls it."""
     if family in ONE_TENSOR:
         return calls["fused attention"] <= calls["fused"] <= 2 * calls["fused attention"]
+    if family in SOME_LAYERS:  # both kinds of layer ran
+        return 0 < calls["fused"] < calls["fused attention"]
     return calls["fused"] == calls["fused attention"]
 # rope ops of one batch through a 2-layer model of a family without QK norms: at these sizes
 # compat.transformers rotates q and k in one call (ONE_CALL_NUMEL).
@@ -612,3 +654,54 @@ def test_olmo2_norms_over_all_heads_are_not_fused():
              and getattr(type(m), "_rope_ext_spec", None)]
     integration.unpatch(model)
     assert specs and not any(spec[2] for spec in specs)
+
+
+def _rope(q, k, cos, sin):
+    return q, k
+
+
+class _Forwards:
+    """Attention forwards of the shapes the fusion rewrite decides on (_qk_norm)."""
+
+    def rope_on_some_layers(self, q, k, cos, sin):  # EXAONE 4: norms always, RoPE if rotary
+        q = self.q_norm(q)
+        k = self.k_norm(k).transpose(1, 2)
+        if self.rotary:
+            q, k = _rope(q, k, cos, sin)
+        return q, k
+
+    def rope_or_else(self, q, k, cos, sin):
+        q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary:
+            q, k = _rope(q, k, cos, sin)
+        else:
+            q = q * 2
+        return q, k
+
+    def rope_to_new_names(self, q, k, cos, sin):
+        q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary:
+            q2, k2 = _rope(q, k, cos, sin)
+        return q, k
+
+    def norms_changed_before_rope(self, q, k, cos, sin):
+        q = self.q_norm(q)
+        k = self.k_norm(k)
+        q = q * 2
+        if self.rotary:
+            q, k = _rope(q, k, cos, sin)
+        return q, k
+
+
+def test_rewrite_of_rope_on_some_layers():
+    """RoPE under an `if` with the norms before it unconditional: fused into the RoPE call, and
+    run in an added else branch when it is not taken. Any other shape is not rewritten."""
+    fused = _qk_norm.rewritten_forward(_Forwards.rope_on_some_layers, "_rope")
+    assert fused is not None
+    for shape in ("rope_or_else", "rope_to_new_names", "norms_changed_before_rope"):
+        assert _qk_norm.rewritten_forward(getattr(_Forwards, shape), "_rope") is None, shape
+    layer = types.SimpleNamespace(q_norm=lambda x: x + 1, k_norm=lambda x: x * 3, rotary=False)
+    q, k = torch.randn(2, 3, 4, 8), torch.randn(2, 4, 3, 8)
+    got = fused(layer, q, k, None, None)
+    want = _Forwards.rope_on_some_layers(layer, q, k, None, None)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))

@@ -11,7 +11,10 @@ Otherwise the rewrite is made on the forward's source (ast), only when it has th
 fusion is right for: exactly one `self.q_norm(...)` and one `self.k_norm(...)` call, each the value
 (through view / transpose / reshape / contiguous only) last assigned to the name passed as q or
 k to the one RoPE call, under the same `if` conditions (passed to the fused call, which falls back
-to the plain rotation when they are false). Anything else is not rewritten, and the module is
+to the plain rotation when they are false). EXAONE 4 and its kin norm on every layer but rotate
+on some only: `if rotary: q, k = rope(q, k, ...)` after unconditional norms becomes the fused call
+in that branch and the two norms in an added else branch (_rope_branch). Anything else is not
+rewritten, and the module is
 patched for RoPE only. The norm modules are checked on random inputs against the two RMSNorm
 forms the op computes (x * w and Gemma's x * (1 + w)), per norm class.
 """
@@ -228,8 +231,13 @@ def rewritten_forward(fn, rope_name, one_tensor=False):
     if len(scan.rope_calls) != 1 or len(scan.norm_calls) != 2:
         return None
     rope_call, rope_conditions = scan.rope_calls[0]
-    if rope_conditions or len(rope_call.args) < 2:
+    if len(rope_call.args) < 2:
         return None
+    branch = None
+    if rope_conditions:  # `if no_pe: ...` around the RoPE call alone (EXAONE 4, AFMoE)
+        branch = _rope_branch(fdef, rope_call, rope_conditions)
+        if branch is None:
+            return None
     conditions = None
     for norm, arg in zip(_NORMS, rope_call.args[:2]):
         found = scan.norm_assigns.get(norm, [])
@@ -241,10 +249,46 @@ def rewritten_forward(fn, rope_name, one_tensor=False):
         if None in conds or (conditions is not None and
                              [ast.dump(c) for c in conds] != [ast.dump(c) for c in conditions]):
             return None
+        if branch is not None and conds:
+            return None
         conditions = conds
     normed = (ast.Constant(True) if not conditions else
               conditions[0] if len(conditions) == 1 else ast.BoolOp(ast.And(), conditions))
-    return _compiled_like(fn, _Rewrite(rope_call, normed).visit(fdef))
+    q, k = (arg.id for arg in rope_call.args[:2])
+    fdef = _Rewrite(rope_call, normed).visit(fdef)
+    if branch is not None:
+        # The norms ran whether or not the RoPE call did: now fused into it, they run in an
+        # added else branch when it does not.
+        branch.orelse = [ast.Assign(
+            targets=[ast.Tuple([ast.Name(q, ast.Store()), ast.Name(k, ast.Store())], ast.Store())],
+            value=ast.Tuple([_self_call(norm, name) for norm, name in zip(_NORMS, (q, k))],
+                            ast.Load()),
+            lineno=branch.lineno)]
+    return _compiled_like(fn, fdef)
+
+
+def _self_call(method, arg):
+    func = ast.Attribute(ast.Name("self", ast.Load()), method, ast.Load())
+    return ast.Call(func, [ast.Name(arg, ast.Load())], [])
+
+
+def _rope_branch(fdef, rope_call, rope_conditions):
+    """The `if` whose body holds `q, k = rope(q, k, ...)` (the RoPE call's only condition, no
+    else branch), when the norms before it are unconditional; else None."""
+    if len(rope_conditions) != 1 or rope_conditions[0] is None:
+        return None
+    for node in ast.walk(fdef):
+        if not isinstance(node, ast.If) or node.test is not rope_conditions[0] or node.orelse:
+            continue
+        for stmt in node.body:
+            if isinstance(stmt, ast.Assign) and stmt.value is rope_call:
+                names = [a.id for a in rope_call.args[:2] if isinstance(a, ast.Name)]
+                targets = stmt.targets[0] if len(stmt.targets) == 1 else None
+                if (isinstance(targets, ast.Tuple) and len(names) == 2
+                        and _assigned_names(targets) == names):
+                    return node
+        return None
+    return None
 
 
 def _compiled_like(fn, fdef):

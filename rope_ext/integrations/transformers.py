@@ -160,6 +160,22 @@ FAMILIES = {
     "qwen2_5_vl_text": ("qwen2_5_vl.modeling_qwen2_5_vl", _QWEN_VL),
     "qwen3_vl": ("qwen3_vl.modeling_qwen3_vl", _QWEN3_VL),
     "qwen3_vl_text": ("qwen3_vl.modeling_qwen3_vl", _QWEN3_VL),
+    "qwen3_vl_moe": ("qwen3_vl_moe.modeling_qwen3_vl_moe", _QWEN3_VL),
+    "qwen3_vl_moe_text": ("qwen3_vl_moe.modeling_qwen3_vl_moe", _QWEN3_VL),
+    "qwen3_omni_moe_thinker": ("qwen3_omni_moe.modeling_qwen3_omni_moe", _QWEN3_VL),
+    # QK-norm families; the first four rotate on some layers only (NoPE on global layers)
+    "exaone4": ("exaone4.modeling_exaone4", _ROTATE_HALF),
+    "exaone_moe": ("exaone_moe.modeling_exaone_moe", _ROTATE_HALF),  # transformers >= 5
+    "afmoe": ("afmoe.modeling_afmoe", _ROTATE_HALF),  # transformers >= 5
+    "flint": ("flint.modeling_flint", _ROTATE_HALF),  # transformers >= 5
+    "kolibri1": ("kolibri1.modeling_kolibri1", _ROTATE_HALF),  # transformers >= 5
+    "doge": ("doge.modeling_doge", _ROTATE_HALF),
+    "hy_v3": ("hy_v3.modeling_hy_v3", _ROTATE_HALF),  # transformers >= 5
+    "laguna": ("laguna.modeling_laguna", _ROTATE_HALF),  # transformers >= 5
+    "mellum": ("mellum.modeling_mellum", _ROTATE_HALF),  # transformers >= 5
+    "lfm3": ("lfm3.modeling_lfm3", _ROTATE_HALF),  # transformers >= 5
+    "minimax_m3_vl_text": ("minimax_m3_vl.modeling_minimax_m3_vl", _ROTATE_HALF),  # >= 5
+    "gemma4_unified_text": ("gemma4_unified.modeling_gemma4_unified", _ONE_TENSOR),  # >= 5
 }
 
 
