@@ -132,18 +132,23 @@ if HF5:
         "lfm3": causal_lm(T.Lfm3Config(**BASE, head_dim=16, pad_token_id=0,
                                        layer_types=["sliding_attention", "full_attention"])),
     })
+    # Encoder-decoder: the encoder's and decoder's self-attention fused; the decoder's merged
+    # self- and cross-attention too (its k_norm of the cross keys stays as it is).
+    FAMILIES["t5gemma2"] = lambda: T.T5Gemma2ForConditionalGeneration(T.T5Gemma2Config(
+        encoder=dict(text_config=dict(BASE, head_dim=16)), decoder=dict(BASE, head_dim=16)))
     FAMILIES.update({  # RoPE on some layers only, as EXAONE 4
         "exaone_moe": causal_lm(T.ExaoneMoeConfig(**BASE, head_dim=16, **NOPE_GLOBAL)),
         "afmoe": causal_lm(T.AfmoeConfig(**BASE, head_dim=16, **NOPE_GLOBAL)),
         "flint": causal_lm(T.FlintConfig(**BASE, head_dim=16, **NOPE_GLOBAL)),
         "kolibri1": causal_lm(T.Kolibri1Config(**BASE, head_dim=16, **NOPE_GLOBAL)),
     })
+ENCODER_DECODER = {"t5gemma2"}
 VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # The families that normalize q and k per head right before RoPE: patched onto the fused op.
 QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "qwen3_next", "glm4_moe", "qwen3_5_text",
            "qwen3_vl", "qwen3_vl_moe", "gemma4_text", "gemma3n_text", "dots1", "apertus",
            "exaone4", "doge", "gemma4_unified_text", "hy_v3", "laguna", "mellum",
-           "minimax_m3_vl_text", "lfm3", "qwen3_omni_moe_thinker", "exaone_moe", "afmoe", "flint", "kolibri1"}
+           "minimax_m3_vl_text", "lfm3", "qwen3_omni_moe_thinker", "t5gemma2", "exaone_moe", "afmoe", "flint", "kolibri1"}
 # Of those, the families whose attention norms and rotates q and k in separate calls: the fused
 # op runs once for each (q only in Gemma 4's layers that reuse another layer's keys).
 ONE_TENSOR = {"gemma4_text", "gemma3n_text", "gemma4_unified_text"}
@@ -183,6 +188,8 @@ def build(family, dtype=torch.float32):
 
 def inputs(family):
     ids = torch.randint(10, 128, (2, 12))
+    if family in ENCODER_DECODER:
+        return [dict(input_ids=ids, decoder_input_ids=ids.flip(1))]
     if family not in VL:
         return [dict(input_ids=ids)]
     # Text with distinct temporal/height/width positions, and a 4x4-patch image (4 merged tokens)
@@ -194,6 +201,12 @@ def inputs(family):
     if HF5:  # transformers 5 takes the image tokens' places from the processor's token types
         image["mm_token_type_ids"] = (image_ids == 5).int()
     return [dict(input_ids=ids, position_ids=torch.randint(0, 100, (3, 2, 12))), image]
+
+
+def text_batch(model, ids):
+    """Model inputs of the token ids (the decoder's too for an encoder-decoder model)."""
+    decoder = dict(decoder_input_ids=ids.flip(1)) if model.config.is_encoder_decoder else {}
+    return dict(input_ids=ids, **decoder)
 
 
 def logits(model, batches):
@@ -212,7 +225,7 @@ def rope_functions(family):
 def gradients(model, ids):
     """Every parameter's gradient of the language-model loss on ids (fresh: grads zeroed first)."""
     model.zero_grad()
-    model(input_ids=ids, labels=ids).loss.backward()
+    model(**text_batch(model, ids), labels=ids).loss.backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -584,7 +597,7 @@ def test_qk_norm_families_same_gradients(family):
 
     want = gradients(model, ids)
     integration.patch(model)
-    _, _, calls = patched_calls(model, [dict(input_ids=ids)])  # the fused path runs
+    _, _, calls = patched_calls(model, [text_batch(model, ids)])  # the fused path runs
     assert calls["fused attention"] > 0 and fused_per_attention(family, calls)
     got = gradients(model, ids)
     integration.unpatch(model)
@@ -692,16 +705,40 @@ class _Forwards:
             q, k = _rope(q, k, cos, sin)
         return q, k
 
+    def normed_q_read_before_rope(self, q, k, cos, sin):
+        q = self.q_norm(q)
+        k = self.k_norm(k)
+        seen = q + 0  # would see q unnormed once the norm is fused into the RoPE call
+        q, k = _rope(q, k, cos, sin)
+        return q, k + seen
 
-def test_rewrite_of_rope_on_some_layers():
-    """RoPE under an `if` with the norms before it unconditional: fused into the RoPE call, and
-    run in an added else branch when it is not taken. Any other shape is not rewritten."""
-    fused = _qk_norm.rewritten_forward(_Forwards.rope_on_some_layers, "_rope")
-    assert fused is not None
-    for shape in ("rope_or_else", "rope_to_new_names", "norms_changed_before_rope"):
+    def other_norm_call_kept(self, q, k, cos, sin):  # T5Gemma 2's merged attention
+        q = self.q_norm(q).transpose(1, 2)
+        k = self.k_norm(k)
+        n = q.shape[0] * k.shape[-1]  # metadata reads see the same either way
+        q, k = _rope(q, k, cos, sin)
+        other = self.k_norm(cos)
+        return q * n, k, other
+
+
+def test_rewrite_shapes(monkeypatch):
+    """The fusion rewrite (_qk_norm.rewritten_forward) takes the norm calls whose results the
+    RoPE call rotates and leaves any other; RoPE under an `if` with unconditional norms before
+    it runs fused when taken and runs the norms alone otherwise (an added else branch). Any
+    other shape is not rewritten. The rewritten forwards compute what the originals do."""
+    for shape in ("rope_or_else", "rope_to_new_names", "norms_changed_before_rope",
+                  "normed_q_read_before_rope"):
         assert _qk_norm.rewritten_forward(getattr(_Forwards, shape), "_rope") is None, shape
-    layer = types.SimpleNamespace(q_norm=lambda x: x + 1, k_norm=lambda x: x * 3, rotary=False)
-    q, k = torch.randn(2, 3, 4, 8), torch.randn(2, 4, 3, 8)
-    got = fused(layer, q, k, None, None)
-    want = _Forwards.rope_on_some_layers(layer, q, k, None, None)
-    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    # What the fused call computes with _rope rotating nothing: the norms.
+    monkeypatch.setitem(globals(), _qk_norm.FUSED_NAME,
+                        lambda self, q, k, cos, sin, _normed: (self.q_norm(q), self.k_norm(k)))
+    q, k, cos = torch.randn(2, 3, 4, 8), torch.randn(2, 4, 3, 8), torch.randn(8)
+    for shape in ("rope_on_some_layers", "other_norm_call_kept"):
+        original = getattr(_Forwards, shape)
+        fused = _qk_norm.rewritten_forward(original, "_rope")
+        assert fused is not None, shape
+        for rotary in (False, True):
+            layer = types.SimpleNamespace(q_norm=lambda x: x + 1, k_norm=lambda x: x * 3,
+                                          rotary=rotary)
+            got, want = fused(layer, q, k, cos, None), original(layer, q, k, cos, None)
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), (shape, rotary)

@@ -8,9 +8,11 @@ Gemma 3n and 4 norm and rotate q and k in separate calls of a one-tensor RoPE fu
 call of the op on x (_one_tensor_sites, norm_rope_one_call).
 
 Otherwise the rewrite is made on the forward's source (ast), only when it has the one shape this
-fusion is right for: exactly one `self.q_norm(...)` and one `self.k_norm(...)` call, each the value
-(through view / transpose / reshape / contiguous only) last assigned to the name passed as q or
-k to the one RoPE call, under the same `if` conditions (passed to the fused call, which falls back
+fusion is right for: a `self.q_norm(...)` and a `self.k_norm(...)` call, each the value (through
+view / transpose / reshape / contiguous only) last assigned to the name passed as q or k to the
+one RoPE call, read by nothing else before it (its .shape aside), that call assigning its results
+to the same two names (other norm calls, such as T5Gemma 2's k_norm of its cross-attention keys,
+are left as they are), the norms under the same `if` conditions (passed to the fused call, which falls back
 to the plain rotation when they are false). EXAONE 4 and its kin norm on every layer but rotate
 on some only: `if rotary: q, k = rope(q, k, ...)` after unconditional norms becomes the fused call
 in that branch and the two norms in an added else branch (_rope_branch). Anything else is not
@@ -34,6 +36,7 @@ FUSED_ONE_NAME = "_rope_ext_norm_rope_one"  # the one-tensor form (Gemma 3n, Gem
 _LAYOUT_METHODS = {"transpose", "view", "reshape", "contiguous"}
 _NORMS = ("q_norm", "k_norm")
 _EPS_ATTRS = ("variance_epsilon", "eps")
+_METADATA = {"shape", "dtype", "device", "ndim"}
 
 _norm_forms = {}  # norm class -> (unit_offset, eps attribute name), or None: not an RMSNorm
 
@@ -86,10 +89,12 @@ class _Scan(ast.NodeVisitor):
     def __init__(self, rope_name):
         self.rope_name = rope_name
         self.conditions = []
-        self.norm_calls = []  # (call, enclosing if tests, the statement)
-        self.norm_assigns = {}  # norm name -> (target name, lineno, conditions)
+        self.norm_calls = []  # every self.q_norm / self.k_norm call
+        # norm name -> [(target name, first and last line, conditions, the norm call)]
+        self.norm_assigns = {}
         self.rope_calls = []  # (call, conditions)
-        self.assigns = []  # (name, lineno)
+        self.assigns = []  # (name, first and last line, whether a relayout of itself)
+        self.reads = []  # (name, line)
 
     def visit_If(self, node):
         self.visit(node.test)
@@ -107,12 +112,20 @@ class _Scan(ast.NodeVisitor):
                     and _layout_of(node.value) == node.targets[0].id)
         for target in node.targets:
             for name in _assigned_names(target):
-                self.assigns.append((name, node.lineno, relayout))
+                self.assigns.append((name, (node.lineno, node.end_lineno), relayout))
         norm = _norm_inside(node.value)
         if norm is not None and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             self.norm_assigns.setdefault(norm.func.attr, []).append(
-                (node.targets[0].id, node.lineno, list(self.conditions)))
+                (node.targets[0].id, (node.lineno, node.end_lineno), list(self.conditions), norm))
         self.generic_visit(node)
+
+    def visit_Attribute(self, node):
+        if not (isinstance(node.value, ast.Name) and node.attr in _METADATA):
+            self.generic_visit(node)  # q.shape and its kin read no values
+
+    def visit_Name(self, node):
+        if isinstance(node.ctx, ast.Load):
+            self.reads.append((node.id, node.lineno))
 
     def visit_Call(self, node):
         if _is_self_norm(node):
@@ -189,12 +202,12 @@ class _RewriteOne(ast.NodeTransformer):
 
 
 class _Rewrite(ast.NodeTransformer):
-    def __init__(self, rope_call, normed):
-        self.rope_call, self.normed = rope_call, normed
+    def __init__(self, rope_call, normed, norms):
+        self.rope_call, self.normed, self.norms = rope_call, normed, {id(n) for n in norms}
 
     def visit_Call(self, node):
         self.generic_visit(node)
-        if _is_self_norm(node):
+        if id(node) in self.norms:
             return node.args[0]
         if node is self.rope_call:
             node.func = ast.Name(FUSED_NAME, ast.Load())
@@ -203,10 +216,20 @@ class _Rewrite(ast.NodeTransformer):
         return node
 
 
-def _flows_unchanged(assigns, name, start, end):
-    """Whether `name`, assigned at line `start`, reaches line `end` changed in layout only."""
-    return start < end and all(relayout for n, line, relayout in assigns
-                               if n == name and start < line < end)
+def _flows_unchanged(scan, name, lines, end):
+    """Whether `name`, assigned on `lines` (first, last), reaches line `end` changed in layout
+    only and read by nothing else on the way (what reads it would see it unnormed)."""
+    start = lines[1]
+    if not start < end:
+        return False
+    relayouts = []
+    for n, (first, last), relayout in scan.assigns:
+        if n == name and start < first < end:
+            if not relayout:
+                return False
+            relayouts.append((first, last))
+    return all(any(first <= line <= last for first, last in relayouts)
+               for n, line in scan.reads if n == name and start < line < end)
 
 
 def rewritten_forward(fn, rope_name, one_tensor=False):
@@ -228,23 +251,26 @@ def rewritten_forward(fn, rope_name, one_tensor=False):
         return _compiled_like(fn, _RewriteOne(sites).visit(fdef))
     scan = _Scan(rope_name)
     scan.visit(fdef)
-    if len(scan.rope_calls) != 1 or len(scan.norm_calls) != 2:
+    if len(scan.rope_calls) != 1:
         return None
     rope_call, rope_conditions = scan.rope_calls[0]
-    if len(rope_call.args) < 2:
+    if len(rope_call.args) < 2 or not _reassigns(fdef, rope_call):
         return None
     branch = None
     if rope_conditions:  # `if no_pe: ...` around the RoPE call alone (EXAONE 4, AFMoE)
         branch = _rope_branch(fdef, rope_call, rope_conditions)
         if branch is None:
             return None
-    conditions = None
+    conditions, fused = None, []
     for norm, arg in zip(_NORMS, rope_call.args[:2]):
-        found = scan.norm_assigns.get(norm, [])
-        if len(found) != 1 or not isinstance(arg, ast.Name):
+        # The last norm call assigned to the name rotated (another, such as T5Gemma 2's k_norm
+        # of the cross-attention keys, stays as it is).
+        found = [f for f in scan.norm_assigns.get(norm, [])
+                 if f[0] == arg.id and f[1][1] < rope_call.lineno]
+        if not found:
             return None
-        target, line, conds = found[0]
-        if target != arg.id or not _flows_unchanged(scan.assigns, target, line, rope_call.lineno):
+        target, lines, conds, call = max(found, key=lambda f: f[1])
+        if not _flows_unchanged(scan, target, lines, rope_call.lineno):
             return None
         if None in conds or (conditions is not None and
                              [ast.dump(c) for c in conds] != [ast.dump(c) for c in conditions]):
@@ -252,10 +278,11 @@ def rewritten_forward(fn, rope_name, one_tensor=False):
         if branch is not None and conds:
             return None
         conditions = conds
+        fused.append(call)
     normed = (ast.Constant(True) if not conditions else
               conditions[0] if len(conditions) == 1 else ast.BoolOp(ast.And(), conditions))
     q, k = (arg.id for arg in rope_call.args[:2])
-    fdef = _Rewrite(rope_call, normed).visit(fdef)
+    fdef = _Rewrite(rope_call, normed, fused).visit(fdef)
     if branch is not None:
         # The norms ran whether or not the RoPE call did: now fused into it, they run in an
         # added else branch when it does not.
@@ -272,21 +299,28 @@ def _self_call(method, arg):
     return ast.Call(func, [ast.Name(arg, ast.Load())], [])
 
 
+def _reassigns(fdef, rope_call):
+    """Whether the RoPE call is `q, k = rope(q, k, ...)`: the names it rotates hold its results
+    after it (the unnormed values the rewrite leaves in them before it are not seen again)."""
+    names = [a.id for a in rope_call.args[:2] if isinstance(a, ast.Name)]
+    for node in ast.walk(fdef):
+        if isinstance(node, ast.Assign) and node.value is rope_call:
+            return (len(names) == 2 and len(node.targets) == 1
+                    and isinstance(node.targets[0], ast.Tuple)
+                    and _assigned_names(node.targets[0]) == names)
+    return False
+
+
 def _rope_branch(fdef, rope_call, rope_conditions):
-    """The `if` whose body holds `q, k = rope(q, k, ...)` (the RoPE call's only condition, no
-    else branch), when the norms before it are unconditional; else None."""
+    """The `if` whose body holds the statement of the RoPE call (its only condition, no else
+    branch); else None."""
     if len(rope_conditions) != 1 or rope_conditions[0] is None:
         return None
     for node in ast.walk(fdef):
         if not isinstance(node, ast.If) or node.test is not rope_conditions[0] or node.orelse:
             continue
-        for stmt in node.body:
-            if isinstance(stmt, ast.Assign) and stmt.value is rope_call:
-                names = [a.id for a in rope_call.args[:2] if isinstance(a, ast.Name)]
-                targets = stmt.targets[0] if len(stmt.targets) == 1 else None
-                if (isinstance(targets, ast.Tuple) and len(names) == 2
-                        and _assigned_names(targets) == names):
-                    return node
+        if any(isinstance(stmt, ast.Assign) and stmt.value is rope_call for stmt in node.body):
+            return node
         return None
     return None
 

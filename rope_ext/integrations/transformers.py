@@ -176,6 +176,7 @@ FAMILIES = {
     "lfm3": ("lfm3.modeling_lfm3", _ROTATE_HALF),  # transformers >= 5
     "minimax_m3_vl_text": ("minimax_m3_vl.modeling_minimax_m3_vl", _ROTATE_HALF),  # >= 5
     "gemma4_unified_text": ("gemma4_unified.modeling_gemma4_unified", _ONE_TENSOR),  # >= 5
+    "t5gemma2": ("t5gemma2.modeling_t5gemma2", _ROTATE_HALF),  # transformers >= 5
 }
 
 
