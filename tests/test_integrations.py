@@ -136,6 +136,21 @@ if HF5:
     # self- and cross-attention too (its k_norm of the cross keys stays as it is).
     FAMILIES["t5gemma2"] = lambda: T.T5Gemma2ForConditionalGeneration(T.T5Gemma2Config(
         encoder=dict(text_config=dict(BASE, head_dim=16)), decoder=dict(BASE, head_dim=16)))
+    FAMILIES["step3p7"] = lambda: T.Step3p7ForConditionalGeneration(T.Step3p7Config(
+        text_config=dict(BASE, head_dim=16, sliding_window=8),
+        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=64, patch_size=2, image_size=8)))
+    FAMILIES["exaone4_5"] = lambda: T.Exaone4_5_ForConditionalGeneration(T.Exaone4_5_Config(
+        text_config=dict(BASE, model_type="exaone4", head_dim=16, **NOPE_GLOBAL),
+        vision_config=dict(depth=1, hidden_size=32, out_hidden_size=64, intermediate_size=64,
+                           num_heads=2, patch_size=2, spatial_merge_size=2,
+                           temporal_patch_size=1)))
+    FAMILIES["minimax_m3_vl"] = lambda: T.MiniMaxM3SparseForConditionalGeneration(
+        T.MiniMaxM3VLConfig(
+            text_config=dict(BASE, head_dim=16), projector_hidden_size=32, image_token_index=5,
+            video_token_index=6, vision_config=dict(
+                hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                patch_size=2, image_size=8, temporal_patch_size=1)))
     FAMILIES.update({  # RoPE on some layers only, as EXAONE 4
         "exaone_moe": causal_lm(T.ExaoneMoeConfig(**BASE, head_dim=16, **NOPE_GLOBAL)),
         "afmoe": causal_lm(T.AfmoeConfig(**BASE, head_dim=16, **NOPE_GLOBAL)),
@@ -148,13 +163,14 @@ VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "qwen3_next", "glm4_moe", "qwen3_5_text",
            "qwen3_vl", "qwen3_vl_moe", "gemma4_text", "gemma3n_text", "dots1", "apertus",
            "exaone4", "doge", "gemma4_unified_text", "hy_v3", "laguna", "mellum",
-           "minimax_m3_vl_text", "lfm3", "qwen3_omni_moe_thinker", "t5gemma2", "exaone_moe", "afmoe", "flint", "kolibri1"}
+           "minimax_m3_vl_text", "lfm3", "qwen3_omni_moe_thinker", "t5gemma2", "step3p7", "exaone4_5",
+           "minimax_m3_vl", "exaone_moe", "afmoe", "flint", "kolibri1"}
 # Of those, the families whose attention norms and rotates q and k in separate calls: the fused
 # op runs once for each (q only in Gemma 4's layers that reuse another layer's keys).
 ONE_TENSOR = {"gemma4_text", "gemma3n_text", "gemma4_unified_text"}
 # And those whose attention rotates on some layers only (it norms on all): the fused op runs on
 # those, the norms alone on the others.
-SOME_LAYERS = {"exaone4", "exaone_moe", "afmoe", "flint", "kolibri1"}
+SOME_LAYERS = {"exaone4", "exaone4_5", "exaone_moe", "afmoe", "flint", "kolibri1"}
 
 
 def fused_per_attention(family, calls):

@@ -166,6 +166,7 @@ FAMILIES = {
     # QK-norm families; the first four rotate on some layers only (NoPE on global layers)
     "exaone4": ("exaone4.modeling_exaone4", _ROTATE_HALF),
     "exaone_moe": ("exaone_moe.modeling_exaone_moe", _ROTATE_HALF),  # transformers >= 5
+    "exaone4_5": ("exaone4.modeling_exaone4", _ROTATE_HALF),  # >= 5; its language model is EXAONE 4
     "afmoe": ("afmoe.modeling_afmoe", _ROTATE_HALF),  # transformers >= 5
     "flint": ("flint.modeling_flint", _ROTATE_HALF),  # transformers >= 5
     "kolibri1": ("kolibri1.modeling_kolibri1", _ROTATE_HALF),  # transformers >= 5
@@ -175,8 +176,10 @@ FAMILIES = {
     "mellum": ("mellum.modeling_mellum", _ROTATE_HALF),  # transformers >= 5
     "lfm3": ("lfm3.modeling_lfm3", _ROTATE_HALF),  # transformers >= 5
     "minimax_m3_vl_text": ("minimax_m3_vl.modeling_minimax_m3_vl", _ROTATE_HALF),  # >= 5
+    "minimax_m3_vl": ("minimax_m3_vl.modeling_minimax_m3_vl", _ROTATE_HALF),  # >= 5; text
     "gemma4_unified_text": ("gemma4_unified.modeling_gemma4_unified", _ONE_TENSOR),  # >= 5
     "t5gemma2": ("t5gemma2.modeling_t5gemma2", _ROTATE_HALF),  # transformers >= 5
+    "step3p7": ("step3p7.modeling_step3p7", _ROTATE_HALF),  # >= 5; its language model's RoPE
 }
 
 
