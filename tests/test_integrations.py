@@ -685,76 +685,72 @@ def test_olmo2_norms_over_all_heads_are_not_fused():
     assert specs and not any(spec[2] for spec in specs)
 
 
-def _rope(q, k, cos, sin):
-    return q, k
-
-
-class _Forwards:
-    """Attention forwards of the shapes the fusion rewrite decides on (_qk_norm)."""
-
-    def rope_on_some_layers(self, q, k, cos, sin):  # EXAONE 4: norms always, RoPE if rotary
-        q = self.q_norm(q)
-        k = self.k_norm(k).transpose(1, 2)
+# Attention forwards of the shapes the fusion rewrite (_qk_norm) decides on: each is the lines
+# after `q = self.q_norm(q)` and `k = self.k_norm(k)`, then `return q, k`.
+FUSED_SHAPES = {
+    # EXAONE 4: norms on every layer, RoPE on the rotary ones only
+    "rope-on-some-layers": """
+        k = k.transpose(1, 2)
         if self.rotary:
-            q, k = _rope(q, k, cos, sin)
-        return q, k
-
-    def rope_or_else(self, q, k, cos, sin):
-        q, k = self.q_norm(q), self.k_norm(k)
+            q, k = _rope(q, k, cos, sin)""",
+    # T5Gemma 2's merged attention: another k_norm call, of the cross-attention keys
+    "another-norm-call": """
+        n = q.shape[0] * k.shape[-1]  # metadata reads see the same either way
+        q, k = _rope(q, k, cos, sin)
+        q = q * n + self.k_norm(cos)""",
+}
+UNFUSED_SHAPES = {
+    "rope-or-else": """
         if self.rotary:
             q, k = _rope(q, k, cos, sin)
         else:
-            q = q * 2
-        return q, k
-
-    def rope_to_new_names(self, q, k, cos, sin):
-        q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary:
-            q2, k2 = _rope(q, k, cos, sin)
-        return q, k
-
-    def norms_changed_before_rope(self, q, k, cos, sin):
-        q = self.q_norm(q)
-        k = self.k_norm(k)
+            q = q * 2""",
+    "rope-to-new-names": """
+        q2, k2 = _rope(q, k, cos, sin)""",
+    "normed-q-changed-before-rope": """
         q = q * 2
-        if self.rotary:
-            q, k = _rope(q, k, cos, sin)
-        return q, k
-
-    def normed_q_read_before_rope(self, q, k, cos, sin):
-        q = self.q_norm(q)
-        k = self.k_norm(k)
-        seen = q + 0  # would see q unnormed once the norm is fused into the RoPE call
-        q, k = _rope(q, k, cos, sin)
-        return q, k + seen
-
-    def other_norm_call_kept(self, q, k, cos, sin):  # T5Gemma 2's merged attention
-        q = self.q_norm(q).transpose(1, 2)
-        k = self.k_norm(k)
-        n = q.shape[0] * k.shape[-1]  # metadata reads see the same either way
-        q, k = _rope(q, k, cos, sin)
-        other = self.k_norm(cos)
-        return q * n, k, other
+        q, k = _rope(q, k, cos, sin)""",
+    "normed-q-read-before-rope": """
+        self.seen = q + 0  # would see q unnormed once the norm is fused into the RoPE call
+        q, k = _rope(q, k, cos, sin)""",
+}
 
 
-def test_rewrite_shapes(monkeypatch):
-    """The fusion rewrite (_qk_norm.rewritten_forward) takes the norm calls whose results the
-    RoPE call rotates and leaves any other; RoPE under an `if` with unconditional norms before
-    it runs fused when taken and runs the norms alone otherwise (an added else branch). Any
-    other shape is not rewritten. The rewritten forwards compute what the originals do."""
-    for shape in ("rope_or_else", "rope_to_new_names", "norms_changed_before_rope",
-                  "normed_q_read_before_rope"):
-        assert _qk_norm.rewritten_forward(getattr(_Forwards, shape), "_rope") is None, shape
-    # What the fused call computes with _rope rotating nothing: the norms.
-    monkeypatch.setitem(globals(), _qk_norm.FUSED_NAME,
-                        lambda self, q, k, cos, sin, _normed: (self.q_norm(q), self.k_norm(k)))
+def shaped_forward(name, lines):
+    """The forward of one of those shapes, as a function in a file of its own (the rewrite reads
+    its source)."""
+    import linecache
+    import textwrap
+
+    source = ("def forward(self, q, k, cos, sin):\n    q = self.q_norm(q)\n"
+              "    k = self.k_norm(k)\n" + textwrap.indent(textwrap.dedent(lines).strip("\n"), "    ")
+              + "\n    return q, k\n")
+    filename = f"<rope_ext shape {name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = {"_rope": lambda q, k, cos, sin: (q, k)}  # with no rotation: the norms alone
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace["forward"]
+
+
+@pytest.mark.parametrize("shape", sorted(UNFUSED_SHAPES))
+def test_rewrite_refuses_shapes(shape):
+    assert _qk_norm.rewritten_forward(shaped_forward(shape, UNFUSED_SHAPES[shape]), "_rope") is None
+
+
+@pytest.mark.parametrize("shape", sorted(FUSED_SHAPES))
+def test_rewrite_shapes(shape):
+    """The rewrite takes the norm calls whose results the RoPE call rotates and leaves any
+    other; RoPE under an `if` after unconditional norms runs fused when taken and the norms
+    alone otherwise (an added else branch). The rewritten forward computes what the original
+    does (the fused call stands in for the norms)."""
+    original = shaped_forward(shape, FUSED_SHAPES[shape])
+    fused = _qk_norm.rewritten_forward(original, "_rope")
+    assert fused is not None
+    original.__globals__[_qk_norm.FUSED_NAME] = (
+        lambda self, q, k, cos, sin, _normed: (self.q_norm(q), self.k_norm(k)))
     q, k, cos = torch.randn(2, 3, 4, 8), torch.randn(2, 4, 3, 8), torch.randn(8)
-    for shape in ("rope_on_some_layers", "other_norm_call_kept"):
-        original = getattr(_Forwards, shape)
-        fused = _qk_norm.rewritten_forward(original, "_rope")
-        assert fused is not None, shape
-        for rotary in (False, True):
-            layer = types.SimpleNamespace(q_norm=lambda x: x + 1, k_norm=lambda x: x * 3,
-                                          rotary=rotary)
-            got, want = fused(layer, q, k, cos, None), original(layer, q, k, cos, None)
-            assert all(torch.equal(g, w) for g, w in zip(got, want)), (shape, rotary)
+    for rotary in (False, True):
+        layer = types.SimpleNamespace(q_norm=lambda x: x + 1, k_norm=lambda x: x * 3,
+                                      rotary=rotary)
+        got, want = fused(layer, q, k, cos, None), original(layer, q, k, cos, None)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), rotary
