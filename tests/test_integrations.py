@@ -45,6 +45,8 @@ QWEN3_VL_VISION = dict(depth=1, hidden_size=32, out_hidden_size=64, intermediate
 QWEN3_VL_TEXT = dict(BASE, head_dim=16, rope_scaling=dict(
     rope_type="default", mrope_section=[2, 3, 3], mrope_interleaved=True))
 MOE = dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32)
+SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+              image_size=8, patch_size=2)
 NOPE_GLOBAL = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
 HF5 = int(transformers.__version__.split(".")[0]) >= 5
 FAMILIES = {
@@ -102,6 +104,9 @@ FAMILIES = {
     # RoPE on sliding-window layers only (the global layers have none), QK norms on every layer.
     "exaone4": causal_lm(T.Exaone4Config(**BASE, head_dim=16, **NOPE_GLOBAL)),
     "doge": causal_lm(T.DogeConfig(**BASE, head_dim=16)),
+    "gemma3": lambda: T.Gemma3ForConditionalGeneration(T.Gemma3Config(  # text inputs
+        text_config=dict(BASE, head_dim=16), vision_config=SIGLIP, mm_tokens_per_image=4,
+        image_token_index=5, boi_token_index=6, eoi_token_index=7)),
     "qwen3_omni_moe_thinker": lambda: T.Qwen3OmniMoeThinkerForConditionalGeneration(
         T.Qwen3OmniMoeThinkerConfig(
             text_config=dict(QWEN3_VL_TEXT, **MOE), vision_config=QWEN3_VL_VISION,
@@ -112,15 +117,29 @@ FAMILIES = {
             audio_start_token_id=4)),
 }
 if HF5:
-    FAMILIES["qwen3_5_text"] = causal_lm(T.Qwen3_5TextConfig(**BASE, head_dim=16, layer_types=[
-        "linear_attention", "full_attention"], linear_num_value_heads=2, linear_num_key_heads=2,
-        linear_key_head_dim=8, linear_value_head_dim=8))
+    QWEN3_5_TEXT = dict(BASE, head_dim=16, layer_types=["linear_attention", "full_attention"],
+                        linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
+                        linear_value_head_dim=8)
+    FAMILIES["qwen3_5_text"] = causal_lm(T.Qwen3_5TextConfig(**QWEN3_5_TEXT))
+    QWEN3_5_VISION = dict(depth=1, hidden_size=32, out_hidden_size=64, intermediate_size=64,
+                          num_heads=2, patch_size=2, spatial_merge_size=2,
+                          temporal_patch_size=1, num_position_embeddings=16)
+    FAMILIES["qwen3_5"] = lambda: T.Qwen3_5ForConditionalGeneration(T.Qwen3_5Config(
+        text_config=QWEN3_5_TEXT, vision_config=QWEN3_5_VISION))
+    FAMILIES["qwen3_5_moe"] = lambda: T.Qwen3_5MoeForConditionalGeneration(T.Qwen3_5MoeConfig(
+        text_config=dict(QWEN3_5_TEXT, **MOE, shared_expert_intermediate_size=32),
+        vision_config=QWEN3_5_VISION))
     # Sliding and global layers (each with its own head dim and table), the last two reusing
     # the keys of the first two (their attention norms and rotates q only).
-    FAMILIES["gemma4_text"] = causal_lm(T.Gemma4TextConfig(
-        **dict(BASE, num_hidden_layers=4), head_dim=16, global_head_dim=32, sliding_window=8,
-        num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128,
-        layer_types=["sliding_attention", "full_attention"] * 2))
+    GEMMA4_TEXT = dict(BASE, num_hidden_layers=4, head_dim=16, global_head_dim=32,
+                       sliding_window=8, num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+                       vocab_size_per_layer_input=128,
+                       layer_types=["sliding_attention", "full_attention"] * 2)
+    FAMILIES["gemma4_text"] = causal_lm(T.Gemma4TextConfig(**GEMMA4_TEXT))
+    FAMILIES["gemma4"] = lambda: T.Gemma4ForConditionalGeneration(T.Gemma4Config(
+        text_config=GEMMA4_TEXT, audio_config=None, vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            head_dim=16)))
     FAMILIES["gemma4_unified_text"] = causal_lm(T.Gemma4UnifiedTextConfig(
         **BASE, head_dim=16, global_head_dim=32, sliding_window=8, hidden_size_per_layer_input=8,
         vocab_size_per_layer_input=128, layer_types=["sliding_attention", "full_attention"]))
@@ -164,10 +183,10 @@ QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "qwen3_next", "glm4_moe", "qwen3
            "qwen3_vl", "qwen3_vl_moe", "gemma4_text", "gemma3n_text", "dots1", "apertus",
            "exaone4", "doge", "gemma4_unified_text", "hy_v3", "laguna", "mellum",
            "minimax_m3_vl_text", "lfm3", "qwen3_omni_moe_thinker", "t5gemma2", "step3p7", "exaone4_5",
-           "minimax_m3_vl", "exaone_moe", "afmoe", "flint", "kolibri1"}
+           "minimax_m3_vl", "gemma3", "gemma4", "qwen3_5", "qwen3_5_moe", "exaone_moe", "afmoe", "flint", "kolibri1"}
 # Of those, the families whose attention norms and rotates q and k in separate calls: the fused
 # op runs once for each (q only in Gemma 4's layers that reuse another layer's keys).
-ONE_TENSOR = {"gemma4_text", "gemma3n_text", "gemma4_unified_text"}
+ONE_TENSOR = {"gemma4_text", "gemma4", "gemma3n_text", "gemma4_unified_text"}
 # And those whose attention rotates on some layers only (it norms on all): the fused op runs on
 # those, the norms alone on the others.
 SOME_LAYERS = {"exaone4", "exaone4_5", "exaone_moe", "afmoe", "flint", "kolibri1"}

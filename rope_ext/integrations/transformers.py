@@ -138,9 +138,14 @@ FAMILIES = {
     "gemma": ("gemma.modeling_gemma", _ROTATE_HALF),
     "gemma2": ("gemma2.modeling_gemma2", _ROTATE_HALF),
     "gemma3_text": ("gemma3.modeling_gemma3", _ROTATE_HALF),
+    "gemma3": ("gemma3.modeling_gemma3", _ROTATE_HALF),  # the vision-language model
     "qwen3_next": ("qwen3_next.modeling_qwen3_next", _ROTATE_HALF),
     "qwen3_5_text": ("qwen3_5.modeling_qwen3_5", _ROTATE_HALF),  # transformers >= 5
     "qwen3_5_moe_text": ("qwen3_5_moe.modeling_qwen3_5_moe", _ROTATE_HALF),  # transformers >= 5
+    # Qwen3.5's and Gemma 4's vision-language models (transformers >= 5): their language models
+    "qwen3_5": ("qwen3_5.modeling_qwen3_5", _ROTATE_HALF),
+    "qwen3_5_moe": ("qwen3_5_moe.modeling_qwen3_5_moe", _ROTATE_HALF),
+    "gemma4": ("gemma4.modeling_gemma4", _ONE_TENSOR),
     "glm4_moe": ("glm4_moe.modeling_glm4_moe", _ROTATE_HALF),
     "gemma4_text": ("gemma4.modeling_gemma4", _ONE_TENSOR),  # transformers >= 5
     "gemma3n_text": ("gemma3n.modeling_gemma3n", _ONE_TENSOR),
