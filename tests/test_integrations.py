@@ -12,6 +12,7 @@ bfloat16 logits differ by transformers' extra roundings of its intermediates (ro
 once), within bf16 tolerance."""
 
 import gc
+import inspect
 import types
 
 import pytest
@@ -170,6 +171,18 @@ if HF5:
             video_token_index=6, vision_config=dict(
                 hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                 patch_size=2, image_size=8, temporal_patch_size=1)))
+    # Norms per head (qk_norm_type "qwen3", fused) or over all heads ("olmo", not: its forward
+    # has both, each under its condition)
+    FAMILIES["molmo2"] = lambda: T.Molmo2ForConditionalGeneration(T.Molmo2Config(
+        text_config=dict(BASE, head_dim=16, additional_vocab_size=8),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                           image_size=[8, 8], patch_size=2),
+        adapter_config=dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
+                            head_dim=16, intermediate_size=64, text_hidden_size=64,
+                            vision_feature_layer=[-1]),
+        image_start_token_id=120, low_res_image_start_token_id=121, image_end_token_id=122,
+        image_patch_id=123, frame_start_token_id=124, frame_end_token_id=125))
     FAMILIES.update({  # RoPE on some layers only, as EXAONE 4
         "exaone_moe": causal_lm(T.ExaoneMoeConfig(**BASE, head_dim=16, **NOPE_GLOBAL)),
         "afmoe": causal_lm(T.AfmoeConfig(**BASE, head_dim=16, **NOPE_GLOBAL)),
@@ -183,7 +196,8 @@ QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "qwen3_next", "glm4_moe", "qwen3
            "qwen3_vl", "qwen3_vl_moe", "gemma4_text", "gemma3n_text", "dots1", "apertus",
            "exaone4", "doge", "gemma4_unified_text", "hy_v3", "laguna", "mellum",
            "minimax_m3_vl_text", "lfm3", "qwen3_omni_moe_thinker", "t5gemma2", "step3p7", "exaone4_5",
-           "minimax_m3_vl", "gemma3", "gemma4", "qwen3_5", "qwen3_5_moe", "exaone_moe", "afmoe", "flint", "kolibri1"}
+           "minimax_m3_vl", "gemma3", "gemma4", "qwen3_5", "qwen3_5_moe",
+           "molmo2", "exaone_moe", "afmoe", "flint", "kolibri1"}
 # Of those, the families whose attention norms and rotates q and k in separate calls: the fused
 # op runs once for each (q only in Gemma 4's layers that reuse another layer's keys).
 ONE_TENSOR = {"gemma4_text", "gemma4", "gemma3n_text", "gemma4_unified_text"}
@@ -239,9 +253,14 @@ def inputs(family):
 
 
 def text_batch(model, ids):
-    """Model inputs of the token ids (the decoder's too for an encoder-decoder model)."""
-    decoder = dict(decoder_input_ids=ids.flip(1)) if model.config.is_encoder_decoder else {}
-    return dict(input_ids=ids, **decoder)
+    """Model inputs of the token ids: the decoder's too for an encoder-decoder model, and the
+    token types (all text) for a multimodal model that takes them."""
+    batch = dict(input_ids=ids)
+    if model.config.is_encoder_decoder:
+        batch["decoder_input_ids"] = ids.flip(1)
+    if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
+        batch["mm_token_type_ids"] = torch.zeros_like(ids)
+    return batch
 
 
 def logits(model, batches):

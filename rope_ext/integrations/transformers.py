@@ -185,6 +185,7 @@ FAMILIES = {
     "gemma4_unified_text": ("gemma4_unified.modeling_gemma4_unified", _ONE_TENSOR),  # >= 5
     "t5gemma2": ("t5gemma2.modeling_t5gemma2", _ROTATE_HALF),  # transformers >= 5
     "step3p7": ("step3p7.modeling_step3p7", _ROTATE_HALF),  # >= 5; its language model's RoPE
+    "molmo2": ("molmo2.modeling_molmo2", _ROTATE_HALF),  # >= 5; its language model's RoPE
 }
 
 
