@@ -183,6 +183,15 @@ if HF5:
                             vision_feature_layer=[-1]),
         image_start_token_id=120, low_res_image_start_token_id=121, image_end_token_id=122,
         image_patch_id=123, frame_start_token_id=124, frame_end_token_id=125))
+    # The vision tower's QK norms fused into its RoPE (the language model's is GLM's, not patched)
+    FAMILIES["glm_ocr"] = lambda: T.GlmOcrForConditionalGeneration(T.GlmOcrConfig(
+        text_config=dict(BASE, rope_parameters=dict(rope_type="default", rope_theta=1e4,
+                                                    mrope_section=[2, 3, 3])),
+        vision_config=dict(depth=1, hidden_size=32, num_heads=2, patch_size=2,
+                           spatial_merge_size=2, temporal_patch_size=1, out_hidden_size=64,
+                           intermediate_size=64, image_size=8),
+        image_token_id=5, video_token_id=6, image_start_token_id=7, image_end_token_id=8,
+        video_start_token_id=9, video_end_token_id=10))
     FAMILIES.update({  # RoPE on some layers only, as EXAONE 4
         "exaone_moe": causal_lm(T.ExaoneMoeConfig(**BASE, head_dim=16, **NOPE_GLOBAL)),
         "afmoe": causal_lm(T.AfmoeConfig(**BASE, head_dim=16, **NOPE_GLOBAL)),
@@ -190,14 +199,14 @@ if HF5:
         "kolibri1": causal_lm(T.Kolibri1Config(**BASE, head_dim=16, **NOPE_GLOBAL)),
     })
 ENCODER_DECODER = {"t5gemma2"}
-VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm_ocr")
 # The families that normalize q and k per head right before RoPE: patched onto the fused op.
 QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "qwen3_next", "glm4_moe", "qwen3_5_text",
            "qwen3_vl", "qwen3_vl_moe", "gemma4_text", "gemma3n_text", "dots1", "apertus",
            "exaone4", "doge", "gemma4_unified_text", "hy_v3", "laguna", "mellum",
            "minimax_m3_vl_text", "lfm3", "qwen3_omni_moe_thinker", "t5gemma2", "step3p7", "exaone4_5",
            "minimax_m3_vl", "gemma3", "gemma4", "qwen3_5", "qwen3_5_moe",
-           "molmo2", "exaone_moe", "afmoe", "flint", "kolibri1"}
+           "molmo2", "glm_ocr", "exaone_moe", "afmoe", "flint", "kolibri1"}
 # Of those, the families whose attention norms and rotates q and k in separate calls: the fused
 # op runs once for each (q only in Gemma 4's layers that reuse another layer's keys).
 ONE_TENSOR = {"gemma4_text", "gemma4", "gemma3n_text", "gemma4_unified_text"}
@@ -664,6 +673,30 @@ def test_qk_norm_families_same_gradients(family):
     atol = 1e-5 if family in ONE_TENSOR else 1e-6
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=atol)
+
+
+@pytest.mark.skipif(not HF5, reason="GLM-OCR is in transformers 5")
+def test_vision_tower_qk_norm_same_gradients():
+    """GLM-OCR's vision attention norms q and k per head before its RoPE: fused, with
+    transformers' gradients for every parameter (the vision norms' weights among them)."""
+    model = perturbed(build("glm_ocr"), 7).train()
+    image = inputs("glm_ocr")[1]
+    batch = dict(image, labels=image["input_ids"])
+
+    def grads():
+        model.zero_grad()
+        model(**batch).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want = grads()
+    integration.patch(model)
+    _, _, calls = patched_calls(model, [image])
+    assert calls["fused"] == calls["fused attention"] == 1  # the one vision layer
+    got = grads()
+    integration.unpatch(model)
+    assert got.keys() == want.keys() and any("visual" in n and "q_norm" in n for n in want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6)
 
 
 def test_qk_norm_bf16_logits():

@@ -3,9 +3,10 @@
 `self.k_norm(x)` calls dropped and its RoPE call replaced by rope_ext.qk_norm.qk_norm_rope, which
 normalizes and rotates q and k in one pass.
 
-Gemma 3n and 4 norm and rotate q and k in separate calls of a one-tensor RoPE function: there each
-`x = self.q_norm(x)` (or k_norm) followed in the same block by `x = rope(x, ...)` becomes one
-call of the op on x (_one_tensor_sites, norm_rope_one_call).
+A vision tower's attention (GLM-OCR) is fused the same way around its vision RoPE function
+(qk_norm_rope_vision_call). Gemma 3n and 4 norm and rotate q and k in separate calls of a
+one-tensor RoPE function: there each `x = self.q_norm(x)` (or k_norm) followed in the same block
+by `x = rope(x, ...)` becomes one call of the op on x (_one_tensor_sites, norm_rope_one_call).
 
 Otherwise the rewrite is made on the forward's source (ast), only when it has the one shape this
 fusion is right for: a `self.q_norm(...)` and a `self.k_norm(...)` call, each the value (through
@@ -33,6 +34,11 @@ from ..compat import transformers as hf
 
 FUSED_NAME = "_rope_ext_qk_norm_rope"
 FUSED_ONE_NAME = "_rope_ext_norm_rope_one"  # the one-tensor form (Gemma 3n, Gemma 4)
+FUSED_VISION_NAME = "_rope_ext_qk_norm_rope_vision"  # vision towers (GLM-OCR)
+# The kinds of fusion (a patched class's `fused`): q and k in one RoPE call (True), each in its
+# own call of a one-tensor RoPE function, or q and k of a vision tower (seq, heads, head_dim).
+ONE_TENSOR = "one tensor"
+VISION = "vision"
 _LAYOUT_METHODS = {"transpose", "view", "reshape", "contiguous"}
 _NORMS = ("q_norm", "k_norm")
 _EPS_ATTRS = ("variance_epsilon", "eps")
@@ -202,15 +208,16 @@ class _RewriteOne(ast.NodeTransformer):
 
 
 class _Rewrite(ast.NodeTransformer):
-    def __init__(self, rope_call, normed, norms):
+    def __init__(self, rope_call, normed, norms, fused_name):
         self.rope_call, self.normed, self.norms = rope_call, normed, {id(n) for n in norms}
+        self.fused_name = fused_name
 
     def visit_Call(self, node):
         self.generic_visit(node)
         if id(node) in self.norms:
             return node.args[0]
         if node is self.rope_call:
-            node.func = ast.Name(FUSED_NAME, ast.Load())
+            node.func = ast.Name(self.fused_name, ast.Load())
             node.args = [ast.Name("self", ast.Load())] + node.args
             node.keywords = node.keywords + [ast.keyword("_normed", self.normed)]
         return node
@@ -232,10 +239,11 @@ def _flows_unchanged(scan, name, lines, end):
                for n, line in scan.reads if n == name and start < line < end)
 
 
-def rewritten_forward(fn, rope_name, one_tensor=False):
+def rewritten_forward(fn, rope_name, kind=True):
     """A function like `fn` (a plain function: the forward, unwrapped) with q_norm / k_norm fused
-    into its RoPE call, or None when its code is not of the shape described above. one_tensor:
-    the RoPE function takes one tensor, and each norm is fused into its own call of it."""
+    into its RoPE call, or None when its code is not of the shape described above. kind (see
+    ONE_TENSOR, VISION): the fused call made; ONE_TENSOR: the RoPE function takes one tensor, and
+    each norm is fused into its own call of it."""
     try:
         source = textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError):
@@ -244,7 +252,7 @@ def rewritten_forward(fn, rope_name, one_tensor=False):
     fdef = tree.body[0] if tree.body else None
     if not isinstance(fdef, (ast.FunctionDef, ast.AsyncFunctionDef)) or fdef.name != fn.__name__:
         return None
-    if one_tensor:
+    if kind == ONE_TENSOR:
         sites = _one_tensor_sites(fdef, rope_name)
         if sites is None:
             return None
@@ -282,7 +290,8 @@ def rewritten_forward(fn, rope_name, one_tensor=False):
     normed = (ast.Constant(True) if not conditions else
               conditions[0] if len(conditions) == 1 else ast.BoolOp(ast.And(), conditions))
     q, k = (arg.id for arg in rope_call.args[:2])
-    fdef = _Rewrite(rope_call, normed, fused).visit(fdef)
+    fused_name = FUSED_VISION_NAME if kind == VISION else FUSED_NAME
+    fdef = _Rewrite(rope_call, normed, fused, fused_name).visit(fdef)
     if branch is not None:
         # The norms ran whether or not the RoPE call did: now fused into it, they run in an
         # added else branch when it does not.
@@ -442,12 +451,12 @@ def _weight(norm):
     return norm.weight if weight is None else weight
 
 
-def qk_norm_rope_call(module, q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *, _normed):
-    """What the rewritten forward calls in place of `q_norm`, `k_norm` and the RoPE function.
-    It runs once per layer and token step (at decode it costs about what the norms and RoPE it
-    replaces do), so the common case takes few Python steps and calls the op directly."""
-    if not _normed:  # the forward's conditions on its norms are false: RoPE only
-        return hf.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+def _fused_norms(module, q, k, cos, sin):
+    """(q_norm, k_norm, q weight, k weight, eps, unit_offset) of module's norms, or None where the
+    op cannot stand in for them: norms of two forms or two eps (the norms act on the last dim,
+    whatever the layout), or tables that require grad (the op reads the first half of each,
+    the angles, while transformers' gradients reach both halves, which compat.transformers
+    reproduces)."""
     q_norm, k_norm = _submodule(module, "q_norm"), _submodule(module, "k_norm")
     q_weight, k_weight = _weight(q_norm), _weight(k_norm)
     if q_weight.shape[-1] != q.shape[-1] or k_weight.shape[-1] != k.shape[-1]:
@@ -461,19 +470,43 @@ def qk_norm_rope_call(module, q, k, cos, sin, position_ids=None, unsqueeze_dim=1
         q_form, k_form = _norm_form(q_norm), _norm_form(k_norm)
     eps = None if q_form is None else getattr(q_norm, q_form[1])
     if (eps is None or k_form is None or q_form[0] != k_form[0]
-            or eps != getattr(k_norm, k_form[1]) or unsqueeze_dim not in (1, 2) or q.dim() != 4
-            or cos.requires_grad or sin.requires_grad):
-        # One eps for both and transformers' two layouts: anything else runs unfused (the
-        # norms act on the last dim, whatever the layout). So do tables that require grad: the
-        # op reads the first half of each (the angles), and transformers' gradients reach both
-        # halves, which compat.transformers reproduces.
+            or eps != getattr(k_norm, k_form[1]) or cos.requires_grad or sin.requires_grad):
+        return None
+    return q_norm, k_norm, q_weight, k_weight, eps, q_form[0]
+
+
+def qk_norm_rope_call(module, q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *, _normed):
+    """What the rewritten forward calls in place of `q_norm`, `k_norm` and the RoPE function.
+    It runs once per layer and token step (at decode it costs about what the norms and RoPE it
+    replaces do), so the common case takes few Python steps and calls the op directly."""
+    if not _normed:  # the forward's conditions on its norms are false: RoPE only
+        return hf.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    norms = _fused_norms(module, q, k, cos, sin)
+    if norms is None or unsqueeze_dim not in (1, 2) or q.dim() != 4:  # transformers' layouts
+        q_norm, k_norm = _submodule(module, "q_norm"), _submodule(module, "k_norm")
         return hf.apply_rotary_pos_emb(q_norm(q), k_norm(k), cos, sin, unsqueeze_dim=unsqueeze_dim)
     if cos.dim() == 3:  # transformers' (batch, seq, rotary_dim)
         cos, sin = _tables(cos, sin, unsqueeze_dim)
     else:
         cos, sin = _api.half_tables(cos, sin, head_first=unsqueeze_dim == 1, ndim=4)
+    _, _, q_weight, k_weight, eps, unit_offset = norms
     # rope_ext.qk_norm.qk_norm_rope(..., table_width="half") without its Python frames.
-    return fused_op(q, k, q_weight, k_weight, cos, sin, eps, q_form[0], False)
+    return fused_op(q, k, q_weight, k_weight, cos, sin, eps, unit_offset, False)
+
+
+def qk_norm_rope_vision_call(module, q, k, cos, sin, *, _normed):
+    """qk_norm_rope_call of a vision tower's attention: q, k (seq, heads, head_dim) and the
+    vision RoPE function's tables (seq, rotary_dim), as compat.transformers'
+    apply_rotary_pos_emb_vision takes them (computed in float32, returned in q's dtype)."""
+    if not _normed:
+        return hf.apply_rotary_pos_emb_vision(q, k, cos, sin)
+    norms = _fused_norms(module, q, k, cos, sin)
+    if norms is None or q.dim() != 3 or k.dim() != 3 or cos.dim() != 2:
+        q_norm, k_norm = _submodule(module, "q_norm"), _submodule(module, "k_norm")
+        return hf.apply_rotary_pos_emb_vision(q_norm(q), k_norm(k), cos, sin)
+    _, _, q_weight, k_weight, eps, unit_offset = norms
+    cos, sin = _api.half_tables(cos, sin, ndim=3)
+    return fused_op(q, k, q_weight, k_weight, cos, sin, eps, unit_offset, False)
 
 
 def norm_rope_one_call(module, norm_name, x, cos, sin, position_ids=None, unsqueeze_dim=1):
@@ -493,3 +526,9 @@ def norm_rope_one_call(module, norm_name, x, cos, sin, position_ids=None, unsque
 
 # The op qk_norm_rope_call runs (looked up at each call: tests count its calls through it).
 fused_op = torch.ops.rope.qk_norm_rope.default
+
+
+# Each kind of fusion: the name the rewritten forward calls, and what it calls.
+FUSED_CALLS = {True: (FUSED_NAME, qk_norm_rope_call),
+               ONE_TENSOR: (FUSED_ONE_NAME, norm_rope_one_call),
+               VISION: (FUSED_VISION_NAME, qk_norm_rope_vision_call)}

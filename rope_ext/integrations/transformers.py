@@ -117,6 +117,9 @@ _QWEN_VL = {
     "apply_multimodal_rotary_pos_emb": (hf.apply_multimodal_rotary_pos_emb, _probe_mrope),
     "apply_rotary_pos_emb_vision": (hf.apply_rotary_pos_emb_vision, _probe_vision),
 }
+# Vision towers that norm q and k per head before their RoPE (GLM-OCR): the language model's
+# RoPE (GLM's interleaved form) runs transformers' code.
+_VISION = {"apply_rotary_pos_emb_vision": (hf.apply_rotary_pos_emb_vision, _probe_vision)}
 # Qwen3-VL's rotary module lays the MRoPE sections out interleaved (T,H,W,...) itself; its
 # attention then applies the resulting full-width tables like any rotate_half model.
 _QWEN3_VL = {
@@ -186,6 +189,7 @@ FAMILIES = {
     "t5gemma2": ("t5gemma2.modeling_t5gemma2", _ROTATE_HALF),  # transformers >= 5
     "step3p7": ("step3p7.modeling_step3p7", _ROTATE_HALF),  # >= 5; its language model's RoPE
     "molmo2": ("molmo2.modeling_molmo2", _ROTATE_HALF),  # >= 5; its language model's RoPE
+    "glm_ocr": ("glm_ocr.modeling_glm_ocr", _VISION),  # >= 5; its vision tower's
 }
 
 
@@ -288,10 +292,10 @@ def _renaming(renames):
     return lambda fn: _copy_function(fn, _renamed_code(fn.__code__, renames), fn.__closure__)
 
 
-def _fusing(rope_name, one_tensor):
+def _fusing(rope_name, kind):
     """make() for _rebuilt: q_norm / k_norm fused into the RoPE call (integrations/_qk_norm)."""
     def make(fn):
-        new = _qk_norm.rewritten_forward(fn, rope_name, one_tensor)
+        new = _qk_norm.rewritten_forward(fn, rope_name, kind)
         if new is None:
             raise _NotFusable
         return new
@@ -334,8 +338,8 @@ _classes = {}  # (original class, names, fused) -> patched class, or None: canno
 def _patched_class(original, names, fused=False):
     """The patched subclass of `original` (made once), after checking that the functions `names`
     of its modeling module, as they are now, compute what their replacements do. fused: q_norm
-    and k_norm fused into the RoPE call (True; "one tensor": each into its own call of a
-    one-tensor RoPE function); None if the forward is not of a shape that allows it."""
+    and k_norm fused into the RoPE call (True, or the kind of fusion: _qk_norm.ONE_TENSOR,
+    VISION); None if the forward is not of a shape that allows it."""
     key = (original, tuple(names), fused)
     modeling = importlib.import_module(inspect.unwrap(original.forward).__module__)
     functions = _functions_of(modeling)
@@ -347,16 +351,12 @@ def _patched_class(original, names, fused=False):
             return _classes[key]
         if fused:
             (rope_name,) = names
-            one_tensor = fused == _ONE_TENSOR_FUSED
             try:
-                forward = _rebuilt(original.forward, _fusing(rope_name, one_tensor))
+                forward = _rebuilt(original.forward, _fusing(rope_name, fused))
             except _NotFusable:
                 _classes[key] = None
                 return None
-            if one_tensor:
-                setattr(modeling, _qk_norm.FUSED_ONE_NAME, _qk_norm.norm_rope_one_call)
-            else:
-                setattr(modeling, _qk_norm.FUSED_NAME, _qk_norm.qk_norm_rope_call)
+            setattr(modeling, *_qk_norm.FUSED_CALLS[fused])
         else:
             for name in names:
                 setattr(modeling, _PREFIX + name, functions[name][0])
@@ -375,17 +375,18 @@ def _new_patched(original, names, fused=False):
     return cls.__new__(cls)
 
 
-_ONE_TENSOR_FUSED = "one tensor"
+# The kind of fusion (_qk_norm) of an attention whose one RoPE function is replaced by each.
+_FUSED_KINDS = {hf.apply_rotary_pos_emb: True,
+                hf.apply_rotary_pos_emb_single: _qk_norm.ONE_TENSOR,
+                hf.apply_rotary_pos_emb_vision: _qk_norm.VISION}
 
 
 def _fused_class(module, names, functions):
     """The fused patched class for `module`, or None (patch RoPE only)."""
-    if names != ("apply_rotary_pos_emb",) or _qk_norm.qk_norm_api() is None:
+    if len(names) != 1 or _qk_norm.qk_norm_api() is None:
         return None
-    fn = functions[names[0]][0]
-    fused = (True if fn is hf.apply_rotary_pos_emb
-             else _ONE_TENSOR_FUSED if fn is hf.apply_rotary_pos_emb_single else None)
-    if fused is None or not _qk_norm.fusable_norms(module, fused == _ONE_TENSOR_FUSED):
+    fused = _FUSED_KINDS.get(functions[names[0]][0])
+    if fused is None or not _qk_norm.fusable_norms(module, fused == _qk_norm.ONE_TENSOR):
         return None
     return _patched_class(type(module), names, fused=fused)
 
