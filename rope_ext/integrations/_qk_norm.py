@@ -13,13 +13,13 @@ fusion is right for: a `self.q_norm(...)` and a `self.k_norm(...)` call, each th
 view / transpose / reshape / contiguous only) last assigned to the name passed as q or k to the
 one RoPE call, read by nothing else before it (its .shape aside), that call assigning its results
 to the same two names (other norm calls, such as T5Gemma 2's k_norm of its cross-attention keys,
-are left as they are), the norms under the same `if` conditions (passed to the fused call, which falls back
-to the plain rotation when they are false). EXAONE 4 and its kin norm on every layer but rotate
-on some only: `if rotary: q, k = rope(q, k, ...)` after unconditional norms becomes the fused call
-in that branch and the two norms in an added else branch (_rope_branch). Anything else is not
-rewritten, and the module is
-patched for RoPE only. The norm modules are checked on random inputs against the two RMSNorm
-forms the op computes (x * w and Gemma's x * (1 + w)), per norm class.
+are left as they are), the norms under the same `if` conditions (passed to the fused call, which
+falls back to the plain rotation when they are false). EXAONE 4 and its kin norm on every layer
+but rotate on some only: `if rotary: q, k = rope(q, k, ...)` after unconditional norms becomes
+the fused call in that branch and the two norms in an added else branch (_rope_branch).
+Anything else is not rewritten, and the module is patched for RoPE only. The norm modules are
+checked on random inputs against the two RMSNorm forms the op computes (x * w and Gemma's
+x * (1 + w)), per norm class.
 """
 
 import ast
@@ -290,8 +290,7 @@ def rewritten_forward(fn, rope_name, kind=True):
     normed = (ast.Constant(True) if not conditions else
               conditions[0] if len(conditions) == 1 else ast.BoolOp(ast.And(), conditions))
     q, k = (arg.id for arg in rope_call.args[:2])
-    fused_name = FUSED_VISION_NAME if kind == VISION else FUSED_NAME
-    fdef = _Rewrite(rope_call, normed, fused, fused_name).visit(fdef)
+    fdef = _Rewrite(rope_call, normed, fused, FUSED_CALLS[kind][0]).visit(fdef)
     if branch is not None:
         # The norms ran whether or not the RoPE call did: now fused into it, they run in an
         # added else branch when it does not.
@@ -452,7 +451,7 @@ def _weight(norm):
 
 
 def _fused_norms(module, q, k, cos, sin):
-    """(q_norm, k_norm, q weight, k weight, eps, unit_offset) of module's norms, or None where the
+    """(q weight, k weight, eps, unit_offset) of module's norms, or None where the
     op cannot stand in for them: norms of two forms or two eps (the norms act on the last dim,
     whatever the layout), or tables that require grad (the op reads the first half of each,
     the angles, while transformers' gradients reach both halves, which compat.transformers
@@ -472,7 +471,7 @@ def _fused_norms(module, q, k, cos, sin):
     if (eps is None or k_form is None or q_form[0] != k_form[0]
             or eps != getattr(k_norm, k_form[1]) or cos.requires_grad or sin.requires_grad):
         return None
-    return q_norm, k_norm, q_weight, k_weight, eps, q_form[0]
+    return q_weight, k_weight, eps, q_form[0]
 
 
 def qk_norm_rope_call(module, q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *, _normed):
@@ -489,7 +488,7 @@ def qk_norm_rope_call(module, q, k, cos, sin, position_ids=None, unsqueeze_dim=1
         cos, sin = _tables(cos, sin, unsqueeze_dim)
     else:
         cos, sin = _api.half_tables(cos, sin, head_first=unsqueeze_dim == 1, ndim=4)
-    _, _, q_weight, k_weight, eps, unit_offset = norms
+    q_weight, k_weight, eps, unit_offset = norms
     # rope_ext.qk_norm.qk_norm_rope(..., table_width="half") without its Python frames.
     return fused_op(q, k, q_weight, k_weight, cos, sin, eps, unit_offset, False)
 
@@ -504,7 +503,7 @@ def qk_norm_rope_vision_call(module, q, k, cos, sin, *, _normed):
     if norms is None or q.dim() != 3 or k.dim() != 3 or cos.dim() != 2:
         q_norm, k_norm = _submodule(module, "q_norm"), _submodule(module, "k_norm")
         return hf.apply_rotary_pos_emb_vision(q_norm(q), k_norm(k), cos, sin)
-    _, _, q_weight, k_weight, eps, unit_offset = norms
+    q_weight, k_weight, eps, unit_offset = norms
     cos, sin = _api.half_tables(cos, sin, ndim=3)
     return fused_op(q, k, q_weight, k_weight, cos, sin, eps, unit_offset, False)
 

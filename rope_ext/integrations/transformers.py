@@ -171,7 +171,8 @@ FAMILIES = {
     "qwen3_vl_moe": ("qwen3_vl_moe.modeling_qwen3_vl_moe", _QWEN3_VL),
     "qwen3_vl_moe_text": ("qwen3_vl_moe.modeling_qwen3_vl_moe", _QWEN3_VL),
     "qwen3_omni_moe_thinker": ("qwen3_omni_moe.modeling_qwen3_omni_moe", _QWEN3_VL),
-    # QK-norm families; the first four rotate on some layers only (NoPE on global layers)
+    # QK-norm families; EXAONE 4 (and 4.5), EXAONE MoE, AFMoE, Flint and Kolibri 1 rotate on
+    # some layers only (NoPE on global layers)
     "exaone4": ("exaone4.modeling_exaone4", _ROTATE_HALF),
     "exaone_moe": ("exaone_moe.modeling_exaone_moe", _ROTATE_HALF),  # transformers >= 5
     "exaone4_5": ("exaone4.modeling_exaone4", _ROTATE_HALF),  # >= 5; its language model is EXAONE 4
