@@ -14,7 +14,7 @@ _registrations.register()
 from . import distributed  # noqa: E402,F401  (DTensor sharding rules, registered when torch.distributed.tensor loads)
 
 from . import reference  # noqa: E402
-from ._library import cpu_isa, set_cpu_isa  # noqa: E402
+from ._library import cpu_isa, cpu_isas, set_cpu_isa  # noqa: E402
 from .modules import RotaryEmbedding  # noqa: E402
 from .ops import (  # noqa: E402
     apply_mrope_,
@@ -39,6 +39,7 @@ __all__ = [
     "backend",
     "cos_sin_cache",
     "cpu_isa",
+    "cpu_isas",
     "qk_norm_rope",
     "qk_norm_rope_",
     "qkv_norm_rope_",

@@ -167,6 +167,18 @@ def cpu_isa():
     return CPU_ISA_NAMES[int(torch.ops.rope.cpu_isa())]
 
 
+def cpu_isas():
+    """The CPU kernel variants this CPU (and this build) can serve with, lowest first: a prefix
+    of ("baseline", "avx2", "avx512", "avx512_bf16"); () when no native library is loaded."""
+    if not has_kernel("cpu"):
+        return ()
+    ops = torch.ops.rope
+    serving = int(ops.cpu_isa())
+    best = int(ops.set_cpu_isa(-1))
+    ops.set_cpu_isa(serving)
+    return CPU_ISA_NAMES[: best + 1]
+
+
 def set_cpu_isa(name):
     """Serves the CPU ops with variant `name` ("auto" for the best this CPU supports; a variant it
     lacks is an error); returns the name of the variant now serving. For tests and comparisons:

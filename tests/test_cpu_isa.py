@@ -75,6 +75,7 @@ def test_best_variant_is_chosen_by_default():
     if not cpu_flags():
         pytest.skip("no /proc/cpuinfo")
     assert rope_ext.set_cpu_isa("auto") == runnable()[-1]
+    assert rope_ext.cpu_isas() == tuple(runnable())
 
 
 @native
