@@ -96,9 +96,9 @@ def ops_table(op_type):
     return {
         "qk_norm_rope": op_type(ref.qk_norm_rope, _fake_qk_norm_rope, (_backward, _setup)),
         "qk_norm_rope_": op_type(ref.qk_norm_rope_, _fake_qk_norm_rope_,
-                                 mutable_autograd=_autograd_qk_norm_rope_),
+                                 mutable_autograd=_autograd_qk_norm_rope_, differentiable=False),
         "qkv_norm_rope_": op_type(ref.qkv_norm_rope_, _fake_qkv_norm_rope_,
-                                  mutable_autograd=_autograd_qkv_norm_rope_),
+                                  mutable_autograd=_autograd_qkv_norm_rope_, differentiable=False),
     }
 
 

@@ -152,10 +152,12 @@ def ops_table(op_type):
     """These ops' entries of rope_ext._registrations.OPS (op_type: its Op)."""
     return {
         "quantize_fp8": op_type(quantize_fp8, _fake_quantize_fp8,
-                                mutable_autograd=_autograd_kernel("quantize_fp8")),
+                                mutable_autograd=_autograd_kernel("quantize_fp8"),
+                                differentiable=False),
         "quantize_fp8_append_paged_kv_cache": op_type(
             quantize_fp8_append_paged_kv_cache, _fake_paged,
-            mutable_autograd=_autograd_kernel("quantize_fp8_append_paged_kv_cache")),
+            mutable_autograd=_autograd_kernel("quantize_fp8_append_paged_kv_cache"),
+            differentiable=False),
     }
 
 

@@ -9,6 +9,7 @@ kernels alike: both paths behave the same under autograd.
 from typing import Callable, NamedTuple
 
 import torch
+from torch.autograd import forward_ad
 
 from . import _checks, _kv_shift_reference, reference
 
@@ -347,11 +348,13 @@ class Op(NamedTuple):
     fake: Callable
     functional_autograd: tuple = None
     mutable_autograd: Callable = None
+    differentiable: bool = True  # False: serving ops and out=, which refuse gradients
 
 
 OPS = {
     "apply": Op(_ref_apply, _fake_apply, (_backward_rotation(False), _setup_apply)),
-    "apply.out": Op(_ref_apply_out, _fake_apply_out, mutable_autograd=_autograd_apply_out),
+    "apply.out": Op(_ref_apply_out, _fake_apply_out, mutable_autograd=_autograd_apply_out,
+                    differentiable=False),
     "apply_backward": Op(_ref_apply_backward, _fake_apply_backward,
                          (_backward_rotation(True), _setup_apply)),
     "apply_": Op(_ref_apply_, _fake_apply_, mutable_autograd=_autograd_apply_),
@@ -359,9 +362,9 @@ OPS = {
     "apply_positions": Op(_ref_apply_positions, _fake_apply_positions,
                           (_backward_positions, _setup_positions)),
     "apply_and_cache_": Op(_ref_apply_and_cache_, _fake_apply_and_cache_,
-                           mutable_autograd=_autograd_apply_and_cache_),
+                           mutable_autograd=_autograd_apply_and_cache_, differentiable=False),
     "shift_kv_cache_": Op(_ref_shift_kv_cache_, _fake_shift_kv_cache_,
-                          mutable_autograd=_autograd_shift_kv_cache_),
+                          mutable_autograd=_autograd_shift_kv_cache_, differentiable=False),
 }
 # Op families in modules of their own add their entries on import (rope_ext/__init__.py imports
 # them before register()): _qk_norm_registrations (fused QK-RMSNorm + RoPE), _quant_ops (RoPE +
@@ -405,6 +408,53 @@ def _functional_autograd_kernel(name, backward, setup_context):
     return library_autograd.make_autograd_impl(op, library_autograd.Info(backward, setup_context))
 
 
+def _has_tangent(args, kwargs):
+    """Whether a forward-mode AD tangent rides on a tensor argument (torch.func.jvp and
+    torch.autograd.forward_ad both make dual tensors at forward_ad's current level)."""
+    if forward_ad._current_level < 0:  # no dual level entered: the common case, one read
+        return False
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None:
+            return True
+    return False
+
+
+def _forward_ad_aware(name, autograd_kernel):
+    """Op `name`'s autograd kernel, unless a tangent rides on an argument: then the op's
+    reference kernel runs on the dual tensors, made of torch ops that carry tangents (the kernel
+    alone would drop them and leave a zero tangent: forward AD has no formula for a custom op).
+    Its results are the reference's; gradients in reverse mode are unchanged."""
+    reference_kernel, differentiable = OPS[name].reference, OPS[name].differentiable
+
+    def kernel(keyset, *args, **kwargs):
+        if _has_tangent(args, kwargs):
+            if not differentiable:
+                raise RuntimeError(f"rope.{name}: not differentiable, but a forward-mode AD "
+                                   "tangent (torch.func.jvp, torch.autograd.forward_ad) rides "
+                                   "on one of its arguments")
+            return reference_kernel(*args, **kwargs)
+        return autograd_kernel(keyset, *args, **kwargs)
+
+    return kernel
+
+
+def tangent_aware(name, *args):
+    """rope.<name>(*args) from a public function while a forward-AD dual level is open. With
+    grad mode on the op's autograd kernel sees the tangents (_forward_ad_aware); with it off the
+    native call path goes straight to the kernel, which would drop them, so the reference (or
+    the refusal of a non-differentiable op) serves here."""
+    if not torch.is_grad_enabled() and _has_tangent(args, {}):
+        return _forward_ad_aware(name, None)(None, *args)
+    return getattr(ops, name)(*args)
+
+
+def _autograd_kernel(name, op):
+    """The kernel that serves op `name`'s Autograd key (or its `_grad_` twin's)."""
+    if op.functional_autograd is not None:
+        return _forward_ad_aware(name, _functional_autograd_kernel(name, *op.functional_autograd))
+    return _forward_ad_aware(name, op.mutable_autograd)
+
+
 def register():
     lib = torch.library.Library("rope", "IMPL")
     _libraries.append(lib)
@@ -414,11 +464,8 @@ def register():
         torch.library.register_fake(f"rope::{name}", op.fake, lib=lib)
         if routed(name):
             continue  # the library's C++ kernels serve Autograd and ADInplaceOrView: see below
-        if op.functional_autograd is not None:
-            backward, setup = op.functional_autograd
-            torch.library.register_autograd(f"rope::{name}", backward, setup_context=setup, lib=lib)
-        else:
-            lib.impl(name, op.mutable_autograd, "Autograd", with_keyset=True)
+        lib.impl(name, _autograd_kernel(name, op), "Autograd", with_keyset=True)
+        if op.functional_autograd is None:
             lib.impl(name, _ad_inplace_or_view_kernel(name), "ADInplaceOrView", with_keyset=True)
     register_routes()
 
@@ -437,13 +484,12 @@ def register_routes():
         # The kernel-only twin serves every device but the CPU, meta included (no Python key:
         # a plain meta tensor reaches the C++ router too).
         torch.library.register_fake(f"rope::_impl_{name}", op.fake, lib=lib)
+        autograd = _autograd_kernel(name, op)
+        lib.impl(f"_grad_{name}", autograd, "Autograd", with_keyset=True)
         if op.functional_autograd is not None:
-            autograd = _functional_autograd_kernel(name, *op.functional_autograd)
-            lib.impl(f"_grad_{name}", autograd, "Autograd", with_keyset=True)
             lib.impl(name, autograd, "PythonTLSSnapshot", with_keyset=True)
         else:
-            lib.impl(f"_grad_{name}", op.mutable_autograd, "Autograd", with_keyset=True)
-            lib.impl(name, _snapshot_kernel(name, op.mutable_autograd), "PythonTLSSnapshot",
+            lib.impl(name, _snapshot_kernel(name, autograd), "PythonTLSSnapshot",
                      with_keyset=True)
         _routes_registered.add(name)
 

@@ -16,8 +16,10 @@ is rounded once to the input dtype. Values (V) are never touched.
 import numbers
 
 import torch
+from torch.autograd import forward_ad
 
-from .ops import heads
+from ._registrations import tangent_aware
+from .ops import _op_call, heads
 
 ops = torch.ops.rope
 
@@ -80,6 +82,9 @@ def qk_norm_rope(query, key, q_weight, k_weight, cos, sin, *, eps=1e-6, unit_off
     if table_width == "full":
         cos, sin = half_tables(cos, sin, interleaved=interleaved, head_first=head_first,
                                ndim=query.dim())
+    if forward_ad._current_level >= 0:  # a dual level is open (torch.func.jvp, forward_ad)
+        return tangent_aware("qk_norm_rope", query, key, q_weight, k_weight, cos, sin, eps,
+                             unit_offset, interleaved)
     return ops.qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps, unit_offset,
                             interleaved)
 
@@ -101,10 +106,10 @@ def qk_norm_rope_(query, key, q_weight, k_weight, positions, cos_sin_cache, *, e
     differentiable. A rejected call writes nothing. Returns (query, key)."""
     # The op refuses inference tensors outside inference mode itself (torch's error, before any
     # write), as every in-place op of the library does.
-    ops.qk_norm_rope_(heads(query, head_size, "query"), heads(key, head_size, "key"),
-                      q_weight, k_weight, positions, cos_sin_cache, eps, unit_offset,
-                      interleaved, None if mrope_section is None else _section(mrope_section),
-                      mrope_interleaved)
+    call = tangent_aware if forward_ad._current_level >= 0 else _op_call  # a dual level open?
+    call("qk_norm_rope_", heads(query, head_size, "query"), heads(key, head_size, "key"),
+         q_weight, k_weight, positions, cos_sin_cache, eps, unit_offset, interleaved,
+         None if mrope_section is None else _section(mrope_section), mrope_interleaved)
     return query, key
 
 
@@ -115,8 +120,8 @@ def qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weigh
     any stride): the q and k heads normalized and rotated as qk_norm_rope_ does, positions
     (num_tokens,) (or (3, num_tokens) with mrope_section); the v heads untouched. Serving only.
     Returns qkv."""
-    ops.qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight, k_weight,
-                       positions, cos_sin_cache, eps, unit_offset, interleaved,
-                       None if mrope_section is None else _section(mrope_section),
-                       mrope_interleaved)
+    call = tangent_aware if forward_ad._current_level >= 0 else _op_call  # a dual level open?
+    call("qkv_norm_rope_", qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight,
+         k_weight, positions, cos_sin_cache, eps, unit_offset, interleaved,
+         None if mrope_section is None else _section(mrope_section), mrope_interleaved)
     return qkv
