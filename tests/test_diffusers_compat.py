@@ -193,6 +193,28 @@ def test_table_changed_in_place_is_seen():
     close(rd.apply_rotary_emb(x, (cos, sin)), emb.apply_rotary_emb(x, (cos, sin)), torch.float32)
 
 
+@pytest.mark.parametrize("how", ["data assigned", "data copied into"])
+@pytest.mark.parametrize("unbind", [-1, -2])
+def test_table_changed_without_a_version_bump_is_seen(how, unbind):
+    """`t.data = new` and `t.data.copy_(new)` change a table's values without a version bump:
+    the drop-in must not serve the pairs' check of the old values."""
+    x = torch.randn(1, 5, 2, 8)
+    kw = dict(sequence_dim=1, use_real_unbind_dim=unbind)
+    cos, sin = tables(5, 8, unbind == -1, True)
+    close(rd.apply_rotary_emb(x, (cos, sin), **kw), emb.apply_rotary_emb(x, (cos, sin), **kw),
+          torch.float32)
+    for duplicated in (False, True):
+        new_cos, _ = tables(5, 8, unbind == -1, duplicated)
+        before = cos._version
+        if how == "data assigned":
+            cos.data = new_cos
+        else:
+            cos.data.copy_(new_cos)
+        assert cos._version == before
+        close(rd.apply_rotary_emb(x, (cos, sin), **kw),
+              emb.apply_rotary_emb(x, (cos, sin), **kw), torch.float32)
+
+
 def test_inference_mode_tables():
     x = torch.randn(1, 2, 5, 8)
     with torch.inference_mode():

@@ -11,30 +11,16 @@ twice: `repeat_interleave` (pairs (2i, 2i+1), `use_real_unbind_dim=-1`) or `cat`
 (i, i + D/2), `use_real_unbind_dim=-2`). rope_ext reads one entry per pair, once. Its output is
 diffusers' for any tables all the same: a table whose two entries of some pair differ (or a table
 that requires grad) goes through two passes, each exact for one member of every pair, so values
-and gradients are diffusers' own. Which case a table is takes one comparison of its two halves,
-remembered per table object and version (a model computes its table once per forward and passes
-it to every attention layer; inference tensors have no version, and are compared at each call).
+and gradients are diffusers' own. Which case a table is takes one comparison of its two halves at
+each call (a table's values can change without a version bump, so none is remembered).
 Under torch.compile the comparison runs in the graph at each call and torch.cond picks the path
 (the two passes where x needs a gradient); tensor subclasses take the two passes. See
 docs/diffusers.md.
 """
 
-import weakref
-
 import torch
 
 from ._layout import float32_table, rotate_pairs
-
-# (id(table), interleaved) -> (weakref to table, table._version, the one-entry-per-pair cos or
-# sin as a contiguous float32 tensor, or None where the pairs' entries differ)
-_PAIRED = {}
-
-
-def _forget(key, ref):
-    entry = _PAIRED.get(key)
-    if entry is not None and entry[0] is ref:
-        del _PAIRED[key]
-
 
 def _members(table, interleaved):
     """The two (..., D/2) views of a full-width table: the entry of each pair's first member, and
@@ -47,23 +33,16 @@ def _members(table, interleaved):
 
 def _one_per_pair(table, interleaved):
     """The (..., D/2) table of one entry per pair when both members of every pair hold the same
-    value, else None. Remembered per table object and version, outside torch.compile."""
+    value, else None. Compared at every call: a table's values can change without a version
+    bump (`t.data.copy_(...)`, `t.data = ...`), so nothing about them is remembered (the
+    comparison reads the table once, a few percent of what the rotation moves)."""
     if torch.compiler.is_compiling() or table.device.type == "meta":
         return None
     if type(table) not in (torch.Tensor, torch.nn.Parameter):
         return None  # fake, functional, distributed tensors: no data to compare here
-    if table.is_inference():  # no version counter to tell an in-place change: check each call
-        first, second = _members(table, interleaved)
-        return float32_table(first) if torch.equal(first, second) else None
-    key = (id(table), interleaved)
-    entry = _PAIRED.get(key)
-    if entry is not None and entry[0]() is table and entry[1] == table._version:
-        return entry[2]
     first, second = _members(table, interleaved)
-    paired = float32_table(first).contiguous() if torch.equal(first, second) else None
-    ref = weakref.ref(table, lambda r, key=key: _forget(key, r))
-    _PAIRED[key] = (ref, table._version, paired)
-    return paired
+    # (contiguous: the kernel reads unit-stride rows fastest)
+    return float32_table(first).contiguous() if torch.equal(first, second) else None
 
 
 def _check_x(x, name="x"):
