@@ -59,6 +59,8 @@ FAMILIES = {
                                             moe_intermediate_size=32,
                                             shared_expert_intermediate_size=32)),
     "qwen3": causal_lm(T.Qwen3Config(**BASE, head_dim=16)),
+    # per-head norms named q_layernorm / k_layernorm; a conv layer and an attention layer
+    "lfm2": causal_lm(T.Lfm2Config(**BASE, layer_types=["conv", "full_attention"])),
     "qwen3_moe": causal_lm(T.Qwen3MoeConfig(**BASE, head_dim=16, num_experts=2, num_experts_per_tok=1,
                                             moe_intermediate_size=32)),
     "gemma": causal_lm(T.GemmaConfig(**BASE, head_dim=16)),
@@ -192,6 +194,14 @@ if HF5:
                            intermediate_size=64, image_size=8),
         image_token_id=5, video_token_id=6, image_start_token_id=7, image_end_token_id=8,
         video_start_token_id=9, video_end_token_id=10))
+    FAMILIES["lfm2_vl"] = lambda: T.Lfm2VlForConditionalGeneration(T.Lfm2VlConfig(
+        text_config=dict(BASE, model_type="lfm2", layer_types=["conv", "full_attention"]),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, patch_size=2, num_patches=16),
+        projector_hidden_size=32, image_token_id=5))
+    FAMILIES["lfm2_moe"] = causal_lm(T.Lfm2MoeConfig(
+        **BASE, layer_types=["conv", "full_attention"], num_dense_layers=1, num_experts=2,
+        num_experts_per_tok=1, moe_intermediate_size=32))
     FAMILIES.update({  # RoPE on some layers only, as EXAONE 4
         "exaone_moe": causal_lm(T.ExaoneMoeConfig(**BASE, head_dim=16, **NOPE_GLOBAL)),
         "afmoe": causal_lm(T.AfmoeConfig(**BASE, head_dim=16, **NOPE_GLOBAL)),
@@ -206,7 +216,8 @@ QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "qwen3_next", "glm4_moe", "qwen3
            "exaone4", "doge", "gemma4_unified_text", "hy_v3", "laguna", "mellum",
            "minimax_m3_vl_text", "lfm3", "qwen3_omni_moe_thinker", "t5gemma2", "step3p7", "exaone4_5",
            "minimax_m3_vl", "gemma3", "gemma4", "qwen3_5", "qwen3_5_moe",
-           "molmo2", "glm_ocr", "exaone_moe", "afmoe", "flint", "kolibri1"}
+           "molmo2", "glm_ocr", "exaone_moe", "afmoe", "flint", "kolibri1", "lfm2", "lfm2_moe",
+           "lfm2_vl"}
 # Of those, the families whose attention norms and rotates q and k in separate calls: the fused
 # op runs once for each (q only in Gemma 4's layers that reuse another layer's keys).
 ONE_TENSOR = {"gemma4_text", "gemma4", "gemma3n_text", "gemma4_unified_text"}
@@ -654,6 +665,63 @@ def test_qk_norm_families_generate_the_same_tokens(family):
     assert torch.equal(got, want)
 
 
+# Families with norms under other names, one-tensor fusion, and the common case.
+HOOK_FAMILIES = ["qwen3", "lfm2", "gemma4_text" if HF5 else "gemma3n_text"]
+
+
+def first_fused_norm(model):
+    """(an attention module of model whose norms are fused, the name of its q norm module)."""
+    for m in model.modules():
+        if getattr(type(m), "_rope_ext_spec", (None, None, False))[2]:
+            fn = getattr(type(m).__bases__[0], "forward")
+            names = _qk_norm.norm_names(inspect.unwrap(fn), type(m)._rope_ext_spec[1][0],
+                                        type(m)._rope_ext_spec[2])
+            return m, names[0]
+    raise AssertionError("no fused attention")
+
+
+@pytest.mark.parametrize("family", HOOK_FAMILIES)
+@pytest.mark.parametrize("how", ["module hook", "global hook", "pre hook", "identity",
+                                 "layer norm", "instance forward"])
+def test_norms_with_hooks_or_replaced_after_patch_run_as_transformers_runs_them(family, how):
+    """A q norm with a hook (its own or a global one), an instance forward, or replaced after
+    patch by a module of another form is not fused: the patched model computes what the
+    unpatched one does with it, and the hooks fire as often."""
+    model = perturbed(build(family), 8)
+    batches = [text_batch(model, torch.randint(10, 128, (2, 9)))]
+    integration.patch(model)
+    attention, name = first_fused_norm(model)
+    integration.unpatch(model)
+    norm = getattr(attention, name)
+    fired = []
+    if how == "module hook":  # an output-scaling hook
+        handle = norm.register_forward_hook(lambda m, a, out: fired.append(1) or out * 1.5)
+    elif how == "pre hook":
+        handle = norm.register_forward_pre_hook(lambda m, a: fired.append(1) or (a[0] * 0.5,))
+    elif how == "global hook":
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, a, out: (fired.append(1), out * 1.25)[1] if m is norm else None)
+    elif how == "identity":
+        setattr(attention, name, torch.nn.Identity())
+    elif how == "layer norm":
+        setattr(attention, name, torch.nn.LayerNorm(norm.weight.shape[0]))
+    else:
+        norm.forward = lambda x: x * 2
+    try:
+        want, _ = logits(model, batches)
+        fired_unpatched, fired[:] = len(fired), []
+        integration.patch(model)
+        got, _ = logits(model, batches)
+        integration.unpatch(model)
+    finally:
+        if how.endswith("hook"):
+            handle.remove()
+    assert len(fired) == fired_unpatched
+    assert fired_unpatched > 0 or not how.endswith("hook")
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", QK_NORM_TEXT)
 def test_qk_norm_families_same_gradients(family):
     model = perturbed(build(family), 4).train()
@@ -666,7 +734,7 @@ def test_qk_norm_families_same_gradients(family):
     got = gradients(model, ids)
     integration.unpatch(model)
     assert got.keys() == want.keys()
-    assert any("q_norm" in n for n in want)  # the norms' weights get their gradients too
+    assert any("q_norm" in n or "q_layernorm" in n for n in want)  # the norms get gradients
     # Gemma 3n's and 4's models have more steps between the norms and the loss (soft-capped
     # logits; Gemma 4 twice as deep): float32 rounding differences reach a few 1e-6 in some
     # gradients.
@@ -804,6 +872,26 @@ def shaped_forward(name, lines):
     return namespace["forward"]
 
 
+def test_norm_names_are_found_by_what_the_forward_does():
+    """The modules feeding the RoPE call are found whatever their names (LFM2's q_layernorm);
+    a projection found so (no norm at all) is for fusable_norms to refuse."""
+    forward = shaped_forward("plain", """
+        q, k = _rope(q, k, cos, sin)""")
+    assert _qk_norm.norm_names(forward, "_rope") == ("q_norm", "k_norm")
+    import linecache
+    source = ("def forward(self, h, cos, sin):\n"
+              "    q = self.q_layernorm(self.q_proj(h).view(2, 3)).transpose(1, 2)\n"
+              "    k = self.k_proj(h).view(2, 3)\n    k = self.key_ln(k).transpose(1, 2)\n"
+              "    q, k = _rope(q, k, cos, sin)\n    return q, k\n")
+    linecache.cache["<rope_ext named norms>"] = (len(source), None, source.splitlines(True),
+                                                 "<rope_ext named norms>")
+    namespace = {}
+    exec(compile(source, "<rope_ext named norms>", "exec"), namespace)
+    assert _qk_norm.norm_names(namespace["forward"], "_rope") == ("q_layernorm", "key_ln")
+    assert _qk_norm.rewritten_forward(namespace["forward"], "_rope",
+                                      norms=("q_layernorm", "key_ln")) is not None
+
+
 @pytest.mark.parametrize("shape", sorted(UNFUSED_SHAPES))
 def test_rewrite_refuses_shapes(shape):
     assert _qk_norm.rewritten_forward(shaped_forward(shape, UNFUSED_SHAPES[shape]), "_rope") is None
@@ -819,7 +907,8 @@ def test_rewrite_shapes(shape):
     fused = _qk_norm.rewritten_forward(original, "_rope")
     assert fused is not None
     original.__globals__[_qk_norm.FUSED_NAME] = (
-        lambda self, q, k, cos, sin, _normed: (self.q_norm(q), self.k_norm(k)))
+        lambda self, q, k, cos, sin, _normed, _norms:
+            (getattr(self, _norms[0])(q), getattr(self, _norms[1])(k)))
     q, k, cos = torch.randn(2, 3, 4, 8), torch.randn(2, 4, 3, 8), torch.randn(8)
     for rotary in (False, True):
         layer = types.SimpleNamespace(q_norm=lambda x: x + 1, k_norm=lambda x: x * 3,

@@ -28,6 +28,7 @@ import textwrap
 import types
 
 import torch
+from torch.nn.modules import module as _module_hooks
 
 from .. import qk_norm as _api
 from ..compat import transformers as hf
@@ -40,7 +41,7 @@ FUSED_VISION_NAME = "_rope_ext_qk_norm_rope_vision"  # vision towers (GLM-OCR)
 ONE_TENSOR = "one tensor"
 VISION = "vision"
 _LAYOUT_METHODS = {"transpose", "view", "reshape", "contiguous"}
-_NORMS = ("q_norm", "k_norm")
+_NORMS = ("q_norm", "k_norm")  # the usual names; a forward's own are found by norm_names
 _EPS_ATTRS = ("variance_epsilon", "eps")
 _METADATA = {"shape", "dtype", "device", "ndim"}
 
@@ -51,16 +52,19 @@ def qk_norm_api():
     return _api.qk_norm_rope
 
 
-def _is_self_norm(node):
+def _is_self_norm(node, norms):
+    """Whether node is `self.<name>(x)` for a name in norms (any name: norms None)."""
     f = node.func if isinstance(node, ast.Call) else None
-    return (isinstance(f, ast.Attribute) and f.attr in _NORMS and isinstance(f.value, ast.Name)
-            and f.value.id == "self" and len(node.args) == 1 and not node.keywords)
+    return (isinstance(f, ast.Attribute) and (norms is None or f.attr in norms)
+            and isinstance(f.value, ast.Name) and f.value.id == "self" and len(node.args) == 1
+            and not node.keywords)
 
 
-def _norm_inside(value):
-    """The self.q_norm / self.k_norm call that `value` is, through layout-only method calls."""
+def _norm_inside(value, norms):
+    """The self.<norm> call (a name in norms, any: None) that `value` is, through layout-only
+    method calls."""
     while isinstance(value, ast.Call):
-        if _is_self_norm(value):
+        if _is_self_norm(value, norms):
             return value
         f = value.func
         if not (isinstance(f, ast.Attribute) and f.attr in _LAYOUT_METHODS):
@@ -92,10 +96,10 @@ def _assigned_names(node):
 class _Scan(ast.NodeVisitor):
     """Finds the norm assignments, the RoPE call and every assignment of the forward."""
 
-    def __init__(self, rope_name):
-        self.rope_name = rope_name
+    def __init__(self, rope_name, norms):
+        self.rope_name, self.norms = rope_name, norms
         self.conditions = []
-        self.norm_calls = []  # every self.q_norm / self.k_norm call
+        self.norm_calls = []  # every call of a norm in norms
         # norm name -> [(target name, first and last line, conditions, the norm call)]
         self.norm_assigns = {}
         self.rope_calls = []  # (call, conditions)
@@ -119,7 +123,7 @@ class _Scan(ast.NodeVisitor):
         for target in node.targets:
             for name in _assigned_names(target):
                 self.assigns.append((name, (node.lineno, node.end_lineno), relayout))
-        norm = _norm_inside(node.value)
+        norm = _norm_inside(node.value, self.norms)
         if norm is not None and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             self.norm_assigns.setdefault(norm.func.attr, []).append(
                 (node.targets[0].id, (node.lineno, node.end_lineno), list(self.conditions), norm))
@@ -134,7 +138,7 @@ class _Scan(ast.NodeVisitor):
             self.reads.append((node.id, node.lineno))
 
     def visit_Call(self, node):
-        if _is_self_norm(node):
+        if _is_self_norm(node, self.norms):
             self.norm_calls.append(node)
         if isinstance(node.func, ast.Name) and node.func.id == self.rope_name:
             self.rope_calls.append((node, list(self.conditions)))
@@ -153,7 +157,7 @@ def _statement_lists(node):
                 yield stmts
 
 
-def _one_tensor_sites(fdef, rope_name):
+def _one_tensor_sites(fdef, rope_name, norms):
     """For a forward that norms and rotates q and k in separate calls (Gemma 3n and 4:
     `x = self.q_norm(x)`, then `x = rope(x, cos, sin, ...)` in the same block, x reassigned in
     between in layout only): {rope call: norm call}, covering every RoPE call and every norm
@@ -171,7 +175,7 @@ def _one_tensor_sites(fdef, rope_name):
                         and isinstance(node.args[0], ast.Name) and node.args[0].id in pending):
                     sites[node] = pending.pop(node.args[0].id)
             if isinstance(stmt, ast.Assign):
-                norm = _norm_inside(stmt.value)
+                norm = _norm_inside(stmt.value, norms)
                 relayout = (len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
                             and _layout_of(stmt.value) == stmt.targets[0].id)
                 for target in stmt.targets:
@@ -182,7 +186,9 @@ def _one_tensor_sites(fdef, rope_name):
                             pending.pop(name, None)
             elif not isinstance(stmt, ast.Expr):
                 pending.clear()  # an augmented or annotated assignment, a return
-    scan = _Scan(rope_name)
+    if norms is None:
+        return sites
+    scan = _Scan(rope_name, norms)
     scan.visit(fdef)
     rope_calls = {call for call, _ in scan.rope_calls}
     if (not sites or set(sites) != rope_calls
@@ -208,9 +214,9 @@ class _RewriteOne(ast.NodeTransformer):
 
 
 class _Rewrite(ast.NodeTransformer):
-    def __init__(self, rope_call, normed, norms, fused_name):
+    def __init__(self, rope_call, normed, norms, fused_name, names):
         self.rope_call, self.normed, self.norms = rope_call, normed, {id(n) for n in norms}
-        self.fused_name = fused_name
+        self.fused_name, self.names = fused_name, names
 
     def visit_Call(self, node):
         self.generic_visit(node)
@@ -219,7 +225,9 @@ class _Rewrite(ast.NodeTransformer):
         if node is self.rope_call:
             node.func = ast.Name(self.fused_name, ast.Load())
             node.args = [ast.Name("self", ast.Load())] + node.args
-            node.keywords = node.keywords + [ast.keyword("_normed", self.normed)]
+            node.keywords = node.keywords + [
+                ast.keyword("_normed", self.normed),
+                ast.keyword("_norms", ast.Tuple([ast.Constant(n) for n in self.names], ast.Load()))]
         return node
 
 
@@ -239,11 +247,8 @@ def _flows_unchanged(scan, name, lines, end):
                for n, line in scan.reads if n == name and start < line < end)
 
 
-def rewritten_forward(fn, rope_name, kind=True):
-    """A function like `fn` (a plain function: the forward, unwrapped) with q_norm / k_norm fused
-    into its RoPE call, or None when its code is not of the shape described above. kind (see
-    ONE_TENSOR, VISION): the fused call made; ONE_TENSOR: the RoPE function takes one tensor, and
-    each norm is fused into its own call of it."""
+def _definition(fn):
+    """fn's definition (ast.FunctionDef), or None where its source cannot be read."""
     try:
         source = textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError):
@@ -252,25 +257,78 @@ def rewritten_forward(fn, rope_name, kind=True):
     fdef = tree.body[0] if tree.body else None
     if not isinstance(fdef, (ast.FunctionDef, ast.AsyncFunctionDef)) or fdef.name != fn.__name__:
         return None
+    return fdef
+
+
+def _the_rope_call(scan, fdef):
+    """(the one RoPE call, its conditions) when it is `q, k = rope(q, k, ...)`, else None."""
+    if len(scan.rope_calls) != 1:
+        return None
+    rope_call, conditions = scan.rope_calls[0]
+    if len(rope_call.args) < 2 or not _reassigns(fdef, rope_call):
+        return None
+    return rope_call, conditions
+
+
+def norm_names(fn, rope_name, kind=True):
+    """The names of the modules whose calls feed the RoPE call(s) of forward `fn`, found by what
+    the forward does, not by their names (Qwen3's q_norm / k_norm, LFM2's q_layernorm /
+    k_layernorm): (q's, k's) for a two-tensor RoPE call, else the norm of each one-tensor call
+    in order. What they are (an RMSNorm per head, or a projection) is for fusable_norms to
+    tell. None when the forward is not of a shape that could be fused."""
+    fdef = _definition(fn)
+    if fdef is None:
+        return None
     if kind == ONE_TENSOR:
-        sites = _one_tensor_sites(fdef, rope_name)
+        sites = _one_tensor_sites(fdef, rope_name, None)
+        names = list(dict.fromkeys(norm.func.attr for norm in (sites or {}).values()))
+        return tuple(names) or None
+    scan = _Scan(rope_name, None)
+    scan.visit(fdef)
+    found = _the_rope_call(scan, fdef)
+    if found is None:
+        return None
+    names = []
+    for arg in found[0].args[:2]:
+        assigned = [(lines, attr) for attr, assigns in scan.norm_assigns.items()
+                    for target, lines, _, _ in assigns
+                    if isinstance(arg, ast.Name) and target == arg.id
+                    and lines[1] < found[0].lineno]
+        if not assigned:
+            return None
+        names.append(max(assigned)[1])
+    return tuple(names)
+
+
+def rewritten_forward(fn, rope_name, kind=True, norms=_NORMS):
+    """A function like `fn` (a plain function: the forward, unwrapped) with the norm modules
+    `norms` (q's and k's; see norm_names) fused into its RoPE call, or None when its code is not
+    of the shape described above. kind (see ONE_TENSOR, VISION): the fused call made;
+    ONE_TENSOR: the RoPE function takes one tensor, and each norm is fused into its own call of
+    it."""
+    fdef = _definition(fn)
+    if fdef is None:
+        return None
+    if kind == ONE_TENSOR:
+        sites = _one_tensor_sites(fdef, rope_name, norms)
         if sites is None:
             return None
         return _compiled_like(fn, _RewriteOne(sites).visit(fdef))
-    scan = _Scan(rope_name)
+    if len(norms) != 2:
+        return None
+    scan = _Scan(rope_name, norms)
     scan.visit(fdef)
-    if len(scan.rope_calls) != 1:
+    found = _the_rope_call(scan, fdef)
+    if found is None:
         return None
-    rope_call, rope_conditions = scan.rope_calls[0]
-    if len(rope_call.args) < 2 or not _reassigns(fdef, rope_call):
-        return None
+    rope_call, rope_conditions = found
     branch = None
     if rope_conditions:  # `if no_pe: ...` around the RoPE call alone (EXAONE 4, AFMoE)
         branch = _rope_branch(fdef, rope_call, rope_conditions)
         if branch is None:
             return None
     conditions, fused = None, []
-    for norm, arg in zip(_NORMS, rope_call.args[:2]):
+    for norm, arg in zip(norms, rope_call.args[:2]):
         # The last norm call assigned to the name rotated (another, such as T5Gemma 2's k_norm
         # of the cross-attention keys, stays as it is).
         found = [f for f in scan.norm_assigns.get(norm, [])
@@ -290,13 +348,13 @@ def rewritten_forward(fn, rope_name, kind=True):
     normed = (ast.Constant(True) if not conditions else
               conditions[0] if len(conditions) == 1 else ast.BoolOp(ast.And(), conditions))
     q, k = (arg.id for arg in rope_call.args[:2])
-    fdef = _Rewrite(rope_call, normed, fused, FUSED_CALLS[kind][0]).visit(fdef)
+    fdef = _Rewrite(rope_call, normed, fused, FUSED_CALLS[kind][0], norms).visit(fdef)
     if branch is not None:
         # The norms ran whether or not the RoPE call did: now fused into it, they run in an
         # added else branch when it does not.
         branch.orelse = [ast.Assign(
             targets=[ast.Tuple([ast.Name(q, ast.Store()), ast.Name(k, ast.Store())], ast.Store())],
-            value=ast.Tuple([_self_call(norm, name) for norm, name in zip(_NORMS, (q, k))],
+            value=ast.Tuple([_self_call(norm, name) for norm, name in zip(norms, (q, k))],
                             ast.Load()),
             lineno=branch.lineno)]
     return _compiled_like(fn, fdef)
@@ -395,15 +453,16 @@ def _probe_norm(norm):
     return None
 
 
-def fusable_norms(module, one_tensor=False):
-    """Whether module.q_norm and module.k_norm are RMSNorms of one form over head_dim (OLMo 2's
-    norms over all heads at once are not). one_tensor (each norm fused on its own): those the
-    module has (Gemma 4's layers that reuse another layer's keys have no k_norm)."""
+def fusable_norms(module, one_tensor=False, norms=_NORMS):
+    """Whether the modules named `norms` (q's and k's: norm_names) are RMSNorms of one form over
+    head_dim (OLMo 2's norms over all heads at once are not, nor a projection). one_tensor (each
+    norm fused on its own): those the module has (Gemma 4's layers that reuse another layer's
+    keys have no k_norm)."""
     forms = []
     head_dim = getattr(module, "head_dim", None)
-    for name in _NORMS:
+    for i, name in enumerate(norms):
         norm = getattr(module, name, None)
-        if one_tensor and norm is None and name == "k_norm":
+        if one_tensor and norm is None and i > 0:
             continue
         if (not isinstance(norm, torch.nn.Module) or not isinstance(head_dim, int)
                 or getattr(getattr(norm, "weight", None), "shape", None) != (head_dim,)):
@@ -450,39 +509,55 @@ def _weight(norm):
     return norm.weight if weight is None else weight
 
 
-def _fused_norms(module, q, k, cos, sin):
-    """(q weight, k weight, eps, unit_offset) of module's norms, or None where the
-    op cannot stand in for them: norms of two forms or two eps (the norms act on the last dim,
-    whatever the layout), or tables that require grad (the op reads the first half of each,
-    the angles, while transformers' gradients reach both halves, which compat.transformers
-    reproduces)."""
-    q_norm, k_norm = _submodule(module, "q_norm"), _submodule(module, "k_norm")
-    q_weight, k_weight = _weight(q_norm), _weight(k_norm)
-    if q_weight.shape[-1] != q.shape[-1] or k_weight.shape[-1] != k.shape[-1]:
-        raise RuntimeError(
-            f"rope_ext: {type(module).__name__} was patched with per-head q/k norms, but q_norm "
-            f"and k_norm now have weights of {list(q_weight.shape)} and "
-            f"{list(k_weight.shape)} for head_dim {q.shape[-1]}; unpatch and patch again")
-    try:
-        q_form, k_form = _norm_forms[type(q_norm)], _norm_forms[type(k_norm)]
-    except KeyError:  # a norm class first seen here (replaced after patch)
-        q_form, k_form = _norm_form(q_norm), _norm_form(k_norm)
-    eps = None if q_form is None else getattr(q_norm, q_form[1])
-    if (eps is None or k_form is None or q_form[0] != k_form[0]
-            or eps != getattr(k_norm, k_form[1]) or cos.requires_grad or sin.requires_grad):
+_global_hooks = (_module_hooks._global_forward_hooks, _module_hooks._global_forward_pre_hooks,
+                 _module_hooks._global_backward_hooks, _module_hooks._global_backward_pre_hooks)
+
+
+def _stand_in(norm, x):
+    """(weight, eps, unit_offset) when the op can stand in for calling `norm` on x, else None:
+    a module whose call runs just its class's forward (no hooks of its own or global ones, no
+    instance forward: those would not run inside the op), of an RMSNorm form the op computes
+    (one replaced after patch by another kind of module, an Identity say, is not), its weight
+    over x's last dim."""
+    if (not isinstance(norm, torch.nn.Module) or norm._forward_hooks or norm._forward_pre_hooks
+            or norm._backward_hooks or norm._backward_pre_hooks or "forward" in norm.__dict__
+            or any(_global_hooks)):
         return None
-    return q_weight, k_weight, eps, q_form[0]
+    form = _norm_forms.get(type(norm)) or _norm_form(norm)  # a class first seen here: probed
+    if form is None:
+        return None
+    weight = _weight(norm)
+    if not isinstance(weight, torch.Tensor) or weight.shape != x.shape[-1:]:
+        return None
+    return weight, getattr(norm, form[1]), form[0]
 
 
-def qk_norm_rope_call(module, q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *, _normed):
-    """What the rewritten forward calls in place of `q_norm`, `k_norm` and the RoPE function.
-    It runs once per layer and token step (at decode it costs about what the norms and RoPE it
-    replaces do), so the common case takes few Python steps and calls the op directly."""
+def _fused_norms(module, q, k, cos, sin, norms):
+    """(q weight, k weight, eps, unit_offset) of module's norms (the names `norms`), or None
+    where the op cannot stand in for them (_stand_in), or for norms of two forms or two eps
+    (the norms act on the last dim, whatever the layout), or tables that require grad (the op
+    reads the first half of each, the angles, while transformers' gradients reach both halves,
+    which compat.transformers reproduces)."""
+    q_fused = _stand_in(_submodule(module, norms[0]), q)
+    k_fused = _stand_in(_submodule(module, norms[1]), k)
+    if (q_fused is None or k_fused is None or q_fused[1:] != k_fused[1:]
+            or cos.requires_grad or sin.requires_grad):
+        return None
+    return q_fused[0], k_fused[0], q_fused[1], q_fused[2]
+
+
+def qk_norm_rope_call(module, q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *, _normed,
+                      _norms=_NORMS):
+    """What the rewritten forward calls in place of the q and k norms (the modules named
+    `_norms`) and the RoPE function. It runs once per layer and token step (at decode it costs
+    about what the norms and RoPE it replaces do), so the common case takes few Python steps
+    and calls the op directly. Where the op cannot stand in for the norms, they run as
+    transformers runs them."""
     if not _normed:  # the forward's conditions on its norms are false: RoPE only
         return hf.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
-    norms = _fused_norms(module, q, k, cos, sin)
+    norms = _fused_norms(module, q, k, cos, sin, _norms)
     if norms is None or unsqueeze_dim not in (1, 2) or q.dim() != 4:  # transformers' layouts
-        q_norm, k_norm = _submodule(module, "q_norm"), _submodule(module, "k_norm")
+        q_norm, k_norm = _submodule(module, _norms[0]), _submodule(module, _norms[1])
         return hf.apply_rotary_pos_emb(q_norm(q), k_norm(k), cos, sin, unsqueeze_dim=unsqueeze_dim)
     if cos.dim() == 3:  # transformers' (batch, seq, rotary_dim)
         cos, sin = _tables(cos, sin, unsqueeze_dim)
@@ -493,15 +568,15 @@ def qk_norm_rope_call(module, q, k, cos, sin, position_ids=None, unsqueeze_dim=1
     return fused_op(q, k, q_weight, k_weight, cos, sin, eps, unit_offset, False)
 
 
-def qk_norm_rope_vision_call(module, q, k, cos, sin, *, _normed):
+def qk_norm_rope_vision_call(module, q, k, cos, sin, *, _normed, _norms=_NORMS):
     """qk_norm_rope_call of a vision tower's attention: q, k (seq, heads, head_dim) and the
     vision RoPE function's tables (seq, rotary_dim), as compat.transformers'
     apply_rotary_pos_emb_vision takes them (computed in float32, returned in q's dtype)."""
     if not _normed:
         return hf.apply_rotary_pos_emb_vision(q, k, cos, sin)
-    norms = _fused_norms(module, q, k, cos, sin)
+    norms = _fused_norms(module, q, k, cos, sin, _norms)
     if norms is None or q.dim() != 3 or k.dim() != 3 or cos.dim() != 2:
-        q_norm, k_norm = _submodule(module, "q_norm"), _submodule(module, "k_norm")
+        q_norm, k_norm = _submodule(module, _norms[0]), _submodule(module, _norms[1])
         return hf.apply_rotary_pos_emb_vision(q_norm(q), k_norm(k), cos, sin)
     q_weight, k_weight, eps, unit_offset = norms
     cos, sin = _api.half_tables(cos, sin, ndim=3)
@@ -513,14 +588,14 @@ def norm_rope_one_call(module, norm_name, x, cos, sin, position_ids=None, unsque
     `self.<norm_name>(x)` and the RoPE call on its result: the op on x alone (a key of no heads
     beside it)."""
     norm = _submodule(module, norm_name)
-    weight = _weight(norm)
-    form = _norm_forms.get(type(norm)) or _norm_form(norm)
-    if (form is None or weight.shape[-1] != x.shape[-1] or unsqueeze_dim not in (1, 2)
-            or x.dim() != 4 or cos.dim() != 3 or cos.requires_grad or sin.requires_grad):
+    fused = _stand_in(norm, x)
+    if (fused is None or unsqueeze_dim not in (1, 2) or x.dim() != 4 or cos.dim() != 3
+            or cos.requires_grad or sin.requires_grad):
         return hf.apply_rotary_pos_emb_single(norm(x), cos, sin, unsqueeze_dim=unsqueeze_dim)
     cos, sin = _tables(cos, sin, unsqueeze_dim)
     none = x.narrow(unsqueeze_dim, 0, 0)
-    return fused_op(x, none, weight, weight, cos, sin, getattr(norm, form[1]), form[0], False)[0]
+    weight, eps, unit_offset = fused
+    return fused_op(x, none, weight, weight, cos, sin, eps, unit_offset, False)[0]
 
 
 # The op qk_norm_rope_call runs (looked up at each call: tests count its calls through it).

@@ -191,6 +191,12 @@ FAMILIES = {
     "step3p7": ("step3p7.modeling_step3p7", _ROTATE_HALF),  # >= 5; its language model's RoPE
     "molmo2": ("molmo2.modeling_molmo2", _ROTATE_HALF),  # >= 5; its language model's RoPE
     "glm_ocr": ("glm_ocr.modeling_glm_ocr", _VISION),  # >= 5; its vision tower's
+    # Liquid's LFM2 family (hybrid conv + attention, made for CPUs): per-head norms named
+    # q_layernorm / k_layernorm, found and fused like any other (norm_names)
+    "lfm2": ("lfm2.modeling_lfm2", _ROTATE_HALF),
+    "lfm2-vl": ("lfm2.modeling_lfm2", _ROTATE_HALF),  # transformers 4; its language model
+    "lfm2_vl": ("lfm2.modeling_lfm2", _ROTATE_HALF),  # transformers >= 5; its language model
+    "lfm2_moe": ("lfm2_moe.modeling_lfm2_moe", _ROTATE_HALF),  # transformers >= 5
 }
 
 
@@ -294,9 +300,10 @@ def _renaming(renames):
 
 
 def _fusing(rope_name, kind):
-    """make() for _rebuilt: q_norm / k_norm fused into the RoPE call (integrations/_qk_norm)."""
+    """make() for _rebuilt: the q and k norms fused into the RoPE call (integrations/_qk_norm)."""
     def make(fn):
-        new = _qk_norm.rewritten_forward(fn, rope_name, kind)
+        norms = _qk_norm.norm_names(fn, rope_name, kind)
+        new = norms and _qk_norm.rewritten_forward(fn, rope_name, kind, norms)
         if new is None:
             raise _NotFusable
         return new
@@ -387,7 +394,12 @@ def _fused_class(module, names, functions):
     if len(names) != 1 or _qk_norm.qk_norm_api() is None:
         return None
     fused = _FUSED_KINDS.get(functions[names[0]][0])
-    if fused is None or not _qk_norm.fusable_norms(module, fused == _qk_norm.ONE_TENSOR):
+    if fused is None:
+        return None
+    # The modules feeding the RoPE call, whatever their names (LFM2's q_layernorm), found in
+    # the forward's code; fused only where they are per-head RMSNorms.
+    norms = _qk_norm.norm_names(inspect.unwrap(type(module).forward), names[0], fused)
+    if not norms or not _qk_norm.fusable_norms(module, fused == _qk_norm.ONE_TENSOR, norms):
         return None
     return _patched_class(type(module), names, fused=fused)
 
