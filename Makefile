@@ -29,15 +29,19 @@ export CUDA_HOME
 all: build
 
 $(DEPS_STAMP): requirements.txt
-	test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
-	touch $@
+	@echo "rope_ext: installing the pinned environment into $(VENV) (requirements.txt)"
+	@test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
+	@$(PY) -m pip install --quiet --disable-pip-version-check --no-compile -r requirements.txt
+	@touch $@
 
 venv: $(DEPS_STAMP)
 
+# scripts/build_native.py runs setup.py, printing a line per compiled file (and the whole step
+# that failed, if one does); ROPE_EXT_BUILD_VERBOSE=1 shows every compiler command.
 $(LIB) $(CUDA_LIB) &: $(DEPS_STAMP) $(NATIVE_SRC) build_config.py
-	$(PY) setup.py --quiet build_ext --inplace
-	touch $(LIB) $(CUDA_LIB)
+	@echo "rope_ext: compiling the native libraries ($(MAX_JOBS) jobs; a few minutes the first time)"
+	@$(PY) scripts/build_native.py --inplace
+	@touch $(LIB) $(CUDA_LIB)
 
 build: $(LIB) $(CUDA_LIB)
 
@@ -69,8 +73,12 @@ clean:
 	rm -rf build dist *.egg-info rope_ext/*.so
 
 # ---- transformers 5 / diffusers 0.42: the tests that import either, in a second venv ----------
-# (requirements-hf5.txt; rebuilt only when that file changes), against the in-tree build: pytest
-# runs from the repository root, so `import rope_ext` finds rope_ext/ and its libraries.
+# (requirements-hf5.txt; rebuilt only when it or the first venv changes), against the in-tree
+# build: pytest runs from the repository root, so `import rope_ext` finds rope_ext/ and its
+# libraries. The second venv is layered over the first (a .pth file puts .venv's packages after
+# its own on sys.path): torch, numpy and pytest come from .venv at the same pins, and only what
+# differs (transformers 5, diffusers and their dependencies) is installed, in seconds, not the
+# minutes and gigabytes of a second torch.
 HF5_VENV  := .venv-hf5
 HF5_PY    := $(HF5_VENV)/bin/python
 HF5_DEPS  := $(HF5_VENV)/.deps-installed
@@ -80,10 +88,13 @@ HF5_TESTS  = $(filter-out tests/test_config.py,$(shell grep -lE 'importorskip\(.
 
 .PHONY: hf5-venv hf5-test
 
-$(HF5_DEPS): requirements-hf5.txt
-	test -x $(HF5_PY) || $(PYTHON_BOOT) -m venv $(HF5_VENV)
-	$(HF5_PY) -m pip install --quiet --disable-pip-version-check -r requirements-hf5.txt
-	touch $@
+$(HF5_DEPS): requirements-hf5.txt $(DEPS_STAMP)
+	@echo "rope_ext: installing transformers 5 and diffusers into $(HF5_VENV) (over $(VENV))"
+	@test -x $(HF5_PY) || $(PYTHON_BOOT) -m venv $(HF5_VENV)
+	@$(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > \
+		"$$($(HF5_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/rope_ext_base_venv.pth"
+	@$(HF5_PY) -m pip install --quiet --disable-pip-version-check --no-compile -r requirements-hf5.txt
+	@touch $@
 
 hf5-venv: $(HF5_DEPS)
 

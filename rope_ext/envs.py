@@ -39,6 +39,11 @@ VARIABLES = {
         "sanitize: build the CPU library with AddressSanitizer and UndefinedBehaviorSanitizer "
         "(make sanitize).",
     ),
+    "ROPE_EXT_BUILD_VERBOSE": (
+        "build", ("0", "1"), "0",
+        "1: make's builds (scripts/build_native.py) print every compiler command, not a line per "
+        "file.",
+    ),
 }
 
 
@@ -63,3 +68,4 @@ CPU_ISA = _read("ROPE_EXT_CPU_ISA")
 CPU_STREAM_MB = _read("ROPE_EXT_CPU_STREAM_MB")
 CUDA = _read("ROPE_EXT_CUDA")
 BUILD = _read("ROPE_EXT_BUILD")
+BUILD_VERBOSE = _read("ROPE_EXT_BUILD_VERBOSE")
