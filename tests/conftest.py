@@ -40,3 +40,21 @@ def pytest_addoption(parser):
     parser.addoption("--fuzz-cases", type=int, default=400,
                      help="random cases of tests/test_fuzz.py (make sanitize runs more)")
     parser.addoption("--fuzz-seed", type=int, default=None, help="replay test_fuzz.py from this seed")
+
+
+def pytest_collection_finish(session):
+    """The JIT build tests/test_jit.py checks starts now, in the background (see
+    test_jit.start_first_build), when that test is among those to run."""
+    for item in session.items:
+        if item.name == "test_jit_build_serves_the_ops_and_is_cached":
+            if item.module.SOURCE_CHECKOUT and not session.config.option.collectonly:
+                session.config._rope_ext_jit_build = item.module.start_first_build()
+            return
+
+
+def pytest_sessionfinish(session):
+    """A background JIT build the run did not wait for (it stopped early) is stopped too."""
+    build = getattr(session.config, "_rope_ext_jit_build", None)
+    if build is not None and build.poll() is None:
+        build.kill()
+        build.communicate()
