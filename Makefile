@@ -142,6 +142,21 @@ NATIVE_TESTS := $(addprefix tests/,test_apply.py test_apply_out.py test_inplace.
 	test_fuzz.py test_cpu_isa.py test_fresh_output.py test_qk_norm.py test_rope_quant.py \
 	test_kv_shift.py test_rope_dim_offset.py test_call_path.py test_errors.py test_fallback.py)
 
+# The CPU kernel variants: `make test` runs every test under the best one this CPU has, the
+# torch 2.13 run repeats the native tests under the baseline kernels (what a CPU without AVX2
+# runs), and isa-test repeats the kernel tests under each variant in between (ROPE_EXT_CPU_ISA
+# caps the variant at import): an AVX-512 machine checks its AVX2 code paths too. (The tests of
+# checks, routing and fallbacks run no variant-specific code; tests/test_cpu_isa.py and
+# test_fresh_output.py walk every variant themselves, and check that all give the same bits.)
+ISA_TESTS := $(filter-out $(addprefix tests/,test_cpu_isa.py test_fresh_output.py test_errors.py \
+	test_call_path.py test_fallback.py),$(NATIVE_TESTS))
+.PHONY: isa-test
+isa-test: build
+	@for isa in $$($(PY) -c 'import rope_ext; print(*rope_ext.cpu_isas()[1:-1])'); do \
+		echo "rope_ext: the kernel tests under the $$isa kernels"; \
+		ROPE_EXT_CPU_ISA=$$isa $(PY) -m pytest $(ISA_TESTS) -q -p no:cacheprovider || exit 1; \
+	done
+
 $(TORCH213_DEPS): requirements.txt
 	test -x $(TORCH213_PY) || $(PYTHON_BOOT) -m venv $(TORCH213_VENV)
 	$(TORCH213_PY) -m pip install --quiet --disable-pip-version-check torch==$(TORCH213) \
@@ -158,7 +173,8 @@ torch213-test: $(TORCH213_WHEEL)
 	rm -rf $(TORCH213_TREE) && mkdir -p $(TORCH213_TREE)
 	tar -c --exclude=__pycache__ $(TEST_TREE_FILES) | tar -x -C $(TORCH213_TREE)
 	ln -s "$$($(TORCH213_PY) -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')/rope_ext" $(TORCH213_TREE)/rope_ext
-	cd $(TORCH213_TREE) && ROPE_EXT_EXPECT_INSTALLED=$(TORCH213) $(CURDIR)/$(TORCH213_PY) -m pytest \
+	cd $(TORCH213_TREE) && ROPE_EXT_CPU_ISA=baseline ROPE_EXT_EXPECT_INSTALLED=$(TORCH213) \
+		$(CURDIR)/$(TORCH213_PY) -m pytest \
 		tests/test_wheel.py $(NATIVE_TESTS) -q -p no:cacheprovider
 
 # JIT loading: tests/test_jit.py builds csrc/ with torch.utils.cpp_extension (cached per checkout
@@ -207,7 +223,8 @@ SAN_ENV   := ROPE_EXT_BUILD=sanitize \
 
 .PHONY: sanitize
 $(SAN_LIB): $(DEPS_STAMP) $(NATIVE_SRC) build_config.py
-	ROPE_EXT_BUILD=sanitize ROPE_EXT_CUDA=0 $(PY) setup.py --quiet build_ext \
+	@echo "rope_ext: compiling the CPU library with AddressSanitizer and UBSan"
+	@ROPE_EXT_BUILD=sanitize ROPE_EXT_CUDA=0 $(PY) scripts/build_native.py \
 		--build-temp $(SAN_DIR)/temp --build-lib $(SAN_DIR)/lib
 	touch $@
 

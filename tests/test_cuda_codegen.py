@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -30,28 +31,36 @@ def torch_include():
     return ext.include_paths()[0]
 
 
-@pytest.fixture(scope="module", params=ARCHS)
-def compiled(request, tmp_path_factory):
-    """(PTX text, ptxas -v report) of the CUDA library's sources for one arch, built with the
-    library's own flags."""
-    arch = request.param
-    out = tmp_path_factory.mktemp(f"sm{arch}")
+def _compile(arch, src, out):
+    """(PTX text, ptxas -v report) of one source for one arch, with the library's own flags."""
+    ptx = out / f"{os.path.basename(src)}.sm{arch}.ptx"
+    cmd = [NVCC, "-ptx", f"-arch=compute_{arch}", *build_config.nvcc_flags(),
+           *[f"-I{d}" for d in build_config.include_dirs()], f"-I{torch_include()}",
+           os.path.join(ROOT, src), "-o", str(ptx)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    r = subprocess.run([PTXAS, f"-arch=sm_{arch}", "-O3", "-v", str(ptx), "-o",
+                        str(ptx) + ".cubin"], check=True, capture_output=True, text=True)
+    return ptx.read_text(), r.stderr + r.stdout
+
+
+@pytest.fixture(scope="module")
+def every_arch(tmp_path_factory):
+    """arch -> (PTX text, ptxas -v report) of the CUDA library's sources, every (arch, source)
+    compiled at once on all cores (each is one single-threaded nvcc and ptxas run)."""
+    out = tmp_path_factory.mktemp("ptx")
     _, _, sources = build_config.library("cuda")
-    ptx_files = []
-    for src in sources:
-        ptx = out / (os.path.basename(src) + ".ptx")
-        cmd = [NVCC, "-ptx", f"-arch=compute_{arch}", *build_config.nvcc_flags(),
-               *[f"-I{d}" for d in build_config.include_dirs()], f"-I{torch_include()}",
-               os.path.join(ROOT, src), "-o", str(ptx)]
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
-        ptx_files.append(ptx)
-    ptx_text = "".join(p.read_text() for p in ptx_files)
-    reports = []
-    for ptx in ptx_files:
-        r = subprocess.run([PTXAS, f"-arch=sm_{arch}", "-O3", "-v", str(ptx), "-o",
-                            str(ptx) + ".cubin"], check=True, capture_output=True, text=True)
-        reports.append(r.stderr + r.stdout)
-    return ptx_text, "\n".join(reports)
+    jobs = [(arch, src) for arch in ARCHS for src in sources]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        results = list(pool.map(lambda job: _compile(*job, out), jobs))
+    return {arch: ("".join(p for (a, _), (p, _) in zip(jobs, results) if a == arch),
+                   "\n".join(r for (a, _), (_, r) in zip(jobs, results) if a == arch))
+            for arch in ARCHS}
+
+
+@pytest.fixture(params=ARCHS)
+def compiled(request, every_arch):
+    """(PTX text, ptxas -v report) of the CUDA library's sources for one arch."""
+    return every_arch[request.param]
 
 
 def kernel_reports(report):
