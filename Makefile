@@ -45,7 +45,23 @@ $(LIB) $(CUDA_LIB) &: $(DEPS_STAMP) $(NATIVE_SRC) build_config.py
 
 build: $(LIB) $(CUDA_LIB)
 
-run: build
+# `make run` on a machine with no GPU builds the CPU library alone (the CUDA one could serve
+# nothing there, and compiling it is half the build); `make build` and `make test` build both.
+# The CPU objects are the same either way, so a later full build compiles only the CUDA files.
+CPU_ONLY_STAMP := build/.cpu-library-built
+$(CPU_ONLY_STAMP): $(DEPS_STAMP) $(NATIVE_SRC) build_config.py
+	@echo "rope_ext: compiling the CPU library ($(MAX_JOBS) jobs; a minute or two the first time;"
+	@echo "  no GPU here, so not the CUDA library: make build compiles it)"
+	@ROPE_EXT_CUDA=0 $(PY) scripts/build_native.py --inplace
+	@mkdir -p build && touch $(LIB) $@
+
+ifeq ($(shell ls /dev/nvidia0 >/dev/null 2>&1 && echo gpu),gpu)
+RUN_BUILD := build
+else
+RUN_BUILD := $(if $(wildcard $(CUDA_LIB)),build,$(CPU_ONLY_STAMP))
+endif
+
+run: $(RUN_BUILD)
 	$(PY) -m rope_ext
 
 test: build
