@@ -25,6 +25,9 @@ def report_build():
           f"  native library: not loaded ({s.error})")
     if s.cuda_path:
         print(f"  CUDA library: {s.cuda_path}")
+    elif s.loaded_by == "compiled" and str(s.cuda_error).startswith("ModuleNotFoundError"):
+        print("  CUDA library: not built (make run builds it where a GPU is visible, make build "
+              "always)")
     elif s.loaded_by == "compiled":
         print(f"  CUDA library: not loaded ({s.cuda_error})")
     print(f"  CPU kernel variant: {rope_ext.cpu_isa()}")
