@@ -157,9 +157,8 @@ def varlen_positions(cu_seqlens, total_tokens, seqlen_offsets=0, *, dtype=torch.
         seqlen_offsets = check_int(seqlen_offsets, "seqlen_offsets")
         if not -2**63 <= seqlen_offsets < 2**63:
             raise ValueError(f"seqlen_offsets must fit int64, got {seqlen_offsets}")
-    token = torch.arange(total_tokens, device=cu_seqlens.device, dtype=torch.int64)
     starts = cu_seqlens.long()
-    seq = torch.searchsorted(starts[1:], token, right=True).clamp_max(max(batch - 1, 0))
+    token, seq = token_sequences(starts, total_tokens)
     pos = token - starts[seq]
     if isinstance(seqlen_offsets, torch.Tensor):
         pos = pos + seqlen_offsets.long()[seq]
@@ -169,6 +168,16 @@ def varlen_positions(cu_seqlens, total_tokens, seqlen_offsets=0, *, dtype=torch.
     if dtype == torch.int32 and pos.numel():
         _check_int32(pos)
     return pos.to(dtype)
+
+
+def token_sequences(starts, total_tokens):
+    """(token, seq): the token indices 0 .. total_tokens - 1 (int64) and the sequence each lies in,
+    for sequences starting at starts[:-1] (int64 (B + 1,), the last entry the end): the last
+    sequence that starts at or before the token (a token past the end counts in the last one,
+    a token before the first start in the first). Device ops only: no host-device sync."""
+    token = torch.arange(total_tokens, device=starts.device, dtype=torch.int64)
+    seq = torch.searchsorted(starts[1:], token, right=True).clamp_max(max(starts.numel() - 2, 0))
+    return token, seq
 
 
 def _check_int32(pos):

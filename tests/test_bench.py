@@ -172,6 +172,29 @@ def test_each_drop_in_row_does_what_its_peer_row_does():
         _assert_same_state(states[0], states[1], make.__name__)
 
 
+def test_each_training_step_computes_what_its_peer_step_does():
+    """The training pairs (a drop-in, its peer's code as tests/training_peers.py implements it,
+    rope_ext's op with its tables ready) run the same forward on the same tensors, and give the
+    same input gradients."""
+    loaded, status = dropins.load_training()
+    if loaded is None:
+        pytest.skip(status)
+    size = (2, 8, 4, 2, 32)
+    for make in dropins.TRAINING_PAIRS:
+        seed = int(torch.seed() % 2**31)
+        steps = make(size, torch.float32, *loaded, torch.Generator().manual_seed(seed))[2:]
+        results = []
+        for step in steps:
+            outs = step.forward()
+            grads = torch.autograd.grad(outs, step.leaves, step.grads)
+            results.append([o.detach() for o in outs] + list(grads))
+            step()  # the timed call runs, and leaves no gradient behind
+            assert all(t.grad is None for t in step.leaves)
+        for other in results[1:]:
+            for got, want in zip(results[0], other):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=make.__name__)
+
+
 def test_limit_rows_copy_the_query():
     i = cases.Inputs(cases.Shape(3, 2, 1, 8), torch.float32, "cpu", seed=1)
     copy, clone = limit_rows(i)

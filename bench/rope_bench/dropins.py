@@ -5,11 +5,19 @@ names and layouts, the same ones tests/test_compat.py checks the drop-ins agains
 module or rope_ext.compat cannot be imported, the drop-in rows are skipped with a printed note;
 the rest of the benchmark is unaffected. Each pair gets the layout its peer takes, over the
 case's tensors (views where the peer's layout is one, as models and serving stacks pass them).
+
+The training stacks' drop-ins (Transformer Engine, the Llama reference, gpt-fast) are timed as
+training steps, forward and backward, against the peers' PyTorch code as tests/training_peers.py
+implements it independently (the same functions tests/test_te_compat.py and
+tests/test_llama_gpt_fast_compat.py check the drop-ins against) and against rope_ext's op on the
+same tensors with its tables ready (TRAINING_PAIRS, run by groups/dropins.py).
 """
 
 import importlib
 import os
 import sys
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -127,3 +135,120 @@ def rows(loaded, inputs):
         out.append(Row(op, "dropin", op, f"rope_ext.{op}", n, ours, limit))
         out.append(Row(f"{op} eager", "eager", op, f"tests/peers.py {peer_name}", n, theirs, limit))
     return out, notes
+
+
+# ---- training stacks: forward + backward steps ------------------------------------------------
+
+def load_training():
+    """((tests/training_peers.py, rope_ext.compat) or None, status line)."""
+    if not os.path.exists(os.path.join(TESTS, "training_peers.py")):
+        return None, "skipped: tests/training_peers.py is not present"
+    if TESTS not in sys.path:
+        sys.path.insert(0, TESTS)
+    try:
+        peers = importlib.import_module("training_peers")
+        compat = importlib.import_module("rope_ext.compat")
+    except Exception as e:  # noqa: BLE001 - reported, never fatal
+        return None, f"skipped: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    return (peers, compat), "rope_ext.compat against tests/training_peers.py"
+
+
+def _leaf(shape, dtype, g):
+    return torch.randn(shape, generator=g).to(dtype).requires_grad_()
+
+
+@dataclass
+class _step:
+    """A training step's RoPE part, called with no arguments: forward, then backward with the
+    given output gradients; the leaves' gradients are dropped so that every call allocates as
+    the first did."""
+
+    forward: Callable
+    leaves: list
+    grads: tuple
+
+    def __call__(self):
+        torch.autograd.backward(self.forward(), self.grads)
+        for t in self.leaves:
+            t.grad = None
+
+
+def _placed(table, at):
+    """A (rows, D/2) float32 table placed against x: at="sbhd" (rows, 1, 1, D/2), "bshd" (1,
+    rows, 1, D/2), "thd" (rows, 1, D/2); contiguous, as a caller keeping the op's tables ready."""
+    view = {"sbhd": (slice(None), None, None), "bshd": (None, slice(None), None),
+            "thd": (slice(None), None)}[at]
+    return table[view].float().contiguous()
+
+
+def _te_sbhd(size, dtype, peers, compat, g):
+    """TE's apply_rotary_pos_emb, t sbhd [s, b, h, d], angles from RotaryPositionEmbedding."""
+    te = compat.transformer_engine
+    b, s, h, _, d = size
+    t = _leaf((s, b, h, d), dtype, g)
+    grads = (torch.randn(t.shape, generator=g).to(dtype),)
+    freqs = te.RotaryPositionEmbedding(d)(s).cpu()
+    cos, sin = (_placed(f(freqs[:, 0, 0, : d // 2]), "sbhd") for f in (torch.cos, torch.sin))
+    return ("transformer_engine.apply_rotary_pos_emb sbhd", "te_apply_rotary_pos_emb",
+            _step(lambda: (te.apply_rotary_pos_emb(t, freqs, "sbhd"),), [t], grads),
+            _step(lambda: (peers.te_apply_rotary_pos_emb(t, freqs, "sbhd"),), [t], grads),
+            _step(lambda: (torch.ops.rope.apply(t, cos, sin, False),), [t], grads))
+
+
+def _te_thd(size, dtype, peers, compat, g):
+    """TE's packed format: the batch's tokens as b sequences of unequal lengths (thd)."""
+    te = compat.transformer_engine
+    b, s, h, _, d = size
+    lengths = [s + s // 2 * (i % 2 * 2 - 1) if b > 1 else s for i in range(b)]  # s/2, 3s/2, ...
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    t = _leaf((sum(lengths), h, d), dtype, g)
+    grads = (torch.randn(t.shape, generator=g).to(dtype),)
+    freqs = te.RotaryPositionEmbedding(d)(max(lengths)).cpu()
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    cos, sin = (_placed(f(freqs[pos, 0, 0, : d // 2]), "thd") for f in (torch.cos, torch.sin))
+    return ("transformer_engine.apply_rotary_pos_emb thd", "te_apply_rotary_pos_emb",
+            _step(lambda: (te.apply_rotary_pos_emb(t, freqs, "thd", cu_seqlens=cu),), [t], grads),
+            _step(lambda: (peers.te_apply_rotary_pos_emb(t, freqs, "thd", cu_seqlens=cu),), [t],
+                  grads),
+            _step(lambda: (torch.ops.rope.apply(t, cos, sin, False),), [t], grads))
+
+
+def _qk(size, dtype, g):
+    b, s, h, hk, d = size
+    q, k = _leaf((b, s, h, d), dtype, g), _leaf((b, s, hk, d), dtype, g)
+    grads = tuple(torch.randn(x.shape, generator=g).to(dtype) for x in (q, k))
+    return q, k, grads
+
+
+def _llama(size, dtype, peers, compat, g):
+    """The Llama reference's apply_rotary_emb(xq, xk, freqs_cis): GQA keys, a complex table."""
+    llama = compat.llama
+    q, k, grads = _qk(size, dtype, g)
+    fc = llama.precompute_freqs_cis(size[4], size[1])
+    cos, sin = (_placed(p, "bshd") for p in torch.view_as_real(fc).unbind(-1))
+    ops = torch.ops.rope
+    return ("llama.apply_rotary_emb", "llama_apply_rotary_emb",
+            _step(lambda: llama.apply_rotary_emb(q, k, fc), [q, k], grads),
+            _step(lambda: peers.llama_apply_rotary_emb(q, k, fc), [q, k], grads),
+            _step(lambda: (ops.apply(q, cos, sin, True), ops.apply(k, cos, sin, True)), [q, k], grads))
+
+
+def _gpt_fast(size, dtype, peers, compat, g):
+    """gpt-fast's apply_rotary_emb(x, freqs_cis), called for q and for k as its attention does,
+    with its bfloat16 cache."""
+    gf = compat.gpt_fast
+    q, k, grads = _qk(size, dtype, g)
+    cache = gf.precompute_freqs_cis(size[1], size[4])
+    cos, sin = (_placed(p, "bshd") for p in cache.unbind(-1))
+    ops = torch.ops.rope
+    return ("gpt_fast.apply_rotary_emb", "gpt_fast_apply_rotary_emb",
+            _step(lambda: (gf.apply_rotary_emb(q, cache), gf.apply_rotary_emb(k, cache)), [q, k], grads),
+            _step(lambda: (peers.gpt_fast_apply_rotary_emb(q, cache),
+                           peers.gpt_fast_apply_rotary_emb(k, cache)), [q, k], grads),
+            _step(lambda: (ops.apply(q, cos, sin, True), ops.apply(k, cos, sin, True)), [q, k], grads))
+
+
+# Each: (size (batch, seq, heads, kv_heads, head_dim), dtype, tests/training_peers.py,
+# rope_ext.compat, generator) -> (drop-in, peer's function, ours, theirs, rope_ext's op):
+# zero-argument training steps on the same tensors.
+TRAINING_PAIRS = (_te_sbhd, _te_thd, _llama, _gpt_fast)

@@ -11,8 +11,12 @@ its peer. docs/migrating.md has the one-line change per library.
                                    rope_quantize_fp8_append_paged_kv_cache
     rope_ext.compat.sglang         apply_rope_with_cos_sin_cache_inplace, FusedSetKVBufferArg
     rope_ext.compat.diffusers      apply_rotary_emb, apply_rotary_emb_qwen, ..._ltx, ..._wan, ..._mochi
+    rope_ext.compat.transformer_engine  apply_rotary_pos_emb, RotaryPositionEmbedding
+    rope_ext.compat.llama          apply_rotary_emb, precompute_freqs_cis (Meta's reference)
+    rope_ext.compat.gpt_fast       apply_rotary_emb, precompute_freqs_cis
 """
 
-from . import diffusers, flash_attn, flashinfer, sglang, transformers, vllm
+from . import diffusers, flash_attn, flashinfer, gpt_fast, llama, sglang, transformer_engine, transformers, vllm
 
-__all__ = ["diffusers", "flash_attn", "flashinfer", "sglang", "transformers", "vllm"]
+__all__ = ["diffusers", "flash_attn", "flashinfer", "gpt_fast", "llama", "sglang", "transformer_engine",
+           "transformers", "vllm"]

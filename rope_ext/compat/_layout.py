@@ -1,10 +1,12 @@
 """Shared argument handling of the drop-ins: the peers' q/k layouts as views rope_ext's ops take,
 their scalar arguments checked with errors that name them, and the pieces several drop-ins
-compute alike (the transformers-layout rotation, float32 tables, cached device scalars)."""
+compute alike (the transformers-layout rotation, float32 tables, cached device scalars, the two
+members of full-width tables, checks of tensor values, DTensor detection)."""
 
 import functools
 import math
 import numbers
+import sys
 
 import torch
 
@@ -79,3 +81,43 @@ def rotate_pairs(x, cos, sin, dtype, interleaved=False):
     cos, sin = cos.expand(shape), sin.expand(shape)
     pad = (None,) * (x.dim() - cos.dim())  # rope.apply aligns no dims implicitly
     return ops.apply(x, cos[pad], sin[pad], interleaved)
+
+
+def pair_members(table, interleaved):
+    """The two (..., width/2) views of a table with one entry per element of the rotary dims (its
+    last dim, `width`): each pair's first member's entries, and its second's. Pairs are (2i, 2i+1)
+    if interleaved, else (i, i + width/2)."""
+    if interleaved:
+        return table[..., 0::2], table[..., 1::2]
+    half = table.shape[-1] // 2
+    return table[..., :half], table[..., half:]
+
+
+def join_members(first, second, interleaved, width):
+    """One tensor from two rotations of the same x: each pair's first member of the first `width`
+    dims from `first`, everything else (second members, and the dims past `width`, which both
+    passed through) from `second`."""
+    if not interleaved:
+        return torch.cat((first[..., : width // 2], second[..., width // 2 :]), dim=-1)
+    pairs = torch.stack((first[..., 0:width:2], second[..., 1:width:2]), dim=-1).flatten(-2)
+    if width == first.shape[-1]:
+        return pairs
+    return torch.cat((pairs, second[..., width:]), dim=-1)
+
+
+def check_values(ok, message):
+    """A check of tensor values (a bool tensor, every element true) without a host-device sync
+    where one would cost: on CPU outside torch.compile a ValueError(message), elsewhere a
+    device-side assert with the same message."""
+    if ok.device.type == "cpu" and not torch.compiler.is_compiling():
+        if not bool(ok.all()):
+            raise ValueError(message)
+    else:
+        torch._assert_async(ok.all(), message)
+
+
+
+def is_dtensor(t):
+    """t is a DTensor (without importing DTensor: a process that never loaded it holds none)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)

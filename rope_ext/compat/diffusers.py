@@ -20,15 +20,7 @@ docs/diffusers.md.
 
 import torch
 
-from ._layout import float32_table, rotate_pairs
-
-def _members(table, interleaved):
-    """The two (..., D/2) views of a full-width table: the entry of each pair's first member, and
-    of its second."""
-    if interleaved:
-        return table[..., 0::2], table[..., 1::2]
-    half = table.shape[-1] // 2
-    return table[..., :half], table[..., half:]
+from ._layout import float32_table, join_members, pair_members, rotate_pairs
 
 
 def _one_per_pair(table, interleaved):
@@ -40,7 +32,7 @@ def _one_per_pair(table, interleaved):
         return None
     if type(table) not in (torch.Tensor, torch.nn.Parameter):
         return None  # fake, functional, distributed tensors: no data to compare here
-    first, second = _members(table, interleaved)
+    first, second = pair_members(table, interleaved)
     # (contiguous: the kernel reads unit-stride rows fastest)
     return float32_table(first).contiguous() if torch.equal(first, second) else None
 
@@ -86,24 +78,21 @@ def _float_math(x, c, s, interleaved):
 
 def _two_passes(x, cos, sin, interleaved):
     """Exact for any placed full-width tables: one pass per member of the pairs."""
-    (c0, c1), (s0, s1) = _members(cos, interleaved), _members(sin, interleaved)
+    (c0, c1), (s0, s1) = pair_members(cos, interleaved), pair_members(sin, interleaved)
     first = _float_math(x, float32_table(c0), float32_table(s0), interleaved)
     second = _float_math(x, float32_table(c1), float32_table(s1), interleaved)
-    if interleaved:
-        return torch.stack((first[..., 0::2], second[..., 1::2]), dim=-1).flatten(-2)
-    half = x.shape[-1] // 2
-    return torch.cat((first[..., :half], second[..., half:]), dim=-1)
+    return join_members(first, second, interleaved, x.shape[-1])
 
 
 def _one_pass(x, cos, sin, interleaved):
     """For placed full-width tables whose pairs hold one value: each pair's first entry."""
-    return _float_math(x, float32_table(_members(cos, interleaved)[0]),
-                       float32_table(_members(sin, interleaved)[0]), interleaved)
+    return _float_math(x, float32_table(pair_members(cos, interleaved)[0]),
+                       float32_table(pair_members(sin, interleaved)[0]), interleaved)
 
 
 def _paired_pred(cos, sin, interleaved):
     """A 0-d bool tensor: both tables hold one value per pair."""
-    (c0, c1), (s0, s1) = _members(cos, interleaved), _members(sin, interleaved)
+    (c0, c1), (s0, s1) = pair_members(cos, interleaved), pair_members(sin, interleaved)
     return torch.logical_and((c0 == c1).all(), (s0 == s1).all())
 
 

@@ -9,6 +9,11 @@ faster).
   (imported from transformers.models.llama.modeling_llama) at the sizes a Llama attention layer
   calls it with, q (batch, heads, seq, head_dim), k with a quarter of the heads, cos/sin
   (batch, seq, head_dim) in q's dtype; under no_grad, as transformers' generate runs.
+- The training stacks' drop-ins (Transformer Engine sbhd and packed thd, the Llama reference,
+  gpt-fast) as training steps, forward + backward, at 4 sequences of 4096 tokens, 32 heads
+  (8 kv heads) of 128, against the peers' PyTorch code as tests/training_peers.py re-implements
+  it, and against rope_ext's op on the same tensors with its tables ready ("x op": the drop-in's
+  time over the op's; the drop-in's own work is building the tables and picking the path).
 """
 
 import torch
@@ -21,6 +26,9 @@ ABOUT = "each drop-in against its peer's own code at decode and prefill sizes"
 ORDER = 20
 
 SIZES = {"decode-1": 1, "decode-8": 8, "prefill-2048": 2048}
+# (batch, seq, heads, kv heads, head_dim) of the training steps; the quick run's is tiny.
+TRAIN_SIZE = ("train 4x4096", (4, 4096, 32, 8, 128))
+TRAIN_QUICK = ("train 2x16", (2, 16, 4, 2, 32))
 # (batch, q heads, seq, head_dim) of transformers' apply_rotary_pos_emb calls.
 HF_SIZES = ((1, 32, 1, 128), (1, 8, 1, 64), (4, 32, 1, 128), (1, 32, 256, 128))
 
@@ -51,6 +59,35 @@ def _record(ctx, rows, what, size, dtype_name, mode, timed, ours, theirs, peer):
     rows.append({"drop_in": what, "size": size, "dtype": dtype_name, "mode": mode, "peer": peer,
                  "median_s": a, "peer_median_s": b, "x_peer": b / a,
                  "times_s": timed[ours]["times_s"], "peer_times_s": timed[theirs]["times_s"]})
+
+
+def _training(ctx, dtype_name, rows, notes):
+    """The training pairs of dropins.TRAINING_PAIRS at one size, each timed (ours, the peer's,
+    rope_ext's op) interleaved; the tensors of one pair are freed before the next is built."""
+    loaded, status = dropins.load_training()
+    if loaded is None:
+        notes.append(f"training drop-ins: {status}")
+        return
+    size_name, size = TRAIN_QUICK if ctx.quick else TRAIN_SIZE
+    for make in dropins.TRAINING_PAIRS:
+        try:
+            what, peer, ours, theirs, op = make(size, DTYPES[dtype_name], *loaded,
+                                                torch.Generator().manual_seed(0))
+        except Exception as e:  # noqa: BLE001 - one missing pair is a note
+            notes.append(f"{size_name} {dtype_name}: {make.__name__[1:]} skipped "
+                         f"({type(e).__name__}: {e})")
+            continue
+        timed = ctx.time({"ours": ours, "theirs": theirs, "op": op}, f"dropins {what} {size_name}")
+        del ours, theirs, op
+        _record(ctx, rows, "compat." + what, size_name, dtype_name, "train (fwd+bwd)", timed,
+                "ours", "theirs", f"tests/training_peers.py {peer}")
+        if rows and rows[-1]["drop_in"] == "compat." + what and "op" in timed:
+            r = rows[-1]
+            r["op_median_s"] = timed["op"]["median_s"]
+            r["x_op"] = r["median_s"] / r["op_median_s"]
+            r["op_times_s"] = timed["op"]["times_s"]
+            print(f"  dropins {what} {size_name} {dtype_name}: {r['x_peer']:.2f}x peer, "
+                  f"{r['x_op']:.2f}x the op's time", flush=True)
 
 
 def run(ctx):
@@ -95,6 +132,7 @@ def run(ctx):
                     "transformers.models.llama.modeling_llama.apply_rotary_pos_emb")
             if rows and rows[-1]["size"] == size:
                 print(f"  dropins hf {size} {dtype_name}: {rows[-1]['x_peer']:.2f}x", flush=True)
+        _training(ctx, dtype_name, rows, notes)
     return {"rows": rows, "notes": notes}
 
 
@@ -102,6 +140,8 @@ def table(result):
     from . import md_table, us, x
 
     return md_table(
-        ["drop-in", "size", "dtype", "mode", "us", "peer us", "x peer", "peer's code"],
+        ["drop-in", "size", "dtype", "mode", "us", "peer us", "x peer", "rope op us", "x op",
+         "peer's code"],
         [[f"`{r['drop_in']}`", r["size"], r["dtype"], r["mode"], us(r["median_s"]),
-          us(r["peer_median_s"]), x(r["x_peer"]), r["peer"]] for r in result["rows"]])
+          us(r["peer_median_s"]), x(r["x_peer"]), us(r.get("op_median_s")), x(r.get("x_op")),
+          r["peer"]] for r in result["rows"]])

@@ -1,0 +1,82 @@
+"""Meta's Llama reference RoPE (`llama/model.py`; torchtitan's complex RoPE is the same multiply)
+on rope_ext's op.
+
+    from llama.model import apply_rotary_emb, precompute_freqs_cis
+ -> from rope_ext.compat.llama import apply_rotary_emb, precompute_freqs_cis
+
+freqs_cis (seqlen, head_dim / 2) is complex: pair (2i, 2i+1) of every head of token s, read as the
+complex number x[2i] + j x[2i+1], is multiplied by freqs_cis[s, i] (any value: the table need not
+be unit-modulus). The result is the reference's: its shape (for 4-D xq/xk their own), its dtypes
+(xq's and xk's), gradients w.r.t. xq, xk and freqs_cis. Arithmetic in float32 as the reference's
+complex64 multiply, one rounding to the output dtype (float64 inputs: float64, where the reference
+rounds them to float32 first). Arguments the reference asserts on or fails on raise a ValueError
+naming them.
+"""
+
+import torch
+
+from ._layout import float32_table, rotate_pairs
+
+
+def inv_freq(dim, theta):
+    """The reference's frequencies theta^(-2i/dim), i < dim/2, float32, with its arithmetic (the
+    tables are the models' own, bit for bit)."""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
+
+
+def cis(end, freqs):
+    """exp(j * p * freqs) for positions p = 0 .. end - 1: complex64 (end, len(freqs))."""
+    angles = torch.outer(torch.arange(end, device=freqs.device), freqs).float()
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def precompute_freqs_cis(dim, end, theta=10000.0):
+    """The reference's table: complex64 (end, dim // 2), row p = exp(j * p * theta^(-2i/dim))."""
+    return cis(end, inv_freq(dim, theta))
+
+
+def _check_x(x, name):
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 3 or x.shape[-1] % 2:
+        got = f"{x.dtype} of shape {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be a floating-point tensor (bsz, seqlen, n_heads, head_dim) with "
+                         f"an even head_dim, got {got}")
+
+
+def cos_sin(freqs_cis):
+    """(cos, sin): the real and imaginary parts of a complex table (views), or a real table and
+    zeros (the reference multiplies by a real table too)."""
+    if freqs_cis.is_complex():
+        parts = torch.view_as_real(freqs_cis)
+        return parts[..., 0], parts[..., 1]
+    return freqs_cis, torch.zeros_like(freqs_cis)
+
+
+def _rotated(x, cos, sin):
+    out = rotate_pairs(x, cos, sin, x.dtype, interleaved=True)
+    # the reference's shape: its view_as_real(...).flatten(3) (x itself for 4-D x)
+    return out if x.dim() == 4 else out.unflatten(-1, (-1, 2)).flatten(3)
+
+
+def apply_rotary_emb(xq, xk, freqs_cis):
+    """xq (bsz, seqlen, n_heads, head_dim) and xk (bsz, seqlen, n_kv_heads, head_dim) rotated by
+    freqs_cis (seqlen, head_dim / 2), placed at dims 1 and -1 (the reference's
+    reshape_for_broadcast); returns (xq_out, xk_out) in xq's and xk's dtypes."""
+    _check_x(xq, "xq")
+    _check_x(xk, "xk")
+    want = (xq.shape[1], xq.shape[-1] // 2)
+    if not isinstance(freqs_cis, torch.Tensor) or tuple(freqs_cis.shape) != want:
+        got = list(freqs_cis.shape) if isinstance(freqs_cis, torch.Tensor) else type(freqs_cis).__name__
+        raise ValueError(f"freqs_cis must have shape (seqlen, head_dim / 2) = {list(want)} for xq of "
+                         f"shape {list(xq.shape)}, got {got}")
+    if xk.dim() != xq.dim() or xk.shape[1] != xq.shape[1] or xk.shape[-1] != xq.shape[-1]:
+        raise ValueError(f"xk of shape {list(xk.shape)} must have xq's number of dims, seqlen and "
+                         f"head_dim (xq: {list(xq.shape)})")
+    if not (freqs_cis.is_complex() or freqs_cis.is_floating_point()):
+        raise ValueError(f"freqs_cis must be a complex (or real floating-point) tensor, got "
+                         f"{freqs_cis.dtype}")
+    if freqs_cis.device != xq.device:
+        raise ValueError(f"freqs_cis must be on xq's device ({xq.device}), got {freqs_cis.device}")
+    place = [n if i in (1, xq.dim() - 1) else 1 for i, n in enumerate(xq.shape)]
+    place[-1] = want[1]
+    cos, sin = (float32_table(part).reshape(place) for part in cos_sin(freqs_cis))
+    return _rotated(xq, cos, sin), _rotated(xk, cos, sin)
