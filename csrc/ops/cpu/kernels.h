@@ -348,8 +348,6 @@ ROPE_INLINE int64_t read_position(const void* pos, bool pos64, int64_t offset) {
                : static_cast<int64_t>(static_cast<const int32_t*>(pos)[offset]);
 }
 
-ROPE_INLINE int dt_size(int dt) { return dt == kF64 ? 8 : (dt == kF32 ? 4 : 2); }
-
 // The cos/sin rows of the token whose operand offsets are `off`.
 ROPE_INLINE TableRows token_rows(const RotateJob& job, const int64_t* off) {
   const TableDesc& t = job.g->table;
