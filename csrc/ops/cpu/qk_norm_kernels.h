@@ -402,6 +402,18 @@ __attribute__((noinline)) void load_table_block(int dt, const TableDesc& t,
   });
 }
 
+// The n weights (stride ws, DtIndex dt) plus `unit` into out, in the arithmetic type: like
+// load_table_block, a switch once per call rather than a copy of every loop per weight dtype.
+template <typename acc>
+__attribute__((noinline)) void load_weights(int dt, const void* w, int64_t ws, int64_t n, acc unit,
+                                            acc* __restrict__ out) {
+  with_dt_type(dt, [&](auto elem) {
+    using W = decltype(elem);
+    const W* p = static_cast<const W*>(w);
+    for (int64_t j = 0; j < n; ++j) out[j] = static_cast<acc>(to_f(p[j * ws])) + unit;
+  });
+}
+
 template <typename x_t, bool kI>
 void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
   using acc = opmath_t<x_t>;
@@ -417,13 +429,7 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
   int64_t ws[2];
   for (int k = 0; k < g.targets; ++k) {
     if (D <= kQkNormStackHeadDim) {
-      with_dt_type(job.w_dt[k], [&](auto elem) {
-        using W = decltype(elem);
-        const W* p = static_cast<const W*>(job.w[k]);
-        for (int64_t j = 0; j < D; ++j) {
-          wbuf[k][j] = static_cast<acc>(to_f(p[j * job.norm.w_stride[k]])) + unit;
-        }
-      });
+      load_weights<acc>(job.w_dt[k], job.w[k], job.norm.w_stride[k], D, unit, wbuf[k]);
       w[k] = wbuf[k];
       ws[k] = 1;
     } else {
