@@ -9,6 +9,7 @@
 
 #include <torch/csrc/stable/tensor.h>
 
+#include "../rope_quant_checks.h"
 #include "rope_cuda_host.h"
 #include "rope_quant_thread.h"
 
