@@ -15,8 +15,6 @@
 
 namespace rope::gpu {
 
-constexpr int64_t kNormThreadsPerBlock = 128;
-
 // A weight in the arithmetic type (a cast only when it has another dtype).
 inline Tensor norm_weight_for(const Tensor& w, ScalarType x_type) {
   const ScalarType acc = x_type == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
