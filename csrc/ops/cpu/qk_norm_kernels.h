@@ -544,7 +544,9 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
       const x_t* src = static_cast<const x_t*>(job.src[k]) + off[2 * k];
       x_t* dst = static_cast<x_t*>(job.dst[k]) + off[2 * k + 1];
       const bool unit_strides = tg.src_last == 1 && tg.dst_last == 1 && ws[k] == 1;
-      if (const int fixed = D <= kQkNormStackHeadDim ? fixed_head_dim(g, tg) : 0) {
+      // Only half-split rows take the fixed path (fixed_head_dim): the interleaved walk is
+      // compiled without it.
+      if (const int fixed = !kI && D <= kQkNormStackHeadDim ? fixed_head_dim(g, tg) : 0) {
         tables(k, 0, half);
         NextRows<x_t> rows_after;  // the next target's rows, or the next token's first target's
         rows_after.prefetch = prefetch;
