@@ -9,6 +9,11 @@
 namespace rope {
 namespace {
 
+// Bytes per element of DtIndex dt.
+inline __attribute__((always_inline)) int dt_size(int dt) {
+  return dt == kF64 ? 8 : (dt == kF32 ? 4 : 2);
+}
+
 // Calls f(T{}) with T the storage type of DtIndex dt.
 template <class F>
 inline __attribute__((always_inline)) void with_dt_type(int dt, F&& f) {

@@ -282,17 +282,22 @@ ROPE_INLINE void rotate_block(const x_t* src, x_t* dst, int64_t half, int64_t n,
 }
 
 // `heads` rows src -> dst (rows head_stride apart); src/dst point at pair b0 of the first row.
-template <class Ops, bool kInterleaved, bool kStream, typename x_t>
+// stream (non-temporal stores) picks the stores of the unit-stride row loop only, so the token
+// walk around it is compiled once, not once per store kind.
+template <class Ops, bool kInterleaved, typename x_t>
 ROPE_INLINE void rotate_heads(const TargetDesc& tg, const x_t* src, x_t* dst, int64_t half,
                               int64_t b0, int64_t n, const typename Ops::acc* c,
-                              const typename Ops::acc* s) {
+                              const typename Ops::acc* s, bool stream) {
   const int64_t first = kInterleaved ? 2 * b0 : b0;  // element of pair b0's first member
   if (tg.src_last == 1 && tg.dst_last == 1) {
     src += first;
     dst += first;
-    for (int64_t h = 0; h < tg.heads; ++h, src += tg.src_head, dst += tg.dst_head) {
-      rotate_block<Ops, kInterleaved, kStream>(src, dst, half, n, c, s);
-    }
+    auto rows = [&](auto stream_c) ROPE_INLINE_LAMBDA {
+      for (int64_t h = 0; h < tg.heads; ++h, src += tg.src_head, dst += tg.dst_head) {
+        rotate_block<Ops, kInterleaved, decltype(stream_c)::value>(src, dst, half, n, c, s);
+      }
+    };
+    stream ? rows(std::true_type{}) : rows(std::false_type{});
     return;
   }
   // Strided along the head dim: each block goes through a contiguous copy of its 2n elements
@@ -348,8 +353,6 @@ ROPE_INLINE int64_t read_position(const void* pos, bool pos64, int64_t offset) {
                : static_cast<int64_t>(static_cast<const int32_t*>(pos)[offset]);
 }
 
-ROPE_INLINE int dt_size(int dt) { return dt == kF64 ? 8 : (dt == kF32 ? 4 : 2); }
-
 // The cos/sin rows of the token whose operand offsets are `off`.
 ROPE_INLINE TableRows token_rows(const RotateJob& job, const int64_t* off) {
   const TableDesc& t = job.g->table;
@@ -379,7 +382,7 @@ struct TokenHook {
 };
 
 // Rotates every row of tokens [b, e).
-template <typename x_t, bool kInterleaved, bool kStream>
+template <typename x_t, bool kInterleaved>
 void rotate_tokens_impl(const RotateJob& job, int64_t b, int64_t e, TokenHook hook) {
   using Ops = OpsFor<x_t>;
   using acc = typename Ops::acc;
@@ -412,9 +415,9 @@ void rotate_tokens_impl(const RotateJob& job, int64_t b, int64_t e, TokenHook ho
                        s = tables.s;
                      }
                      for (int k = 0; k < g.targets; ++k) {
-                       rotate_heads<Ops, kInterleaved, kStream>(
-                           g.target[k], src[k] + off[2 * k], dst[k] + off[2 * k + 1], half, b0,
-                           n, c, s);
+                       rotate_heads<Ops, kInterleaved>(g.target[k], src[k] + off[2 * k],
+                                                       dst[k] + off[2 * k + 1], half, b0, n, c,
+                                                       s, job.stream);
                      }
                    }
                    if (g.copy_tail && 2 * half < g.head_dim) {
@@ -431,18 +434,13 @@ void rotate_tokens_impl(const RotateJob& job, int64_t b, int64_t e, TokenHook ho
                    for (int o = 0; o < kMaxOperands; ++o) off[o] += step[o];
                  }
                });
-  if (kStream) store_fence();
+  if (job.stream) store_fence();
 }
 
 template <typename x_t>
 void rotate_tokens_hooked(const RotateJob& job, int64_t b, int64_t e, TokenHook hook) {
-  if (job.g->interleaved) {
-    job.stream ? rotate_tokens_impl<x_t, true, true>(job, b, e, hook)
-               : rotate_tokens_impl<x_t, true, false>(job, b, e, hook);
-  } else {
-    job.stream ? rotate_tokens_impl<x_t, false, true>(job, b, e, hook)
-               : rotate_tokens_impl<x_t, false, false>(job, b, e, hook);
-  }
+  job.g->interleaved ? rotate_tokens_impl<x_t, true>(job, b, e, hook)
+                     : rotate_tokens_impl<x_t, false>(job, b, e, hook);
 }
 
 template <typename x_t>

@@ -314,7 +314,7 @@ struct NextRows {
 };
 
 // Every head of one target of one token (not inlined: one copy per element type and kD, not one
-// per table type). ca, sb, cb and sa are the caller's stack buffers, so no write through dst
+// per layout). ca, sb, cb and sa are the caller's stack buffers, so no write through dst
 // reaches them (__restrict__: the stores need not be ordered against their loads).
 template <typename x_t, typename acc, int kD>
 __attribute__((noinline)) void norm_rope_heads_fixed(const x_t* src, x_t* dst, int64_t src_head,
@@ -371,7 +371,50 @@ inline int64_t read_pos(const void* pos, bool pos64, int64_t off) {
                : static_cast<int64_t>(static_cast<const int32_t*>(pos)[off]);
 }
 
-template <typename x_t, typename tab_t, bool kI>
+// The cos and sin of pairs [b0, b0 + n) of a token's table rows (per MRoPE component: cr, sr,
+// byte pointers to element 0 of each row), converted from the tables' dtype dt into c and s.
+// The dtype is switched on here, once per block, rather than being a template parameter of the
+// token walk: only these loops are compiled per table dtype (and not inlined: one copy per
+// arithmetic type), not the whole walk.
+template <typename acc>
+__attribute__((noinline)) void load_table_block(int dt, const TableDesc& t,
+                                                const char* const* cr, const char* const* sr,
+                                                int64_t b0, int64_t n, acc* __restrict__ c,
+                                                acc* __restrict__ s) {
+  with_dt_type(dt, [&](auto elem) {
+    using tab_t = decltype(elem);
+    const bool mrope = t.kind == TableKind::kMrope;
+    if (!mrope && t.cos_col == 1 && t.sin_col == 1) {  // contiguous: a loop that vectorizes
+      const tab_t* c0 = reinterpret_cast<const tab_t*>(cr[0]) + b0;
+      const tab_t* s0 = reinterpret_cast<const tab_t*>(sr[0]) + b0;
+      for (int64_t i = 0; i < n; ++i) {
+        c[i] = static_cast<acc>(to_f(c0[i]));
+        s[i] = static_cast<acc>(to_f(s0[i]));
+      }
+      return;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t pair = b0 + i;
+      const int j = mrope ? mrope_component(pair, t.section, t.mrope_interleaved) : 0;
+      c[i] = static_cast<acc>(to_f(reinterpret_cast<const tab_t*>(cr[j])[pair * t.cos_col]));
+      s[i] = static_cast<acc>(to_f(reinterpret_cast<const tab_t*>(sr[j])[pair * t.sin_col]));
+    }
+  });
+}
+
+// The n weights (stride ws, DtIndex dt) plus `unit` into out, in the arithmetic type: like
+// load_table_block, a switch once per call rather than a copy of every loop per weight dtype.
+template <typename acc>
+__attribute__((noinline)) void load_weights(int dt, const void* w, int64_t ws, int64_t n, acc unit,
+                                            acc* __restrict__ out) {
+  with_dt_type(dt, [&](auto elem) {
+    using W = decltype(elem);
+    const W* p = static_cast<const W*>(w);
+    for (int64_t j = 0; j < n; ++j) out[j] = static_cast<acc>(to_f(p[j * ws])) + unit;
+  });
+}
+
+template <typename x_t, bool kI>
 void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
   using acc = opmath_t<x_t>;
   const RotateGeometry& g = *job.g;
@@ -386,13 +429,7 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
   int64_t ws[2];
   for (int k = 0; k < g.targets; ++k) {
     if (D <= kQkNormStackHeadDim) {
-      with_dt_type(job.w_dt[k], [&](auto elem) {
-        using W = decltype(elem);
-        const W* p = static_cast<const W*>(job.w[k]);
-        for (int64_t j = 0; j < D; ++j) {
-          wbuf[k][j] = static_cast<acc>(to_f(p[j * job.norm.w_stride[k]])) + unit;
-        }
-      });
+      load_weights<acc>(job.w_dt[k], job.w[k], job.norm.w_stride[k], D, unit, wbuf[k]);
       w[k] = wbuf[k];
       ws[k] = 1;
     } else {
@@ -417,35 +454,39 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
                             static_cast<double>(g.target[0].heads + g.target[1].heads) *
                             static_cast<double>(D) * sizeof(x_t) >
                         double(4 << 20);
-  const tab_t* key[2 * kMropeComponents] = {};
+  const char* key[2 * kMropeComponents] = {};
   int64_t key_b0 = -1;
   int fold_k = -1;  // the target whose weights fold holds, with the cos and sin in c and s
-  // A token's operand offsets and its table rows (per MRoPE component).
+  // A token's operand offsets and its table rows (per MRoPE component), as byte pointers: the
+  // table dtype is a run-time value (load_table_block), its element size tes.
+  const int64_t tes = dt_size(job.table_dt);
+  const char* const cos_base = static_cast<const char*>(job.cos);
+  const char* const sin_base = static_cast<const char*>(job.sin);
   struct TokenRows {
     int64_t off[kMaxOperands];
-    const tab_t* cr[kMropeComponents];
-    const tab_t* sr[kMropeComponents];
+    const char* cr[kMropeComponents];
+    const char* sr[kMropeComponents];
   };
   auto token_rows = [&](int64_t tok, TokenRows& r) {
     g.lead.offsets(tok, r.off);
     if (t.kind == TableKind::kStrided) {
-      r.cr[0] = r.cr[1] = r.cr[2] = static_cast<const tab_t*>(job.cos) + r.off[kTab0];
-      r.sr[0] = r.sr[1] = r.sr[2] = static_cast<const tab_t*>(job.sin) + r.off[kTab1];
+      r.cr[0] = r.cr[1] = r.cr[2] = cos_base + r.off[kTab0] * tes;
+      r.sr[0] = r.sr[1] = r.sr[2] = sin_base + r.off[kTab1] * tes;
       return;
     }
     const bool mrope = t.kind == TableKind::kMrope;
     for (int j = 0; j < kMropeComponents; ++j) {
       const int64_t p = read_pos(job.positions, t.pos64,
                                  r.off[kTab0] + (mrope ? j * t.pos_component : 0));
-      r.cr[j] = static_cast<const tab_t*>(job.cos) + p * t.cos_row;
-      r.sr[j] = static_cast<const tab_t*>(job.sin) + p * t.sin_row;
+      r.cr[j] = cos_base + p * t.cos_row * tes;
+      r.sr[j] = sin_base + p * t.sin_row * tes;
     }
   };
   // Gathered rows of a contiguous table: the next token's are fetched while this one runs
   // (positions in any order, e.g. a decode batch, miss the caches at each token otherwise).
   const bool prefetch_tables =
       t.kind != TableKind::kStrided && t.cos_col == 1 && t.sin_col == 1;
-  const int64_t table_row_bytes = half * static_cast<int64_t>(sizeof(tab_t));
+  const int64_t table_row_bytes = half * tes;
   TokenRows cur, next;
   for (int64_t tok = b; tok < e; ++tok) {
     if (tok == b) {
@@ -458,14 +499,14 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
       const int comps = t.kind == TableKind::kMrope ? kMropeComponents : 1;
       for (int j = 0; j < comps; ++j) {
         for (int64_t x = 0; x < table_row_bytes; x += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(next.cr[j]) + x, 0, 3);
-          __builtin_prefetch(reinterpret_cast<const char*>(next.sr[j]) + x, 0, 3);
+          __builtin_prefetch(next.cr[j] + x, 0, 3);
+          __builtin_prefetch(next.sr[j] + x, 0, 3);
         }
       }
     }
     const int64_t* off = cur.off;
-    const tab_t* const* cr = cur.cr;
-    const tab_t* const* sr = cur.sr;
+    const char* const* cr = cur.cr;
+    const char* const* sr = cur.sr;
     // The cos and sin of pairs [b0, b0 + n) of this token in c and s (kept while the token's
     // table rows and the block stay the same), then target k's weights folded into them.
     auto tables = [&](int k, int64_t b0, int64_t n) {
@@ -478,22 +519,7 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
       if (same && fold_k == k) return;
       if (!same) {
         key_b0 = b0;
-        const bool mrope = t.kind == TableKind::kMrope;
-        if (!mrope && t.cos_col == 1 && t.sin_col == 1) {  // contiguous: a loop that vectorizes
-          const tab_t* c0 = cr[0] + b0;
-          const tab_t* s0 = sr[0] + b0;
-          for (int64_t i = 0; i < n; ++i) {
-            c[i] = static_cast<acc>(to_f(c0[i]));
-            s[i] = static_cast<acc>(to_f(s0[i]));
-          }
-        } else {
-          for (int64_t i = 0; i < n; ++i) {
-            const int64_t pair = b0 + i;
-            const int j = mrope ? mrope_component(pair, t.section, t.mrope_interleaved) : 0;
-            c[i] = static_cast<acc>(to_f(cr[j][pair * t.cos_col]));
-            s[i] = static_cast<acc>(to_f(sr[j][pair * t.sin_col]));
-          }
-        }
+        load_table_block<acc>(job.table_dt, t, cr, sr, b0, n, c, s);
       }
       fold_k = k;
       auto fold_pairs = [&](auto wa_of, auto wb_of) {
@@ -518,7 +544,9 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
       const x_t* src = static_cast<const x_t*>(job.src[k]) + off[2 * k];
       x_t* dst = static_cast<x_t*>(job.dst[k]) + off[2 * k + 1];
       const bool unit_strides = tg.src_last == 1 && tg.dst_last == 1 && ws[k] == 1;
-      if (const int fixed = D <= kQkNormStackHeadDim ? fixed_head_dim(g, tg) : 0) {
+      // Only half-split rows take the fixed path (fixed_head_dim): the interleaved walk is
+      // compiled without it.
+      if (const int fixed = !kI && D <= kQkNormStackHeadDim ? fixed_head_dim(g, tg) : 0) {
         tables(k, 0, half);
         NextRows<x_t> rows_after;  // the next target's rows, or the next token's first target's
         rows_after.prefetch = prefetch;
@@ -595,10 +623,10 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
   }
 }
 
-template <typename x_t, typename tab_t>
+template <typename x_t>
 void norm_rope_layout(const NormJob& job, int64_t b, int64_t e) {
-  job.g->interleaved ? norm_rope_tokens_impl<x_t, tab_t, true>(job, b, e)
-                     : norm_rope_tokens_impl<x_t, tab_t, false>(job, b, e);
+  job.g->interleaved ? norm_rope_tokens_impl<x_t, true>(job, b, e)
+                     : norm_rope_tokens_impl<x_t, false>(job, b, e);
 }
 
 void norm_rope_tokens(const NormJob& job, int64_t b, int64_t e) {
@@ -606,13 +634,9 @@ void norm_rope_tokens(const NormJob& job, int64_t b, int64_t e) {
   // Only bfloat16 rows use the one-instruction conversion; every other dtype is avx512's (one
   // copy of its code in the library, not two).
   if (job.x_dt != kBF16) return qk_norm_kernel_avx512()(job, b, e);
-  with_dt_type(job.table_dt, [&](auto t0) { norm_rope_layout<BF16Bits, decltype(t0)>(job, b, e); });
+  norm_rope_layout<BF16Bits>(job, b, e);
 #else
-  with_dt_type(job.x_dt, [&](auto x0) {
-    with_dt_type(job.table_dt, [&](auto t0) {
-      norm_rope_layout<decltype(x0), decltype(t0)>(job, b, e);
-    });
-  });
+  with_dt_type(job.x_dt, [&](auto x0) { norm_rope_layout<decltype(x0)>(job, b, e); });
 #endif
 }
 

@@ -1,10 +1,11 @@
-// CUDA kernels of the fused QK-RMSNorm + RoPE ops, registered for the CUDA key. Per-thread code:
-// qk_norm_rope_thread.h; host logic: qk_norm_rope_host.h (both shared with the simulator).
-#include <torch/csrc/stable/library.h>
+// The CUDA kernels of the fused QK-RMSNorm + RoPE ops: the per-thread code of
+// qk_norm_rope_thread.h run at each thread's position, and their launchers (cuda_kernels.h), one
+// per dtype pair and layout that the host code (qk_norm_rope_host.h, run by qk_norm_rope_ops.cpp)
+// dispatches to.
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
 
-#include "../routes.h"
 #include "cuda_launch.cuh"
-#include "qk_norm_rope_host.h"
 
 namespace rope::gpu {
 namespace {
@@ -15,52 +16,28 @@ __global__ void __launch_bounds__(kNormThreadsPerBlock)
   norm_rope_thread<x_t, tab_t, kInterleaved>(a, here());
 }
 
-// The device made current, torch's current stream there, a launch check after the kernel.
-struct NormLaunch : CudaStreamLaunch {
-  using CudaStreamLaunch::CudaStreamLaunch;
-
-  template <typename x_t, typename tab_t, bool kI>
-  void operator()(const LaunchPlan& p, const NormRopeArgs<x_t, tab_t>& a, Bool<kI>) const {
-    launch(norm_rope_kernel<x_t, tab_t, kI>, p, a);
-  }
-};
-
-std::tuple<Tensor, Tensor> qk_norm_rope_cuda(Tensor query, Tensor key, Tensor q_weight,
-                                             Tensor k_weight, Tensor cos, Tensor sin, double eps,
-                                             bool unit_offset, bool interleaved) {
-  return qk_norm_rope_host(query, key, q_weight, k_weight, cos, sin, eps, unit_offset,
-                           interleaved, NormLaunch(query, kQkNormOp));
-}
-
-void qk_norm_rope_inplace_cuda(Tensor query, Tensor key, Tensor q_weight, Tensor k_weight,
-                               Tensor positions, Tensor cos_sin_cache, double eps,
-                               bool unit_offset, bool interleaved,
-                               std::optional<std::vector<int64_t>> mrope_section,
-                               bool mrope_interleaved) {
-  qk_norm_rope_inplace_host(query, key, &query, &key, q_weight, k_weight, positions,
-                            cos_sin_cache, eps, unit_offset, interleaved,
-                            mrope_section ? &*mrope_section : nullptr, mrope_interleaved,
-                            kQkNormInplaceOp, NormLaunch(query, kQkNormInplaceOp));
-}
-
-void qkv_norm_rope_inplace_cuda(Tensor qkv, int64_t num_heads_q, int64_t num_heads_k,
-                                int64_t num_heads_v, int64_t head_dim, Tensor q_weight,
-                                Tensor k_weight, Tensor positions, Tensor cos_sin_cache,
-                                double eps, bool unit_offset, bool interleaved,
-                                std::optional<std::vector<int64_t>> mrope_section,
-                                bool mrope_interleaved) {
-  const auto [q, k] = qkv_views(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim);
-  qk_norm_rope_inplace_host(q, k, &qkv, nullptr, q_weight, k_weight, positions, cos_sin_cache,
-                            eps, unit_offset, interleaved,
-                            mrope_section ? &*mrope_section : nullptr, mrope_interleaved,
-                            kQkvNormOp, NormLaunch(qkv, kQkvNormOp));
-}
-
 }  // namespace
-}  // namespace rope::gpu
 
-STABLE_TORCH_LIBRARY_IMPL(rope, CUDA, m) {
-  rope::impl_routed(m, rope::kQkNormRope, TORCH_BOX(&rope::gpu::qk_norm_rope_cuda));
-  rope::impl_routed(m, rope::kQkNormRopeInplace, TORCH_BOX(&rope::gpu::qk_norm_rope_inplace_cuda));
-  rope::impl_routed(m, rope::kQkvNormRopeInplace, TORCH_BOX(&rope::gpu::qkv_norm_rope_inplace_cuda));
+template <typename x_t, typename tab_t, bool kInterleaved>
+const char* launch_norm_rope(const LaunchPlan& p, const NormRopeArgs<x_t, tab_t>& a,
+                             void* stream) {
+  return launch(norm_rope_kernel<x_t, tab_t, kInterleaved>, p, a, stream);
 }
+
+// The (x, table) dtypes of dispatch_types (rope_cuda_host.h): x's own, or its arithmetic type.
+#define ROPE_NORM_ROPE_KERNELS(x_t, tab_t)                        \
+  template const char* launch_norm_rope<x_t, tab_t, false>(       \
+      const LaunchPlan&, const NormRopeArgs<x_t, tab_t>&, void*); \
+  template const char* launch_norm_rope<x_t, tab_t, true>(        \
+      const LaunchPlan&, const NormRopeArgs<x_t, tab_t>&, void*);
+
+using torch::headeronly::BFloat16;
+using torch::headeronly::Half;
+ROPE_NORM_ROPE_KERNELS(float, float)
+ROPE_NORM_ROPE_KERNELS(double, double)
+ROPE_NORM_ROPE_KERNELS(Half, Half)
+ROPE_NORM_ROPE_KERNELS(Half, float)
+ROPE_NORM_ROPE_KERNELS(BFloat16, BFloat16)
+ROPE_NORM_ROPE_KERNELS(BFloat16, float)
+
+}  // namespace rope::gpu

@@ -1,4 +1,4 @@
-// Host side of the fused QK-RMSNorm + RoPE CUDA ops, shared by the kernels (qk_norm_rope.cu) and
+// Host side of the fused QK-RMSNorm + RoPE CUDA ops, shared by the ops (qk_norm_rope_ops.cpp) and
 // the CPU simulator (tests/sim/qk_norm_sim.inc): checks (../qk_norm_checks.h), positions read
 // once, table and weight casts, the launch plan and the dtype dispatch. A `Runner` launches the
 // kernel instantiation it is given, or simulates it. Positions are range-checked on the device.
@@ -14,8 +14,6 @@
 #include "rope_cuda_host.h"
 
 namespace rope::gpu {
-
-constexpr int64_t kNormThreadsPerBlock = 128;
 
 // A weight in the arithmetic type (a cast only when it has another dtype).
 inline Tensor norm_weight_for(const Tensor& w, ScalarType x_type) {

@@ -1,4 +1,4 @@
-// Host side of every CUDA op, shared by the kernels (rope_cuda.cu) and the CPU simulator
+// Host side of every CUDA op, shared by the ops (rope_cuda_ops.cpp) and the CPU simulator
 // (tests/sim/cuda_sim.cpp): checks (../checks.h), positions read once, the table cast, the launch
 // plan (grid, block, vector path) and the dtype/layout dispatch. Only the last step differs: a
 // `Runner` either launches the kernel instantiation it is given or runs its per-thread code over
@@ -16,26 +16,13 @@
 #include <torch/headeronly/core/Dispatch.h>
 
 #include "../checks.h"
+#include "launch_plan.h"
 #include "rope_cuda_thread.h"
 
 namespace rope::gpu {
 
 template <bool B>
 using Bool = std::integral_constant<bool, B>;
-
-// At most this many blocks; beyond it blocks stride (a grid this size already fills any GPU).
-constexpr int64_t kMaxBlocks = int64_t{1} << 20;
-constexpr int64_t kThreadsPerBlock = 256;
-// The largest block a plan chooses: bx * by <= 2 * kThreadsPerBlock (the kernels'
-// __launch_bounds__).
-constexpr int kMaxBlockThreads = 512;
-
-struct LaunchPlan {
-  Idx3 grid, block;
-  bool vec = false;
-  bool idx32 = false;
-  int64_t rot_chunks = 0, tail_chunks = 0;
-};
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

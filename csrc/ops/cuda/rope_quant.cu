@@ -1,11 +1,11 @@
-// CUDA kernels of the RoPE + FP8 quantization ops. The per-thread code is in
-// rope_quant_thread.h and the host logic in rope_quant_host.h, both shared with the CPU kernel and
-// the simulator; this file adds the device guard, the current stream and the launch.
-#include <torch/csrc/stable/library.h>
+// The CUDA kernels of the RoPE + FP8 quantization ops: the per-token code of rope_quant_thread.h
+// (shared with the CPU kernel and the simulator) run at each thread's position, and their
+// launchers (cuda_kernels.h), one per dtype that the host code (rope_quant_host.h, run by
+// rope_quant_ops.cpp) dispatches to.
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
 
-#include "../routes.h"
 #include "cuda_launch.cuh"
-#include "rope_quant_host.h"
 
 namespace rope::gpu {
 namespace {
@@ -15,19 +15,18 @@ __global__ void __launch_bounds__(kMaxBlockThreads, 1) quant_kernel(const QuantA
   quant_thread<x_t>(a, here());
 }
 
-struct QuantLaunch : CudaStreamLaunch {
-  using CudaStreamLaunch::CudaStreamLaunch;
-
-  template <typename x_t>
-  void operator()(const LaunchPlan& p, const QuantArgs<x_t>& a) const {
-    launch(quant_kernel<x_t>, p, a);
-  }
-};
-
 }  // namespace
-}  // namespace rope::gpu
 
-STABLE_TORCH_LIBRARY_IMPL(rope, CUDA, m) {
-  rope::impl_routed(m, rope::kQuantizeFp8, TORCH_BOX(&rope::gpu::quantize_fp8_op<rope::gpu::QuantLaunch>));
-  rope::impl_routed(m, rope::kQuantizeFp8Paged, TORCH_BOX(&rope::gpu::quantize_fp8_paged_op<rope::gpu::QuantLaunch>));
+template <typename x_t>
+const char* launch_quant(const LaunchPlan& p, const QuantArgs<x_t>& a, void* stream) {
+  return launch(quant_kernel<x_t>, p, a, stream);
 }
+
+// The dtypes of ROPE_DISPATCH_QUANT_X (rope_quant_host.h).
+template const char* launch_quant<float>(const LaunchPlan&, const QuantArgs<float>&, void*);
+template const char* launch_quant<torch::headeronly::Half>(
+    const LaunchPlan&, const QuantArgs<torch::headeronly::Half>&, void*);
+template const char* launch_quant<torch::headeronly::BFloat16>(
+    const LaunchPlan&, const QuantArgs<torch::headeronly::BFloat16>&, void*);
+
+}  // namespace rope::gpu

@@ -9,7 +9,7 @@
 // that writes both of its outputs.
 #pragma once
 
-#include "../rope_quant_checks.h"
+#include "../rope_quant_geometry.h"
 #include "rope_cuda_thread.h"
 
 namespace rope::gpu {

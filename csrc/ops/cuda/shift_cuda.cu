@@ -1,10 +1,12 @@
-// The CUDA kernel of rope.shift_kv_cache_, registered for the CUDA key. Per-thread code in
-// shift_cuda_thread.h and host logic in shift_cuda_host.h (both simulated on the CPU); here the
-// kernel and its runner (cuda_launch.cuh: device guard, current stream, launch check).
-#include <torch/csrc/stable/library.h>
+// The CUDA kernel of rope.shift_kv_cache_: the per-thread code of shift_cuda_thread.h run at each
+// thread's position, and its launcher (cuda_kernels.h), one per cache dtype that the host code
+// (shift_cuda_host.h, run by shift_cuda_ops.cpp) dispatches to.
+#include <cstdint>
+
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
 
 #include "cuda_launch.cuh"
-#include "shift_cuda_host.h"
 
 namespace rope::gpu {
 namespace {
@@ -15,25 +17,25 @@ __global__ void __launch_bounds__(kMaxBlockThreads, 1)
   shift_thread<x_t, acc_t>(a, here());
 }
 
-struct ShiftLaunch : CudaStreamLaunch {
-  using CudaStreamLaunch::CudaStreamLaunch;
-
-  template <typename x_t, typename acc_t>
-  void operator()(const LaunchPlan& p, const ShiftArgs<x_t, acc_t>& a) const {
-    launch(shift_kernel<x_t, acc_t>, p, a);
-  }
-};
-
-void shift_kv_cache_cuda(Tensor key_cache, Tensor slot_mapping, Tensor delta,
-                         Tensor cos_sin_cache, bool interleaved, std::string kv_cache_dtype,
-                         std::optional<Tensor> k_scale) {
-  shift_kv_cache_host(key_cache, slot_mapping, delta, cos_sin_cache, interleaved, kv_cache_dtype,
-                      k_scale, ShiftLaunch(key_cache, "rope.shift_kv_cache_"));
-}
-
 }  // namespace
-}  // namespace rope::gpu
 
-STABLE_TORCH_LIBRARY_IMPL(rope, CUDA, m) {
-  m.impl("shift_kv_cache_", TORCH_BOX(&rope::gpu::shift_kv_cache_cuda));
+template <typename x_t, typename acc_t>
+const char* launch_shift(const LaunchPlan& p, const ShiftArgs<x_t, acc_t>& a, void* stream) {
+  return launch(shift_kernel<x_t, acc_t>, p, a, stream);
 }
+
+// The caches of shift_kv_cache_host: float8 codes, and each floating dtype with its arithmetic
+// type.
+#define ROPE_SHIFT_KERNEL(x_t, acc_t)                          \
+  template const char* launch_shift<x_t, acc_t>(               \
+      const LaunchPlan&, const ShiftArgs<x_t, acc_t>&, void*);
+
+using torch::headeronly::BFloat16;
+using torch::headeronly::Half;
+ROPE_SHIFT_KERNEL(uint8_t, float)
+ROPE_SHIFT_KERNEL(float, float)
+ROPE_SHIFT_KERNEL(double, double)
+ROPE_SHIFT_KERNEL(Half, float)
+ROPE_SHIFT_KERNEL(BFloat16, float)
+
+}  // namespace rope::gpu
