@@ -221,6 +221,11 @@ cmake-test: cmake-build
 # Everything CI checks beyond `make test`.
 packaging-test: wheel-test torch213-test cmake-test
 
+# Everything CI checks after `make test` (.ci/run runs it with -j2: the jobs are independent, and
+# most of their time is single-threaded Python, so two at a time halves it on a 2-core machine).
+.PHONY: ci-checks
+ci-checks: isa-test hf5-test packaging-test sanitize
+
 # ---- AddressSanitizer + UndefinedBehaviorSanitizer (no -fwrapv) over the CPU library ----------
 # The library is built apart (build/sanitize; the release build in rope_ext/ is untouched), then
 # the test suite and a long randomized fuzz run against it in a copy of the tree whose rope_ext/
