@@ -309,11 +309,24 @@ def check_apply_and_cache(query, key, value, positions, cache, key_cache, value_
                           slot_mapping, kv_cache_dtype="auto", k_scale=None, v_scale=None,
                           memory=True):
     """Mirrors checks.h check_apply_and_cache; returns the caches' format (None for "auto")."""
-    op = "rope.apply_and_cache_"
+    return check_rope_and_cache(query, key, value, positions, cache, key_cache, value_cache,
+                                slot_mapping, kv_cache_dtype, k_scale, v_scale, memory)[0]
+
+
+def check_rope_and_cache(query, key, value, positions, cache, key_cache, value_cache,
+                         slot_mapping, kv_cache_dtype="auto", k_scale=None, v_scale=None,
+                         memory=True, op="rope.apply_and_cache_", mrope_section=None,
+                         mrope_interleaved=False, value_written=False):
+    """Mirrors checks.h check_rope_and_cache (every op that ends in the paged caches); returns
+    (the caches' format or None for "auto", the mrope section or None)."""
     if query.dim() != 3 or key.dim() != 3:
         _fail(f"{op}: query and key must have shape (num_tokens, num_heads, head_dim), got query "
               f"{_shape(query)} and key {_shape(key)}")
-    check_positions_op(query, key, positions, 0, cache=cache, op=op, memory=memory)
+    half = check_positions_op(query, key, positions, 0 if mrope_section is None else 1,
+                              cache=cache, op=op, memory=memory)
+    section = None
+    if mrope_section is not None:
+        section = check_mrope_sections(mrope_section, half, op, "cos_sin_cache.size(1)/2")
     tokens, kv_heads, head_dim = key.shape
     _check_same_device(query, "query", value, op, "value")
     if value.dtype != key.dtype:
@@ -370,14 +383,21 @@ def check_apply_and_cache(query, key, value, positions, cache, key_cache, value_
         check_rows_disjoint(key, value, 1, op, "key", "value")
         check_disjoint_bytes(kc, "key_cache", value, "value", op)
         check_disjoint_bytes(vc, "value_cache", value, "value", op)
+        if value_written:
+            check_no_internal_overlap(value, op, "value")
         for cname, c in caches:
             check_disjoint_bytes(c, cname, cache, "cos_sin_cache", op)
-        # The scales are read while query, key and the caches are written.
+        # The scales are read while query, key and the caches (and value, if written) are
+        # written.
+        written = (("query", query), ("key", key), *caches)
+        written += (("value", value),) if value_written else ()
         for name, s in scales:
             if s is not None:
-                for wname, w in (("query", query), ("key", key), *caches):
+                for wname, w in written:
                     check_disjoint_bytes(w, wname, s, name, op)
-    return fmt
+    elif value_written:
+        check_no_internal_overlap(value, op, "value")
+    return fmt, section
 
 
 def _footprint(t):

@@ -13,6 +13,7 @@ from ._checks import _fail, _shape, dtype_name
 OP_OUT = "rope.qk_norm_rope"
 OP_INPLACE = "rope.qk_norm_rope_"
 OP_PACKED = "rope.qkv_norm_rope_"
+OP_CACHE = "rope.qk_norm_rope_and_cache_"
 
 
 def _eps_str(eps):
@@ -68,6 +69,22 @@ def check_qk_norm_rope_inplace(query, key, q_weight, k_weight, positions, cache,
     check_weights(q_weight, k_weight, query.shape[-1], query, "query", op)
     check_eps(eps, op)
     return section
+
+
+def check_qk_norm_rope_and_cache(query, key, value, positions, cache, q_weight, k_weight,
+                                 key_cache, value_cache, slot_mapping, eps, mrope_section=None,
+                                 mrope_interleaved=False, v_norm=False, kv_cache_dtype="auto",
+                                 k_scale=None, v_scale=None, memory=True):
+    """The serving prologue: the rotation and the caches as rope.apply_and_cache_ checks them
+    (MRoPE allowed; value written with v_norm), then the norm's arguments. Returns (the caches'
+    format or None, the mrope section or None)."""
+    fmt, section = _checks.check_rope_and_cache(
+        query, key, value, positions, cache, key_cache, value_cache, slot_mapping,
+        kv_cache_dtype, k_scale, v_scale, memory, op=OP_CACHE, mrope_section=mrope_section,
+        mrope_interleaved=mrope_interleaved, value_written=v_norm)
+    check_weights(q_weight, k_weight, query.shape[-1], query, "query", OP_CACHE)
+    check_eps(eps, OP_CACHE)
+    return fmt, section
 
 
 def _count(v, op, name):

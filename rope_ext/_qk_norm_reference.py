@@ -72,6 +72,34 @@ def qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weigh
                        interleaved, section, mrope_interleaved)
 
 
+def qk_norm_rope_and_cache_(query, key, value, positions, cos_sin_cache, q_weight, k_weight,
+                            key_cache, value_cache, slot_mapping, *, eps=1e-6, unit_offset=False,
+                            interleaved=False, mrope_section=None, mrope_interleaved=False,
+                            v_norm=False, kv_cache_dtype="auto", k_scale=None, v_scale=None):
+    """The serving prologue: qk_norm_rope_ on query and key, with v_norm each value head
+    RMS-normalized without weight (in place), then key and value stored into the paged caches
+    as rope.apply_and_cache_ stores them."""
+    _checks = reference._checks
+    fmt, section = checks.check_qk_norm_rope_and_cache(
+        query, key, value, positions, cos_sin_cache, q_weight, k_weight, key_cache, value_cache,
+        slot_mapping, eps, mrope_section, mrope_interleaved, v_norm, kv_cache_dtype, k_scale,
+        v_scale)
+    written = (query, key, value, key_cache, value_cache)
+    positions = _checks.positions_read_once(positions, written)
+    slot_mapping = _checks.positions_read_once(slot_mapping, written)
+    _checks.check_positions_in_range(positions, cos_sin_cache.shape[0], checks.OP_CACHE)
+    _checks.check_slots_in_range(slot_mapping, key_cache.shape[0] * key_cache.shape[1],
+                                 checks.OP_CACHE)
+    _norm_rope_inplace(query, key, q_weight, k_weight, positions, cos_sin_cache, eps, unit_offset,
+                       interleaved, section, mrope_interleaved)
+    if v_norm and value.numel():
+        acc = _acc_dtype(value.dtype)
+        vf = value.to(acc)
+        value.copy_(vf * torch.rsqrt(vf.square().mean(-1, keepdim=True) + eps))
+    reference.store_paged(key, value, key_cache, value_cache, slot_mapping, fmt, k_scale, v_scale)
+    return query, key
+
+
 def norm_rope_backward(x, weight, grad, cos, sin, eps, unit_offset, interleaved, need_x=True,
                        need_w=True, need_tables=False):
     """Gradients (x, weight, cos, sin) of norm_rope (None where not needed): the inverse rotation

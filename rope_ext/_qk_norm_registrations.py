@@ -41,6 +41,17 @@ def _fake_qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q
                                memory=False)
 
 
+def _fake_qk_norm_rope_and_cache_(query, key, value, positions, cos_sin_cache, q_weight, k_weight,
+                                  key_cache, value_cache, slot_mapping, *, eps=1e-6,
+                                  unit_offset=False, interleaved=False, mrope_section=None,
+                                  mrope_interleaved=False, v_norm=False, kv_cache_dtype="auto",
+                                  k_scale=None, v_scale=None):
+    checks.check_qk_norm_rope_and_cache(query, key, value, positions, cos_sin_cache, q_weight,
+                                        k_weight, key_cache, value_cache, slot_mapping, eps,
+                                        mrope_section, mrope_interleaved, v_norm, kv_cache_dtype,
+                                        k_scale, v_scale, memory=False)
+
+
 # ---- autograd of rope.qk_norm_rope ----
 
 def _setup(ctx, inputs, output):
@@ -91,6 +102,18 @@ def _autograd_qkv_norm_rope_(keyset, qkv, num_heads_q, num_heads_k, num_heads_v,
                                 mrope_interleaved)
 
 
+def _autograd_qk_norm_rope_and_cache_(keyset, query, key, value, positions, cos_sin_cache,
+                                      q_weight, k_weight, key_cache, value_cache, slot_mapping,
+                                      **kwargs):
+    if base._needs_grad(query, key, value, q_weight, k_weight, cos_sin_cache, key_cache,
+                        value_cache):
+        raise RuntimeError(NOT_DIFFERENTIABLE.format(op=checks.OP_CACHE))
+    return base._below_autograd(ops.qk_norm_rope_and_cache_.default, keyset,
+                                (query, key, value, key_cache, value_cache), query, key, value,
+                                positions, cos_sin_cache, q_weight, k_weight, key_cache,
+                                value_cache, slot_mapping, **kwargs)
+
+
 def ops_table(op_type):
     """These ops' entries of rope_ext._registrations.OPS (op_type: its Op)."""
     return {
@@ -99,6 +122,10 @@ def ops_table(op_type):
                                  mutable_autograd=_autograd_qk_norm_rope_, differentiable=False),
         "qkv_norm_rope_": op_type(ref.qkv_norm_rope_, _fake_qkv_norm_rope_,
                                   mutable_autograd=_autograd_qkv_norm_rope_, differentiable=False),
+        "qk_norm_rope_and_cache_": op_type(ref.qk_norm_rope_and_cache_,
+                                           _fake_qk_norm_rope_and_cache_,
+                                           mutable_autograd=_autograd_qk_norm_rope_and_cache_,
+                                           differentiable=False),
     }
 
 

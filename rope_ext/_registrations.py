@@ -438,14 +438,14 @@ def _forward_ad_aware(name, autograd_kernel):
     return kernel
 
 
-def tangent_aware(name, *args):
-    """rope.<name>(*args) from a public function while a forward-AD dual level is open. With
-    grad mode on the op's autograd kernel sees the tangents (_forward_ad_aware); with it off the
-    native call path goes straight to the kernel, which would drop them, so the reference (or
-    the refusal of a non-differentiable op) serves here."""
-    if not torch.is_grad_enabled() and _has_tangent(args, {}):
-        return _forward_ad_aware(name, None)(None, *args)
-    return getattr(ops, name)(*args)
+def tangent_aware(name, *args, **kwargs):
+    """rope.<name>(*args, **kwargs) from a public function while a forward-AD dual level is
+    open. With grad mode on the op's autograd kernel sees the tangents (_forward_ad_aware); with
+    it off the native call path goes straight to the kernel, which would drop them, so the
+    reference (or the refusal of a non-differentiable op) serves here."""
+    if not torch.is_grad_enabled() and _has_tangent(args, kwargs):
+        return _forward_ad_aware(name, None)(None, *args, **kwargs)
+    return getattr(ops, name)(*args, **kwargs)
 
 
 def _autograd_kernel(name, op):

@@ -327,8 +327,8 @@ def _rule_rotate_in_place(op, a):
 
 
 TOKENS_IN_CACHE = (
-    "sharding the tokens is not supported by rope.apply_and_cache_: each rank would write only "
-    "its own tokens into the paged caches, so a replicated cache would differ between ranks, and "
+    "sharding the tokens is not supported by an op that writes the paged caches: each rank would "
+    "write only its own tokens into them, so a replicated cache would differ between ranks, and "
     "a cache sharded over its blocks would need each rank's slots translated. Shard the heads "
     "(query, key, value Shard(1); key_cache, value_cache Shard(2)), or call the op on the local "
     "tensors (DTensor.to_local()) with a per-rank cache and slot_mapping"
@@ -495,7 +495,22 @@ def _rule_qkv_norm_rope(op, a):
                   "k_weight": r}
 
 
+def _rule_qk_norm_rope_and_cache(op, a):
+    """The serving prologue: the layouts of apply_and_cache_ (query, key, value and the caches
+    Replicate or sharded over their heads; never the tokens), with no Partial tensor written
+    (RMSNorm is not linear); the weights Replicate."""
+    _check_normed(op, "query", a["query"], written=True)
+    _check_normed(op, "key", a["key"], written=True)
+    if a["v_norm"]:
+        _check_normed(op, "value", a["value"], written=True)
+    _, need = _rule_apply_and_cache(op, a)
+    r = _replicated(a["query"].mesh)
+    need.update(q_weight=r, k_weight=r)
+    return None, need
+
+
 _RULES.update({
+    "qk_norm_rope_and_cache_": (_rule_qk_norm_rope_and_cache, 10),
     "qk_norm_rope": (_rule_qk_norm_rope, 6),
     "qk_norm_rope_": (_rule_qk_norm_rope_in_place, 6),
     "qkv_norm_rope_": (_rule_qkv_norm_rope, 1),

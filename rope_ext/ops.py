@@ -11,8 +11,8 @@ from ._registrations import OUT_NOT_DIFFERENTIABLE, check_not_inference, tangent
 ops = torch.ops.rope
 
 
-def _op_call(name, *args):
-    return getattr(ops, name)(*args)
+def _op_call(name, *args, **kwargs):
+    return getattr(ops, name)(*args, **kwargs)
 
 
 def check_head_size(head_size):

@@ -11,6 +11,8 @@ is rounded once to the input dtype. Values (V) are never touched.
   model patching.
 - qk_norm_rope_ / qkv_norm_rope_: in place on separate query/key or on a packed qkv buffer
   (vLLM's layout), positions gathered from a cos_sin_cache; for serving, not differentiable.
+- qk_norm_rope_and_cache_: the whole serving attention prologue in one op call: qk_norm_rope_,
+  an optional weightless V-norm (Gemma 4), and the paged KV-cache write (fp8 too).
 """
 
 import numbers
@@ -23,7 +25,8 @@ from .ops import _op_call, heads
 
 ops = torch.ops.rope
 
-__all__ = ["qk_norm_rope", "qk_norm_rope_", "qkv_norm_rope_", "half_tables"]
+__all__ = ["qk_norm_rope", "qk_norm_rope_", "qk_norm_rope_and_cache_", "qkv_norm_rope_",
+           "half_tables"]
 
 TABLE_WIDTHS = ("full", "half")
 
@@ -125,3 +128,27 @@ def qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weigh
          k_weight, positions, cos_sin_cache, eps, unit_offset, interleaved,
          None if mrope_section is None else _section(mrope_section), mrope_interleaved)
     return qkv
+
+
+def qk_norm_rope_and_cache_(query, key, value, positions, cos_sin_cache, q_weight, k_weight,
+                            key_cache, value_cache, slot_mapping, *, eps=1e-6, unit_offset=False,
+                            interleaved=False, mrope_section=None, mrope_interleaved=False,
+                            v_norm=False, kv_cache_dtype="auto", k_scale=None, v_scale=None):
+    """The serving attention prologue in one pass, in place:
+    query (T, Hq, D) and key (T, Hk, D) normalized and rotated as qk_norm_rope_ does (positions
+    (T,), or (3, T) with mrope_section); with v_norm each head of value (T, Hk, Dv)
+    RMS-normalized without a weight (Gemma 4), in place; then key and value written into the
+    paged caches key_cache (num_blocks, block_size, Hk, D) / value_cache (num_blocks,
+    block_size, Hk, Dv) at slot_mapping (T,) as apply_rope_and_cache_ writes them (negative
+    slots: rotated, not cached; kv_cache_dtype "fp8" / "fp8_e4m3" / "fp8_e5m2" store x / scale
+    saturated, with float32 one-element k_scale / v_scale). Any strides (views of one qkv
+    projection output included). Serving only: not differentiable. A rejected call (bad
+    shapes, dtypes, positions or slots out of range, a repeated slot, a missing scale) writes
+    nothing. Returns (query, key)."""
+    call = tangent_aware if forward_ad._current_level >= 0 else _op_call  # a dual level open?
+    call("qk_norm_rope_and_cache_", query, key, value, positions, cos_sin_cache, q_weight,
+         k_weight, key_cache, value_cache, slot_mapping, eps=eps, unit_offset=unit_offset,
+         interleaved=interleaved, mrope_section=_section(mrope_section),
+         mrope_interleaved=mrope_interleaved, v_norm=v_norm, kv_cache_dtype=kv_cache_dtype,
+         k_scale=k_scale, v_scale=v_scale)
+    return query, key

@@ -207,6 +207,15 @@ def apply_and_cache_(query, key, value, positions, cos_sin_cache, key_cache, val
     block_size = key_cache.shape[1]
     _checks.check_slots_in_range(slot_mapping, key_cache.shape[0] * block_size)
     _rotate_inplace(query, key, positions, cos_sin_cache, interleaved)
+    store_paged(key, value, key_cache, value_cache, slot_mapping, fmt, k_scale, v_scale)
+    return query, key
+
+
+def store_paged(key, value, key_cache, value_cache, slot_mapping, fmt, k_scale, v_scale):
+    """The store stage of every op that ends in the paged caches: the rows of key and value
+    (tokens, Hk, D / Dv) to the caches (num_blocks, block_size, Hk, D / Dv) at slot_mapping
+    (negative slots skipped), as x / scale saturated to float8 where fmt is a float8 dtype."""
+    block_size = key_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // block_size, slots % block_size
@@ -217,4 +226,3 @@ def apply_and_cache_(query, key, value, positions, cos_sin_cache, key_cache, val
         kc, vc = kc.view(torch.uint8), vc.view(torch.uint8)
     kc[blocks, offsets] = k
     vc[blocks, offsets] = v
-    return query, key

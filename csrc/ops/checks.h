@@ -742,25 +742,27 @@ inline void set_mrope_sections(RotateGeometry& g, const std::vector<int64_t>& se
   g.table.pos_component = pos_component_stride;
 }
 
-// rope.apply_and_cache_: the rotation of query and key (check_positions_op), then value, the
-// caches (num_blocks, block_size, kv_heads, head_dim / value_dim), slot_mapping and the scales.
-// The caches are written, so they may not overlap anything; slot range checks are data and run
-// where the data is (the CPU host, or the CUDA kernel).
-inline CacheGeometry check_apply_and_cache(const Tensor& query_t, const Tensor& key_t,
-                                           const Tensor& value_t, const Tensor& positions_t,
-                                           const Tensor& cache_t, const Tensor& key_cache_t,
-                                           const Tensor& value_cache_t, const Tensor& slots_t,
-                                           bool interleaved, const std::string& kv_cache_dtype,
-                                           const std::optional<Tensor>& k_scale_t,
-                                           const std::optional<Tensor>& v_scale_t) {
-  const char* op = "rope.apply_and_cache_";
+// The ops that end in the paged caches (rope.apply_and_cache_, rope.qk_norm_rope_and_cache_):
+// the rotation of query and key (check_positions_op; tables.mrope_section for MRoPE), then value,
+// the caches (num_blocks, block_size, kv_heads, head_dim / value_dim), slot_mapping and the
+// scales. The caches are written (and value, where value_written), so they may not overlap
+// anything; slot range checks are data and run where the data is (the CPU host, or the CUDA
+// kernel).
+inline CacheGeometry check_rope_and_cache(const Tensor& query_t, const Tensor& key_t,
+                                          const Tensor& value_t, const Tensor& positions_t,
+                                          const TableArgs& tables, const Tensor& key_cache_t,
+                                          const Tensor& value_cache_t, const Tensor& slots_t,
+                                          bool interleaved, const std::string& kv_cache_dtype,
+                                          const std::optional<Tensor>& k_scale_t,
+                                          const std::optional<Tensor>& v_scale_t,
+                                          bool value_written, const char* op) {
   const Meta q(query_t), k(key_t), v(value_t), kc(key_cache_t), vc(value_cache_t), sl(slots_t);
   ROPE_CHECK(q.dim == 3 && k.dim == 3, op,
              ": query and key must have shape (num_tokens, num_heads, head_dim), got query ",
              shape_str(q), " and key ", shape_str(k));
   CacheGeometry cg;
-  cg.rot = check_positions_op(query_t, key_t, positions_t, TableArgs{&cache_t}, interleaved,
-                              false, true, op, "query");
+  cg.rot = check_positions_op(query_t, key_t, positions_t, tables, interleaved, false, true, op,
+                              "query");
   const int64_t tokens = q.sizes[0], kv_heads = k.sizes[1], head_dim = k.sizes[2];
   check_same_device(q, "query", v, op, "value");
   ROPE_CHECK(v.dtype == k.dtype, op, ": value must have the dtype of key (", dtype_str(k.dtype),
@@ -833,7 +835,8 @@ inline CacheGeometry check_apply_and_cache(const Tensor& query_t, const Tensor& 
   check_rows_disjoint(k, v, 1, op, "key", "value");
   check_disjoint_bytes(kc, "key_cache", v, "value", op);
   check_disjoint_bytes(vc, "value_cache", v, "value", op);
-  const Meta table(cache_t);
+  if (value_written) check_no_internal_overlap(v, op, "value");
+  const Meta table(*tables.cache);
   for (const auto& [cname, c] : caches) check_disjoint_bytes(*c, cname, table, "cos_sin_cache", op);
   // The scales are read while query, key and the caches are written: the kernels would see the
   // old or the new value depending on the order of their reads.
@@ -842,6 +845,7 @@ inline CacheGeometry check_apply_and_cache(const Tensor& query_t, const Tensor& 
     const Meta m(**s);
     for (const auto& [wname, w] : rotated) check_disjoint_bytes(*w, wname, m, name, op);
     for (const auto& [cname, c] : caches) check_disjoint_bytes(*c, cname, m, name, op);
+    if (value_written) check_disjoint_bytes(v, "value", m, name, op);
   }
 
   int64_t slots;
@@ -859,6 +863,18 @@ inline CacheGeometry check_apply_and_cache(const Tensor& query_t, const Tensor& 
   cg.kc = CacheStrides{kc.strides[0], kc.strides[1], kc.strides[2], kc.strides[3]};
   cg.vc = CacheStrides{vc.strides[0], vc.strides[1], vc.strides[2], vc.strides[3]};
   return cg;
+}
+
+inline CacheGeometry check_apply_and_cache(const Tensor& query, const Tensor& key,
+                                           const Tensor& value, const Tensor& positions,
+                                           const Tensor& cache, const Tensor& key_cache,
+                                           const Tensor& value_cache, const Tensor& slots,
+                                           bool interleaved, const std::string& kv_cache_dtype,
+                                           const std::optional<Tensor>& k_scale,
+                                           const std::optional<Tensor>& v_scale) {
+  return check_rope_and_cache(query, key, value, positions, TableArgs{&cache}, key_cache,
+                              value_cache, slots, interleaved, kv_cache_dtype, k_scale, v_scale,
+                              false, "rope.apply_and_cache_");
 }
 
 }  // namespace rope

@@ -18,6 +18,7 @@ namespace rope {
 constexpr const char* kQkNormOp = "rope.qk_norm_rope";
 constexpr const char* kQkNormInplaceOp = "rope.qk_norm_rope_";
 constexpr const char* kQkvNormOp = "rope.qkv_norm_rope_";
+constexpr const char* kQkNormCacheOp = "rope.qk_norm_rope_and_cache_";
 
 // Spelled as Python's format(eps, "g") (a stream's default), so messages match the Python paths.
 inline void check_eps(double eps, const char* op) {
@@ -75,6 +76,25 @@ inline RotateGeometry check_qk_norm_rope_inplace(const Tensor& query, const Tens
   check_norm_weights(q_weight, k_weight, g.head_dim, Meta(query), "query", op);
   check_eps(eps, op);
   return g;
+}
+
+// rope.qk_norm_rope_and_cache_: the rotation and the paged caches as rope.apply_and_cache_
+// (check_rope_and_cache, MRoPE sections allowed; value written with v_norm), then the norm's
+// arguments.
+inline CacheGeometry check_qk_norm_rope_and_cache(
+    const Tensor& query, const Tensor& key, const Tensor& value, const Tensor& positions,
+    const Tensor& cache, const Tensor& q_weight, const Tensor& k_weight, const Tensor& key_cache,
+    const Tensor& value_cache, const Tensor& slots, double eps, bool interleaved,
+    const std::vector<int64_t>* section, bool mrope_interleaved, bool v_norm,
+    const std::string& kv_cache_dtype, const std::optional<Tensor>& k_scale,
+    const std::optional<Tensor>& v_scale) {
+  const char* op = kQkNormCacheOp;
+  CacheGeometry cg = check_rope_and_cache(
+      query, key, value, positions, TableArgs{&cache, nullptr, nullptr, section, mrope_interleaved},
+      key_cache, value_cache, slots, interleaved, kv_cache_dtype, k_scale, v_scale, v_norm, op);
+  check_norm_weights(q_weight, k_weight, cg.rot.head_dim, Meta(query), "query", op);
+  check_eps(eps, op);
+  return cg;
 }
 
 inline int64_t check_count(int64_t v, const char* op, const char* name) {

@@ -38,7 +38,7 @@ struct Written {
 struct Route {
   const char* name;      // as the dispatcher spells it after "rope::", overload included
   int n_written;
-  Written written[4];
+  Written written[5];
 };
 
 enum RouteId : int {
@@ -54,6 +54,7 @@ enum RouteId : int {
   kQkvNormRopeInplace,
   kQuantizeFp8,
   kQuantizeFp8Paged,
+  kQkNormRopeAndCache,
   kNumRoutes,
   kNoRoute = kNumRoutes  // an op without the C++ call path (rope_ext/schemas.def)
 };
@@ -72,6 +73,7 @@ inline constexpr Route kRoutes[kNumRoutes] = {
     {"qkv_norm_rope_", 1, {{0, false}}},
     {"quantize_fp8", 4, {{6, false}, {7, false}, {8, false}, {9, false}}},
     {"quantize_fp8_append_paged_kv_cache", 4, {{7, false}, {8, false}, {9, false}, {10, false}}},
+    {"qk_norm_rope_and_cache_", 5, {{0, false}, {1, false}, {2, false}, {7, false}, {8, false}}},
 };
 
 // "apply.out" -> "<prefix>apply.out"

@@ -39,25 +39,41 @@ struct RotateJob {
   bool stream;            // write dst with non-temporal stores (large fresh outputs)
 };
 
-// One call of rope.apply_and_cache_ (geometry.h CacheGeometry); scales already read.
+// A call's store stage into the paged caches (geometry.h CacheGeometry): after a token's query
+// and key rows are written (rotated, or normed and rotated), its key rows and value rows go to
+// the caches at its slot. Scales already read. With v_norm (rope.qk_norm_rope_and_cache_), each
+// value row is first RMS-normalized without a weight, in place (value_normed: value's memory).
 struct CacheJob {
   const CacheGeometry* g;
-  RotateJob rot;          // query and key, rotated in place
+  RotateJob rot;          // query and key, rotated in place (rope.apply_and_cache_)
+  const void* key;        // the written key rows (token offsets: the geometry's kDst1)
   const void* value;
+  void* value_normed;     // non-null: v_norm
+  double v_eps;
   const void* slot_mapping;
   void* key_cache;
   void* value_cache;
   float k_scale, v_scale;
 };
 
+// A stage run once per token after its rows are written: ctx is the stage's job, off the
+// token's operand offsets (geometry.h Operand).
+struct TokenHook {
+  void (*fn)(const void* ctx, int64_t token, const int64_t* off);
+  const void* ctx;
+};
+using TokenHookFn = void (*)(const void* ctx, int64_t token, const int64_t* off);
+
 using RotateTokensFn = void (*)(const RotateJob&, int64_t begin_token, int64_t end_token);
 using CacheTokensFn = void (*)(const CacheJob&, int64_t begin_token, int64_t end_token);
 
 // Kernels of one ISA, indexed by the dtype of x (query/key) and, for the cache write, the
-// CacheFormat of the caches.
+// CacheFormat of the caches: the rotation, the rotation with the cache store, and the cache
+// store alone (a TokenHook over a CacheJob, for the fused QK-norm kernel's tokens).
 struct CpuKernels {
   RotateTokensFn rotate[kNumDt];
   CacheTokensFn cache[kNumDt][3];
+  TokenHookFn store[kNumDt][3];
 };
 
 // Whether the x86 ISA files compile their kernels (x86-64 with GCC or clang, whose target

@@ -24,6 +24,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 
@@ -376,11 +377,6 @@ ROPE_INLINE TableRows token_rows(const RotateJob& job, const int64_t* off) {
 
 // Called after each token's rows are rotated, with the token index and its operand offsets
 // (rope.apply_and_cache_ writes the KV cache there).
-struct TokenHook {
-  void (*fn)(const void* ctx, int64_t token, const int64_t* off);
-  const void* ctx;
-};
-
 // Rotates every row of tokens [b, e).
 template <typename x_t, bool kInterleaved>
 void rotate_tokens_impl(const RotateJob& job, int64_t b, int64_t e, TokenHook hook) {
@@ -472,16 +468,37 @@ void store_cache_row(const x_t* row, int64_t last, void* cache_row, int64_t cach
   }
 }
 
-// The token's rotated key rows (still in L1) and its value rows, to the caches at its slot.
+// With v_norm: value row (n elements, stride `last`) RMS-normalized without a weight, in the
+// arithmetic type, rounded once, in place.
+template <typename x_t>
+void rms_norm_row(x_t* row, int64_t last, int64_t n, double eps) {
+  using acc = typename OpsFor<x_t>::acc;
+  acc ss = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const acc v = to_acc<OpsFor<x_t>>(row[j * last]);
+    ss += v * v;
+  }
+  const acc r = acc(1) / std::sqrt(ss / static_cast<acc>(n) + static_cast<acc>(eps));
+  for (int64_t j = 0; j < n; ++j) row[j * last] = from_acc<x_t>(to_acc<OpsFor<x_t>>(row[j * last]) * r);
+}
+
+// The token's written key rows (still in L1) and its value rows (normed first with v_norm), to
+// the caches at its slot. Padding slots (negative) store nothing, but their values are normed.
 template <typename x_t, CacheFormat kFormat>
 void write_cache_token(const void* ctx, int64_t token, const int64_t* off) {
   const CacheJob& job = *static_cast<const CacheJob*>(ctx);
   const CacheGeometry& cg = *job.g;
+  if (job.value_normed != nullptr && cg.value_dim > 0) {
+    x_t* v = static_cast<x_t*>(job.value_normed) + token * cg.v_token;
+    for (int64_t h = 0; h < cg.kv_heads; ++h) {
+      rms_norm_row<x_t>(v + h * cg.v_head, cg.v_last, cg.value_dim, job.v_eps);
+    }
+  }
   const int64_t slot = read_position(job.slot_mapping, cg.slots64, token * cg.slot_stride);
   if (slot < 0) return;  // padding
   const int64_t es = kFormat == CacheFormat::kSame ? sizeof(x_t) : 1;
   const TargetDesc& kt = cg.rot.target[1];
-  const x_t* k = static_cast<const x_t*>(job.rot.dst[1]) + off[kDst1];
+  const x_t* k = static_cast<const x_t*>(job.key) + off[kDst1];
   const x_t* v = static_cast<const x_t*>(job.value) + token * cg.v_token;
   char* kc = static_cast<char*>(job.key_cache) + cg.kc.slot_row(slot, cg.block_size) * es;
   char* vc = static_cast<char*>(job.value_cache) + cg.vc.slot_row(slot, cg.block_size) * es;
@@ -506,6 +523,9 @@ void fill(CpuKernels& k, int xi) {
   k.cache[xi][int(CacheFormat::kSame)] = cache_tokens<x_t, CacheFormat::kSame>;
   k.cache[xi][int(CacheFormat::kE4M3FN)] = cache_tokens<x_t, CacheFormat::kE4M3FN>;
   k.cache[xi][int(CacheFormat::kE5M2)] = cache_tokens<x_t, CacheFormat::kE5M2>;
+  k.store[xi][int(CacheFormat::kSame)] = write_cache_token<x_t, CacheFormat::kSame>;
+  k.store[xi][int(CacheFormat::kE4M3FN)] = write_cache_token<x_t, CacheFormat::kE4M3FN>;
+  k.store[xi][int(CacheFormat::kE5M2)] = write_cache_token<x_t, CacheFormat::kE5M2>;
 }
 
 #ifndef ROPE_KERNELS_BF16_ONLY

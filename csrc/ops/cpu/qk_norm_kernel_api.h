@@ -27,6 +27,7 @@ struct NormJob {
   const void* sin;
   const void* positions;
   int x_dt, table_dt;
+  TokenHook after_token;  // a later stage per token (the paged-cache store), or {nullptr}
 };
 
 using NormRopeTokensFn = void (*)(const NormJob&, int64_t begin_token, int64_t end_token);

@@ -620,6 +620,7 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
         }
       }
     }
+    if (job.after_token.fn != nullptr) job.after_token.fn(job.after_token.ctx, tok, off);
   }
 }
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -14,6 +15,7 @@
 
 #include "../qk_norm_checks.h"
 #include "../routes.h"
+#include "cache_store.h"
 #include "dt_index.h"
 #include "qk_norm_kernel_api.h"
 
@@ -30,10 +32,12 @@ NormRopeTokensFn selected_kernel() {
 // Work per task: at least this many elements, so decode-sized calls run on the calling thread.
 constexpr int64_t kGrainElements = 1 << 15;
 
-void run_norm_rope(const NormJob& job) {
+// `more_per_token`: elements each token moves besides its normed rows (the value rows of the
+// cache store), so a call with only values to store still runs.
+void run_norm_rope(const NormJob& job, int64_t more_per_token = 0) {
   const RotateGeometry& g = *job.g;
-  if (g.tokens == 0 || g.head_dim == 0) return;
-  int64_t per_token = 0;
+  if (g.tokens == 0) return;
+  int64_t per_token = more_per_token;
   for (int k = 0; k < g.targets; ++k) {
     int64_t rows;
     if (!mul_fits(g.target[k].heads, g.head_dim, rows) || !add_fits(per_token, rows, per_token)) {
@@ -154,6 +158,45 @@ void qkv_norm_rope_inplace_cpu(Tensor qkv, int64_t num_heads_q, int64_t num_head
                     interleaved, mrope_section, mrope_interleaved, kQkvNormOp);
 }
 
+// The serving prologue: the norm and rotation stage of rope.qk_norm_rope_ with the paged-cache
+// store stage of rope.apply_and_cache_ (cache_store.h) run after each token, while its rows are
+// in L1. Positions and slots read once and checked before anything is written.
+void qk_norm_rope_and_cache_cpu(Tensor query, Tensor key, Tensor value, Tensor positions,
+                                Tensor cos_sin_cache, Tensor q_weight, Tensor k_weight,
+                                Tensor key_cache, Tensor value_cache, Tensor slot_mapping,
+                                double eps, bool unit_offset, bool interleaved,
+                                std::optional<std::vector<int64_t>> mrope_section,
+                                bool mrope_interleaved, bool v_norm, std::string kv_cache_dtype,
+                                std::optional<Tensor> k_scale, std::optional<Tensor> v_scale) {
+  const char* op = kQkNormCacheOp;
+  auto check = [&] {
+    return check_qk_norm_rope_and_cache(query, key, value, positions, cos_sin_cache, q_weight,
+                                        k_weight, key_cache, value_cache, slot_mapping, eps,
+                                        interleaved, mrope_section ? &*mrope_section : nullptr,
+                                        mrope_interleaved, v_norm, kv_cache_dtype, k_scale,
+                                        v_scale);
+  };
+  const CacheGeometry cg = check_read_once(check, {&positions, &slot_mapping},
+                                           {&query, &key, &value, &key_cache, &value_cache});
+  check_positions_in_range(positions, cg.rot.table.rows, op, "cos_sin_cache.size(0)");
+  check_slots(slot_mapping, cg.slots, op);
+  const ScalarType xt = query.scalar_type();
+  const Tensor wq = norm_weight(q_weight, xt, cg.rot.head_dim);
+  const Tensor wk = norm_weight(k_weight, xt, cg.rot.head_dim);
+  const CacheJob store = cache_store_job(cg, key, value, v_norm ? eps : -1.0, slot_mapping,
+                                         key_cache, value_cache, k_scale, v_scale);
+  NormJob job = make_job(cg.rot, eps, unit_offset, wq, wk, xt, cos_sin_cache.scalar_type());
+  job.src[0] = job.dst[0] = query.mutable_data_ptr();
+  job.src[1] = job.dst[1] = key.mutable_data_ptr();
+  job.cos = cos_sin_cache.const_data_ptr();
+  job.sin = sin_of_cache(cos_sin_cache, cg.rot);
+  job.positions = positions.const_data_ptr();
+  job.after_token = TokenHook{cache_store_kernel(cg, xt), &store};
+  int64_t values = 0;
+  if (!mul_fits(cg.kv_heads, cg.value_dim, values)) values = kInt64Max;
+  run_norm_rope(job, values);
+}
+
 }  // namespace
 }  // namespace rope
 
@@ -161,4 +204,6 @@ STABLE_TORCH_LIBRARY_IMPL(rope, CPU, m) {
   rope::impl_routed_cpu(m, rope::kQkNormRope, TORCH_BOX(&rope::qk_norm_rope_cpu));
   rope::impl_routed_cpu(m, rope::kQkNormRopeInplace, TORCH_BOX(&rope::qk_norm_rope_inplace_cpu));
   rope::impl_routed_cpu(m, rope::kQkvNormRopeInplace, TORCH_BOX(&rope::qkv_norm_rope_inplace_cpu));
+  rope::impl_routed_cpu(m, rope::kQkNormRopeAndCache,
+                        TORCH_BOX(&rope::qk_norm_rope_and_cache_cpu));
 }

@@ -12,6 +12,7 @@
 
 #include "../checks.h"
 #include "../routes.h"
+#include "cache_store.h"
 #include "dt_index.h"
 #include "fresh_output.h"
 #include "kernel_api.h"
@@ -164,10 +165,6 @@ Tensor apply_positions_cpu(Tensor x, Tensor positions, Tensor cos, Tensor sin, b
   return out;
 }
 
-float read_scale(const std::optional<Tensor>& s) {
-  return s.has_value() ? *static_cast<const float*>(s->const_data_ptr()) : 1.0f;
-}
-
 void apply_and_cache_cpu(Tensor query, Tensor key, Tensor value, Tensor positions,
                          Tensor cos_sin_cache, Tensor key_cache, Tensor value_cache,
                          Tensor slot_mapping, bool interleaved, std::string kv_cache_dtype,
@@ -182,8 +179,8 @@ void apply_and_cache_cpu(Tensor query, Tensor key, Tensor value, Tensor position
                                            {&query, &key, &key_cache, &value_cache});
   check_positions_in_range(positions, cg.rot.table.rows, op, "cos_sin_cache.size(0)");
   check_slots(slot_mapping, cg.slots, op);
-  CacheJob job{};
-  job.g = &cg;
+  CacheJob job = cache_store_job(cg, key, value, -1, slot_mapping, key_cache, value_cache,
+                                 k_scale, v_scale);
   job.rot.g = &cg.rot;
   job.rot.src[0] = job.rot.dst[0] = query.mutable_data_ptr();
   job.rot.src[1] = job.rot.dst[1] = key.mutable_data_ptr();
@@ -191,12 +188,6 @@ void apply_and_cache_cpu(Tensor query, Tensor key, Tensor value, Tensor position
   job.rot.sin = sin_of_cache(cos_sin_cache, cg.rot);
   job.rot.positions = positions.const_data_ptr();
   job.rot.table_dt = dt_index(cos_sin_cache.scalar_type());
-  job.value = value.const_data_ptr();
-  job.slot_mapping = slot_mapping.const_data_ptr();
-  job.key_cache = key_cache.mutable_data_ptr();
-  job.value_cache = value_cache.mutable_data_ptr();
-  job.k_scale = read_scale(k_scale);
-  job.v_scale = read_scale(v_scale);
   const CacheTokensFn fn =
       selected_cpu_kernels()->cache[dt_index(query.scalar_type())][static_cast<int>(cg.format)];
   run_tokens(cg.rot, [&](int64_t b, int64_t e) { fn(job, b, e); }, work(cg.kv_heads, cg.value_dim));

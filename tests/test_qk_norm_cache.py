@@ -1,0 +1,323 @@
+"""rope.qk_norm_rope_and_cache_ (the serving attention prologue in one op call): query and key
+normed and rotated in place, value normed (v_norm), key and value stored into paged caches,
+against an independent float64 computation written out here; the native and reference paths
+against each other; bad inputs (same error on both paths, nothing written); opcheck; and
+torch.compile(fullgraph=True) with one op call for the whole prologue."""
+
+import pytest
+import torch
+
+import rope_ext
+from rope_ext import _qk_norm_reference as reference
+
+from conftest import native_cpu
+from tolerances import TOL
+
+ops = torch.ops.rope
+FP8 = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+       "fp8_e5m2": torch.float8_e5m2}
+TOLS = {**TOL, torch.float32: (1e-5, 1e-5)}  # norms sum head_dim squares
+EPS = 1e-6
+
+
+def close(actual, expected, dtype, what):
+    rtol, atol = TOLS[dtype]
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=atol,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def oracle_rows(x, w, cos, sin, eps, unit_offset, interleaved):
+    """float64: each row of x normed (x / sqrt(mean(x^2) + eps) * w, or * (1 + w), no weight
+    when w is None), then its first 2 * cos.size(-1) dims rotated by (cos, sin) (complex
+    multiplication of the pairs)."""
+    x = x.double()
+    y = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+    if w is not None:
+        y = y * (w.double() + (1.0 if unit_offset else 0.0))
+    half = cos.shape[-1]
+    if half == 0:
+        return y
+    head = y[..., : 2 * half]
+    if interleaved:
+        z = torch.complex(head[..., 0::2], head[..., 1::2])
+    else:
+        z = torch.complex(head[..., :half], head[..., half:])
+    z = z * torch.complex(cos.double(), sin.double())
+    rot = torch.stack((z.real, z.imag), -1).flatten(-2) if interleaved else torch.cat((z.real, z.imag), -1)
+    return torch.cat((rot, y[..., 2 * half:]), -1)
+
+
+def oracle_tables(cache, positions, section, mrope_interleaved):
+    """The (T, 1, rotary_dim/2) cos and sin each token's pairs use: row positions[t], or with an
+    MRoPE section, pair i from the row of component c(i) (chunked: sections in order;
+    interleaved: T, H, W, T, H, W, ... within the sections' counts)."""
+    half = cache.shape[1] // 2
+    cos_all, sin_all = cache[:, :half].double(), cache[:, half:].double()
+    if section is None:
+        return cos_all[positions.long()][:, None], sin_all[positions.long()][:, None]
+    comp = []
+    if mrope_interleaved:
+        counts = list(section)
+        for i in range(half):
+            c = i % 3
+            comp.append(c if i // 3 < counts[c] else 0)
+    else:
+        for c, n in enumerate(section):
+            comp += [c] * n
+    T = positions.shape[1]
+    cos, sin = torch.empty(T, half, dtype=torch.float64), torch.empty(T, half, dtype=torch.float64)
+    for i, c in enumerate(comp):
+        rows = positions[c].long()
+        cos[:, i], sin[:, i] = cos_all[rows, i], sin_all[rows, i]
+    return cos[:, None], sin[:, None]
+
+
+def bits(t):
+    """t's raw bits (NaN poison compares equal to itself)."""
+    if not t.dtype.is_floating_point:
+        return t
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def make_case(T=9, hq=4, hk=2, D=128, Dv=None, dtype=torch.bfloat16, rotary_dim=None,
+              fmt="auto", block_size=4, mrope=None, packed=True, pad=True):
+    """A call's arguments: q, k, v views of one (T, (hq + 2 hk) * D) projection output (packed)
+    or separate tensors, random weights, a random cos_sin_cache, positions, a permutation of
+    slots (some padding), caches poisoned with NaN (or float8 NaN bytes) so unwritten rows show,
+    and scales for float8 caches."""
+    Dv = D if Dv is None else Dv
+    rotary_dim = D if rotary_dim is None else rotary_dim
+    if packed and Dv == D:
+        qkv = torch.randn(T, (hq + 2 * hk) * D, dtype=dtype) * 3
+        q = qkv[:, : hq * D].unflatten(1, (hq, D))
+        k = qkv[:, hq * D : (hq + hk) * D].unflatten(1, (hk, D))
+        v = qkv[:, (hq + hk) * D :].unflatten(1, (hk, D))
+    else:
+        q, k = torch.randn(T, hq, D, dtype=dtype) * 3, torch.randn(T, hk, D, dtype=dtype)
+        v = torch.randn(T, hk, Dv, dtype=dtype)
+    max_position = 64
+    cache = torch.randn(max_position, rotary_dim, dtype=torch.float32)
+    if mrope is None:
+        positions = torch.randint(0, max_position, (T,))
+    else:
+        positions = torch.randint(0, max_position, (3, T))
+    blocks = (T + block_size) // block_size + 1
+    slots = torch.randperm(blocks * block_size)[:T]
+    if pad:
+        slots[::4] = -1  # padding tokens: rotated (and v-normed) but not cached
+    cdt = FP8[fmt] or dtype
+    kc = torch.full((blocks, block_size, hk, D), float("nan")).to(cdt)
+    vc = torch.full((blocks, block_size, hk, Dv), float("nan")).to(cdt)
+    scales = {}
+    if fmt != "auto":
+        scales = dict(k_scale=torch.tensor([0.37]), v_scale=torch.tensor([1.9]))
+    wq = torch.randn(D, dtype=dtype)
+    wk = torch.randn(D, dtype=torch.float32)
+    return dict(query=q, key=k, value=v, positions=positions, cos_sin_cache=cache, q_weight=wq,
+                k_weight=wk, key_cache=kc, value_cache=vc, slot_mapping=slots,
+                kv_cache_dtype=fmt, **scales)
+
+
+POSITIONAL = ("query", "key", "value", "positions", "cos_sin_cache", "q_weight", "k_weight",
+              "key_cache", "value_cache", "slot_mapping")
+
+
+def call(fn, a, **kw):
+    args = [a[n] for n in POSITIONAL]
+    rest = {n: v for n, v in a.items() if n not in POSITIONAL}
+    return fn(*args, **rest, **kw)
+
+
+def check_against_oracle(a, before, dtype, unit_offset=False, interleaved=False, section=None,
+                         mrope_interleaved=False, v_norm=False):
+    q0, k0, v0 = before["query"], before["key"], before["value"]
+    cos, sin = oracle_tables(a["cos_sin_cache"], a["positions"], section, mrope_interleaved)
+    want_q = oracle_rows(q0, a["q_weight"], cos, sin, EPS, unit_offset, interleaved)
+    want_k = oracle_rows(k0, a["k_weight"], cos, sin, EPS, unit_offset, interleaved)
+    close(a["query"], want_q, dtype, "query")
+    close(a["key"], want_k, dtype, "key")
+    if v_norm:
+        none = cos[..., :0]
+        close(a["value"], oracle_rows(v0, None, none, none, EPS, False, False), dtype, "value")
+    else:
+        assert torch.equal(a["value"], v0), "value changed without v_norm"
+    # The caches: each non-padding token's rows are the op's own key and value rows, stored as
+    # the cache dtype (float8: x / scale saturated, by torch's conversion); every other row keeps
+    # its poison.
+    fmt = FP8[a["kv_cache_dtype"]]
+    kc, vc = a["key_cache"], a["value_cache"]
+    bs = kc.shape[1]
+    written = torch.zeros(kc.shape[:2], dtype=torch.bool)
+    for t, s in enumerate(a["slot_mapping"].tolist()):
+        if s < 0:
+            continue
+        written[s // bs, s % bs] = True
+        for src, cache, scale in ((a["key"][t], kc, "k_scale"), (a["value"][t], vc, "v_scale")):
+            want = src
+            if fmt is not None:
+                m = torch.finfo(fmt).max
+                want = (src.float() / a[scale]).clamp(-m, m).to(fmt)
+            got = cache[s // bs, s % bs]
+            assert torch.equal(bits(got), bits(want)), f"cache row of token {t} (slot {s})"
+    for cache in (kc, vc):
+        assert cache[~written].float().isnan().all(), "a cache row without a token was written"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("fmt", ["auto", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("v_norm", [False, True])
+def test_matches_float64_computation(dtype, fmt, v_norm):
+    a = make_case(dtype=dtype, fmt=fmt)
+    before = {n: a[n].clone() for n in ("query", "key", "value")}
+    got = call(rope_ext.qk_norm_rope_and_cache_, a, eps=EPS, v_norm=v_norm)
+    assert got[0] is a["query"] and got[1] is a["key"]
+    check_against_oracle(a, before, dtype, v_norm=v_norm)
+
+
+@pytest.mark.parametrize("D,rotary_dim", [(64, 64), (128, 64), (256, 256), (512, 512),
+                                          (512, 128), (80, 48)])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_head_dims_layouts_and_partial_rotary(D, rotary_dim, interleaved, unit_offset):
+    a = make_case(T=6, hq=3, hk=1, D=D, rotary_dim=rotary_dim, dtype=torch.bfloat16,
+                  packed=D != 80, block_size=1)
+    before = {n: a[n].clone() for n in ("query", "key", "value")}
+    call(rope_ext.qk_norm_rope_and_cache_, a, eps=EPS, interleaved=interleaved,
+         unit_offset=unit_offset, v_norm=True)
+    check_against_oracle(a, before, torch.bfloat16, unit_offset, interleaved, v_norm=True)
+
+
+@pytest.mark.parametrize("section,mrope_interleaved", [([16, 24, 24], False), ([24, 20, 20], True)])
+def test_mrope(section, mrope_interleaved):
+    a = make_case(T=7, D=128, dtype=torch.float32, mrope=True, fmt="fp8")
+    before = {n: a[n].clone() for n in ("query", "key", "value")}
+    call(rope_ext.qk_norm_rope_and_cache_, a, eps=EPS, mrope_section=section,
+         mrope_interleaved=mrope_interleaved)
+    check_against_oracle(a, before, torch.float32, section=section,
+                         mrope_interleaved=mrope_interleaved)
+
+
+def test_value_dim_differs_and_strided_caches():
+    """value_dim != head_dim; caches that are views with non-contiguous strides (HND-like
+    permutations of a bigger buffer)."""
+    a = make_case(T=5, hq=2, hk=2, D=64, Dv=32, dtype=torch.float32, packed=False)
+    kc = torch.full((a["key_cache"].shape[0], 2, 4, 64), float("nan")).permute(0, 2, 1, 3)
+    a["key_cache"] = kc  # (blocks, block_size=4, hk=2, 64), heads outer in memory
+    before = {n: a[n].clone() for n in ("query", "key", "value")}
+    call(rope_ext.qk_norm_rope_and_cache_, a, eps=EPS, v_norm=True)
+    check_against_oracle(a, before, torch.float32, v_norm=True)
+
+
+@pytest.mark.parametrize("fmt", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("v_norm", [False, True])
+def test_native_equals_reference(fmt, v_norm):
+    if not native_cpu():
+        pytest.skip("no native CPU library")
+    a = make_case(dtype=torch.bfloat16, fmt=fmt, T=13)
+    b = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in a.items()}
+    call(ops.qk_norm_rope_and_cache_, a, eps=EPS, v_norm=v_norm)
+    call(reference.qk_norm_rope_and_cache_, b, eps=EPS, v_norm=v_norm)
+    for n in ("query", "key", "value", "key_cache", "value_cache"):
+        x, y = a[n], b[n]
+        if x.element_size() == 1:  # a float8 code may differ by one step where bf16 inputs tie
+            x, y = x.float(), y.float()
+            torch.testing.assert_close(x, y, rtol=0.13, atol=1e-3, equal_nan=True)
+        else:
+            torch.testing.assert_close(x.float(), y.float(), rtol=1.6e-2, atol=1e-5,
+                                       equal_nan=True)
+
+
+def test_one_token_decode_and_empty():
+    a = make_case(T=1, pad=False)
+    before = {n: a[n].clone() for n in ("query", "key", "value")}
+    call(rope_ext.qk_norm_rope_and_cache_, a, eps=EPS)
+    check_against_oracle(a, before, torch.bfloat16)
+    e = make_case(T=0)
+    call(rope_ext.qk_norm_rope_and_cache_, e, eps=EPS, v_norm=True)
+    assert e["key_cache"].float().isnan().all()
+
+
+def _bad_cases():
+    """(change to a good call, the message): each must raise on both paths and write nothing."""
+    def dup(a):
+        s = a["slot_mapping"].clone()
+        s[3] = s[1]
+        return dict(slot_mapping=s)
+    return [
+        (dup, r"slot_mapping must not repeat a slot"),
+        (lambda a: dict(slot_mapping=a["slot_mapping"] + 10**4),
+         r"slot_mapping must lie below num_blocks \* block_size"),
+        (lambda a: dict(positions=a["positions"].clone().fill_(64)), r"positions must lie in \[0, 64\)"),
+        (lambda a: dict(kv_cache_dtype="fp8", key_cache=a["key_cache"].to(torch.float8_e4m3fn),
+                        value_cache=a["value_cache"].to(torch.float8_e4m3fn)),
+         r"k_scale is required for kv_cache_dtype 'fp8'"),
+        (lambda a: dict(q_weight=a["q_weight"][:64]), r"q_weight must have shape \(head_dim,\)"),
+        (lambda a: dict(value=a["value"].float()), r"value must have the dtype of key"),
+        (lambda a: dict(key_cache=a["key_cache"].float()), r"key_cache must be BFloat16"),
+        (lambda a: dict(eps=-1.0), r"eps must be a finite number >= 0"),
+        (lambda a: dict(mrope_section=[8, 8, 8]), r"positions must have shape \(3,\)"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_cases())))
+def test_rejected_calls_change_nothing_and_both_paths_agree(case):
+    change, match = _bad_cases()[case]
+    messages = []
+    base = make_case(T=8, D=128)
+    base.update(eps=EPS, v_norm=True)
+    base.update(change(base))
+    for fn in (ops.qk_norm_rope_and_cache_, reference.qk_norm_rope_and_cache_):
+        a = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in base.items()}
+        before = {n: bits(t).clone() for n, t in a.items() if isinstance(t, torch.Tensor)}
+        with pytest.raises(RuntimeError, match=match) as info:
+            call(fn, a)
+        messages.append(str(info.value))
+        for n, t in before.items():
+            assert torch.equal(bits(a[n]), t), f"{n} changed by a rejected call"
+    assert messages[0] == messages[1]
+
+
+def test_refuses_grad():
+    a = make_case(dtype=torch.float32, T=4)
+    a["query"] = a["query"].detach().clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        call(rope_ext.qk_norm_rope_and_cache_, a)
+
+
+def test_opcheck():
+    # (float8 caches are left out: opcheck's schema test multiplies the outputs, which float8
+    # tensors do not support; test_compile_fullgraph_is_one_op_call traces a float8 call.)
+    for fmt, v_norm, mrope in (("auto", True, None), ("auto", False, True)):
+        a = make_case(T=5, D=64, fmt=fmt, mrope=mrope, packed=False)
+        kwargs = {n: v for n, v in a.items() if n not in POSITIONAL}
+        kwargs.update(eps=EPS, v_norm=v_norm)
+        if mrope:
+            kwargs["mrope_section"] = [8, 12, 12]
+        torch.library.opcheck(ops.qk_norm_rope_and_cache_.default, [a[n] for n in POSITIONAL],
+                              kwargs)
+
+
+def test_compile_fullgraph_is_one_op_call():
+    torch._dynamo.reset()
+    a = make_case(T=6, D=64, fmt="fp8_e4m3", packed=True)
+    b = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in a.items()}
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def prologue(q, k, v, pos, cache, wq, wk, kc, vc, slots, ks, vs):
+        rope_ext.qk_norm_rope_and_cache_(q, k, v, pos, cache, wq, wk, kc, vc, slots, eps=EPS,
+                                         v_norm=True, kv_cache_dtype="fp8_e4m3", k_scale=ks,
+                                         v_scale=vs)
+        return q, k
+
+    args = lambda d: [d[n] for n in POSITIONAL] + [d["k_scale"], d["v_scale"]]  # noqa: E731
+    torch.compile(prologue, fullgraph=True, backend=backend)(*args(a))
+    prologue(*args(b))
+    for n in ("query", "key", "value", "key_cache", "value_cache"):
+        assert torch.equal(bits(a[n]), bits(b[n])), n
+    calls = [n for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    rope_calls = [n for n in calls if "rope" in str(n.target)]
+    assert len(rope_calls) == 1, calls
