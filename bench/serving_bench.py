@@ -6,7 +6,11 @@ path, checks included, as a user calling it gets it), and the copy limit (a cont
 the bytes the op must read and write). Every row of a case counts the same bytes, the least
 traffic the work needs, so GB/s compare directly. Cases:
 - shift_kv_cache_: K-shift of N cached slots of a paged key cache (float and float8 caches);
-- apply_ rope_dim_offset + inverse: DeepSeek-V4's RoPE on the tail of each head, undone in place.
+- apply_ rope_dim_offset + inverse: DeepSeek-V4's RoPE on the tail of each head, undone in place;
+- qk_norm_rope_and_cache_: the serving attention prologue (Qwen3-8B heads 32/8/128, bfloat16,
+  bfloat16 and float8 caches) at 1 to 512 tokens, against rope_ext's own unfused sequence
+  (qk_norm_rope_, then the paged write in PyTorch), the prologue in eager PyTorch as a model's
+  native path writes it, and torch.compile of that.
 
 Prints a table and writes STEM.json and STEM.md to --out (default bench/results/). Timing reuses
 rope_bench (round-robin blocks, robust to a shared machine); the ratios are what to read.
@@ -84,11 +88,89 @@ def offset_case(device, tokens, heads, head_dim, rotary_dim, dtype):
             [tokens, heads, head_dim, rotary_dim], nbytes, rows)
 
 
+def eager_prologue(q, k, v, positions, table, wq, wk, key_cache, value_cache, slots, eps,
+                   k_scale, v_scale):
+    """The attention prologue in plain PyTorch, as a model's native path writes it: per-head
+    RMSNorm of q and k in float32, NeoX RoPE by the table rows at positions, then key and value
+    into the paged caches (float8: x / scale, saturated)."""
+    def norm(x, w):
+        xf = x.float()
+        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+
+    half = table.shape[1] // 2
+    cos, sin = table[positions, :half][:, None], table[positions, half:][:, None]
+
+    def rotate(x):
+        a, b = x[..., :half], x[..., half:]
+        return torch.cat((a * cos - b * sin, b * cos + a * sin), -1)
+
+    q.copy_(rotate(norm(q, wq)))
+    k.copy_(rotate(norm(k, wk)))
+    block = key_cache.shape[1]
+    keep = slots >= 0
+    s = slots[keep]
+    kk, vv = k[keep], v[keep]
+    if key_cache.dtype != k.dtype:  # float8
+        m = torch.finfo(key_cache.dtype).max
+        kk = (kk.float() / k_scale).clamp(-m, m).to(key_cache.dtype).view(torch.uint8)
+        vv = (vv.float() / v_scale).clamp(-m, m).to(key_cache.dtype).view(torch.uint8)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+    key_cache[s // block, s % block] = kk
+    value_cache[s // block, s % block] = vv
+
+
+def prologue_case(device, tokens, kv_cache_dtype, heads=(32, 8), head_dim=128):
+    """rope.qk_norm_rope_and_cache_ on a Qwen3-8B-like layer: q, k, v views of one bfloat16
+    projection output, a 16-token-block paged cache with room for 4096 tokens."""
+    hq, hk = heads
+    dtype = torch.bfloat16
+    qkv = torch.randn(tokens, (hq + 2 * hk) * head_dim, device=device, dtype=dtype)
+    q = qkv[:, : hq * head_dim].unflatten(1, (hq, head_dim))
+    k = qkv[:, hq * head_dim : (hq + hk) * head_dim].unflatten(1, (hk, head_dim))
+    v = qkv[:, (hq + hk) * head_dim :].unflatten(1, (hk, head_dim))
+    wq, wk = torch.randn(head_dim, device=device), torch.randn(head_dim, device=device)
+    table = rope_ext.cos_sin_cache(4096, head_dim, device=device)
+    positions = torch.randint(0, 4096, (tokens,), device=device)
+    fp8 = kv_cache_dtype != "auto"
+    cdt = torch.float8_e4m3fn if fp8 else dtype
+    key_cache = torch.zeros(256, 16, hk, head_dim, device=device).to(cdt)
+    value_cache = torch.zeros(256, 16, hk, head_dim, device=device).to(cdt)
+    slots = torch.randperm(256 * 16, device=device)[:tokens]
+    ks = torch.tensor([0.5], device=device) if fp8 else None
+    vs = torch.tensor([0.25], device=device) if fp8 else None
+    fmt = torch.float8_e4m3fn if fp8 else None
+    eps = 1e-6
+    kw = dict(eps=eps, kv_cache_dtype=kv_cache_dtype, k_scale=ks, v_scale=vs)
+    compiled = torch.compile(eager_prologue, dynamic=False)
+
+    def unfused():
+        rope_ext.qk_norm_rope_(q, k, wq, wk, positions, table, eps=eps)
+        reference.store_paged(k, v, key_cache, value_cache, slots, fmt, ks, vs)
+
+    es, ces = 2, key_cache.element_size()
+    nbytes = (2 * tokens * (hq + hk) * head_dim * es + tokens * hk * head_dim * es
+              + 2 * tokens * hk * head_dim * ces + tokens * head_dim * 4 + 2 * tokens * 8)
+    args = (q, k, v, positions, table, wq, wk, key_cache, value_cache, slots, eps, ks, vs)
+    rows = {
+        "rope_ext": lambda: rope_ext.qk_norm_rope_and_cache_(q, k, v, positions, table, wq, wk,
+                                                             key_cache, value_cache, slots, **kw),
+        "unfused rope_ext": unfused,
+        "eager": lambda: eager_prologue(*args),
+        "torch.compile": lambda: compiled(*args),
+        "copy": copy_limit(nbytes, device),
+    }
+    cache = "float8_e4m3fn" if fp8 else "bfloat16"
+    return (f"qk_norm_rope_and_cache_ bfloat16, {cache} cache", [tokens, hq, hk, head_dim],
+            nbytes, rows)
+
+
 def cases(device, quick):
     if quick:
         return [shift_case(device, 32, 2, 64, 64, "auto"), shift_case(device, 32, 2, 64, 64, "fp8"),
-                offset_case(device, 16, 4, 128, 64, torch.float32)]
-    return [
+                offset_case(device, 16, 4, 128, 64, torch.float32),
+                prologue_case(device, 4, "fp8", heads=(4, 2), head_dim=64)]
+    prologue = [prologue_case(device, t, c) for c in ("auto", "fp8") for t in (1, 16, 128, 512)]
+    return prologue + [
         shift_case(device, 4096, 8, 128, 128, "auto"),
         shift_case(device, 4096, 8, 128, 128, "fp8"),
         shift_case(device, 64, 8, 128, 128, "auto"),  # a few slots: the per-call cost

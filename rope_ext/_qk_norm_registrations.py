@@ -102,6 +102,10 @@ def _autograd_qkv_norm_rope_(keyset, qkv, num_heads_q, num_heads_k, num_heads_v,
                                 mrope_interleaved)
 
 
+def _ref_qk_norm_rope_and_cache_(*args, **kwargs):
+    ref.qk_norm_rope_and_cache_(*args, **kwargs)  # the op returns nothing
+
+
 def _autograd_qk_norm_rope_and_cache_(keyset, query, key, value, positions, cos_sin_cache,
                                       q_weight, k_weight, key_cache, value_cache, slot_mapping,
                                       **kwargs):
@@ -122,7 +126,7 @@ def ops_table(op_type):
                                  mutable_autograd=_autograd_qk_norm_rope_, differentiable=False),
         "qkv_norm_rope_": op_type(ref.qkv_norm_rope_, _fake_qkv_norm_rope_,
                                   mutable_autograd=_autograd_qkv_norm_rope_, differentiable=False),
-        "qk_norm_rope_and_cache_": op_type(ref.qk_norm_rope_and_cache_,
+        "qk_norm_rope_and_cache_": op_type(_ref_qk_norm_rope_and_cache_,
                                            _fake_qk_norm_rope_and_cache_,
                                            mutable_autograd=_autograd_qk_norm_rope_and_cache_,
                                            differentiable=False),

@@ -72,3 +72,47 @@ def test_host_checks_are_the_native_ones():
     with pytest.raises(RuntimeError, match="eps must be a finite number >= 0, got -1"):
         sim.qkv_norm_rope_(qkv, 2, 1, 1, 16, torch.ones(16), torch.ones(16),
                            torch.zeros(3, dtype=torch.long), torch.randn(4, 16), -1.0)
+
+
+# ---- rope.qk_norm_rope_and_cache_: the kernel with the paged-cache store stage ----
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt", ["auto", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("v_norm", [False, True])
+@pytest.mark.parametrize("packed", [True, False])
+def test_prologue_with_cache_store(dtype, fmt, v_norm, packed):
+    from test_qk_norm_cache import EPS, POSITIONAL, check_against_oracle, make_case
+    a = make_case(T=6, hq=3, hk=2, D=64, dtype=dtype, fmt=fmt, packed=packed, block_size=2)
+    before = {n: a[n].clone() for n in ("query", "key", "value")}
+    kw = {n: v for n, v in a.items() if n not in POSITIONAL}
+    info = sim.qk_norm_rope_and_cache_(*[a[n] for n in POSITIONAL], eps=EPS, v_norm=v_norm,
+                                       max_blocks=1, **kw)  # one block: the grid strides
+    assert info[0] == 1  # unit-stride 16-byte-aligned rows: the vector path
+    check_against_oracle(a, before, dtype, v_norm=v_norm)
+
+
+def test_prologue_scalar_path_mrope_and_partial_rotary():
+    from test_qk_norm_cache import EPS, POSITIONAL, check_against_oracle, make_case
+    a = make_case(T=5, hq=2, hk=1, D=40, Dv=24, rotary_dim=24, dtype=torch.float16,
+                  fmt="fp8_e4m3", packed=False, mrope=True)
+    a["query"] = torch.randn(5, 2, 80, dtype=torch.float16)[..., ::2]  # strided head dim
+    before = {n: a[n].clone() for n in ("query", "key", "value")}
+    kw = {n: v for n, v in a.items() if n not in POSITIONAL}
+    info = sim.qk_norm_rope_and_cache_(*[a[n] for n in POSITIONAL], eps=EPS, v_norm=True,
+                                       mrope_section=[4, 4, 4], interleaved=True, **kw)
+    assert info[0] == 0
+    check_against_oracle(a, before, torch.float16, interleaved=True, section=[4, 4, 4],
+                         v_norm=True)
+
+
+@pytest.mark.parametrize("slots,match", [([0, 9, 1], "device-side assert triggered"),
+                                         ([2, 1, 2], "device-side assert triggered")])
+def test_prologue_bad_slots_trap(slots, match):
+    q, k, v = torch.randn(3, 2, 16), torch.randn(3, 1, 16), torch.randn(3, 1, 16)
+    kc, vc = torch.zeros(2, 4, 1, 16), torch.zeros(2, 4, 1, 16)
+    slot = torch.tensor(slots)
+    if slots[1] == 9:  # past the last slot: the host cannot see it here; the kernel traps
+        kc, vc = torch.zeros(1, 4, 1, 16), torch.zeros(1, 4, 1, 16)
+    with pytest.raises(RuntimeError, match=match):
+        sim.qk_norm_rope_and_cache_(q, k, v, torch.tensor([0, 1, 2]), torch.randn(8, 16),
+                                    torch.ones(16), torch.ones(16), kc, vc, slot)

@@ -15,7 +15,8 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 import test_distributed as td  # noqa: E402
-from rope_ext.qk_norm import qk_norm_rope, qk_norm_rope_, qkv_norm_rope_  # noqa: E402
+from rope_ext.qk_norm import (  # noqa: E402
+    qk_norm_rope, qk_norm_rope_, qk_norm_rope_and_cache_, qkv_norm_rope_)
 
 CASES = {}
 B, S, T, HQ, HK, D, ROT, MAXPOS = 2, 4, 6, 4, 2, 16, 12, 32
@@ -98,6 +99,34 @@ def case_rejected_layouts(run):
     run.fails([td.HEAD_DIM_SHARDED], qk_norm_rope_, dq, run.d(k, Sh(1)), run.d(wq, R),
               run.d(wk, R), run.d(torch.zeros(T, dtype=torch.long), R), run.d(cache, R))
     run.unchanged(dq, q)
+
+
+@case
+def case_prologue_with_cache_heads(run):
+    """The serving prologue with query, key, value sharded over their heads and the caches over
+    their kv heads (tensor parallelism): each rank writes its heads; the tokens may not be
+    sharded (each rank would fill a different part of a replicated cache)."""
+    Sh, R = run.S, run.R
+    wq, wk = _weights()
+    cache = torch.randn(MAXPOS, ROT)
+    q, k, v = torch.randn(T, HQ, D), torch.randn(T, HK, D), torch.randn(T, HK, D)
+    pos = torch.randint(0, MAXPOS, (T,))
+    slots = torch.randperm(16)[:T]
+    slots[0] = -1
+    kc, vc = torch.zeros(4, 4, HK, D), torch.zeros(4, 4, HK, D)
+    want = [t.clone() for t in (q, k, v, kc, vc)]
+    qk_norm_rope_and_cache_(*want[:3], pos, cache, wq, wk, want[3], want[4], slots, v_norm=True)
+    got = [run.d(t, Sh(1)) for t in (q, k, v)] + [run.d(t, Sh(2)) for t in (kc, vc)]
+    run.no_comm(qk_norm_rope_and_cache_, *got[:3], run.d(pos, R), run.d(cache, R), run.d(wq, R),
+                run.d(wk, R), got[3], got[4], run.d(slots, R), v_norm=True)
+    for g, w, p in zip(got, want, [Sh(1)] * 3 + [Sh(2)] * 2):
+        run.expect(g, w, [p])
+    dq, dk = run.d(q, Sh(0)), run.d(k, Sh(0))
+    run.fails(["query is sharded over the tokens"], qk_norm_rope_and_cache_, dq, dk,
+              run.d(v, Sh(0)), run.d(pos, Sh(0)), run.d(cache, R), run.d(wq, R), run.d(wk, R),
+              run.d(kc, R), run.d(vc, R), run.d(slots, Sh(0)))
+    run.unchanged(dq, q)
+    run.unchanged(dk, k)
 
 
 def _main_worker(out_dir, seed):

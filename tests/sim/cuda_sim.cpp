@@ -61,36 +61,47 @@ void allow_rotate_operands(Recorder& rec, const RotateArgs<x_t, tab_t>& a) {
   allow_gathered_tables(rec, g, a.cos, a.sin);
 }
 
-template <typename x_t, typename tab_t>
-void allow_cache_operands(Recorder& rec, const CacheArgs<x_t, tab_t>& a) {
-  allow_rotate_operands(rec, a.rot);
-  const CacheDesc& cg = a.cg;
-  const RotateGeometry& g = a.rot.g;
+// The paged-cache store stage of every op that ends in the caches: each token's slot read; its
+// value rows read (and written once, when the op norms them in place); the key and value cache
+// rows of the slots used written once each; the scales read (float8).
+template <typename x_t>
+void allow_paged_store(Recorder& rec, const CacheDesc& cg, int64_t tokens, int64_t head_dim,
+                       const x_t* value, bool value_written, const void* slots,
+                       const void* key_cache, const void* value_cache, const float* k_scale,
+                       const float* v_scale) {
   const int64_t es = cg.format == CacheFormat::kSame ? sizeof(x_t) : 1;
-  for (int64_t tok = 0; tok < g.tokens; ++tok) {
-    const char* sp = static_cast<const char*>(a.slots) + tok * cg.slot_stride * (cg.slots64 ? 8 : 4);
+  const uint8_t value_perm = value_written ? kRead | kWrite | kMustWrite : kRead;
+  for (int64_t tok = 0; tok < tokens; ++tok) {
+    const char* sp = static_cast<const char*>(slots) + tok * cg.slot_stride * (cg.slots64 ? 8 : 4);
     rec.allow(sp, cg.slots64 ? 8 : 4, kRead);
     const int64_t slot = cg.slots64 ? *reinterpret_cast<const int64_t*>(sp)
                                     : *reinterpret_cast<const int32_t*>(sp);
     for (int64_t h = 0; h < cg.kv_heads; ++h) {
       for (int64_t j = 0; j < cg.value_dim; ++j) {
-        rec.allow(a.value + tok * cg.v_token + h * cg.v_head + j * cg.v_last, sizeof(x_t), kRead);
+        rec.allow(value + tok * cg.v_token + h * cg.v_head + j * cg.v_last, sizeof(x_t), value_perm);
       }
       if (slot < 0 || slot >= cg.slots) continue;
       // Written out here, not with CacheStrides::slot_row: an independent statement of the layout.
       const int64_t block = slot / cg.block_size, in_block = slot % cg.block_size;
-      const char* kc = static_cast<const char*>(a.key_cache) +
+      const char* kc = static_cast<const char*>(key_cache) +
                        (block * cg.kc.block + in_block * cg.kc.offset + h * cg.kc.head) * es;
-      const char* vc = static_cast<const char*>(a.value_cache) +
+      const char* vc = static_cast<const char*>(value_cache) +
                        (block * cg.vc.block + in_block * cg.vc.offset + h * cg.vc.head) * es;
-      for (int64_t j = 0; j < g.head_dim; ++j) rec.allow(kc + j * cg.kc.last * es, es, kWrite | kMustWrite);
+      for (int64_t j = 0; j < head_dim; ++j) rec.allow(kc + j * cg.kc.last * es, es, kWrite | kMustWrite);
       for (int64_t j = 0; j < cg.value_dim; ++j) rec.allow(vc + j * cg.vc.last * es, es, kWrite | kMustWrite);
     }
   }
   if (cg.format != CacheFormat::kSame) {
-    rec.allow(a.k_scale, 4, kRead);
-    rec.allow(a.v_scale, 4, kRead);
+    rec.allow(k_scale, 4, kRead);
+    rec.allow(v_scale, 4, kRead);
   }
+}
+
+template <typename x_t, typename tab_t>
+void allow_cache_operands(Recorder& rec, const CacheArgs<x_t, tab_t>& a) {
+  allow_rotate_operands(rec, a.rot);
+  allow_paged_store(rec, a.cg, a.rot.g.tokens, a.rot.g.head_dim, a.value, false, a.slots,
+                    a.key_cache, a.value_cache, a.k_scale, a.v_scale);
 }
 
 // rope.shift_kv_cache_: slots and deltas read; the table rows; the rotary elements of every
@@ -296,6 +307,12 @@ STABLE_TORCH_LIBRARY(rope_sim, m) {
         "int head_dim, Tensor q_weight, Tensor k_weight, Tensor positions, Tensor cos_sin_cache, "
         "float eps, bool unit_offset, bool interleaved, int[]? mrope_section, "
         "bool mrope_interleaved, int max_blocks, Tensor(b!) info) -> ()");
+  m.def("qk_norm_rope_and_cache_(Tensor(a!) query, Tensor(b!) key, Tensor(c!) value, "
+        "Tensor positions, Tensor cos_sin_cache, Tensor q_weight, Tensor k_weight, "
+        "Tensor(d!) key_cache, Tensor(e!) value_cache, Tensor slot_mapping, float eps, "
+        "bool unit_offset, bool interleaved, int[]? mrope_section, bool mrope_interleaved, "
+        "bool v_norm, str kv_cache_dtype, Tensor? k_scale, Tensor? v_scale, int max_blocks, "
+        "Tensor(f!) info) -> ()");
 }
 
 // The implementations, one block per simulator file: this one's first.
@@ -320,4 +337,5 @@ STABLE_TORCH_LIBRARY_IMPL(rope_sim, CPU, m) {
   m.impl("qk_norm_rope", TORCH_BOX(&rope::sim::qk_norm_rope_sim));
   m.impl("qk_norm_rope_", TORCH_BOX(&rope::sim::qk_norm_rope_inplace_sim));
   m.impl("qkv_norm_rope_", TORCH_BOX(&rope::sim::qkv_norm_rope_inplace_sim));
+  m.impl("qk_norm_rope_and_cache_", TORCH_BOX(&rope::sim::qk_norm_rope_and_cache_sim));
 }

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -32,11 +33,15 @@ struct NormRopeTensors {
   ScalarType table_type = ScalarType::Float;
 };
 
+// `store`: the paged-cache store stage (its value heads get rows of their own), or nullptr.
 template <class Runner>
 void run_norm_rope(const RotateGeometry& g, const NormRopeTensors& t, double eps,
-                   bool unit_offset, ScalarType x_type, Runner&& run, int64_t max_blocks) {
-  const int64_t heads = g.target[0].heads + (g.targets > 1 ? g.target[1].heads : 0);
-  if (g.tokens == 0 || g.head_dim == 0 || heads == 0) return;
+                   bool unit_offset, ScalarType x_type, Runner&& run, int64_t max_blocks,
+                   const NormStore* store = nullptr) {
+  const int64_t qk_heads = g.target[0].heads + (g.targets > 1 ? g.target[1].heads : 0);
+  if (store == nullptr && g.head_dim == 0) return;
+  const int64_t heads = qk_heads + (store != nullptr ? store->cg.kv_heads : 0);
+  if (g.tokens == 0 || heads == 0) return;
   dispatch_types(x_type, t.table_type, [&](auto x0, auto tab0) {
     using x_t = decltype(x0);
     using tab_t = decltype(tab0);
@@ -55,6 +60,7 @@ void run_norm_rope(const RotateGeometry& g, const NormRopeTensors& t, double eps
     a.pos = t.pos;
     a.g = g;
     a.rows = g.tokens * heads;  // the rows of the operands: fits
+    if (store != nullptr) a.store = *store;
     const void* src[2] = {a.src[0], a.src[1]};
     const void* dst[2] = {a.dst[0], a.dst[1]};
     a.vec = vectorizable<x_t>(g, src, dst, true) && (g.interleaved || g.half % kWidth<x_t> == 0);
@@ -132,6 +138,54 @@ void qk_norm_rope_inplace_host(const Tensor& query, const Tensor& key, const Ten
   t.pos = positions.const_data_ptr();
   t.table_type = cache.scalar_type();
   run_norm_rope(g, t, eps, unit_offset, xt, run, max_blocks);
+}
+
+// rope.qk_norm_rope_and_cache_: the norm and rotation of qk_norm_rope_ with the paged-cache store
+// stage of apply_and_cache_ (NormStore), in one kernel after the slots' device check.
+template <class Runner>
+void qk_norm_rope_and_cache_host(
+    const Tensor& query, const Tensor& key, const Tensor& value, const Tensor& positions_in,
+    const Tensor& cache_in, const Tensor& q_weight, const Tensor& k_weight,
+    const Tensor& key_cache, const Tensor& value_cache, const Tensor& slots_in, double eps,
+    bool unit_offset, bool interleaved, const std::vector<int64_t>* section,
+    bool mrope_interleaved, bool v_norm, const std::string& kv_cache_dtype,
+    const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale, Runner&& run,
+    int64_t max_blocks = kMaxBlocks) {
+  Tensor positions = positions_in, slots = slots_in;
+  auto check = [&](const Tensor& cache) {
+    return check_qk_norm_rope_and_cache(query, key, value, positions, cache, q_weight, k_weight,
+                                        key_cache, value_cache, slots, eps, interleaved, section,
+                                        mrope_interleaved, v_norm, kv_cache_dtype, k_scale,
+                                        v_scale);
+  };
+  CacheGeometry cg = check_read_once([&] { return check(cache_in); }, {&positions, &slots},
+                                     {&query, &key, &value, &key_cache, &value_cache});
+  const ScalarType xt = query.scalar_type();
+  const Tensor cache = table_for(cache_in, xt);
+  if (cache.get() != cache_in.get()) cg = check(cache);
+  check_slots_on_device(cg, slots, run, max_blocks);
+  const Tensor wq = norm_weight_for(q_weight, xt), wk = norm_weight_for(k_weight, xt);
+  NormRopeTensors t;
+  t.src[0] = t.dst[0] = query.mutable_data_ptr();
+  t.src[1] = t.dst[1] = key.mutable_data_ptr();
+  t.w[0] = &wq;
+  t.w[1] = &wk;
+  t.cos = cache.const_data_ptr();
+  t.sin = sin_of_cache(cache, cg.rot);
+  t.pos = positions.const_data_ptr();
+  t.table_type = cache.scalar_type();
+  NormStore st{};
+  st.cg = cg;
+  st.value = value.mutable_data_ptr();
+  st.slots = slots.const_data_ptr();
+  st.key_cache = key_cache.mutable_data_ptr();
+  st.value_cache = value_cache.mutable_data_ptr();
+  if (cg.format != CacheFormat::kSame) {
+    st.k_scale = static_cast<const float*>(k_scale->const_data_ptr());
+    st.v_scale = static_cast<const float*>(v_scale->const_data_ptr());
+  }
+  st.v_norm = v_norm;
+  run_norm_rope(cg.rot, t, eps, unit_offset, xt, run, max_blocks, &st);
 }
 
 }  // namespace rope::gpu

@@ -18,6 +18,10 @@ struct NormLaunch : CudaStreamLaunch {
   void operator()(const LaunchPlan& p, const NormRopeArgs<x_t, tab_t>& a, Bool<kI>) const {
     check(launch_norm_rope<x_t, tab_t, kI>(p, a, stream()));
   }
+
+  void operator()(const LaunchPlan& p, const SlotSetArgs& a) const {
+    check(launch_slot_set(p, a, stream()));
+  }
 };
 
 std::tuple<Tensor, Tensor> qk_norm_rope_cuda(Tensor query, Tensor key, Tensor q_weight,
@@ -51,6 +55,20 @@ void qkv_norm_rope_inplace_cuda(Tensor qkv, int64_t num_heads_q, int64_t num_hea
                             kQkvNormOp, NormLaunch(qkv, kQkvNormOp));
 }
 
+void qk_norm_rope_and_cache_cuda(Tensor query, Tensor key, Tensor value, Tensor positions,
+                                 Tensor cos_sin_cache, Tensor q_weight, Tensor k_weight,
+                                 Tensor key_cache, Tensor value_cache, Tensor slot_mapping,
+                                 double eps, bool unit_offset, bool interleaved,
+                                 std::optional<std::vector<int64_t>> mrope_section,
+                                 bool mrope_interleaved, bool v_norm, std::string kv_cache_dtype,
+                                 std::optional<Tensor> k_scale, std::optional<Tensor> v_scale) {
+  qk_norm_rope_and_cache_host(query, key, value, positions, cos_sin_cache, q_weight, k_weight,
+                              key_cache, value_cache, slot_mapping, eps, unit_offset, interleaved,
+                              mrope_section ? &*mrope_section : nullptr, mrope_interleaved,
+                              v_norm, kv_cache_dtype, k_scale, v_scale,
+                              NormLaunch(query, kQkNormCacheOp));
+}
+
 }  // namespace
 }  // namespace rope::gpu
 
@@ -58,4 +76,6 @@ STABLE_TORCH_LIBRARY_IMPL(rope, CUDA, m) {
   rope::impl_routed(m, rope::kQkNormRope, TORCH_BOX(&rope::gpu::qk_norm_rope_cuda));
   rope::impl_routed(m, rope::kQkNormRopeInplace, TORCH_BOX(&rope::gpu::qk_norm_rope_inplace_cuda));
   rope::impl_routed(m, rope::kQkvNormRopeInplace, TORCH_BOX(&rope::gpu::qkv_norm_rope_inplace_cuda));
+  rope::impl_routed(m, rope::kQkNormRopeAndCache,
+                    TORCH_BOX(&rope::gpu::qk_norm_rope_and_cache_cuda));
 }

@@ -8,6 +8,11 @@
 // rotates it and writes it, then normalizes and writes the dims past rotary_dim. With aligned
 // unit-stride rows (`vec`) every access of the row is a 16-byte vector. A thread reads its row
 // fully before writing any of it, and no other thread touches it: in place is safe.
+//
+// With the paged-cache store stage (NormStore, rope.qk_norm_rope_and_cache_) a key row's thread
+// also stores each element it writes into the key cache at its token's slot, and the value rows
+// (the rows after the key heads) get a thread each: normed without weight in place (v_norm),
+// then stored into the value cache. Padding slots (negative) store nothing.
 #pragma once
 
 #include <cmath>
@@ -16,6 +21,18 @@
 #include "rope_cuda_thread.h"
 
 namespace rope::gpu {
+
+// The store stage of a call that ends in the paged caches; key_cache == nullptr: none.
+struct NormStore {
+  CacheDesc cg;
+  void* value;           // (T, Hk, Dv) rows of x_t, read (written with v_norm)
+  const void* slots;
+  void* key_cache;
+  void* value_cache;
+  const float* k_scale;  // nullptr unless fp8
+  const float* v_scale;
+  bool v_norm;
+};
 
 template <typename x_t, typename tab_t = opmath_t<x_t>>
 struct NormRopeArgs {
@@ -27,9 +44,10 @@ struct NormRopeArgs {
   const void* pos;
   RotateGeometry g;
   NormDesc norm;
-  int64_t rows;  // tokens * (heads of target 0 + heads of target 1)
+  int64_t rows;  // tokens * (heads of target 0 + heads of target 1 [+ value heads])
   bool idx32;
   bool vec;
+  NormStore store;
 };
 
 template <typename acc_t>
@@ -47,6 +65,47 @@ ROPE_HD void pair_table(const RotateGeometry& g, const TokenRows<tab_t>& r, int6
   s = static_cast<acc_t>(load(pick3(k, r.sin0, r.sin1, r.sin2) + p * d.sin_col));
 }
 
+// The slot of token tok (store stage), device-checked; -1: store nothing.
+ROPE_HD int64_t store_slot(const NormStore& s, int64_t tok) {
+  const int64_t slot = load_position(s.slots, s.cg.slots64, tok * s.cg.slot_stride);
+  ROPE_DEVICE_CHECK(slot < s.cg.slots, "rope: slot_mapping must lie below num_blocks * block_size");
+  return slot < s.cg.slots ? slot : -1;
+}
+
+// Value head hi of token tok: normed without weight in place (v_norm), then stored to the value
+// cache at the token's slot.
+template <typename x_t>
+ROPE_HD void value_row(const NormStore& s, double eps, int64_t tok, int64_t hi) {
+  using acc_t = opmath_t<x_t>;
+  const CacheDesc& cg = s.cg;
+  const int64_t slot = store_slot(s, tok);
+  if (slot < 0 && !s.v_norm) return;
+  x_t* v = static_cast<x_t*>(s.value) + tok * cg.v_token + hi * cg.v_head;
+  acc_t r = 1;
+  if (s.v_norm) {
+    acc_t ss = 0;
+    for (int64_t j = 0; j < cg.value_dim; ++j) {
+      const acc_t e = static_cast<acc_t>(load(v + j * cg.v_last));
+      ss += e * e;
+    }
+    r = inv_rms(ss, cg.value_dim, eps);
+  }
+  const bool fp8 = cg.format != CacheFormat::kSame;
+  const int64_t es = fp8 ? 1 : sizeof(x_t);
+  const CacheStore<x_t> to_cache{
+      static_cast<char*>(s.value_cache) + (cg.vc.slot_row(slot < 0 ? 0 : slot, cg.block_size) +
+                                           hi * cg.vc.head) * es,
+      cg.vc.last, fp8 ? load(s.v_scale) : 1.0f, cg.format};
+  for (int64_t j = 0; j < cg.value_dim; ++j) {
+    x_t e = load(v + j * cg.v_last);
+    if (s.v_norm) {
+      e = static_cast<x_t>(static_cast<acc_t>(e) * r);
+      store(v + j * cg.v_last, e);
+    }
+    if (slot >= 0) to_cache(j, e);
+  }
+}
+
 template <typename x_t, typename tab_t, bool kInterleaved>
 ROPE_HD void norm_rope_thread(const NormRopeArgs<x_t, tab_t>& a, const ThreadPos& tp) {
   using acc_t = opmath_t<x_t>;
@@ -54,7 +113,10 @@ ROPE_HD void norm_rope_thread(const NormRopeArgs<x_t, tab_t>& a, const ThreadPos
   const RotateGeometry& g = a.g;
   const TargetDesc& t0 = g.target[0];
   const TargetDesc& t1 = g.target[1];
-  const int64_t heads = t0.heads + (g.targets > 1 ? t1.heads : 0);
+  const NormStore& st = a.store;
+  const bool storing = st.key_cache != nullptr;
+  const int64_t qk_heads = t0.heads + (g.targets > 1 ? t1.heads : 0);
+  const int64_t heads = qk_heads + (storing ? st.cg.kv_heads : 0);
   const int64_t D = g.head_dim, half = g.half;
   const acc_t unit = a.norm.unit_offset ? acc_t(1) : acc_t(0);
   const int64_t step = static_cast<int64_t>(tp.grid_dim.x) * tp.block_dim.x;
@@ -62,6 +124,24 @@ ROPE_HD void norm_rope_thread(const NormRopeArgs<x_t, tab_t>& a, const ThreadPos
        row < a.rows; row += step) {
     const int64_t tok = row / heads;
     const int64_t h = row - tok * heads;
+    if (h >= qk_heads) {
+      value_row<x_t>(st, a.norm.eps, tok, h - qk_heads);
+      continue;
+    }
+    // A key row of a call with the store stage: each written element also goes to the cache.
+    const bool to_cache = storing && h >= t0.heads;
+    const int64_t slot = to_cache ? store_slot(st, tok) : -1;
+    const bool fp8 = st.cg.format != CacheFormat::kSame;
+    const int64_t es = fp8 ? 1 : sizeof(x_t);
+    const CacheStore<x_t> key_cache{
+        slot < 0 ? nullptr
+                 : static_cast<char*>(st.key_cache) +
+                       (st.cg.kc.slot_row(slot, st.cg.block_size) + (h - t0.heads) * st.cg.kc.head) *
+                           es,
+        st.cg.kc.last, slot >= 0 && fp8 ? load(st.k_scale) : 1.0f, st.cg.format};
+    auto cached = [&](int64_t j, x_t v) {
+      if (key_cache.row != nullptr) key_cache(j, v);
+    };
     const Offsets off = lead_offsets(g.lead, tok, a.idx32);
     const TokenRows<tab_t> tr = token_rows(g, a.cos, a.sin, a.pos, off);
     const auto [src, dst, sl, dl] = head_row(a, off, h);
@@ -104,6 +184,8 @@ ROPE_HD void norm_rope_thread(const NormRopeArgs<x_t, tab_t>& a, const ThreadPos
             o.v[l + 1] = static_cast<x_t>(ob);
           }
           store_pack<x_t, W>(dst + c, o);
+          ROPE_UNROLL
+          for (int l = 0; l < W; ++l) cached(c + l, o.v[l]);
         }
       } else {
         for (int64_t c = 0; c < half; c += W) {
@@ -120,6 +202,11 @@ ROPE_HD void norm_rope_thread(const NormRopeArgs<x_t, tab_t>& a, const ThreadPos
           }
           store_pack<x_t, W>(dst + c, oa);
           store_pack<x_t, W>(dst + half + c, ob);
+          ROPE_UNROLL
+          for (int l = 0; l < W; ++l) {
+            cached(c + l, oa.v[l]);
+            cached(half + c + l, ob.v[l]);
+          }
         }
       }
       for (int64_t c = 2 * half; c < D; c += W) {
@@ -128,6 +215,8 @@ ROPE_HD void norm_rope_thread(const NormRopeArgs<x_t, tab_t>& a, const ThreadPos
         ROPE_UNROLL
         for (int l = 0; l < W; ++l) o.v[l] = static_cast<x_t>(normed(v.v[l], c + l));
         store_pack<x_t, W>(dst + c, o);
+        ROPE_UNROLL
+        for (int l = 0; l < W; ++l) cached(c + l, o.v[l]);
       }
     } else {
       for (int64_t p = 0; p < half; ++p) {
@@ -136,11 +225,16 @@ ROPE_HD void norm_rope_thread(const NormRopeArgs<x_t, tab_t>& a, const ThreadPos
         pair_table(g, tr, p, cs, sn);
         rotate_pair(normed(load(src + ia * sl), ia), normed(load(src + ib * sl), ib), cs, sn, oa,
                     ob);
-        store(dst + ia * dl, static_cast<x_t>(oa));
-        store(dst + ib * dl, static_cast<x_t>(ob));
+        const x_t xa = static_cast<x_t>(oa), xb = static_cast<x_t>(ob);
+        store(dst + ia * dl, xa);
+        store(dst + ib * dl, xb);
+        cached(ia, xa);
+        cached(ib, xb);
       }
       for (int64_t j = 2 * half; j < D; ++j) {
-        store(dst + j * dl, static_cast<x_t>(normed(load(src + j * sl), j)));
+        const x_t e = static_cast<x_t>(normed(load(src + j * sl), j));
+        store(dst + j * dl, e);
+        cached(j, e);
       }
     }
   }

@@ -246,6 +246,24 @@ Tensor apply_positions_host(const Tensor& x, const Tensor& positions, const Tens
   return out;
 }
 
+// Slots used at most once, checked on the device before the kernel that writes the caches (with
+// two tokens or more): the slot-set kernel's device-side assert stops the stream first.
+template <class Runner>
+void check_slots_on_device(const CacheGeometry& cg, const Tensor& slots, Runner& run,
+                           int64_t max_blocks) {
+  const int64_t tokens = cg.rot.tokens;
+  if (tokens < 2) return;
+  const int64_t capacity = pow2_at_least(2 * tokens);
+  Tensor set = torch::stable::new_empty(slots, {capacity}, ScalarType::Long);
+  torch::stable::fill_(set, -1.0);  // kEmptySlot
+  const SlotSetArgs s{slots.const_data_ptr(), cg.slots64, cg.slot_stride, tokens, capacity - 1,
+                      static_cast<unsigned long long*>(set.mutable_data_ptr())};
+  LaunchPlan p;
+  p.block = Idx3{static_cast<unsigned>(kThreadsPerBlock), 1, 1};
+  p.grid = Idx3{static_cast<unsigned>(std::min(ceil_div(tokens, kThreadsPerBlock), max_blocks)), 1, 1};
+  run(p, s);
+}
+
 template <class Runner>
 void apply_and_cache_host(const Tensor& query, const Tensor& key, const Tensor& value,
                           const Tensor& positions_in, const Tensor& cache_in,
@@ -266,17 +284,7 @@ void apply_and_cache_host(const Tensor& query, const Tensor& key, const Tensor& 
   const RotateGeometry& g = cg.rot;
   // Rows to rotate or values to store; key rows of head_dim 0 still carry their values.
   if (g.tokens == 0 || g.target[0].heads + cg.kv_heads == 0) return;
-  if (g.tokens >= 2) {  // slots used at most once: checked on the device before any write
-    const int64_t capacity = pow2_at_least(2 * g.tokens);
-    Tensor set = torch::stable::new_empty(slots, {capacity}, ScalarType::Long);
-    torch::stable::fill_(set, -1.0);  // kEmptySlot
-    const SlotSetArgs s{slots.const_data_ptr(), cg.slots64, cg.slot_stride, g.tokens,
-                        capacity - 1, static_cast<unsigned long long*>(set.mutable_data_ptr())};
-    LaunchPlan p;
-    p.block = Idx3{static_cast<unsigned>(kThreadsPerBlock), 1, 1};
-    p.grid = Idx3{static_cast<unsigned>(std::min(ceil_div(g.tokens, kThreadsPerBlock), max_blocks)), 1, 1};
-    run(p, s);
-  }
+  check_slots_on_device(cg, slots, run, max_blocks);
   dispatch_types(query.scalar_type(), cache.scalar_type(), [&](auto x0, auto tab0) {
     using x_t = decltype(x0);
     using tab_t = decltype(tab0);
