@@ -73,7 +73,7 @@ def qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weigh
 
 
 def qk_norm_rope_and_cache_(query, key, value, positions, cos_sin_cache, q_weight, k_weight,
-                            key_cache, value_cache, slot_mapping, *, eps=1e-6, unit_offset=False,
+                            key_cache, value_cache, slot_mapping, eps=1e-6, *, unit_offset=False,
                             interleaved=False, mrope_section=None, mrope_interleaved=False,
                             v_norm=False, kv_cache_dtype="auto", k_scale=None, v_scale=None):
     """The serving prologue: qk_norm_rope_ on query and key, with v_norm each value head

@@ -42,7 +42,7 @@ def _fake_qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q
 
 
 def _fake_qk_norm_rope_and_cache_(query, key, value, positions, cos_sin_cache, q_weight, k_weight,
-                                  key_cache, value_cache, slot_mapping, *, eps=1e-6,
+                                  key_cache, value_cache, slot_mapping, eps=1e-6, *,
                                   unit_offset=False, interleaved=False, mrope_section=None,
                                   mrope_interleaved=False, v_norm=False, kv_cache_dtype="auto",
                                   k_scale=None, v_scale=None):
@@ -108,14 +108,14 @@ def _ref_qk_norm_rope_and_cache_(*args, **kwargs):
 
 def _autograd_qk_norm_rope_and_cache_(keyset, query, key, value, positions, cos_sin_cache,
                                       q_weight, k_weight, key_cache, value_cache, slot_mapping,
-                                      **kwargs):
+                                      eps=1e-6, **kwargs):
     if base._needs_grad(query, key, value, q_weight, k_weight, cos_sin_cache, key_cache,
                         value_cache):
         raise RuntimeError(NOT_DIFFERENTIABLE.format(op=checks.OP_CACHE))
     return base._below_autograd(ops.qk_norm_rope_and_cache_.default, keyset,
                                 (query, key, value, key_cache, value_cache), query, key, value,
                                 positions, cos_sin_cache, q_weight, k_weight, key_cache,
-                                value_cache, slot_mapping, **kwargs)
+                                value_cache, slot_mapping, eps, **kwargs)
 
 
 def ops_table(op_type):

@@ -178,3 +178,24 @@ def test_compiles_without_graph_break():
     torch.testing.assert_close(out, want, rtol=0, atol=0)
     for a, b in zip(args, eager_args):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_fp8_store_of_every_bfloat16_value_is_torchs(fmt, scale):
+    """Every one of the 65536 bfloat16 bit patterns as a value row, stored through the CPU's
+    vectorized float8 conversion: the bits torch's own conversion gives (NaN: a NaN)."""
+    T, D = 512, 128
+    v = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    v = v.reshape(T, 1, D)
+    q, k = torch.randn(T, 1, D, dtype=torch.bfloat16), torch.randn(T, 1, D, dtype=torch.bfloat16)
+    dt = FP8[fmt]
+    kc, vc = torch.zeros(T, 1, 1, D).to(dt), torch.zeros(T, 1, 1, D).to(dt)
+    s = torch.tensor([scale])
+    rope_ext.apply_rope_and_cache_(q, k, v, torch.zeros(T, dtype=torch.long), rope_ext.cos_sin_cache(4, D),
+                                   kc, vc, torch.arange(T), kv_cache_dtype=fmt, k_scale=s, v_scale=s)
+    m = torch.finfo(dt).max
+    want = (v.float() / s).clamp(-m, m).to(dt)[:, None]
+    nan = want.float().isnan()
+    assert torch.equal(vc.float().isnan(), nan)
+    assert torch.equal(bits(vc)[~nan], bits(want)[~nan])

@@ -462,6 +462,12 @@ void store_cache_row(const x_t* row, int64_t last, void* cache_row, int64_t cach
   }
   constexpr Fp8Format fmt = kFormat == CacheFormat::kE4M3FN ? Fp8Format::kE4M3FN : Fp8Format::kE5M2;
   uint8_t* out = static_cast<uint8_t*>(cache_row);
+  if (last == 1 && cache_last == 1) {  // unit strides: a loop the compiler vectorizes
+    for (int64_t j = 0; j < n; ++j) {
+      out[j] = float_to_fp8_vec(static_cast<float>(to_acc<F32Ops>(row[j])) / scale, fmt);
+    }
+    return;
+  }
   for (int64_t j = 0; j < n; ++j) {
     const float v = static_cast<float>(to_acc<F32Ops>(row[j * last]));
     out[j * cache_last] = float_to_fp8(v / scale, fmt);

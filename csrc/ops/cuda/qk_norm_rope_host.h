@@ -107,6 +107,23 @@ std::tuple<Tensor, Tensor> qk_norm_rope_host(const Tensor& query, const Tensor& 
   return {oq, ok};
 }
 
+// The in-place ops' operands: query and key read and written where they are, the rows of the
+// cos_sin_cache at positions, the weights wq and wk (the caller's: kept alive by it).
+inline NormRopeTensors inplace_operands(const Tensor& query, const Tensor& key, const Tensor& wq,
+                                        const Tensor& wk, const Tensor& cache,
+                                        const RotateGeometry& g, const Tensor& positions) {
+  NormRopeTensors t;
+  t.src[0] = t.dst[0] = query.mutable_data_ptr();
+  t.src[1] = t.dst[1] = key.mutable_data_ptr();
+  t.w[0] = &wq;
+  t.w[1] = &wk;
+  t.cos = cache.const_data_ptr();
+  t.sin = sin_of_cache(cache, g);
+  t.pos = positions.const_data_ptr();
+  t.table_type = cache.scalar_type();
+  return t;
+}
+
 // rope.qk_norm_rope_ (written1 = &key) and rope.qkv_norm_rope_ (query/key: views of written0 =
 // &qkv, written1 = nullptr).
 template <class Runner>
@@ -128,16 +145,8 @@ void qk_norm_rope_inplace_host(const Tensor& query, const Tensor& key, const Ten
   if (positions.get() != positions_in.get() || cache.get() != cache_in.get()) g = check(cache);
   const ScalarType xt = query.scalar_type();
   const Tensor wq = norm_weight_for(q_weight, xt), wk = norm_weight_for(k_weight, xt);
-  NormRopeTensors t;
-  t.src[0] = t.dst[0] = query.mutable_data_ptr();
-  t.src[1] = t.dst[1] = key.mutable_data_ptr();
-  t.w[0] = &wq;
-  t.w[1] = &wk;
-  t.cos = cache.const_data_ptr();
-  t.sin = sin_of_cache(cache, g);
-  t.pos = positions.const_data_ptr();
-  t.table_type = cache.scalar_type();
-  run_norm_rope(g, t, eps, unit_offset, xt, run, max_blocks);
+  run_norm_rope(g, inplace_operands(query, key, wq, wk, cache, g, positions), eps, unit_offset,
+                xt, run, max_blocks);
 }
 
 // rope.qk_norm_rope_and_cache_: the norm and rotation of qk_norm_rope_ with the paged-cache store
@@ -165,15 +174,6 @@ void qk_norm_rope_and_cache_host(
   if (cache.get() != cache_in.get()) cg = check(cache);
   check_slots_on_device(cg, slots, run, max_blocks);
   const Tensor wq = norm_weight_for(q_weight, xt), wk = norm_weight_for(k_weight, xt);
-  NormRopeTensors t;
-  t.src[0] = t.dst[0] = query.mutable_data_ptr();
-  t.src[1] = t.dst[1] = key.mutable_data_ptr();
-  t.w[0] = &wq;
-  t.w[1] = &wk;
-  t.cos = cache.const_data_ptr();
-  t.sin = sin_of_cache(cache, cg.rot);
-  t.pos = positions.const_data_ptr();
-  t.table_type = cache.scalar_type();
   NormStore st{};
   st.cg = cg;
   st.value = value.mutable_data_ptr();
@@ -185,7 +185,8 @@ void qk_norm_rope_and_cache_host(
     st.v_scale = static_cast<const float*>(v_scale->const_data_ptr());
   }
   st.v_norm = v_norm;
-  run_norm_rope(cg.rot, t, eps, unit_offset, xt, run, max_blocks, &st);
+  run_norm_rope(cg.rot, inplace_operands(query, key, wq, wk, cache, cg.rot, positions), eps,
+                unit_offset, xt, run, max_blocks, &st);
 }
 
 }  // namespace rope::gpu
