@@ -215,6 +215,7 @@ def main(argv=None):
     doc = {"meta": {"device": args.device, "torch": torch.__version__,
                     "rope_ext": rope_ext.__version__, "backend": rope_ext.backend(args.device),
                     "threads": torch.get_num_threads(), "machine": platform.machine(),
+                    "cpu_isa": rope_ext.cpu_isa() if args.device == "cpu" else None,
                     "repeat": repeat, "min_block_ms": min_block_s * 1e3, "clock": clock.name},
            "results": results, "errors": errors}
     lines = ["| case | shape | row | median (us) | GB/s | time / rope_ext |", "|---|---|---|---|---|---|"]
@@ -230,7 +231,8 @@ def main(argv=None):
         json.dump(doc, f, indent=1)
     with open(os.path.join(out, stem + ".md"), "w") as f:
         m = doc["meta"]
-        f.write(f"# Serving ops ({m['device']}, {m['backend']}, {m['threads']} threads, torch "
+        isa = f", {m['cpu_isa']} kernels" if m["cpu_isa"] else ""
+        f.write(f"# Serving ops ({m['device']}, {m['backend']}{isa}, {m['threads']} threads, torch "
                 f"{m['torch']})\n\nBytes: the least traffic each case needs; copy: a contiguous "
                 f"copy of as many bytes.\n\n{table}\n")
     return 1 if errors else 0
