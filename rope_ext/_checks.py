@@ -387,6 +387,8 @@ def check_rope_and_cache(query, key, value, positions, cache, key_cache, value_c
             check_no_internal_overlap(value, op, "value")
         for cname, c in caches:
             check_disjoint_bytes(c, cname, cache, "cos_sin_cache", op)
+        if value_written:
+            check_disjoint_bytes(value, "value", cache, "cos_sin_cache", op)
         # The scales are read while query, key and the caches (and value, if written) are
         # written.
         written = (("query", query), ("key", key), *caches)

@@ -83,6 +83,13 @@ def check_qk_norm_rope_and_cache(query, key, value, positions, cache, q_weight, 
         kv_cache_dtype, k_scale, v_scale, memory, op=OP_CACHE, mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved, value_written=v_norm)
     check_weights(q_weight, k_weight, query.shape[-1], query, "query", OP_CACHE)
+    if memory:  # the weights are read while everything written is written
+        written = (("query", query), ("key", key), ("key_cache", key_cache),
+                   ("value_cache", value_cache), ("value", value if v_norm else None))
+        for wname, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+            for tname, t in written:
+                if t is not None:
+                    _checks.check_disjoint_bytes(t, tname, w, wname, OP_CACHE)
     check_eps(eps, OP_CACHE)
     return fmt, section
 

@@ -256,6 +256,11 @@ def _bad_cases():
         (lambda a: dict(key_cache=a["key_cache"].float()), r"key_cache must be BFloat16"),
         (lambda a: dict(eps=-1.0), r"eps must be a finite number >= 0"),
         (lambda a: dict(mrope_section=[8, 8, 8]), r"positions must have shape \(3,\)"),
+        # Read while value (v_norm) is written: a weight or the table in value's memory.
+        (lambda a: (lambda v: dict(value=v, q_weight=v[0, 0]))(torch.randn(8, 2, 128).bfloat16()),
+         r"q_weight and value: "),
+        (lambda a: (lambda v: dict(value=v, cos_sin_cache=v[:, 0]))(torch.randn(8, 2, 128).bfloat16()),
+         r"cos_sin_cache and value: "),
     ]
 
 
@@ -264,10 +269,11 @@ def test_rejected_calls_change_nothing_and_both_paths_agree(case):
     change, match = _bad_cases()[case]
     messages = []
     base = make_case(T=8, D=128)
-    base.update(eps=EPS, v_norm=True)
-    base.update(change(base))
     for fn in (ops.qk_norm_rope_and_cache_, reference.qk_norm_rope_and_cache_):
         a = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in base.items()}
+        a.update(eps=EPS, v_norm=True)
+        torch.manual_seed(1)
+        a.update(change(a))
         before = {n: bits(t).clone() for n, t in a.items() if isinstance(t, torch.Tensor)}
         with pytest.raises(RuntimeError, match=match) as info:
             call(fn, a)

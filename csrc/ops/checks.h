@@ -838,6 +838,7 @@ inline CacheGeometry check_rope_and_cache(const Tensor& query_t, const Tensor& k
   if (value_written) check_no_internal_overlap(v, op, "value");
   const Meta table(*tables.cache);
   for (const auto& [cname, c] : caches) check_disjoint_bytes(*c, cname, table, "cos_sin_cache", op);
+  if (value_written) check_disjoint_bytes(v, "value", table, "cos_sin_cache", op);
   // The scales are read while query, key and the caches are written: the kernels would see the
   // old or the new value depending on the order of their reads.
   for (const auto& [name, s] : scales) {

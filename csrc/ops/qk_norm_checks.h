@@ -93,6 +93,17 @@ inline CacheGeometry check_qk_norm_rope_and_cache(
       query, key, value, positions, TableArgs{&cache, nullptr, nullptr, section, mrope_interleaved},
       key_cache, value_cache, slots, interleaved, kv_cache_dtype, k_scale, v_scale, v_norm, op);
   check_norm_weights(q_weight, k_weight, cg.rot.head_dim, Meta(query), "query", op);
+  // The weights are read while everything written is written.
+  const std::pair<const char*, const Tensor*> weights[] = {{"q_weight", &q_weight},
+                                                           {"k_weight", &k_weight}};
+  const std::pair<const char*, const Tensor*> written[] = {
+      {"query", &query}, {"key", &key}, {"key_cache", &key_cache}, {"value_cache", &value_cache},
+      {"value", v_norm ? &value : nullptr}};
+  for (const auto& [wname, w] : weights) {
+    for (const auto& [tname, t] : written) {
+      if (t != nullptr) check_disjoint_bytes(Meta(*t), tname, Meta(*w), wname, op);
+    }
+  }
   check_eps(eps, op);
   return cg;
 }
