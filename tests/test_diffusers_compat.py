@@ -27,6 +27,13 @@ def close(got, want, dtype, scale=1.0):
     torch.testing.assert_close(got.double(), want.double(), rtol=rtol * scale, atol=atol * scale)
 
 
+def close_reduced(got, want, terms):
+    """A table's gradient is a sum over the batch and heads that share each entry: two correct
+    float32 summation orders differ by about eps * terms * the largest partial sum, so the
+    tolerance is relative to the gradient's magnitude, not to each (possibly cancelled) entry."""
+    close(got, want, torch.float32, scale=terms * max(1.0, want.abs().max().item()))
+
+
 def oracle(x, cos, sin, interleaved):
     """float64 rotation with full-width tables (each member of a pair reads its own entry)."""
     x, cos, sin = x.double(), cos.double(), sin.double()
@@ -91,8 +98,10 @@ def test_apply_rotary_emb_gradients(unbind, duplicated):
         out = fn(x, (c, s), use_real_unbind_dim=unbind)
         out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(2)))
         grads.append((out.detach(), x.grad, c.grad, s.grad))
-    for g, w in zip(*grads):
+    for g, w in zip(grads[0][:2], grads[1][:2]):
         close(g, w, torch.float32, scale=4.0)
+    for g, w in zip(grads[0][2:], grads[1][2:]):
+        close_reduced(g, w, terms=B * H)
     # Only x requiring grad: the one-pass path's gradient.
     x = torch.randn(B, H, S, D).requires_grad_()
     rd.apply_rotary_emb(x, (cos, sin), use_real_unbind_dim=unbind).sum().backward()
@@ -170,8 +179,8 @@ def test_wan(dtype):
     for fn, xg, (c, s) in zip((rd.apply_rotary_emb_wan, wan), xs, ts):
         fn(xg, c, s).pow(2).sum().backward()
     close(xs[0].grad, xs[1].grad, torch.float32)
-    close(ts[0][0].grad, ts[1][0].grad, torch.float32)
-    close(ts[0][1].grad, ts[1][1].grad, torch.float32)
+    close_reduced(ts[0][0].grad, ts[1][0].grad, terms=x.shape[0] * x.shape[2])
+    close_reduced(ts[0][1].grad, ts[1][1].grad, terms=x.shape[0] * x.shape[2])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
