@@ -110,7 +110,7 @@ def test_choosing_a_variant_this_cpu_lacks_is_an_error():
 
 
 def _digest(seed):
-    """One digest of every op's outputs (the rotations and the fused QK-norm) over dtypes, layouts, head dims with vector tails and
+    """One digest of every op's outputs (the rotations, the fused QK-norm, the K-shift) over dtypes, layouts, head dims with vector tails and
     partial rotary, on inputs fixed by the seed."""
     g = torch.Generator().manual_seed(seed)
     h = hashlib.sha256()
@@ -138,7 +138,24 @@ def _digest(seed):
                 w = torch.randn(head_dim, generator=g).to(dtype)
                 torch.ops.rope.qk_norm_rope_(n[:, :3], n[:, 3:], w, w.flip(0), pos, cache,
                                              1e-6, False, interleaved)
-                for t in outs + [q, m, n]:
+                # K-shift: listed slots of a (37 blocks, 1, 3 heads) cache, each its own delta;
+                # a cache whose rows are strided along the head dim; float8 caches of both formats
+                slots = torch.randperm(37, generator=g)[:29]
+                slots[3] = -1
+                delta = torch.randint(-511, 512, (29,), generator=g)
+                shifted = [x.clone().view(37, 1, 3, head_dim),
+                           x.clone().view(37, 1, 3, head_dim).transpose(-1, -2).contiguous()
+                           .transpose(-1, -2)]
+                for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
+                    if dtype == torch.float32:
+                        shifted.append((x.float() * 8).to(fmt).view(37, 1, 3, head_dim))
+                for c in shifted:
+                    fp8 = c.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+                    rope_ext.shift_kv_cache_(
+                        c, slots, delta, cache, interleaved=interleaved,
+                        kv_cache_dtype=("fp8_e4m3" if c.dtype == torch.float8_e4m3fn else "fp8_e5m2")
+                        if fp8 else "auto", k_scale=torch.tensor([0.125]) if fp8 else None)
+                for t in outs + [q, m, n] + shifted:
                     h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 

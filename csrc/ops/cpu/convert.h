@@ -16,13 +16,14 @@ inline float bf16_to_float(uint16_t b) {
   return f;
 }
 
-// Round to nearest even; NaN to 0xFFFF, which is what torch's CPU conversion gives.
+// Round to nearest even; NaN to 0xFFFF, which is what torch's CPU conversion gives. Branch-free
+// (a mask for NaN), so that loops of it vectorize.
 inline uint16_t float_to_bf16(float f) {
-  if (f != f) return 0xFFFF;
   uint32_t u;
   std::memcpy(&u, &f, 4);
+  const uint32_t nan = 0u - static_cast<uint32_t>((u & 0x7FFFFFFFu) > 0x7F800000u);
   u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+  return static_cast<uint16_t>((u >> 16) | nan);
 }
 
 // IEEE binary16 <-> float, rounding to nearest even and keeping a NaN's sign and top payload

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "../geometry.h"
+#include "../shift_geometry.h"
 
 namespace rope {
 
@@ -64,16 +65,31 @@ struct TokenHook {
 };
 using TokenHookFn = void (*)(const void* ctx, int64_t token, const int64_t* off);
 
+// One call of rope.shift_kv_cache_ (shift_geometry.h ShiftDesc, checked, its data too).
+struct ShiftJob {
+  const ShiftDesc* d;
+  void* cache;        // the key cache: its elements, or float8 codes
+  const void* slots;  // slot_mapping, int32 or int64 (d->slots64)
+  const void* delta;
+  const void* table;  // cos_sin_cache's row 0
+  int table_dt;
+  float scale;        // k_scale of a float8 cache
+};
+
 using RotateTokensFn = void (*)(const RotateJob&, int64_t begin_token, int64_t end_token);
+using ShiftSlotsFn = void (*)(const ShiftJob&, int64_t begin_entry, int64_t end_entry);
 using CacheTokensFn = void (*)(const CacheJob&, int64_t begin_token, int64_t end_token);
 
 // Kernels of one ISA, indexed by the dtype of x (query/key) and, for the cache write, the
 // CacheFormat of the caches: the rotation, the rotation with the cache store, and the cache
-// store alone (a TokenHook over a CacheJob, for the fused QK-norm kernel's tokens).
+// store alone (a TokenHook over a CacheJob, for the fused QK-norm kernel's tokens); the K-shift
+// by the cache's dtype, or its float8 format (shift_fp8[kSame] is unused).
 struct CpuKernels {
   RotateTokensFn rotate[kNumDt];
   CacheTokensFn cache[kNumDt][3];
   TokenHookFn store[kNumDt][3];
+  ShiftSlotsFn shift[kNumDt];
+  ShiftSlotsFn shift_fp8[3];
 };
 
 // Whether the x86 ISA files compile their kernels (x86-64 with GCC or clang, whose target

@@ -521,6 +521,14 @@ void cache_tokens(const CacheJob& job, int64_t b, int64_t e) {
   rotate_tokens_hooked<x_t>(job.rot, b, e, TokenHook{write_cache_token<x_t, kFormat>, &job});
 }
 
+}  // namespace
+}  // namespace rope
+
+#include "shift_kernels.h"
+
+namespace rope {
+namespace {
+
 // ---- the table of one ISA ----
 
 template <typename x_t>
@@ -532,6 +540,7 @@ void fill(CpuKernels& k, int xi) {
   k.store[xi][int(CacheFormat::kSame)] = write_cache_token<x_t, CacheFormat::kSame>;
   k.store[xi][int(CacheFormat::kE4M3FN)] = write_cache_token<x_t, CacheFormat::kE4M3FN>;
   k.store[xi][int(CacheFormat::kE5M2)] = write_cache_token<x_t, CacheFormat::kE5M2>;
+  k.shift[xi] = shift_slots<x_t, CacheFormat::kSame>;
 }
 
 #ifndef ROPE_KERNELS_BF16_ONLY
@@ -541,6 +550,8 @@ CpuKernels make_kernels() {
   fill<double>(k, kF64);
   fill<HalfBits>(k, kF16);
   fill<BF16Bits>(k, kBF16);
+  k.shift_fp8[int(CacheFormat::kE4M3FN)] = shift_slots<uint8_t, CacheFormat::kE4M3FN>;
+  k.shift_fp8[int(CacheFormat::kE5M2)] = shift_slots<uint8_t, CacheFormat::kE5M2>;
   return k;
 }
 #endif

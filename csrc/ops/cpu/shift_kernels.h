@@ -1,0 +1,162 @@
+// rope.shift_kv_cache_ (K-shift, ../shift_geometry.h) in the CPU kernel family: each listed
+// slot's key rows re-rotated in place by the unit rotation of table row |delta|. Included by
+// kernels.h, so it is compiled once per ISA with the rotation kernels it reuses (rotate_heads):
+// a K-shift of a long context moves as many bytes as a copy of the cache rows, and the row loop
+// is the same vector code as rope.apply_'s. Float8 rows are decoded into a float block, rotated
+// there and encoded with the branch-free conversion (the same bits as float_to_fp8).
+
+namespace rope {
+namespace {
+
+// The unit rotation of table row |k| (sin negated for k < 0) for pairs [b0, b0 + n), laid out
+// as the row kernels of x_t read it (kPairDupTables).
+template <class Ops, bool kPairDup>
+void unit_rotation_block(const ShiftJob& job, int64_t k, int64_t b0, int64_t n,
+                         typename Ops::acc* c, typename Ops::acc* s) {
+  using acc = typename Ops::acc;
+  const ShiftDesc& d = *job.d;
+  const int64_t row = k < 0 ? -k : k;  // |k| < max_position: checked
+  alignas(64) acc cb[kBlockPairs];
+  alignas(64) acc sb[kBlockPairs];
+  with_dt_type(job.table_dt, [&](auto elem) {
+    using T = decltype(elem);
+    const T* t = static_cast<const T*>(job.table) + row * d.cos_row;
+    for (int64_t j = 0; j < n; ++j) {
+      cb[j] = to_acc<Ops>(t[(b0 + j) * d.cos_col]);
+      sb[j] = to_acc<Ops>(t[(d.half + b0 + j) * d.cos_col]);
+    }
+  });
+  // Separate from the loads (a switch on the table dtype), so that it vectorizes.
+  const bool negative = k < 0;
+  for (int64_t j = 0; j < n; ++j) unit_rotation(cb[j], sb[j], negative, cb[j], sb[j]);
+  for (int64_t j = 0; j < n; ++j) {
+    if (kPairDup) {  // a*c + b*(-s) has the bits of a*c - b*s
+      c[2 * j] = c[2 * j + 1] = cb[j];
+      s[2 * j] = -sb[j];
+      s[2 * j + 1] = sb[j];
+    } else {
+      c[j] = cb[j];
+      s[j] = sb[j];
+    }
+  }
+}
+
+// The elements of pairs [b0, b0 + n) of a row as at most two contiguous runs of the row (in
+// element index): pairs in order (interleaved) or the first members then the second.
+struct PairSpans {
+  int64_t start[2], count[2];
+  int spans;
+};
+
+template <bool kInterleaved>
+PairSpans pair_spans(int64_t half, int64_t b0, int64_t n) {
+  if (kInterleaved) return PairSpans{{2 * b0, 0}, {2 * n, 0}, 1};
+  return PairSpans{{b0, half + b0}, {n, n}, 2};
+}
+
+// A float8 row's pairs [b0, b0 + n): decoded (one table read per code) into a float block,
+// rotated, encoded as saturated value / scale.
+template <CacheFormat kFormat, bool kInterleaved>
+void shift_fp8_row(uint8_t* row, int64_t last, int64_t half, int64_t b0, int64_t n,
+                   const float* c, const float* s, const float* decoded, float scale) {
+  constexpr Fp8Format kFp8 = kFormat == CacheFormat::kE4M3FN ? Fp8Format::kE4M3FN : Fp8Format::kE5M2;
+  alignas(64) float buf[2 * kBlockPairs];
+  const PairSpans sp = pair_spans<kInterleaved>(half, b0, n);
+  int64_t k = 0;
+  for (int i = 0; i < sp.spans; ++i) {
+    const uint8_t* p = row + sp.start[i] * last;
+    for (int64_t e = 0; e < sp.count[i]; ++e) buf[k++] = decoded[p[e * last]];
+  }
+  rotate_block<F32Ops, kInterleaved, false>(buf, buf, n, n, c, s);
+  k = 0;
+  for (int i = 0; i < sp.spans; ++i) {
+    uint8_t* p = row + sp.start[i] * last;
+    const float* v = buf + k;
+    const int64_t m = sp.count[i];
+    if (last == 1) {  // the common row: a loop the compiler vectorizes
+      for (int64_t e = 0; e < m; ++e) p[e] = float_to_fp8_vec(v[e] / scale, kFp8);
+    } else {
+      for (int64_t e = 0; e < m; ++e) p[e * last] = float_to_fp8_vec(v[e] / scale, kFp8);
+    }
+    k += m;
+  }
+}
+
+// The listed slots are scattered over the cache, so the hardware prefetchers see each row only
+// once it is being rotated: the rows of the entry kPrefetchAhead places ahead are requested
+// (for writing) while this one is rotated. Unit-stride rows only (the common cache layout).
+constexpr int64_t kPrefetchAhead = 4;
+
+template <typename x_t>
+ROPE_INLINE void prefetch_slot_rows(const ShiftJob& job, int64_t i, int64_t e) {
+  const ShiftDesc& d = *job.d;
+  if (i >= e || d.kc.last != 1) return;
+  const int64_t slot = read_position(job.slots, d.slots64, i * d.slot_stride);
+  if (slot < 0) return;
+  const char* base = reinterpret_cast<const char*>(static_cast<const x_t*>(job.cache) +
+                                                   d.kc.slot_row(slot, d.block_size));
+  const int64_t row_bytes = 2 * d.half * static_cast<int64_t>(sizeof(x_t));
+  for (int64_t h = 0; h < d.heads; ++h) {
+    const char* row = base + h * d.kc.head * static_cast<int64_t>(sizeof(x_t));
+    for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(row + o, 1);
+  }
+}
+
+// Entries [b, e) of the slot list. x_t: the cache's element type, or uint8_t codes of kFormat.
+template <typename x_t, CacheFormat kFormat, bool kInterleaved>
+void shift_slots_impl(const ShiftJob& job, int64_t b, int64_t e) {
+  constexpr bool kFp8 = kFormat != CacheFormat::kSame;
+  using Ops = std::conditional_t<kFp8, F32Ops, OpsFor<x_t>>;
+  using acc = typename Ops::acc;
+  constexpr bool kPairDup = kFp8 ? kInterleaved : kPairDupTables<Ops, x_t, kInterleaved>;
+  const ShiftDesc& d = *job.d;
+  const CacheStrides& kc = d.kc;
+  const TargetDesc tg{d.heads, kc.head, kc.head, kc.last, kc.last};
+  float decoded[kFp8 ? 256 : 1];
+  if constexpr (kFp8) {  // every code dequantized (code * k_scale), once per task
+    for (int code = 0; code < 256; ++code) {
+      decoded[code] = fp8_to_float(static_cast<uint8_t>(code), kFormat) * job.scale;
+    }
+  }
+  alignas(64) acc c[2 * kBlockPairs];
+  alignas(64) acc s[2 * kBlockPairs];
+  const bool one_block = d.half <= kBlockPairs;
+  int64_t cached = 0;
+  bool have = false;
+  x_t* const cache = static_cast<x_t*>(job.cache);
+  for (int64_t i = b; i < std::min(e, b + kPrefetchAhead); ++i) prefetch_slot_rows<x_t>(job, i, e);
+  for (int64_t i = b; i < e; ++i) {
+    prefetch_slot_rows<x_t>(job, i + kPrefetchAhead, e);
+    const int64_t slot = read_position(job.slots, d.slots64, i * d.slot_stride);
+    if (slot < 0) continue;  // padding
+    const int64_t k = read_position(job.delta, d.delta64, i * d.delta_stride);
+    x_t* const base = cache + kc.slot_row(slot, d.block_size);
+    for (int64_t b0 = 0; b0 < d.half; b0 += kBlockPairs) {
+      const int64_t n = std::min(kBlockPairs, d.half - b0);
+      // The rotation is reused by the next slots while their delta is the same (one delta for
+      // every slot: computed once per task).
+      if (!(one_block && have && k == cached)) {
+        unit_rotation_block<Ops, kPairDup>(job, k, b0, n, c, s);
+        cached = k;
+        have = true;
+      }
+      if constexpr (kFp8) {
+        for (int64_t h = 0; h < d.heads; ++h) {
+          shift_fp8_row<kFormat, kInterleaved>(base + h * kc.head, kc.last, d.half, b0, n, c, s,
+                                               decoded, job.scale);
+        }
+      } else {
+        rotate_heads<Ops, kInterleaved>(tg, base, base, d.half, b0, n, c, s, false);
+      }
+    }
+  }
+}
+
+template <typename x_t, CacheFormat kFormat>
+void shift_slots(const ShiftJob& job, int64_t b, int64_t e) {
+  job.d->interleaved ? shift_slots_impl<x_t, kFormat, true>(job, b, e)
+                     : shift_slots_impl<x_t, kFormat, false>(job, b, e);
+}
+
+}  // namespace
+}  // namespace rope
