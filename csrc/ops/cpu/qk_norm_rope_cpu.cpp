@@ -13,6 +13,7 @@
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 
+#include "../alloc.h"
 #include "../qk_norm_checks.h"
 #include "../routes.h"
 #include "cache_store.h"
@@ -89,8 +90,8 @@ std::tuple<Tensor, Tensor> qk_norm_rope_cpu(Tensor query, Tensor key, Tensor q_w
   const ScalarType xt = query.scalar_type();
   const Tensor wq = norm_weight(q_weight, xt, query.size(-1));
   const Tensor wk = norm_weight(k_weight, xt, query.size(-1));
-  Tensor oq = torch::stable::new_empty(query, query.sizes());
-  Tensor ok = torch::stable::new_empty(key, key.sizes());
+  Tensor oq = new_contiguous(query, query.sizes());
+  Tensor ok = new_contiguous(key, key.sizes());
   const std::pair<const RotateGeometry*, std::pair<const Tensor*, const Tensor*>> parts[] = {
       {&gq, {&query, &oq}}, {&gk, {&key, &ok}}};
   for (int i = 0; i < 2; ++i) {

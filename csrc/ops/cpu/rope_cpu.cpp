@@ -10,6 +10,7 @@
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 
+#include "../alloc.h"
 #include "../checks.h"
 #include "../routes.h"
 #include "cache_store.h"
@@ -89,7 +90,7 @@ Tensor apply_cpu(Tensor x, Tensor cos, Tensor sin, bool interleaved) {
   const RotateGeometry g = check_apply(x, cos, sin, interleaved, kInverse,
                                        kInverse ? "rope.apply_backward" : "rope.apply",
                                        kInverse ? "grad" : "x");
-  Tensor out = torch::stable::new_empty(x, x.sizes());
+  Tensor out = new_contiguous(x, x.sizes());
   run_rotate_new(job_for(g, x, out.mutable_data_ptr(), cos, sin, nbytes(out)), out,
                  x.scalar_type());
   return out;
@@ -158,7 +159,7 @@ Tensor apply_positions_cpu(Tensor x, Tensor positions, Tensor cos, Tensor sin, b
   const RotateGeometry g =
       check_positions_op(x, std::nullopt, positions, tables, interleaved, inverse, false, op, "x");
   check_positions_in_range(positions, g.table.rows, op, "cos.size(0)");
-  Tensor out = torch::stable::new_empty(x, x.sizes());
+  Tensor out = new_contiguous(x, x.sizes());
   RotateJob job = job_for(g, x, out.mutable_data_ptr(), cos, sin, nbytes(out));
   job.positions = positions.const_data_ptr();
   run_rotate_new(job, out, x.scalar_type());

@@ -10,6 +10,7 @@
 #include <tuple>
 #include <vector>
 
+#include "../alloc.h"
 #include "../qk_norm_checks.h"
 #include "qk_norm_rope_thread.h"
 #include "rope_cuda_host.h"
@@ -88,8 +89,8 @@ std::tuple<Tensor, Tensor> qk_norm_rope_host(const Tensor& query, const Tensor& 
     geoms = check_qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps, interleaved);
   }
   const Tensor wq = norm_weight_for(q_weight, xt), wk = norm_weight_for(k_weight, xt);
-  Tensor oq = torch::stable::new_empty(query, query.sizes());
-  Tensor ok = torch::stable::new_empty(key, key.sizes());
+  Tensor oq = new_contiguous(query, query.sizes());
+  Tensor ok = new_contiguous(key, key.sizes());
   const RotateGeometry* gs[2] = {&geoms.first, &geoms.second};
   const Tensor* in[2] = {&query, &key};
   Tensor* out[2] = {&oq, &ok};

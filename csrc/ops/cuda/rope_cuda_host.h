@@ -15,6 +15,7 @@
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/core/Dispatch.h>
 
+#include "../alloc.h"
 #include "../checks.h"
 #include "launch_plan.h"
 #include "rope_cuda_thread.h"
@@ -189,7 +190,7 @@ Tensor apply_host(const Tensor& x, const Tensor& cos_in, const Tensor& sin_in, b
         return out_in ? check_apply_out(x, c, s, *out_in, interleaved)
                       : check_apply(x, c, s, interleaved, inverse, op, x_name);
       });
-  Tensor out = out_in ? *out_in : torch::stable::new_empty(x, x.sizes());
+  Tensor out = out_in ? *out_in : new_contiguous(x, x.sizes());
   t.src[0] = &x;
   t.dst[0] = &out;
   run_rotate(g, t, x.scalar_type(), run, max_blocks);
@@ -238,7 +239,7 @@ Tensor apply_positions_host(const Tensor& x, const Tensor& positions, const Tens
         return check_positions_op(x, std::nullopt, positions, tables, interleaved, inverse, false,
                                   "rope.apply_positions", "x");
       });
-  Tensor out = torch::stable::new_empty(x, x.sizes());
+  Tensor out = new_contiguous(x, x.sizes());
   t.src[0] = &x;
   t.dst[0] = &out;
   t.positions = &positions;
