@@ -8,7 +8,7 @@ import torch
 
 from ._registrations import check_not_inference
 
-ops = torch.ops.rope
+from ._call import ops  # noqa: E402  (torch.ops.rope, without autograd where none is needed)
 
 _INT64 = (-(2**63), 2**63 - 1)
 

@@ -8,7 +8,7 @@ from . import _library, reference
 from ._args import check_int
 from ._registrations import OUT_NOT_DIFFERENTIABLE, check_not_inference, tangent_aware
 
-ops = torch.ops.rope
+from ._call import ops  # noqa: E402  (torch.ops.rope, without autograd where none is needed)
 
 
 def _op_call(name, *args, **kwargs):

@@ -23,7 +23,7 @@ from torch.autograd import forward_ad
 from ._registrations import tangent_aware
 from .ops import _op_call, heads
 
-ops = torch.ops.rope
+from ._call import ops  # noqa: E402  (torch.ops.rope, without autograd where none is needed)
 
 __all__ = ["qk_norm_rope", "qk_norm_rope_", "qk_norm_rope_and_cache_", "qkv_norm_rope_",
            "half_tables"]

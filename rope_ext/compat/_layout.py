@@ -13,7 +13,7 @@ import torch
 from .._args import check_int  # noqa: F401  (re-exported for the drop-ins)
 from ..ops import check_head_size, heads  # noqa: F401
 
-ops = torch.ops.rope
+from .._call import ops  # noqa: E402  (torch.ops.rope, without autograd where none is needed)
 
 
 def check_index_tensor(t, name, shape=None):

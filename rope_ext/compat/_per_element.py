@@ -14,7 +14,7 @@ import torch
 
 from ._layout import float32_table, join_members, pair_members
 
-ops = torch.ops.rope
+from .._call import ops  # noqa: E402  (torch.ops.rope, without autograd where none is needed)
 
 
 def _pass(x, angles, interleaved):

@@ -21,7 +21,7 @@ from .._registrations import check_not_inference
 from ..ops import varlen_positions
 from ._layout import check_int, float32_table, rotate_pairs
 
-ops = torch.ops.rope
+from .._call import ops  # noqa: E402  (torch.ops.rope, without autograd where none is needed)
 
 
 def _tables(cos, sin):

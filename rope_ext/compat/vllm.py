@@ -7,9 +7,10 @@
 
 import torch
 
+from .._call import ops
 from ._layout import check_head_size, heads
 
-_apply_ = torch.ops.rope.apply_.default
+_apply_ = ops.apply_  # torch.ops.rope.apply_, without autograd where none is needed
 
 
 def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, rope_dim_offset=0,

@@ -31,6 +31,7 @@ import torch
 from torch.nn.modules import module as _module_hooks
 
 from .. import qk_norm as _api
+from .._call import without_autograd_if_unneeded
 from ..compat import transformers as hf
 
 FUSED_NAME = "_rope_ext_qk_norm_rope"
@@ -598,8 +599,9 @@ def norm_rope_one_call(module, norm_name, x, cos, sin, position_ids=None, unsque
     return fused_op(x, none, weight, weight, cos, sin, eps, unit_offset, False)[0]
 
 
-# The op qk_norm_rope_call runs (looked up at each call: tests count its calls through it).
-fused_op = torch.ops.rope.qk_norm_rope.default
+# The op qk_norm_rope_call runs (looked up at each call: tests count its calls through it),
+# without autograd when nothing needs it (rope_ext/_call.py).
+fused_op = without_autograd_if_unneeded(torch.ops.rope.qk_norm_rope.default)
 
 
 # Each kind of fusion: the name the rewritten forward calls, and what it calls.

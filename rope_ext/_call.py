@@ -1,0 +1,55 @@
+"""How the public functions call the ops: `ops.<name>(...)` is torch.ops.rope.<name>(...), but
+in grad mode with no argument requiring grad, the call runs with grad mode off.
+
+Why: with grad mode on, a call reaches the op's Autograd kernel, which is Python (torch.library's
+autograd path; the stable ABI has no requires_grad getter, so the C++ router cannot look), only
+to find that nothing requires grad and redispatch: about 8 us, several times a decode-sized
+kernel. With grad mode off the C++ router sends the call straight to the kernel, torch's in-place
+bookkeeping (version counters, inference-tensor errors) included. Results, errors and what is
+recorded are the same: an op none of whose inputs requires grad records nothing either way.
+
+Under torch.compile the op is traced as it is (the graph decides grad mode itself); a forward-AD
+dual level takes the public functions' own path (_registrations.tangent_aware) before this.
+"""
+
+import torch
+
+_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
+_any_requires_grad = torch._C._any_requires_grad  # tensors, and tensors in lists, at C speed
+_compiling = torch.compiler.is_compiling
+
+
+def without_autograd_if_unneeded(op):
+    """op (an OpOverload or packet) as a function that switches grad mode off around calls whose
+    arguments need no gradient."""
+
+    def call(*args, **kwargs):
+        if _grad_enabled() and not _compiling() and not _any_requires_grad(*args, **kwargs):
+            _set_grad_enabled(False)
+            try:
+                return op(*args, **kwargs)
+            finally:
+                _set_grad_enabled(True)
+        return op(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = f"rope.{op.__name__}"
+    call.op = op
+    return call
+
+
+class _Ops:
+    """torch.ops.rope with each op's default overload wrapped by without_autograd_if_unneeded
+    (built on first use); other overloads as attributes of the wrapper (`ops.apply.out`)."""
+
+    def __getattr__(self, name):
+        packet = getattr(torch.ops.rope, name)
+        fn = without_autograd_if_unneeded(packet.default)
+        for overload in packet.overloads():
+            if overload != "default":
+                setattr(fn, overload, without_autograd_if_unneeded(getattr(packet, overload)))
+        setattr(self, name, fn)
+        return fn
+
+
+ops = _Ops()
