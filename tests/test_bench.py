@@ -18,6 +18,7 @@ if not os.path.isfile(os.path.join(ROOT, "bench", "bench.py")):
     pytest.skip("no bench/ in this tree (not a source checkout)", allow_module_level=True)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
+import rope_ext  # noqa: E402
 from rope_bench import cases, dropins, report  # noqa: E402
 from rope_bench.rows import OPS, limit_rows, op_rows  # noqa: E402
 
@@ -29,14 +30,20 @@ def _run(*args, timeout=600):
                           text=True, timeout=timeout)
 
 
+# One results file per CPU kernel variant: the stem names the variant that served.
+VARIANT = f"-{rope_ext.cpu_isa()}" if rope_ext.backend("cpu") == "native" else ""
+QUICK_STEM = f"cpu{VARIANT}-quick"
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     r = _run("--device", "cpu", "--quick", "--dtypes", "float32", "--out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
-    with open(out / "cpu-quick.json") as f:
+    stem = QUICK_STEM
+    with open(out / f"{stem}.json") as f:
         doc = json.load(f)
-    return doc, (out / "cpu-quick.md").read_text(), r.stdout, out
+    return doc, (out / f"{stem}.md").read_text(), r.stdout, out
 
 
 def test_quick_run_times_every_row_of_every_op(quick):
@@ -89,7 +96,7 @@ def test_quick_run_prints_and_writes_the_tables(quick):
         has_mpl = True
     except ImportError:
         has_mpl = False
-    assert os.path.exists(out / "cpu-quick.png") == has_mpl
+    assert os.path.exists(out / f"{QUICK_STEM}.png") == has_mpl
 
 
 def test_summary_ratios_follow_the_medians():
@@ -253,8 +260,8 @@ def test_quick_run_of_the_case_groups_writes_their_tables(tmp_path):
     run = _run("--quick", "--cases", "calls,dropins,models", "--dtypes", "float32", "--threads", "1",
                "--clock", "thread", "--out", str(tmp_path))
     assert run.returncode == 0, run.stdout + run.stderr
-    doc = json.loads((tmp_path / "cpu-calls-dropins-models-quick.json").read_text())
-    md = (tmp_path / "cpu-calls-dropins-models-quick.md").read_text()
+    doc = json.loads((tmp_path / f"cpu{VARIANT}-calls-dropins-models-quick.json").read_text())
+    md = (tmp_path / f"cpu{VARIANT}-calls-dropins-models-quick.md").read_text()
     assert doc["results"] == [] and doc["errors"] == [], doc["errors"]
     assert doc["meta"]["timing"].startswith("time.thread_time")
     assert list(doc["groups"]) == ["calls", "dropins", "models"]
@@ -278,3 +285,22 @@ def test_quick_run_of_the_case_groups_writes_their_tables(tmp_path):
 def test_thread_clock_needs_one_thread():
     r = _run("--clock", "thread", "--threads", "2", "--cases", "calls", timeout=120)
     assert r.returncode == 2 and "--clock thread times the calling thread only" in r.stderr
+
+
+def test_cpu_isa_option_chooses_the_variant_and_names_the_files(capsys):
+    from rope_bench import cli
+
+    if rope_ext.backend("cpu") != "native":
+        pytest.skip("no native CPU library")
+    serving = rope_ext.cpu_isa()
+    try:
+        _, args = cli.parse(["--device", "cpu", "--quick", "--cpu-isa", "baseline"])
+        assert rope_ext.cpu_isa() == "baseline" and args.stem == "cpu-baseline-quick"
+        assert cli.meta_for(args)["cpu_isa"] == "baseline"
+        with pytest.raises(SystemExit):
+            cli.parse(["--device", "cpu", "--cpu-isa", "sse9"])
+        assert "--cpu-isa: this CPU runs baseline" in capsys.readouterr().err
+    finally:
+        rope_ext.set_cpu_isa(serving)
+    _, args = cli.parse(["--device", "cpu"])
+    assert args.stem == f"cpu-{serving}"

@@ -90,8 +90,12 @@ def parse(argv):
     p.add_argument("--quick", action="store_true", help="one tiny case, few repeats (a smoke run)")
     p.add_argument("--out", default=None, help="output directory (default: bench/results/; a "
                    "temporary directory for --quick)")
-    p.add_argument("--stem", default=None, help="file names STEM.json/.md/.png (default: the device,"
-                   " -quick appended for --quick)")
+    p.add_argument("--stem", default=None, help="file names STEM.json/.md/.png (default: the device"
+                   " and, on cpu, the kernel variant that served, e.g. cpu-avx2; -quick appended "
+                   "for --quick): one results file per CPU variant")
+    p.add_argument("--cpu-isa", default=None, help="cpu: the kernel variant to time (rope_ext."
+                   "cpu_isas(): baseline, avx2, avx512, avx512_bf16, as this CPU has them; "
+                   "default: the best it has)")
     group_mods = groups.discover()
     p.add_argument("--cases", default=None, help="comma-separated; cpu: decode,cache,mid,prefill"
                    " (default), fresh; cuda: decode-1,decode-16,decode-64,prefill,long; and case "
@@ -133,7 +137,14 @@ def parse(argv):
     args.min_block_s = (args.min_block_ms or (2 if args.quick else 5 if args.device == "cuda" else 20)) / 1e3
     # Groups run alone write beside the shape cases' results, not over them.
     alone = "-" + "-".join(args.group_list) if args.group_list and not args.case_table else ""
-    args.stem = args.stem or args.device + alone + ("-quick" if args.quick else "")
+    if args.cpu_isa is not None:
+        if args.device != "cpu" or rope_ext.backend("cpu") != "native":
+            p.error("--cpu-isa: chooses among the native CPU kernels (--device cpu)")
+        if args.cpu_isa not in rope_ext.cpu_isas():
+            p.error(f"--cpu-isa: this CPU runs {', '.join(rope_ext.cpu_isas())}; got {args.cpu_isa}")
+        rope_ext.set_cpu_isa(args.cpu_isa)
+    variant = f"-{rope_ext.cpu_isa()}" if args.device == "cpu" and rope_ext.backend("cpu") == "native" else ""
+    args.stem = args.stem or args.device + variant + alone + ("-quick" if args.quick else "")
     if args.out is None:  # a smoke run leaves nothing among the committed results
         args.out = (os.path.join(tempfile.gettempdir(), "rope_bench") if args.quick else RESULTS)
     return p, args

@@ -1,7 +1,7 @@
 """Bandwidth against size, one panel per dtype: the two copy limits and each rope_ext op.
 
 Needs only matplotlib and the JSON the benchmark writes, so it also runs on its own:
-    python bench/rope_bench/plot.py bench/results/cpu.json bench/results/cpu.png
+    python bench/rope_bench/plot.py bench/results/cpu-avx2.json bench/results/cpu-avx2.png
 """
 
 import json
