@@ -42,14 +42,27 @@ def pytest_addoption(parser):
     parser.addoption("--fuzz-seed", type=int, default=None, help="replay test_fuzz.py from this seed")
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """The CUDA codegen tests run last: their compiles run in the background meanwhile."""
+    items.sort(key=lambda item: item.module.__name__ == "test_cuda_codegen")  # a stable sort
+
+
 def pytest_collection_finish(session):
-    """The JIT build tests/test_jit.py checks starts now, in the background (see
-    test_jit.start_first_build), when that test is among those to run."""
+    """Background work starts now, when the tests that need it are among those to run: the JIT
+    build tests/test_jit.py checks (test_jit.start_first_build) and the CUDA sources' PTX that
+    tests/test_cuda_codegen.py reads (test_cuda_codegen.start_compiles)."""
+    if session.config.option.collectonly:
+        return
+    jit = codegen = None
     for item in session.items:
         if item.name == "test_jit_build_serves_the_ops_and_is_cached":
-            if item.module.SOURCE_CHECKOUT and not session.config.option.collectonly:
-                session.config._rope_ext_jit_build = item.module.start_first_build()
-            return
+            jit = item.module
+        elif item.module.__name__ == "test_cuda_codegen":
+            codegen = item.module
+    if jit is not None and jit.SOURCE_CHECKOUT:
+        session.config._rope_ext_jit_build = jit.start_first_build()
+    if codegen is not None and not codegen._started:
+        codegen._started.append(codegen.start_compiles())
 
 
 def pytest_sessionfinish(session):

@@ -3,10 +3,14 @@
 aligned vectors with 128-bit global loads and stores. Needs the CUDA toolkit's nvcc and ptxas
 (skipped where they are missing)."""
 
+import atexit
 import os
+import pathlib
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -31,11 +35,11 @@ def torch_include():
     return ext.include_paths()[0]
 
 
-def _compile(arch, src, out):
+def _compile(arch, src, out, include):
     """(PTX text, ptxas -v report) of one source for one arch, with the library's own flags."""
     ptx = out / f"{os.path.basename(src)}.sm{arch}.ptx"
     cmd = [NVCC, "-ptx", f"-arch=compute_{arch}", *build_config.nvcc_flags(),
-           *[f"-I{d}" for d in build_config.include_dirs()], f"-I{torch_include()}",
+           *[f"-I{d}" for d in build_config.include_dirs()], f"-I{include}",
            os.path.join(ROOT, src), "-o", str(ptx)]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     r = subprocess.run([PTXAS, f"-arch=sm_{arch}", "-O3", "-v", str(ptx), "-o",
@@ -43,16 +47,33 @@ def _compile(arch, src, out):
     return ptx.read_text(), r.stderr + r.stdout
 
 
-@pytest.fixture(scope="module")
-def every_arch(tmp_path_factory):
-    """arch -> (PTX text, ptxas -v report) of the CUDA library's sources, every (arch, source)
-    compiled at once on all cores (each is one single-threaded nvcc and ptxas run)."""
-    out = tmp_path_factory.mktemp("ptx")
+def start_compiles():
+    """Every (arch, source) of the CUDA library (the host files, .cpp, hold no kernel) handed to
+    a background nvcc + ptxas job, started by conftest.py when the run has collected these tests
+    (which it runs last): the compiles, about a minute of CPU, run on one core while the rest of
+    the suite mostly keeps the other busy. None where the toolkit is missing."""
+    if not (HOME and os.path.isfile(NVCC) and os.path.isfile(PTXAS)):
+        return None
+    out = pathlib.Path(tempfile.mkdtemp(prefix="rope_ptx_"))
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
     _, _, sources = build_config.library("cuda")
-    # (the host files, .cpp, hold no kernel)
     jobs = [(arch, src) for arch in ARCHS for src in sources if src.endswith(".cu")]
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        results = list(pool.map(lambda job: _compile(*job, out), jobs))
+    include = torch_include()  # imported here, not in a worker thread
+    pool = ThreadPoolExecutor(max_workers=1)
+    atexit.register(pool.shutdown, wait=False, cancel_futures=True)
+    return jobs, [pool.submit(_compile, arch, src, out, include) for arch, src in jobs]
+
+
+_started = []  # the jobs conftest.py started, if it did
+
+
+@pytest.fixture(scope="module")
+def every_arch():
+    """arch -> (PTX text, ptxas -v report) of the CUDA library's sources."""
+    if not _started:  # (this file run without conftest.py's hook)
+        _started.append(start_compiles())
+    jobs, futures = _started[0]
+    results = [f.result() for f in futures]
     return {arch: ("".join(p for (a, _), (p, _) in zip(jobs, results) if a == arch),
                    "\n".join(r for (a, _), (_, r) in zip(jobs, results) if a == arch))
             for arch in ARCHS}

@@ -145,11 +145,14 @@ def test_gradients_match_te_autograd(fmt, interleaved, kind, cp_size):
 def test_gradcheck(fmt, interleaved, kind):
     t, freqs, kw = case(fmt, torch.float64, interleaved, D - 8, kind, 2, True)
     x, f = t[..., :2, :].clone().requires_grad_(), freqs.double().requires_grad_()
+    # fast_mode: the Jacobians compared along random directions (each wrong entry shows, with
+    # probability 1), not column by column: a few hundred fewer calls of the Python drop-in.
     for rank in range(2):
         assert torch.autograd.gradcheck(
-            lambda a, b: te.apply_rotary_pos_emb(a, b, cp_rank=rank, **kw), (x, f))
+            lambda a, b: te.apply_rotary_pos_emb(a, b, cp_rank=rank, **kw), (x, f), fast_mode=True)
         assert torch.autograd.gradcheck(  # t alone: the single-pass path for equal members
-            lambda a: te.apply_rotary_pos_emb(a, f.detach(), cp_rank=rank, **kw), (x,))
+            lambda a: te.apply_rotary_pos_emb(a, f.detach(), cp_rank=rank, **kw), (x,),
+            fast_mode=True)
 
 
 def rope_calls(fn):
