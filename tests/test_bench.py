@@ -304,3 +304,21 @@ def test_cpu_isa_option_chooses_the_variant_and_names_the_files(capsys):
         rope_ext.set_cpu_isa(serving)
     _, args = cli.parse(["--device", "cpu"])
     assert args.stem == f"cpu-{serving}"
+
+
+def test_compare_puts_result_sets_side_by_side(quick):
+    from rope_bench import compare
+
+    doc, _, _, _ = quick
+    other = json.loads(json.dumps(doc))
+    other["meta"]["cpu_isa"] = "other"
+    for s in other["summary"]:
+        s["median_s"] *= 2
+    table = compare.markdown([doc, other], ops=("apply",))
+    lines = table.splitlines()
+    assert "other (" in lines[0]
+    apply_rows = [s for s in doc["summary"] if s["op"] == "apply"]
+    assert len(lines) == 2 + len(apply_rows)
+    first = apply_rows[0]
+    assert f"{first['median_s'] * 1e6:.1f} / " in lines[2]
+    assert f"{first['median_s'] * 2e6:.1f} / " in lines[2]
