@@ -39,6 +39,15 @@ def check_weights(q_weight, k_weight, head_dim, ref, ref_name, op):
             _fail(f"{op}: {name} must have shape (head_dim,) = ({head_dim},), got {_shape(w)}")
 
 
+def check_weights_disjoint(q_weight, k_weight, written, op):
+    """The weights are read while the written tensors ((name, tensor or None) pairs) are
+    written: no byte may be both."""
+    for wname, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        for tname, t in written:
+            if t is not None:
+                _checks.check_disjoint_bytes(t, tname, w, wname, op)
+
+
 def check_qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps):
     """The out-of-place op: query (..., Hq, D) and key (..., Hk, D) of one dtype with the same
     leading dims; cos/sin (..., rotary_dim/2) broadcast to each as rope.apply takes them."""
@@ -67,6 +76,8 @@ def check_qk_norm_rope_inplace(query, key, q_weight, k_weight, positions, cache,
     if mrope_section is not None:
         section = _checks.check_mrope_sections(mrope_section, half, op, "cos_sin_cache.size(1)/2")
     check_weights(q_weight, k_weight, query.shape[-1], query, "query", op)
+    if memory:
+        check_weights_disjoint(q_weight, k_weight, (("query", query), ("key", key)), op)
     check_eps(eps, op)
     return section
 
@@ -83,13 +94,10 @@ def check_qk_norm_rope_and_cache(query, key, value, positions, cache, q_weight, 
         kv_cache_dtype, k_scale, v_scale, memory, op=OP_CACHE, mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved, value_written=v_norm)
     check_weights(q_weight, k_weight, query.shape[-1], query, "query", OP_CACHE)
-    if memory:  # the weights are read while everything written is written
-        written = (("query", query), ("key", key), ("key_cache", key_cache),
-                   ("value_cache", value_cache), ("value", value if v_norm else None))
-        for wname, w in (("q_weight", q_weight), ("k_weight", k_weight)):
-            for tname, t in written:
-                if t is not None:
-                    _checks.check_disjoint_bytes(t, tname, w, wname, OP_CACHE)
+    if memory:
+        check_weights_disjoint(q_weight, k_weight, (
+            ("query", query), ("key", key), ("key_cache", key_cache),
+            ("value_cache", value_cache), ("value", value if v_norm else None)), OP_CACHE)
     check_eps(eps, OP_CACHE)
     return fmt, section
 

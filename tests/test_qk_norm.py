@@ -355,6 +355,32 @@ def test_native_and_reference_messages_agree():
         assert msgs[0] == msgs[1], change
 
 
+def test_weights_overlapping_what_is_written_are_refused_on_both_paths():
+    # The weights are read while query and key are written: a weight in their memory (a column
+    # of the packed qkv buffer, say) would be read half-overwritten.
+    paths = [ops, reference] if native_cpu() else [reference]
+    for name in ("q_weight", "k_weight"):
+        msgs = []
+        for path in paths:
+            qkv = torch.randn(5, 4 * 16)
+            before = qkv.clone()
+            weights = dict(q_weight=torch.randn(16), k_weight=torch.randn(16))
+            weights[name] = qkv[1, :16]  # inside query's columns
+            with pytest.raises(RuntimeError, match=f"rope.qkv_norm_rope_: {name} and query: ") as e:
+                path.qkv_norm_rope_(qkv, 2, 1, 1, 16, weights["q_weight"], weights["k_weight"],
+                                    torch.randint(0, 10, (5,)), torch.randn(10, 16), 1e-6)
+            assert torch.equal(qkv, before)
+            msgs.append(str(e.value))
+            q, k = torch.randn(4, 2, 16), torch.randn(4, 1, 16)
+            q0, k0 = q.clone(), k.clone()
+            weights[name] = q[2, 1]
+            with pytest.raises(RuntimeError, match=f"rope.qk_norm_rope_: {name} and query: "):
+                path.qk_norm_rope_(q, k, weights["q_weight"], weights["k_weight"],
+                                   torch.tensor([0, 1, 2, 3]), torch.randn(10, 16), 1e-6)
+            assert torch.equal(q, q0) and torch.equal(k, k0)
+        assert len(set(msgs)) == 1, msgs
+
+
 def test_in_place_error_writes_nothing():
     q, k = torch.randn(4, 2, 16), torch.randn(4, 1, 16)
     q0, k0 = q.clone(), k.clone()

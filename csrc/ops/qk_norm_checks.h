@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -35,6 +36,19 @@ inline void check_norm_weights(const Tensor& q_weight, const Tensor& k_weight, i
     check_float(w, op, name);
     ROPE_CHECK(w.dim == 1 && w.sizes[0] == head_dim, op, ": ", name,
                " must have shape (head_dim,) = (", head_dim, ",), got ", shape_str(w));
+  }
+}
+
+// The weights are read while the written tensors are written: no byte may be both.
+inline void check_weights_disjoint(const Tensor& q_weight, const Tensor& k_weight,
+                                   std::initializer_list<std::pair<const char*, const Tensor*>> written,
+                                   const char* op) {
+  const std::pair<const char*, const Tensor*> weights[] = {{"q_weight", &q_weight},
+                                                           {"k_weight", &k_weight}};
+  for (const auto& [wname, w] : weights) {
+    for (const auto& [tname, t] : written) {
+      if (t != nullptr) check_disjoint_bytes(Meta(*t), tname, Meta(*w), wname, op);
+    }
   }
 }
 
@@ -74,6 +88,7 @@ inline RotateGeometry check_qk_norm_rope_inplace(const Tensor& query, const Tens
       TableArgs{&cache, nullptr, nullptr, section, mrope_interleaved}, interleaved, false, true,
       op, "query");
   check_norm_weights(q_weight, k_weight, g.head_dim, Meta(query), "query", op);
+  check_weights_disjoint(q_weight, k_weight, {{"query", &query}, {"key", &key}}, op);
   check_eps(eps, op);
   return g;
 }
@@ -93,17 +108,10 @@ inline CacheGeometry check_qk_norm_rope_and_cache(
       query, key, value, positions, TableArgs{&cache, nullptr, nullptr, section, mrope_interleaved},
       key_cache, value_cache, slots, interleaved, kv_cache_dtype, k_scale, v_scale, v_norm, op);
   check_norm_weights(q_weight, k_weight, cg.rot.head_dim, Meta(query), "query", op);
-  // The weights are read while everything written is written.
-  const std::pair<const char*, const Tensor*> weights[] = {{"q_weight", &q_weight},
-                                                           {"k_weight", &k_weight}};
-  const std::pair<const char*, const Tensor*> written[] = {
-      {"query", &query}, {"key", &key}, {"key_cache", &key_cache}, {"value_cache", &value_cache},
-      {"value", v_norm ? &value : nullptr}};
-  for (const auto& [wname, w] : weights) {
-    for (const auto& [tname, t] : written) {
-      if (t != nullptr) check_disjoint_bytes(Meta(*t), tname, Meta(*w), wname, op);
-    }
-  }
+  check_weights_disjoint(q_weight, k_weight,
+                         {{"query", &query}, {"key", &key}, {"key_cache", &key_cache},
+                          {"value_cache", &value_cache}, {"value", v_norm ? &value : nullptr}},
+                         op);
   check_eps(eps, op);
   return cg;
 }
