@@ -57,10 +57,21 @@ ROPE_HD void load16(const x_t* p, float (&out)[kQuantChunk]) {
   }
 }
 
+// The same bits either way: on the GPU the branchy conversion (the branch-free one costs
+// registers there, and spills), on the CPU (this code's CpuRunner, the simulator) the
+// branch-free one, whose loop the compiler vectorizes.
 ROPE_HD void store16(uint8_t* p, const float (&v)[kQuantChunk], float scale, Fp8Format fmt) {
   Pack<uint8_t, kQuantChunk> pk;
+#ifdef __CUDA_ARCH__
   ROPE_UNROLL
   for (int j = 0; j < kQuantChunk; ++j) pk.v[j] = float_to_fp8(v[j] * scale, fmt);
+#else
+  if (fmt == Fp8Format::kE4M3FN) {
+    for (int j = 0; j < kQuantChunk; ++j) pk.v[j] = float_to_fp8_vec(v[j] * scale, Fp8Format::kE4M3FN);
+  } else {
+    for (int j = 0; j < kQuantChunk; ++j) pk.v[j] = float_to_fp8_vec(v[j] * scale, Fp8Format::kE5M2);
+  }
+#endif
   store_pack<uint8_t, kQuantChunk>(p, pk);
 }
 
