@@ -17,13 +17,11 @@ is rounded once to the input dtype. Values (V) are never touched.
 
 import numbers
 
-import torch
 from torch.autograd import forward_ad
 
+from ._call import ops  # torch.ops.rope, without autograd where none is needed
 from ._registrations import tangent_aware
 from .ops import _op_call, heads
-
-from ._call import ops  # noqa: E402  (torch.ops.rope, without autograd where none is needed)
 
 __all__ = ["qk_norm_rope", "qk_norm_rope_", "qk_norm_rope_and_cache_", "qkv_norm_rope_",
            "half_tables"]

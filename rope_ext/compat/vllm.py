@@ -5,8 +5,6 @@
                          rope_dim_offset=0, inverse=False)
 """
 
-import torch
-
 from .._call import ops
 from ._layout import check_head_size, heads
 
