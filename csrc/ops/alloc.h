@@ -13,11 +13,9 @@
 namespace rope {
 
 // A contiguous tensor of `sizes` (at most 64 dims: every op's tensors are checked to far fewer)
-// with like's device and dtype, or `dtype`.
+// with like's device and dtype.
 inline torch::stable::Tensor new_contiguous(const torch::stable::Tensor& like,
-                                            torch::headeronly::IntHeaderOnlyArrayRef sizes,
-                                            std::optional<torch::headeronly::ScalarType> dtype =
-                                                std::nullopt) {
+                                            torch::headeronly::IntHeaderOnlyArrayRef sizes) {
   constexpr int64_t kMaxDims = 64;
   const int64_t nd = static_cast<int64_t>(sizes.size());
   STD_TORCH_CHECK(nd <= kMaxDims, "rope: an output of ", nd, " dims (at most ", kMaxDims, ")");
@@ -30,11 +28,7 @@ inline torch::stable::Tensor new_contiguous(const torch::stable::Tensor& like,
   int32_t device_type = 0, device_index = 0, dt = 0;
   STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(like.get(), &device_type));
   STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(like.get(), &device_index));
-  if (dtype.has_value()) {
-    dt = torch::stable::detail::to<int32_t>(torch::stable::detail::from(*dtype));
-  } else {
-    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(like.get(), &dt));
-  }
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(like.get(), &dt));
   AtenTensorHandle out = nullptr;
   STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(nd, sizes.data(), strides, dt,
                                                          device_type, device_index, &out));
