@@ -184,3 +184,33 @@ def test_meta_tensors_take_the_shapes_path(mode):
         assert OPS.apply(q, table[:3, None, :8], table[:3, None, 8:]).device.type == "meta"
         with pytest.raises(RuntimeError, match="rope.apply_: "):
             OPS.apply_(q, k, pos[:2], table)
+
+
+@pytest.mark.skipif(not native_cpu(), reason="the native CPU library is not loaded")
+def test_public_functions_in_grad_mode_skip_autograd_when_nothing_requires_grad():
+    # rope_ext/_call.py: grad mode on, no argument requiring grad -> no Python autograd kernel
+    # (the ops' `_grad_` twins), the same results, grad mode on again afterwards, also after an
+    # error; with an argument that requires grad the call is recorded as before.
+    pos = torch.tensor([1, 5, 9])
+    x, cos, sin = torch.randn(3, 4, 16), torch.randn(3, 1, 8), torch.randn(3, 1, 8)
+    q, k = torch.randn(3, 4, 16), torch.randn(3, 2, 16)
+    twins = ("_grad_", "_impl_")
+    frames = python_frames(lambda: (rope_ext.apply_rope(x, cos, sin),
+                                    rope_ext.apply_rope_(q, k, pos, CACHE)))
+    assert not [f for f in frames if "_registrations.py" in f], frames
+    with torch.profiler.profile() as prof:
+        got = rope_ext.apply_rope(x, cos, sin)
+        v = q._version
+        rope_ext.apply_rope_(q, k, pos, CACHE)
+    assert q._version > v  # the in-place bookkeeping still runs
+    names = {e.key for e in prof.key_averages()}
+    assert not {n for n in names if any(t in n for t in twins)}, names
+    assert torch.is_grad_enabled() and not got.requires_grad
+    assert_close(got, rope_ext.reference.apply_rope(x.double(), cos.double(), sin.double()),
+                 torch.float32)
+    with pytest.raises(RuntimeError, match="positions must lie in"):
+        rope_ext.apply_rope_(q, k, torch.tensor([1, 5, 99]), CACHE)
+    assert torch.is_grad_enabled()
+    xg = x.clone().requires_grad_()
+    out = rope_ext.apply_rope(xg, cos, sin)
+    assert out.requires_grad and out.grad_fn is not None
