@@ -25,7 +25,7 @@ from .ops import (  # noqa: E402
     backend,
     varlen_positions,
 )
-from .qk_norm import qk_norm_rope, qk_norm_rope_, qk_norm_rope_and_cache_, qkv_norm_rope_  # noqa: E402
+from .qk_norm import norm_rope, qk_norm_rope, qk_norm_rope_, qk_norm_rope_and_cache_, qkv_norm_rope_  # noqa: E402
 from .tables import cos_sin_cache  # noqa: E402
 from .kv_shift import shift_kv_cache_  # noqa: E402
 
@@ -41,6 +41,7 @@ __all__ = [
     "cpu_isa",
     "cpu_isas",
     "qk_norm_rope",
+    "norm_rope",
     "qk_norm_rope_",
     "qk_norm_rope_and_cache_",
     "qkv_norm_rope_",

@@ -14,6 +14,12 @@ OP_OUT = "rope.qk_norm_rope"
 OP_INPLACE = "rope.qk_norm_rope_"
 OP_PACKED = "rope.qkv_norm_rope_"
 OP_CACHE = "rope.qk_norm_rope_and_cache_"
+OP_FORMS = "rope.norm_rope"
+
+NORM_FORMS = ("rms", "rms_across_heads", "layer")
+# The norm forms other than a weighted per-head RMSNorm run each row through the kernels' stack
+# buffer (csrc/ops/cpu/qk_norm_kernel_api.h kQkNormStackHeadDim).
+MAX_GENERAL_HEAD_DIM = 1024
 
 
 def _eps_str(eps):
@@ -54,6 +60,12 @@ def check_qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps):
     op = OP_OUT
     _checks.check_apply(query, cos, sin, op=op, x_name="query")
     _checks.check_apply(key, cos, sin, op=op, x_name="key")
+    _check_query_key(query, key, op)
+    check_weights(q_weight, k_weight, query.shape[-1], query, "query", op)
+    check_eps(eps, op)
+
+
+def _check_query_key(query, key, op):
     if query.dim() < 2:
         _fail(f"{op}: query must have shape (..., num_heads, head_dim), got {_shape(query)}")
     if key.dtype != query.dtype:
@@ -62,7 +74,47 @@ def check_qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps):
     if key.dim() != query.dim() or key.shape[-1] != query.shape[-1]:
         _fail(f"{op}: key must have shape (..., num_kv_heads, head_dim) with the number of dims "
               f"and head_dim of query {_shape(query)}, got {_shape(key)}")
-    check_weights(q_weight, k_weight, query.shape[-1], query, "query", op)
+
+
+def uses_general_rows(norm, q_weight, k_weight, q_bias, k_bias):
+    """Whether rope.norm_rope runs its rows through the general norm path (anything but a
+    weighted per-head RMSNorm without bias); head_dim is bounded there."""
+    return (norm != "rms" or q_bias is not None or k_bias is not None)
+
+
+def check_norm_rope(query, key, q_weight, k_weight, q_bias, k_bias, cos, sin, eps, norm):
+    """rope.norm_rope: rope.qk_norm_rope's query, key and tables; the norm form; optional
+    weights and biases, (head_dim,) per head or (num_heads * head_dim,) across heads."""
+    op = OP_FORMS
+    if not isinstance(norm, str) or norm not in NORM_FORMS:
+        _fail(f"{op}: norm must be 'rms', 'rms_across_heads' or 'layer', got {norm!r}")
+    _checks.check_apply(query, cos, sin, op=op, x_name="query")
+    _checks.check_apply(key, cos, sin, op=op, x_name="key")
+    _check_query_key(query, key, op)
+    head_dim = query.shape[-1]
+    across = norm == "rms_across_heads"
+    for name, t, x in (("q_weight", q_weight, query), ("k_weight", k_weight, key),
+                       ("q_bias", q_bias, query), ("k_bias", k_bias, key)):
+        if t is None:
+            continue
+        _checks._check_same_device(query, "query", t, op, name)
+        if t.dtype not in _checks.FLOAT_DTYPES:
+            _fail(f"{op}: {name} must be float16, bfloat16, float32 or float64, got "
+                  f"{dtype_name(t.dtype)}")
+        n = x.shape[-2] * head_dim if across else head_dim
+        if t.dim() != 1 or t.shape[0] != n:
+            what = "num_heads * head_dim" if across else "head_dim"
+            shown = n if n < 2**63 else "more than 2^63"
+            _fail(f"{op}: {name} must have shape ({what},) = ({shown},), got {_shape(t)}")
+    if across:
+        for x, name in ((query, "query"), (key, "key")):
+            if any(t.dim() == x.dim() and t.shape[-2] != 1 for t in (cos, sin)):
+                _fail(f"{op}: norm='rms_across_heads' normalizes the heads of a token together, "
+                      f"so cos and sin must be shared by them (size 1 at dim -2 of {name} "
+                      f"{_shape(x)}), got cos {_shape(cos)} and sin {_shape(sin)}")
+    if uses_general_rows(norm, q_weight, k_weight, q_bias, k_bias) and head_dim > MAX_GENERAL_HEAD_DIM:
+        _fail(f"{op}: head_dim must be <= {MAX_GENERAL_HEAD_DIM} for norm={norm!r} or with "
+              f"biases, got {head_dim}")
     check_eps(eps, op)
 
 

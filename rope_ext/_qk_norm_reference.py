@@ -39,6 +39,64 @@ def qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps, unit_offset=Fals
             norm_rope(key, k_weight, cos, sin, eps, unit_offset, interleaved))
 
 
+def norm_forms(x, weight, bias, eps, norm):
+    """rope.norm_rope's norm of x (..., H, D) in the arithmetic type, not rounded: returns
+    (z, n, r): n = (x - mean) * r normalized (mean 0 unless norm == "layer"), r = rsqrt(mean of
+    the squares + eps) over each head (over all heads of a token for "rms_across_heads"), and
+    z = n * weight + bias (weight 1, bias 0 where None)."""
+    acc = _acc_dtype(x.dtype)
+    xf = x.to(acc)
+    dims = (-2, -1) if norm == "rms_across_heads" else (-1,)
+    if norm == "layer":
+        xf = xf - xf.mean(dims, keepdim=True)
+    r = torch.rsqrt(xf.square().mean(dims, keepdim=True) + eps)
+    n = xf * r
+    z = n
+    if weight is not None:
+        z = z * weight.to(acc).reshape(x.shape[-2:] if norm == "rms_across_heads" else x.shape[-1:])
+    if bias is not None:
+        z = z + bias.to(acc).reshape(x.shape[-2:] if norm == "rms_across_heads" else x.shape[-1:])
+    return z, n, r
+
+
+def norm_rope(query, key, q_weight, k_weight, q_bias, k_bias, cos, sin, eps, norm="rms",
+              interleaved=False):
+    """rope.norm_rope: each of query and key normalized (norm_forms), rotated, rounded once."""
+    checks.check_norm_rope(query, key, q_weight, k_weight, q_bias, k_bias, cos, sin, eps, norm)
+    out = []
+    for x, w, b in ((query, q_weight, q_bias), (key, k_weight, k_bias)):
+        z = norm_forms(x, w, b, eps, norm)[0]
+        out.append(reference._rotate(z, cos, sin, interleaved, inverse=False).to(x.dtype))
+    return tuple(out)
+
+
+def norm_forms_rope_backward(x, weight, bias, grad, cos, sin, eps, norm, interleaved, need):
+    """Gradients (x, weight, bias, cos, sin) of one tensor of rope.norm_rope; need: which of
+    (x, weight, bias, tables) are wanted (None for the others). The inverse rotation of grad,
+    then the norm's backward, in the arithmetic type (docs/qk_norm.md "Backward")."""
+    need_x, need_w, need_b, need_tables = need
+    acc = _acc_dtype(x.dtype)
+    g = torch.ops.rope.apply_backward(grad.to(acc), cos, sin, interleaved)
+    z, n, r = norm_forms(x, weight, bias, eps, norm)
+    across = norm == "rms_across_heads"
+    dims = (-2, -1) if across else (-1,)
+    width = x.shape[-2] * x.shape[-1] if across else x.shape[-1]
+    gx = gw = gb = gc = gs = None
+    if need_w and weight is not None:
+        gw = (g * n).reshape(-1, width).sum(0).to(weight.dtype)
+    if need_b and bias is not None:
+        gb = g.reshape(-1, width).sum(0).to(bias.dtype)
+    if need_x:
+        gn = g if weight is None else g * weight.to(acc).reshape(g.shape[-len(dims):] if across else g.shape[-1:])
+        proj = n * (gn * n).mean(dims, keepdim=True)
+        if norm == "layer":
+            proj = proj + gn.mean(dims, keepdim=True)
+        gx = (r * (gn - proj)).to(x.dtype)
+    if need_tables:
+        gc, gs = reference.table_grads(z, grad, cos, sin, interleaved)
+    return gx, gw, gb, gc, gs
+
+
 def _norm_rope_inplace(query, key, q_weight, k_weight, positions, cache, eps, unit_offset,
                        interleaved, section, mrope_interleaved):
     if query.numel() == 0 and key.numel() == 0:

@@ -26,6 +26,12 @@ def _fake_qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps, unit_offse
     return query.new_empty(query.shape), key.new_empty(key.shape)
 
 
+def _fake_norm_rope(query, key, q_weight, k_weight, q_bias, k_bias, cos, sin, eps, norm="rms",
+                    interleaved=False):
+    checks.check_norm_rope(query, key, q_weight, k_weight, q_bias, k_bias, cos, sin, eps, norm)
+    return query.new_empty(query.shape), key.new_empty(key.shape)
+
+
 def _fake_qk_norm_rope_(query, key, q_weight, k_weight, positions, cos_sin_cache, eps,
                         unit_offset=False, interleaved=False, mrope_section=None,
                         mrope_interleaved=False):
@@ -79,6 +85,35 @@ def _backward(ctx, grad_q, grad_k):
     return tuple(grads)
 
 
+# ---- autograd of rope.norm_rope ----
+
+def _setup_forms(ctx, inputs, output):
+    (query, key, q_weight, k_weight, q_bias, k_bias, cos, sin, eps, norm,
+     interleaved) = base._with_defaults(inputs, (None,) * 9 + ("rms", False))
+    ctx.args = (eps, norm, interleaved)
+    ctx.save_for_backward(query, key, q_weight, k_weight, q_bias, k_bias, cos, sin)
+
+
+def _backward_forms(ctx, grad_q, grad_k):
+    query, key, q_weight, k_weight, q_bias, k_bias, cos, sin = ctx.saved_tensors
+    eps, norm, interleaved = ctx.args
+    need = ctx.needs_input_grad
+    tables = need[6] or need[7]
+    grads = [None] * 11
+    for i, (x, w, b, g) in enumerate(((query, q_weight, q_bias, grad_q),
+                                      (key, k_weight, k_bias, grad_k))):
+        wanted = (need[i], need[2 + i], need[4 + i], tables)
+        if g is None or not any(wanted):
+            continue
+        gx, gw, gb, gc, gs = ref.norm_forms_rope_backward(x, w, b, g, cos, sin, eps, norm,
+                                                          interleaved, wanted)
+        grads[i], grads[2 + i], grads[4 + i] = gx, gw, gb
+        if tables:
+            grads[6] = gc if grads[6] is None else grads[6] + gc
+            grads[7] = gs if grads[7] is None else grads[7] + gs
+    return tuple(grads)
+
+
 # ---- the in-place ops under autograd ----
 
 def _autograd_qk_norm_rope_(keyset, query, key, q_weight, k_weight, positions, cos_sin_cache,
@@ -122,6 +157,7 @@ def ops_table(op_type):
     """These ops' entries of rope_ext._registrations.OPS (op_type: its Op)."""
     return {
         "qk_norm_rope": op_type(ref.qk_norm_rope, _fake_qk_norm_rope, (_backward, _setup)),
+        "norm_rope": op_type(ref.norm_rope, _fake_norm_rope, (_backward_forms, _setup_forms)),
         "qk_norm_rope_": op_type(ref.qk_norm_rope_, _fake_qk_norm_rope_,
                                  mutable_autograd=_autograd_qk_norm_rope_, differentiable=False),
         "qkv_norm_rope_": op_type(ref.qkv_norm_rope_, _fake_qkv_norm_rope_,

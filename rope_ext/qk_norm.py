@@ -9,6 +9,9 @@ is rounded once to the input dtype. Values (V) are never touched.
 - qk_norm_rope: out-of-place and differentiable (w.r.t. query, key, both weights and the
   tables), taking cos/sin as transformers' rotary embedding returns them; for training and
   model patching.
+- norm_rope: the same for the norms of image/video (DiT) attention: RMSNorm per head or
+  across the heads of a token (Wan, LTX-Video), LayerNorm per head (CogVideoX, CogView4), with
+  optional weights and biases; out of place, differentiable (w.r.t. the biases too).
 - qk_norm_rope_ / qkv_norm_rope_: in place on separate query/key or on a packed qkv buffer
   (vLLM's layout), positions gathered from a cos_sin_cache; for serving, not differentiable.
 - qk_norm_rope_and_cache_: the whole serving attention prologue in one op call: qk_norm_rope_,
@@ -23,7 +26,7 @@ from ._call import ops  # torch.ops.rope, without autograd where none is needed
 from ._registrations import tangent_aware
 from .ops import _op_call, heads
 
-__all__ = ["qk_norm_rope", "qk_norm_rope_", "qk_norm_rope_and_cache_", "qkv_norm_rope_",
+__all__ = ["qk_norm_rope", "norm_rope", "qk_norm_rope_", "qk_norm_rope_and_cache_", "qkv_norm_rope_",
            "half_tables"]
 
 TABLE_WIDTHS = ("full", "half")
@@ -88,6 +91,45 @@ def qk_norm_rope(query, key, q_weight, k_weight, cos, sin, *, eps=1e-6, unit_off
                              unit_offset, interleaved)
     return ops.qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps, unit_offset,
                             interleaved)
+
+
+def norm_rope(query, key, q_weight, k_weight, cos, sin, *, q_bias=None, k_bias=None, eps=1e-6,
+              norm="rms", interleaved=False, head_first=False, table_width="full"):
+    """Normalized and rotated copies (q, k) of query and key, for the norm forms of image and
+    video diffusion transformers. Out of place, differentiable w.r.t. query, key, the weights,
+    the biases and the tables.
+
+    norm: "rms": each head RMS-normalized over head_dim, x * rsqrt(mean(x^2) + eps) (FLUX,
+        HunyuanVideo, Qwen-Image, Lumina, Mochi); "rms_across_heads": over all heads of a token
+        at once (Wan, LTX-Video: an RMSNorm of the (heads * head_dim) projection before the
+        unflatten; the tables must be shared by the heads); "layer": each head's LayerNorm,
+        (x - mean) * rsqrt(var + eps) (CogVideoX, CogView4). Math in float32 (float64 for
+        float64 inputs).
+    q_weight, k_weight, q_bias, k_bias: then times weight, plus bias; None: no weight (1) or no
+        bias (0). (head_dim,), or (heads * head_dim,) for "rms_across_heads" (the tensor's own
+        number of heads).
+    query, key, cos, sin, interleaved, head_first, table_width: as qk_norm_rope (with
+    head_first=True, "rms_across_heads" normalizes dim -3 and -1 together: the heads of x
+    (batch, heads, seq, head_dim)). Returns (q, k) of query's and key's shapes and dtype.
+    """
+    if table_width not in TABLE_WIDTHS:
+        raise ValueError(f"table_width must be 'full' or 'half', got {table_width!r}")
+    if table_width == "full":
+        cos, sin = half_tables(cos, sin, interleaved=interleaved, head_first=head_first,
+                               ndim=query.dim())
+    if head_first and norm == "rms_across_heads":
+        # the heads as dim -2, where the op normalizes them together (views, no copy)
+        def t(x):
+            return x.transpose(-3, -2) if x.dim() == query.dim() else x  # (or one table row)
+
+        q, k = norm_rope(t(query), t(key), q_weight, k_weight, t(cos), t(sin), q_bias=q_bias,
+                         k_bias=k_bias, eps=eps, norm=norm, interleaved=interleaved,
+                         table_width="half")
+        return q.transpose(-3, -2), k.transpose(-3, -2)
+    args = (query, key, q_weight, k_weight, q_bias, k_bias, cos, sin, eps, norm, interleaved)
+    if forward_ad._current_level >= 0:  # a dual level is open (torch.func.jvp, forward_ad)
+        return tangent_aware("norm_rope", *args)
+    return ops.norm_rope(*args)
 
 
 def _section(mrope_section):

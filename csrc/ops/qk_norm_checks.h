@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <initializer_list>
 #include <optional>
+#include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -20,6 +22,10 @@ constexpr const char* kQkNormOp = "rope.qk_norm_rope";
 constexpr const char* kQkNormInplaceOp = "rope.qk_norm_rope_";
 constexpr const char* kQkvNormOp = "rope.qkv_norm_rope_";
 constexpr const char* kQkNormCacheOp = "rope.qk_norm_rope_and_cache_";
+constexpr const char* kNormFormsOp = "rope.norm_rope";
+// rope.norm_rope's general rows (any form but kRms, or biases) go through the kernels' stack
+// buffer: head_dim at most this (rope_ext/_qk_norm_checks.py MAX_GENERAL_HEAD_DIM).
+constexpr int64_t kMaxGeneralHeadDim = 1024;
 
 // Spelled as Python's format(eps, "g") (a stream's default), so messages match the Python paths.
 inline void check_eps(double eps, const char* op) {
@@ -52,6 +58,18 @@ inline void check_weights_disjoint(const Tensor& q_weight, const Tensor& k_weigh
   }
 }
 
+// query (..., Hq, D) and key (..., Hk, D): one dtype, number of dims and head_dim.
+inline void check_query_key(const Meta& q, const Meta& k, const char* op) {
+  ROPE_CHECK(q.dim >= 2, op, ": query must have shape (..., num_heads, head_dim), got ",
+             shape_str(q));
+  ROPE_CHECK(k.dtype == q.dtype, op, ": key must have the dtype of query (", dtype_str(q.dtype),
+             "), got ", dtype_str(k.dtype));
+  ROPE_CHECK(k.dim == q.dim && k.size(-1) == q.size(-1), op,
+             ": key must have shape (..., num_kv_heads, head_dim) with the number of dims and "
+             "head_dim of query ",
+             shape_str(q), ", got ", shape_str(k));
+}
+
 // rope.qk_norm_rope: query (..., Hq, D) and key (..., Hk, D) of one dtype and number of dims;
 // cos/sin broadcast to each as rope.apply takes them. One geometry per tensor (each may
 // broadcast the tables differently), both writing fresh contiguous outputs.
@@ -62,17 +80,74 @@ inline std::pair<RotateGeometry, RotateGeometry> check_qk_norm_rope(
   RotateGeometry gq = check_apply(query, cos, sin, interleaved, false, op, "query");
   RotateGeometry gk = check_apply(key, cos, sin, interleaved, false, op, "key");
   const Meta q(query), k(key);
-  ROPE_CHECK(q.dim >= 2, op, ": query must have shape (..., num_heads, head_dim), got ",
-             shape_str(q));
-  ROPE_CHECK(k.dtype == q.dtype, op, ": key must have the dtype of query (", dtype_str(q.dtype),
-             "), got ", dtype_str(k.dtype));
-  ROPE_CHECK(k.dim == q.dim && k.size(-1) == q.size(-1), op,
-             ": key must have shape (..., num_kv_heads, head_dim) with the number of dims and "
-             "head_dim of query ",
-             shape_str(q), ", got ", shape_str(k));
+  check_query_key(q, k, op);
   check_norm_weights(q_weight, k_weight, q.size(-1), q, "query", op);
   check_eps(eps, op);
   return {gq, gk};
+}
+
+// rope.norm_rope: rope.qk_norm_rope's query, key and tables (one geometry each), the norm
+// form, optional weights and biases of (head_dim,) or, across heads, (num_heads * head_dim,).
+struct NormRopeCheck {
+  RotateGeometry gq, gk;
+  NormForm form;
+  bool general;  // rows through the general path (kernels' NormJob::general)
+};
+
+inline NormRopeCheck check_norm_rope(const Tensor& query, const Tensor& key,
+                                     const std::optional<Tensor>& q_weight,
+                                     const std::optional<Tensor>& k_weight,
+                                     const std::optional<Tensor>& q_bias,
+                                     const std::optional<Tensor>& k_bias, const Tensor& cos,
+                                     const Tensor& sin, double eps, const std::string& norm,
+                                     bool interleaved) {
+  const char* op = kNormFormsOp;
+  NormRopeCheck r{};
+  if (norm == "rms") {
+    r.form = NormForm::kRms;
+  } else if (norm == "rms_across_heads") {
+    r.form = NormForm::kRmsAcrossHeads;
+  } else if (norm == "layer") {
+    r.form = NormForm::kLayer;
+  } else {
+    fail(op, ": norm must be 'rms', 'rms_across_heads' or 'layer', got '", norm, "'");
+  }
+  r.gq = check_apply(query, cos, sin, interleaved, false, op, "query");
+  r.gk = check_apply(key, cos, sin, interleaved, false, op, "key");
+  const Meta q(query), k(key);
+  check_query_key(q, k, op);
+  const int64_t head_dim = q.size(-1);
+  const bool across = r.form == NormForm::kRmsAcrossHeads;
+  const std::tuple<const char*, const std::optional<Tensor>*, const Meta*> args[] = {
+      {"q_weight", &q_weight, &q}, {"k_weight", &k_weight, &k},
+      {"q_bias", &q_bias, &q}, {"k_bias", &k_bias, &k}};
+  for (const auto& [name, t, x] : args) {
+    if (!t->has_value()) continue;
+    const Meta m(**t);
+    check_same_device(q, "query", m, op, name);
+    check_float(m, op, name);
+    int64_t n = head_dim;
+    const bool fits = !across || mul_fits(x->size(-2), head_dim, n);  // (an empty tensor's)
+    ROPE_CHECK(fits && m.dim == 1 && m.sizes[0] == n, op, ": ", name, " must have shape (",
+               across ? "num_heads * head_dim" : "head_dim", ",) = (",
+               fits ? std::to_string(n) : std::string("more than 2^63"), ",), got ",
+               shape_str(m));
+  }
+  if (across) {
+    const std::pair<const Meta*, const char*> xs[] = {{&q, "query"}, {&k, "key"}};
+    const Meta c(cos), s(sin);
+    for (const auto& [x, name] : xs) {
+      const bool shared = !(c.dim == x->dim && c.size(-2) != 1) && !(s.dim == x->dim && s.size(-2) != 1);
+      ROPE_CHECK(shared, op, ": norm='rms_across_heads' normalizes the heads of a token together, "
+                 "so cos and sin must be shared by them (size 1 at dim -2 of ", name, " ",
+                 shape_str(*x), "), got cos ", shape_str(c), " and sin ", shape_str(s));
+    }
+  }
+  r.general = r.form != NormForm::kRms || q_bias.has_value() || k_bias.has_value();
+  ROPE_CHECK(!r.general || head_dim <= kMaxGeneralHeadDim, op, ": head_dim must be <= ",
+             kMaxGeneralHeadDim, " for norm='", norm, "' or with biases, got ", head_dim);
+  check_eps(eps, op);
+  return r;
 }
 
 // rope.qk_norm_rope_ (and the packed op on its views): check_positions_op in place on query and

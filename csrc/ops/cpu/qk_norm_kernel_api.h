@@ -21,8 +21,12 @@ struct NormJob {
   NormDesc norm;
   const void* src[2];
   void* dst[2];
-  const void* w[2];
+  const void* w[2];  // nullptr: no weight (rope.norm_rope)
   int w_dt[2];
+  // rope.norm_rope's general rows (a form other than kRms, or biases): weights and biases
+  // contiguous in the arithmetic type (the host casts them), or nullptr for none.
+  bool general = false;
+  const void* b[2];
   const void* cos;  // strided: the cos tensor; gathered/MRoPE: the cache's row 0
   const void* sin;
   const void* positions;

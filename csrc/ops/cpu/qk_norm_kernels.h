@@ -414,6 +414,69 @@ __attribute__((noinline)) void load_weights(int dt, const void* w, int64_t ws, i
   });
 }
 
+// ---- rope.norm_rope's general rows: LayerNorm, RMSNorm across heads, biases ----
+// Each row converted into a stack buffer, normalized and scaled there (z = n * w + b), then its
+// pairs rotated by the plain cos and sin of the block and the rest copied: one read and one
+// write of the row, like the RMSNorm paths, with the norm's statistics from the buffer (L1).
+
+template <typename acc>
+inline acc sum_buf(const acc* buf, int64_t n) {
+  acc part[kSumLanes] = {};
+  int64_t j = 0;
+  for (; j + kSumLanes <= n; j += kSumLanes) {
+    for (int l = 0; l < kSumLanes; ++l) part[l] += buf[j + l];
+  }
+  for (int l = 0; j < n; ++j, ++l) part[l] += buf[j];
+  acc s = 0;
+  for (int l = 0; l < kSumLanes; ++l) s += part[l];
+  return s;
+}
+
+// z = (buf * r) * w + b in place (w, b: nullptr for none), the order the reference rounds in.
+template <typename acc>
+inline void scale_row(acc* __restrict__ buf, int64_t n, acc r, const acc* __restrict__ w,
+                      const acc* __restrict__ b) {
+  if (w != nullptr && b != nullptr) {
+    for (int64_t j = 0; j < n; ++j) buf[j] = (buf[j] * r) * w[j] + b[j];
+  } else if (w != nullptr) {
+    for (int64_t j = 0; j < n; ++j) buf[j] = (buf[j] * r) * w[j];
+  } else if (b != nullptr) {
+    for (int64_t j = 0; j < n; ++j) buf[j] = buf[j] * r + b[j];
+  } else {
+    for (int64_t j = 0; j < n; ++j) buf[j] *= r;
+  }
+}
+
+// The pairs [b0, b0 + n) of a normalized row rotated by c and s into dst (stride dl; kUnit: 1).
+template <typename x_t, typename acc, bool kI, bool kUnit>
+inline void rotate_buf(const acc* __restrict__ z, x_t* dst, int64_t dl, int64_t half, int64_t b0,
+                       int64_t n, const acc* __restrict__ c, const acc* __restrict__ s) {
+  if (kUnit) dl = 1;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t p = b0 + i;
+    const int64_t ia = kI ? 2 * p : p, ib = kI ? 2 * p + 1 : p + half;
+    const acc a = z[ia], bb = z[ib];
+    dst[ia * dl] = from_f<x_t>(a * c[i] - bb * s[i]);
+    dst[ib * dl] = from_f<x_t>(bb * c[i] + a * s[i]);
+  }
+}
+
+template <typename x_t, typename acc, bool kUnit>
+inline void store_buf(const acc* z, x_t* dst, int64_t dl, int64_t from, int64_t to) {
+  if (kUnit) dl = 1;
+  for (int64_t j = from; j < to; ++j) dst[j * dl] = from_f<x_t>(z[j]);
+}
+
+// One row's statistic r (and its mean removed from buf, for LayerNorm).
+template <typename acc>
+inline acc row_rstd(acc* buf, int64_t n, NormForm form, acc eps) {
+  if (form == NormForm::kLayer) {
+    const acc mean = sum_buf<acc>(buf, n) / static_cast<acc>(n);
+    for (int64_t j = 0; j < n; ++j) buf[j] -= mean;
+  }
+  return acc(1) / std::sqrt(sum_squares_buf<acc>(buf, n) / static_cast<acc>(n) + eps);
+}
+
 template <typename x_t, bool kI>
 void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
   using acc = opmath_t<x_t>;
@@ -429,7 +492,11 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
   int64_t ws[2];
   for (int k = 0; k < g.targets; ++k) {
     if (D <= kQkNormStackHeadDim) {
-      load_weights<acc>(job.w_dt[k], job.w[k], job.norm.w_stride[k], D, unit, wbuf[k]);
+      if (job.w[k] == nullptr) {  // no weight (rope.norm_rope): the tables unscaled
+        std::fill(wbuf[k], wbuf[k] + D, acc(1) + unit);
+      } else {
+        load_weights<acc>(job.w_dt[k], job.w[k], job.norm.w_stride[k], D, unit, wbuf[k]);
+      }
       w[k] = wbuf[k];
       ws[k] = 1;
     } else {
@@ -539,10 +606,55 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
                    [&](int64_t p) { return weight(k, kI ? 2 * p + 1 : p + half); });
       }
     };
+    // rope.norm_rope's general rows of target k (see row_rstd): runs of `group` heads share
+    // one statistic (all heads of a token across heads, else each head its own).
+    auto general_rows = [&](int k, const TargetDesc& tg, const x_t* src, x_t* dst) {
+      const NormForm form = job.norm.form;
+      const bool across = form == NormForm::kRmsAcrossHeads;
+      const int64_t group = across ? job.norm.group_heads[k] : 1;
+      const acc* wk = static_cast<const acc*>(job.w[k]);
+      const acc* bk = static_cast<const acc*>(job.b[k]);
+      for (int64_t h0 = 0; h0 < tg.heads; h0 += group) {
+        acc r = 0;
+        if (across) {
+          acc ss = 0;
+          for (int64_t h = h0; h < h0 + group; ++h) {
+            ss += sum_squares<x_t, acc>(src + h * tg.src_head, tg.src_last, D);
+          }
+          r = acc(1) / std::sqrt(ss / static_cast<acc>(group * D) + eps);
+        }
+        for (int64_t h = h0; h < h0 + group; ++h) {
+          load_row<x_t, acc>(src + h * tg.src_head, tg.src_last, D, row);
+          if (!across) r = row_rstd<acc>(row, D, form, eps);
+          const int64_t wo = across ? (h - h0) * D : 0;  // this head's weights and biases
+          scale_row<acc>(row, D, r, wk == nullptr ? nullptr : wk + wo,
+                         bk == nullptr ? nullptr : bk + wo);
+          x_t* d = dst + h * tg.dst_head;
+          for (int64_t b0 = 0; b0 < half; b0 += kQkBlockPairs) {
+            const int64_t n = std::min(kQkBlockPairs, half - b0);
+            tables(k, b0, n);  // c and s: the plain cos and sin of the block
+            if (tg.dst_last == 1) {
+              rotate_buf<x_t, acc, kI, true>(row, d, 1, half, b0, n, c, s);
+            } else {
+              rotate_buf<x_t, acc, kI, false>(row, d, tg.dst_last, half, b0, n, c, s);
+            }
+          }
+          if (tg.dst_last == 1) {
+            store_buf<x_t, acc, true>(row, d, 1, 2 * half, D);
+          } else {
+            store_buf<x_t, acc, false>(row, d, tg.dst_last, 2 * half, D);
+          }
+        }
+      }
+    };
     for (int k = 0; k < g.targets; ++k) {
       const TargetDesc& tg = g.target[k];
       const x_t* src = static_cast<const x_t*>(job.src[k]) + off[2 * k];
       x_t* dst = static_cast<x_t*>(job.dst[k]) + off[2 * k + 1];
+      if (job.general) {
+        general_rows(k, tg, src, dst);
+        continue;
+      }
       const bool unit_strides = tg.src_last == 1 && tg.dst_last == 1 && ws[k] == 1;
       // Only half-split rows take the fixed path (fixed_head_dim): the interleaved walk is
       // compiled without it.

@@ -107,6 +107,69 @@ std::tuple<Tensor, Tensor> qk_norm_rope_cpu(Tensor query, Tensor key, Tensor q_w
   return {oq, ok};
 }
 
+// rope.norm_rope's weight or bias for the kernel: the general rows read them contiguous in the
+// arithmetic type (a cast, or none: nullptr); a weighted per-head RMSNorm as rope.qk_norm_rope
+// (with weights of 1 when there is none).
+std::optional<Tensor> form_operand(const std::optional<Tensor>& t, bool general, ScalarType x,
+                                   const Tensor& query, bool weight) {
+  const ScalarType acc = x == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
+  if (!t.has_value()) {
+    if (general || !weight) return std::nullopt;
+    Tensor ones = torch::stable::new_empty(query, {query.size(-1)}, std::optional<ScalarType>(acc));
+    torch::stable::fill_(ones, 1.0);
+    return ones;
+  }
+  if (!general) return norm_weight(*t, x, query.size(-1));
+  if (t->scalar_type() == acc && t->is_contiguous()) return t;
+  return torch::stable::contiguous(torch::stable::to(*t, std::optional<ScalarType>(acc)));
+}
+
+std::tuple<Tensor, Tensor> norm_rope_cpu(Tensor query, Tensor key, std::optional<Tensor> q_weight,
+                                         std::optional<Tensor> k_weight,
+                                         std::optional<Tensor> q_bias,
+                                         std::optional<Tensor> k_bias, Tensor cos, Tensor sin,
+                                         double eps, std::string norm, bool interleaved) {
+  const NormRopeCheck c =
+      check_norm_rope(query, key, q_weight, k_weight, q_bias, k_bias, cos, sin, eps, norm,
+                      interleaved);
+  const ScalarType xt = query.scalar_type();
+  Tensor out[2] = {new_contiguous(query, query.sizes()), new_contiguous(key, key.sizes())};
+  const Tensor* xs[2] = {&query, &key};
+  const std::optional<Tensor>* ws[2] = {&q_weight, &k_weight};
+  const std::optional<Tensor>* bs[2] = {&q_bias, &k_bias};
+  const RotateGeometry* g[2] = {&c.gq, &c.gk};
+  for (int i = 0; i < 2; ++i) {
+    const std::optional<Tensor> w = form_operand(*ws[i], c.general, xt, *xs[i], true);
+    const std::optional<Tensor> b = form_operand(*bs[i], c.general, xt, *xs[i], false);
+    NormJob job{};
+    job.g = g[i];
+    job.norm.eps = eps;
+    job.norm.form = c.form;
+    if (c.form == NormForm::kRmsAcrossHeads && g[i]->tokens > 0) {
+      // The heads of a token are the kernel's rows of one token (the tables are shared by
+      // them), in runs of the tensor's heads where the token walk merged leading dims.
+      const int64_t heads = xs[i]->size(-2);
+      STD_TORCH_CHECK(heads > 0 && g[i]->target[0].heads % heads == 0, kNormFormsOp,
+                      ": internal error: rows of ", g[i]->target[0].heads, " heads per token for ",
+                      heads, " heads");
+      job.norm.group_heads[0] = heads;
+    }
+    job.general = c.general;
+    job.w[0] = w ? w->const_data_ptr() : nullptr;
+    job.w_dt[0] = w ? dt_index(w->scalar_type()) : 0;
+    job.norm.w_stride[0] = w ? w->stride(0) : 1;
+    job.b[0] = b ? b->const_data_ptr() : nullptr;
+    job.x_dt = dt_index(xt);
+    job.table_dt = dt_index(cos.scalar_type());
+    job.src[0] = xs[i]->const_data_ptr();
+    job.dst[0] = out[i].mutable_data_ptr();
+    job.cos = cos.const_data_ptr();
+    job.sin = sin.const_data_ptr();
+    run_norm_rope(job);
+  }
+  return {out[0], out[1]};
+}
+
 // The in-place ops: positions copied if they share memory with what is written (re-checked:
 // the copy's strides), range-checked, then one pass.
 void norm_rope_inplace(const Tensor& query, const Tensor& key, const Tensor* written0,
@@ -203,6 +266,7 @@ void qk_norm_rope_and_cache_cpu(Tensor query, Tensor key, Tensor value, Tensor p
 
 STABLE_TORCH_LIBRARY_IMPL(rope, CPU, m) {
   rope::impl_routed_cpu(m, rope::kQkNormRope, TORCH_BOX(&rope::qk_norm_rope_cpu));
+  m.impl("norm_rope", TORCH_BOX(&rope::norm_rope_cpu));
   rope::impl_routed_cpu(m, rope::kQkNormRopeInplace, TORCH_BOX(&rope::qk_norm_rope_inplace_cpu));
   rope::impl_routed_cpu(m, rope::kQkvNormRopeInplace, TORCH_BOX(&rope::qkv_norm_rope_inplace_cpu));
   rope::impl_routed_cpu(m, rope::kQkNormRopeAndCache,
