@@ -13,21 +13,9 @@ def _acc_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def rms_norm(x, weight, eps, unit_offset):
-    """Per-head RMSNorm of x (..., head_dim) in the arithmetic type, not rounded:
-    x * rsqrt(mean(x^2) + eps) * w, with w = weight (or 1 + weight when unit_offset)."""
-    acc = _acc_dtype(x.dtype)
-    xf = x.to(acc)
-    r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    w = weight.to(acc)
-    if unit_offset:
-        w = w + 1
-    return (xf * r) * w
-
-
-def norm_rope(x, weight, cos, sin, eps, unit_offset, interleaved):
+def rms_norm_rope(x, weight, cos, sin, eps, unit_offset, interleaved):
     """RMSNorm then RoPE of x by cos/sin (..., rotary_dim/2, broadcast), rounded once to x.dtype."""
-    y = rms_norm(x, weight, eps, unit_offset)
+    y = norm_forms(x, weight, None, eps, "rms", unit_offset)[0]
     # reference._rotate computes in y's (arithmetic) dtype and does not round
     return reference._rotate(y, cos, sin, interleaved, inverse=False).to(x.dtype)
 
@@ -35,27 +23,36 @@ def norm_rope(x, weight, cos, sin, eps, unit_offset, interleaved):
 def qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps, unit_offset=False,
                  interleaved=False):
     checks.check_qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps)
-    return (norm_rope(query, q_weight, cos, sin, eps, unit_offset, interleaved),
-            norm_rope(key, k_weight, cos, sin, eps, unit_offset, interleaved))
+    return (rms_norm_rope(query, q_weight, cos, sin, eps, unit_offset, interleaved),
+            rms_norm_rope(key, k_weight, cos, sin, eps, unit_offset, interleaved))
 
 
-def norm_forms(x, weight, bias, eps, norm):
-    """rope.norm_rope's norm of x (..., H, D) in the arithmetic type, not rounded: returns
-    (z, n, r): n = (x - mean) * r normalized (mean 0 unless norm == "layer"), r = rsqrt(mean of
-    the squares + eps) over each head (over all heads of a token for "rms_across_heads"), and
-    z = n * weight + bias (weight 1, bias 0 where None)."""
-    acc = _acc_dtype(x.dtype)
-    xf = x.to(acc)
+def _affine(t, x, norm, unit_offset=False):
+    """A weight or bias (None: None) in the arithmetic type, shaped to scale the rows of x it
+    normalizes: (head_dim,), or (heads, head_dim) across heads; plus 1 with unit_offset."""
+    if t is None:
+        return None
+    t = t.to(_acc_dtype(x.dtype)).reshape(x.shape[-2:] if norm == "rms_across_heads" else x.shape[-1:])
+    return t + 1 if unit_offset else t
+
+
+def norm_forms(x, weight, bias, eps, norm, unit_offset=False):
+    """The norm of x (..., H, D) in the arithmetic type, not rounded: returns (z, n, r):
+    n = (x - mean) * r normalized (mean 0 unless norm == "layer"), r = rsqrt(mean of the squares
+    + eps) over each head (over all heads of a token for "rms_across_heads"), and
+    z = n * w + bias, w = weight (1 + weight with unit_offset; 1 where None; bias 0 where None)."""
+    xf = x.to(_acc_dtype(x.dtype))
     dims = (-2, -1) if norm == "rms_across_heads" else (-1,)
     if norm == "layer":
         xf = xf - xf.mean(dims, keepdim=True)
     r = torch.rsqrt(xf.square().mean(dims, keepdim=True) + eps)
     n = xf * r
     z = n
-    if weight is not None:
-        z = z * weight.to(acc).reshape(x.shape[-2:] if norm == "rms_across_heads" else x.shape[-1:])
-    if bias is not None:
-        z = z + bias.to(acc).reshape(x.shape[-2:] if norm == "rms_across_heads" else x.shape[-1:])
+    w, b = _affine(weight, x, norm, unit_offset), _affine(bias, x, norm)
+    if w is not None:
+        z = z * w
+    if b is not None:
+        z = z + b
     return z, n, r
 
 
@@ -70,14 +67,15 @@ def norm_rope(query, key, q_weight, k_weight, q_bias, k_bias, cos, sin, eps, nor
     return tuple(out)
 
 
-def norm_forms_rope_backward(x, weight, bias, grad, cos, sin, eps, norm, interleaved, need):
-    """Gradients (x, weight, bias, cos, sin) of one tensor of rope.norm_rope; need: which of
+def norm_forms_rope_backward(x, weight, bias, grad, cos, sin, eps, norm, interleaved, need,
+                             unit_offset=False):
+    """Gradients (x, weight, bias, cos, sin) of x's norm_forms then rotation; need: which of
     (x, weight, bias, tables) are wanted (None for the others). The inverse rotation of grad,
     then the norm's backward, in the arithmetic type (docs/qk_norm.md "Backward")."""
     need_x, need_w, need_b, need_tables = need
     acc = _acc_dtype(x.dtype)
     g = torch.ops.rope.apply_backward(grad.to(acc), cos, sin, interleaved)
-    z, n, r = norm_forms(x, weight, bias, eps, norm)
+    z, n, r = norm_forms(x, weight, bias, eps, norm, unit_offset)
     across = norm == "rms_across_heads"
     dims = (-2, -1) if across else (-1,)
     width = x.shape[-2] * x.shape[-1] if across else x.shape[-1]
@@ -87,7 +85,8 @@ def norm_forms_rope_backward(x, weight, bias, grad, cos, sin, eps, norm, interle
     if need_b and bias is not None:
         gb = g.reshape(-1, width).sum(0).to(bias.dtype)
     if need_x:
-        gn = g if weight is None else g * weight.to(acc).reshape(g.shape[-len(dims):] if across else g.shape[-1:])
+        w = _affine(weight, x, norm, unit_offset)
+        gn = g if w is None else g * w
         proj = n * (gn * n).mean(dims, keepdim=True)
         if norm == "layer":
             proj = proj + gn.mean(dims, keepdim=True)
@@ -104,7 +103,7 @@ def _norm_rope_inplace(query, key, q_weight, k_weight, positions, cache, eps, un
     cos, sin = reference.cache_halves(cache)
     c, s = reference.gather_tables(positions, cos, sin, section, mrope_interleaved)
     for t, w in ((query, q_weight), (key, k_weight)):
-        t.copy_(norm_rope(t, w, c, s, eps, unit_offset, interleaved))
+        t.copy_(rms_norm_rope(t, w, c, s, eps, unit_offset, interleaved))
 
 
 def qk_norm_rope_(query, key, q_weight, k_weight, positions, cos_sin_cache, eps,
@@ -156,26 +155,3 @@ def qk_norm_rope_and_cache_(query, key, value, positions, cos_sin_cache, q_weigh
         value.copy_(vf * torch.rsqrt(vf.square().mean(-1, keepdim=True) + eps))
     reference.store_paged(key, value, key_cache, value_cache, slot_mapping, fmt, k_scale, v_scale)
     return query, key
-
-
-def norm_rope_backward(x, weight, grad, cos, sin, eps, unit_offset, interleaved, need_x=True,
-                       need_w=True, need_tables=False):
-    """Gradients (x, weight, cos, sin) of norm_rope (None where not needed): the inverse rotation
-    of grad, then the RMSNorm backward, in the arithmetic type (docs/qk_norm.md "Backward")."""
-    acc = _acc_dtype(x.dtype)
-    g = torch.ops.rope.apply_backward(grad.to(acc), cos, sin, interleaved)
-    xf = x.to(acc)
-    r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    n = xf * r
-    w = weight.to(acc)
-    if unit_offset:
-        w = w + 1
-    gx = gw = gc = gs = None
-    if need_w:
-        gw = (g * n).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype)
-    if need_x:
-        gn = g * w
-        gx = (r * (gn - n * (gn * n).mean(-1, keepdim=True))).to(x.dtype)
-    if need_tables:
-        gc, gs = reference.table_grads(n * w, grad, cos, sin, interleaved)
-    return gx, gw, gc, gs

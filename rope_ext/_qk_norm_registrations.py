@@ -71,18 +71,30 @@ def _backward(ctx, grad_q, grad_k):
     query, key, q_weight, k_weight, cos, sin = ctx.saved_tensors
     eps, unit_offset, interleaved = ctx.args
     need = ctx.needs_input_grad
-    tables = need[4] or need[5]
-    grads = [None] * 9
-    for i, (x, w, g) in enumerate(((query, q_weight, grad_q), (key, k_weight, grad_k))):
-        if g is None or not (need[i] or need[2 + i] or tables):
+    (gq, gk), gc, gs = _norm_rope_grads(
+        ((query, q_weight, None, grad_q, need[0], need[2], False),
+         (key, k_weight, None, grad_k, need[1], need[3], False)),
+        cos, sin, eps, "rms", interleaved, unit_offset, need[4] or need[5])
+    return gq[0], gk[0], gq[1], gk[1], gc, gs, None, None, None
+
+
+def _norm_rope_grads(pairs, cos, sin, eps, norm, interleaved, unit_offset, tables):
+    """The gradients of query's and key's norm and rotation. pairs: per tensor (x, weight, bias,
+    grad, need x, need weight, need bias); returns ([(gx, gw, gb)] per tensor, the tables'
+    gradients summed over both: (g_cos, g_sin), None unless `tables`)."""
+    out, g_cos, g_sin = [], None, None
+    for x, w, b, g, need_x, need_w, need_b in pairs:
+        if g is None or not (need_x or need_w or need_b or tables):
+            out.append((None, None, None))
             continue
-        gx, gw, gc, gs = ref.norm_rope_backward(x, w, g, cos, sin, eps, unit_offset, interleaved,
-                                                need[i], need[2 + i], tables)
-        grads[i], grads[2 + i] = gx, gw
+        gx, gw, gb, gc, gs = ref.norm_forms_rope_backward(
+            x, w, b, g, cos, sin, eps, norm, interleaved, (need_x, need_w, need_b, tables),
+            unit_offset)
+        out.append((gx, gw, gb))
         if tables:
-            grads[4] = gc if grads[4] is None else grads[4] + gc
-            grads[5] = gs if grads[5] is None else grads[5] + gs
-    return tuple(grads)
+            g_cos = gc if g_cos is None else g_cos + gc
+            g_sin = gs if g_sin is None else g_sin + gs
+    return out, g_cos, g_sin
 
 
 # ---- autograd of rope.norm_rope ----
@@ -98,20 +110,11 @@ def _backward_forms(ctx, grad_q, grad_k):
     query, key, q_weight, k_weight, q_bias, k_bias, cos, sin = ctx.saved_tensors
     eps, norm, interleaved = ctx.args
     need = ctx.needs_input_grad
-    tables = need[6] or need[7]
-    grads = [None] * 11
-    for i, (x, w, b, g) in enumerate(((query, q_weight, q_bias, grad_q),
-                                      (key, k_weight, k_bias, grad_k))):
-        wanted = (need[i], need[2 + i], need[4 + i], tables)
-        if g is None or not any(wanted):
-            continue
-        gx, gw, gb, gc, gs = ref.norm_forms_rope_backward(x, w, b, g, cos, sin, eps, norm,
-                                                          interleaved, wanted)
-        grads[i], grads[2 + i], grads[4 + i] = gx, gw, gb
-        if tables:
-            grads[6] = gc if grads[6] is None else grads[6] + gc
-            grads[7] = gs if grads[7] is None else grads[7] + gs
-    return tuple(grads)
+    (gq, gk), gc, gs = _norm_rope_grads(
+        ((query, q_weight, q_bias, grad_q, need[0], need[2], need[4]),
+         (key, k_weight, k_bias, grad_k, need[1], need[3], need[5])),
+        cos, sin, eps, norm, interleaved, False, need[6] or need[7])
+    return gq[0], gk[0], gq[1], gk[1], gq[2], gk[2], gc, gs, None, None, None
 
 
 # ---- the in-place ops under autograd ----

@@ -21,6 +21,14 @@ def qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps, unit_offset=Fals
     return out, info.tolist()
 
 
+def norm_rope(query, key, q_weight, k_weight, q_bias, k_bias, cos, sin, eps, norm,
+              interleaved=False, max_blocks=1 << 20):
+    info = _info()
+    out = torch.ops.rope_sim.norm_rope(query, key, q_weight, k_weight, q_bias, k_bias, cos, sin,
+                                       eps, norm, interleaved, max_blocks, info)
+    return out, info.tolist()
+
+
 def qk_norm_rope_(query, key, q_weight, k_weight, positions, cache, eps, unit_offset=False,
                   interleaved=False, mrope_section=None, mrope_interleaved=False,
                   max_blocks=1 << 20):

@@ -116,3 +116,34 @@ def test_prologue_bad_slots_trap(slots, match):
     with pytest.raises(RuntimeError, match=match):
         sim.qk_norm_rope_and_cache_(q, k, v, torch.tensor([0, 1, 2]), torch.randn(8, 16),
                                     torch.ones(16), torch.ones(16), kc, vc, slot)
+
+
+# ---- rope.norm_rope: the DiT norm forms ----
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", ["rms", "rms_across_heads", "layer"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_norm_forms(dtype, norm, interleaved):
+    from test_norm_rope import fused_projection, oracle, params
+
+    q, k = fused_projection(2, 3, 3, 2, 64, dtype)  # strided views: the vector path
+    k = torch.randn(2, 3, 2, 128, dtype=dtype)[..., ::2]  # strided along head_dim: scalar path
+    wq, bq = params(norm, 3, 64, torch.float32, True, True)
+    _, bk = params(norm, 2, 64, dtype, False, norm == "layer")
+    cos, sin = torch.randn(1, 3, 1, 16), torch.randn(1, 3, 1, 16)  # partial rotary
+    (oq, ok), info = sim.norm_rope(q, k, wq, None, bq, bk, cos, sin, 1e-5, norm, interleaved,
+                                   max_blocks=1)  # one block: the grid strides
+    close(oq, oracle(q, wq, bq, cos, sin, 1e-5, norm, interleaved), dtype)
+    close(ok, oracle(k, None, bk, cos, sin, 1e-5, norm, interleaved), dtype)
+    assert info[2] > 0 and info[3] > 0  # q took the vector path, k the scalar one
+
+
+def test_norm_across_heads_with_merged_leading_dims():
+    from test_norm_rope import oracle, params
+
+    q, k = torch.randn(2, 3, 5, 16), torch.randn(2, 3, 2, 16)
+    cos, sin = torch.randn(8), torch.randn(8)  # one row for every token: leading dims merge
+    wq, _ = params("rms_across_heads", 5, 16, torch.float32)
+    (oq, ok), _ = sim.norm_rope(q, k, wq, None, None, None, cos, sin, 1e-6, "rms_across_heads")
+    close(oq, oracle(q, wq, None, cos, sin, 1e-6, "rms_across_heads", False), torch.float32)
+    close(ok, oracle(k, None, None, cos, sin, 1e-6, "rms_across_heads", False), torch.float32)

@@ -300,6 +300,9 @@ STABLE_TORCH_LIBRARY(rope_sim, m) {
   m.def("qk_norm_rope(Tensor query, Tensor key, Tensor q_weight, Tensor k_weight, Tensor cos, "
         "Tensor sin, float eps, bool unit_offset, bool interleaved, int max_blocks, "
         "Tensor(a!) info) -> (Tensor, Tensor)");
+  m.def("norm_rope(Tensor query, Tensor key, Tensor? q_weight, Tensor? k_weight, "
+        "Tensor? q_bias, Tensor? k_bias, Tensor cos, Tensor sin, float eps, str norm, "
+        "bool interleaved, int max_blocks, Tensor(a!) info) -> (Tensor, Tensor)");
   m.def("qk_norm_rope_(Tensor(a!) query, Tensor(b!) key, Tensor q_weight, Tensor k_weight, "
         "Tensor positions, Tensor cos_sin_cache, float eps, bool unit_offset, bool interleaved, "
         "int[]? mrope_section, bool mrope_interleaved, int max_blocks, Tensor(c!) info) -> ()");
@@ -335,6 +338,7 @@ STABLE_TORCH_LIBRARY_IMPL(rope_sim, CPU, m) {
 // qk_norm_sim.inc
 STABLE_TORCH_LIBRARY_IMPL(rope_sim, CPU, m) {
   m.impl("qk_norm_rope", TORCH_BOX(&rope::sim::qk_norm_rope_sim));
+  m.impl("norm_rope", TORCH_BOX(&rope::sim::norm_rope_sim));
   m.impl("qk_norm_rope_", TORCH_BOX(&rope::sim::qk_norm_rope_inplace_sim));
   m.impl("qkv_norm_rope_", TORCH_BOX(&rope::sim::qkv_norm_rope_inplace_sim));
   m.impl("qk_norm_rope_and_cache_", TORCH_BOX(&rope::sim::qk_norm_rope_and_cache_sim));

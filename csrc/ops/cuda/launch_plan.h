@@ -18,6 +18,9 @@ constexpr int64_t kThreadsPerBlock = 256;
 constexpr int kMaxBlockThreads = 512;
 // The block of the fused QK-RMSNorm + RoPE kernel: one thread per row.
 constexpr int64_t kNormThreadsPerBlock = 128;
+// ... and the blocks per SM its __launch_bounds__ asks for: 170 registers per thread at most
+// (ptxas's own budget for a bare thread bound is tighter, and it spilled the norm forms).
+constexpr int kNormMinBlocksPerSm = 3;
 
 struct LaunchPlan {
   Idx3 grid, block;

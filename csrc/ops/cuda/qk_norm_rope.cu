@@ -11,7 +11,7 @@ namespace rope::gpu {
 namespace {
 
 template <typename x_t, typename tab_t, bool kInterleaved>
-__global__ void __launch_bounds__(kNormThreadsPerBlock)
+__global__ void __launch_bounds__(kNormThreadsPerBlock, kNormMinBlocksPerSm)
     norm_rope_kernel(const NormRopeArgs<x_t, tab_t> a) {
   norm_rope_thread<x_t, tab_t, kInterleaved>(a, here());
 }

@@ -24,10 +24,19 @@ inline Tensor norm_weight_for(const Tensor& w, ScalarType x_type) {
   return torch::stable::to(w, std::optional<ScalarType>(acc));
 }
 
+// The norm of the qk_norm_rope* ops: a weighted per-head RMSNorm.
+inline NormDesc rms_norm(double eps, bool unit_offset) {
+  NormDesc n;
+  n.eps = eps;
+  n.unit_offset = unit_offset;
+  return n;
+}
+
 struct NormRopeTensors {
   const void* src[2] = {nullptr, nullptr};
   void* dst[2] = {nullptr, nullptr};
-  const Tensor* w[2] = {nullptr, nullptr};
+  const Tensor* w[2] = {nullptr, nullptr};  // nullptr: no weight (rope.norm_rope)
+  const Tensor* b[2] = {nullptr, nullptr};  // rope.norm_rope's biases, contiguous
   const void* cos = nullptr;
   const void* sin = nullptr;
   const void* pos = nullptr;
@@ -35,32 +44,37 @@ struct NormRopeTensors {
 };
 
 // `store`: the paged-cache store stage (its value heads get rows of their own), or nullptr.
+// `norm`: its eps, unit_offset, form and group_heads are read (the weights' strides are set here).
 template <class Runner>
-void run_norm_rope(const RotateGeometry& g, const NormRopeTensors& t, double eps,
-                   bool unit_offset, ScalarType x_type, Runner&& run, int64_t max_blocks,
+void run_norm_rope(const RotateGeometry& g, const NormRopeTensors& t, const NormDesc& norm,
+                   ScalarType x_type, Runner&& run, int64_t max_blocks,
                    const NormStore* store = nullptr) {
-  const int64_t qk_heads = g.target[0].heads + (g.targets > 1 ? g.target[1].heads : 0);
+  // a thread per unit: one head, or across heads a token's heads of one target (norm_rope_thread)
+  const bool across = norm.form == NormForm::kRmsAcrossHeads;
+  const int64_t qk_units = g.target[0].heads / (across ? norm.group_heads[0] : 1) +
+                           (g.targets > 1 ? g.target[1].heads / (across ? norm.group_heads[1] : 1)
+                                          : 0);
   if (store == nullptr && g.head_dim == 0) return;
-  const int64_t heads = qk_heads + (store != nullptr ? store->cg.kv_heads : 0);
+  const int64_t heads = qk_units + (store != nullptr ? store->cg.kv_heads : 0);
   if (g.tokens == 0 || heads == 0) return;
   dispatch_types(x_type, t.table_type, [&](auto x0, auto tab0) {
     using x_t = decltype(x0);
     using tab_t = decltype(tab0);
     using acc_t = opmath_t<x_t>;
     NormRopeArgs<x_t, tab_t> a{};
+    a.norm = norm;
     for (int k = 0; k < g.targets; ++k) {
       a.src[k] = static_cast<const x_t*>(t.src[k]);
       a.dst[k] = static_cast<x_t*>(t.dst[k]);
-      a.w[k] = static_cast<const acc_t*>(t.w[k]->const_data_ptr());
-      a.norm.w_stride[k] = t.w[k]->stride(0);
+      a.w[k] = t.w[k] ? static_cast<const acc_t*>(t.w[k]->const_data_ptr()) : nullptr;
+      a.norm.w_stride[k] = t.w[k] ? t.w[k]->stride(0) : 1;
+      a.b[k] = t.b[k] ? static_cast<const acc_t*>(t.b[k]->const_data_ptr()) : nullptr;
     }
-    a.norm.eps = eps;
-    a.norm.unit_offset = unit_offset;
     a.cos = static_cast<const tab_t*>(t.cos);
     a.sin = static_cast<const tab_t*>(t.sin);
     a.pos = t.pos;
     a.g = g;
-    a.rows = g.tokens * heads;  // the rows of the operands: fits
+    a.rows = g.tokens * heads;  // at most the rows of the operands: fits
     if (store != nullptr) a.store = *store;
     const void* src[2] = {a.src[0], a.src[1]};
     const void* dst[2] = {a.dst[0], a.dst[1]};
@@ -103,9 +117,63 @@ std::tuple<Tensor, Tensor> qk_norm_rope_host(const Tensor& query, const Tensor& 
     t.cos = cos.const_data_ptr();
     t.sin = sin.const_data_ptr();
     t.table_type = cos.scalar_type();
-    run_norm_rope(*gs[i], t, eps, unit_offset, xt, run, max_blocks);
+    run_norm_rope(*gs[i], t, rms_norm(eps, unit_offset), xt, run, max_blocks);
   }
   return {oq, ok};
+}
+
+// rope.norm_rope: a weight or bias in the arithmetic type, contiguous (the thread code reads
+// biases with unit stride), or none.
+inline std::optional<Tensor> form_operand_for(const std::optional<Tensor>& t, ScalarType x_type) {
+  if (!t.has_value()) return std::nullopt;
+  return torch::stable::contiguous(norm_weight_for(*t, x_type));
+}
+
+template <class Runner>
+std::tuple<Tensor, Tensor> norm_rope_host(const Tensor& query, const Tensor& key,
+                                          const std::optional<Tensor>& q_weight,
+                                          const std::optional<Tensor>& k_weight,
+                                          const std::optional<Tensor>& q_bias,
+                                          const std::optional<Tensor>& k_bias,
+                                          const Tensor& cos_in, const Tensor& sin_in, double eps,
+                                          const std::string& norm, bool interleaved,
+                                          Runner&& run, int64_t max_blocks = kMaxBlocks) {
+  auto check = [&](const Tensor& c, const Tensor& s) {
+    return check_norm_rope(query, key, q_weight, k_weight, q_bias, k_bias, c, s, eps, norm,
+                           interleaved);
+  };
+  NormRopeCheck c = check(cos_in, sin_in);
+  const ScalarType xt = query.scalar_type();
+  const Tensor cos = table_for(cos_in, xt), sin = table_for(sin_in, xt);
+  if (cos.get() != cos_in.get() || sin.get() != sin_in.get()) c = check(cos, sin);
+  const std::optional<Tensor> w[2] = {form_operand_for(q_weight, xt),
+                                      form_operand_for(k_weight, xt)};
+  const std::optional<Tensor> b[2] = {form_operand_for(q_bias, xt), form_operand_for(k_bias, xt)};
+  const Tensor* in[2] = {&query, &key};
+  Tensor out[2] = {new_contiguous(query, query.sizes()), new_contiguous(key, key.sizes())};
+  const RotateGeometry* gs[2] = {&c.gq, &c.gk};
+  for (int i = 0; i < 2; ++i) {
+    NormDesc nd = rms_norm(eps, false);
+    nd.form = c.form;
+    if (c.form == NormForm::kRmsAcrossHeads && gs[i]->tokens > 0) {
+      // a token's rows, in runs of the tensor's heads (see the CPU host, norm_rope_cpu)
+      const int64_t heads = in[i]->size(-2);
+      STD_TORCH_CHECK(heads > 0 && gs[i]->target[0].heads % heads == 0, kNormFormsOp,
+                      ": internal error: rows of ", gs[i]->target[0].heads,
+                      " heads per token for ", heads, " heads");
+      nd.group_heads[0] = heads;
+    }
+    NormRopeTensors t;
+    t.src[0] = in[i]->const_data_ptr();
+    t.dst[0] = out[i].mutable_data_ptr();
+    t.w[0] = w[i] ? &*w[i] : nullptr;
+    t.b[0] = b[i] ? &*b[i] : nullptr;
+    t.cos = cos.const_data_ptr();
+    t.sin = sin.const_data_ptr();
+    t.table_type = cos.scalar_type();
+    run_norm_rope(*gs[i], t, nd, xt, run, max_blocks);
+  }
+  return {out[0], out[1]};
 }
 
 // The in-place ops' operands: query and key read and written where they are, the rows of the
@@ -146,8 +214,8 @@ void qk_norm_rope_inplace_host(const Tensor& query, const Tensor& key, const Ten
   if (positions.get() != positions_in.get() || cache.get() != cache_in.get()) g = check(cache);
   const ScalarType xt = query.scalar_type();
   const Tensor wq = norm_weight_for(q_weight, xt), wk = norm_weight_for(k_weight, xt);
-  run_norm_rope(g, inplace_operands(query, key, wq, wk, cache, g, positions), eps, unit_offset,
-                xt, run, max_blocks);
+  run_norm_rope(g, inplace_operands(query, key, wq, wk, cache, g, positions),
+                rms_norm(eps, unit_offset), xt, run, max_blocks);
 }
 
 // rope.qk_norm_rope_and_cache_: the norm and rotation of qk_norm_rope_ with the paged-cache store
@@ -186,8 +254,8 @@ void qk_norm_rope_and_cache_host(
     st.v_scale = static_cast<const float*>(v_scale->const_data_ptr());
   }
   st.v_norm = v_norm;
-  run_norm_rope(cg.rot, inplace_operands(query, key, wq, wk, cache, cg.rot, positions), eps,
-                unit_offset, xt, run, max_blocks, &st);
+  run_norm_rope(cg.rot, inplace_operands(query, key, wq, wk, cache, cg.rot, positions),
+                rms_norm(eps, unit_offset), xt, run, max_blocks, &st);
 }
 
 }  // namespace rope::gpu

@@ -31,6 +31,16 @@ std::tuple<Tensor, Tensor> qk_norm_rope_cuda(Tensor query, Tensor key, Tensor q_
                            interleaved, NormLaunch(query, kQkNormOp));
 }
 
+std::tuple<Tensor, Tensor> norm_rope_cuda(Tensor query, Tensor key,
+                                          std::optional<Tensor> q_weight,
+                                          std::optional<Tensor> k_weight,
+                                          std::optional<Tensor> q_bias,
+                                          std::optional<Tensor> k_bias, Tensor cos, Tensor sin,
+                                          double eps, std::string norm, bool interleaved) {
+  return norm_rope_host(query, key, q_weight, k_weight, q_bias, k_bias, cos, sin, eps, norm,
+                        interleaved, NormLaunch(query, kNormFormsOp));
+}
+
 void qk_norm_rope_inplace_cuda(Tensor query, Tensor key, Tensor q_weight, Tensor k_weight,
                                Tensor positions, Tensor cos_sin_cache, double eps,
                                bool unit_offset, bool interleaved,
@@ -74,6 +84,7 @@ void qk_norm_rope_and_cache_cuda(Tensor query, Tensor key, Tensor value, Tensor 
 
 STABLE_TORCH_LIBRARY_IMPL(rope, CUDA, m) {
   rope::impl_routed(m, rope::kQkNormRope, TORCH_BOX(&rope::gpu::qk_norm_rope_cuda));
+  m.impl("norm_rope", TORCH_BOX(&rope::gpu::norm_rope_cuda));
   rope::impl_routed(m, rope::kQkNormRopeInplace, TORCH_BOX(&rope::gpu::qk_norm_rope_inplace_cuda));
   rope::impl_routed(m, rope::kQkvNormRopeInplace, TORCH_BOX(&rope::gpu::qkv_norm_rope_inplace_cuda));
   rope::impl_routed(m, rope::kQkNormRopeAndCache,
