@@ -451,6 +451,23 @@ def _rule_qk_norm_rope(op, a):
                     "sin": tables}
 
 
+def _rule_norm_rope(op, a):
+    """norm_rope: as qk_norm_rope, the biases Replicate too; across heads the heads dim may not
+    be sharded (a token's statistic spans all its heads)."""
+    if a["norm"] == "rms_across_heads":
+        for name in ("query", "key"):
+            spec = a[name]
+            for m, p in enumerate(spec.placements):
+                if _shard_dim(p, _ndim(spec)) == _ndim(spec) - 2:
+                    _fail(op, f"{name} is {_name(p)} on mesh dim {m} (its heads), but "
+                              "norm='rms_across_heads' normalizes all heads of a token together; "
+                              "shard another dim, or redistribute the heads to Replicate() first")
+    out, need = _rule_qk_norm_rope(op, a)
+    r = _replicated(a["query"].mesh)
+    need.update(q_bias=r, k_bias=r)
+    return out, need
+
+
 def _rule_qk_norm_rope_in_place(op, a):
     """qk_norm_rope_: as apply_ (query and key keep their layouts: Replicate, sharded over their
     heads, or over tokens alike, positions sharded like the tokens), no Partial; the table and
@@ -512,6 +529,7 @@ def _rule_qk_norm_rope_and_cache(op, a):
 _RULES.update({
     "qk_norm_rope_and_cache_": (_rule_qk_norm_rope_and_cache, 10),
     "qk_norm_rope": (_rule_qk_norm_rope, 6),
+    "norm_rope": (_rule_norm_rope, 8),
     "qk_norm_rope_": (_rule_qk_norm_rope_in_place, 6),
     "qkv_norm_rope_": (_rule_qkv_norm_rope, 1),
 })

@@ -16,7 +16,7 @@ if HERE not in sys.path:
 
 import test_distributed as td  # noqa: E402
 from rope_ext.qk_norm import (  # noqa: E402
-    qk_norm_rope, qk_norm_rope_, qk_norm_rope_and_cache_, qkv_norm_rope_)
+    norm_rope, qk_norm_rope, qk_norm_rope_, qk_norm_rope_and_cache_, qkv_norm_rope_)
 
 CASES = {}
 B, S, T, HQ, HK, D, ROT, MAXPOS = 2, 4, 6, 4, 2, 16, 12, 32
@@ -127,6 +127,31 @@ def case_prologue_with_cache_heads(run):
               run.d(kc, R), run.d(vc, R), run.d(slots, Sh(0)))
     run.unchanged(dq, q)
     run.unchanged(dk, k)
+
+
+@case
+def case_norm_forms(run):
+    """rope.norm_rope: LayerNorm with biases sharded like qk_norm_rope (heads or tokens); across
+    heads the tokens may be sharded, the heads not."""
+    Sh, R = run.S, run.R
+    q, k = torch.randn(B, S, HQ, D), torch.randn(B, S, HK, D)
+    cos, sin = torch.randn(B, S, 1, ROT // 2), torch.randn(B, S, 1, ROT // 2)
+    w, b = torch.randn(D), torch.randn(D)
+    want = norm_rope(q, k, w, None, cos, sin, q_bias=b, norm="layer", table_width="half")
+    for p, pt in ((Sh(2), R), (Sh(1), Sh(1))):
+        got = run.no_comm(norm_rope, run.d(q, p), run.d(k, p), run.d(w, R), None, run.d(cos, pt),
+                          run.d(sin, pt), q_bias=run.d(b, R), norm="layer", table_width="half")
+        run.expect(got[0], want[0], [p])
+        run.expect(got[1], want[1], [p])
+    wq, wk = torch.randn(HQ * D), torch.randn(HK * D)
+    want = norm_rope(q, k, wq, wk, cos, sin, norm="rms_across_heads", table_width="half")
+    got = run.no_comm(norm_rope, run.d(q, Sh(1)), run.d(k, Sh(1)), run.d(wq, R), run.d(wk, R),
+                      run.d(cos, Sh(1)), run.d(sin, Sh(1)), norm="rms_across_heads",
+                      table_width="half")
+    run.expect(got[0], want[0], [Sh(1)])
+    run.fails(["query is Shard(2)", "all heads of a token"], norm_rope, run.d(q, Sh(2)),
+              run.d(k, Sh(2)), run.d(wq, R), run.d(wk, R), run.d(cos, R), run.d(sin, R),
+              norm="rms_across_heads", table_width="half")
 
 
 def _main_worker(out_dir, seed):
