@@ -49,6 +49,14 @@ inline BF16Bits from_f<BF16Bits, float>(float v) {
 constexpr int64_t kQkBlockPairs = 256;
 constexpr int kLanes = 8;
 
+// part[0] += part[n]; then the halves of [0, n) likewise, down to one: log2 of the lane count
+// dependent adds (a template, so each step has a constant width and unrolls).
+template <int n, typename acc>
+ROPE_QK_INLINE void tree_sum(acc* part) {
+  for (int l = 0; l < n; ++l) part[l] += part[l + n];
+  if constexpr (n > 1) tree_sum<n / 2>(part);
+}
+
 template <typename x_t, typename acc>
 inline acc sum_squares(const x_t* x, int64_t last, int64_t n) {
   acc part[kLanes] = {};
@@ -65,9 +73,8 @@ inline acc sum_squares(const x_t* x, int64_t last, int64_t n) {
     const acc v = to_f(x[j * last]);
     part[j % kLanes] += v * v;
   }
-  acc s = 0;
-  for (int l = 0; l < kLanes; ++l) s += part[l];
-  return s;
+  tree_sum<kLanes / 2>(part);  // (not a chain of kLanes dependent adds)
+  return part[0];
 }
 
 // Rows that fit the stack: converted once into a float (double) buffer, whose sum of squares
@@ -92,9 +99,8 @@ inline acc sum_squares_buf(const acc* buf, int64_t n) {
     for (int l = 0; l < kSumLanes; ++l) part[l] += buf[j + l] * buf[j + l];
   }
   for (int l = 0; j < n; ++j, ++l) part[l] += buf[j] * buf[j];
-  acc s = 0;
-  for (int l = 0; l < kSumLanes; ++l) s += part[l];
-  return s;
+  tree_sum<kSumLanes / 2>(part);
+  return part[0];
 }
 
 // The block's weights folded into its cos and sin, for pair i of elements (ia, ib):
@@ -175,13 +181,6 @@ inline void norm_tail(const x_t* src, int64_t sl, x_t* dst, int64_t dl, const ac
   }
 }
 
-// part[0] += part[n]; then the halves of [0, n) likewise, down to one: log2 of the lane count
-// dependent adds (a template, so each step has a constant width and unrolls).
-template <int n, typename acc>
-ROPE_QK_INLINE void tree_sum(acc* part) {
-  for (int l = 0; l < n; ++l) part[l] += part[l + n];
-  if constexpr (n > 1) tree_sum<n / 2>(part);
-}
 
 // A row of kD float results to bfloat16. With AVX512_BF16 (ROPE_QK_NATIVE_BF16, defined by
 // that variant's file): one instruction rounds 32 values to nearest even, then NaN lanes become
@@ -427,9 +426,8 @@ inline acc sum_buf(const acc* buf, int64_t n) {
     for (int l = 0; l < kSumLanes; ++l) part[l] += buf[j + l];
   }
   for (int l = 0; j < n; ++j, ++l) part[l] += buf[j];
-  acc s = 0;
-  for (int l = 0; l < kSumLanes; ++l) s += part[l];
-  return s;
+  tree_sum<kSumLanes / 2>(part);
+  return part[0];
 }
 
 // z = (buf * r) * w + b in place (w, b: nullptr for none), the order the reference rounds in.
@@ -447,18 +445,16 @@ inline void scale_row(acc* __restrict__ buf, int64_t n, acc r, const acc* __rest
   }
 }
 
-// The pairs [b0, b0 + n) of a normalized row rotated by c and s into dst (stride dl; kUnit: 1).
+// The pairs [b0, b0 + n) of a normalized row rotated by the plain c and s into dst (stride dl;
+// kUnit: 1), through rotate_pairs (its interleaved form keeps the variants' bits equal).
 template <typename x_t, typename acc, bool kI, bool kUnit>
-inline void rotate_buf(const acc* __restrict__ z, x_t* dst, int64_t dl, int64_t half, int64_t b0,
-                       int64_t n, const acc* __restrict__ c, const acc* __restrict__ s) {
+inline void rotate_buf(const acc* z, x_t* dst, int64_t dl, int64_t half, int64_t b0, int64_t n,
+                       const acc* c, const acc* s) {
   if (kUnit) dl = 1;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t p = b0 + i;
-    const int64_t ia = kI ? 2 * p : p, ib = kI ? 2 * p + 1 : p + half;
-    const acc a = z[ia], bb = z[ib];
-    dst[ia * dl] = from_f<x_t>(a * c[i] - bb * s[i]);
-    dst[ib * dl] = from_f<x_t>(bb * c[i] + a * s[i]);
-  }
+  rotate_pairs<x_t, acc, kI>(dst, dl, half, b0, n, Folded<acc>{c, s, c, s},
+                             [&](int64_t, int64_t ia, int64_t ib) {
+                               return std::pair<acc, acc>(z[ia], z[ib]);
+                             });
 }
 
 template <typename x_t, typename acc, bool kUnit>
