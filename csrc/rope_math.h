@@ -110,7 +110,7 @@ ROPE_HD uint8_t float_to_fp8_bits(float x, float max_finite, uint8_t nan_code) {
 // floats in both formats (checked when written; tests/test_cache_write.py compares the CPU
 // cache stores with torch's conversion for every bfloat16 value).
 template <int kMant, int kBias>
-ROPE_HD uint8_t float_to_fp8_lanes(float x, float max_finite, uint32_t nan_code) {
+ROPE_HD uint32_t float_to_fp8_lanes(float x, float max_finite, uint32_t nan_code) {
   uint32_t u = float_bits(x);
   const uint32_t sign = u & 0x80000000u;
   u ^= sign;
@@ -132,7 +132,7 @@ ROPE_HD uint8_t float_to_fp8_lanes(float x, float max_finite, uint32_t nan_code)
       0u - static_cast<uint32_t>(u < (static_cast<uint32_t>(127 + 1 - kBias) << 23));
   uint32_t code = (subnormal & sub_mask) | (normal & ~sub_mask);
   code = (nan_code & nan_mask) | (code & ~nan_mask);
-  return static_cast<uint8_t>(code | (sign >> 24));
+  return (code & 0xFFu) | (sign >> 24);  // the code in 32-bit lanes: narrowed by the caller
 }
 
 ROPE_HD uint8_t float_to_fp8(float x, Fp8Format fmt) {
@@ -140,9 +140,16 @@ ROPE_HD uint8_t float_to_fp8(float x, Fp8Format fmt) {
                                    : float_to_fp8_bits<2, 15>(x, 57344.0f, 0x7F);
 }
 
-ROPE_HD uint8_t float_to_fp8_vec(float x, Fp8Format fmt) {
+// float_to_fp8_lanes's code in a 32-bit lane: loops that convert a block into such lanes, then
+// narrow the block to bytes in a loop of their own, vectorize both cleanly (narrowing inside the
+// conversion has the compiler pack every intermediate mask down to bytes).
+ROPE_HD uint32_t float_to_fp8_code(float x, Fp8Format fmt) {
   return fmt == Fp8Format::kE4M3FN ? float_to_fp8_lanes<3, 7>(x, 448.0f, 0x7F)
                                    : float_to_fp8_lanes<2, 15>(x, 57344.0f, 0x7F);
+}
+
+ROPE_HD uint8_t float_to_fp8_vec(float x, Fp8Format fmt) {
+  return static_cast<uint8_t>(float_to_fp8_code(x, fmt));
 }
 
 }  // namespace rope

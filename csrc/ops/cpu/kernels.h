@@ -462,9 +462,15 @@ void store_cache_row(const x_t* row, int64_t last, void* cache_row, int64_t cach
   }
   constexpr Fp8Format fmt = kFormat == CacheFormat::kE4M3FN ? Fp8Format::kE4M3FN : Fp8Format::kE5M2;
   uint8_t* out = static_cast<uint8_t*>(cache_row);
-  if (last == 1 && cache_last == 1) {  // unit strides: a loop the compiler vectorizes
-    for (int64_t j = 0; j < n; ++j) {
-      out[j] = float_to_fp8_vec(static_cast<float>(to_acc<F32Ops>(row[j])) / scale, fmt);
+  if (last == 1 && cache_last == 1) {  // unit strides: blocks of loops the compiler vectorizes
+    constexpr int64_t kBlock = 64;
+    alignas(64) uint32_t code[kBlock];
+    for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
+      const int64_t m = std::min(kBlock, n - j0);
+      for (int64_t j = 0; j < m; ++j) {
+        code[j] = float_to_fp8_code(static_cast<float>(to_acc<F32Ops>(row[j0 + j])) / scale, fmt);
+      }
+      for (int64_t j = 0; j < m; ++j) out[j0 + j] = static_cast<uint8_t>(code[j]);
     }
     return;
   }

@@ -68,15 +68,18 @@ void shift_fp8_row(uint8_t* row, int64_t last, int64_t half, int64_t b0, int64_t
     for (int64_t e = 0; e < sp.count[i]; ++e) buf[k++] = decoded[p[e * last]];
   }
   rotate_block<F32Ops, kInterleaved, false>(buf, buf, n, n, c, s);
+  // Encoded in 32-bit lanes first, then narrowed as they are stored (see float_to_fp8_code).
+  alignas(64) uint32_t code[2 * kBlockPairs];
+  for (int64_t e = 0; e < k; ++e) code[e] = float_to_fp8_code(buf[e] / scale, kFp8);
   k = 0;
   for (int i = 0; i < sp.spans; ++i) {
     uint8_t* p = row + sp.start[i] * last;
-    const float* v = buf + k;
+    const uint32_t* v = code + k;
     const int64_t m = sp.count[i];
     if (last == 1) {  // the common row: a loop the compiler vectorizes
-      for (int64_t e = 0; e < m; ++e) p[e] = float_to_fp8_vec(v[e] / scale, kFp8);
+      for (int64_t e = 0; e < m; ++e) p[e] = static_cast<uint8_t>(v[e]);
     } else {
-      for (int64_t e = 0; e < m; ++e) p[e * last] = float_to_fp8_vec(v[e] / scale, kFp8);
+      for (int64_t e = 0; e < m; ++e) p[e * last] = static_cast<uint8_t>(v[e]);
     }
     k += m;
   }
