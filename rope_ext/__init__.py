@@ -2,7 +2,7 @@
 kernels, autograd, torch.compile support, and a pure-PyTorch fallback."""
 
 # _qk_norm_registrations and _quant_ops add their ops to _registrations.OPS on import
-from . import _library, _qk_norm_registrations, _quant_ops, _registrations, envs, jit  # noqa: F401
+from . import _call, _library, _qk_norm_registrations, _quant_ops, _registrations, envs, jit  # noqa: F401
 from ._version import __version__
 
 if envs.JIT != "0":
@@ -11,6 +11,7 @@ else:
     _library.load_compiled()
     _library.apply_cpu_settings()
 _registrations.register()
+_call.ops.resolve_all()  # each op's wrapper built now, outside any torch.compile trace
 from . import distributed  # noqa: E402,F401  (DTensor sharding rules, registered when torch.distributed.tensor loads)
 
 from . import reference  # noqa: E402

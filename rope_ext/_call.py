@@ -39,8 +39,10 @@ def without_autograd_if_unneeded(op):
 
 
 class _Ops:
-    """torch.ops.rope with each op's default overload wrapped by without_autograd_if_unneeded
-    (built on first use); other overloads as attributes of the wrapper (`ops.apply.out`)."""
+    """torch.ops.rope with each op's default overload wrapped by without_autograd_if_unneeded;
+    other overloads as attributes of the wrapper (`ops.apply.out`). Every op of schemas.def is
+    wrapped once the ops are registered (resolve_all, from the package's import): building one
+    on first use would look up torch.ops inside a torch.compile trace, which dynamo refuses."""
 
     def __getattr__(self, name):
         packet = getattr(torch.ops.rope, name)
@@ -50,6 +52,12 @@ class _Ops:
                 setattr(fn, overload, without_autograd_if_unneeded(getattr(packet, overload)))
         setattr(self, name, fn)
         return fn
+
+    def resolve_all(self):
+        from ._schemas import SCHEMAS
+
+        for name in {key.split(".")[0] for key in SCHEMAS}:
+            getattr(self, name)
 
 
 ops = _Ops()

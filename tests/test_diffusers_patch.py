@@ -1,8 +1,9 @@
 """rope_ext.integrations.diffusers on tiny random-weight models of every family it patches,
 built from config (tests/diffusers_models.py); run in an environment with diffusers, skipped
-without it. Patched output equals diffusers' own (fp32 and bf16), unpatch restores it bit for bit,
-the profiler sees rope:: ops, and deepcopy, torch.save/torch.load (in a fresh process) and
-torch.compile keep working."""
+without it. Patched output and gradients equal diffusers' own (fp32 and bf16), the q/k norms run
+fused with the RoPE (the fused op runs; the norm modules see only tokens that are not rotated),
+unpatch restores the output bit for bit, and deepcopy, torch.save/torch.load (in a fresh process)
+and torch.compile keep working. A hooked or replaced norm module runs as diffusers runs it."""
 
 import copy
 import os
@@ -16,6 +17,8 @@ diffusers = pytest.importorskip("diffusers")
 
 import diffusers_models as dm  # noqa: E402
 from conftest import ROOT  # noqa: E402
+from rope_ext.compat import diffusers as rd  # noqa: E402
+from rope_ext.integrations import _dit_prologue as prologue  # noqa: E402
 from rope_ext.integrations import diffusers as rdi  # noqa: E402
 
 FAMILIES = list(dm.BUILDERS)
@@ -39,11 +42,50 @@ def processor_classes(model):
     return [type(p) for p in rdi._processors(model)]
 
 
+QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
+# The tokens a family norms without rotating them, where its q/k norm modules still run once
+# patched: text tokens, or the tokens of a cross-attention (attn2). The others rotate all.
+UNROTATED = {"hunyuan_video": "text", "cogvideox": "text", "cogview4": "text", "mochi": "text",
+             "wan": "cross-attention", "ltx": "cross-attention"}
+
+
+@pytest.fixture
+def norm_calls(monkeypatch):
+    """[(norm module, input shape)] of every call of a norm class the patch fuses, recorded by
+    wrapping the classes' forward (a hook on a module would stop its fusion)."""
+    calls = []
+    for cls in prologue.NORM_CLASSES:
+        def forward(self, x, _forward=cls.forward):
+            calls.append((self, tuple(x.shape)))
+            return _forward(self, x)
+        monkeypatch.setattr(cls, "forward", forward)
+    return calls
+
+
+def qk_norm_calls(model, calls):
+    """(name, input shape) of the calls of model's attention q/k norm modules in `calls`."""
+    names = {module: name for name, module in model.named_modules()}
+    return [(names[m], shape) for m, shape in calls
+            if m in names and names[m].rsplit(".", 1)[-1] in QK_NORMS]
+
+
+def rotated_tokens_normed(family, model, calls, inputs):
+    """The q/k norm calls on tokens the family rotates (none if its norms are fused)."""
+    text = inputs["encoder_hidden_states"].shape[1]
+
+    def unrotated(name, shape):
+        kind = UNROTATED.get(family)
+        return ((kind == "cross-attention" and ".attn2." in name)
+                or (kind == "text" and text in shape[1:3]))
+    return [(name, shape) for name, shape in qk_norm_calls(model, calls) if not unrotated(name, shape)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_patched_equals_unpatched(family, dtype):
+def test_patched_equals_unpatched(family, dtype, norm_calls):
     model, inputs = dm.build(family, dtype)
     classes = processor_classes(model)
+    state = model.state_dict()
     want = run(model, inputs)
     assert not rdi.is_patched(model) and not rope_ops(model, inputs)
     assert rdi.patch(model) is model and rdi.is_patched(model)
@@ -51,30 +93,37 @@ def test_patched_equals_unpatched(family, dtype):
     for p in rdi._processors(model):
         if type(p).__module__ == rdi.__name__:
             assert isinstance(p, type(p)._rope_ext_base) and type(p).__name__ == type(p)._rope_ext_base.__name__
+    assert model.state_dict().keys() == state.keys()
+    norm_calls.clear()
     got = run(model, inputs)
     assert got.dtype == want.dtype and not got.isnan().any()
     torch.testing.assert_close(got, want, **TOLS[dtype])
-    assert "rope::apply" in rope_ops(model, inputs)
+    assert not rotated_tokens_normed(family, model, norm_calls, inputs)
+    assert {"rope::norm_rope"} <= rope_ops(model, inputs)
     assert rdi.unpatch(model) is model and not rdi.is_patched(model)
     assert processor_classes(model) == classes
     assert torch.equal(run(model, inputs), want)  # bit for bit
     assert not rope_ops(model, inputs)
 
 
-@pytest.mark.parametrize("family", ["flux", "wan", "ltx", "lumina2"])
-def test_training_gradients(family):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_gradients(family, norm_calls):
     model, inputs = dm.build(family)
     model.train()
     grads = []
     for patched in (False, True):
         if patched:
             rdi.patch(model)
+            norm_calls.clear()
         model.zero_grad()
         out = model(**inputs)[0]
         out.pow(2).mean().backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert not rotated_tokens_normed(family, model, norm_calls, inputs)  # fused in training too
     rdi.unpatch(model)
     assert grads[0].keys() == grads[1].keys() and grads[0]
+    # the norms' weights among them (CogView4's LayerNorms have none)
+    assert family == "cogview4" or any(set(name.split(".")) & set(QK_NORMS) for name in grads[0])
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-5, msg=name)
 
@@ -85,11 +134,16 @@ def test_deepcopy(family):
     want = run(model, inputs)
     rdi.patch(model)
     twin = copy.deepcopy(model)
-    assert rdi.is_patched(twin) and "rope::apply" in rope_ops(twin, inputs)
+    assert rdi.is_patched(twin) and "rope::norm_rope" in rope_ops(twin, inputs)
     torch.testing.assert_close(run(twin, inputs), want, **TOLS[torch.float32])
+    with torch.no_grad():  # other weights: the copy's own norms are fused
+        for p in twin.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    got = run(twin, inputs)
     rdi.unpatch(twin)  # the copy is its own: unpatching it leaves the original patched
     assert rdi.is_patched(model) and not rdi.is_patched(twin)
-    assert torch.equal(run(twin, inputs), want)
+    torch.testing.assert_close(got, run(twin, inputs), **TOLS[torch.float32])
+    torch.testing.assert_close(run(model, inputs), want, **TOLS[torch.float32])
 
 
 LOAD = """
@@ -131,8 +185,10 @@ def test_compile(family):
     want = run(model, inputs)
     rdi.patch(model)
     torch._dynamo.reset()
-    compiled = torch.compile(model)
+    compiled = torch.compile(model, fullgraph=True)
     torch.testing.assert_close(run(compiled, inputs), want, **TOLS[torch.float32])
+    if family == "wan":  # (FLUX's full-width tables are compared in the graph: unfused there)
+        assert "rope::norm_rope" in rope_ops(compiled, inputs)
     torch._dynamo.reset()
 
 
@@ -211,3 +267,116 @@ def test_processor_classes_resolve_by_name():
         assert pickle.loads(pickle.dumps(cls)) is cls
     with pytest.raises(AttributeError):
         rdi.NotAProcessor  # noqa: B018
+
+
+def test_every_processor_is_fused():
+    if not diffusers.__version__.startswith("0.42."):
+        pytest.skip(f"the rewrites are written against diffusers 0.42, not {diffusers.__version__}")
+    for name in rdi.PROCESSORS:
+        assert getattr(rdi, name)._rope_ext_fused == (name in prologue.REWRITES), name
+    # Its IP-Adapter attention reads the image query normed and unrotated too.
+    assert set(rdi.PROCESSORS) - set(prologue.REWRITES) == {"FluxIPAdapterAttnProcessor"}
+
+
+def test_a_source_the_rewrites_do_not_match_is_patched_for_rope_only(monkeypatch):
+    model, inputs = dm.build("wan")
+    want = run(model, inputs)
+    monkeypatch.setattr(rdi, "_classes", {})
+    statements, replacement = prologue.REWRITES["WanAttnProcessor"][1]
+    changed = [prologue.REWRITES["WanAttnProcessor"][0],
+               (statements.replace("*rotary_emb", "rotary_emb[0], rotary_emb[1]"), replacement)]
+    monkeypatch.setitem(prologue.REWRITES, "WanAttnProcessor", changed)
+    rdi.patch(model)
+    assert not type(rdi._processors(model)[0])._rope_ext_fused
+    torch.testing.assert_close(run(model, inputs), want, **TOLS[torch.float32])
+    ops = rope_ops(model, inputs)
+    assert "rope::apply" in ops and "rope::norm_rope" not in ops
+    rdi.unpatch(model)
+
+
+@pytest.mark.parametrize("how", ["module hook", "global hook"])
+def test_a_hooked_norm_runs_as_diffusers_runs_it(how):
+    model, inputs = dm.build("flux")
+    want = run(model, inputs)
+    rdi.patch(model)
+    norm = model.transformer_blocks[0].attn.norm_q
+    seen = []
+
+    def hook(module, args, out):
+        if module is norm:
+            seen.append(args[0].shape)
+    if how == "module hook":
+        handle = norm.register_forward_hook(hook)
+    else:
+        handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        torch.testing.assert_close(run(model, inputs), want, **TOLS[torch.float32])
+        assert seen == [(2, 16, 2, 16)]  # the image tokens, unfused (the hook ran)
+        # the layers whose norms have no hook stay fused
+        assert ("rope::norm_rope" in rope_ops(model, inputs)) == (how == "module hook")
+    finally:
+        handle.remove()
+
+
+class DoubledRMSNorm(torch.nn.RMSNorm):  # an RMSNorm's weight and eps, another forward
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+@pytest.mark.parametrize("replacement", [
+    lambda n: torch.nn.Identity(),
+    lambda n: torch.nn.LayerNorm(n, eps=1e-3),  # a form the op computes, but not norm_q's
+    DoubledRMSNorm,
+], ids=["identity", "layernorm", "rmsnorm-subclass"])
+def test_a_norm_replaced_after_patch_is_not_fused(replacement):
+    model, inputs = dm.build("flux")
+    rdi.patch(model)
+    attn = model.single_transformer_blocks[0].attn
+    attn.norm_k = replacement(attn.head_dim)
+    got = run(model, inputs)
+    rdi.unpatch(model)
+    torch.testing.assert_close(got, run(model, inputs), **TOLS[torch.float32])
+
+
+def _norms():
+    """(name, a q/k norm module over 16 dims, across: applied to 4 heads of 4 flattened)."""
+    from diffusers.models import normalization as dn
+
+    yield "torch-rms", torch.nn.RMSNorm(16, eps=1e-6), False
+    yield "torch-rms-default-eps", torch.nn.RMSNorm(16), False
+    yield "torch-rms-no-weight", torch.nn.RMSNorm(16, elementwise_affine=False), False
+    yield "torch-rms-across-heads", torch.nn.RMSNorm(16, eps=1e-6), True
+    yield "diffusers-rms", dn.RMSNorm(16, eps=1e-5), False
+    yield "diffusers-rms-bias", dn.RMSNorm(16, eps=1e-5, bias=True), False
+    yield "diffusers-rms-no-weight", dn.RMSNorm(16, eps=1e-5, elementwise_affine=False), False
+    yield "mochi-rms", dn.MochiRMSNorm(16, eps=1e-5), False
+    yield "layer", torch.nn.LayerNorm(16, eps=1e-6), False
+    yield "layer-no-affine", torch.nn.LayerNorm(16, eps=1e-5, elementwise_affine=False, bias=False), False
+    yield "fp32-layer", dn.FP32LayerNorm(16, eps=1e-6), False
+
+
+@pytest.mark.parametrize("weights", [None, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name,module,across", list(_norms()), ids=[n[0] for n in _norms()])
+def test_each_norm_class_fused_as_it_computes(name, module, across, dtype, weights):
+    """The op stands in for each norm class as the processors call it (Mochi's per-head tables),
+    its weights (random) in x's dtype or float32; where it cannot (weights of another dtype than
+    a module computing in x's dtype uses), the module runs."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p))
+    module.to(weights or dtype)
+    heads, head_dim = (4, 4) if across else (2, 16)
+    q, k = (torch.randn(2, 5, heads, head_dim, dtype=dtype) * 3 for _ in range(2))
+    tables = torch.rand(5, 1 if across else heads, head_dim // 2) * 6
+    fns = prologue.norm_rope_across_heads if across else prologue.norm_rope
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = fns((module, module), q, k, rd.apply_rotary_emb_mochi, tables.cos(), tables.sin())
+    fused = any(e.key == "rope::norm_rope" for e in prof.key_averages())
+    in_x_dtype = prologue.NORM_CLASSES[type(module)][1]
+    assert fused == (weights in (None, dtype) or not in_x_dtype or not list(module.parameters()))
+    for x, y in zip((q, k), got):
+        normed = module(x.flatten(-2)).unflatten(-1, x.shape[-2:]) if across else module(x)
+        want = rd.apply_rotary_emb_mochi(normed, tables.cos(), tables.sin())
+        assert y.dtype == want.dtype
+        torch.testing.assert_close(y, want, **TOLS[dtype])

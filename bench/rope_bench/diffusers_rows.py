@@ -7,9 +7,17 @@ with diffusers' layouts and table dtypes (float32 tables, bfloat16 activations b
 Tables are built once per row, as a model builds them once per forward for all its layers; their
 values are random angles written as the family's pos-embed writes them (each entry twice per
 pair where diffusers does), which is all that the cost depends on.
+
+The prologue rows (*_prologue) time the q/k norms and the RoPE together: diffusers' norm modules
+and RoPE against the patched processor's fused statements (rope_ext.integrations._dit_prologue),
+as FLUX.1 (per-head RMSNorm, image and text apart, then joined) and Wan (RMSNorm across the heads
+of a token) run them. flux_block times a whole FLUX.1 attention (projections, norms, RoPE,
+attention, output projections), patched against unpatched, eager only. Every row but the block
+also times a copy of its activations (the floor: what producing new q and k costs at least).
 """
 
 import argparse
+import collections
 import datetime
 import json
 import os
@@ -35,6 +43,12 @@ SHAPES = {
     "lumina2": ("Lumina-Image 2.0", "1024x1024: 4096 + 256 tokens, 24 query / 8 key heads of 96"),
     "cogview4": ("CogView4", "1024x1024: 4096 image tokens (+128 text), 32 heads of 128"),
     "mochi": ("Mochi", "480x848, 31 frames: 6x30x53 = 9540 tokens, 24 heads of 128"),
+    "flux_prologue": ("FLUX.1 norm+RoPE", "1024x1024: 4096 image + 512 text tokens, 24 heads of 128, "
+                                          "RMSNorm per head"),
+    "wan_prologue": ("Wan 2.1 14B norm+RoPE", "480x832, 17 frames: 5x30x52 = 7800 tokens, 40 heads of 128, "
+                                              "RMSNorm across the heads"),
+    "flux_block": ("FLUX.1 attention", "512x512: 1024 image + 512 text tokens, 24 heads of 128, the whole "
+                                       "double-stream attention, eager"),
 }
 QUICK_DIVISOR = 16  # --quick: token counts / 16, a smoke run
 
@@ -62,8 +76,95 @@ def _pair(fn):
     return lambda q, k, *args: (fn(q, *args), fn(k, *args))
 
 
+# ours, theirs: callables taking args, doing one layer's work; activations: how many of the first
+# args the work produces new copies of (the floor copies them; 0: no floor); compiled: whether
+# torch.compile of both is timed too.
+Row = collections.namedtuple("Row", "ours theirs args activations compiled", defaults=(2, True))
+
+
+def _norms(count, width, dtype):
+    """`count` inference RMSNorms (torch.nn's, as FLUX and Wan build them) of random weights."""
+    norms = [torch.nn.RMSNorm(width, eps=1e-6, dtype=dtype).requires_grad_(False) for _ in range(count)]
+    for norm in norms:
+        norm.weight.uniform_(0.5, 1.5)
+    return norms
+
+
+def _flux_prologue(x, n, emb, rd):
+    """FluxAttnProcessor's q/k norms and RoPE (24 heads of 128): diffusers' statements against
+    the patched processor's (_dit_prologue.REWRITES["FluxAttnProcessor"])."""
+    from rope_ext.integrations import _dit_prologue as prologue
+
+    txt, img = n(512), n(4096)
+    norm_q, norm_k, norm_added_q, norm_added_k = _norms(4, 128, x(1).dtype)
+
+    def theirs(query, key, encoder_query, encoder_key, cos, sin):
+        query, key = norm_q(query), norm_k(key)
+        encoder_query, encoder_key = norm_added_q(encoder_query), norm_added_k(encoder_key)
+        query, key = torch.cat([encoder_query, query], dim=1), torch.cat([encoder_key, key], dim=1)
+        return (emb.apply_rotary_emb(query, (cos, sin), sequence_dim=1),
+                emb.apply_rotary_emb(key, (cos, sin), sequence_dim=1))
+
+    def ours(query, key, encoder_query, encoder_key, cos, sin):
+        query, key = prologue.norm_rope((norm_q, norm_k), query, key, rd.apply_rotary_emb,
+                                        prologue.rows((cos, sin), encoder_query.shape[1], None), sequence_dim=1)
+        encoder_query, encoder_key = prologue.norm_rope(
+            (norm_added_q, norm_added_k), encoder_query, encoder_key, rd.apply_rotary_emb,
+            prologue.rows((cos, sin), 0, encoder_query.shape[1]), sequence_dim=1)
+        return torch.cat([encoder_query, query], dim=1), torch.cat([encoder_key, key], dim=1)
+
+    return Row(ours, theirs, (x(1, img, 24, 128), x(1, img, 24, 128), x(1, txt, 24, 128),
+                              x(1, txt, 24, 128)) + _interleaved(txt + img, 128), activations=4)
+
+
+def _wan_prologue(x, n, wan, rd):
+    """WanAttnProcessor's q/k norms (RMSNorm of the flat projection) and RoPE, 40 heads of 128."""
+    from rope_ext.integrations import _dit_prologue as prologue
+
+    S, H = n(7800), 40
+    norm_q, norm_k = _norms(2, H * 128, x(1).dtype)
+    a = _angles(S, 64)
+    cos = a.cos().repeat_interleave(2, -1).float().view(1, S, 1, 128)
+    sin = a.sin().repeat_interleave(2, -1).float().view(1, S, 1, 128)
+
+    def theirs(query, key, cos, sin):
+        query, key = norm_q(query).unflatten(2, (H, -1)), norm_k(key).unflatten(2, (H, -1))
+        return wan(query, cos, sin), wan(key, cos, sin)
+
+    def ours(query, key, cos, sin):
+        query, key = query.unflatten(2, (H, -1)), key.unflatten(2, (H, -1))
+        return prologue.norm_rope_across_heads((norm_q, norm_k), query, key, rd.apply_rotary_emb_wan, cos, sin)
+
+    return Row(ours, theirs, (x(1, S, H * 128), x(1, S, H * 128), cos, sin))
+
+
+def _flux_block(x, n):
+    """A FLUX.1 double-stream attention (3072 wide, 24 heads of 128) with diffusers' processor
+    and with the patched one, on the same module."""
+    from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAttnProcessor
+
+    from rope_ext.integrations import diffusers as rdi
+
+    txt, img = n(512), n(1024)
+    attn = FluxAttention(query_dim=3072, heads=24, dim_head=128, added_kv_proj_dim=3072, out_dim=3072,
+                         context_pre_only=False, bias=True, eps=1e-6).to(x(1).dtype).requires_grad_(False)
+    patched, plain = rdi.FluxAttnProcessor(), FluxAttnProcessor()
+
+    def call(processor):
+        return lambda hidden, context, cos, sin: processor(attn, hidden, context, image_rotary_emb=(cos, sin))
+
+    return Row(call(patched), call(plain), (x(1, img, 3072), x(1, txt, 3072)) + _interleaved(txt + img, 128),
+               activations=0, compiled=False)
+
+
 def row(family, dtype, scale):
-    """(ours, theirs, args): two callables taking args, doing one layer's q and k RoPE."""
+    """The Row of `family` (one layer's work) in `dtype`, token counts divided by `scale`."""
+    built = _build(family, dtype, scale)
+    return built if isinstance(built, Row) else Row(*built)
+
+
+def _build(family, dtype, scale):
+    """A Row, or (ours, theirs, args) of a RoPE row: the q and k RoPE of one layer."""
     from diffusers.models import attention_processor
     from diffusers.models import embeddings as emb
     from diffusers.models.transformers import transformer_ltx, transformer_qwenimage, transformer_wan
@@ -77,6 +178,12 @@ def row(family, dtype, scale):
     def x(*shape):
         return torch.randn(*shape, dtype=dtype)
 
+    if family == "flux_prologue":
+        return _flux_prologue(x, n, emb, rd)
+    if family == "wan_prologue":
+        return _wan_prologue(x, n, _wan_rope(transformer_wan, rdi), rd)
+    if family == "flux_block":
+        return _flux_block(x, n)
     if family in ("flux", "flux2"):
         S, H = n(4608), 24 if family == "flux" else 48
         cs = _interleaved(S, 128)
@@ -88,9 +195,8 @@ def row(family, dtype, scale):
         a = _angles(S, 64)
         cos = a.cos().repeat_interleave(2, -1).float().view(1, S, 1, 128)
         sin = a.sin().repeat_interleave(2, -1).float().view(1, S, 1, 128)
-        wan = rdi._rewritten_call(transformer_wan.WanAttnProcessor, transformer_wan,
-                                  {"apply_rotary_emb": "apply_rotary_emb_wan"})[1]["apply_rotary_emb"]
-        return (_pair(rd.apply_rotary_emb_wan), _pair(wan), (x(1, S, 12, 128), x(1, S, 12, 128), cos, sin))
+        return (_pair(rd.apply_rotary_emb_wan), _pair(_wan_rope(transformer_wan, rdi)),
+                (x(1, S, 12, 128), x(1, S, 12, 128), cos, sin))
     if family == "hunyuan_video":
         S, T = n(18360), 256
         cs = _interleaved(S, 128)
@@ -145,10 +251,30 @@ def row(family, dtype, scale):
     raise KeyError(family)
 
 
+def _wan_rope(transformer_wan, rdi):
+    """diffusers' Wan RoPE: the function WanAttnProcessor.__call__ defines."""
+    return rdi._rewritten_call(transformer_wan.WanAttnProcessor, transformer_wan,
+                               {"apply_rotary_emb": "apply_rotary_emb_wan"})[1]["apply_rotary_emb"]
+
+
 def _same(ours, theirs, args, dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for a, b in zip(ours(*args), theirs(*args)):
         torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+
+
+def _callables(r):
+    """{column: callable of no arguments} of Row r."""
+    fns = {"rope_ext": lambda: r.ours(*r.args), "diffusers eager": lambda: r.theirs(*r.args)}
+    if r.compiled:
+        torch._dynamo.reset()
+        compiled = torch.compile(r.theirs, dynamic=False)
+        ours_compiled = torch.compile(r.ours, dynamic=False)  # what a compiled patched model runs
+        fns["diffusers compiled"] = lambda: compiled(*r.args)
+        fns["rope_ext compiled"] = lambda: ours_compiled(*r.args)
+    if r.activations:
+        fns["copy floor"] = lambda: [a.clone() for a in r.args[:r.activations]]
+    return fns
 
 
 def run(families, dtypes, *, scale, repeat, min_block_s, log=print):
@@ -158,21 +284,16 @@ def run(families, dtypes, *, scale, repeat, min_block_s, log=print):
         for dtype_name in dtypes:
             dtype = getattr(torch, dtype_name)
             torch.manual_seed(0)
-            ours, theirs, args = row(family, dtype, scale)
-            _same(ours, theirs, args, dtype)
-            torch._dynamo.reset()
-            compiled = torch.compile(theirs, dynamic=False)
-            ours_compiled = torch.compile(ours, dynamic=False)  # what a compiled patched model runs
-            fns = {"rope_ext": lambda: ours(*args), "diffusers eager": lambda: theirs(*args),
-                   "diffusers compiled": lambda: compiled(*args),
-                   "rope_ext compiled": lambda: ours_compiled(*args)}
+            case = row(family, dtype, scale)
+            _same(case.ours, case.theirs, case.args, dtype)
+            fns = _callables(case)
             errors = {}
             plan = measure_interleaved(fns, clock, repeat=repeat, min_block_s=min_block_s,
                                        on_error=lambda name, e: errors.__setitem__(name, repr(e)[:200]))
             med = {name: median(p["times"]) for name, p in plan.items()}
             r = {"family": family, "label": SHAPES[family][0], "shape": SHAPES[family][1],
                  "dtype": dtype_name, "median_s": med, "errors": errors,
-                 "bytes": sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))}
+                 "bytes": sum(a.numel() * a.element_size() for a in case.args if isinstance(a, torch.Tensor))}
             for peer in ("diffusers eager", "diffusers compiled"):
                 if "rope_ext" in med and peer in med:
                     r[f"x vs {peer}"] = med[peer] / med["rope_ext"]
@@ -183,20 +304,22 @@ def run(families, dtypes, *, scale, repeat, min_block_s, log=print):
     return rows
 
 
-HEADER = (f"| {'family':<18} | {'dtype':<8} | {'rope_ext ms':>11} | {'eager ms':>9} | "
-          f"{'compiled ms':>11} | {'x eager':>7} | {'x compiled':>10} | {'both compiled':>13} |")
+HEADER = (f"| {'family':<21} | {'dtype':<8} | {'rope_ext ms':>11} | {'eager ms':>9} | "
+          f"{'compiled ms':>11} | {'floor ms':>8} | {'x eager':>7} | {'x compiled':>10} | {'both compiled':>13} |")
 
 
 def _line(r):
     def ms(name):
         v = r["median_s"].get(name)
-        return "failed" if v is None else f"{v * 1e3:.3f}"
+        if v is None:
+            return "failed" if name in r["errors"] else "-"
+        return f"{v * 1e3:.3f}"
 
     def ratio(key):
         v = r.get(key)
         return "-" if v is None else f"{v:.2f}"
-    return (f"| {r['label']:<18} | {r['dtype']:<8} | {ms('rope_ext'):>11} | {ms('diffusers eager'):>9} | "
-            f"{ms('diffusers compiled'):>11} | {ratio('x vs diffusers eager'):>7} | "
+    return (f"| {r['label']:<21} | {r['dtype']:<8} | {ms('rope_ext'):>11} | {ms('diffusers eager'):>9} | "
+            f"{ms('diffusers compiled'):>11} | {ms('copy floor'):>8} | {ratio('x vs diffusers eager'):>7} | "
             f"{ratio('x vs diffusers compiled'):>10} | {ratio('compiled x vs diffusers compiled'):>13} |")
 
 
@@ -205,7 +328,8 @@ def markdown(rows):
     lines += [_line(r) for r in rows]
     lines.append("")
     lines.append("x eager, x compiled: diffusers' eager and compiled time over rope_ext's eager time; "
-                 "both compiled: diffusers compiled over rope_ext compiled (a compiled patched model).")
+                 "both compiled: diffusers compiled over rope_ext compiled (a compiled patched model); "
+                 "floor: a copy of the activations (new q and k, at least).")
     lines.append("")
     lines += [f"- {SHAPES[f][0]}: {SHAPES[f][1]}" for f in dict.fromkeys(r["family"] for r in rows)]
     return "\n".join(lines) + "\n"

@@ -68,12 +68,17 @@ def float32_table(table):
     return table.float() if table.dtype in (torch.float16, torch.bfloat16) else table
 
 
+def broadcasts_within(table, x):
+    """Whether a (..., pairs) table has x's number of dims and broadcasts over x without
+    growing it (each leading dim 1 or x's): the tables rope_ext's ops take as they are."""
+    return table.dim() == x.dim() and all(c == 1 or c == n for c, n in zip(table.shape[:-1], x.shape[:-1]))
+
+
 def rotate_pairs(x, cos, sin, dtype, interleaved=False):
     """x with pair i of its first 2 * cos.size(-1) dims rotated by (cos[..., i], sin[..., i]), the
     rest passed through; cos/sin broadcast against x.shape[:-1] as torch broadcasts, the result in
     `dtype` (computed in float32, or float64 for float64)."""
-    if (x.dtype == dtype and cos.shape == sin.shape and cos.dim() == x.dim()
-            and all(c == 1 or c == n for c, n in zip(cos.shape[:-1], x.shape[:-1]))):
+    if x.dtype == dtype and cos.shape == sin.shape and broadcasts_within(cos, x):
         return ops.apply(x, cos, sin, interleaved)  # the tables broadcast inside the op
     lead = torch.broadcast_shapes(x.shape[:-1], cos.shape[:-1], sin.shape[:-1])
     x = x.to(dtype).expand(*lead, x.shape[-1])

@@ -4,7 +4,8 @@ signatures, broadcasting, output dtypes and autograd.
     from diffusers.models.embeddings import apply_rotary_emb
  -> from rope_ext.compat.diffusers import apply_rotary_emb
 
-(`rope_ext.integrations.diffusers.patch(model)` routes a whole model through these.)
+(`rope_ext.integrations.diffusers.patch(model)` routes a whole model through these, and through
+one_pass_tables where it fuses a processor's q/k norms with its RoPE.)
 
 The tables. diffusers' real form passes cos/sin of the full head dim, each pair's angle written
 twice: `repeat_interleave` (pairs (2i, 2i+1), `use_real_unbind_dim=-1`) or `cat` (pairs
@@ -20,7 +21,7 @@ docs/diffusers.md.
 
 import torch
 
-from ._layout import float32_table, join_members, pair_members, rotate_pairs
+from ._layout import broadcasts_within, float32_table, join_members, pair_members, rotate_pairs
 
 
 def _one_per_pair(table, interleaved):
@@ -90,6 +91,18 @@ def _one_pass(x, cos, sin, interleaved):
                        float32_table(pair_members(sin, interleaved)[0]), interleaved)
 
 
+def _paired(cos, sin, interleaved):
+    """The (..., D/2) tables (cos, sin) of one entry per pair, or None (see _one_per_pair)."""
+    c, s = _one_per_pair(cos, interleaved), _one_per_pair(sin, interleaved)
+    return None if c is None or s is None else (c, s)
+
+
+def _table_grads(cos, sin):
+    """Whether a gradient reaches the tables: the one pass reads only the first member of each
+    pair, so the second's gradient needs the two passes."""
+    return torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
+
+
 def _paired_pred(cos, sin, interleaved):
     """A 0-d bool tensor: both tables hold one value per pair."""
     (c0, c1), (s0, s1) = pair_members(cos, interleaved), pair_members(sin, interleaved)
@@ -104,7 +117,7 @@ def _real(x, cos, sin, interleaved, place=lambda t: t):
     _check_float_tables(cos, sin)
     cos, sin = cos.to(x.device), sin.to(x.device)
     _check_tables(x, place(cos), place(sin))
-    grads = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
+    grads = _table_grads(cos, sin)
     if not grads and torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad):
         # Nothing is remembered in a graph: the comparison runs each call (a table's size, next
         # to x's heads times that), and torch.cond takes the one pass where it may.
@@ -112,10 +125,9 @@ def _real(x, cos, sin, interleaved, place=lambda t: t):
                           _one_pass_true if interleaved else _one_pass_false,
                           _two_passes_true if interleaved else _two_passes_false,
                           (x, place(cos), place(sin)))
-    if not grads:
-        c, s = _one_per_pair(cos, interleaved), _one_per_pair(sin, interleaved)
-        if c is not None and s is not None:
-            return _float_math(x, place(c), place(s), interleaved)
+    paired = None if grads else _paired(cos, sin, interleaved)
+    if paired is not None:
+        return _float_math(x, place(paired[0]), place(paired[1]), interleaved)
     return _two_passes(x, place(cos), place(sin), interleaved)
 
 
@@ -148,32 +160,42 @@ def _at_front(t):
     return t[None, None]
 
 
+# apply_rotary_emb's sequence_dim -> how it places a (S, D) table against x
+_PLACES = {2: _at_seq2, 1: _at_seq1}
+# use_real_unbind_dim -> whether the pairs are (2i, 2i+1) (else (i, i + D/2))
+_INTERLEAVED = {-1: True, -2: False}
+
+
+def _complex_members(freqs_cis, unsqueeze_dim, device):
+    """The real and imaginary parts of freqs_cis.unsqueeze(unsqueeze_dim) on `device`: the cos
+    and sin of each (2i, 2i+1) pair."""
+    ri = torch.view_as_real(freqs_cis.unsqueeze(unsqueeze_dim).to(device))
+    return ri[..., 0], ri[..., 1]
+
+
 def _complex(x, freqs_cis, unsqueeze_dim):
     """diffusers' complex form: x's interleaved pairs as complex numbers times
     freqs_cis.unsqueeze(unsqueeze_dim), in x's dtype."""
     if not isinstance(freqs_cis, torch.Tensor) or not freqs_cis.is_complex():
         got = freqs_cis.dtype if isinstance(freqs_cis, torch.Tensor) else type(freqs_cis).__name__
         raise ValueError(f"freqs_cis must be a complex tensor when use_real=False, got {got}")
-    f = freqs_cis.unsqueeze(unsqueeze_dim).to(x.device)
+    f_shape = freqs_cis.unsqueeze(unsqueeze_dim).shape
     pairs = x.shape[:-1] + (x.shape[-1] // 2,)
     try:
-        shape = torch.broadcast_shapes(pairs, f.shape)
+        shape = torch.broadcast_shapes(pairs, f_shape)
     except RuntimeError:
         shape = None
     if shape is None or len(shape) != 4 or shape[-1] != pairs[-1]:
         raise ValueError(f"freqs_cis of shape {list(freqs_cis.shape)}, unsqueezed at dim "
                          f"{unsqueeze_dim}, must broadcast with x's {list(pairs)} complex pairs "
                          f"to 4 dims ending in {pairs[-1]}")
-    ri = torch.view_as_real(f)
-    return _float_math(x, ri[..., 0], ri[..., 1], interleaved=True)
+    return _float_math(x, *_complex_members(freqs_cis, unsqueeze_dim, x.device), interleaved=True)
 
 
 def _unbind_layout(use_real_unbind_dim):
-    if use_real_unbind_dim == -1:
-        return True
-    if use_real_unbind_dim == -2:
-        return False
-    raise ValueError(f"`use_real_unbind_dim={use_real_unbind_dim}` but should be -1 or -2.")
+    if use_real_unbind_dim not in _INTERLEAVED:
+        raise ValueError(f"`use_real_unbind_dim={use_real_unbind_dim}` but should be -1 or -2.")
+    return _INTERLEAVED[use_real_unbind_dim]
 
 
 def _cos_sin(freqs_cis):
@@ -202,10 +224,10 @@ def apply_rotary_emb(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequen
     if not use_real:
         return _complex(x, freqs_cis, 2)
     interleaved = _unbind_layout(use_real_unbind_dim)
-    if sequence_dim not in (1, 2):
+    if sequence_dim not in _PLACES:
         raise ValueError(f"`sequence_dim={sequence_dim}` but should be 1 or 2.")
     cos, sin = _cos_sin(freqs_cis)
-    return _real(x, cos, sin, interleaved, _at_seq2 if sequence_dim == 2 else _at_seq1)
+    return _real(x, cos, sin, interleaved, _PLACES[sequence_dim])
 
 
 def apply_rotary_emb_qwen(x, freqs_cis, use_real=True, use_real_unbind_dim=-1):
@@ -253,9 +275,13 @@ def apply_rotary_emb_wan(hidden_states, freqs_cos, freqs_sin):
     Wan reads them (any tables). Computed in float32 (float64 if either is), in x's dtype."""
     x = hidden_states
     _check_freqs(x, freqs_cos, freqs_sin, x.shape[-1], "hidden_states")
-    c = float32_table(freqs_cos[..., 0::2].to(x.device))
-    s = float32_table(freqs_sin[..., 1::2].to(x.device))
+    c, s = (float32_table(t.to(x.device)) for t in _wan_members(freqs_cos, freqs_sin))
     return rotate_pairs(x, c, s, _math_dtype(x, c, s), interleaved=True).to(x.dtype)
+
+
+def _wan_members(freqs_cos, freqs_sin):
+    """The (..., D/2) tables Wan rotates pair (2i, 2i+1) by: cos at 2i, sin at 2i+1."""
+    return freqs_cos[..., 0::2], freqs_sin[..., 1::2]
 
 
 def apply_rotary_emb_mochi(x, freqs_cos, freqs_sin):
@@ -265,3 +291,90 @@ def apply_rotary_emb_mochi(x, freqs_cos, freqs_sin):
     _check_freqs(x, freqs_cos, freqs_sin, x.shape[-1] // 2, "x")
     c, s = float32_table(freqs_cos.to(x.device)), float32_table(freqs_sin.to(x.device))
     return _float_math(x, c, s, interleaved=True)
+
+
+# ---- one pass: the tables a fused q/k norm + RoPE takes ----
+
+def one_pass_tables(rope, x, *args, **kwargs):
+    """(cos, sin, interleaved) with which rope_ext's ops compute `rope(x, *args, **kwargs)` (rope:
+    one of this module's functions) in one pass of x, in float32: (..., D/2) float32 tables of one
+    entry per pair, on x's device, with x's number of dims (size 1 where they broadcast); pairs
+    (2i, 2i+1) if interleaved, else (i, i + D/2). Float64 tables are rounded to float32 (`rope`
+    computes in float64 with them: the results differ by float32 rounding). None where one pass
+    does not compute what `rope` does (tables whose pairs differ or that need a gradient, a
+    float64 x, the full-width tables of a traced graph, tables that broadcast x to a larger
+    shape, any argument of an unusual form): `rope` itself then computes, or raises its error.
+    rope_ext.integrations.diffusers fuses a processor's q/k norms into its RoPE with these."""
+    tables = _ONE_PASS_TABLES.get(rope)
+    return None if tables is None else tables(x, *args, **kwargs)
+
+
+def _op_tables(x, cos, sin, interleaved):
+    """(cos, sin, interleaved) as one_pass_tables returns them, or None."""
+    if (cos.shape != sin.shape or cos.dim() > x.dim() or 2 * cos.shape[-1] != x.shape[-1]
+            or x.dtype == torch.float64 or cos.device != x.device or sin.device != x.device):
+        return None
+    lead = (None,) * (x.dim() - cos.dim())
+    cos, sin = cos[lead].to(torch.float32), sin[lead].to(torch.float32)
+    return (cos, sin, interleaved) if broadcasts_within(cos, x) else None
+
+
+def _tensors(*ts):
+    return all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in ts)
+
+
+def _real_tables(x, freqs, interleaved, place):
+    """The one-pass tables of the real form's full-width (cos, sin) as `place` puts them
+    against x (None: see _real, which takes the same one pass where these are not None)."""
+    if not isinstance(freqs, (tuple, list)) or len(freqs) != 2 or not _tensors(*freqs):
+        return None
+    cos, sin = freqs
+    if cos.shape != sin.shape or cos.dim() < 1 or _table_grads(cos, sin):
+        return None
+    paired = _paired(cos, sin, interleaved)
+    return None if paired is None else _op_tables(x, place(paired[0]), place(paired[1]), interleaved)
+
+
+def _complex_tables(x, freqs_cis, unsqueeze_dim):
+    if not isinstance(freqs_cis, torch.Tensor) or not freqs_cis.is_complex() or \
+            freqs_cis.device != x.device or freqs_cis.dim() < unsqueeze_dim:
+        return None
+    return _op_tables(x, *_complex_members(freqs_cis, unsqueeze_dim, x.device), True)
+
+
+def _apply_rotary_emb_tables(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequence_dim=2):
+    if not use_real:
+        return _complex_tables(x, freqs_cis, 2)
+    if use_real_unbind_dim not in _INTERLEAVED or sequence_dim not in _PLACES or \
+            not isinstance(freqs_cis, (tuple, list)) or any(getattr(t, "ndim", 0) != 2 for t in freqs_cis):
+        return None  # (diffusers' placing indexes (S, D) tables)
+    return _real_tables(x, freqs_cis, _INTERLEAVED[use_real_unbind_dim], _PLACES[sequence_dim])
+
+
+def _qwen_tables(x, freqs_cis, use_real=True, use_real_unbind_dim=-1):
+    if not use_real:
+        return _complex_tables(x, freqs_cis, 1)
+    if use_real_unbind_dim not in _INTERLEAVED:
+        return None
+    return _real_tables(x, freqs_cis, _INTERLEAVED[use_real_unbind_dim], _at_front)
+
+
+def _ltx_tables(x, freqs):
+    return _real_tables(x, freqs, True, lambda t: t)
+
+
+def _wan_tables(x, freqs_cos, freqs_sin):
+    if not _tensors(freqs_cos, freqs_sin) or freqs_cos.shape[-1:] != x.shape[-1:]:
+        return None
+    return _op_tables(x, *_wan_members(freqs_cos, freqs_sin), True)
+
+
+def _mochi_tables(x, freqs_cos, freqs_sin):
+    if not _tensors(freqs_cos, freqs_sin):
+        return None
+    return _op_tables(x, freqs_cos, freqs_sin, True)
+
+
+_ONE_PASS_TABLES = {apply_rotary_emb: _apply_rotary_emb_tables, apply_rotary_emb_qwen: _qwen_tables,
+                    apply_rotary_emb_ltx: _ltx_tables, apply_rotary_emb_wan: _wan_tables,
+                    apply_rotary_emb_mochi: _mochi_tables}

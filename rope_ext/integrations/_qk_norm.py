@@ -514,15 +514,19 @@ _global_hooks = (_module_hooks._global_forward_hooks, _module_hooks._global_forw
                  _module_hooks._global_backward_hooks, _module_hooks._global_backward_pre_hooks)
 
 
+def plain_call(module):
+    """Whether calling `module` (an nn.Module) runs just its class's forward: no hooks of its own
+    or global ones, no forward set on the instance (those would not run inside a fused op)."""
+    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or "forward" in module.__dict__ or any(_global_hooks))
+
+
 def _stand_in(norm, x):
     """(weight, eps, unit_offset) when the op can stand in for calling `norm` on x, else None:
-    a module whose call runs just its class's forward (no hooks of its own or global ones, no
-    instance forward: those would not run inside the op), of an RMSNorm form the op computes
-    (one replaced after patch by another kind of module, an Identity say, is not), its weight
-    over x's last dim."""
-    if (not isinstance(norm, torch.nn.Module) or norm._forward_hooks or norm._forward_pre_hooks
-            or norm._backward_hooks or norm._backward_pre_hooks or "forward" in norm.__dict__
-            or any(_global_hooks)):
+    a module whose call runs just its class's forward (plain_call), of an RMSNorm form the op
+    computes (one replaced after patch by another kind of module, an Identity say, is not), its
+    weight over x's last dim."""
+    if not isinstance(norm, torch.nn.Module) or not plain_call(norm):
         return None
     form = _norm_forms.get(type(norm)) or _norm_form(norm)  # a class first seen here: probed
     if form is None:

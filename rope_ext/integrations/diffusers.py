@@ -6,8 +6,16 @@
 
 What is patched: each attention processor of a class listed in PROCESSORS has its `__class__`
 set to a subclass defined here under the same name (rope_ext.integrations.diffusers.<name>),
-whose `__call__` is diffusers' own code with one change: the RoPE function it calls (a global,
-a local import, or a function defined inside `__call__`) is the rope_ext.compat.diffusers twin.
+whose `__call__` is diffusers' own code with two changes: the RoPE function it calls (a global,
+a local import, or a function defined inside `__call__`) is the rope_ext.compat.diffusers twin;
+and its q/k norms run fused with that RoPE wherever the tokens they norm are rotated, one
+rope.norm_rope call normalizing and rotating query and key (rope_ext.integrations._dit_prologue:
+REWRITES, per processor, the few statements of diffusers' source that change and what replaces
+them; tokens normed but never rotated keep diffusers' norm). The replacement decides at each call
+whether the op computes what the norm modules do (an exact norm class it knows, no hooks, one
+head's or one token's width, tables it takes in one pass); where not, the modules run and then
+the twin, as with the RoPE alone. A processor whose installed source does not hold the statements
+its rewrites expect gets the RoPE redirect only (its class's `_rope_ext_fused` tells which).
 The subclass is built once per process from diffusers' source, compiled in the diffusers module's
 globals, so everything else the processor does is diffusers' code of the installed version. The
 instance keeps its state and identity; unpatch sets its class back. No wrapper, no global state
@@ -21,6 +29,7 @@ NotImplementedError) naming its class; nothing is changed then.
 """
 
 import ast
+import copy
 import importlib
 import inspect
 import textwrap
@@ -30,6 +39,7 @@ import types
 import torch
 
 from ..compat import diffusers as dfx
+from ._qk_norm import _statement_lists
 
 
 class UnsupportedModelError(ValueError, NotImplementedError):
@@ -136,6 +146,57 @@ class _Refused(Exception):
     pass
 
 
+def _statements(source):
+    return ast.parse(source).body
+
+
+def _at_line(nodes, lineno):
+    """nodes (parsed replacement statements) placed on diffusers' line `lineno`, for tracebacks."""
+    for node in nodes:
+        for sub in ast.walk(node):
+            if "lineno" in sub._attributes:
+                sub.lineno = sub.end_lineno = lineno
+                sub.col_offset = sub.end_col_offset = 0
+    return nodes
+
+
+def _find(fdef, statements):
+    """(the statement list, index) where the run `statements` (parsed) is in fdef, compared
+    structurally (ast.dump: names, values and layout, not comments or formatting), when it is
+    there exactly once; else None."""
+    want = [ast.dump(stmt) for stmt in statements]
+    found = []
+    for stmts in _statement_lists(fdef):
+        dumps = [ast.dump(stmt) for stmt in stmts]
+        found += [(stmts, i) for i in range(len(stmts) - len(want) + 1) if dumps[i:i + len(want)] == want]
+    return found[0] if len(found) == 1 else None
+
+
+def _fused_definition(fdef, rewrites):
+    """A copy of the __call__ definition fdef with each (diffusers' statements, replacement) of
+    rewrites (rope_ext.integrations._dit_prologue.REWRITES) made, or None where the installed
+    source does not hold each run of statements once, apart from the others."""
+    fdef = copy.deepcopy(fdef)
+    sites = []  # (the statement list, the run of it to replace, the replacement)
+    for statements, replacement in rewrites:
+        statements = _statements(statements)
+        where = _find(fdef, statements)
+        if where is None:
+            return None
+        stmts, i = where
+        sites.append((stmts, stmts[i:i + len(statements)], replacement))
+    inner = [id(node) for _, run, _ in sites for stmt in run for node in ast.walk(stmt)
+             if isinstance(node, ast.stmt)]
+    if len(inner) != len(set(inner)):
+        return None  # one run inside another
+    for stmts, run, replacement in sites:
+        i = next(j for j, stmt in enumerate(stmts) if stmt is run[0])
+        stmts[i:i + len(run)] = _at_line(_statements(replacement), run[0].lineno)
+        if not stmts:
+            stmts.append(_at_line([ast.Pass()], run[0].lineno)[0])
+    return fdef
+
+
 def _original_function(origin, module, name):
     """diffusers' own function a RoPE name stands for, to compare the replacement with."""
     if origin is None:
@@ -148,9 +209,10 @@ def _original_function(origin, module, name):
     return namespace[name]
 
 
-def _rewritten_call(base, module, names):
-    """base.__call__ recompiled from diffusers' source with its RoPE names redirected; returns
-    (function, {RoPE name: diffusers' function})."""
+def _rewritten_call(base, module, names, rewrites=()):
+    """base.__call__ recompiled from diffusers' source with `rewrites` made (where the source
+    holds them all: see _fused_definition) and its RoPE names redirected; returns (function,
+    {RoPE name: diffusers' function}, whether the rewrites were made)."""
     fn = base.__dict__.get("__call__")
     if not isinstance(fn, types.FunctionType):
         raise _Refused("it defines no __call__ of its own")
@@ -162,6 +224,9 @@ def _rewritten_call(base, module, names):
     fdef = tree.body[0]
     if not isinstance(fdef, ast.FunctionDef) or fdef.decorator_list or fn.__code__.co_freevars:
         raise _Refused("its __call__ is decorated or a closure")
+    fused = _fused_definition(fdef, rewrites) if rewrites else None
+    if fused is not None:
+        tree.body[0] = fdef = fused
     renames = {name: _GLOBAL_PREFIX + target for name, target in names.items()}
     redirect = _Redirect(renames, module)
     redirect.visit(fdef)
@@ -176,7 +241,7 @@ def _rewritten_call(base, module, names):
     new.__annotations__ = dict(fn.__annotations__)
     new.__qualname__, new.__module__, new.__doc__ = fn.__qualname__, __name__, fn.__doc__
     originals = {name: _original_function(redirect.origins.get(name), module, name) for name in names}
-    return new, originals
+    return new, originals, fused is not None
 
 
 def _processor_class(name):
@@ -188,8 +253,11 @@ def _processor_class(name):
         modname, names = PROCESSORS[name]
         module = importlib.import_module(modname)
         base = getattr(module, name)
+        from . import _dit_prologue  # (imports diffusers)
+
+        rewrites = _dit_prologue.REWRITES.get(name, ())
         try:
-            call, originals = _rewritten_call(base, module, names)
+            call, originals, fused = _rewritten_call(base, module, names, rewrites)
         except _Refused as e:
             import diffusers
 
@@ -198,15 +266,19 @@ def _processor_class(name):
                 f"{diffusers.__version__}: {e}") from None
         for rope_name, target in names.items():
             _verify(target, originals[rope_name], name)
-        for target in names.values():  # the globals the rewritten __call__ reads
-            setattr(module, _GLOBAL_PREFIX + target, getattr(dfx, target))
+        # the globals the rewritten __call__ reads
+        helpers = _dit_prologue.HELPERS if fused else {}
+        for global_name, value in [*((t, getattr(dfx, t)) for t in names.values()), *helpers.items()]:
+            setattr(module, _GLOBAL_PREFIX + global_name, value)
+        what = "q/k norms and RoPE fused" if fused else "RoPE"
         cls = type(name, (base,), {
             "__call__": call,
             "__module__": __name__,
             "__qualname__": name,
-            "__doc__": f"diffusers' {name} with its RoPE on rope_ext's ops "
+            "__doc__": f"diffusers' {name} with its {what} on rope_ext's ops "
                        f"(rope_ext.integrations.diffusers.patch).",
             "_rope_ext_base": base,
+            "_rope_ext_fused": fused,
         })
         _classes[name] = cls
         return cls
