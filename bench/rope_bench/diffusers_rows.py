@@ -20,6 +20,7 @@ import argparse
 import collections
 import datetime
 import json
+import math
 import os
 import platform
 import sys
@@ -332,7 +333,26 @@ def markdown(rows):
                  "floor: a copy of the activations (new q and k, at least).")
     lines.append("")
     lines += [f"- {SHAPES[f][0]}: {SHAPES[f][1]}" for f in dict.fromkeys(r["family"] for r in rows)]
+    lines += ["", "```", *plot(rows), "```"]
     return "\n".join(lines) + "\n"
+
+
+def plot(rows, per_doubling=4):
+    """A text plot of each row's speedups over diffusers eager (#) and compiled (=), on a log2
+    scale (per_doubling characters per 2x; `|` marks 1x): one with the table, no plotting
+    library needed."""
+    left = 2 * per_doubling  # room for slowdowns down to 1/4
+    out = [f"{'':<21}  rope_ext's speedup, log2 scale ({per_doubling} characters per 2x; | = 1x)"]
+    for r in rows:
+        for key, mark, what in (("x vs diffusers eager", "#", "eager"),
+                                ("x vs diffusers compiled", "=", "compiled")):
+            v = r.get(key)
+            if v is None:
+                continue
+            n = max(round(math.log2(v) * per_doubling), -left)
+            bar = " " * left + "|" + mark * n if n >= 0 else " " * (left + n) + mark * -n + "|"
+            out.append(f"{r['label']:<21}  {bar:<{left + 33}} {v:.2f}x {what}")
+    return out
 
 
 def _loadavg():
