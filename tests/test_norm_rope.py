@@ -12,7 +12,7 @@ from rope_ext import _qk_norm_reference as reference
 from rope_ext.qk_norm import norm_rope
 
 from conftest import native_cpu
-from test_qk_norm import TOLS
+from test_qk_norm import TOLS, rotated
 from test_cpu_isa import runnable
 
 ops = torch.ops.rope
@@ -41,15 +41,7 @@ def oracle(x, w, b, cos, sin, eps, norm, interleaved):
         y = y * w.double().reshape(shape)
     if b is not None:
         y = y + b.double().reshape(shape)
-    half = cos.shape[-1]
-    c, s = cos.double(), sin.double()
-    ia = torch.arange(half) * 2 if interleaved else torch.arange(half)
-    ib = ia + 1 if interleaved else ia + half
-    a, bb = y[..., ia], y[..., ib]
-    out = y.clone()
-    out[..., ia] = a * c - bb * s
-    out[..., ib] = bb * c + a * s
-    return out
+    return rotated(y, cos, sin, interleaved)
 
 
 def params(norm, heads, D, dtype, weight=True, bias=False):

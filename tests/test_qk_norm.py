@@ -28,7 +28,12 @@ def oracle(x, w, cos, sin, eps, unit_offset, interleaved):
     rotated by (cos, sin) (..., rotary_dim/2, broadcast)."""
     x = x.double()
     w = w.double() + (1.0 if unit_offset else 0.0)
-    y = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+    return rotated(x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w, cos, sin, interleaved)
+
+
+def rotated(y, cos, sin, interleaved):
+    """float64: the first 2 * cos.size(-1) dims of y rotated by (cos, sin) (..., rotary_dim/2,
+    broadcast), the rest as they are."""
     half = cos.shape[-1]
     c, s = cos.double(), sin.double()
     ia = torch.arange(half) * 2 if interleaved else torch.arange(half)
