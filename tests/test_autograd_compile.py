@@ -78,8 +78,10 @@ def test_gradcheck_through_in_place_ops(interleaved, mrope):
         pos = MPOS if mrope else POS
         return rope_ext.apply_rope_at(q, pos, cache, **kw), rope_ext.apply_rope_at(k, pos, cache, **kw)
 
-    assert torch.autograd.gradcheck(in_place, (q, k, cache))
-    assert torch.autograd.gradgradcheck(in_place, (q, k, cache))
+    # fast_mode: random projections of the Jacobians (the exact comparison of the gradients with
+    # the out-of-place op's follows), 13 s -> 1 s per case
+    assert torch.autograd.gradcheck(in_place, (q, k, cache), fast_mode=True)
+    assert torch.autograd.gradgradcheck(in_place, (q, k, cache), fast_mode=True)
     grads = [torch.randn(2, 5, 4, 16, dtype=torch.float64), torch.randn(2, 5, 2, 16, dtype=torch.float64)]
     a = torch.autograd.grad(in_place(q, k, cache), (q, k, cache), grads)
     b = torch.autograd.grad(out_of_place(q, k, cache), (q, k, cache), grads)
