@@ -53,6 +53,7 @@ struct F32Ops {
   // afterwards, only when it has any (kernels.h fix_bf16_nans). The same bits: a NaN code
   // (magnitude above 0x7F80) comes only from a NaN.
   static constexpr bool kBf16Pairs = true;
+  static constexpr bool kHalfSplitEvenOdd = false;  // pairs convert in order in one instruction
   static __m512i to_bf16_pair_raw(V lo, V hi) {
     return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
   }
@@ -65,7 +66,7 @@ struct F32Ops {
     return _mm512_cmpgt_epu16_mask(acc, _mm512_set1_epi16(0x7F80)) != 0;
   }
   // 32 bfloat16 to p: streamed when asked and p is 64-byte aligned, else a plain store.
-  static void write_bf16x32(BF16Bits* p, __m512i v, bool stream) {
+  static void write_bf16x2w(BF16Bits* p, __m512i v, bool stream) {
     if (stream && (reinterpret_cast<uintptr_t>(p) & 63) == 0) {
       _mm512_stream_si512(reinterpret_cast<__m512i*>(p), v);
     } else {

@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #include "convert.h"
 #include "dt_dispatch.h"
@@ -81,15 +82,17 @@ ROPE_INLINE void put(T* p, typename Ops::V v) {
   }
 }
 
-// ---- bfloat16 rows on AVX512_BF16 (Ops::kBf16Pairs), whose conversions bound the loop ----
-// Two float vectors round to 2 * W bfloat16 in one instruction:
-// - half-split rows take 2 * W elements of each half per step;
-// - interleaved rows load 2 * W values as one vector and split it into its W even elements (the
-//   pairs' first members) and W odd ones with a shift and a mask: plain tables, no lane swap;
-//   join_even_odd_raw puts them back in order with one word permute.
-// NaN codes are fixed once per block rather than per vector: each result is folded into a NanAcc,
-// and only a block that produced a NaN has its NaN codes set to 0xFFFF afterwards
-// (fix_bf16_nans), which is what the per-vector fix would have written.
+// ---- bfloat16 rows in pairs of vectors (Ops::kBf16Pairs), where conversions bound the loop ----
+// Interleaved rows load 2 * W values as one vector and split it into its W even elements (the
+// pairs' first members) and W odd ones with a shift and a mask (load_even_odd): plain tables, no
+// lane swap; join_even_odd_raw converts and puts them back in order. Half-split rows take 2 * W
+// elements of each half per step: on AVX512_BF16 in order (to_bf16_pair_raw, one instruction for
+// both vectors); with Ops::kHalfSplitEvenOdd (AVX2) as even and odd lanes too, against tables
+// laid out even/odd per 2 * W pairs (TableLayout::kEvenOdd), which saves AVX2 the lane-crossing
+// widen and pack of converting in order.
+// Where the conversion leaves NaN codes unfixed (AVX512_BF16), each result is folded into a
+// NanAcc, and only a block that produced a NaN has its NaN codes set to 0xFFFF afterwards
+// (fix_bf16_nans), which is what a per-vector fix would have written.
 // The arithmetic per element is the other variants', and so are the bits.
 template <class Ops, class = void>
 struct HasBf16Pairs : std::false_type {};
@@ -97,6 +100,16 @@ template <class Ops>
 struct HasBf16Pairs<Ops, std::enable_if_t<Ops::kBf16Pairs>> : std::true_type {};
 template <class Ops, typename x_t>
 constexpr bool kBf16Pairs = std::is_same<x_t, BF16Bits>::value && HasBf16Pairs<Ops>::value;
+template <class Ops, typename x_t>
+constexpr bool half_split_even_odd() {
+  if constexpr (kBf16Pairs<Ops, x_t>) {
+    return Ops::kHalfSplitEvenOdd;
+  } else {
+    return false;
+  }
+}
+template <class Ops, typename x_t>
+constexpr bool kHalfEvenOdd = half_split_even_odd<Ops, x_t>();
 
 // NaN codes (magnitude above 0x7F80) of n bfloat16 values to 0xFFFF, as float_to_bf16 writes
 // NaN. Values written with streaming stores are fenced first, so the reads see them.
@@ -108,10 +121,31 @@ void fix_bf16_nans(BF16Bits* p, int64_t n) {
   }
 }
 
-// Whether a row reads its tables duplicated per element, c2 = [c0, c0, c1, c1, ...] and
-// s2 = [-s0, s0, -s1, s1, ...] (interleaved rows, but for even/odd bf16), or plain c[i], s[i].
+// How a row reads its tables: plain c[i], s[i]; duplicated per element, c2 = [c0, c0, c1, c1, ...]
+// and s2 = [-s0, s0, -s1, s1, ...] (interleaved rows, but for even/odd bf16); or, for half-split
+// rows in even/odd lanes, each whole block of 2 * W pairs as its even pairs then its odd ones
+// (the rest plain).
+enum class TableLayout { kPlain, kPairDup, kEvenOdd };
 template <class Ops, typename x_t, bool kInterleaved>
-constexpr bool kPairDupTables = kInterleaved && !kBf16Pairs<Ops, x_t>;
+constexpr TableLayout kTableLayout =
+    kInterleaved ? (kBf16Pairs<Ops, x_t> ? TableLayout::kPlain : TableLayout::kPairDup)
+                 : (kHalfEvenOdd<Ops, x_t> ? TableLayout::kEvenOdd : TableLayout::kPlain);
+
+// Plain c and s of n pairs to TableLayout::kEvenOdd, in place.
+template <class Ops>
+ROPE_INLINE void split_even_odd_blocks(typename Ops::acc* c, typename Ops::acc* s, int64_t n) {
+  if constexpr (kHalfEvenOdd<Ops, BF16Bits>) {
+    constexpr int W = Ops::W;
+    for (int64_t b = 0; b + 2 * W <= n; b += 2 * W) {
+      for (auto* t : {c + b, s + b}) {
+        typename Ops::V even, odd;
+        Ops::split_even_odd(static_cast<const typename Ops::acc*>(t), even, odd);
+        Ops::store(t, even);
+        Ops::store(t + W, odd);
+      }
+    }
+  }
+}
 
 // ---- one contiguous block of n pairs ----
 
@@ -123,7 +157,27 @@ ROPE_INLINE void rotate_half_split(const x_t* a, const x_t* b, x_t* oa, x_t* ob,
   using V = typename Ops::V;
   constexpr int W = Ops::W;
   int64_t i = 0;
-  if constexpr (kBf16Pairs<Ops, x_t>) {
+  if constexpr (kHalfEvenOdd<Ops, x_t>) {  // tables: TableLayout::kEvenOdd
+    auto nan = Ops::nan_acc_init();
+    for (; i + 2 * W <= n; i += 2 * W) {
+      V ae, ao, be, bo;
+      Ops::load_even_odd(a + i, ae, ao);
+      Ops::load_even_odd(b + i, be, bo);
+      const V ce = Ops::load(c + i), se = Ops::load(s + i);
+      const V co = Ops::load(c + i + W), so = Ops::load(s + i + W);
+      const auto ra = Ops::join_even_odd_raw(Ops::sub(Ops::mul(ae, ce), Ops::mul(be, se)),
+                                             Ops::sub(Ops::mul(ao, co), Ops::mul(bo, so)));
+      const auto rb = Ops::join_even_odd_raw(Ops::add(Ops::mul(be, ce), Ops::mul(ae, se)),
+                                             Ops::add(Ops::mul(bo, co), Ops::mul(ao, so)));
+      nan = Ops::nan_acc(Ops::nan_acc(nan, ra), rb);
+      Ops::write_bf16x2w(oa + i, ra, kStream);
+      Ops::write_bf16x2w(ob + i, rb, kStream);
+    }
+    if (Ops::nan_any(nan)) {
+      fix_bf16_nans<kStream>(oa, i);
+      fix_bf16_nans<kStream>(ob, i);
+    }
+  } else if constexpr (kBf16Pairs<Ops, x_t>) {
     auto nan = Ops::nan_acc_init();
     for (; i + 2 * W <= n; i += 2 * W) {
       const V a0 = Ops::load(a + i), b0 = Ops::load(b + i);
@@ -135,8 +189,8 @@ ROPE_INLINE void rotate_half_split(const x_t* a, const x_t* b, x_t* oa, x_t* ob,
       const auto rb = Ops::to_bf16_pair_raw(Ops::add(Ops::mul(b0, c0), Ops::mul(a0, s0)),
                                             Ops::add(Ops::mul(b1, c1), Ops::mul(a1, s1)));
       nan = Ops::nan_acc(Ops::nan_acc(nan, ra), rb);
-      Ops::write_bf16x32(oa + i, ra, kStream);
-      Ops::write_bf16x32(ob + i, rb, kStream);
+      Ops::write_bf16x2w(oa + i, ra, kStream);
+      Ops::write_bf16x2w(ob + i, rb, kStream);
     }
     if (Ops::nan_any(nan)) {
       fix_bf16_nans<kStream>(oa, i);
@@ -173,7 +227,7 @@ ROPE_INLINE void rotate_interleaved(const x_t* x, x_t* out, const typename Ops::
       const auto r = Ops::join_even_odd_raw(Ops::sub(Ops::mul(a, vc), Ops::mul(b, vs)),
                                             Ops::add(Ops::mul(b, vc), Ops::mul(a, vs)));
       nan = Ops::nan_acc(nan, r);
-      Ops::write_bf16x32(out + 2 * p, r, kStream);
+      Ops::write_bf16x2w(out + 2 * p, r, kStream);
     }
     if (Ops::nan_any(nan)) fix_bf16_nans<kStream>(out, 2 * p);
     for (; p < n; ++p) {
@@ -208,9 +262,10 @@ struct TableRows {
 };
 
 // A block of pairs [b0, b0 + n) of a token's cos/sin, converted for the row kernels (see
-// kPairDupTables), re-converted only when the source rows or the block change.
-template <class Ops, bool kPairDup>
+// kTableLayout), re-converted only when the source rows or the block change.
+template <class Ops, TableLayout kLayout>
 struct TableBlock {
+  static constexpr bool kPairDup = kLayout == TableLayout::kPairDup;
   using acc = typename Ops::acc;
   alignas(64) acc c[2 * kBlockPairs];
   alignas(64) acc s[2 * kBlockPairs];
@@ -240,6 +295,16 @@ struct TableBlock {
           const T* cs = static_cast<const T*>(r.cos[0]) + b0;
           const T* ss = static_cast<const T*>(r.sin[0]) + b0;
           int64_t i = 0;
+          if constexpr (kLayout == TableLayout::kEvenOdd) {
+            for (; i + 2 * Ops::W <= n; i += 2 * Ops::W) {
+              for (auto [from, to] : {std::pair(cs, c), std::pair(ss, s)}) {
+                typename Ops::V even, odd;
+                Ops::split_even_odd(from + i, even, odd);
+                Ops::store(to + i, even);
+                Ops::store(to + i + Ops::W, odd);
+              }
+            }
+          }
           for (; i + Ops::W <= n; i += Ops::W) {
             Ops::store(c + i, Ops::load(cs + i));
             Ops::store(s + i, Ops::load(ss + i));
@@ -266,6 +331,7 @@ struct TableBlock {
           s[i] = sv;
         }
       }
+      if (kLayout == TableLayout::kEvenOdd) split_even_odd_blocks<Ops>(c, s, n);
     });
   }
 };
@@ -382,15 +448,15 @@ template <typename x_t, bool kInterleaved>
 void rotate_tokens_impl(const RotateJob& job, int64_t b, int64_t e, TokenHook hook) {
   using Ops = OpsFor<x_t>;
   using acc = typename Ops::acc;
-  constexpr bool kPairDup = kPairDupTables<Ops, x_t, kInterleaved>;
+  constexpr TableLayout kLayout = kTableLayout<Ops, x_t, kInterleaved>;
   const RotateGeometry& g = *job.g;
   const TableDesc& t = g.table;
   const int64_t half = g.half;
-  // Forward half-split rows with tables in the arithmetic type, contiguous: read in place.
+  // Forward plain-layout rows with tables in the arithmetic type, contiguous: read in place.
   constexpr int kAccDt = std::is_same<acc, double>::value ? kF64 : kF32;
-  const bool direct = !kPairDup && t.kind != TableKind::kMrope && !g.inverse &&
-                      job.table_dt == kAccDt && t.cos_col == 1 && t.sin_col == 1;
-  TableBlock<Ops, kPairDup> tables;
+  const bool direct = kLayout == TableLayout::kPlain && t.kind != TableKind::kMrope &&
+                      !g.inverse && job.table_dt == kAccDt && t.cos_col == 1 && t.sin_col == 1;
+  TableBlock<Ops, kLayout> tables;
   const x_t* src[2] = {static_cast<const x_t*>(job.src[0]), static_cast<const x_t*>(job.src[1])};
   x_t* dst[2] = {static_cast<x_t*>(job.dst[0]), static_cast<x_t*>(job.dst[1])};
   for_each_run(g.lead, b, e,

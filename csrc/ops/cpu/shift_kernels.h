@@ -9,8 +9,8 @@ namespace rope {
 namespace {
 
 // The unit rotation of table row |k| (sin negated for k < 0) for pairs [b0, b0 + n), laid out
-// as the row kernels of x_t read it (kPairDupTables).
-template <class Ops, bool kPairDup>
+// as the row kernels read it (kTableLayout).
+template <class Ops, TableLayout kLayout>
 void unit_rotation_block(const ShiftJob& job, int64_t k, int64_t b0, int64_t n,
                          typename Ops::acc* c, typename Ops::acc* s) {
   using acc = typename Ops::acc;
@@ -30,7 +30,7 @@ void unit_rotation_block(const ShiftJob& job, int64_t k, int64_t b0, int64_t n,
   const bool negative = k < 0;
   for (int64_t j = 0; j < n; ++j) unit_rotation(cb[j], sb[j], negative, cb[j], sb[j]);
   for (int64_t j = 0; j < n; ++j) {
-    if (kPairDup) {  // a*c + b*(-s) has the bits of a*c - b*s
+    if (kLayout == TableLayout::kPairDup) {  // a*c + b*(-s) has the bits of a*c - b*s
       c[2 * j] = c[2 * j + 1] = cb[j];
       s[2 * j] = -sb[j];
       s[2 * j + 1] = sb[j];
@@ -39,6 +39,7 @@ void unit_rotation_block(const ShiftJob& job, int64_t k, int64_t b0, int64_t n,
       s[j] = sb[j];
     }
   }
+  if (kLayout == TableLayout::kEvenOdd) split_even_odd_blocks<Ops>(c, s, n);
 }
 
 // The elements of pairs [b0, b0 + n) of a row as at most two contiguous runs of the row (in
@@ -111,7 +112,9 @@ void shift_slots_impl(const ShiftJob& job, int64_t b, int64_t e) {
   constexpr bool kFp8 = kFormat != CacheFormat::kSame;
   using Ops = std::conditional_t<kFp8, F32Ops, OpsFor<x_t>>;
   using acc = typename Ops::acc;
-  constexpr bool kPairDup = kFp8 ? kInterleaved : kPairDupTables<Ops, x_t, kInterleaved>;
+  // Float8 rows are rotated as float blocks.
+  constexpr TableLayout kLayout =
+      kTableLayout<Ops, std::conditional_t<kFp8, float, x_t>, kInterleaved>;
   const ShiftDesc& d = *job.d;
   const CacheStrides& kc = d.kc;
   const TargetDesc tg{d.heads, kc.head, kc.head, kc.last, kc.last};
@@ -139,7 +142,7 @@ void shift_slots_impl(const ShiftJob& job, int64_t b, int64_t e) {
       // The rotation is reused by the next slots while their delta is the same (one delta for
       // every slot: computed once per task).
       if (!(one_block && have && k == cached)) {
-        unit_rotation_block<Ops, kPairDup>(job, k, b0, n, c, s);
+        unit_rotation_block<Ops, kLayout>(job, k, b0, n, c, s);
         cached = k;
         have = true;
       }
