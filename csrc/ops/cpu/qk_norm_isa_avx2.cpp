@@ -15,6 +15,9 @@
 #define ROPE_ISA_TARGET "avx2,fma,f16c"
 #include "isa_target_begin.h"
 
+#include <immintrin.h>
+
+#define ROPE_QK_AVX2_BF16 1
 #include "qk_norm_kernels.h"
 
 #include "isa_target_end.h"

@@ -182,13 +182,15 @@ inline void norm_tail(const x_t* src, int64_t sl, x_t* dst, int64_t dl, const ac
 }
 
 
-// A row of kD float results to bfloat16. With AVX512_BF16 (ROPE_QK_NATIVE_BF16, defined by
-// that variant's file): one instruction rounds 32 values to nearest even, then NaN lanes become
-// torch's 0xFFFF. Like the rotation kernels' variant, it treats float denormals (below 1.2e-38)
-// as zero, unlike torch's conversion (docs/cpu-performance.md).
-#ifdef ROPE_QK_NATIVE_BF16
+// A row of kD float results to bfloat16, whole vectors at once. With AVX512_BF16
+// (ROPE_QK_NATIVE_BF16, defined by that variant's file): one instruction rounds 32 values to
+// nearest even, then NaN lanes become torch's 0xFFFF. Like the rotation kernels' variant, it
+// treats float denormals (below 1.2e-38) as zero, unlike torch's conversion
+// (docs/cpu-performance.md). With AVX2 (ROPE_QK_AVX2_BF16): the rotation kernels' rounding
+// (isa_avx2.cpp round_hi), 16 values per packed store, the bits of from_f.
+#if defined(ROPE_QK_NATIVE_BF16)
 template <typename x_t>
-constexpr bool kNativeBf16Rows = std::is_same_v<x_t, BF16Bits>;
+constexpr bool kVectorBf16Rows = std::is_same_v<x_t, BF16Bits>;
 
 template <int kD>
 ROPE_QK_INLINE void store_bf16_row(BF16Bits* d, const float* out) {
@@ -202,9 +204,31 @@ ROPE_QK_INLINE void store_bf16_row(BF16Bits* d, const float* out) {
     _mm512_storeu_si512(d + j, _mm512_mask_mov_epi16(r, nan, _mm512_set1_epi16(-1)));
   }
 }
+#elif defined(ROPE_QK_AVX2_BF16)
+template <typename x_t>
+constexpr bool kVectorBf16Rows = std::is_same_v<x_t, BF16Bits>;
+
+ROPE_QK_INLINE __m256i bf16_codes_low(__m256 v) {  // rounded, NaN 0xFFFF, in the low halves
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_srli_epi32(_mm256_or_si256(r, nan), 16);
+}
+
+template <int kD>
+ROPE_QK_INLINE void store_bf16_row(BF16Bits* d, const float* out) {
+  static_assert(kD % 16 == 0, "whole pairs of vectors");
+  for (int j = 0; j < kD; j += 16) {
+    const __m256i packed = _mm256_packus_epi32(bf16_codes_low(_mm256_load_ps(out + j)),
+                                               bf16_codes_low(_mm256_load_ps(out + j + 8)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + j),
+                        _mm256_permute4x64_epi64(packed, 0xD8));  // lanes' quarters in order
+  }
+}
 #else
 template <typename x_t>
-constexpr bool kNativeBf16Rows = false;
+constexpr bool kVectorBf16Rows = false;
 
 template <int kD>
 ROPE_QK_INLINE void store_bf16_row(BF16Bits*, const float*) {}
@@ -276,7 +300,7 @@ ROPE_QK_INLINE void group_rotate(const x_t* src, x_t* dst, int64_t src_head, int
     for (int g = 0; g < kG; ++g) {
       x_t* d = dst + g * dst_head;
       const acc r = rows.r[g];
-      if constexpr (kNativeBf16Rows<x_t>) {  // the results in float, then converted at once
+      if constexpr (kVectorBf16Rows<x_t>) {  // the results in float, then converted at once
         alignas(64) float lo[kChunk], hi[kChunk];
         for (int l = 0; l < kChunk; ++l) {
           const int i = j + l;
