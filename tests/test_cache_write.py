@@ -181,10 +181,11 @@ def test_compiles_without_graph_break():
 
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
-@pytest.mark.parametrize("scale", [1.0, 0.37])
+@pytest.mark.parametrize("scale", [1.0, 0.37, 2.0**-6, 2.0**100, 2.0**-126])
 def test_fp8_store_of_every_bfloat16_value_is_torchs(fmt, scale):
     """Every one of the 65536 bfloat16 bit patterns as a value row, stored through the CPU's
-    vectorized float8 conversion: the bits torch's own conversion gives (NaN: a NaN)."""
+    vectorized float8 conversion: the bits torch's own conversion gives (NaN: a NaN). Scales
+    from 1 to those that take every value to a subnormal or zero."""
     T, D = 512, 128
     v = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     v = v.reshape(T, 1, D)
