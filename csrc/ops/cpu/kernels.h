@@ -149,6 +149,26 @@ ROPE_INLINE void split_even_odd_blocks(typename Ops::acc* c, typename Ops::acc* 
 
 // ---- one contiguous block of n pairs ----
 
+// 2 * W bfloat16 of a half-split row as two vectors (kBf16Pairs): even and odd lanes with
+// kHalfSplitEvenOdd (tables laid out to match, TableLayout::kEvenOdd), else in order; and back.
+template <class Ops>
+ROPE_INLINE void load_half_pair(const BF16Bits* p, typename Ops::V& v0, typename Ops::V& v1) {
+  if constexpr (kHalfEvenOdd<Ops, BF16Bits>) {
+    Ops::load_even_odd(p, v0, v1);
+  } else {
+    v0 = Ops::load(p);
+    v1 = Ops::load(p + Ops::W);
+  }
+}
+template <class Ops>
+ROPE_INLINE auto convert_half_pair(typename Ops::V v0, typename Ops::V v1) {
+  if constexpr (kHalfEvenOdd<Ops, BF16Bits>) {
+    return Ops::join_even_odd_raw(v0, v1);
+  } else {
+    return Ops::to_bf16_pair_raw(v0, v1);
+  }
+}
+
 // Half-split pairs (a[i], b[i]): (a*c - b*s, b*c + a*s), s already negated for the inverse.
 template <class Ops, bool kStream, typename x_t>
 ROPE_INLINE void rotate_half_split(const x_t* a, const x_t* b, x_t* oa, x_t* ob,
@@ -157,37 +177,18 @@ ROPE_INLINE void rotate_half_split(const x_t* a, const x_t* b, x_t* oa, x_t* ob,
   using V = typename Ops::V;
   constexpr int W = Ops::W;
   int64_t i = 0;
-  if constexpr (kHalfEvenOdd<Ops, x_t>) {  // tables: TableLayout::kEvenOdd
+  if constexpr (kBf16Pairs<Ops, x_t>) {
     auto nan = Ops::nan_acc_init();
     for (; i + 2 * W <= n; i += 2 * W) {
-      V ae, ao, be, bo;
-      Ops::load_even_odd(a + i, ae, ao);
-      Ops::load_even_odd(b + i, be, bo);
-      const V ce = Ops::load(c + i), se = Ops::load(s + i);
-      const V co = Ops::load(c + i + W), so = Ops::load(s + i + W);
-      const auto ra = Ops::join_even_odd_raw(Ops::sub(Ops::mul(ae, ce), Ops::mul(be, se)),
-                                             Ops::sub(Ops::mul(ao, co), Ops::mul(bo, so)));
-      const auto rb = Ops::join_even_odd_raw(Ops::add(Ops::mul(be, ce), Ops::mul(ae, se)),
-                                             Ops::add(Ops::mul(bo, co), Ops::mul(ao, so)));
-      nan = Ops::nan_acc(Ops::nan_acc(nan, ra), rb);
-      Ops::write_bf16x2w(oa + i, ra, kStream);
-      Ops::write_bf16x2w(ob + i, rb, kStream);
-    }
-    if (Ops::nan_any(nan)) {
-      fix_bf16_nans<kStream>(oa, i);
-      fix_bf16_nans<kStream>(ob, i);
-    }
-  } else if constexpr (kBf16Pairs<Ops, x_t>) {
-    auto nan = Ops::nan_acc_init();
-    for (; i + 2 * W <= n; i += 2 * W) {
-      const V a0 = Ops::load(a + i), b0 = Ops::load(b + i);
-      const V a1 = Ops::load(a + i + W), b1 = Ops::load(b + i + W);
+      V a0, a1, b0, b1;
+      load_half_pair<Ops>(a + i, a0, a1);
+      load_half_pair<Ops>(b + i, b0, b1);
       const V c0 = Ops::load(c + i), s0 = Ops::load(s + i);
       const V c1 = Ops::load(c + i + W), s1 = Ops::load(s + i + W);
-      const auto ra = Ops::to_bf16_pair_raw(Ops::sub(Ops::mul(a0, c0), Ops::mul(b0, s0)),
-                                            Ops::sub(Ops::mul(a1, c1), Ops::mul(b1, s1)));
-      const auto rb = Ops::to_bf16_pair_raw(Ops::add(Ops::mul(b0, c0), Ops::mul(a0, s0)),
-                                            Ops::add(Ops::mul(b1, c1), Ops::mul(a1, s1)));
+      const auto ra = convert_half_pair<Ops>(Ops::sub(Ops::mul(a0, c0), Ops::mul(b0, s0)),
+                                             Ops::sub(Ops::mul(a1, c1), Ops::mul(b1, s1)));
+      const auto rb = convert_half_pair<Ops>(Ops::add(Ops::mul(b0, c0), Ops::mul(a0, s0)),
+                                             Ops::add(Ops::mul(b1, c1), Ops::mul(a1, s1)));
       nan = Ops::nan_acc(Ops::nan_acc(nan, ra), rb);
       Ops::write_bf16x2w(oa + i, ra, kStream);
       Ops::write_bf16x2w(ob + i, rb, kStream);
