@@ -11,6 +11,8 @@
 
 #include <immintrin.h>
 
+#include "avx2_bf16.h"
+
 namespace rope {
 namespace {
 
@@ -29,16 +31,8 @@ struct F32Ops {
   }
 
   static __m128i to_half(V v) { return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT); }
-  // Rounded to nearest even with the code in each lane's high half; NaN lanes all ones, so
-  // their code is 0xFFFF (convert.h float_to_bf16).
-  static __m256i round_hi(V v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
-    return _mm256_or_si256(r, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-  }
   static __m128i to_bf16(V v) {
-    const __m256i r = _mm256_srli_epi32(round_hi(v), 16);
+    const __m256i r = _mm256_srli_epi32(bf16_round_hi(v), 16);
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
   }
 
@@ -48,14 +42,15 @@ struct F32Ops {
   // lane-crossing shuffles. Measured on a Zen 2 core: 0.71 of the time per bfloat16 row.
   static constexpr bool kBf16Pairs = true;
   static constexpr bool kHalfSplitEvenOdd = true;
-  struct NanAcc {};  // round_hi fixes NaN codes per vector: nothing is left to fix afterwards
+  struct NanAcc {};  // bf16_round_hi fixes NaN codes per vector: nothing is left to fix afterwards
   static NanAcc nan_acc_init() { return {}; }
   static NanAcc nan_acc(NanAcc acc, __m256i) { return acc; }
   static constexpr bool nan_any(NanAcc) { return false; }
   static void load_even_odd(const BF16Bits* p, V& even, V& odd) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-    odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(v, high));
   }
   // 16 table values as their 8 even and 8 odd elements, in float (tables of kHalfSplitEvenOdd
   // rows): bfloat16 as load_even_odd, the others loaded in order, then split within each 128-bit
@@ -72,7 +67,7 @@ struct F32Ops {
   static void split_even_odd(const BF16Bits* p, V& even, V& odd) { load_even_odd(p, even, odd); }
   // The inverse of load_even_odd: word 2j is even's lane j, word 2j + 1 odd's.
   static __m256i join_even_odd_raw(V even, V odd) {
-    return _mm256_blend_epi16(_mm256_srli_epi32(round_hi(even), 16), round_hi(odd), 0xAA);
+    return _mm256_blend_epi16(_mm256_srli_epi32(bf16_round_hi(even), 16), bf16_round_hi(odd), 0xAA);
   }
   // 16 bfloat16 to p: streamed when asked and p is 32-byte aligned, else a plain store.
   static void write_bf16x2w(BF16Bits* p, __m256i v, bool stream) {

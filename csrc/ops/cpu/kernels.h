@@ -131,20 +131,29 @@ constexpr TableLayout kTableLayout =
     kInterleaved ? (kBf16Pairs<Ops, x_t> ? TableLayout::kPlain : TableLayout::kPairDup)
                  : (kHalfEvenOdd<Ops, x_t> ? TableLayout::kEvenOdd : TableLayout::kPlain);
 
-// Plain c and s of n pairs to TableLayout::kEvenOdd, in place.
-template <class Ops>
-ROPE_INLINE void split_even_odd_blocks(typename Ops::acc* c, typename Ops::acc* s, int64_t n) {
+// The whole blocks of 2 * W pairs of plain tables cs, ss (any type Ops loads) to
+// TableLayout::kEvenOdd in c, s (which may be cs, ss themselves); returns the pairs done.
+template <class Ops, typename T>
+ROPE_INLINE int64_t even_odd_blocks(const T* cs, const T* ss, typename Ops::acc* c,
+                                    typename Ops::acc* s, int64_t n) {
+  int64_t i = 0;
   if constexpr (kHalfEvenOdd<Ops, BF16Bits>) {
     constexpr int W = Ops::W;
-    for (int64_t b = 0; b + 2 * W <= n; b += 2 * W) {
-      for (auto* t : {c + b, s + b}) {
+    for (; i + 2 * W <= n; i += 2 * W) {
+      for (auto [from, to] : {std::pair(cs + i, c + i), std::pair(ss + i, s + i)}) {
         typename Ops::V even, odd;
-        Ops::split_even_odd(static_cast<const typename Ops::acc*>(t), even, odd);
-        Ops::store(t, even);
-        Ops::store(t + W, odd);
+        Ops::split_even_odd(from, even, odd);  // both loads before the stores: in place is fine
+        Ops::store(to, even);
+        Ops::store(to + W, odd);
       }
     }
   }
+  return i;
+}
+template <class Ops>
+ROPE_INLINE void even_odd_blocks_in_place(typename Ops::acc* c, typename Ops::acc* s, int64_t n) {
+  using acc = typename Ops::acc;
+  even_odd_blocks<Ops>(static_cast<const acc*>(c), static_cast<const acc*>(s), c, s, n);
 }
 
 // ---- one contiguous block of n pairs ----
@@ -296,16 +305,7 @@ struct TableBlock {
           const T* cs = static_cast<const T*>(r.cos[0]) + b0;
           const T* ss = static_cast<const T*>(r.sin[0]) + b0;
           int64_t i = 0;
-          if constexpr (kLayout == TableLayout::kEvenOdd) {
-            for (; i + 2 * Ops::W <= n; i += 2 * Ops::W) {
-              for (auto [from, to] : {std::pair(cs, c), std::pair(ss, s)}) {
-                typename Ops::V even, odd;
-                Ops::split_even_odd(from + i, even, odd);
-                Ops::store(to + i, even);
-                Ops::store(to + i + Ops::W, odd);
-              }
-            }
-          }
+          if constexpr (kLayout == TableLayout::kEvenOdd) i = even_odd_blocks<Ops>(cs, ss, c, s, n);
           for (; i + Ops::W <= n; i += Ops::W) {
             Ops::store(c + i, Ops::load(cs + i));
             Ops::store(s + i, Ops::load(ss + i));
@@ -332,7 +332,7 @@ struct TableBlock {
           s[i] = sv;
         }
       }
-      if (kLayout == TableLayout::kEvenOdd) split_even_odd_blocks<Ops>(c, s, n);
+      if (kLayout == TableLayout::kEvenOdd) even_odd_blocks_in_place<Ops>(c, s, n);
     });
   }
 };

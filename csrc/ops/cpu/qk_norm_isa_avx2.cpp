@@ -15,7 +15,7 @@
 #define ROPE_ISA_TARGET "avx2,fma,f16c"
 #include "isa_target_begin.h"
 
-#include <immintrin.h>
+#include "avx2_bf16.h"
 
 #define ROPE_QK_AVX2_BF16 1
 #include "qk_norm_kernels.h"

@@ -187,7 +187,7 @@ inline void norm_tail(const x_t* src, int64_t sl, x_t* dst, int64_t dl, const ac
 // nearest even, then NaN lanes become torch's 0xFFFF. Like the rotation kernels' variant, it
 // treats float denormals (below 1.2e-38) as zero, unlike torch's conversion
 // (docs/cpu-performance.md). With AVX2 (ROPE_QK_AVX2_BF16): the rotation kernels' rounding
-// (isa_avx2.cpp round_hi), 16 values per packed store, the bits of from_f.
+// (avx2_bf16.h), 16 values per packed store, the bits of from_f.
 #if defined(ROPE_QK_NATIVE_BF16)
 template <typename x_t>
 constexpr bool kVectorBf16Rows = std::is_same_v<x_t, BF16Bits>;
@@ -208,12 +208,8 @@ ROPE_QK_INLINE void store_bf16_row(BF16Bits* d, const float* out) {
 template <typename x_t>
 constexpr bool kVectorBf16Rows = std::is_same_v<x_t, BF16Bits>;
 
-ROPE_QK_INLINE __m256i bf16_codes_low(__m256 v) {  // rounded, NaN 0xFFFF, in the low halves
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  return _mm256_srli_epi32(_mm256_or_si256(r, nan), 16);
+ROPE_QK_INLINE __m256i bf16_codes_low(__m256 v) {  // avx2_bf16.h's codes, in the low halves
+  return _mm256_srli_epi32(bf16_round_hi(v), 16);
 }
 
 template <int kD>

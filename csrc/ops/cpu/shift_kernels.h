@@ -39,7 +39,7 @@ void unit_rotation_block(const ShiftJob& job, int64_t k, int64_t b0, int64_t n,
       s[j] = sb[j];
     }
   }
-  if (kLayout == TableLayout::kEvenOdd) split_even_odd_blocks<Ops>(c, s, n);
+  if (kLayout == TableLayout::kEvenOdd) even_odd_blocks_in_place<Ops>(c, s, n);
 }
 
 // The elements of pairs [b0, b0 + n) of a row as at most two contiguous runs of the row (in
