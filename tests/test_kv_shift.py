@@ -195,6 +195,43 @@ def test_native_matches_reference(dtype, kv_cache_dtype, table_dtype, interleave
     assert not torch.equal(a.view(torch.uint8), big.view(torch.uint8))
 
 
+@pytest.mark.parametrize("kv_cache_dtype", list(FP8))
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("k_scale", [1.0, 0.37, 2.0**-6])
+def test_fp8_every_code_pair_exactly(kv_cache_dtype, interleaved, k_scale):
+    """Every pair of float8 codes (NaNs, infinities, subnormals, both signs) shifted by rotations
+    that float arithmetic does exactly (0 and +-90 degrees): the native decoding, rotation and
+    encoding give the reference's bits, code for code. A NaN's sign is not compared: arithmetic
+    on NaNs leaves it unspecified (the kernels may fuse a multiply and subtract)."""
+    if not native_cpu():
+        pytest.skip("no native CPU library")
+    fmt = FP8[kv_cache_dtype]
+    half = 256
+    codes = torch.arange(256, dtype=torch.uint8)
+    first = codes[:, None].expand(256, half)  # slot i: code i paired with every code
+    second = codes[None, :].expand(256, half)
+    if interleaved:
+        rows = torch.stack((first, second), dim=-1).reshape(256, 2 * half)
+    else:
+        rows = torch.cat((first, second), dim=-1)
+    cache = rows.contiguous().view(fmt).view(256, 1, 1, 2 * half)
+    one, zero = torch.ones(half), torch.zeros(half)
+    cache_table = torch.stack((torch.cat((one, zero)), torch.cat((zero, one))))  # 0, 90 degrees
+    slots = torch.randperm(256)
+    delta = torch.randint(-1, 2, (256,))
+    scale = torch.tensor([k_scale])
+    a, b = cache.clone(), cache.clone()
+    rope_ext.shift_kv_cache_(a, slots, delta, cache_table, interleaved=interleaved,
+                             kv_cache_dtype=kv_cache_dtype, k_scale=scale)
+    ref.shift_kv_cache_(b, slots, delta, cache_table, interleaved=interleaved,
+                        kv_cache_dtype=kv_cache_dtype, k_scale=scale)
+    got, want = a.view(torch.uint8).flatten(), b.view(torch.uint8).flatten()
+    nan = a.float().isnan().flatten()
+    assert torch.equal(nan, b.float().isnan().flatten())
+    assert torch.equal(got[~nan], want[~nan])
+    assert not torch.equal(a.view(torch.uint8), cache.view(torch.uint8))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_round_trip_and_delta_forms(backend):
     cache_table = table("plain", 16, torch.float64)

@@ -68,4 +68,32 @@ ROPE_HD float fp8_to_float(uint8_t code, CacheFormat format) {
   return bits_float(u);
 }
 
+// The same decoding without branches, for the CPU's loops over rows (they vectorize; see
+// float_to_fp8_lanes). A normal code is its bits moved into place with the exponent rebiased; a
+// subnormal one (exponent 0) is mant * 2^(1 - bias - mant_bits), exact in float; the all-ones
+// exponent is e5m2's infinity or NaN, and e4m3fn's NaN when the mantissa is all ones. NaNs
+// decode as the quiet NaN of their sign, like fp8_to_float (the same bits for every code:
+// tests/test_kv_shift.py shifts every pair of codes).
+template <CacheFormat kFormat>
+ROPE_HD float fp8_to_float_lanes(uint32_t code) {
+  constexpr bool kE4M3 = kFormat == CacheFormat::kE4M3FN;
+  constexpr int kMant = kE4M3 ? 3 : 2, kBias = kE4M3 ? 7 : 15;
+  const uint32_t sign = (code & 0x80u) << 24;
+  const uint32_t mag = code & 0x7Fu;
+  const uint32_t mant = mag & ((1u << kMant) - 1u);
+  const uint32_t normal = (mag << (23 - kMant)) + (static_cast<uint32_t>(127 - kBias) << 23);
+  const uint32_t subnormal =
+      float_bits(static_cast<float>(static_cast<int32_t>(mant)) *
+                 bits_float(static_cast<uint32_t>(127 + 1 - kBias - kMant) << 23));
+  // Selected by masks: GCC keeps `?:` on these as branches.
+  const uint32_t special =
+      kE4M3 ? 0x7FC00000u : 0x7F800000u | ((0u - static_cast<uint32_t>(mant != 0)) & 0x400000u);
+  const uint32_t special_mask =
+      0u - static_cast<uint32_t>(kE4M3 ? mag == 0x7Fu : mag >= (0x1Fu << kMant));
+  const uint32_t sub_mask = 0u - static_cast<uint32_t>(mag < (1u << kMant));
+  uint32_t u = (subnormal & sub_mask) | (normal & ~sub_mask);
+  u = (special & special_mask) | (u & ~special_mask);
+  return bits_float(u | sign);
+}
+
 }  // namespace rope

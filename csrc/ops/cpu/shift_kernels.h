@@ -3,7 +3,8 @@
 // kernels.h, so it is compiled once per ISA with the rotation kernels it reuses (rotate_heads):
 // a K-shift of a long context moves as many bytes as a copy of the cache rows, and the row loop
 // is the same vector code as rope.apply_'s. Float8 rows are decoded into a float block, rotated
-// there and encoded with the branch-free conversion (the same bits as float_to_fp8).
+// there and encoded, both with branch-free conversions (the same bits as fp8_to_float and
+// float_to_fp8).
 
 namespace rope {
 namespace {
@@ -55,18 +56,26 @@ PairSpans pair_spans(int64_t half, int64_t b0, int64_t n) {
   return PairSpans{{b0, half + b0}, {n, n}, 2};
 }
 
-// A float8 row's pairs [b0, b0 + n): decoded (one table read per code) into a float block,
-// rotated, encoded as saturated value / scale.
+// A float8 row's pairs [b0, b0 + n): decoded and dequantized (code * scale) into a float block,
+// rotated, encoded as saturated value / scale. Both conversions are branch-free lane code, so
+// the loops over a unit-stride row vectorize.
 template <CacheFormat kFormat, bool kInterleaved>
 void shift_fp8_row(uint8_t* row, int64_t last, int64_t half, int64_t b0, int64_t n,
-                   const float* c, const float* s, const float* decoded, float scale) {
+                   const float* c, const float* s, float scale) {
   constexpr Fp8Format kFp8 = kFormat == CacheFormat::kE4M3FN ? Fp8Format::kE4M3FN : Fp8Format::kE5M2;
   alignas(64) float buf[2 * kBlockPairs];
   const PairSpans sp = pair_spans<kInterleaved>(half, b0, n);
   int64_t k = 0;
   for (int i = 0; i < sp.spans; ++i) {
     const uint8_t* p = row + sp.start[i] * last;
-    for (int64_t e = 0; e < sp.count[i]; ++e) buf[k++] = decoded[p[e * last]];
+    float* out = buf + k;
+    const int64_t m = sp.count[i];
+    if (last == 1) {
+      for (int64_t e = 0; e < m; ++e) out[e] = fp8_to_float_lanes<kFormat>(p[e]) * scale;
+    } else {
+      for (int64_t e = 0; e < m; ++e) out[e] = fp8_to_float_lanes<kFormat>(p[e * last]) * scale;
+    }
+    k += m;
   }
   rotate_block<F32Ops, kInterleaved, false>(buf, buf, n, n, c, s);
   // Encoded in 32-bit lanes first, then narrowed as they are stored (see float_to_fp8_code).
@@ -118,12 +127,6 @@ void shift_slots_impl(const ShiftJob& job, int64_t b, int64_t e) {
   const ShiftDesc& d = *job.d;
   const CacheStrides& kc = d.kc;
   const TargetDesc tg{d.heads, kc.head, kc.head, kc.last, kc.last};
-  float decoded[kFp8 ? 256 : 1];
-  if constexpr (kFp8) {  // every code dequantized (code * k_scale), once per task
-    for (int code = 0; code < 256; ++code) {
-      decoded[code] = fp8_to_float(static_cast<uint8_t>(code), kFormat) * job.scale;
-    }
-  }
   alignas(64) acc c[2 * kBlockPairs];
   alignas(64) acc s[2 * kBlockPairs];
   const bool one_block = d.half <= kBlockPairs;
@@ -149,7 +152,7 @@ void shift_slots_impl(const ShiftJob& job, int64_t b, int64_t e) {
       if constexpr (kFp8) {
         for (int64_t h = 0; h < d.heads; ++h) {
           shift_fp8_row<kFormat, kInterleaved>(base + h * kc.head, kc.last, d.half, b0, n, c, s,
-                                               decoded, job.scale);
+                                               job.scale);
         }
       } else {
         rotate_heads<Ops, kInterleaved>(tg, base, base, d.half, b0, n, c, s, false);
