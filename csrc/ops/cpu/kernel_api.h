@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "../cuda/rope_quant_thread.h"
 #include "../geometry.h"
 #include "../shift_geometry.h"
 
@@ -79,6 +80,8 @@ struct ShiftJob {
 using RotateTokensFn = void (*)(const RotateJob&, int64_t begin_token, int64_t end_token);
 using ShiftSlotsFn = void (*)(const ShiftJob&, int64_t begin_entry, int64_t end_entry);
 using CacheTokensFn = void (*)(const CacheJob&, int64_t begin_token, int64_t end_token);
+// args: a gpu::QuantArgs (../cuda/rope_quant_thread.h) of the entry's element type.
+using QuantTokensFn = void (*)(const void* args, int64_t begin_token, int64_t end_token);
 
 // Kernels of one ISA, indexed by the dtype of x (query/key) and, for the cache write, the
 // CacheFormat of the caches: the rotation, the rotation with the cache store, and the cache
@@ -90,6 +93,7 @@ struct CpuKernels {
   TokenHookFn store[kNumDt][3];
   ShiftSlotsFn shift[kNumDt];
   ShiftSlotsFn shift_fp8[3];
+  QuantTokensFn quant[kNumDt];  // float, half, bfloat16 (no float64 quantization)
 };
 
 // Whether the x86 ISA files compile their kernels (x86-64 with GCC or clang, whose target

@@ -337,6 +337,24 @@ struct TableBlock {
   }
 };
 
+// n plain (cos, sin) pairs laid out for the row kernels (kTableLayout): pair-duplicated with the
+// sign of sin folded in, even/odd per block, or as they are.
+template <class Ops, TableLayout kLayout>
+ROPE_INLINE void lay_out_table(const typename Ops::acc* cb, const typename Ops::acc* sb, int64_t n,
+                               typename Ops::acc* c, typename Ops::acc* s) {
+  for (int64_t j = 0; j < n; ++j) {
+    if (kLayout == TableLayout::kPairDup) {  // a*c + b*(-s) has the bits of a*c - b*s
+      c[2 * j] = c[2 * j + 1] = cb[j];
+      s[2 * j] = -sb[j];
+      s[2 * j + 1] = sb[j];
+    } else {
+      c[j] = cb[j];
+      s[j] = sb[j];
+    }
+  }
+  if (kLayout == TableLayout::kEvenOdd) even_odd_blocks_in_place<Ops>(c, s, n);
+}
+
 // ---- the rows of one target for one token: the block of pairs [b0, b0 + n) of each head ----
 
 template <class Ops, bool kInterleaved, bool kStream, typename x_t>
@@ -391,6 +409,14 @@ ROPE_INLINE void copy_tail(const x_t* src, int64_t src_last, x_t* dst, int64_t d
     for (int64_t j = from; j < to; ++j) dst[j * dst_last] = src[j * src_last];
   }
 }
+
+}  // namespace
+}  // namespace rope
+
+#include "fp8_rows.h"
+
+namespace rope {
+namespace {
 
 // ---- the token walk ----
 
@@ -527,24 +553,9 @@ void store_cache_row(const x_t* row, int64_t last, void* cache_row, int64_t cach
     }
     return;
   }
-  constexpr Fp8Format fmt = kFormat == CacheFormat::kE4M3FN ? Fp8Format::kE4M3FN : Fp8Format::kE5M2;
-  uint8_t* out = static_cast<uint8_t*>(cache_row);
-  if (last == 1 && cache_last == 1) {  // unit strides: blocks of loops the compiler vectorizes
-    constexpr int64_t kBlock = 64;
-    alignas(64) uint32_t code[kBlock];
-    for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
-      const int64_t m = std::min(kBlock, n - j0);
-      for (int64_t j = 0; j < m; ++j) {
-        code[j] = float_to_fp8_code(static_cast<float>(to_acc<F32Ops>(row[j0 + j])) / scale, fmt);
-      }
-      for (int64_t j = 0; j < m; ++j) out[j0 + j] = static_cast<uint8_t>(code[j]);
-    }
-    return;
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    const float v = static_cast<float>(to_acc<F32Ops>(row[j * last]));
-    out[j * cache_last] = float_to_fp8(v / scale, fmt);
-  }
+  codes_of(row, last, n, static_cast<uint8_t*>(cache_row), cache_last, [scale](x_t v) {
+    return float_to_fp8_code(static_cast<float>(to_acc<F32Ops>(v)) / scale, fp8_format(kFormat));
+  });
 }
 
 // With v_norm: value row (n elements, stride `last`) RMS-normalized without a weight, in the
@@ -598,6 +609,7 @@ void cache_tokens(const CacheJob& job, int64_t b, int64_t e) {
 }  // namespace rope
 
 #include "shift_kernels.h"
+#include "quant_kernels.h"
 
 namespace rope {
 namespace {
@@ -614,6 +626,7 @@ void fill(CpuKernels& k, int xi) {
   k.store[xi][int(CacheFormat::kE4M3FN)] = write_cache_token<x_t, CacheFormat::kE4M3FN>;
   k.store[xi][int(CacheFormat::kE5M2)] = write_cache_token<x_t, CacheFormat::kE5M2>;
   k.shift[xi] = shift_slots<x_t, CacheFormat::kSame>;
+  if constexpr (!std::is_same<x_t, double>::value) k.quant[xi] = quant_tokens<x_t>;
 }
 
 #ifndef ROPE_KERNELS_BF16_ONLY

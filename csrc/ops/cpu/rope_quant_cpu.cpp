@@ -1,10 +1,12 @@
-// RoPE + FP8 quantization (FlashInfer's rope_quantize_fp8 family): the schemas and the CPU
-// kernels. The per-token code is the CUDA kernels' (../cuda/rope_quant_thread.h), run here over
-// token ranges on torch's thread pool, after the data checks (positions, page tables) that the
-// CUDA kernels make on the device: on the CPU they run first, so a rejected call writes nothing.
+// RoPE + FP8 quantization (FlashInfer's rope_quantize_fp8 family) on the CPU: the host side (the
+// CUDA ops' checks and arguments, ../cuda/rope_quant_host.h), the data checks (positions, page
+// tables) that the CUDA kernels make on the device, here made first so that a rejected call
+// writes nothing, then the ISA's kernel (quant_kernels.h) over token ranges on torch's thread
+// pool.
 #include <algorithm>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -12,6 +14,7 @@
 
 #include "../cuda/rope_quant_host.h"
 #include "../routes.h"
+#include "kernel_api.h"
 
 namespace rope {
 namespace {
@@ -75,9 +78,14 @@ struct CpuRunner {
         1, (g.q_heads + g.kv_heads) * (2 * g.half + g.nope) +
                (g.paged && !g.mla ? g.kv_heads * (2 * g.half + g.nope) : 0));
     const int64_t grain = std::max<int64_t>(1, kGrainElements / per_token);
-    auto fn = [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t) gpu::quant_token(a, t, 0, 1, 0, 1);
-    };
+    // The ISA's kernel (../cpu/quant_kernels.h) reads `a` as QuantArgs of its element type, of
+    // the same layout: float, HalfBits or BF16Bits for float, Half and BFloat16.
+    static_assert(sizeof(x_t) == (std::is_same<x_t, float>::value ? 4 : 2), "element layout");
+    constexpr int dt = std::is_same<x_t, float>::value                        ? kF32
+                       : std::is_same<x_t, torch::headeronly::Half>::value ? kF16
+                                                                            : kBF16;
+    const QuantTokensFn kernel = selected_cpu_kernels()->quant[dt];
+    auto fn = [&](int64_t b, int64_t e) { kernel(&a, b, e); };
     if (g.tokens <= grain || torch::stable::get_num_threads() <= 1) {
       fn(0, g.tokens);
     } else {

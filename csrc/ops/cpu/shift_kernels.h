@@ -30,69 +30,18 @@ void unit_rotation_block(const ShiftJob& job, int64_t k, int64_t b0, int64_t n,
   // Separate from the loads (a switch on the table dtype), so that it vectorizes.
   const bool negative = k < 0;
   for (int64_t j = 0; j < n; ++j) unit_rotation(cb[j], sb[j], negative, cb[j], sb[j]);
-  for (int64_t j = 0; j < n; ++j) {
-    if (kLayout == TableLayout::kPairDup) {  // a*c + b*(-s) has the bits of a*c - b*s
-      c[2 * j] = c[2 * j + 1] = cb[j];
-      s[2 * j] = -sb[j];
-      s[2 * j + 1] = sb[j];
-    } else {
-      c[j] = cb[j];
-      s[j] = sb[j];
-    }
-  }
-  if (kLayout == TableLayout::kEvenOdd) even_odd_blocks_in_place<Ops>(c, s, n);
-}
-
-// The elements of pairs [b0, b0 + n) of a row as at most two contiguous runs of the row (in
-// element index): pairs in order (interleaved) or the first members then the second.
-struct PairSpans {
-  int64_t start[2], count[2];
-  int spans;
-};
-
-template <bool kInterleaved>
-PairSpans pair_spans(int64_t half, int64_t b0, int64_t n) {
-  if (kInterleaved) return PairSpans{{2 * b0, 0}, {2 * n, 0}, 1};
-  return PairSpans{{b0, half + b0}, {n, n}, 2};
+  lay_out_table<Ops, kLayout>(cb, sb, n, c, s);
 }
 
 // A float8 row's pairs [b0, b0 + n): decoded and dequantized (code * scale) into a float block,
-// rotated, encoded as saturated value / scale. Both conversions are branch-free lane code, so
-// the loops over a unit-stride row vectorize.
+// rotated, encoded as saturated value / scale.
 template <CacheFormat kFormat, bool kInterleaved>
 void shift_fp8_row(uint8_t* row, int64_t last, int64_t half, int64_t b0, int64_t n,
                    const float* c, const float* s, float scale) {
-  constexpr Fp8Format kFp8 = kFormat == CacheFormat::kE4M3FN ? Fp8Format::kE4M3FN : Fp8Format::kE5M2;
-  alignas(64) float buf[2 * kBlockPairs];
-  const PairSpans sp = pair_spans<kInterleaved>(half, b0, n);
-  int64_t k = 0;
-  for (int i = 0; i < sp.spans; ++i) {
-    const uint8_t* p = row + sp.start[i] * last;
-    float* out = buf + k;
-    const int64_t m = sp.count[i];
-    if (last == 1) {
-      for (int64_t e = 0; e < m; ++e) out[e] = fp8_to_float_lanes<kFormat>(p[e]) * scale;
-    } else {
-      for (int64_t e = 0; e < m; ++e) out[e] = fp8_to_float_lanes<kFormat>(p[e * last]) * scale;
-    }
-    k += m;
-  }
-  rotate_block<F32Ops, kInterleaved, false>(buf, buf, n, n, c, s);
-  // Encoded in 32-bit lanes first, then narrowed as they are stored (see float_to_fp8_code).
-  alignas(64) uint32_t code[2 * kBlockPairs];
-  for (int64_t e = 0; e < k; ++e) code[e] = float_to_fp8_code(buf[e] / scale, kFp8);
-  k = 0;
-  for (int i = 0; i < sp.spans; ++i) {
-    uint8_t* p = row + sp.start[i] * last;
-    const uint32_t* v = code + k;
-    const int64_t m = sp.count[i];
-    if (last == 1) {  // the common row: a loop the compiler vectorizes
-      for (int64_t e = 0; e < m; ++e) p[e] = static_cast<uint8_t>(v[e]);
-    } else {
-      for (int64_t e = 0; e < m; ++e) p[e * last] = static_cast<uint8_t>(v[e]);
-    }
-    k += m;
-  }
+  rotate_to_codes<kInterleaved>(
+      row, last, row, last, half, b0, n, c, s,
+      [scale](uint8_t code) { return fp8_to_float_lanes<kFormat>(code) * scale; },
+      [scale](float v) { return float_to_fp8_code(v / scale, fp8_format(kFormat)); });
 }
 
 // The listed slots are scattered over the cache, so the hardware prefetchers see each row only

@@ -170,86 +170,116 @@ ROPE_HD int64_t quant_rows(const QuantGeometry& g) {
   return 2 * (g.q_heads + g.kv_heads) + (g.paged && !g.mla ? g.kv_heads : 0);
 }
 
-// Rows [r0, rows) step rs, chunks [c0, chunks) step cs of each, of token tok.
+// What a token's rows share: its table row and, paged, its cache rows (head 0). ok is false for
+// a position outside the table (a device-side check; never read there).
+struct QuantTokenRows {
+  bool ok = false, to_cache = false;
+  const float* cos = nullptr;
+  const float* sin = nullptr;
+  int64_t kc_row = 0, vc_row = 0;
+};
+
+template <typename x_t>
+ROPE_HD QuantTokenRows quant_token_rows(const QuantArgs<x_t>& a, int64_t tok) {
+  const QuantGeometry& g = a.g;
+  QuantTokenRows t;
+  const int64_t pos = load_position(a.pos, g.pos.is64, tok * g.pos.stride);
+  ROPE_DEVICE_CHECK(pos >= 0 && pos < g.table_rows, "rope: pos_ids must lie in [0, max_position)");
+  if (pos < 0 || pos >= g.table_rows) return t;
+  int64_t page = 0, entry = 0;
+  t.ok = true;
+  t.to_cache = g.paged && paged_slot(a, tok, page, entry);
+  t.cos = a.cos + pos * g.cos_row;
+  t.sin = a.sin + pos * g.cos_row;
+  t.kc_row = page * g.kc.page + entry * g.kc.entry;
+  t.vc_row = page * g.vc.page + entry * g.vc.entry;
+  return t;
+}
+
+// Row r of a token: source and destination (codes), their strides along the row, its elements
+// (a rotary row: its pairs' 2 * half), its chunks and scale. dst == nullptr: nothing to write (a
+// paged key or value row of a token that is not cached).
+template <typename x_t>
+struct QuantRow {
+  const x_t* src = nullptr;
+  int64_t s_last = 1;
+  uint8_t* dst = nullptr;
+  int64_t d_last = 1;
+  int64_t n = 0, chunks = 0;
+  bool rope = false;
+  float scale = 1.0f;
+};
+
+// Key head h's row w (rope or nope part, w.rope): written to its output row (`out`, `rows`), or
+// paged, to the token's cache row: MLA, the rope part to kpe (vc) and the nope part to ckv (kc);
+// GQA/MHA, head h of the key cache, rope dims first. Left unset: a paged token not cached.
+template <typename x_t>
+ROPE_HD void key_destination(const QuantArgs<x_t>& a, const QuantTokenRows& t, uint8_t* out,
+                             const QuantRows& rows, int64_t tok, int64_t h, QuantRow<x_t>& w) {
+  const QuantGeometry& g = a.g;
+  if (!g.paged) {
+    w.dst = out + tok * rows.tok + h * rows.head;
+    w.d_last = rows.last;
+  } else if (t.to_cache && g.mla) {
+    w.dst = w.rope ? a.vc + t.vc_row : a.kc + t.kc_row;
+    w.d_last = w.rope ? g.vc.last : g.kc.last;
+  } else if (t.to_cache) {
+    w.dst = a.kc + t.kc_row + h * g.kc.head + (w.rope ? 0 : 2 * g.half * g.kc.last);
+    w.d_last = g.kc.last;
+  }
+}
+
+template <typename x_t>
+ROPE_HD QuantRow<x_t> quant_row(const QuantArgs<x_t>& a, const QuantTokenRows& t, int64_t tok,
+                                int64_t r) {
+  const QuantGeometry& g = a.g;
+  const int64_t rope_dim = 2 * g.half, hq = g.q_heads, hk = g.kv_heads;
+  QuantRow<x_t> w;
+  if (r < hq) {  // query rope
+    w = {a.q_rope + tok * g.q_rope.tok + r * g.q_rope.head, g.q_rope.last,
+         a.q_rope_out + tok * g.q_rope_out.tok + r * g.q_rope_out.head, g.q_rope_out.last,
+         rope_dim, a.rope_chunks, true, g.scale_q};
+  } else if (r < hq + hk) {  // key rope
+    const int64_t h = r - hq;
+    w = {a.k_rope + tok * g.k_rope.tok + h * g.k_rope.head, g.k_rope.last, nullptr, 1, rope_dim,
+         a.rope_chunks, true, g.scale_kv};
+    key_destination(a, t, a.k_rope_out, g.k_rope_out, tok, h, w);
+  } else if (r < 2 * hq + hk) {  // query nope
+    const int64_t h = r - hq - hk;
+    w = {a.q_nope + tok * g.q_nope.tok + h * g.q_nope.head, g.q_nope.last,
+         a.q_nope_out + tok * g.q_nope_out.tok + h * g.q_nope_out.head, g.q_nope_out.last,
+         g.nope, a.nope_chunks, false, g.scale_q};
+  } else if (r < 2 * (hq + hk)) {  // key nope
+    const int64_t h = r - 2 * hq - hk;
+    w = {a.k_nope + tok * g.k_nope.tok + h * g.k_nope.head, g.k_nope.last, nullptr, 1, g.nope,
+         a.nope_chunks, false, g.scale_kv};
+    key_destination(a, t, a.k_nope_out, g.k_nope_out, tok, h, w);
+  } else if (t.to_cache) {  // value (paged GQA/MHA)
+    const int64_t h = r - 2 * (hq + hk);
+    w = {a.v + tok * g.v.tok + h * g.v.head, g.v.last, a.vc + t.vc_row + h * g.vc.head, g.vc.last,
+         rope_dim + g.nope, a.v_chunks, false, g.scale_kv};
+  }
+  return w;
+}
+
+// Rows [r0, rows) step rs, chunks [c0, chunks) step cs of each, of token tok. Rows outer, chunks
+// inner: one thread (a CPU core) walks a row front to back, which the hardware prefetchers follow.
 template <typename x_t>
 ROPE_HD void quant_token(const QuantArgs<x_t>& a, int64_t tok, int64_t c0, int64_t cs, int64_t r0,
                          int64_t rs) {
   const QuantGeometry& g = a.g;
-  const int64_t pos = load_position(a.pos, g.pos.is64, tok * g.pos.stride);
-  ROPE_DEVICE_CHECK(pos >= 0 && pos < g.table_rows, "rope: pos_ids must lie in [0, max_position)");
-  if (pos < 0 || pos >= g.table_rows) return;  // never read outside the table
-  int64_t page = 0, entry = 0;
-  const bool to_cache = g.paged && paged_slot(a, tok, page, entry);
-  const float* cos = a.cos + pos * g.cos_row;
-  const float* sin = a.sin + pos * g.cos_row;
-  const int64_t rope_dim = 2 * g.half, hq = g.q_heads, hk = g.kv_heads;
+  const QuantTokenRows t = quant_token_rows(a, tok);
+  if (!t.ok) return;
   const int64_t rows = quant_rows<x_t>(g);
-  const int64_t chunks = a.rope_chunks > a.nope_chunks
-                             ? (a.rope_chunks > a.v_chunks ? a.rope_chunks : a.v_chunks)
-                             : (a.nope_chunks > a.v_chunks ? a.nope_chunks : a.v_chunks);
-  // The token's cache rows (head 0).
-  const int64_t kc_row = page * g.kc.page + entry * g.kc.entry;
-  const int64_t vc_row = page * g.vc.page + entry * g.vc.entry;
-  // Rows outer, chunks inner: one thread (a CPU core) walks a row front to back, which the
-  // hardware prefetchers follow.
   for (int64_t r = r0; r < rows; r += rs) {
-    for (int64_t c = c0; c < chunks; c += cs) {
-      if (r < hq) {  // query rope
-        if (c >= a.rope_chunks) continue;
-        quant_rope_chunk(a.q_rope + tok * g.q_rope.tok + r * g.q_rope.head, g.q_rope.last,
-                         a.q_rope_out + tok * g.q_rope_out.tok + r * g.q_rope_out.head,
-                         g.q_rope_out.last, g.half, g.interleaved, c, cos, sin, g.cos_col,
-                         g.scale_q, g.fmt, a.vec);
-      } else if (r < hq + hk) {  // key rope
-        if (c >= a.rope_chunks) continue;
-        const int64_t h = r - hq;
-        uint8_t* dst;
-        int64_t d_last;
-        if (!g.paged) {
-          dst = a.k_rope_out + tok * g.k_rope_out.tok + h * g.k_rope_out.head;
-          d_last = g.k_rope_out.last;
-        } else if (!to_cache) {
-          continue;
-        } else if (g.mla) {
-          dst = a.vc + vc_row;
-          d_last = g.vc.last;
-        } else {
-          dst = a.kc + kc_row + h * g.kc.head;
-          d_last = g.kc.last;
-        }
-        quant_rope_chunk(a.k_rope + tok * g.k_rope.tok + h * g.k_rope.head, g.k_rope.last, dst,
-                         d_last, g.half, g.interleaved, c, cos, sin, g.cos_col, g.scale_kv, g.fmt,
-                         a.vec);
-      } else if (r < 2 * hq + hk) {  // query nope
-        if (c >= a.nope_chunks) continue;
-        const int64_t h = r - hq - hk;
-        quant_copy_chunk(a.q_nope + tok * g.q_nope.tok + h * g.q_nope.head, g.q_nope.last,
-                         a.q_nope_out + tok * g.q_nope_out.tok + h * g.q_nope_out.head,
-                         g.q_nope_out.last, g.nope, c, g.scale_q, g.fmt, a.vec);
-      } else if (r < 2 * (hq + hk)) {  // key nope
-        if (c >= a.nope_chunks) continue;
-        const int64_t h = r - 2 * hq - hk;
-        uint8_t* dst;
-        int64_t d_last;
-        if (!g.paged) {
-          dst = a.k_nope_out + tok * g.k_nope_out.tok + h * g.k_nope_out.head;
-          d_last = g.k_nope_out.last;
-        } else if (!to_cache) {
-          continue;
-        } else if (g.mla) {
-          dst = a.kc + kc_row;
-          d_last = g.kc.last;
-        } else {
-          dst = a.kc + kc_row + h * g.kc.head + rope_dim * g.kc.last;
-          d_last = g.kc.last;
-        }
-        quant_copy_chunk(a.k_nope + tok * g.k_nope.tok + h * g.k_nope.head, g.k_nope.last, dst,
-                         d_last, g.nope, c, g.scale_kv, g.fmt, a.vec);
-      } else {  // value (paged GQA/MHA)
-        if (c >= a.v_chunks || !to_cache) continue;
-        const int64_t h = r - 2 * (hq + hk);
-        quant_copy_chunk(a.v + tok * g.v.tok + h * g.v.head, g.v.last, a.vc + vc_row + h * g.vc.head,
-                         g.vc.last, rope_dim + g.nope, c, g.scale_kv, g.fmt, a.vec);
+    const QuantRow<x_t> w = quant_row(a, t, tok, r);
+    if (w.dst == nullptr) continue;
+    for (int64_t c = c0; c < w.chunks; c += cs) {
+      if (w.rope) {
+        quant_rope_chunk(w.src, w.s_last, w.dst, w.d_last, g.half, g.interleaved, c, t.cos,
+                         t.sin, g.cos_col, w.scale, g.fmt, a.vec);
+      } else {
+        quant_copy_chunk(w.src, w.s_last, w.dst, w.d_last, w.n, c, w.scale, g.fmt, a.vec);
       }
     }
   }

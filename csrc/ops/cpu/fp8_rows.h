@@ -1,0 +1,82 @@
+// Float8 rows in the CPU kernel family (included by kernels.h, compiled once per ISA): elements
+// read into float blocks and float blocks written as float8 codes, each through the caller's
+// conversion (decode, dequantize, scale), and a row's rotary pairs taken through both with the
+// family's rotate_block in between. The conversions are branch-free lane code
+// (fp8_to_float_lanes, float_to_fp8_code), so the unit-stride loops here vectorize. Used by the
+// paged cache store (kernels.h), the K-shift of float8 caches (shift_kernels.h) and RoPE + FP8
+// quantization (quant_kernels.h).
+
+namespace rope {
+namespace {
+
+// n elements of a row (stride `last`) as floats, each through to_float.
+template <typename T, typename F>
+ROPE_INLINE void floats_of(const T* row, int64_t last, int64_t n, float* out, F&& to_float) {
+  if (last == 1) {
+    for (int64_t e = 0; e < n; ++e) out[e] = to_float(row[e]);
+  } else {
+    for (int64_t e = 0; e < n; ++e) out[e] = to_float(row[e * last]);
+  }
+}
+
+// n elements of a row (stride `last`) written to `out` (stride out_last) as the float8 codes
+// code_of gives (in 32-bit lanes, float_to_fp8_code): converted a block at a time, then narrowed
+// to bytes in a loop of their own (narrowing inside the conversion has the compiler pack every
+// intermediate mask down to bytes).
+template <typename T, typename F>
+ROPE_INLINE void codes_of(const T* row, int64_t last, int64_t n, uint8_t* out, int64_t out_last,
+                          F&& code_of) {
+  constexpr int64_t kBlock = 64;
+  alignas(64) uint32_t code[kBlock];
+  for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
+    const int64_t m = std::min(kBlock, n - j0);
+    if (last == 1) {
+      for (int64_t j = 0; j < m; ++j) code[j] = code_of(row[j0 + j]);
+    } else {
+      for (int64_t j = 0; j < m; ++j) code[j] = code_of(row[(j0 + j) * last]);
+    }
+    if (out_last == 1) {
+      for (int64_t j = 0; j < m; ++j) out[j0 + j] = static_cast<uint8_t>(code[j]);
+    } else {
+      for (int64_t j = 0; j < m; ++j) out[(j0 + j) * out_last] = static_cast<uint8_t>(code[j]);
+    }
+  }
+}
+
+// The elements of pairs [b0, b0 + n) of a row as at most two contiguous runs of the row (in
+// element index): pairs in order (interleaved) or the first members then the second.
+struct PairSpans {
+  int64_t start[2], count[2];
+  int spans;
+};
+
+template <bool kInterleaved>
+PairSpans pair_spans(int64_t half, int64_t b0, int64_t n) {
+  if (kInterleaved) return PairSpans{{2 * b0, 0}, {2 * n, 0}, 1};
+  return PairSpans{{b0, half + b0}, {n, n}, 2};
+}
+
+// Pairs [b0, b0 + n) of row `src` (stride s_last) read as floats through to_float, rotated by
+// (c, s) (laid out as kTableLayout<F32Ops, float, kInterleaved>), written to row `dst` (stride
+// d_last; may be src) as the codes code_of gives.
+template <bool kInterleaved, typename T, typename F, typename G>
+ROPE_INLINE void rotate_to_codes(const T* src, int64_t s_last, uint8_t* dst, int64_t d_last,
+                                 int64_t half, int64_t b0, int64_t n, const float* c,
+                                 const float* s, F&& to_float, G&& code_of) {
+  alignas(64) float buf[2 * kBlockPairs];
+  const PairSpans sp = pair_spans<kInterleaved>(half, b0, n);
+  for (int i = 0, k = 0; i < sp.spans; k += sp.count[i], ++i) {
+    floats_of(src + sp.start[i] * s_last, s_last, sp.count[i], buf + k, to_float);
+  }
+  rotate_block<F32Ops, kInterleaved, false>(buf, buf, n, n, c, s);
+  for (int i = 0, k = 0; i < sp.spans; k += sp.count[i], ++i) {
+    codes_of(buf + k, int64_t{1}, sp.count[i], dst + sp.start[i] * d_last, d_last, code_of);
+  }
+}
+
+constexpr Fp8Format fp8_format(CacheFormat f) {
+  return f == CacheFormat::kE4M3FN ? Fp8Format::kE4M3FN : Fp8Format::kE5M2;
+}
+
+}  // namespace
+}  // namespace rope
