@@ -12,9 +12,16 @@ import sys
 DEFAULT_OPS = ("apply", "apply.out", "apply_", "apply_rope_and_cache_")
 
 
-def _label(doc):
+def _label(doc, with_machine=False):
     m = doc["meta"]
-    return f"{m.get('cpu_isa') or m['device']} ({m['threads']} thr)"
+    machine = f", {m.get('device_name')}" if with_machine and m.get("device_name") else ""
+    return f"{m.get('cpu_isa') or m['device']}{machine} ({m['threads']} thr)"
+
+
+def labels(docs):
+    """Each set's variant and threads; with the machine's name where two sets share a variant."""
+    plain = [_label(d) for d in docs]
+    return [_label(d, plain.count(lab) > 1) for d, lab in zip(docs, plain)]
 
 
 def rows(docs, ops):
@@ -40,9 +47,8 @@ def rows(docs, ops):
 
 
 def markdown(docs, ops=DEFAULT_OPS):
-    labels = [_label(d) for d in docs]
     head = "| case | dtype | op | " + " | ".join(
-        f"{lab}: us / of limit / x compile" for lab in labels) + " |"
+        f"{lab}: us / of limit / x compile" for lab in labels(docs)) + " |"
     lines = [head, "|" + "---|" * (3 + len(docs))]
     for case, dtype, op, cells in rows(docs, ops):
         shown = []
