@@ -106,9 +106,14 @@ ROPE_HD uint8_t float_to_fp8_bits(float x, float max_finite, uint8_t nan_code) {
 
 // The same conversion without branches (every case computed, the result picked by masks), for
 // the CPU's loops over rows: it vectorizes (GCC keeps conditionals here as branches), where on
-// the GPU the extra registers would spill. The two give the same bits for every one of the 2^32
-// floats in both formats (checked when written; tests/test_cache_write.py compares the CPU
-// cache stores with torch's conversion for every bfloat16 value).
+// the GPU the extra registers would spill. One float addition rounds: c = 2^(e + 23 - kMant),
+// where 2^e is the input's binade (the smallest normal's below it), has an ulp of the format's
+// step there, so u + c rounds u to a whole number of steps (to nearest even) and stays in c's
+// binade, where the bits of the sum less those of c count the steps: the mantissa with its
+// leading one for a normal, the code itself for a subnormal. The two conversions give the same
+// bits for every one of the 2^32 floats in both formats (checked when written;
+// tests/test_cache_write.py compares the CPU cache stores with torch's conversion for every
+// bfloat16 value).
 template <int kMant, int kBias>
 ROPE_HD uint32_t float_to_fp8_lanes(float x, float max_finite, uint32_t nan_code) {
   uint32_t u = float_bits(x);
@@ -118,21 +123,14 @@ ROPE_HD uint32_t float_to_fp8_lanes(float x, float max_finite, uint32_t nan_code
   // Saturate, inf included (for non-negative floats the bits order as the values do).
   const uint32_t max_bits = float_bits(max_finite);
   u = u < max_bits ? u : max_bits;
-  // Below the smallest normal: adding 2^(24 - kBias - kMant), a float whose ulp is the format's
-  // subnormal step 2^(1 - kBias - kMant), rounds to nearest even in float arithmetic, and the
-  // low bits of the sum are the subnormal code.
-  const uint32_t magic = static_cast<uint32_t>(127 + 24 - kBias - kMant) << 23;
-  const uint32_t subnormal = float_bits(bits_float(u) + bits_float(magic)) - magic;
-  // Otherwise rebias the exponent and round the dropped 23 - kMant bits to nearest even
-  // (unsigned arithmetic: the unused value of a subnormal input wraps harmlessly).
-  const uint32_t odd = (u >> (23 - kMant)) & 1u;
-  const uint32_t normal = (u + (static_cast<uint32_t>(kBias - 127) << 23) +
-                           ((1u << (22 - kMant)) - 1u) + odd) >> (23 - kMant);
-  const uint32_t sub_mask =
-      0u - static_cast<uint32_t>(u < (static_cast<uint32_t>(127 + 1 - kBias) << 23));
-  uint32_t code = (subnormal & sub_mask) | (normal & ~sub_mask);
-  code = (nan_code & nan_mask) | (code & ~nan_mask);
-  return (code & 0xFFu) | (sign >> 24);  // the code in 32-bit lanes: narrowed by the caller
+  const uint32_t min_normal = static_cast<uint32_t>(127 + 1 - kBias) << 23;
+  const uint32_t e = u & 0x7F800000u;
+  const uint32_t c = (e > min_normal ? e : min_normal) + (static_cast<uint32_t>(23 - kMant) << 23);
+  const uint32_t sum = float_bits(bits_float(u) + bits_float(c));
+  // The binade's first code, ((e - min_normal) >> 23) << kMant, plus the steps.
+  const uint32_t code =
+      (c >> (23 - kMant)) + (sum - c) - (static_cast<uint32_t>(151 - kMant - kBias) << kMant);
+  return ((nan_code & nan_mask) | (code & ~nan_mask)) | (sign >> 24);  // narrowed by the caller
 }
 
 ROPE_HD uint8_t float_to_fp8(float x, Fp8Format fmt) {
