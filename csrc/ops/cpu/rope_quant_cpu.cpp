@@ -78,7 +78,7 @@ struct CpuRunner {
         1, (g.q_heads + g.kv_heads) * (2 * g.half + g.nope) +
                (g.paged && !g.mla ? g.kv_heads * (2 * g.half + g.nope) : 0));
     const int64_t grain = std::max<int64_t>(1, kGrainElements / per_token);
-    // The ISA's kernel (../cpu/quant_kernels.h) reads `a` as QuantArgs of its element type, of
+    // The ISA's kernel (quant_kernels.h) reads `a` as QuantArgs of its element type, of
     // the same layout: float, HalfBits or BF16Bits for float, Half and BFloat16.
     static_assert(sizeof(x_t) == (std::is_same<x_t, float>::value ? 4 : 2), "element layout");
     constexpr int dt = std::is_same<x_t, float>::value                        ? kF32

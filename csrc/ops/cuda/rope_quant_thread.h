@@ -1,7 +1,9 @@
 // Per-token code of the RoPE + FP8 quantization ops (rope.quantize_fp8 and
 // rope.quantize_fp8_append_paged_kv_cache), plain C++ like rope_cuda_thread.h: the CUDA kernels
-// (rope_quant.cu), the CPU kernel (../cpu/rope_quant_cpu.cpp) and the simulator all run it, so
-// the three cannot round differently.
+// (rope_quant.cu) and the simulator run all of it; the CPU kernels (../cpu/quant_kernels.h) run
+// its rows and their destinations (quant_token_rows, quant_row) with their own vector row loops,
+// which round like rotate_pair and float_to_fp8 (tests/test_rope_quant.py compares every path's
+// bits).
 //
 // Per token, rows of work: the query's rope heads, the key's rope heads, the query's nope heads,
 // the key's nope heads and (paged GQA/MHA) the value heads; each row in chunks of 16 outputs (one
@@ -58,8 +60,7 @@ ROPE_HD void load16(const x_t* p, float (&out)[kQuantChunk]) {
 }
 
 // The same bits either way: on the GPU the branchy conversion (the branch-free one costs
-// registers there, and spills), on the CPU (this code's CpuRunner, the simulator) the
-// branch-free one, whose loop the compiler vectorizes.
+// registers there, and spills), in the simulator the branch-free one.
 ROPE_HD void store16(uint8_t* p, const float (&v)[kQuantChunk], float scale, Fp8Format fmt) {
   Pack<uint8_t, kQuantChunk> pk;
 #ifdef __CUDA_ARCH__
