@@ -44,6 +44,25 @@ void shift_fp8_row(uint8_t* row, int64_t last, int64_t half, int64_t b0, int64_t
       [scale](float v) { return float_to_fp8_code(v / scale, fp8_format(kFormat)); });
 }
 
+// A float8 slot's `heads` rows of 2 * half codes, each rotated whole, that follow each other:
+// decoded in one loop, rotated row by row, encoded in one loop (the per-row loops' setup is most
+// of the work of a 128-code row).
+constexpr int64_t kSlotElements = 4096;
+
+template <CacheFormat kFormat, bool kInterleaved>
+void shift_fp8_slot(uint8_t* slot, int64_t heads, int64_t half, const float* c, const float* s,
+                    float scale) {
+  alignas(64) float buf[kSlotElements];
+  const int64_t row = 2 * half, total = heads * row;
+  floats_of(slot, int64_t{1}, total, buf,
+            [scale](uint8_t code) { return fp8_to_float_lanes<kFormat>(code) * scale; });
+  for (int64_t h = 0; h < heads; ++h) {
+    rotate_block<F32Ops, kInterleaved, false>(buf + h * row, buf + h * row, half, half, c, s);
+  }
+  codes_of(buf, int64_t{1}, total, slot, int64_t{1},
+           [scale](float v) { return float_to_fp8_code(v / scale, fp8_format(kFormat)); });
+}
+
 // The listed slots are scattered over the cache, so the hardware prefetchers see each row only
 // once it is being rotated: the rows of the entry kPrefetchAhead places ahead are requested
 // (for writing) while this one is rotated. Unit-stride rows only (the common cache layout).
@@ -79,6 +98,9 @@ void shift_slots_impl(const ShiftJob& job, int64_t b, int64_t e) {
   alignas(64) acc c[2 * kBlockPairs];
   alignas(64) acc s[2 * kBlockPairs];
   const bool one_block = d.half <= kBlockPairs;
+  // A float8 slot whose heads are rotated whole and follow each other: one decode, one encode.
+  const bool whole_slot = kFp8 && one_block && kc.last == 1 && kc.head == 2 * d.half &&
+                          d.heads * kc.head <= kSlotElements;
   int64_t cached = 0;
   bool have = false;
   x_t* const cache = static_cast<x_t*>(job.cache);
@@ -99,6 +121,10 @@ void shift_slots_impl(const ShiftJob& job, int64_t b, int64_t e) {
         have = true;
       }
       if constexpr (kFp8) {
+        if (whole_slot) {
+          shift_fp8_slot<kFormat, kInterleaved>(base, d.heads, d.half, c, s, job.scale);
+          continue;
+        }
         for (int64_t h = 0; h < d.heads; ++h) {
           shift_fp8_row<kFormat, kInterleaved>(base + h * kc.head, kc.last, d.half, b0, n, c, s,
                                                job.scale);
