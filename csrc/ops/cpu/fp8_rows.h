@@ -78,5 +78,17 @@ constexpr Fp8Format fp8_format(CacheFormat f) {
   return f == CacheFormat::kE4M3FN ? Fp8Format::kE4M3FN : Fp8Format::kE5M2;
 }
 
+// A float8 cache's conversions (kv_cache_dtype "fp8*"): a value stored as saturated
+// value / scale, a code read back as code * scale.
+template <CacheFormat kFormat>
+ROPE_INLINE auto cache_encoder(float scale) {
+  return [scale](float v) { return float_to_fp8_code(v / scale, fp8_format(kFormat)); };
+}
+
+template <CacheFormat kFormat>
+ROPE_INLINE auto cache_decoder(float scale) {
+  return [scale](uint8_t code) { return fp8_to_float_lanes<kFormat>(code) * scale; };
+}
+
 }  // namespace
 }  // namespace rope

@@ -553,9 +553,9 @@ void store_cache_row(const x_t* row, int64_t last, void* cache_row, int64_t cach
     }
     return;
   }
-  codes_of(row, last, n, static_cast<uint8_t*>(cache_row), cache_last, [scale](x_t v) {
-    return float_to_fp8_code(static_cast<float>(to_acc<F32Ops>(v)) / scale, fp8_format(kFormat));
-  });
+  const auto encode = cache_encoder<kFormat>(scale);
+  codes_of(row, last, n, static_cast<uint8_t*>(cache_row), cache_last,
+           [encode](x_t v) { return encode(static_cast<float>(to_acc<F32Ops>(v))); });
 }
 
 // With v_norm: value row (n elements, stride `last`) RMS-normalized without a weight, in the

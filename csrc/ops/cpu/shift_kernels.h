@@ -38,10 +38,8 @@ void unit_rotation_block(const ShiftJob& job, int64_t k, int64_t b0, int64_t n,
 template <CacheFormat kFormat, bool kInterleaved>
 void shift_fp8_row(uint8_t* row, int64_t last, int64_t half, int64_t b0, int64_t n,
                    const float* c, const float* s, float scale) {
-  rotate_to_codes<kInterleaved>(
-      row, last, row, last, half, b0, n, c, s,
-      [scale](uint8_t code) { return fp8_to_float_lanes<kFormat>(code) * scale; },
-      [scale](float v) { return float_to_fp8_code(v / scale, fp8_format(kFormat)); });
+  rotate_to_codes<kInterleaved>(row, last, row, last, half, b0, n, c, s,
+                                cache_decoder<kFormat>(scale), cache_encoder<kFormat>(scale));
 }
 
 // A float8 slot's `heads` rows of 2 * half codes, each rotated whole, that follow each other:
@@ -54,13 +52,11 @@ void shift_fp8_slot(uint8_t* slot, int64_t heads, int64_t half, const float* c, 
                     float scale) {
   alignas(64) float buf[kSlotElements];
   const int64_t row = 2 * half, total = heads * row;
-  floats_of(slot, int64_t{1}, total, buf,
-            [scale](uint8_t code) { return fp8_to_float_lanes<kFormat>(code) * scale; });
+  floats_of(slot, int64_t{1}, total, buf, cache_decoder<kFormat>(scale));
   for (int64_t h = 0; h < heads; ++h) {
     rotate_block<F32Ops, kInterleaved, false>(buf + h * row, buf + h * row, half, half, c, s);
   }
-  codes_of(buf, int64_t{1}, total, slot, int64_t{1},
-           [scale](float v) { return float_to_fp8_code(v / scale, fp8_format(kFormat)); });
+  codes_of(buf, int64_t{1}, total, slot, int64_t{1}, cache_encoder<kFormat>(scale));
 }
 
 // The listed slots are scattered over the cache, so the hardware prefetchers see each row only
