@@ -111,7 +111,7 @@ ROPE_HD uint8_t float_to_fp8_bits(float x, float max_finite, uint8_t nan_code) {
 // step there, so u + c rounds u to a whole number of steps (to nearest even) and stays in c's
 // binade, where the bits of the sum less those of c count the steps: the mantissa with its
 // leading one for a normal, the code itself for a subnormal. The two conversions give the same
-// bits for every one of the 2^32 floats in both formats (checked when written;
+// bits for every one of the 2^32 floats in both formats (tests/test_fp8_codes.py;
 // tests/test_cache_write.py compares the CPU cache stores with torch's conversion for every
 // bfloat16 value).
 template <int kMant, int kBias>

@@ -73,7 +73,7 @@ ROPE_HD float fp8_to_float(uint8_t code, CacheFormat format) {
 // subnormal one (exponent 0) is mant * 2^(1 - bias - mant_bits), exact in float; the all-ones
 // exponent is e5m2's infinity or NaN, and e4m3fn's NaN when the mantissa is all ones. NaNs
 // decode as the quiet NaN of their sign, like fp8_to_float (the same bits for every code:
-// tests/test_kv_shift.py shifts every pair of codes).
+// tests/test_fp8_codes.py).
 template <CacheFormat kFormat>
 ROPE_HD float fp8_to_float_lanes(uint32_t code) {
   constexpr bool kE4M3 = kFormat == CacheFormat::kE4M3FN;
