@@ -30,6 +30,7 @@ sys.path.insert(1, os.path.dirname(HERE))  # rope_ext from this checkout
 import torch  # noqa: E402
 
 import rope_ext  # noqa: E402
+from rope_bench.cases import steady_norm_weight  # noqa: E402
 from rope_bench.timing import clock_for, measure_interleaved, median, quantile  # noqa: E402
 from rope_ext import _kv_shift_reference, reference  # noqa: E402
 
@@ -128,7 +129,8 @@ def prologue_case(device, tokens, kv_cache_dtype, heads=(32, 8), head_dim=128):
     q = qkv[:, : hq * head_dim].unflatten(1, (hq, head_dim))
     k = qkv[:, hq * head_dim : (hq + hk) * head_dim].unflatten(1, (hk, head_dim))
     v = qkv[:, (hq + hk) * head_dim :].unflatten(1, (hk, head_dim))
-    wq, wk = torch.randn(head_dim, device=device), torch.randn(head_dim, device=device)
+    # Every timed call rewrites q and k in place: weights that keep them steady.
+    wq, wk = steady_norm_weight(head_dim, device=device), steady_norm_weight(head_dim, device=device)
     table = rope_ext.cos_sin_cache(4096, head_dim, device=device)
     positions = torch.randint(0, 4096, (tokens,), device=device)
     fp8 = kv_cache_dtype != "auto"

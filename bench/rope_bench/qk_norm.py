@@ -27,6 +27,7 @@ if __package__ in (None, ""):
 
 import rope_ext  # noqa: E402
 from rope_ext.qk_norm import qkv_norm_rope_  # noqa: E402
+from rope_bench.cases import steady_norm_weight  # noqa: E402
 from rope_bench.timing import CLOCKS, clock_for, measure_interleaved, median  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -46,11 +47,9 @@ class Case:
         self.qkv = torch.randn(tokens, (hq + hk + hv) * d, dtype=dtype, device=device)
         self.q = self.qkv[:, : hq * d].view(tokens, hq, d)
         self.k = self.qkv[:, hq * d : (hq + hk) * d].view(tokens, hk, d)
-        # Weights of magnitude 1 (random signs): every timed call rewrites q and k in place, and
-        # weights of other magnitudes would grow some dims and shrink the others geometrically
-        # call after call, down to subnormal floats, which the CPU computes with far slower.
-        self.wq = (torch.randint(0, 2, (d,), device=device) * 2 - 1).to(dtype)
-        self.wk = (torch.randint(0, 2, (d,), device=device) * 2 - 1).to(dtype)
+        # Every timed call rewrites q and k in place: weights that keep them steady.
+        self.wq = steady_norm_weight(d, dtype, device)
+        self.wk = steady_norm_weight(d, dtype, device)
         self.cache = rope_ext.cos_sin_cache(4096, d).to(device)
         self.pos = torch.randint(0, 4096, (tokens,), device=device)
         self.c = torch.tensor(1.0, dtype=dtype, device=device)
