@@ -32,7 +32,8 @@ import torch  # noqa: E402
 import rope_ext  # noqa: E402
 from rope_bench.cases import steady_norm_weight  # noqa: E402
 from rope_bench.timing import clock_for, measure_interleaved, median, quantile  # noqa: E402
-from rope_ext import _kv_shift_reference, reference  # noqa: E402
+from rope_ext import reference  # noqa: E402
+from rope_ext._kv_shift import reference as _kv_shift_reference  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
 

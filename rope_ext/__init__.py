@@ -1,8 +1,21 @@
 """rope_ext: rotary positional embedding (RoPE) as torch.ops.rope.* with native CPU and CUDA
 kernels, autograd, torch.compile support, and a pure-PyTorch fallback."""
 
-# _qk_norm_registrations and _quant_ops add their ops to _registrations.OPS on import
-from . import _call, _library, _qk_norm_registrations, _quant_ops, _registrations, envs, jit  # noqa: F401
+import sys as _sys
+
+from . import _call, _library, _registrations, envs, jit  # noqa: F401
+from ._kv_shift import reference as _kv_shift_reference
+from ._qk_norm import checks as _qk_norm_checks, reference as _qk_norm_reference
+# The op families' registrations add their ops to _registrations.OPS on import
+from ._qk_norm import registrations as _qk_norm_registrations
+from ._quant import checks as _quant_checks, registrations as _quant_ops
+
+# The families' modules by their names before they moved into folders (rope_ext._qk_norm_reference
+# is rope_ext._qk_norm.reference), so that code importing those names keeps working.
+for _name in ("_kv_shift_reference", "_qk_norm_checks", "_qk_norm_reference", "_qk_norm_registrations",
+              "_quant_checks", "_quant_ops"):
+    _sys.modules.setdefault(f"{__name__}.{_name}", globals()[_name])
+del _name
 from ._version import __version__
 
 if envs.JIT != "0":

@@ -11,7 +11,8 @@ from typing import Callable, NamedTuple
 import torch
 from torch.autograd import forward_ad
 
-from . import _checks, _kv_shift_reference, reference
+from . import _checks, reference
+from ._kv_shift import reference as _kv_shift_reference
 
 _libraries = []  # keeps the torch.library.Library objects (and so their registrations) alive
 ops = torch.ops.rope
@@ -366,9 +367,9 @@ OPS = {
     "shift_kv_cache_": Op(_ref_shift_kv_cache_, _fake_shift_kv_cache_,
                           mutable_autograd=_autograd_shift_kv_cache_, differentiable=False),
 }
-# Op families in modules of their own add their entries on import (rope_ext/__init__.py imports
-# them before register()): _qk_norm_registrations (fused QK-RMSNorm + RoPE), _quant_ops (RoPE +
-# FP8 quantization).
+# Op families in folders of their own add their entries on import (rope_ext/__init__.py imports
+# them before register()): _qk_norm/registrations.py (fused QK-RMSNorm + RoPE),
+# _quant/registrations.py (RoPE + FP8 quantization).
 
 
 def routed(name):

@@ -131,7 +131,7 @@ def check_ops(torch, rope_ext):
             ref.apply_rope_(ey, None, positions, cache[:, :16].double(), interleaved=interleaved,
                             rope_dim_offset=16, inverse=True)
             close(torch, y, ey, dtype)
-            from rope_ext import _kv_shift_reference
+            from rope_ext._kv_shift import reference as _kv_shift_reference
 
             delta = torch.tensor([3, -2, 7, 0, -5, 1])
             ekc = kc.double()

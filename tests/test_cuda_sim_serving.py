@@ -90,7 +90,7 @@ def test_offset_error_before_any_write():
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16])
 def test_shift_kv_cache(dtype, kv_cache_dtype, interleaved, table_dtype):
-    from rope_ext import _kv_shift_reference as ref
+    from rope_ext._kv_shift import reference as ref
     from test_kv_shift import assert_same_result
 
     big = (torch.randn(5, 4, 6, 48) * 2).to(dtype)
@@ -133,7 +133,7 @@ def test_shift_strided_slots_and_scalar_delta():
     want = key_cache.clone()
     slots = torch.tensor([1, 99, 5, 99, 14, 99])[::2]  # a strided view: slots 1, 5, 14
     cuda_sim.shift_kv_cache_(key_cache, slots, torch.tensor(-9), cache_table(32, 32))
-    from rope_ext import _kv_shift_reference as ref
+    from rope_ext._kv_shift import reference as ref
     from test_kv_shift import assert_same_result
 
     ref.shift_kv_cache_(want, slots, torch.tensor(-9), cache_table(32, 32))

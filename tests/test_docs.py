@@ -486,3 +486,25 @@ def test_no_import_cycle_in_the_package():
 def test_cycle_finder_finds_cycles():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_family_modules_keep_their_former_names():
+    """The op families' Python modules moved into folders (rope_ext/_qk_norm/, _quant/,
+    _kv_shift/); code that imported them by their former top-level names gets the same modules."""
+    import importlib
+
+    import rope_ext
+    from rope_ext._kv_shift import reference as kv_shift_reference
+    from rope_ext._qk_norm import checks, reference, registrations
+    from rope_ext._quant import checks as quant_checks, registrations as quant_registrations
+
+    former = {"_kv_shift_reference": kv_shift_reference, "_qk_norm_checks": checks,
+              "_qk_norm_reference": reference, "_qk_norm_registrations": registrations,
+              "_quant_checks": quant_checks, "_quant_ops": quant_registrations}
+    for name, module in former.items():
+        assert importlib.import_module(f"rope_ext.{name}") is module
+        assert getattr(rope_ext, name) is module
+        assert not os.path.exists(os.path.join(ROOT, "rope_ext", name + ".py"))
+    import rope_ext._qk_norm_reference as by_statement  # the `import a.b as c` form too
+
+    assert by_statement is reference

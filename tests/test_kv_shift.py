@@ -11,7 +11,7 @@ import torch
 
 import rope_ext
 from conftest import native_cpu
-from rope_ext import _kv_shift_reference as ref
+from rope_ext._kv_shift import reference as ref
 
 MAXPOS = 96
 TABLES = {

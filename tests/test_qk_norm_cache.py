@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import rope_ext
-from rope_ext import _qk_norm_reference as reference
+from rope_ext._qk_norm import reference
 
 from conftest import native_cpu
 from tolerances import TOL

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import rope_ext
-from rope_ext import _quant_ops
+from rope_ext._quant import registrations as _quant_ops
 from rope_ext.compat import flashinfer as fi
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)

@@ -1,6 +1,6 @@
 // Argument checks of the fused QK-RMSNorm + RoPE ops (rope.qk_norm_rope, rope.qk_norm_rope_,
 // rope.qkv_norm_rope_), shared by every device: the rotation's part is checks.h's
-// (check_apply / check_positions_op), the norm's part is here. rope_ext/_qk_norm_checks.py
+// (check_apply / check_positions_op), the norm's part is here. rope_ext/_qk_norm/checks.py
 // mirrors it message for message, in the same order.
 #pragma once
 
@@ -24,7 +24,7 @@ constexpr const char* kQkvNormOp = "rope.qkv_norm_rope_";
 constexpr const char* kQkNormCacheOp = "rope.qk_norm_rope_and_cache_";
 constexpr const char* kNormFormsOp = "rope.norm_rope";
 // rope.norm_rope's general rows (any form but kRms, or biases) go through the kernels' stack
-// buffer: head_dim at most this (rope_ext/_qk_norm_checks.py MAX_GENERAL_HEAD_DIM).
+// buffer: head_dim at most this (rope_ext/_qk_norm/checks.py MAX_GENERAL_HEAD_DIM).
 constexpr int64_t kMaxGeneralHeadDim = 1024;
 
 // Spelled as Python's format(eps, "g") (a stream's default), so messages match the Python paths.

@@ -1,6 +1,6 @@
 // Checks of rope.shift_kv_cache_: the argument metadata first, then the data (slots, deltas,
 // duplicates), all before anything is written. Header-only, like checks.h;
-// rope_ext/_kv_shift_reference.py mirrors it message for message.
+// rope_ext/_kv_shift/reference.py mirrors it message for message.
 #pragma once
 
 #include <limits>

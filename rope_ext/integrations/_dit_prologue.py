@@ -29,7 +29,7 @@ from diffusers.models import normalization as _dn
 
 from .. import qk_norm as _api
 from .._call import ops
-from .._qk_norm_checks import MAX_GENERAL_HEAD_DIM, uses_general_rows
+from .._qk_norm.checks import MAX_GENERAL_HEAD_DIM, uses_general_rows
 from ..compat import diffusers as dfx
 from ..compat._layout import broadcasts_within
 from ._qk_norm import plain_call

@@ -24,7 +24,7 @@ int64_t read_index(const void* p, const QuantIndex& ix, int64_t i) {
                  : static_cast<const int32_t*>(p)[i * ix.stride];
 }
 
-// The data checks, in token order, with the Python paths' messages (rope_ext/_quant_checks.py).
+// The data checks, in token order, with the Python paths' messages (rope_ext/_quant/checks.py).
 template <typename x_t>
 void check_data(const gpu::QuantArgs<x_t>& a, const char* op) {
   const QuantGeometry& g = a.g;

@@ -7,7 +7,7 @@ messages. `memory=False` skips the byte-range overlap checks (fake tensors have 
 
 import torch
 
-from ._checks import (PARTIAL_OVERLAP, _check_same_device, _fail, _rows_disjoint, _shape,
+from .._checks import (PARTIAL_OVERLAP, _check_same_device, _fail, _rows_disjoint, _shape,
                       check_disjoint_bytes, check_no_internal_overlap, dtype_name)
 
 OP = "rope.quantize_fp8"

@@ -21,9 +21,9 @@ finite value (NaN stays NaN) with round-to-nearest-even: what FlashInfer's kerne
 
 import torch
 
-from . import _quant_checks as qc
-from . import _registrations as base
-from .reference import _join_pairs, _split_pairs
+from . import checks as qc
+from .. import _registrations as base
+from ..reference import _join_pairs, _split_pairs
 
 ops = torch.ops.rope
 

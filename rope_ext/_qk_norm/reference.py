@@ -5,8 +5,8 @@ input dtype, like the native kernels; docs/qk_norm.md has the formulas.
 
 import torch
 
-from . import _qk_norm_checks as checks
-from . import reference
+from . import checks
+from .. import reference
 
 
 def _acc_dtype(dtype):

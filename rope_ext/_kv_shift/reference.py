@@ -10,8 +10,8 @@ kernels do it.
 
 import torch
 
-from . import _checks
-from ._checks import _check_same_device, _fail, _shape, dtype_name
+from .. import _checks
+from .._checks import _check_same_device, _fail, _shape, dtype_name
 
 OP = "rope.shift_kv_cache_"
 KV_CACHE_DTYPES = _checks.KV_CACHE_DTYPES

@@ -7,9 +7,9 @@ join rope_ext._registrations.OPS on import, which registers them like every op.
 
 import torch
 
-from . import _qk_norm_checks as checks
-from . import _qk_norm_reference as ref
-from . import _registrations as base
+from . import checks
+from . import reference as ref
+from .. import _registrations as base
 
 ops = torch.ops.rope
 NOT_DIFFERENTIABLE = (

@@ -7,8 +7,8 @@ the native checks (csrc/ops/qk_norm_checks.h) raise the same messages in the sam
 import math
 import numbers
 
-from . import _checks
-from ._checks import _fail, _shape, dtype_name
+from .. import _checks
+from .._checks import _fail, _shape, dtype_name
 
 OP_OUT = "rope.qk_norm_rope"
 OP_INPLACE = "rope.qk_norm_rope_"
