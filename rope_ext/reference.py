@@ -144,8 +144,10 @@ def positions_table_grads(x, grad, positions, cos, sin, interleaved, inverse=Fal
 
 def cache_halves(cos_sin_cache):
     """The cos and sin halves of a (max_position, rotary_dim) table, as views."""
-    half = cos_sin_cache.shape[1] // 2
-    return cos_sin_cache[:, :half], cos_sin_cache[:, half:]
+    width = cos_sin_cache.shape[1]
+    if width % 2 == 0:
+        return cos_sin_cache.chunk(2, 1)  # both views in one call: half the cost of two slices
+    return cos_sin_cache[:, : width // 2], cos_sin_cache[:, width // 2 :]
 
 
 def _rotate_inplace(query, key, positions, cos_sin_cache, interleaved, mrope_section=None,
