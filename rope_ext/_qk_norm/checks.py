@@ -18,7 +18,7 @@ OP_FORMS = "rope.norm_rope"
 
 NORM_FORMS = ("rms", "rms_across_heads", "layer")
 # The norm forms other than a weighted per-head RMSNorm run each row through the kernels' stack
-# buffer (csrc/ops/cpu/qk_norm_kernel_api.h kQkNormStackHeadDim).
+# buffer (csrc/ops/cpu/kernel_api.h kQkNormStackHeadDim).
 MAX_GENERAL_HEAD_DIM = 1024
 
 

@@ -1,6 +1,6 @@
-// float -> bfloat16 rounding on AVX2, for the two AVX2 kernel files (isa_avx2.cpp,
-// qk_norm_isa_avx2.cpp), included inside their target region. Internal linkage: each file
-// compiles its own copy (kernel_api.h on why nothing inline is shared across ISA files).
+// float -> bfloat16 rounding on AVX2, for the AVX2 kernel file (isa_avx2.cpp: the rotation and
+// norm kernels), included inside its target region. Internal linkage (kernel_api.h on why nothing
+// inline is shared across ISA files).
 #pragma once
 
 #include <immintrin.h>

@@ -9,6 +9,7 @@
 
 #include "../cuda/rope_quant_thread.h"
 #include "../geometry.h"
+#include "../qk_norm_geometry.h"
 #include "../shift_geometry.h"
 
 namespace rope {
@@ -66,6 +67,30 @@ struct TokenHook {
 };
 using TokenHookFn = void (*)(const void* ctx, int64_t token, const int64_t* off);
 
+// One call of a fused norm + RoPE op (rope.qk_norm_rope*, rope.norm_rope): the geometry, the
+// norm, the operands' pointers and element types (DtIndex).
+struct NormJob {
+  const RotateGeometry* g;
+  NormDesc norm;
+  const void* src[2];
+  void* dst[2];
+  const void* w[2];  // nullptr: no weight (rope.norm_rope)
+  int w_dt[2];
+  // rope.norm_rope's general rows (a form other than kRms, or biases): weights and biases
+  // contiguous in the arithmetic type (the host casts them), or nullptr for none.
+  bool general = false;
+  const void* b[2];
+  const void* cos;  // strided: the cos tensor; gathered/MRoPE: the cache's row 0
+  const void* sin;
+  const void* positions;
+  int x_dt, table_dt;
+  TokenHook after_token;  // a later stage per token (the paged-cache store), or {nullptr}
+};
+
+// Rows of at most this many elements convert their weights into stack buffers in the norm
+// kernel; longer ones get weights the host cast to the arithmetic type.
+constexpr int64_t kQkNormStackHeadDim = 1024;
+
 // One call of rope.shift_kv_cache_ (shift_geometry.h ShiftDesc, checked, its data too).
 struct ShiftJob {
   const ShiftDesc* d;
@@ -79,16 +104,19 @@ struct ShiftJob {
 
 using RotateTokensFn = void (*)(const RotateJob&, int64_t begin_token, int64_t end_token);
 using ShiftSlotsFn = void (*)(const ShiftJob&, int64_t begin_entry, int64_t end_entry);
+using NormRopeTokensFn = void (*)(const NormJob&, int64_t begin_token, int64_t end_token);
 using CacheTokensFn = void (*)(const CacheJob&, int64_t begin_token, int64_t end_token);
 // args: a gpu::QuantArgs (../cuda/rope_quant_thread.h) of the entry's element type.
 using QuantTokensFn = void (*)(const void* args, int64_t begin_token, int64_t end_token);
 
 // Kernels of one ISA, indexed by the dtype of x (query/key) and, for the cache write, the
-// CacheFormat of the caches: the rotation, the rotation with the cache store, and the cache
-// store alone (a TokenHook over a CacheJob, for the fused QK-norm kernel's tokens); the K-shift
-// by the cache's dtype, or its float8 format (shift_fp8[kSame] is unused).
+// CacheFormat of the caches: the rotation, the norm stage with the rotation (qk_norm_kernels.h),
+// the rotation with the cache store, and the cache store alone (a TokenHook over a CacheJob, for
+// the norm kernel's tokens); the K-shift by the cache's dtype, or its float8 format
+// (shift_fp8[kSame] is unused).
 struct CpuKernels {
   RotateTokensFn rotate[kNumDt];
+  NormRopeTokensFn norm_rope[kNumDt];
   CacheTokensFn cache[kNumDt][3];
   TokenHookFn store[kNumDt][3];
   ShiftSlotsFn shift[kNumDt];

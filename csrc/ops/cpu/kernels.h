@@ -608,6 +608,7 @@ void cache_tokens(const CacheJob& job, int64_t b, int64_t e) {
 }  // namespace
 }  // namespace rope
 
+#include "qk_norm_kernels.h"
 #include "shift_kernels.h"
 #include "quant_kernels.h"
 
@@ -619,6 +620,7 @@ namespace {
 template <typename x_t>
 void fill(CpuKernels& k, int xi) {
   k.rotate[xi] = rotate_tokens<x_t>;
+  k.norm_rope[xi] = norm_rope_layout<x_t>;
   k.cache[xi][int(CacheFormat::kSame)] = cache_tokens<x_t, CacheFormat::kSame>;
   k.cache[xi][int(CacheFormat::kE4M3FN)] = cache_tokens<x_t, CacheFormat::kE4M3FN>;
   k.cache[xi][int(CacheFormat::kE5M2)] = cache_tokens<x_t, CacheFormat::kE5M2>;

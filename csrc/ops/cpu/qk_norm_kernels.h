@@ -1,11 +1,12 @@
-// The fused QK-RMSNorm + RoPE CPU kernel, written once in plain loops that the compiler
-// vectorizes for the instruction set of the file including it (qk_norm_isa_*.cpp). Everything
-// has internal linkage (see kernel_api.h). Per row (one head of one token): the sum of squares
-// (kLanes partial sums, so the loop vectorizes), then each rotary pair read again (from L1),
-// normalized (x * r), rotated with the weights folded into the token's cos and sin
-// (a * (w_a * cos) - b * (w_b * sin): the products per token and target, not per head) and
-// written once, then the dims past rotary_dim normalized, scaled and written. Arithmetic in float
-// (double for float64), rounded once.
+// The norm stage of the CPU kernel family (rope.qk_norm_rope*, rope.norm_rope; the fused
+// QK-RMSNorm + RoPE), written once in plain loops that the compiler vectorizes for the
+// instruction set of the file including it: included by kernels.h, so compiled once per ISA into
+// the same table (CpuKernels::norm_rope). Everything has internal linkage (see kernel_api.h). Per
+// row (one head of one token): the sum of squares (kLanes partial sums, so the loop vectorizes),
+// then each rotary pair read again (from L1), normalized (x * r), rotated with the weights folded
+// into the token's cos and sin (a * (w_a * cos) - b * (w_b * sin): the products per token and
+// target, not per head) and written once, then the dims past rotary_dim normalized, scaled and
+// written. Arithmetic in float (double for float64), rounded once.
 #pragma once
 
 #include <algorithm>
@@ -17,7 +18,7 @@
 #include "../../rope_math.h"
 #include "convert.h"
 #include "dt_dispatch.h"
-#include "qk_norm_kernel_api.h"
+#include "kernel_api.h"
 
 namespace rope {
 namespace {
@@ -183,12 +184,12 @@ inline void norm_tail(const x_t* src, int64_t sl, x_t* dst, int64_t dl, const ac
 
 
 // A row of kD float results to bfloat16, whole vectors at once. With AVX512_BF16
-// (ROPE_QK_NATIVE_BF16, defined by that variant's file): one instruction rounds 32 values to
+// (ROPE_AVX512_BF16, defined by that variant's file): one instruction rounds 32 values to
 // nearest even, then NaN lanes become torch's 0xFFFF. Like the rotation kernels' variant, it
 // treats float denormals (below 1.2e-38) as zero, unlike torch's conversion
-// (docs/cpu-performance.md). With AVX2 (ROPE_QK_AVX2_BF16): the rotation kernels' rounding
+// (docs/cpu-performance.md). With AVX2 (ROPE_AVX2_BF16, isa_avx2.cpp): the rotation kernels' rounding
 // (avx2_bf16.h), 16 values per packed store, the bits of from_f.
-#if defined(ROPE_QK_NATIVE_BF16)
+#if defined(ROPE_AVX512_BF16)
 template <typename x_t>
 constexpr bool kVectorBf16Rows = std::is_same_v<x_t, BF16Bits>;
 
@@ -204,7 +205,7 @@ ROPE_QK_INLINE void store_bf16_row(BF16Bits* d, const float* out) {
     _mm512_storeu_si512(d + j, _mm512_mask_mov_epi16(r, nan, _mm512_set1_epi16(-1)));
   }
 }
-#elif defined(ROPE_QK_AVX2_BF16)
+#elif defined(ROPE_AVX2_BF16)
 template <typename x_t>
 constexpr bool kVectorBf16Rows = std::is_same_v<x_t, BF16Bits>;
 
@@ -758,21 +759,5 @@ void norm_rope_layout(const NormJob& job, int64_t b, int64_t e) {
                      : norm_rope_tokens_impl<x_t, false>(job, b, e);
 }
 
-void norm_rope_tokens(const NormJob& job, int64_t b, int64_t e) {
-#ifdef ROPE_QK_NATIVE_BF16
-  // Only bfloat16 rows use the one-instruction conversion; every other dtype is avx512's (one
-  // copy of its code in the library, not two).
-  if (job.x_dt != kBF16) return qk_norm_kernel_avx512()(job, b, e);
-  norm_rope_layout<BF16Bits>(job, b, e);
-#else
-  with_dt_type(job.x_dt, [&](auto x0) { norm_rope_layout<decltype(x0)>(job, b, e); });
-#endif
-}
-
 }  // namespace
 }  // namespace rope
-
-#define ROPE_DEFINE_QK_NORM_KERNEL(entry)                        \
-  namespace rope {                                               \
-  NormRopeTokensFn entry() { return &norm_rope_tokens; }         \
-  }

@@ -1,7 +1,8 @@
 // The CPU host side of the fused QK-RMSNorm + RoPE ops (rope.qk_norm_rope, rope.qk_norm_rope_,
 // rope.qkv_norm_rope_; docs/qk_norm.md): checks (../qk_norm_checks.h), positions read once and
-// range-checked before anything is written, the threading, and the call into the kernel of the
-// CPU variant that serves (qk_norm_kernels.h). Each call is a RotateGeometry plus a NormDesc.
+// range-checked before anything is written, the threading, and the call into the norm kernel of
+// the CPU variant that serves (CpuKernels::norm_rope, qk_norm_kernels.h). Each call is a
+// RotateGeometry plus a NormDesc.
 #include <algorithm>
 #include <cmath>
 #include <optional>
@@ -18,17 +19,10 @@
 #include "../routes.h"
 #include "cache_store.h"
 #include "dt_index.h"
-#include "qk_norm_kernel_api.h"
+#include "kernel_api.h"
 
 namespace rope {
 namespace {
-
-// The kernel of the CPU variant that serves (rope.set_cpu_isa caps it).
-NormRopeTokensFn selected_kernel() {
-  const CpuIsa isa = selected_cpu_isa();
-  return ROPE_CPU_ENTRY(isa, qk_norm_kernel_baseline, qk_norm_kernel_avx2, qk_norm_kernel_avx512,
-                        qk_norm_kernel_avx512bf16);
-}
 
 // Work per task: at least this many elements, so decode-sized calls run on the calling thread.
 constexpr int64_t kGrainElements = 1 << 15;
@@ -48,7 +42,7 @@ void run_norm_rope(const NormJob& job, int64_t more_per_token = 0) {
   }
   if (per_token == 0) return;
   const int64_t grain = std::max<int64_t>(1, kGrainElements / per_token);
-  const NormRopeTokensFn kernel = selected_kernel();
+  const NormRopeTokensFn kernel = selected_cpu_kernels()->norm_rope[job.x_dt];
   auto fn = [&](int64_t b, int64_t e) { kernel(job, b, e); };
   if (g.tokens <= grain || torch::stable::get_num_threads() <= 1) {
     fn(0, g.tokens);
