@@ -327,3 +327,107 @@ def test_compile_fullgraph_is_one_op_call():
     calls = [n for g in graphs for n in g.graph.nodes if n.op == "call_function"]
     rope_calls = [n for n in calls if "rope" in str(n.target)]
     assert len(rope_calls) == 1, calls
+
+
+# ---- vLLM's fused_qknorm_rope_cache (rope_ext.compat.vllm) ----
+
+def vllm_prologue_case(dtype, fmt, rotary_dim, width=128, T=7, hq=4, hk=2, D=128):
+    """qkv (T, (hq + 2 hk) * D), weights (q's in qkv's dtype, k's float32, as vLLM allows), a
+    table of `width` columns, positions, slots with padding, NaN-poisoned caches (uint8 for
+    vLLM's "fp8", as vLLM allocates them), scales as vLLM passes them (for every cache dtype)."""
+    qkv = torch.randn(T, (hq + 2 * hk) * D, dtype=dtype) * 3
+    cache = torch.randn(64, width, dtype=torch.float32)
+    positions = torch.randint(0, 64, (T,))
+    slots = torch.randperm(4 * T)[:T]
+    slots[1::3] = -1
+    cdt = FP8[fmt] or dtype
+    kc = torch.full((T, 4, hk, D), float("nan")).to(cdt)
+    vc = torch.full((T, 4, hk, D), float("nan")).to(cdt)
+    if fmt == "fp8":
+        kc, vc = kc.view(torch.uint8), vc.view(torch.uint8)
+    return dict(qkv=qkv, q_weight=torch.randn(D, dtype=dtype), k_weight=torch.randn(D),
+                cos_sin_cache=cache, positions=positions, slot_mapping=slots, key_cache=kc,
+                value_cache=vc, num_q_heads=hq, num_kv_heads=hk, head_dim=D,
+                rotary_dim=rotary_dim, eps=EPS, kv_cache_dtype=fmt,
+                k_scale=torch.tensor(0.37), v_scale=torch.tensor(1.9))
+
+
+def vllm_prologue_peer(a, bias):
+    """vLLM's documented semantics in float64: each q and k head normed with weight + bias, then
+    its first rotary_dim dims rotated NeoX-style by the halves of the table (cos: columns
+    [0, rotary_dim/2), sin: [width/2, width/2 + rotary_dim/2)) at the token's position; v as it
+    is. Returns (q, k, v) as (T, H * D). (vLLM's kernel also rounds the normed rows to qkv's
+    dtype before the rotation; the drop-in rounds once, so both are held to the exact values.)"""
+    qkv, D, hq, hk = a["qkv"], a["head_dim"], a["num_q_heads"], a["num_kv_heads"]
+    half, r = a["cos_sin_cache"].shape[1] // 2, a["rotary_dim"] // 2
+    q, k, v = qkv.split([hq * D, hk * D, hk * D], 1)
+    rows = a["cos_sin_cache"].double()[a["positions"]]
+    cos, sin = rows[:, None, :r], rows[:, None, half : half + r]
+    out = [oracle_rows(x.unflatten(1, (h, D)), w.double() + bias, cos, sin, EPS, False, False)
+           for x, w, h in ((q, a["q_weight"], hq), (k, a["k_weight"], hk))]
+    return out[0].flatten(1), out[1].flatten(1), v
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("fmt", ["auto", "fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("bias", [0.0, 1.0, 0.5])
+@pytest.mark.parametrize("rotary_dim,width", [(128, 128), (64, 128), (0, 128), (64, 64)])
+def test_vllm_fused_qknorm_rope_cache(dtype, fmt, bias, rotary_dim, width):
+    from rope_ext.compat.vllm import fused_qknorm_rope_cache
+
+    a = vllm_prologue_case(dtype, fmt, rotary_dim, width)
+    qkv0 = a["qkv"].clone()
+    q, k, v = fused_qknorm_rope_cache(**a, norm_weight_bias=bias)
+    assert torch.equal(a["qkv"], qkv0), "qkv changed"
+    want_q, want_k, want_v = vllm_prologue_peer(a, bias)
+    T, D = qkv0.shape[0], a["head_dim"]
+    for got, want, what in ((q, want_q, "q"), (k, want_k, "k"), (v, want_v, "v")):
+        assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous(), what
+        assert got.untyped_storage().data_ptr() != a["qkv"].untyped_storage().data_ptr(), what
+        close(got, want, dtype, what)
+    assert torch.equal(v, want_v)
+    # the caches: the returned k and v rows at each non-padding slot, poison elsewhere
+    fp8 = FP8[fmt]
+    kc, vc = a["key_cache"], a["value_cache"]
+    if fmt == "fp8":
+        kc, vc = kc.view(fp8), vc.view(fp8)
+    bs = kc.shape[1]
+    written = torch.zeros(kc.shape[:2], dtype=torch.bool)
+    for t, s in enumerate(a["slot_mapping"].tolist()):
+        if s < 0:
+            continue
+        written[s // bs, s % bs] = True
+        for src, cache, scale in ((k, kc, "k_scale"), (v, vc, "v_scale")):
+            want = src[t].unflatten(0, (a["num_kv_heads"], D))
+            if fp8 is not None:
+                m = torch.finfo(fp8).max
+                want = (want.float() / a[scale]).clamp(-m, m).to(fp8)
+            assert torch.equal(bits(cache[s // bs, s % bs]), bits(want)), f"token {t}, slot {s}"
+    for cache in (kc, vc):
+        assert cache[~written].float().isnan().all(), "a cache row without a token was written"
+
+
+def test_vllm_fused_qknorm_rope_cache_rejects_and_changes_nothing():
+    from rope_ext.compat.vllm import fused_qknorm_rope_cache
+
+    def case(**change):
+        a = vllm_prologue_case(torch.bfloat16, "auto", 128)
+        a.update(change)
+        return a
+
+    bad = [
+        (case(rotary_dim=60), ValueError, "rotary_dim must be a multiple of 8"),
+        (case(rotary_dim=136), ValueError, "rotary_dim must be a multiple of 8"),
+        (case(num_kv_heads=3), ValueError, "qkv must have shape"),
+        (case(norm_weight_bias=float("nan")), ValueError, "norm_weight_bias must be a finite"),
+        (case(cos_sin_cache=torch.randn(64, 127)), ValueError, "cos_sin_cache must have shape"),
+        (case(slot_mapping=torch.tensor([0, 1, 2, 3, 4, 5, 28])), RuntimeError, "slot"),
+        (case(positions=torch.tensor([0, 1, 2, 3, 4, 5, 64])), RuntimeError, "positions"),
+        (case(kv_cache_dtype="fp8"), RuntimeError, "key_cache must be"),
+    ]
+    for a, error, match in bad:
+        before = {n: t.clone() for n, t in a.items() if isinstance(t, torch.Tensor)}
+        with pytest.raises(error, match=match):
+            fused_qknorm_rope_cache(**a)
+        for n, t in before.items():
+            assert torch.equal(bits(a[n]), bits(t)), f"{n} changed by a rejected call"

@@ -1,4 +1,5 @@
-"""The fused QK-RMSNorm + RoPE drop-ins of vLLM and SGLang on rope.qkv_norm_rope_; re-exported
+"""The fused QK-RMSNorm + RoPE drop-ins of vLLM and SGLang on rope.qkv_norm_rope_, and vLLM's
+whole prologue (norm, RoPE and the paged KV write) on rope.qk_norm_rope_and_cache_; re-exported
 by rope_ext.compat.vllm and rope_ext.compat.sglang."""
 
 import math
@@ -6,7 +7,7 @@ import numbers
 
 import torch
 
-from ..qk_norm import qkv_norm_rope_
+from ..qk_norm import qk_norm_rope_and_cache_, qkv_norm_rope_
 
 
 def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight,
@@ -28,6 +29,77 @@ def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps
                         f"{forced_token_heads_per_warp!r}")
     qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight, k_weight,
                    position_ids, cos_sin_cache, eps=eps, interleaved=not is_neox)
+
+
+# vLLM's float8 cache formats (its caches hold them as uint8: viewed as the format, same bytes).
+_VLLM_FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+             "fp8_e5m2": torch.float8_e5m2}
+
+
+def _int_arg(name, v, low=0):
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
+    return int(v)
+
+
+def fused_qknorm_rope_cache(qkv, q_weight, k_weight, cos_sin_cache, positions, slot_mapping,
+                            key_cache, value_cache, num_q_heads, num_kv_heads, head_dim,
+                            rotary_dim, eps, norm_weight_bias=0.0, kv_cache_dtype="auto",
+                            k_scale=None, v_scale=None):
+    """vLLM's `_custom_ops.fused_qknorm_rope_cache`: the attention prologue of a packed qkv
+    (num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim), left as it is. Returns new
+    contiguous q (num_tokens, num_q_heads * head_dim), k and v (num_tokens, num_kv_heads *
+    head_dim): each q and k head RMS-normalized over head_dim in float32 with the weight plus
+    norm_weight_bias (1.0: Gemma's zero-centered weights), its first rotary_dim dims rotated
+    NeoX-style by the rows of cos_sin_cache at positions (cos and sin: the table's halves, each
+    read from its start; rotary_dim 0: no rotation), v a copy; k and v also written into the
+    paged caches (num_blocks, block_size, num_kv_heads, head_dim) at slot_mapping (negative:
+    not cached), float8 caches (uint8 as vLLM allocates them, or a float8 dtype) storing x /
+    scale, saturated.
+
+    One rope.qk_norm_rope_and_cache_ call on copies of q, k and v. Unlike vLLM's kernel, the
+    normalized rows are rounded once, after the rotation (vLLM rounds them to qkv's dtype
+    before it too: results can differ by one unit in the last place), a position or slot out
+    of range is an error, and every bad argument raises before anything is written.
+    """
+    heads_q = _int_arg("num_q_heads", num_q_heads, 1)
+    heads_kv = _int_arg("num_kv_heads", num_kv_heads, 1)
+    dim = _int_arg("head_dim", head_dim, 1)
+    rot = _int_arg("rotary_dim", rotary_dim)
+    if rot > dim or rot % 8:
+        raise ValueError("rotary_dim must be a multiple of 8 in [0, head_dim]")
+    if isinstance(norm_weight_bias, bool) or not isinstance(norm_weight_bias, numbers.Real) or \
+            not math.isfinite(norm_weight_bias):
+        raise ValueError(f"norm_weight_bias must be a finite number, got {norm_weight_bias!r}")
+    q_size, kv_size = heads_q * dim, heads_kv * dim
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 2 or qkv.shape[1] != q_size + 2 * kv_size:
+        got = list(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
+        raise ValueError(f"qkv must have shape (num_tokens, (num_q_heads + 2 * num_kv_heads) * "
+                         f"head_dim) = (num_tokens, {q_size + 2 * kv_size}), got {got}")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] % 2 or cos_sin_cache.shape[1] < rot:
+        raise ValueError(f"cos_sin_cache must have shape (max_position, width) with an even width "
+                         f">= rotary_dim = {rot}, got {list(cos_sin_cache.shape)}")
+    half = cos_sin_cache.shape[1] // 2
+    table = cos_sin_cache if 2 * half == rot else torch.cat(
+        (cos_sin_cache[:, : rot // 2], cos_sin_cache[:, half : half + rot // 2]), dim=1)
+    if norm_weight_bias in (0.0, 1.0):
+        unit_offset = norm_weight_bias == 1.0
+    else:  # a weight w + bias of the op's own kind (float32)
+        unit_offset = False
+        q_weight = q_weight.float() + float(norm_weight_bias)
+        k_weight = k_weight.float() + float(norm_weight_bias)
+    fmt = _VLLM_FP8.get(kv_cache_dtype)
+    if fmt is not None and key_cache.dtype == torch.uint8 and value_cache.dtype == torch.uint8:
+        key_cache, value_cache = key_cache.view(fmt), value_cache.view(fmt)
+    tokens = qkv.shape[0]
+    q, k, v = (part.clone(memory_format=torch.contiguous_format)
+               for part in qkv.split([q_size, kv_size, kv_size], dim=1))
+    qk_norm_rope_and_cache_(q.view(tokens, heads_q, dim), k.view(tokens, heads_kv, dim),
+                            v.view(tokens, heads_kv, dim), positions, table, q_weight, k_weight,
+                            key_cache, value_cache, slot_mapping, eps=eps,
+                            unit_offset=unit_offset, kv_cache_dtype=kv_cache_dtype,
+                            k_scale=k_scale, v_scale=v_scale)
+    return q, k, v
 
 
 def _yarn_tables(positions, rotary_dim, base, factor, low, high, attention_factor):

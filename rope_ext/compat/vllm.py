@@ -3,6 +3,7 @@
     from vllm import _custom_ops as ops          ->  from rope_ext.compat import vllm as ops
     ops.rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox,
                          rope_dim_offset=0, inverse=False)
+    ops.fused_qk_norm_rope(...), ops.fused_qknorm_rope_cache(...)   (the fused prologues)
 """
 
 from .._call import ops
@@ -45,5 +46,6 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, r
     _apply_(q, k, positions, cos_sin_cache, not is_neox, rope_dim_offset, inverse)
 
 
-# fused QK-RMSNorm + RoPE (vLLM's `_custom_ops.fused_qk_norm_rope`), with the SGLang twin
-from ._qk_norm import fused_qk_norm_rope  # noqa: E402,F401
+# fused QK-RMSNorm + RoPE (vLLM's `_custom_ops.fused_qk_norm_rope`), with the SGLang twin, and
+# the whole prologue with the paged KV write (`_custom_ops.fused_qknorm_rope_cache`)
+from ._qk_norm import fused_qk_norm_rope, fused_qknorm_rope_cache  # noqa: E402,F401
