@@ -9,7 +9,8 @@ traffic the work needs, so GB/s compare directly. Cases:
 - apply_ rope_dim_offset + inverse: DeepSeek-V4's RoPE on the tail of each head, undone in place;
 - qk_norm_rope_and_cache_: the serving attention prologue (Qwen3-8B heads 32/8/128, bfloat16,
   bfloat16 and float8 caches) at 1 to 512 tokens, against rope_ext's own unfused sequence
-  (qk_norm_rope_, then the paged write in PyTorch), the prologue in eager PyTorch as a model's
+  (qk_norm_rope_, then the paged write in PyTorch), vLLM's signature for it
+  (rope_ext.compat.vllm.fused_qknorm_rope_cache), the prologue in eager PyTorch as a model's
   native path writes it, and torch.compile of that.
 
 Prints a table and writes STEM.json and STEM.md to --out (default bench/results/). Timing reuses
@@ -33,6 +34,7 @@ import rope_ext  # noqa: E402
 from rope_bench.cases import steady_norm_weight  # noqa: E402
 from rope_bench.timing import clock_for, measure_interleaved, median, quantile  # noqa: E402
 from rope_ext import reference  # noqa: E402
+from rope_ext.compat.vllm import fused_qknorm_rope_cache  # noqa: E402
 from rope_ext._kv_shift import reference as _kv_shift_reference  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
@@ -158,6 +160,10 @@ def prologue_case(device, tokens, kv_cache_dtype, heads=(32, 8), head_dim=128):
         "rope_ext": lambda: rope_ext.qk_norm_rope_and_cache_(q, k, v, positions, table, wq, wk,
                                                              key_cache, value_cache, slots, **kw),
         "unfused rope_ext": unfused,
+        # vLLM's signature (packed qkv in, new q, k, v out: three copies more than the op)
+        "compat.vllm.fused_qknorm_rope_cache": lambda: fused_qknorm_rope_cache(
+            qkv, wq, wk, table, positions, slots, key_cache, value_cache, hq, hk, head_dim,
+            head_dim, eps, 0.0, kv_cache_dtype, ks, vs),
         "eager": lambda: eager_prologue(*args),
         "torch.compile": lambda: compiled(*args),
         "copy": copy_limit(nbytes, device),
