@@ -141,18 +141,21 @@ def check_against_oracle(a, before, dtype, unit_offset=False, interleaved=False,
         close(a["value"], oracle_rows(v0, None, none, none, EPS, False, False), dtype, "value")
     else:
         assert torch.equal(a["value"], v0), "value changed without v_norm"
-    # The caches: each non-padding token's rows are the op's own key and value rows, stored as
-    # the cache dtype (float8: x / scale saturated, by torch's conversion); every other row keeps
-    # its poison.
+    check_cache_rows(a["key_cache"], a["value_cache"], a, a["key"], a["value"])
+
+
+def check_cache_rows(kc, vc, a, key, value):
+    """Each non-padding token's rows of key and value (T, Hk, D) stored in the caches at its slot
+    as the cache dtype (float8: x / scale saturated, by torch's conversion); every other cache
+    row keeps its NaN poison."""
     fmt = FP8[a["kv_cache_dtype"]]
-    kc, vc = a["key_cache"], a["value_cache"]
     bs = kc.shape[1]
     written = torch.zeros(kc.shape[:2], dtype=torch.bool)
     for t, s in enumerate(a["slot_mapping"].tolist()):
         if s < 0:
             continue
         written[s // bs, s % bs] = True
-        for src, cache, scale in ((a["key"][t], kc, "k_scale"), (a["value"][t], vc, "v_scale")):
+        for src, cache, scale in ((key[t], kc, "k_scale"), (value[t], vc, "v_scale")):
             want = src
             if fmt is not None:
                 m = torch.finfo(fmt).max
@@ -380,31 +383,18 @@ def test_vllm_fused_qknorm_rope_cache(dtype, fmt, bias, rotary_dim, width):
     q, k, v = fused_qknorm_rope_cache(**a, norm_weight_bias=bias)
     assert torch.equal(a["qkv"], qkv0), "qkv changed"
     want_q, want_k, want_v = vllm_prologue_peer(a, bias)
-    T, D = qkv0.shape[0], a["head_dim"]
+    D = a["head_dim"]
     for got, want, what in ((q, want_q, "q"), (k, want_k, "k"), (v, want_v, "v")):
         assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous(), what
         assert got.untyped_storage().data_ptr() != a["qkv"].untyped_storage().data_ptr(), what
         close(got, want, dtype, what)
     assert torch.equal(v, want_v)
     # the caches: the returned k and v rows at each non-padding slot, poison elsewhere
-    fp8 = FP8[fmt]
     kc, vc = a["key_cache"], a["value_cache"]
-    if fmt == "fp8":
-        kc, vc = kc.view(fp8), vc.view(fp8)
-    bs = kc.shape[1]
-    written = torch.zeros(kc.shape[:2], dtype=torch.bool)
-    for t, s in enumerate(a["slot_mapping"].tolist()):
-        if s < 0:
-            continue
-        written[s // bs, s % bs] = True
-        for src, cache, scale in ((k, kc, "k_scale"), (v, vc, "v_scale")):
-            want = src[t].unflatten(0, (a["num_kv_heads"], D))
-            if fp8 is not None:
-                m = torch.finfo(fp8).max
-                want = (want.float() / a[scale]).clamp(-m, m).to(fp8)
-            assert torch.equal(bits(cache[s // bs, s % bs]), bits(want)), f"token {t}, slot {s}"
-    for cache in (kc, vc):
-        assert cache[~written].float().isnan().all(), "a cache row without a token was written"
+    if fmt == "fp8":  # vLLM's uint8 caches
+        kc, vc = kc.view(FP8[fmt]), vc.view(FP8[fmt])
+    heads = (a["num_kv_heads"], D)
+    check_cache_rows(kc, vc, a, k.unflatten(1, heads), v.unflatten(1, heads))
 
 
 def test_vllm_fused_qknorm_rope_cache_rejects_and_changes_nothing():
