@@ -227,6 +227,23 @@ def _ad_inplace_or_view_kernel(name):
     return kernel
 
 
+def serving_autograd(name, instead="it under torch.no_grad() or torch.inference_mode()"):
+    """The Autograd kernel of serving op `name` (not differentiable): torch's refusal when an
+    argument requires grad (`instead`: what the message suggests), else the ADInplaceOrView work
+    on what the schema marks written, then the kernel."""
+    below = []  # built on first use: the op is registered after this module is imported
+
+    def kernel(keyset, *args, **kwargs):
+        if _needs_grad(*[a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]):
+            raise RuntimeError(f"rope.{name}: a serving op, not differentiable, but one of the "
+                               f"arguments requires grad; call {instead}")
+        if not below:
+            below.append(_ad_inplace_or_view_kernel(name))
+        return below[0](keyset, *args, **kwargs)
+
+    return kernel
+
+
 def _needs_grad(*tensors):
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -299,19 +316,6 @@ def _autograd_apply_out(keyset, x, cos, sin, interleaved=False, *, out):
     return _below_autograd(ops.apply.out, keyset, (out,), x, cos, sin, interleaved, out=out)
 
 
-def _autograd_apply_and_cache_(keyset, query, key, value, positions, cos_sin_cache, key_cache,
-                               value_cache, slot_mapping, interleaved=False, kv_cache_dtype="auto",
-                               k_scale=None, v_scale=None):
-    if _needs_grad(query, key, value, cos_sin_cache, key_cache, value_cache):
-        raise RuntimeError(
-            "rope.apply_and_cache_: a serving op, not differentiable, but one of the arguments "
-            "requires grad; call it under torch.no_grad() or torch.inference_mode()"
-        )
-    return _below_autograd(ops.apply_and_cache_.default, keyset, (query, key, key_cache, value_cache),
-                           query, key, value, positions, cos_sin_cache, key_cache, value_cache,
-                           slot_mapping, interleaved, kv_cache_dtype, k_scale, v_scale)
-
-
 # ---- rope.shift_kv_cache_ (K-shift): reference and fake kernels, autograd ----
 
 def _ref_shift_kv_cache_(key_cache, slot_mapping, delta, cos_sin_cache, interleaved=False,
@@ -325,17 +329,6 @@ def _fake_shift_kv_cache_(key_cache, slot_mapping, delta, cos_sin_cache, interle
                           kv_cache_dtype="auto", k_scale=None):
     _kv_shift_reference.check_shift_kv_cache(key_cache, slot_mapping, delta, cos_sin_cache,
                                              kv_cache_dtype, k_scale, memory=False)
-
-
-def _autograd_shift_kv_cache_(keyset, key_cache, slot_mapping, delta, cos_sin_cache,
-                              interleaved=False, kv_cache_dtype="auto", k_scale=None):
-    if _needs_grad(key_cache, cos_sin_cache):
-        raise RuntimeError(
-            "rope.shift_kv_cache_: a serving op, not differentiable, but one of the arguments "
-            "requires grad; call it under torch.no_grad() or torch.inference_mode()"
-        )
-    return _below_autograd(ops.shift_kv_cache_.default, keyset, (key_cache,), key_cache,
-                           slot_mapping, delta, cos_sin_cache, interleaved, kv_cache_dtype, k_scale)
 
 
 # ---- every op's facts, in one table ----
@@ -363,9 +356,9 @@ OPS = {
     "apply_positions": Op(_ref_apply_positions, _fake_apply_positions,
                           (_backward_positions, _setup_positions)),
     "apply_and_cache_": Op(_ref_apply_and_cache_, _fake_apply_and_cache_,
-                           mutable_autograd=_autograd_apply_and_cache_, differentiable=False),
+                           mutable_autograd=serving_autograd("apply_and_cache_"), differentiable=False),
     "shift_kv_cache_": Op(_ref_shift_kv_cache_, _fake_shift_kv_cache_,
-                          mutable_autograd=_autograd_shift_kv_cache_, differentiable=False),
+                          mutable_autograd=serving_autograd("shift_kv_cache_"), differentiable=False),
 }
 # Op families in folders of their own add their entries on import (rope_ext/__init__.py imports
 # them before register()): _qk_norm/registrations.py (fused QK-RMSNorm + RoPE),

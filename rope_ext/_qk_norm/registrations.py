@@ -1,21 +1,18 @@
-"""Python-side registrations of the fused QK-RMSNorm + RoPE ops (rope.qk_norm_rope,
-rope.qk_norm_rope_, rope.qkv_norm_rope_): the reference kernels for devices without a native
-one, fake kernels, the autograd of the out-of-place op, and for the in-place (serving) ops the
-in-place bookkeeping of torch's own in-place ops plus an error under autograd. Their entries
-join rope_ext._registrations.OPS on import, which registers them like every op.
+"""Python-side registrations of the fused norm + RoPE ops (rope.qk_norm_rope, rope.norm_rope,
+rope.qk_norm_rope_, rope.qkv_norm_rope_, rope.qk_norm_rope_and_cache_): the reference kernels
+for devices without a native one, fake kernels, the autograd of the out-of-place ops, and for
+the in-place (serving) ops rope_ext._registrations.serving_autograd (torch's in-place
+bookkeeping, a refusal under autograd). Their entries join rope_ext._registrations.OPS on
+import, which registers them like every op.
 """
-
-import torch
 
 from . import checks
 from . import reference as ref
 from .. import _registrations as base
 
-ops = torch.ops.rope
-NOT_DIFFERENTIABLE = (
-    "{op}: a serving op, not differentiable, but one of the arguments requires grad; call "
-    "rope_ext.qk_norm.qk_norm_rope (out of place, differentiable), or this under torch.no_grad()"
-)
+# What a refusal under autograd suggests instead.
+INSTEAD = ("rope_ext.qk_norm.qk_norm_rope (out of place, differentiable), or this under "
+           "torch.no_grad()")
 
 
 # ---- fake kernels ----
@@ -119,56 +116,25 @@ def _backward_forms(ctx, grad_q, grad_k):
 
 # ---- the in-place ops under autograd ----
 
-def _autograd_qk_norm_rope_(keyset, query, key, q_weight, k_weight, positions, cos_sin_cache,
-                            eps, unit_offset=False, interleaved=False, mrope_section=None,
-                            mrope_interleaved=False):
-    if base._needs_grad(query, key, q_weight, k_weight, cos_sin_cache):
-        raise RuntimeError(NOT_DIFFERENTIABLE.format(op=checks.OP_INPLACE))
-    return base._below_autograd(ops.qk_norm_rope_.default, keyset, (query, key), query, key,
-                                q_weight, k_weight, positions, cos_sin_cache, eps, unit_offset,
-                                interleaved, mrope_section, mrope_interleaved)
-
-
-def _autograd_qkv_norm_rope_(keyset, qkv, num_heads_q, num_heads_k, num_heads_v, head_dim,
-                             q_weight, k_weight, positions, cos_sin_cache, eps, unit_offset=False,
-                             interleaved=False, mrope_section=None, mrope_interleaved=False):
-    if base._needs_grad(qkv, q_weight, k_weight, cos_sin_cache):
-        raise RuntimeError(NOT_DIFFERENTIABLE.format(op=checks.OP_PACKED))
-    return base._below_autograd(ops.qkv_norm_rope_.default, keyset, (qkv,), qkv, num_heads_q,
-                                num_heads_k, num_heads_v, head_dim, q_weight, k_weight, positions,
-                                cos_sin_cache, eps, unit_offset, interleaved, mrope_section,
-                                mrope_interleaved)
-
-
 def _ref_qk_norm_rope_and_cache_(*args, **kwargs):
     ref.qk_norm_rope_and_cache_(*args, **kwargs)  # the op returns nothing
 
 
-def _autograd_qk_norm_rope_and_cache_(keyset, query, key, value, positions, cos_sin_cache,
-                                      q_weight, k_weight, key_cache, value_cache, slot_mapping,
-                                      eps=1e-6, **kwargs):
-    if base._needs_grad(query, key, value, q_weight, k_weight, cos_sin_cache, key_cache,
-                        value_cache):
-        raise RuntimeError(NOT_DIFFERENTIABLE.format(op=checks.OP_CACHE))
-    return base._below_autograd(ops.qk_norm_rope_and_cache_.default, keyset,
-                                (query, key, value, key_cache, value_cache), query, key, value,
-                                positions, cos_sin_cache, q_weight, k_weight, key_cache,
-                                value_cache, slot_mapping, eps, **kwargs)
-
-
 def ops_table(op_type):
     """These ops' entries of rope_ext._registrations.OPS (op_type: its Op)."""
+
+    def serving(name, reference, fake):
+        return op_type(reference, fake, mutable_autograd=base.serving_autograd(name, INSTEAD),
+                       differentiable=False)
+
     return {
         "qk_norm_rope": op_type(ref.qk_norm_rope, _fake_qk_norm_rope, (_backward, _setup)),
         "norm_rope": op_type(ref.norm_rope, _fake_norm_rope, (_backward_forms, _setup_forms)),
-        "qk_norm_rope_": op_type(ref.qk_norm_rope_, _fake_qk_norm_rope_,
-                                 mutable_autograd=_autograd_qk_norm_rope_, differentiable=False),
-        "qkv_norm_rope_": op_type(ref.qkv_norm_rope_, _fake_qkv_norm_rope_,
-                                  mutable_autograd=_autograd_qkv_norm_rope_, differentiable=False),
-        "qk_norm_rope_and_cache_": op_type(_ref_qk_norm_rope_and_cache_,
-                                           _fake_qk_norm_rope_and_cache_,
-                                           mutable_autograd=_autograd_qk_norm_rope_and_cache_,
-                                           differentiable=False),
+        "qk_norm_rope_": serving("qk_norm_rope_", ref.qk_norm_rope_, _fake_qk_norm_rope_),
+        "qkv_norm_rope_": serving("qkv_norm_rope_", ref.qkv_norm_rope_, _fake_qkv_norm_rope_),
+        "qk_norm_rope_and_cache_": serving("qk_norm_rope_and_cache_",
+                                           _ref_qk_norm_rope_and_cache_,
+                                           _fake_qk_norm_rope_and_cache_),
     }
 
 

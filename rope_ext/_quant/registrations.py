@@ -25,8 +25,6 @@ from . import checks as qc
 from .. import _registrations as base
 from ..reference import _join_pairs, _split_pairs
 
-ops = torch.ops.rope
-
 
 # ---- the math ----
 
@@ -129,34 +127,15 @@ def _fake_paged(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, q_rop
                    page_size, kv_layout, memory=False)
 
 
-# ---- autograd: serving ops, not differentiable; the version bump of what they write ----
-
-def _autograd_kernel(name):
-    reg = base
-
-    def kernel(keyset, *args, **kwargs):
-        op = getattr(ops, name).default
-        positional, keyword = torch._library.utils.mutated_args_kwargs(op._schema)
-        if reg._needs_grad(*[a for a in args if isinstance(a, torch.Tensor)],
-                           *[a for a in kwargs.values() if isinstance(a, torch.Tensor)]):
-            raise RuntimeError(
-                f"rope.{name}: a serving op, not differentiable, but one of the arguments "
-                "requires grad; call it under torch.no_grad() or torch.inference_mode()")
-        written = [args[i] for i in positional if i < len(args)] + [kwargs.get(k) for k in keyword]
-        return reg._below_autograd(op, keyset, written, *args, **kwargs)
-
-    return kernel
-
-
 def ops_table(op_type):
     """These ops' entries of rope_ext._registrations.OPS (op_type: its Op)."""
     return {
         "quantize_fp8": op_type(quantize_fp8, _fake_quantize_fp8,
-                                mutable_autograd=_autograd_kernel("quantize_fp8"),
+                                mutable_autograd=base.serving_autograd("quantize_fp8"),
                                 differentiable=False),
         "quantize_fp8_append_paged_kv_cache": op_type(
             quantize_fp8_append_paged_kv_cache, _fake_paged,
-            mutable_autograd=_autograd_kernel("quantize_fp8_append_paged_kv_cache"),
+            mutable_autograd=base.serving_autograd("quantize_fp8_append_paged_kv_cache"),
             differentiable=False),
     }
 
