@@ -133,7 +133,7 @@ def prologue_case(device, tokens, kv_cache_dtype, heads=(32, 8), head_dim=128):
     k = qkv[:, hq * head_dim : (hq + hk) * head_dim].unflatten(1, (hk, head_dim))
     v = qkv[:, (hq + hk) * head_dim :].unflatten(1, (hk, head_dim))
     # Every timed call rewrites q and k in place: weights that keep them steady.
-    wq, wk = steady_norm_weight(head_dim, device=device), steady_norm_weight(head_dim, device=device)
+    wq, wk = (steady_norm_weight(head_dim, device=device) for _ in range(2))
     table = rope_ext.cos_sin_cache(4096, head_dim, device=device)
     positions = torch.randint(0, 4096, (tokens,), device=device)
     fp8 = kv_cache_dtype != "auto"

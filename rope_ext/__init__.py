@@ -12,8 +12,8 @@ from ._quant import checks as _quant_checks, registrations as _quant_ops
 
 # The families' modules by their names before they moved into folders (rope_ext._qk_norm_reference
 # is rope_ext._qk_norm.reference), so that code importing those names keeps working.
-for _name in ("_kv_shift_reference", "_qk_norm_checks", "_qk_norm_reference", "_qk_norm_registrations",
-              "_quant_checks", "_quant_ops"):
+for _name in ("_kv_shift_reference", "_qk_norm_checks", "_qk_norm_reference",
+              "_qk_norm_registrations", "_quant_checks", "_quant_ops"):
     _sys.modules.setdefault(f"{__name__}.{_name}", globals()[_name])
 del _name
 from ._version import __version__

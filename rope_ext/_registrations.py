@@ -356,9 +356,11 @@ OPS = {
     "apply_positions": Op(_ref_apply_positions, _fake_apply_positions,
                           (_backward_positions, _setup_positions)),
     "apply_and_cache_": Op(_ref_apply_and_cache_, _fake_apply_and_cache_,
-                           mutable_autograd=serving_autograd("apply_and_cache_"), differentiable=False),
+                           mutable_autograd=serving_autograd("apply_and_cache_"),
+                           differentiable=False),
     "shift_kv_cache_": Op(_ref_shift_kv_cache_, _fake_shift_kv_cache_,
-                          mutable_autograd=serving_autograd("shift_kv_cache_"), differentiable=False),
+                          mutable_autograd=serving_autograd("shift_kv_cache_"),
+                          differentiable=False),
 }
 # Op families in folders of their own add their entries on import (rope_ext/__init__.py imports
 # them before register()): _qk_norm/registrations.py (fused QK-RMSNorm + RoPE),

@@ -76,18 +76,22 @@ def fused_qknorm_rope_cache(qkv, q_weight, k_weight, cos_sin_cache, positions, s
         got = list(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
         raise ValueError(f"qkv must have shape (num_tokens, (num_q_heads + 2 * num_kv_heads) * "
                          f"head_dim) = (num_tokens, {q_size + 2 * kv_size}), got {got}")
-    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] % 2 or cos_sin_cache.shape[1] < rot:
+    if not isinstance(cos_sin_cache, torch.Tensor) or cos_sin_cache.dim() != 2 or \
+            cos_sin_cache.shape[1] % 2 or cos_sin_cache.shape[1] < rot:
+        got = (list(cos_sin_cache.shape) if isinstance(cos_sin_cache, torch.Tensor)
+               else type(cos_sin_cache).__name__)
         raise ValueError(f"cos_sin_cache must have shape (max_position, width) with an even width "
-                         f">= rotary_dim = {rot}, got {list(cos_sin_cache.shape)}")
+                         f">= rotary_dim = {rot}, got {got}")
     half = cos_sin_cache.shape[1] // 2
     table = cos_sin_cache if 2 * half == rot else torch.cat(
         (cos_sin_cache[:, : rot // 2], cos_sin_cache[:, half : half + rot // 2]), dim=1)
     if norm_weight_bias in (0.0, 1.0):
         unit_offset = norm_weight_bias == 1.0
-    else:  # a weight w + bias of the op's own kind (float32)
+    else:  # weights w + bias in float32 (anything else: the op's own error)
         unit_offset = False
-        q_weight = q_weight.float() + float(norm_weight_bias)
-        k_weight = k_weight.float() + float(norm_weight_bias)
+        if isinstance(q_weight, torch.Tensor) and isinstance(k_weight, torch.Tensor):
+            q_weight = q_weight.float() + float(norm_weight_bias)
+            k_weight = k_weight.float() + float(norm_weight_bias)
     fmt = _VLLM_FP8.get(kv_cache_dtype)
     if fmt is not None and key_cache.dtype == torch.uint8 and value_cache.dtype == torch.uint8:
         key_cache, value_cache = key_cache.view(fmt), value_cache.view(fmt)
