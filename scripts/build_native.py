@@ -15,7 +15,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from build_config import envs  # noqa: E402  (rope_ext/envs.py, loaded without torch)
+from build_config import envs, library  # noqa: E402  (rope_ext/envs.py, loaded without torch)
 
 STEP = re.compile(r"^\[(\d+)/(\d+)\] (.*)$")
 SOURCES = (".cpp", ".cu", ".cc", ".c")
@@ -29,6 +29,15 @@ def _what(command):
     return "linking " + os.path.basename(command.split()[-1]) if " -shared " in command else command[:80]
 
 
+def _library_of(source):
+    """Which library (csrc/build.json) compiles `source`, in words, else "a library"."""
+    for name, words in (("cpu", "the CPU library"), ("cuda", "the CUDA library")):
+        module, init, sources = library(name)
+        if source in (init, *sources):
+            return f"{words}, {module}"
+    return "a library"
+
+
 def main(argv):
     cmd = [sys.executable, os.path.join(ROOT, "setup.py"), "--quiet", "build_ext", *argv]
     if envs.BUILD_VERBOSE == "1":
@@ -36,12 +45,13 @@ def main(argv):
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1)
-    log, libraries = [], iter(("the CPU library, rope_ext._C", "the CUDA library, rope_ext._C_cuda"))
+    log = []
     for line in proc.stdout:
         log.append(line)
         m = STEP.match(line.rstrip("\n"))
-        if m and m.group(1) == "1":  # ninja runs once per library, CPU then CUDA (setup.py)
-            print(f"  {m.group(2)} file(s) of {next(libraries, 'a library')} to compile", flush=True)
+        if m and m.group(1) == "1":  # ninja runs once per library with anything to compile
+            print(f"  {m.group(2)} file(s) of {_library_of(_what(m.group(3)))} to compile",
+                  flush=True)
         if m:
             print(f"  [{m.group(1)}/{m.group(2)}] {_what(m.group(3))}  "
                   f"(at {time.monotonic() - start:.0f} s)", flush=True)
