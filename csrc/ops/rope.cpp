@@ -1,5 +1,5 @@
 // Defines every op from its schema in rope_ext/schemas.def (the one list, which Python reads
-// too). Kernels are registered per device (cpu/rope_cpu.cpp, cuda/rope_cuda_ops.cpp); fake kernels,
+// too). Kernels are registered per device (cpu/rope_cpu.cpp, cuda/cuda_ops.cpp); fake kernels,
 // autograd and the in-place bookkeeping where Python serves it are registered from Python
 // (rope_ext/_registrations.py). docs/architecture.md walks through them.
 #include <string>

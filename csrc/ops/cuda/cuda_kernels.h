@@ -1,5 +1,6 @@
 // The CUDA kernels as the host code launches them: one launcher per kernel, declared here for the
-// ops' host files (*_ops.cpp: checks, tensors, dispatch, compiled by the C++ compiler) and defined
+// ops' host code (cuda_ops.cpp and the *_host.h it includes: checks, tensors, dispatch, compiled
+// by the C++ compiler) and defined
 // with the kernels in the kernel files (*.cu), which instantiate one per dtype (and layout) the
 // host dispatches to. Plain C++ without torch: the kernel files then compile without torch's
 // headers, which nvcc would otherwise read once per compilation step (several per file).

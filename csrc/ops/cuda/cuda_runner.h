@@ -1,5 +1,5 @@
-// What a GPU adds to the shared host logic, for every op's host file (*_ops.cpp): a runner base
-// that makes the tensors' device current, finds the stream torch is using there (a CUDA graph's
+// What a GPU adds to the shared host logic (cuda_ops.cpp registers every op with it): a runner
+// base that makes the tensors' device current, finds the stream torch is using there (a CUDA graph's
 // capture stream while capturing, a user's torch.cuda.Stream inside `with torch.cuda.stream(s)`)
 // and checks each launch, made by a launcher of cuda_kernels.h (defined with the kernels).
 #pragma once

@@ -1,4 +1,4 @@
-// Host side of the fused QK-RMSNorm + RoPE CUDA ops, shared by the ops (qk_norm_rope_ops.cpp) and
+// Host side of the fused QK-RMSNorm + RoPE CUDA ops, shared by the ops (cuda_ops.cpp) and
 // the CPU simulator (tests/sim/qk_norm_sim.inc): checks (../qk_norm_checks.h), positions read
 // once, table and weight casts, the launch plan and the dtype dispatch. A `Runner` launches the
 // kernel instantiation it is given, or simulates it. Positions are range-checked on the device.

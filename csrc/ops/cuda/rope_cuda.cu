@@ -1,6 +1,6 @@
 // The CUDA kernels of every rotation op and of rope.apply_and_cache_: the per-thread code of
 // rope_cuda_thread.h run at each thread's position, and their launchers (cuda_kernels.h), one
-// per dtype pair and layout that the host code (rope_cuda_host.h, run by rope_cuda_ops.cpp)
+// per dtype pair and layout that the host code (rope_cuda_host.h, run by cuda_ops.cpp)
 // dispatches to.
 #include <torch/headeronly/util/BFloat16.h>
 #include <torch/headeronly/util/Half.h>

@@ -1,4 +1,4 @@
-// Host side of every CUDA op, shared by the ops (rope_cuda_ops.cpp) and the CPU simulator
+// Host side of every CUDA op, shared by the ops (cuda_ops.cpp) and the CPU simulator
 // (tests/sim/cuda_sim.cpp): checks (../checks.h), positions read once, the table cast, the launch
 // plan (grid, block, vector path) and the dtype/layout dispatch. Only the last step differs: a
 // `Runner` either launches the kernel instantiation it is given or runs its per-thread code over

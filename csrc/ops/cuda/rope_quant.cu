@@ -1,7 +1,7 @@
 // The CUDA kernels of the RoPE + FP8 quantization ops: the per-token code of rope_quant_thread.h
 // (shared with the CPU kernel and the simulator) run at each thread's position, and their
 // launchers (cuda_kernels.h), one per dtype that the host code (rope_quant_host.h, run by
-// rope_quant_ops.cpp) dispatches to.
+// cuda_ops.cpp) dispatches to.
 #include <torch/headeronly/util/BFloat16.h>
 #include <torch/headeronly/util/Half.h>
 

@@ -1,4 +1,4 @@
-// Host side of the RoPE + FP8 quantization ops, shared by the CUDA ops (rope_quant_ops.cpp), the
+// Host side of the RoPE + FP8 quantization ops, shared by the CUDA ops (cuda_ops.cpp), the
 // CPU kernel (../cpu/rope_quant_cpu.cpp) and the simulator: checks (../rope_quant_checks.h), the
 // arguments, the launch plan (grid, block, vector path) and the dtype dispatch. The `Runner`
 // launches the kernel, runs it on the CPU, or simulates every thread.

@@ -1,6 +1,6 @@
 // The CUDA kernel of rope.shift_kv_cache_: the per-thread code of shift_cuda_thread.h run at each
 // thread's position, and its launcher (cuda_kernels.h), one per cache dtype that the host code
-// (shift_cuda_host.h, run by shift_cuda_ops.cpp) dispatches to.
+// (shift_cuda_host.h, run by cuda_ops.cpp) dispatches to.
 #include <cstdint>
 
 #include <torch/headeronly/util/BFloat16.h>

@@ -1,4 +1,4 @@
-// Host side of rope.shift_kv_cache_ on CUDA, shared by the op (shift_cuda_ops.cpp) and the CPU
+// Host side of rope.shift_kv_cache_ on CUDA, shared by the op (cuda_ops.cpp) and the CPU
 // simulator (tests/sim/cuda_sim.cpp): the checks (../shift_checks.h), the data checks on host
 // copies of slot_mapping, delta and k_scale (one synchronization, so that a bad slot or delta
 // is a clear error before anything is written, as on the CPU), the table in the arithmetic
