@@ -101,11 +101,13 @@ def test_a_slot_used_by_two_tokens_is_refused_before_any_write(impl, dtype):
 
 
 @pytest.mark.parametrize("cache_blocks", ["few", "many"])
-def test_every_repeated_slot_is_found_among_many_tokens(cache_blocks):
+@pytest.mark.parametrize("tokens", [(2, 33), (33, 300)])
+def test_every_repeated_slot_is_found_among_many_tokens(cache_blocks, tokens):
     # Many tokens through the simulated device set (collisions in its hash), one repeat each time;
-    # on CPU a cache of few slots beside the tokens takes a bitmap, one of many a sort.
+    # on CPU up to 32 tokens are compared pairwise, more with a cache of few slots beside them
+    # take a bitmap, with one of many a sort.
     for _ in range(4):
-        T = int(torch.randint(2, 300, ()))
+        T = int(torch.randint(*tokens, ()))
         blocks = T if cache_blocks == "few" else 2**20  # head_dim 0: no memory for the rows
         slots = torch.randperm(4 * blocks)[:T]
         i, j = sorted(torch.randperm(T)[:2].tolist())

@@ -400,6 +400,19 @@ inline void check_slots(const Tensor& slot_mapping, int64_t slots, const char* o
     fail(op, ": slot_mapping must not repeat a slot (negative: padding, skipped), got ",
          slot_at(repeat), " at indices ", first, " and ", repeat);
   };
+  // A decode-sized batch: every pair of tokens compared (at most 496 comparisons), no buffer
+  // allocated: an allocation through torch costs more than the comparisons.
+  constexpr int64_t kPairwise = 32;
+  if (n <= kPairwise) {
+    for (int64_t t = 1; t < n; ++t) {
+      const int64_t s = slot_at(t);
+      if (s < 0) continue;
+      for (int64_t first = 0; first < t; ++first) {
+        if (slot_at(first) == s) fail_repeat(first, t);
+      }
+    }
+    return;
+  }
   // Few slots beside the tokens (a large prefill): one bit per slot, one pass in token order.
   const int64_t bitmap_bytes = slots / 8 + 1;
   if (bitmap_bytes <= 64 * used) {
