@@ -70,6 +70,34 @@ inline bool add_fits(int64_t a, int64_t b, int64_t& r) {
 
 // ---- one tensor's metadata, read once (every read is a call through the stable ABI's C shim) ----
 
+// dtype_of(t) in one shim call. The stable header's version maps the shim's dtype code to
+// a ScalarType by comparing it with each dtype's code in turn, a call apiece (13 for bfloat16),
+// on every use, and a decode-sized call reads dozens of dtypes. The codes of the dtypes the ops
+// take are read once; any other dtype goes the header's way.
+inline ScalarType dtype_of(const Tensor& t) {
+  struct Codes {
+    std::pair<int32_t, ScalarType> known[9];
+    Codes() {
+      const ScalarType types[] = {ScalarType::Float, ScalarType::BFloat16, ScalarType::Half,
+                                  ScalarType::Long, ScalarType::Int, ScalarType::Double,
+                                  ScalarType::Byte, ScalarType::Float8_e4m3fn,
+                                  ScalarType::Float8_e5m2};
+      for (int i = 0; i < 9; ++i) {
+        known[i] = {torch::stable::detail::to<int32_t>(torch::stable::detail::from(types[i])),
+                    types[i]};
+      }
+    }
+  };
+  static const Codes codes;
+  int32_t code = 0;
+  if (aoti_torch_get_dtype(t.get(), &code) == AOTI_TORCH_SUCCESS) {
+    for (const auto& [c, type] : codes.known) {
+      if (c == code) return type;
+    }
+  }
+  return dtype_of(t);
+}
+
 struct Meta {
   const Tensor* t = nullptr;
   int64_t dim = 0;
@@ -83,7 +111,7 @@ struct Meta {
     dim = tensor.dim();
     sizes = tensor.sizes().data();
     strides = tensor.strides().data();
-    dtype = tensor.scalar_type();
+    dtype = dtype_of(tensor);
     numel = tensor.numel();
   }
   int64_t size(int64_t d) const { return sizes[d < 0 ? d + dim : d]; }

@@ -55,7 +55,7 @@ void run_norm_rope(const NormJob& job, int64_t more_per_token = 0) {
 // them), else cast to the arithmetic type (a torch op: an allocation).
 Tensor norm_weight(const Tensor& w, ScalarType x, int64_t head_dim) {
   const ScalarType acc = x == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
-  if (head_dim <= kQkNormStackHeadDim || w.scalar_type() == acc) return w;
+  if (head_dim <= kQkNormStackHeadDim || dtype_of(w) == acc) return w;
   return torch::stable::to(w, std::optional<ScalarType>(acc));
 }
 
@@ -68,7 +68,7 @@ NormJob make_job(const RotateGeometry& g, double eps, bool unit_offset, const Te
   const Tensor* ws[2] = {&wq, &wk};
   for (int k = 0; k < 2; ++k) {
     job.w[k] = ws[k]->const_data_ptr();
-    job.w_dt[k] = dt_index(ws[k]->scalar_type());
+    job.w_dt[k] = dt_index(dtype_of(*ws[k]));
     job.norm.w_stride[k] = ws[k]->stride(0);
   }
   job.x_dt = dt_index(x);
@@ -81,7 +81,7 @@ std::tuple<Tensor, Tensor> qk_norm_rope_cpu(Tensor query, Tensor key, Tensor q_w
                                             bool unit_offset, bool interleaved) {
   const auto [gq, gk] =
       check_qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps, interleaved);
-  const ScalarType xt = query.scalar_type();
+  const ScalarType xt = dtype_of(query);
   const Tensor wq = norm_weight(q_weight, xt, query.size(-1));
   const Tensor wk = norm_weight(k_weight, xt, query.size(-1));
   Tensor oq = new_contiguous(query, query.sizes());
@@ -91,7 +91,7 @@ std::tuple<Tensor, Tensor> qk_norm_rope_cpu(Tensor query, Tensor key, Tensor q_w
   for (int i = 0; i < 2; ++i) {
     const RotateGeometry& g = *parts[i].first;
     const Tensor& w = i == 0 ? wq : wk;
-    NormJob job = make_job(g, eps, unit_offset, w, w, xt, cos.scalar_type());
+    NormJob job = make_job(g, eps, unit_offset, w, w, xt, dtype_of(cos));
     job.src[0] = parts[i].second.first->const_data_ptr();
     job.dst[0] = parts[i].second.second->mutable_data_ptr();
     job.cos = cos.const_data_ptr();
@@ -114,7 +114,7 @@ std::optional<Tensor> form_operand(const std::optional<Tensor>& t, bool general,
     return ones;
   }
   if (!general) return norm_weight(*t, x, query.size(-1));
-  if (t->scalar_type() == acc && t->is_contiguous()) return t;
+  if (dtype_of(*t) == acc && t->is_contiguous()) return t;
   return torch::stable::contiguous(torch::stable::to(*t, std::optional<ScalarType>(acc)));
 }
 
@@ -126,7 +126,7 @@ std::tuple<Tensor, Tensor> norm_rope_cpu(Tensor query, Tensor key, std::optional
   const NormRopeCheck c =
       check_norm_rope(query, key, q_weight, k_weight, q_bias, k_bias, cos, sin, eps, norm,
                       interleaved);
-  const ScalarType xt = query.scalar_type();
+  const ScalarType xt = dtype_of(query);
   Tensor out[2] = {new_contiguous(query, query.sizes()), new_contiguous(key, key.sizes())};
   const Tensor* xs[2] = {&query, &key};
   const std::optional<Tensor>* ws[2] = {&q_weight, &k_weight};
@@ -150,11 +150,11 @@ std::tuple<Tensor, Tensor> norm_rope_cpu(Tensor query, Tensor key, std::optional
     }
     job.general = c.general;
     job.w[0] = w ? w->const_data_ptr() : nullptr;
-    job.w_dt[0] = w ? dt_index(w->scalar_type()) : 0;
+    job.w_dt[0] = w ? dt_index(dtype_of(*w)) : 0;
     job.norm.w_stride[0] = w ? w->stride(0) : 1;
     job.b[0] = b ? b->const_data_ptr() : nullptr;
     job.x_dt = dt_index(xt);
-    job.table_dt = dt_index(cos.scalar_type());
+    job.table_dt = dt_index(dtype_of(cos));
     job.src[0] = xs[i]->const_data_ptr();
     job.dst[0] = out[i].mutable_data_ptr();
     job.cos = cos.const_data_ptr();
@@ -184,10 +184,10 @@ void norm_rope_inplace(const Tensor& query, const Tensor& key, const Tensor* wri
     g = check();
   }
   check_positions_in_range(positions, g.table.rows, op, "cos_sin_cache.size(0)");
-  const ScalarType xt = query.scalar_type();
+  const ScalarType xt = dtype_of(query);
   const Tensor wq = norm_weight(q_weight, xt, g.head_dim);
   const Tensor wk = norm_weight(k_weight, xt, g.head_dim);
-  NormJob job = make_job(g, eps, unit_offset, wq, wk, xt, cache.scalar_type());
+  NormJob job = make_job(g, eps, unit_offset, wq, wk, xt, dtype_of(cache));
   job.src[0] = job.dst[0] = query.mutable_data_ptr();
   job.src[1] = job.dst[1] = key.mutable_data_ptr();
   job.cos = cache.const_data_ptr();
@@ -238,12 +238,12 @@ void qk_norm_rope_and_cache_cpu(Tensor query, Tensor key, Tensor value, Tensor p
                                            {&query, &key, &value, &key_cache, &value_cache});
   check_positions_in_range(positions, cg.rot.table.rows, op, "cos_sin_cache.size(0)");
   check_slots(slot_mapping, cg.slots, op);
-  const ScalarType xt = query.scalar_type();
+  const ScalarType xt = dtype_of(query);
   const Tensor wq = norm_weight(q_weight, xt, cg.rot.head_dim);
   const Tensor wk = norm_weight(k_weight, xt, cg.rot.head_dim);
   const CacheJob store = cache_store_job(cg, key, value, v_norm ? eps : -1.0, slot_mapping,
                                          key_cache, value_cache, k_scale, v_scale);
-  NormJob job = make_job(cg.rot, eps, unit_offset, wq, wk, xt, cos_sin_cache.scalar_type());
+  NormJob job = make_job(cg.rot, eps, unit_offset, wq, wk, xt, dtype_of(cos_sin_cache));
   job.src[0] = job.dst[0] = query.mutable_data_ptr();
   job.src[1] = job.dst[1] = key.mutable_data_ptr();
   job.cos = cos_sin_cache.const_data_ptr();

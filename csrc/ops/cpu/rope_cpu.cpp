@@ -71,7 +71,7 @@ RotateJob job_for(const RotateGeometry& g, const Tensor& x, void* dst, const Ten
   job.dst[0] = dst;
   job.cos = cos.const_data_ptr();
   job.sin = sin.const_data_ptr();
-  job.table_dt = dt_index(cos.scalar_type());
+  job.table_dt = dt_index(dtype_of(cos));
   job.stream = out_bytes >= cpu_stream_threshold_bytes();
   return job;
 }
@@ -92,13 +92,13 @@ Tensor apply_cpu(Tensor x, Tensor cos, Tensor sin, bool interleaved) {
                                        kInverse ? "grad" : "x");
   Tensor out = new_contiguous(x, x.sizes());
   run_rotate_new(job_for(g, x, out.mutable_data_ptr(), cos, sin, nbytes(out)), out,
-                 x.scalar_type());
+                 dtype_of(x));
   return out;
 }
 
 void apply_out_cpu(Tensor x, Tensor cos, Tensor sin, bool interleaved, Tensor out) {
   const RotateGeometry g = check_apply_out(x, cos, sin, out, interleaved);
-  run_rotate(job_for(g, x, out.mutable_data_ptr(), cos, sin, nbytes(out)), x.scalar_type());
+  run_rotate(job_for(g, x, out.mutable_data_ptr(), cos, sin, nbytes(out)), dtype_of(x));
 }
 
 // The in-place ops on query/key: positions copied if they share memory with what is written,
@@ -128,8 +128,8 @@ void rotate_inplace(const RotateGeometry& g, const Tensor& query, const std::opt
   job.cos = cache.const_data_ptr();
   job.sin = sin_of_cache(cache, g);
   job.positions = positions.const_data_ptr();
-  job.table_dt = dt_index(cache.scalar_type());
-  run_rotate(job, query.scalar_type());
+  job.table_dt = dt_index(dtype_of(cache));
+  run_rotate(job, dtype_of(query));
 }
 
 void apply_inplace_cpu(Tensor query, std::optional<Tensor> key, Tensor positions,
@@ -162,7 +162,7 @@ Tensor apply_positions_cpu(Tensor x, Tensor positions, Tensor cos, Tensor sin, b
   Tensor out = new_contiguous(x, x.sizes());
   RotateJob job = job_for(g, x, out.mutable_data_ptr(), cos, sin, nbytes(out));
   job.positions = positions.const_data_ptr();
-  run_rotate_new(job, out, x.scalar_type());
+  run_rotate_new(job, out, dtype_of(x));
   return out;
 }
 
@@ -188,9 +188,9 @@ void apply_and_cache_cpu(Tensor query, Tensor key, Tensor value, Tensor position
   job.rot.cos = cos_sin_cache.const_data_ptr();
   job.rot.sin = sin_of_cache(cos_sin_cache, cg.rot);
   job.rot.positions = positions.const_data_ptr();
-  job.rot.table_dt = dt_index(cos_sin_cache.scalar_type());
+  job.rot.table_dt = dt_index(dtype_of(cos_sin_cache));
   const CacheTokensFn fn =
-      selected_cpu_kernels()->cache[dt_index(query.scalar_type())][static_cast<int>(cg.format)];
+      selected_cpu_kernels()->cache[dt_index(dtype_of(query))][static_cast<int>(cg.format)];
   run_tokens(cg.rot, [&](int64_t b, int64_t e) { fn(job, b, e); }, work(cg.kv_heads, cg.value_dim));
 }
 

@@ -44,11 +44,11 @@ void shift_kv_cache_cpu(Tensor key_cache, Tensor slot_mapping, Tensor delta, Ten
                slot_mapping.const_data_ptr(),
                delta.const_data_ptr(),
                cos_sin_cache.const_data_ptr(),
-               dt_index(cos_sin_cache.scalar_type()),
+               dt_index(dtype_of(cos_sin_cache)),
                fp8 ? *scale : 1.0f};
   const CpuKernels* k = selected_cpu_kernels();
   run(job, fp8 ? k->shift_fp8[static_cast<int>(d.format)]
-               : k->shift[dt_index(key_cache.scalar_type())]);
+               : k->shift[dt_index(dtype_of(key_cache))]);
 }
 
 }  // namespace

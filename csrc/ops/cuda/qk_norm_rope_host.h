@@ -20,7 +20,7 @@ namespace rope::gpu {
 // A weight in the arithmetic type (a cast only when it has another dtype).
 inline Tensor norm_weight_for(const Tensor& w, ScalarType x_type) {
   const ScalarType acc = x_type == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
-  if (w.scalar_type() == acc) return w;
+  if (dtype_of(w) == acc) return w;
   return torch::stable::to(w, std::optional<ScalarType>(acc));
 }
 
@@ -97,7 +97,7 @@ std::tuple<Tensor, Tensor> qk_norm_rope_host(const Tensor& query, const Tensor& 
                                              double eps, bool unit_offset, bool interleaved,
                                              Runner&& run, int64_t max_blocks = kMaxBlocks) {
   auto geoms = check_qk_norm_rope(query, key, q_weight, k_weight, cos_in, sin_in, eps, interleaved);
-  const ScalarType xt = query.scalar_type();
+  const ScalarType xt = dtype_of(query);
   const Tensor cos = table_for(cos_in, xt), sin = table_for(sin_in, xt);
   if (cos.get() != cos_in.get() || sin.get() != sin_in.get()) {
     geoms = check_qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps, interleaved);
@@ -116,7 +116,7 @@ std::tuple<Tensor, Tensor> qk_norm_rope_host(const Tensor& query, const Tensor& 
     t.w[0] = t.w[1] = ws[i];
     t.cos = cos.const_data_ptr();
     t.sin = sin.const_data_ptr();
-    t.table_type = cos.scalar_type();
+    t.table_type = dtype_of(cos);
     run_norm_rope(*gs[i], t, rms_norm(eps, unit_offset), xt, run, max_blocks);
   }
   return {oq, ok};
@@ -143,7 +143,7 @@ std::tuple<Tensor, Tensor> norm_rope_host(const Tensor& query, const Tensor& key
                            interleaved);
   };
   NormRopeCheck c = check(cos_in, sin_in);
-  const ScalarType xt = query.scalar_type();
+  const ScalarType xt = dtype_of(query);
   const Tensor cos = table_for(cos_in, xt), sin = table_for(sin_in, xt);
   if (cos.get() != cos_in.get() || sin.get() != sin_in.get()) c = check(cos, sin);
   const std::optional<Tensor> w[2] = {form_operand_for(q_weight, xt),
@@ -170,7 +170,7 @@ std::tuple<Tensor, Tensor> norm_rope_host(const Tensor& query, const Tensor& key
     t.b[0] = b[i] ? &*b[i] : nullptr;
     t.cos = cos.const_data_ptr();
     t.sin = sin.const_data_ptr();
-    t.table_type = cos.scalar_type();
+    t.table_type = dtype_of(cos);
     run_norm_rope(*gs[i], t, nd, xt, run, max_blocks);
   }
   return {out[0], out[1]};
@@ -189,7 +189,7 @@ inline NormRopeTensors inplace_operands(const Tensor& query, const Tensor& key, 
   t.cos = cache.const_data_ptr();
   t.sin = sin_of_cache(cache, g);
   t.pos = positions.const_data_ptr();
-  t.table_type = cache.scalar_type();
+  t.table_type = dtype_of(cache);
   return t;
 }
 
@@ -210,9 +210,9 @@ void qk_norm_rope_inplace_host(const Tensor& query, const Tensor& key, const Ten
   };
   RotateGeometry g = check(cache_in);
   positions = positions_read_once(positions, {written0, written1});
-  const Tensor cache = table_for(cache_in, query.scalar_type());
+  const Tensor cache = table_for(cache_in, dtype_of(query));
   if (positions.get() != positions_in.get() || cache.get() != cache_in.get()) g = check(cache);
-  const ScalarType xt = query.scalar_type();
+  const ScalarType xt = dtype_of(query);
   const Tensor wq = norm_weight_for(q_weight, xt), wk = norm_weight_for(k_weight, xt);
   run_norm_rope(g, inplace_operands(query, key, wq, wk, cache, g, positions),
                 rms_norm(eps, unit_offset), xt, run, max_blocks);
@@ -238,7 +238,7 @@ void qk_norm_rope_and_cache_host(
   };
   CacheGeometry cg = check_read_once([&] { return check(cache_in); }, {&positions, &slots},
                                      {&query, &key, &value, &key_cache, &value_cache});
-  const ScalarType xt = query.scalar_type();
+  const ScalarType xt = dtype_of(query);
   const Tensor cache = table_for(cache_in, xt);
   if (cache.get() != cache_in.get()) cg = check(cache);
   check_slots_on_device(cg, slots, run, max_blocks);

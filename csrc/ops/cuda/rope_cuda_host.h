@@ -99,7 +99,7 @@ LaunchPlan plan_rotate(const RotateArgs<x_t, tab_t>& a, int64_t max_blocks) {
 // exactly the values the CPU kernels get by converting each element.
 inline Tensor table_for(const Tensor& t, ScalarType x_type) {
   const ScalarType acc = x_type == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
-  if (t.scalar_type() == acc || t.scalar_type() == x_type) return t;
+  if (dtype_of(t) == acc || dtype_of(t) == x_type) return t;
   return torch::stable::to(t, std::optional<ScalarType>(acc));
 }
 
@@ -142,7 +142,7 @@ void run_rotate(const RotateGeometry& g, const RotateTensors& t, ScalarType x_ty
                 int64_t max_blocks) {
   const int64_t heads = g.target[0].heads + (g.targets > 1 ? g.target[1].heads : 0);
   if (g.tokens == 0 || g.head_dim == 0 || heads == 0) return;  // however many (empty) tokens
-  dispatch_types(x_type, t.cos_table.scalar_type(), [&](auto x0, auto tab0) {
+  dispatch_types(x_type, dtype_of(t.cos_table), [&](auto x0, auto tab0) {
     using x_t = decltype(x0);
     using tab_t = decltype(tab0);
     RotateArgs<x_t, tab_t> a{};
@@ -186,14 +186,14 @@ Tensor apply_host(const Tensor& x, const Tensor& cos_in, const Tensor& sin_in, b
   const char* x_name = inverse ? "grad" : "x";
   RotateTensors t;
   const RotateGeometry g =
-      bind_tables(cos_in, sin_in, x.scalar_type(), t, [&](const Tensor& c, const Tensor& s) {
+      bind_tables(cos_in, sin_in, dtype_of(x), t, [&](const Tensor& c, const Tensor& s) {
         return out_in ? check_apply_out(x, c, s, *out_in, interleaved)
                       : check_apply(x, c, s, interleaved, inverse, op, x_name);
       });
   Tensor out = out_in ? *out_in : new_contiguous(x, x.sizes());
   t.src[0] = &x;
   t.dst[0] = &out;
-  run_rotate(g, t, x.scalar_type(), run, max_blocks);
+  run_rotate(g, t, dtype_of(x), run, max_blocks);
   return out;
 }
 
@@ -216,14 +216,14 @@ void rotate_inplace_host(const Tensor& query, const std::optional<Tensor>& key,
   RotateGeometry g = check_read_once([&] { return check(cache_in); }, {&positions},
                                      {&query, key ? &*key : nullptr});
   RotateTensors t;
-  t.cos_table = table_for(cache_in, query.scalar_type());
+  t.cos_table = table_for(cache_in, dtype_of(query));
   if (t.cos_table.get() != cache_in.get()) g = check(t.cos_table);
   t.src[0] = t.dst[0] = &query;
   if (key) t.src[1] = t.dst[1] = &*key;
   t.cos = t.cos_table.const_data_ptr();
   t.sin = sin_of_cache(t.cos_table, g);
   t.positions = &positions;
-  run_rotate(g, t, query.scalar_type(), run, max_blocks);
+  run_rotate(g, t, dtype_of(query), run, max_blocks);
 }
 
 template <class Runner>
@@ -234,7 +234,7 @@ Tensor apply_positions_host(const Tensor& x, const Tensor& positions, const Tens
                             int64_t max_blocks = kMaxBlocks) {
   RotateTensors t;
   const RotateGeometry g =
-      bind_tables(cos_in, sin_in, x.scalar_type(), t, [&](const Tensor& c, const Tensor& s) {
+      bind_tables(cos_in, sin_in, dtype_of(x), t, [&](const Tensor& c, const Tensor& s) {
         const TableArgs tables{nullptr, &c, &s, section ? &*section : nullptr, mrope_interleaved};
         return check_positions_op(x, std::nullopt, positions, tables, interleaved, inverse, false,
                                   "rope.apply_positions", "x");
@@ -243,7 +243,7 @@ Tensor apply_positions_host(const Tensor& x, const Tensor& positions, const Tens
   t.src[0] = &x;
   t.dst[0] = &out;
   t.positions = &positions;
-  run_rotate(g, t, x.scalar_type(), run, max_blocks);
+  run_rotate(g, t, dtype_of(x), run, max_blocks);
   return out;
 }
 
@@ -280,13 +280,13 @@ void apply_and_cache_host(const Tensor& query, const Tensor& key, const Tensor& 
   };
   CacheGeometry cg = check_read_once([&] { return check(cache_in); }, {&positions, &slots},
                                      {&query, &key, &key_cache, &value_cache});
-  const Tensor cache = table_for(cache_in, query.scalar_type());
+  const Tensor cache = table_for(cache_in, dtype_of(query));
   if (cache.get() != cache_in.get()) cg = check(cache);
   const RotateGeometry& g = cg.rot;
   // Rows to rotate or values to store; key rows of head_dim 0 still carry their values.
   if (g.tokens == 0 || g.target[0].heads + cg.kv_heads == 0) return;
   check_slots_on_device(cg, slots, run, max_blocks);
-  dispatch_types(query.scalar_type(), cache.scalar_type(), [&](auto x0, auto tab0) {
+  dispatch_types(dtype_of(query), dtype_of(cache), [&](auto x0, auto tab0) {
     using x_t = decltype(x0);
     using tab_t = decltype(tab0);
     constexpr int W = kWidth<x_t>;

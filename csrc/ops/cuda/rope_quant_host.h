@@ -90,7 +90,7 @@ template <class Runner>
 void run_quant(const QuantGeometry& g, const QuantTensors& t, Runner&& run,
                int64_t max_blocks = kMaxBlocks) {
   if (g.tokens == 0) return;
-  ROPE_DISPATCH_QUANT_X(t.q_rope->scalar_type(), "rope_quant", [&] {
+  ROPE_DISPATCH_QUANT_X(dtype_of(*t.q_rope), "rope_quant", [&] {
     QuantArgs<scalar_t> a = quant_args<scalar_t>(g, t);
     const int64_t chunks = std::max({a.rope_chunks, a.nope_chunks, a.v_chunks});
     const int64_t rows = quant_rows<scalar_t>(g);

@@ -45,8 +45,8 @@ void shift_kv_cache_host(const Tensor& key_cache, const Tensor& slots, const Ten
   }
   if (d.n == 0 || d.heads == 0 || d.half == 0) return;  // nothing rotates
   const ScalarType acc =
-      key_cache.scalar_type() == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
-  const Tensor table = table_in.scalar_type() == acc
+      dtype_of(key_cache) == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
+  const Tensor table = dtype_of(table_in) == acc
                            ? table_in
                            : torch::stable::to(table_in, std::optional<ScalarType>(acc));
   if (table.get() != table_in.get()) {
@@ -69,7 +69,7 @@ void shift_kv_cache_host(const Tensor& key_cache, const Tensor& slots, const Ten
   if (fp8) {
     launch(uint8_t{}, float{});
   } else {
-    ROPE_DISPATCH_FLOATING(key_cache.scalar_type(), "rope.shift_kv_cache_",
+    ROPE_DISPATCH_FLOATING(dtype_of(key_cache), "rope.shift_kv_cache_",
                            [&] { launch(scalar_t{}, opmath_t<scalar_t>{}); });
   }
 }
