@@ -214,7 +214,95 @@ def case_cache(rng):
             close(a, b, dtype)
 
 
-CASES = [case_apply, case_inplace, case_positions, case_cache]
+def close_cache(a, b, dtype):
+    """Cache contents of the two paths: float8 codes compared as values within one step (the
+    paths round the normed rows at different precisions, so a code can land on either side of a
+    tie), other dtypes as close() does; unwritten (NaN-poisoned) rows must match exactly."""
+    if a.element_size() == 1:
+        torch.testing.assert_close(a.double(), b.double(), rtol=0.26, atol=1e-3, equal_nan=True)
+    else:
+        close(a, b, dtype)
+
+
+def case_qk_norm_cache(rng):
+    """rope.qk_norm_rope_and_cache_ (the serving prologue): random head dims, partial and
+    too-wide rotary, both pair layouts, MRoPE, v_norm, unit_offset, weight dtypes and shapes,
+    float8 caches with scales (sometimes missing), slots with padding (sometimes repeated or out
+    of range), q/k/v as strided views of one buffer or separate tensors."""
+    dtype = rng.choice(DTYPES)
+    t, hq, hk = rng.choice([0, 1, 3, 6]), rng.choice([1, 3]), rng.choice([1, 2])
+    d = rng.choice([2, 6, 8, 16, 40, 64, 128, 136])
+    dv = d if rng.random() < 0.6 else rng.choice([4, 24])
+    rot = rng.choice([r for r in range(0, d + 1, 2)] + ([d + 2, 3] if rng.random() < 0.1 else []))
+    if dv == d and rng.random() < 0.6:  # views of one projection output
+        buf = rand_view(rng, [t, hq + 2 * hk, d], dtype, allow_expand=False)
+        q, k, v = buf[:, :hq], buf[:, hq:hq + hk], buf[:, hq + hk:]
+    else:
+        q = rand_view(rng, [t, hq, d], dtype, allow_expand=False)
+        k = rand_view(rng, [t, hk, d], dtype, allow_expand=False)
+        v = rand_view(rng, [t, hk, dv], dtype, allow_expand=False)
+    wdt = rng.choice(DTYPES)
+    wq = torch.randn(d + (1 if rng.random() < 0.05 else 0), dtype=torch.float64).to(wdt)
+    wk = torch.randn(d, dtype=torch.float64).to(rng.choice([wdt, torch.float32]))
+    fmt = rng.choice(["auto", "auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
+    cdt = {"auto": dtype, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+           "fp8_e5m2": torch.float8_e5m2}[fmt]
+    if rng.random() < 0.05:
+        cdt = torch.float16 if dtype != torch.float16 else torch.float32  # wrong: refused alike
+    blocks, bs = rng.choice([1, 3]), rng.choice([1, 4])
+    kc = torch.full((blocks, bs, hk, d), float("nan")).to(cdt)
+    vc = torch.full((blocks, bs, hk, dv), float("nan")).to(cdt)
+    slots = torch.randperm(blocks * bs + t)[:t] - t // 2
+    slots = torch.where(slots < blocks * bs, slots, -1)
+    if t > 1 and rng.random() < 0.1:
+        slots[rng.randrange(1, t)] = max(int(slots[0]), 0)  # repeated (or padding): as it falls
+    if t and rng.random() < 0.05:
+        slots[rng.randrange(t)] = blocks * bs  # out of range
+    rows = rng.choice([1, 9])
+    tab = rope_ext.cos_sin_cache(rows, max(rot, 2), dtype=rng.choice(DTYPES))[:, :rot]
+    sec, mi = None, rng.random() < 0.5
+    if rng.random() < 0.3 and rot >= 2:
+        half = rot // 2
+        sec = [half - 2 * (half // 3), half // 3, half // 3]
+        pos = positions(rng, [3, t], rows)
+    else:
+        pos = positions(rng, [t], rows)
+    scales = {}
+    if fmt != "auto" and rng.random() < 0.95:
+        scales = dict(k_scale=torch.tensor([rng.choice([0.25, 0.37, 1.0, 3.0])]),
+                      v_scale=torch.tensor([rng.choice([0.5, 1.9])]))
+    kw = dict(unit_offset=rng.random() < 0.5, interleaved=rng.random() < 0.5, mrope_section=sec,
+              mrope_interleaved=mi, v_norm=rng.random() < 0.5, kv_cache_dtype=fmt, **scales)
+    eps = rng.choice([1e-6, 1e-5])
+    native_op, reference_op = ops.qk_norm_rope_and_cache_, rope_ext._qk_norm.reference.qk_norm_rope_and_cache_
+
+    def on(fn, w):
+        fn(w[0], w[1], w[2], pos, tab, wq, wk, w[3], w[4], slots, eps, **kw)
+
+    if t and q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr():
+        # q, k and v share one buffer: clones would lose it, so each path runs on a copy of it
+        results = []
+        for fn in (native_op, reference_op):
+            b2 = buf.clone()
+            caches = [kc.clone(), vc.clone()]
+            try:
+                on(fn, [b2[:, :hq], b2[:, hq:hq + hk], b2[:, hq + hk:]] + caches)
+                results.append((b2, caches, None))
+            except RuntimeError as e:
+                results.append((None, None, str(e)))
+        assert results[0][2] == results[1][2], f"native: {results[0][2]!r}\nreference: {results[1][2]!r}"
+        if results[0][2] is None:
+            close(results[0][0], results[1][0], dtype)
+            for a, b in zip(results[0][1], results[1][1]):
+                close_cache(a, b, dtype)
+        return
+    res = run_both(lambda w: on(native_op, w), lambda w: on(reference_op, w), [q, k, v, kc, vc])
+    if res:
+        for i, (a, b) in enumerate(zip(res[0][1], res[1][1])):
+            (close_cache if i >= 3 else close)(a, b, dtype)
+
+
+CASES = [case_apply, case_inplace, case_positions, case_cache, case_qk_norm_cache]
 
 
 def test_native_and_reference_agree_on_random_inputs(request):
