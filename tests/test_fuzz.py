@@ -302,7 +302,73 @@ def case_qk_norm_cache(rng):
             (close_cache if i >= 3 else close)(a, b, dtype)
 
 
-CASES = [case_apply, case_inplace, case_positions, case_cache, case_qk_norm_cache]
+def case_shift(rng):
+    """rope.shift_kv_cache_: caches of every dtype and float8 format, partial rotary, one delta
+    or one per slot (some past the table), slots with padding (sometimes repeated or out of
+    range), a missing scale."""
+    fmt = rng.choice(["auto", "auto", "fp8", "fp8_e5m2"])
+    dtype = rng.choice(DTYPES) if fmt == "auto" else {"fp8": torch.float8_e4m3fn,
+                                                       "fp8_e5m2": torch.float8_e5m2}[fmt]
+    blocks, bs, h = rng.choice([1, 3]), rng.choice([1, 4]), rng.choice([1, 2])
+    d = rng.choice([2, 8, 16, 40, 128])
+    rot = rng.choice([r for r in range(0, d + 1, 2)] + ([d + 2] if rng.random() < 0.1 else []))
+    kc = torch.randn(blocks, bs, h, d, dtype=torch.float64).to(dtype)
+    n = rng.choice([0, 1, 3, 5])
+    slots = torch.randperm(blocks * bs + n)[:n] - n // 2
+    slots = torch.where(slots < blocks * bs, slots, -1)
+    if n > 1 and rng.random() < 0.1:
+        slots[rng.randrange(1, n)] = max(int(slots[0]), 0)
+    if n and rng.random() < 0.05:
+        slots[rng.randrange(n)] = blocks * bs
+    slots = slots.to(rng.choice([torch.int32, torch.int64]))
+    rows = rng.choice([1, 9])
+    tab = rope_ext.cos_sin_cache(rows, max(rot, 2), dtype=rng.choice(DTYPES))[:, :rot]
+    span = rows + (2 if rng.random() < 0.1 else 0)  # sometimes past the table: refused alike
+    delta = torch.randint(-span + 1, span, () if rng.random() < 0.4 else (n,))
+    scale = torch.tensor([rng.choice([0.25, 1.0, 3.0])]) if fmt != "auto" and rng.random() < 0.95 else None
+    il = rng.random() < 0.5
+    res = run_both(
+        lambda w: ops.shift_kv_cache_(w[0], slots, delta, tab, il, fmt, scale),
+        lambda w: rope_ext._kv_shift.reference.shift_kv_cache_(
+            w[0], slots, delta, tab, interleaved=il, kv_cache_dtype=fmt, k_scale=scale),
+        [kc])
+    if res:
+        close_cache(res[0][1][0], res[1][1][0], dtype)
+
+
+def case_quant(rng):
+    """rope.quantize_fp8: MLA (keys without heads) and GQA shapes, both float8 formats, scales,
+    both pair layouts, positions out of range, outputs of the wrong format."""
+    dtype = rng.choice([torch.float16, torch.bfloat16, torch.float32])
+    nnz, hq = rng.choice([0, 1, 4]), rng.choice([1, 3])
+    mla = rng.random() < 0.4
+    hk = rng.choice([1, 2])
+    r, nope = rng.choice([0, 2, 8, 64]), rng.choice([0, 4, 40])
+    kshape = (nnz,) if mla else (nnz, hk)
+    parts = [rand_view(rng, [nnz, hq, r], dtype, allow_expand=False),
+             rand_view(rng, [*kshape, r], dtype, allow_expand=False),
+             rand_view(rng, [nnz, hq, nope], dtype, allow_expand=False),
+             rand_view(rng, [*kshape, nope], dtype, allow_expand=False)]
+    fp8 = rng.choice([torch.float8_e4m3fn, torch.float8_e5m2])
+    outs = [torch.full(p.shape, float("nan")).to(fp8) for p in parts]
+    if rng.random() < 0.05:
+        outs[rng.randrange(4)] = outs[0].float()  # not float8: refused alike
+    rows = rng.choice([1, 9])
+    tab = torch.randn(rows, r, dtype=torch.float32)
+    pos = positions(rng, [nnz], rows)
+    sq, skv = rng.choice([1.0, 0.5, 3.0]), rng.choice([1.0, 0.25])
+    il = rng.random() < 0.5
+    res = run_both(
+        lambda w: ops.quantize_fp8(*parts, tab, pos, *w, sq, skv, il),
+        lambda w: rope_ext._quant.registrations.quantize_fp8(*parts, tab, pos, *w, sq, skv, il),
+        outs)
+    if res:
+        for a, b in zip(res[0][1], res[1][1]):
+            close_cache(a, b, dtype)
+
+
+CASES = [case_apply, case_inplace, case_positions, case_cache, case_qk_norm_cache, case_shift,
+         case_quant]
 
 
 def test_native_and_reference_agree_on_random_inputs(request):

@@ -508,6 +508,23 @@ def test_simulated_kernel_traps_on_bad_page_tables(sim):
                                                4, sim_info())
 
 
+def test_rows_of_no_elements_still_check_positions(sim):
+    """rope_dim 0 and no nope part: nothing to write, but a position outside the table is
+    refused on every path (the CPU once skipped the call and its checks; found by the fuzz)."""
+    parts = [torch.randn(4, 2, 0), torch.randn(4, 1, 0), torch.randn(4, 2, 0), torch.randn(4, 1, 0)]
+    table, pos = torch.randn(9, 0), torch.tensor([6, 9, 0, 4])
+    outs = [torch.empty(p.shape, dtype=torch.float8_e4m3fn) for p in parts]
+    messages = []
+    for fn in (torch.ops.rope.quantize_fp8, _quant_ops.quantize_fp8):
+        with pytest.raises(RuntimeError, match=r"pos_ids must lie in \[0, max_position") as e:
+            fn(*parts, table, pos, *outs, 1.0, 1.0, False)
+        messages.append(str(e.value))
+    assert messages[0] == messages[1]
+    with pytest.raises(RuntimeError, match="device-side assert triggered"):
+        sim.quantize_fp8(*parts, table, pos, *outs, 1.0, 1.0, False, 2, sim_info())
+    torch.ops.rope.quantize_fp8(*parts, table, pos.clamp(max=8), *outs, 1.0, 1.0, False)
+
+
 def test_bench_rows_do_the_same_work():
     """bench/rope_bench/quant.py: its unfused eager rows compute what the fused op computes."""
     import os

@@ -94,7 +94,8 @@ void run_quant(const QuantGeometry& g, const QuantTensors& t, Runner&& run,
     QuantArgs<scalar_t> a = quant_args<scalar_t>(g, t);
     const int64_t chunks = std::max({a.rope_chunks, a.nope_chunks, a.v_chunks});
     const int64_t rows = quant_rows<scalar_t>(g);
-    if (chunks == 0 || rows == 0) return;  // rows of 0 elements
+    // Rows of 0 elements still run: each token's positions are checked (the reference refuses
+    // a position outside the table whatever the rows' widths), and nothing is written.
     LaunchPlan p;
     p.rot_chunks = a.rope_chunks;
     p.tail_chunks = chunks - a.rope_chunks;
