@@ -367,8 +367,136 @@ def case_quant(rng):
             close_cache(a, b, dtype)
 
 
+def case_quant_paged(rng):
+    """rope.quantize_fp8_append_paged_kv_cache: MLA and GQA (NHD, HND) caches, one request over
+    shuffled pages, padding tokens, and sometimes a position past the request's pages, a page
+    index past the cache or an indptr out of order."""
+    dtype = rng.choice([torch.float16, torch.bfloat16, torch.float32])
+    nnz, hq, hk = rng.choice([0, 1, 5]), rng.choice([1, 3]), rng.choice([1, 2])
+    mla = rng.random() < 0.4
+    r, nope = rng.choice([0, 2, 8, 32]), rng.choice([0, 4, 40])
+    kshape = (nnz,) if mla else (nnz, hk)
+    parts = [rand_view(rng, [nnz, hq, r], dtype, allow_expand=False),
+             rand_view(rng, [*kshape, r], dtype, allow_expand=False),
+             rand_view(rng, [nnz, hq, nope], dtype, allow_expand=False),
+             rand_view(rng, [*kshape, nope], dtype, allow_expand=False)]
+    v = None if mla else torch.randn(nnz, hk, r + nope).to(dtype)
+    fp8 = rng.choice([torch.float8_e4m3fn, torch.float8_e5m2])
+    ps = rng.choice([1, 4])
+    pages = max(1, -(-nnz // ps))
+    max_pages = pages + rng.choice([0, 2])
+    layout = "NHD" if mla else rng.choice(["NHD", "HND"])
+    if mla:
+        shapes = ((max_pages, ps, nope), (max_pages, ps, r))
+    elif layout == "NHD":
+        shapes = ((max_pages, ps, hk, r + nope),) * 2
+    else:
+        shapes = ((max_pages, hk, ps, r + nope),) * 2
+    caches = [torch.full(sh, float("nan")).to(fp8) for sh in shapes]
+    kv_indices = torch.randperm(max_pages)[:pages].int()
+    kv_indptr = torch.tensor([0, pages], dtype=torch.int32)
+    batch = torch.zeros(nnz, dtype=torch.int32)
+    pos_in_request = torch.randperm(pages * ps)[:nnz].int()
+    if nnz and rng.random() < 0.3:
+        batch[rng.randrange(nnz)] = -1  # padding: quantized queries, nothing cached
+    bad = rng.random()
+    if nnz and bad < 0.05:
+        pos_in_request[rng.randrange(nnz)] = pages * ps
+    elif bad < 0.1:
+        kv_indices[rng.randrange(pages)] = max_pages
+    elif bad < 0.13:
+        kv_indptr = torch.tensor([pages, 0], dtype=torch.int32)
+    rows = rng.choice([1, 9])
+    tab = torch.randn(rows, r, dtype=torch.float32)
+    pos = positions(rng, [nnz], rows)
+    q_out = [torch.full(parts[i].shape, float("nan")).to(fp8) for i in (0, 2)]
+    args = (tab, pos)
+    index = (kv_indices, kv_indptr, batch, pos_in_request, ps, layout,
+             rng.choice([1.0, 0.5]), rng.choice([1.0, 2.0]), rng.random() < 0.5)
+    res = run_both(
+        lambda w: ops.quantize_fp8_append_paged_kv_cache(*parts, v, *args, *w, *index),
+        lambda w: rope_ext._quant.registrations.quantize_fp8_append_paged_kv_cache(
+            *parts, v, *args, *w, *index),
+        q_out + caches)
+    if res:
+        for a, b in zip(res[0][1], res[1][1]):
+            close_cache(a, b, dtype)
+
+
+def case_qk_norm(rng):
+    """The QK-norm family without a cache: rope.qk_norm_rope and rope.norm_rope (functional,
+    broadcast cos/sin), rope.qk_norm_rope_ (in place, table rows at positions, MRoPE) and
+    rope.qkv_norm_rope_ (packed qkv rows of any stride)."""
+    dtype = rng.choice(DTYPES)
+    t, hq, hk = rng.choice([0, 1, 3]), rng.choice([1, 3]), rng.choice([1, 2])
+    d = rng.choice([2, 6, 8, 16, 40, 64, 128, 136])
+    rot = rng.choice([r for r in range(0, d + 1, 2)] + ([d + 2] if rng.random() < 0.1 else []))
+    wdt = rng.choice(DTYPES)
+    wq = torch.randn(d + (1 if rng.random() < 0.05 else 0), dtype=torch.float64).to(wdt)
+    wk = torch.randn(d, dtype=torch.float64).to(rng.choice([wdt, torch.float32]))
+    eps, uo, il = rng.choice([1e-6, 1e-5]), rng.random() < 0.5, rng.random() < 0.5
+    kind = rng.choice(["qk_norm_rope", "norm_rope", "qk_norm_rope_", "qkv_norm_rope_"])
+    qr = rope_ext._qk_norm.reference
+    if kind in ("qk_norm_rope", "norm_rope"):
+        # Expanded (constant) rows only for the RMS norm: a LayerNorm of a constant row is
+        # ill-conditioned (its centered values are rounding errors, then scaled by 1/sqrt(eps)).
+        expand = kind == "qk_norm_rope" and rng.random() < 0.1
+        q = rand_view(rng, [t, hq, d], dtype, allow_expand=expand)
+        k = rand_view(rng, [t, hk, d], dtype, allow_expand=expand)
+        tshape = [t if rng.random() < 0.5 else 1, 1, rot // 2]
+        tdt = rng.choice(DTYPES)
+        sdt = tdt if rng.random() < 0.95 else rng.choice(DTYPES)  # sometimes unlike: refused alike
+        cos, sin = rand_view(rng, tshape, tdt), rand_view(rng, tshape, sdt)
+        if kind == "qk_norm_rope":
+            res = run_both(lambda w: ops.qk_norm_rope(q, k, wq, wk, cos, sin, eps, uo, il),
+                           lambda w: qr.qk_norm_rope(q, k, wq, wk, cos, sin, eps, uo, il), [])
+        else:
+            norm = rng.choice(["rms", "rms_across_heads", "layer"])
+            if norm == "rms_across_heads":
+                wa = torch.randn(hq * d, dtype=torch.float64).to(wdt)
+                wb = torch.randn(hk * d, dtype=torch.float64).to(wdt)
+            else:
+                wa, wb = wq, wk
+            ba = wa if rng.random() < 0.5 else None
+            args = (q, k, wa if rng.random() < 0.8 else None, wb, ba, None, cos, sin, eps, norm, il)
+            res = run_both(lambda w: ops.norm_rope(*args), lambda w: qr.norm_rope(*args), [])
+        if res:
+            for a, b in zip(res[0][0], res[1][0]):
+                close(a, b, dtype)
+        return
+    rows = rng.choice([1, 9])
+    tab = rope_ext.cos_sin_cache(rows, max(rot, 2), dtype=rng.choice(DTYPES))[:, :rot]
+    sec = None
+    if rng.random() < 0.3 and rot >= 2:
+        half = rot // 2
+        sec = [half - 2 * (half // 3), half // 3, half // 3]
+        pos = positions(rng, [3, t], rows)
+    else:
+        pos = positions(rng, [t], rows)
+    mi = rng.random() < 0.5
+    if kind == "qk_norm_rope_":
+        q = rand_view(rng, [t, hq, d], dtype, allow_expand=False)
+        k = rand_view(rng, [t, hk, d], dtype, allow_expand=False)
+        res = run_both(
+            lambda w: ops.qk_norm_rope_(w[0], w[1], wq, wk, pos, tab, eps, uo, il, sec, mi),
+            lambda w: qr.qk_norm_rope_(w[0], w[1], wq, wk, pos, tab, eps, uo, il, sec, mi), [q, k])
+    else:
+        hv = rng.choice([0, 1])
+        width = (hq + hk + hv) * d
+        extra = d if rng.random() < 0.05 else 0  # a width that is not the heads': refused alike
+        pad = rng.choice([0, 0, 3, d])  # rows of a wider buffer (any row stride)
+        qkv = torch.randn(t, width + extra + pad, dtype=torch.float64).to(dtype)[:, pad:]
+        res = run_both(
+            lambda w: ops.qkv_norm_rope_(w[0], hq, hk, hv, d, wq, wk, pos, tab, eps, uo, il, sec, mi),
+            lambda w: qr.qkv_norm_rope_(w[0], hq, hk, hv, d, wq, wk, pos, tab, eps, uo, il, sec, mi),
+            [qkv])
+    if res:
+        for a, b in zip(res[0][1], res[1][1]):
+            close(a, b, dtype)
+
+
 CASES = [case_apply, case_inplace, case_positions, case_cache, case_qk_norm_cache, case_shift,
-         case_quant]
+         case_quant, case_quant_paged, case_qk_norm]
 
 
 def test_native_and_reference_agree_on_random_inputs(request):
