@@ -1,8 +1,10 @@
 """A randomized differential fuzz: every op on random shapes, strides, dtypes, broadcasts,
 overlaps, positions (some out of range) and adversarial sizes, native against the reference.
 Either both raise, with the same message, and nothing written changed; or both give the same
-result. `--fuzz-cases N` sets how many (make sanitize runs many under the sanitizers); each case's
-seed is in the failure message, and `--fuzz-seed S` replays from S."""
+result. The serving prologue's CUDA code, on the CPU simulator, is fuzzed against the native CPU
+op the same way (a data error there is the device's trap). `--fuzz-cases N` sets how many (make
+sanitize runs many under the sanitizers); each case's seed is in the failure message, and
+`--fuzz-seed S` replays from S."""
 
 import random
 
@@ -70,6 +72,28 @@ def run_both(native, reference, written):
         assert errors[0] == errors[1], f"native: {errors[0]!r}\nreference: {errors[1]!r}"
         return None
     return results
+
+
+def run_simulated(native, simulated, written):
+    """run_both for the CUDA simulator against the native CPU op: an error the host code raises
+    has the same message on both; a data error (a position or slot out of range, a repeated
+    slot) the simulated device reports as a trap, after which the written tensors are undefined
+    (as on a GPU)."""
+    results, errors = [], []
+    for fn in (native, simulated):
+        copies = [w.clone() for w in written]
+        try:
+            results.append((fn(copies), copies))
+            errors.append(None)
+        except RuntimeError as e:
+            errors.append(str(e))
+    if errors[0] is None and errors[1] is None:
+        return results
+    if errors[1] is not None and "device-side assert triggered" in errors[1]:
+        assert errors[0] is not None, f"the simulator trapped where the CPU accepted: {errors[1]!r}"
+        return None
+    assert errors[0] == errors[1], f"native: {errors[0]!r}\nsimulated: {errors[1]!r}"
+    return None
 
 
 def close(a, b, dtype):
@@ -224,7 +248,7 @@ def close_cache(a, b, dtype):
         close(a, b, dtype)
 
 
-def case_qk_norm_cache(rng):
+def case_qk_norm_cache(rng, simulated=False):
     """rope.qk_norm_rope_and_cache_ (the serving prologue): random head dims, partial and
     too-wide rotary, both pair layouts, MRoPE, v_norm, unit_offset, weight dtypes and shapes,
     float8 caches with scales (sometimes missing), slots with padding (sometimes repeated or out
@@ -274,32 +298,40 @@ def case_qk_norm_cache(rng):
     kw = dict(unit_offset=rng.random() < 0.5, interleaved=rng.random() < 0.5, mrope_section=sec,
               mrope_interleaved=mi, v_norm=rng.random() < 0.5, kv_cache_dtype=fmt, **scales)
     eps = rng.choice([1e-6, 1e-5])
-    native_op, reference_op = ops.qk_norm_rope_and_cache_, rope_ext._qk_norm.reference.qk_norm_rope_and_cache_
+    native_op = ops.qk_norm_rope_and_cache_
+    reference_op = rope_ext._qk_norm.reference.qk_norm_rope_and_cache_
+    if simulated:  # the CUDA kernels' code on the CPU simulator, against the native CPU op
+        import qk_norm_sim
+
+        blocks = rng.choice([1, 3, 64])  # one block: the grid strides over the tokens
+
+        def sim_op(*args, **kw):
+            qk_norm_sim.qk_norm_rope_and_cache_(*args[:10], eps=args[10], max_blocks=blocks, **kw)
+
+        reference_op = sim_op
 
     def on(fn, w):
         fn(w[0], w[1], w[2], pos, tab, wq, wk, w[3], w[4], slots, eps, **kw)
 
     if t and q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr():
-        # q, k and v share one buffer: clones would lose it, so each path runs on a copy of it
-        results = []
-        for fn in (native_op, reference_op):
-            b2 = buf.clone()
-            caches = [kc.clone(), vc.clone()]
-            try:
-                on(fn, [b2[:, :hq], b2[:, hq:hq + hk], b2[:, hq + hk:]] + caches)
-                results.append((b2, caches, None))
-            except RuntimeError as e:
-                results.append((None, None, str(e)))
-        assert results[0][2] == results[1][2], f"native: {results[0][2]!r}\nreference: {results[1][2]!r}"
-        if results[0][2] is None:
-            close(results[0][0], results[1][0], dtype)
-            for a, b in zip(results[0][1], results[1][1]):
-                close_cache(a, b, dtype)
-        return
-    res = run_both(lambda w: on(native_op, w), lambda w: on(reference_op, w), [q, k, v, kc, vc])
+        # q, k and v share one buffer: each path gets a copy of it, and its views of the copy
+        written = [buf, kc, vc]
+
+        def views(w):
+            return [w[0][:, :hq], w[0][:, hq:hq + hk], w[0][:, hq + hk:], w[1], w[2]]
+    else:
+        written = [q, k, v, kc, vc]
+
+        def views(w):
+            return w
+    run = run_simulated if simulated else run_both
+    res = run(lambda w: on(native_op, views(w)), lambda w: on(reference_op, views(w)), written)
     if res:
+        # (the CUDA kernels sum a row's squares in another order than the CPU's: close, not
+        # the same bits)
+        n = len(written)
         for i, (a, b) in enumerate(zip(res[0][1], res[1][1])):
-            (close_cache if i >= 3 else close)(a, b, dtype)
+            (close_cache if i >= n - 2 else close)(a, b, dtype)
 
 
 def case_shift(rng):
@@ -325,7 +357,9 @@ def case_shift(rng):
     tab = rope_ext.cos_sin_cache(rows, max(rot, 2), dtype=rng.choice(DTYPES))[:, :rot]
     span = rows + (2 if rng.random() < 0.1 else 0)  # sometimes past the table: refused alike
     delta = torch.randint(-span + 1, span, () if rng.random() < 0.4 else (n,))
-    scale = torch.tensor([rng.choice([0.25, 1.0, 3.0])]) if fmt != "auto" and rng.random() < 0.95 else None
+    scale = None
+    if fmt != "auto" and rng.random() < 0.95:  # (a missing scale: refused alike)
+        scale = torch.tensor([rng.choice([0.25, 1.0, 3.0])])
     il = rng.random() < 0.5
     res = run_both(
         lambda w: ops.shift_kv_cache_(w[0], slots, delta, tab, il, fmt, scale),
@@ -486,9 +520,10 @@ def case_qk_norm(rng):
         extra = d if rng.random() < 0.05 else 0  # a width that is not the heads': refused alike
         pad = rng.choice([0, 0, 3, d])  # rows of a wider buffer (any row stride)
         qkv = torch.randn(t, width + extra + pad, dtype=torch.float64).to(dtype)[:, pad:]
+        rest = (wq, wk, pos, tab, eps, uo, il, sec, mi)
         res = run_both(
-            lambda w: ops.qkv_norm_rope_(w[0], hq, hk, hv, d, wq, wk, pos, tab, eps, uo, il, sec, mi),
-            lambda w: qr.qkv_norm_rope_(w[0], hq, hk, hv, d, wq, wk, pos, tab, eps, uo, il, sec, mi),
+            lambda w: ops.qkv_norm_rope_(w[0], hq, hk, hv, d, *rest),
+            lambda w: qr.qkv_norm_rope_(w[0], hq, hk, hv, d, *rest),
             [qkv])
     if res:
         for a, b in zip(res[0][1], res[1][1]):
@@ -497,6 +532,24 @@ def case_qk_norm(rng):
 
 CASES = [case_apply, case_inplace, case_positions, case_cache, case_qk_norm_cache, case_shift,
          case_quant, case_quant_paged, case_qk_norm]
+
+
+def test_simulated_cuda_agrees_with_native_on_random_inputs(request):
+    """The serving prologue's CUDA code (host and kernel, on the CPU simulator) against the
+    native CPU op: the same bits on every accepted call, the same errors on rejected ones."""
+    if rope_ext.backend("cpu") != "native":
+        pytest.skip("the native library is not loaded")
+    n = max(1, request.config.getoption("--fuzz-cases") // 4)
+    base = request.config.getoption("--fuzz-seed")
+    base = random.randrange(2**31) if base is None else base
+    for i in range(n):
+        seed = base + i
+        rng = random.Random(seed)
+        torch.manual_seed(seed)
+        try:
+            case_qk_norm_cache(rng, simulated=True)
+        except AssertionError as e:
+            raise AssertionError(f"simulated case_qk_norm_cache, --fuzz-seed {seed}: {e}") from None
 
 
 def test_native_and_reference_agree_on_random_inputs(request):
