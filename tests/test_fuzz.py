@@ -96,6 +96,49 @@ def run_simulated(native, simulated, written):
     return None
 
 
+class SimOps:
+    """torch.ops.rope's ops as the CUDA simulator runs them (tests/sim): the same arguments, the
+    launch's own (max_blocks, force_idx64 where the op takes it, the info tensor) filled in."""
+
+    def __init__(self, max_blocks):
+        import cuda_sim
+
+        cuda_sim.load()
+        self.max_blocks = max_blocks
+
+    def __getattr__(self, name):
+        op = getattr(torch.ops.rope_sim, name)
+        sim_args = [a.name for a in op.default._schema.arguments]
+        # (the simulator's schemas have no defaults: the native op's fill what a call leaves out)
+        defaults = {a.name: a.default_value
+                    for a in getattr(torch.ops.rope, name).default._schema.arguments
+                    if a.has_default_value()}
+
+        def call(*args, **kwargs):
+            info = torch.zeros(4 if "norm" in name else 12, dtype=torch.int64)  # (sim's sizes)
+            extra = dict(max_blocks=self.max_blocks, info=info)
+            if "force_idx64" in sim_args:
+                extra["force_idx64"] = False
+            given = set(sim_args[:len(args)]) | set(kwargs)
+            extra.update({k: v for k, v in defaults.items() if k not in given})
+            return op(*args, **kwargs, **extra)
+
+        return call
+
+
+# The second path of run_paths: None, the reference; a SimOps, the simulated CUDA code (set by
+# test_simulated_cuda_agrees_with_native_on_random_inputs).
+SECOND = {"sim": None}
+
+
+def run_paths(call, reference, written):
+    """call(o) is the op call on torch.ops.rope-like o; run against the reference (run_both) or,
+    in the simulated test, against the same call on the simulator (run_simulated)."""
+    if SECOND["sim"] is None:
+        return run_both(call(ops), reference, written)
+    return run_simulated(call(ops), call(SECOND["sim"]), written)
+
+
 def close(a, b, dtype):
     if isinstance(a, torch.Tensor):
         if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -228,8 +271,8 @@ def case_cache(rng):
     cache = rope_ext.cos_sin_cache(16, max(rot, 2))[:, :rot]
     scales = (torch.tensor([rng.choice([0.25, 1.0, 3.0])]), torch.tensor([0.5])) if fmt != "auto" else (None, None)
     il = rng.random() < 0.5
-    res = run_both(
-        lambda w: ops.apply_and_cache_(w[0], w[1], v, pos, cache, w[2], w[3], slots, il, fmt, *scales),
+    res = run_paths(
+        lambda o: lambda w: o.apply_and_cache_(w[0], w[1], v, pos, cache, w[2], w[3], slots, il, fmt, *scales),
         lambda w: ref.apply_and_cache_(w[0], w[1], v, pos, cache, w[2], w[3], slots, interleaved=il,
                                        kv_cache_dtype=fmt, k_scale=scales[0], v_scale=scales[1]),
         [q, k, kc, vc])
@@ -248,7 +291,7 @@ def close_cache(a, b, dtype):
         close(a, b, dtype)
 
 
-def case_qk_norm_cache(rng, simulated=False):
+def case_qk_norm_cache(rng):
     """rope.qk_norm_rope_and_cache_ (the serving prologue): random head dims, partial and
     too-wide rotary, both pair layouts, MRoPE, v_norm, unit_offset, weight dtypes and shapes,
     float8 caches with scales (sometimes missing), slots with padding (sometimes repeated or out
@@ -298,18 +341,7 @@ def case_qk_norm_cache(rng, simulated=False):
     kw = dict(unit_offset=rng.random() < 0.5, interleaved=rng.random() < 0.5, mrope_section=sec,
               mrope_interleaved=mi, v_norm=rng.random() < 0.5, kv_cache_dtype=fmt, **scales)
     eps = rng.choice([1e-6, 1e-5])
-    native_op = ops.qk_norm_rope_and_cache_
     reference_op = rope_ext._qk_norm.reference.qk_norm_rope_and_cache_
-    if simulated:  # the CUDA kernels' code on the CPU simulator, against the native CPU op
-        import qk_norm_sim
-
-        blocks = rng.choice([1, 3, 64])  # one block: the grid strides over the tokens
-
-        def sim_op(*args, **kw):
-            qk_norm_sim.qk_norm_rope_and_cache_(*args[:10], eps=args[10], max_blocks=blocks, **kw)
-
-        reference_op = sim_op
-
     def on(fn, w):
         fn(w[0], w[1], w[2], pos, tab, wq, wk, w[3], w[4], slots, eps, **kw)
 
@@ -324,8 +356,8 @@ def case_qk_norm_cache(rng, simulated=False):
 
         def views(w):
             return w
-    run = run_simulated if simulated else run_both
-    res = run(lambda w: on(native_op, views(w)), lambda w: on(reference_op, views(w)), written)
+    res = run_paths(lambda o: lambda w: on(o.qk_norm_rope_and_cache_, views(w)),
+                    lambda w: on(reference_op, views(w)), written)
     if res:
         # (the CUDA kernels sum a row's squares in another order than the CPU's: close, not
         # the same bits)
@@ -361,8 +393,8 @@ def case_shift(rng):
     if fmt != "auto" and rng.random() < 0.95:  # (a missing scale: refused alike)
         scale = torch.tensor([rng.choice([0.25, 1.0, 3.0])])
     il = rng.random() < 0.5
-    res = run_both(
-        lambda w: ops.shift_kv_cache_(w[0], slots, delta, tab, il, fmt, scale),
+    res = run_paths(
+        lambda o: lambda w: o.shift_kv_cache_(w[0], slots, delta, tab, il, fmt, scale),
         lambda w: rope_ext._kv_shift.reference.shift_kv_cache_(
             w[0], slots, delta, tab, interleaved=il, kv_cache_dtype=fmt, k_scale=scale),
         [kc])
@@ -392,8 +424,8 @@ def case_quant(rng):
     pos = positions(rng, [nnz], rows)
     sq, skv = rng.choice([1.0, 0.5, 3.0]), rng.choice([1.0, 0.25])
     il = rng.random() < 0.5
-    res = run_both(
-        lambda w: ops.quantize_fp8(*parts, tab, pos, *w, sq, skv, il),
+    res = run_paths(
+        lambda o: lambda w: o.quantize_fp8(*parts, tab, pos, *w, sq, skv, il),
         lambda w: rope_ext._quant.registrations.quantize_fp8(*parts, tab, pos, *w, sq, skv, il),
         outs)
     if res:
@@ -447,8 +479,8 @@ def case_quant_paged(rng):
     args = (tab, pos)
     index = (kv_indices, kv_indptr, batch, pos_in_request, ps, layout,
              rng.choice([1.0, 0.5]), rng.choice([1.0, 2.0]), rng.random() < 0.5)
-    res = run_both(
-        lambda w: ops.quantize_fp8_append_paged_kv_cache(*parts, v, *args, *w, *index),
+    res = run_paths(
+        lambda o: lambda w: o.quantize_fp8_append_paged_kv_cache(*parts, v, *args, *w, *index),
         lambda w: rope_ext._quant.registrations.quantize_fp8_append_paged_kv_cache(
             *parts, v, *args, *w, *index),
         q_out + caches)
@@ -482,7 +514,7 @@ def case_qk_norm(rng):
         sdt = tdt if rng.random() < 0.95 else rng.choice(DTYPES)  # sometimes unlike: refused alike
         cos, sin = rand_view(rng, tshape, tdt), rand_view(rng, tshape, sdt)
         if kind == "qk_norm_rope":
-            res = run_both(lambda w: ops.qk_norm_rope(q, k, wq, wk, cos, sin, eps, uo, il),
+            res = run_paths(lambda o: lambda w: o.qk_norm_rope(q, k, wq, wk, cos, sin, eps, uo, il),
                            lambda w: qr.qk_norm_rope(q, k, wq, wk, cos, sin, eps, uo, il), [])
         else:
             norm = rng.choice(["rms", "rms_across_heads", "layer"])
@@ -493,7 +525,8 @@ def case_qk_norm(rng):
                 wa, wb = wq, wk
             ba = wa if rng.random() < 0.5 else None
             args = (q, k, wa if rng.random() < 0.8 else None, wb, ba, None, cos, sin, eps, norm, il)
-            res = run_both(lambda w: ops.norm_rope(*args), lambda w: qr.norm_rope(*args), [])
+            res = run_paths(lambda o: lambda w: o.norm_rope(*args), lambda w: qr.norm_rope(*args),
+                            [])
         if res:
             for a, b in zip(res[0][0], res[1][0]):
                 close(a, b, dtype)
@@ -511,8 +544,8 @@ def case_qk_norm(rng):
     if kind == "qk_norm_rope_":
         q = rand_view(rng, [t, hq, d], dtype, allow_expand=False)
         k = rand_view(rng, [t, hk, d], dtype, allow_expand=False)
-        res = run_both(
-            lambda w: ops.qk_norm_rope_(w[0], w[1], wq, wk, pos, tab, eps, uo, il, sec, mi),
+        res = run_paths(
+            lambda o: lambda w: o.qk_norm_rope_(w[0], w[1], wq, wk, pos, tab, eps, uo, il, sec, mi),
             lambda w: qr.qk_norm_rope_(w[0], w[1], wq, wk, pos, tab, eps, uo, il, sec, mi), [q, k])
     else:
         hv = rng.choice([0, 1])
@@ -521,8 +554,8 @@ def case_qk_norm(rng):
         pad = rng.choice([0, 0, 3, d])  # rows of a wider buffer (any row stride)
         qkv = torch.randn(t, width + extra + pad, dtype=torch.float64).to(dtype)[:, pad:]
         rest = (wq, wk, pos, tab, eps, uo, il, sec, mi)
-        res = run_both(
-            lambda w: ops.qkv_norm_rope_(w[0], hq, hk, hv, d, *rest),
+        res = run_paths(
+            lambda o: lambda w: o.qkv_norm_rope_(w[0], hq, hk, hv, d, *rest),
             lambda w: qr.qkv_norm_rope_(w[0], hq, hk, hv, d, *rest),
             [qkv])
     if res:
@@ -534,22 +567,32 @@ CASES = [case_apply, case_inplace, case_positions, case_cache, case_qk_norm_cach
          case_quant, case_quant_paged, case_qk_norm]
 
 
+# The cases whose ops the CUDA simulator runs, with the native op's arguments.
+SIMULATED = [case_cache, case_qk_norm_cache, case_shift, case_quant, case_quant_paged,
+             case_qk_norm]
+
+
 def test_simulated_cuda_agrees_with_native_on_random_inputs(request):
-    """The serving prologue's CUDA code (host and kernel, on the CPU simulator) against the
-    native CPU op: the same bits on every accepted call, the same errors on rejected ones."""
+    """The CUDA ops' code (host and kernels, on the CPU simulator) against the native CPU ops:
+    close results on every accepted call, the same errors on rejected ones (a data error the
+    device reports by a trap)."""
     if rope_ext.backend("cpu") != "native":
         pytest.skip("the native library is not loaded")
-    n = max(1, request.config.getoption("--fuzz-cases") // 4)
+    n = max(1, request.config.getoption("--fuzz-cases") // 2)
     base = request.config.getoption("--fuzz-seed")
     base = random.randrange(2**31) if base is None else base
     for i in range(n):
         seed = base + i
         rng = random.Random(seed)
         torch.manual_seed(seed)
+        case = SIMULATED[i % len(SIMULATED)]
+        SECOND["sim"] = SimOps(max_blocks=rng.choice([1, 3, 1 << 20]))  # 1: the grid strides
         try:
-            case_qk_norm_cache(rng, simulated=True)
+            case(rng)
         except AssertionError as e:
-            raise AssertionError(f"simulated case_qk_norm_cache, --fuzz-seed {seed}: {e}") from None
+            raise AssertionError(f"simulated {case.__name__}, --fuzz-seed {seed}: {e}") from None
+        finally:
+            SECOND["sim"] = None
 
 
 def test_native_and_reference_agree_on_random_inputs(request):
