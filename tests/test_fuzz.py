@@ -54,6 +54,17 @@ def positions(rng, shape, rows, bad_rate=0.1):
     return p.to(rng.choice([torch.int32, torch.int64]))
 
 
+def table_and_positions(rng, t, rot):
+    """A cos_sin_cache of 1 or 9 rows of rot columns in a random dtype, an MRoPE section (or
+    None) and positions for t tokens: (t,), or (3, t) with the section (some out of range)."""
+    rows = rng.choice([1, 9])
+    tab = rope_ext.cos_sin_cache(rows, max(rot, 2), dtype=rng.choice(DTYPES))[:, :rot]
+    if rng.random() < 0.3 and rot >= 2:
+        half = rot // 2
+        return tab, [half - 2 * (half // 3), half // 3, half // 3], positions(rng, [3, t], rows)
+    return tab, None, positions(rng, [t], rows)
+
+
 def run_both(native, reference, written):
     """Calls both on clones of the written tensors; returns (native outputs, reference outputs)
     or asserts they raised alike with nothing changed."""
@@ -325,15 +336,8 @@ def case_qk_norm_cache(rng):
         slots[rng.randrange(1, t)] = max(int(slots[0]), 0)  # repeated (or padding): as it falls
     if t and rng.random() < 0.05:
         slots[rng.randrange(t)] = blocks * bs  # out of range
-    rows = rng.choice([1, 9])
-    tab = rope_ext.cos_sin_cache(rows, max(rot, 2), dtype=rng.choice(DTYPES))[:, :rot]
-    sec, mi = None, rng.random() < 0.5
-    if rng.random() < 0.3 and rot >= 2:
-        half = rot // 2
-        sec = [half - 2 * (half // 3), half // 3, half // 3]
-        pos = positions(rng, [3, t], rows)
-    else:
-        pos = positions(rng, [t], rows)
+    tab, sec, pos = table_and_positions(rng, t, rot)
+    mi = rng.random() < 0.5
     scales = {}
     if fmt != "auto" and rng.random() < 0.95:
         scales = dict(k_scale=torch.tensor([rng.choice([0.25, 0.37, 1.0, 3.0])]),
@@ -402,19 +406,23 @@ def case_shift(rng):
         close_cache(res[0][1][0], res[1][1][0], dtype)
 
 
+def quant_parts(rng):
+    """The inputs of a RoPE + FP8 call: (dtype, nnz, hq, hk, mla, rope_dim, nope_dim,
+    [q_rope, k_rope, q_nope, k_nope]) as random views; MLA keys have no heads dim."""
+    dtype = rng.choice([torch.float16, torch.bfloat16, torch.float32])
+    nnz, hq, hk = rng.choice([0, 1, 4, 5]), rng.choice([1, 3]), rng.choice([1, 2])
+    mla = rng.random() < 0.4
+    r, nope = rng.choice([0, 2, 8, 32, 64]), rng.choice([0, 4, 40])
+    kshape = (nnz,) if mla else (nnz, hk)
+    shapes = ([nnz, hq, r], [*kshape, r], [nnz, hq, nope], [*kshape, nope])
+    return dtype, nnz, hq, hk, mla, r, nope, [rand_view(rng, list(sh), dtype, allow_expand=False)
+                                              for sh in shapes]
+
+
 def case_quant(rng):
     """rope.quantize_fp8: MLA (keys without heads) and GQA shapes, both float8 formats, scales,
     both pair layouts, positions out of range, outputs of the wrong format."""
-    dtype = rng.choice([torch.float16, torch.bfloat16, torch.float32])
-    nnz, hq = rng.choice([0, 1, 4]), rng.choice([1, 3])
-    mla = rng.random() < 0.4
-    hk = rng.choice([1, 2])
-    r, nope = rng.choice([0, 2, 8, 64]), rng.choice([0, 4, 40])
-    kshape = (nnz,) if mla else (nnz, hk)
-    parts = [rand_view(rng, [nnz, hq, r], dtype, allow_expand=False),
-             rand_view(rng, [*kshape, r], dtype, allow_expand=False),
-             rand_view(rng, [nnz, hq, nope], dtype, allow_expand=False),
-             rand_view(rng, [*kshape, nope], dtype, allow_expand=False)]
+    dtype, nnz, hq, hk, mla, r, nope, parts = quant_parts(rng)
     fp8 = rng.choice([torch.float8_e4m3fn, torch.float8_e5m2])
     outs = [torch.full(p.shape, float("nan")).to(fp8) for p in parts]
     if rng.random() < 0.05:
@@ -437,15 +445,7 @@ def case_quant_paged(rng):
     """rope.quantize_fp8_append_paged_kv_cache: MLA and GQA (NHD, HND) caches, one request over
     shuffled pages, padding tokens, and sometimes a position past the request's pages, a page
     index past the cache or an indptr out of order."""
-    dtype = rng.choice([torch.float16, torch.bfloat16, torch.float32])
-    nnz, hq, hk = rng.choice([0, 1, 5]), rng.choice([1, 3]), rng.choice([1, 2])
-    mla = rng.random() < 0.4
-    r, nope = rng.choice([0, 2, 8, 32]), rng.choice([0, 4, 40])
-    kshape = (nnz,) if mla else (nnz, hk)
-    parts = [rand_view(rng, [nnz, hq, r], dtype, allow_expand=False),
-             rand_view(rng, [*kshape, r], dtype, allow_expand=False),
-             rand_view(rng, [nnz, hq, nope], dtype, allow_expand=False),
-             rand_view(rng, [*kshape, nope], dtype, allow_expand=False)]
+    dtype, nnz, hq, hk, mla, r, nope, parts = quant_parts(rng)
     v = None if mla else torch.randn(nnz, hk, r + nope).to(dtype)
     fp8 = rng.choice([torch.float8_e4m3fn, torch.float8_e5m2])
     ps = rng.choice([1, 4])
@@ -531,15 +531,7 @@ def case_qk_norm(rng):
             for a, b in zip(res[0][0], res[1][0]):
                 close(a, b, dtype)
         return
-    rows = rng.choice([1, 9])
-    tab = rope_ext.cos_sin_cache(rows, max(rot, 2), dtype=rng.choice(DTYPES))[:, :rot]
-    sec = None
-    if rng.random() < 0.3 and rot >= 2:
-        half = rot // 2
-        sec = [half - 2 * (half // 3), half // 3, half // 3]
-        pos = positions(rng, [3, t], rows)
-    else:
-        pos = positions(rng, [t], rows)
+    tab, sec, pos = table_and_positions(rng, t, rot)
     mi = rng.random() < 0.5
     if kind == "qk_norm_rope_":
         q = rand_view(rng, [t, hq, d], dtype, allow_expand=False)
@@ -572,41 +564,34 @@ SIMULATED = [case_cache, case_qk_norm_cache, case_shift, case_quant, case_quant_
              case_qk_norm]
 
 
-def test_simulated_cuda_agrees_with_native_on_random_inputs(request):
-    """The CUDA ops' code (host and kernels, on the CPU simulator) against the native CPU ops:
-    close results on every accepted call, the same errors on rejected ones (a data error the
-    device reports by a trap)."""
+def fuzz(request, cases, n, second=lambda rng: None, label=""):
+    """n seeded cases from `cases` in turn, each against the second path second(rng) gives
+    (run_paths; None: the reference); a failure names the case and its seed."""
     if rope_ext.backend("cpu") != "native":
         pytest.skip("the native library is not loaded")
-    n = max(1, request.config.getoption("--fuzz-cases") // 2)
     base = request.config.getoption("--fuzz-seed")
     base = random.randrange(2**31) if base is None else base
     for i in range(n):
         seed = base + i
         rng = random.Random(seed)
         torch.manual_seed(seed)
-        case = SIMULATED[i % len(SIMULATED)]
-        SECOND["sim"] = SimOps(max_blocks=rng.choice([1, 3, 1 << 20]))  # 1: the grid strides
+        case = cases[i % len(cases)]
+        SECOND["sim"] = second(rng)
         try:
             case(rng)
         except AssertionError as e:
-            raise AssertionError(f"simulated {case.__name__}, --fuzz-seed {seed}: {e}") from None
+            raise AssertionError(f"{label}{case.__name__}, --fuzz-seed {seed}: {e}") from None
         finally:
             SECOND["sim"] = None
 
 
+def test_simulated_cuda_agrees_with_native_on_random_inputs(request):
+    """The CUDA ops' code (host and kernels, on the CPU simulator) against the native CPU ops:
+    close results on every accepted call, the same errors on rejected ones (a data error the
+    device reports by a trap). max_blocks 1: the grid strides over the tokens."""
+    fuzz(request, SIMULATED, max(1, request.config.getoption("--fuzz-cases") // 2),
+         lambda rng: SimOps(max_blocks=rng.choice([1, 3, 1 << 20])), "simulated ")
+
+
 def test_native_and_reference_agree_on_random_inputs(request):
-    if rope_ext.backend("cpu") != "native":
-        pytest.skip("the native library is not loaded")
-    n = request.config.getoption("--fuzz-cases")
-    base = request.config.getoption("--fuzz-seed")
-    base = random.randrange(2**31) if base is None else base
-    for i in range(n):
-        seed = base + i
-        rng = random.Random(seed)
-        torch.manual_seed(seed)
-        case = CASES[i % len(CASES)]
-        try:
-            case(rng)
-        except AssertionError as e:
-            raise AssertionError(f"{case.__name__}, --fuzz-seed {seed}: {e}") from None
+    fuzz(request, CASES, request.config.getoption("--fuzz-cases"))
