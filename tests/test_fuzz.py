@@ -211,8 +211,9 @@ def case_inplace(rng):
             sec = rng.choice([[half, 1, -1], [2**62, 2**62, 5], [half], [0, 0, half + 1]])
         written = [q] + ([k] if k is not None else [])
 
-        def native(w):
-            ops.mrope_(w[0], w[1] if k is not None else None, pos, cache, sec, il, mi)
+        def call(o):
+            return lambda w: o.mrope_(w[0], w[1] if k is not None else None, pos, cache, sec, il,
+                                      mi)
 
         def reference(w):
             ref.apply_mrope_(w[0], w[1] if k is not None else None, pos, cache, sec, interleaved=il,
@@ -221,17 +222,17 @@ def case_inplace(rng):
         pos = positions(rng, lead, rows)
         written = [q] + ([k] if k is not None else [])
 
-        def native(w):
-            ops.apply_(w[0], w[1] if k is not None else None, pos, cache, il)
+        def call(o):
+            return lambda w: o.apply_(w[0], w[1] if k is not None else None, pos, cache, il)
 
         def reference(w):
             ref.apply_rope_(w[0], w[1] if k is not None else None, pos, cache, interleaved=il)
     # The written tensors are cloned by run_both, so in-place aliasing between them is lost;
     # call the ops on the originals when q and k share memory (both must refuse).
     if k is not None and q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr():
-        res = run_both(lambda w: native([q, k]), lambda w: reference([q, k]), [])
+        run_paths(lambda o: lambda w: call(o)([q, k]), lambda w: reference([q, k]), [])
         return
-    res = run_both(native, reference, written)
+    res = run_paths(call, reference, written)
     if res:
         for a, b in zip(res[0][1], res[1][1]):
             close(a, b, dtype)
@@ -253,9 +254,9 @@ def case_positions(rng):
     else:
         pos = positions(rng, lead, rows)
     il, inv, mi = rng.random() < 0.5, rng.random() < 0.5, rng.random() < 0.5
-    res = run_both(lambda w: ops.apply_positions(x, pos, cos, sin, il, inv, sec, mi),
-                   lambda w: ref.apply_positions(x, pos, cos, sin, interleaved=il, inverse=inv,
-                                                 mrope_section=sec, mrope_interleaved=mi), [])
+    res = run_paths(lambda o: lambda w: o.apply_positions(x, pos, cos, sin, il, inv, sec, mi),
+                    lambda w: ref.apply_positions(x, pos, cos, sin, interleaved=il, inverse=inv,
+                                                  mrope_section=sec, mrope_interleaved=mi), [])
     if res:
         close(res[0][0], res[1][0], dtype)
 
@@ -560,8 +561,8 @@ CASES = [case_apply, case_inplace, case_positions, case_cache, case_qk_norm_cach
 
 
 # The cases whose ops the CUDA simulator runs, with the native op's arguments.
-SIMULATED = [case_cache, case_qk_norm_cache, case_shift, case_quant, case_quant_paged,
-             case_qk_norm]
+SIMULATED = [case_inplace, case_positions, case_cache, case_qk_norm_cache, case_shift, case_quant,
+             case_quant_paged, case_qk_norm]
 
 
 def fuzz(request, cases, n, second=lambda rng: None, label=""):
