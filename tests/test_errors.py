@@ -130,3 +130,27 @@ def test_cos_sin_cache_rejects_bad_arguments():
         rope_ext.cos_sin_cache(0, 8)
     with pytest.raises(ValueError, match="base must be > 0"):
         rope_ext.cos_sin_cache(10, 8, base=-1.0)
+
+
+# Dtypes no op takes (the native library reads a tensor's dtype through a table of the ones it
+# does; any other takes the stable ABI's own lookup): a clear error on both paths, in every
+# argument role, never a crash.
+ODD_DTYPES = [torch.bool, torch.int8, torch.int16, torch.uint16, torch.complex64,
+              torch.float8_e4m3fnuz]
+
+
+@pytest.mark.parametrize("dtype", ODD_DTYPES)
+@pytest.mark.parametrize("impl", ["op", "reference"])
+def test_dtypes_no_op_takes_are_named_in_every_role(dtype, impl):
+    ref = impl == "reference"
+    q, pos, cache = torch.randn(2, 3, 8), torch.zeros(2, dtype=torch.long), rope_ext.cos_sin_cache(16, 8)
+    odd = lambda t: torch.zeros(t.shape, dtype=dtype)  # noqa: E731
+    apply_ = rope_ext.reference.apply_rope_ if ref else torch.ops.rope.apply_
+    for args, name in (((odd(q), None, pos, cache), "query"), ((q, None, odd(pos), cache), "positions"),
+                       ((q, None, pos, odd(cache)), "cos_sin_cache")):
+        with pytest.raises(RuntimeError, match=rf"rope.apply_: {name} must be .*got"):
+            apply_(*args)
+    kc, vc = torch.zeros(2, 4, 3, 8), torch.zeros(2, 4, 3, 8)
+    cache_op = rope_ext.reference.apply_and_cache_ if ref else torch.ops.rope.apply_and_cache_
+    with pytest.raises(RuntimeError, match=r"rope.apply_and_cache_: slot_mapping must be .*got"):
+        cache_op(q, q.clone(), q.clone(), pos, cache, kc, vc, odd(pos))

@@ -70,7 +70,7 @@ inline bool add_fits(int64_t a, int64_t b, int64_t& r) {
 
 // ---- one tensor's metadata, read once (every read is a call through the stable ABI's C shim) ----
 
-// dtype_of(t) in one shim call. The stable header's version maps the shim's dtype code to
+// t.scalar_type() in one shim call. The stable header's version maps the shim's dtype code to
 // a ScalarType by comparing it with each dtype's code in turn, a call apiece (13 for bfloat16),
 // on every use, and a decode-sized call reads dozens of dtypes. The codes of the dtypes the ops
 // take are read once; any other dtype goes the header's way.
@@ -95,7 +95,7 @@ inline ScalarType dtype_of(const Tensor& t) {
       if (c == code) return type;
     }
   }
-  return dtype_of(t);
+  return t.scalar_type();  // another dtype: the header's way
 }
 
 struct Meta {
