@@ -143,10 +143,12 @@ ODD_DTYPES = [torch.bool, torch.int8, torch.int16, torch.uint16, torch.complex64
 @pytest.mark.parametrize("impl", ["op", "reference"])
 def test_dtypes_no_op_takes_are_named_in_every_role(dtype, impl):
     ref = impl == "reference"
-    q, pos, cache = torch.randn(2, 3, 8), torch.zeros(2, dtype=torch.long), rope_ext.cos_sin_cache(16, 8)
+    q, pos = torch.randn(2, 3, 8), torch.zeros(2, dtype=torch.long)
+    cache = rope_ext.cos_sin_cache(16, 8)
     odd = lambda t: torch.zeros(t.shape, dtype=dtype)  # noqa: E731
     apply_ = rope_ext.reference.apply_rope_ if ref else torch.ops.rope.apply_
-    for args, name in (((odd(q), None, pos, cache), "query"), ((q, None, odd(pos), cache), "positions"),
+    for args, name in (((odd(q), None, pos, cache), "query"),
+                       ((q, None, odd(pos), cache), "positions"),
                        ((q, None, pos, odd(cache)), "cos_sin_cache")):
         with pytest.raises(RuntimeError, match=rf"rope.apply_: {name} must be .*got"):
             apply_(*args)

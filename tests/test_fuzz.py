@@ -1,8 +1,8 @@
 """A randomized differential fuzz: every op on random shapes, strides, dtypes, broadcasts,
 overlaps, positions (some out of range) and adversarial sizes, native against the reference.
 Either both raise, with the same message, and nothing written changed; or both give the same
-result. The serving prologue's CUDA code, on the CPU simulator, is fuzzed against the native CPU
-op the same way (a data error there is the device's trap). `--fuzz-cases N` sets how many (make
+result. Every case also runs the CUDA code, on the CPU simulator, against the native CPU op (a
+data error there is the device's trap). `--fuzz-cases N` sets how many (make
 sanitize runs many under the sanitizers); each case's seed is in the failure message, and
 `--fuzz-seed S` replays from S."""
 
@@ -118,16 +118,24 @@ class SimOps:
         self.max_blocks = max_blocks
 
     def __getattr__(self, name):
-        op = getattr(torch.ops.rope_sim, name)
+        # rope.apply and rope.apply_backward are one simulated op; apply.out another
+        if name in ("apply", "apply_backward"):
+            call = self._op("apply", "apply", inverse=name == "apply_backward")
+            call.out = self._op("apply_out", "apply")
+            return call
+        return self._op(name, name)
+
+    def _op(self, sim_name, native_name, **fixed):
+        op = getattr(torch.ops.rope_sim, sim_name)
         sim_args = [a.name for a in op.default._schema.arguments]
         # (the simulator's schemas have no defaults: the native op's fill what a call leaves out)
         defaults = {a.name: a.default_value
-                    for a in getattr(torch.ops.rope, name).default._schema.arguments
+                    for a in getattr(torch.ops.rope, native_name).default._schema.arguments
                     if a.has_default_value()}
 
         def call(*args, **kwargs):
-            info = torch.zeros(4 if "norm" in name else 12, dtype=torch.int64)  # (sim's sizes)
-            extra = dict(max_blocks=self.max_blocks, info=info)
+            info = torch.zeros(4 if "norm" in sim_name else 12, dtype=torch.int64)  # (sim's sizes)
+            extra = dict(max_blocks=self.max_blocks, info=info, **fixed)
             if "force_idx64" in sim_args:
                 extra["force_idx64"] = False
             given = set(sim_args[:len(args)]) | set(kwargs)
@@ -173,14 +181,15 @@ def case_apply(rng):
     kind = rng.choice(["apply", "backward", "out"])
     if kind == "out":
         out = torch.full(x.shape, float("nan"), dtype=dtype)
-        res = run_both(lambda w: ops.apply.out(x, cos, sin, il, out=w[0]),
-                       lambda w: ref.apply_rope_out(x, cos, sin, interleaved=il, out=w[0]), [out])
+        res = run_paths(lambda o: lambda w: o.apply.out(x, cos, sin, il, out=w[0]),
+                        lambda w: ref.apply_rope_out(x, cos, sin, interleaved=il, out=w[0]), [out])
         if res:
             close(res[0][1][0], res[1][1][0], dtype)
         return
-    n_op = ops.apply if kind == "apply" else ops.apply_backward
+    name = "apply" if kind == "apply" else "apply_backward"
     r_op = ref.apply_rope if kind == "apply" else ref.apply_rope_backward
-    res = run_both(lambda w: n_op(x, cos, sin, il), lambda w: r_op(x, cos, sin, interleaved=il), [])
+    res = run_paths(lambda o: lambda w: getattr(o, name)(x, cos, sin, il),
+                    lambda w: r_op(x, cos, sin, interleaved=il), [])
     if res:
         close(res[0][0], res[1][0], dtype)
 
@@ -560,11 +569,6 @@ CASES = [case_apply, case_inplace, case_positions, case_cache, case_qk_norm_cach
          case_quant, case_quant_paged, case_qk_norm]
 
 
-# The cases whose ops the CUDA simulator runs, with the native op's arguments.
-SIMULATED = [case_inplace, case_positions, case_cache, case_qk_norm_cache, case_shift, case_quant,
-             case_quant_paged, case_qk_norm]
-
-
 def fuzz(request, cases, n, second=lambda rng: None, label=""):
     """n seeded cases from `cases` in turn, each against the second path second(rng) gives
     (run_paths; None: the reference); a failure names the case and its seed."""
@@ -590,7 +594,7 @@ def test_simulated_cuda_agrees_with_native_on_random_inputs(request):
     """The CUDA ops' code (host and kernels, on the CPU simulator) against the native CPU ops:
     close results on every accepted call, the same errors on rejected ones (a data error the
     device reports by a trap). max_blocks 1: the grid strides over the tokens."""
-    fuzz(request, SIMULATED, max(1, request.config.getoption("--fuzz-cases") // 2),
+    fuzz(request, CASES, max(1, request.config.getoption("--fuzz-cases") // 2),
          lambda rng: SimOps(max_blocks=rng.choice([1, 3, 1 << 20])), "simulated ")
 
 
