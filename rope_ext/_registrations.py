@@ -369,7 +369,8 @@ OPS = {
 
 def routed(name):
     """True when the native library serves op `name`'s Autograd and ADInplaceOrView keys in C++
-    (csrc/ops/routes.h): its `_grad_` twin then carries the Python autograd path."""
+    (ROUTED in schemas.def; csrc/ops/routes.h): its `_grad_` twin then carries the Python
+    autograd path."""
     base, _, overload = name.partition(".")
     try:  # no twin: the Python-defined schemas (no native library), or a library without routes
         torch._C._dispatch_find_schema_or_throw(f"rope::_grad_{base}", overload)
@@ -467,7 +468,7 @@ def register():
 
 
 def register_routes():
-    """For the ops the native library routes (csrc/ops/routes.h): its C++ kernels serve their
+    """For the ops the native library routes (ROUTED in schemas.def): its C++ kernels serve their
     Autograd and ADInplaceOrView keys (registered after the Python ones above, they win), so
     the Python autograd path moves to each op's `_grad_` twin, and calls with a tensor subclass
     or a Python mode take it at PythonTLSSnapshot. Called again by rope_ext.jit.load() when the

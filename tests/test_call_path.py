@@ -214,3 +214,54 @@ def test_public_functions_in_grad_mode_skip_autograd_when_nothing_requires_grad(
     xg = x.clone().requires_grad_()
     out = rope_ext.apply_rope(xg, cos, sin)
     assert out.requires_grad and out.grad_fn is not None
+
+
+def _routed_calls():
+    """A valid call of every op that writes an argument, each argument a tensor of its own (so
+    each has its own version counter): {name: (op, args, kwargs)}."""
+    r, f8 = torch.randn, torch.float8_e4m3fn
+    q, k, v = r(3, 4, 16), r(3, 2, 16), r(3, 2, 16)
+    pos, slots = torch.tensor([5, 0, 63]), torch.tensor([0, 5, -1])
+    wq, wk = r(16), r(16)
+    caches = lambda: (torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16))  # noqa: E731
+    parts = (r(3, 4, 16), r(3, 2, 16), r(3, 4, 8), r(3, 2, 8))  # q/k rope, q/k nope
+    outs = tuple(torch.empty(p.shape, dtype=f8) for p in parts)
+    fp8_caches = (torch.zeros(2, 4, 2, 24, dtype=f8), torch.zeros(2, 4, 2, 24, dtype=f8))
+    pages = (torch.tensor([0, 1]), torch.tensor([0, 2]), torch.tensor([0, 0, 0]),
+             torch.tensor([0, 1, 2]))  # kv_indices, kv_indptr, batch_indices, positions
+    return {
+        "apply.out": (OPS.apply.out, (q, CACHE[:3, None, :8], CACHE[:3, None, 8:]),
+                      {"out": torch.empty_like(q)}),
+        "apply_": (OPS.apply_, (q, k, pos, CACHE), {}),
+        "mrope_": (OPS.mrope_, (q, k, pos.expand(3, 3), CACHE, [4, 2, 2]), {}),
+        "apply_and_cache_": (OPS.apply_and_cache_, (q, k, v, pos, CACHE, *caches(), slots), {}),
+        "qk_norm_rope_": (OPS.qk_norm_rope_, (q, k, wq, wk, pos, CACHE, 1e-6), {}),
+        "qkv_norm_rope_": (OPS.qkv_norm_rope_, (r(3, 8 * 16), 4, 2, 2, 16, wq, wk, pos, CACHE,
+                                                1e-6), {}),
+        "qk_norm_rope_and_cache_": (OPS.qk_norm_rope_and_cache_, (q, k, v, pos, CACHE, wq, wk,
+                                                                  *caches(), slots, 1e-6), {}),
+        "quantize_fp8": (OPS.quantize_fp8, (*parts, CACHE, pos, *outs), {}),
+        "quantize_fp8_append_paged_kv_cache": (
+            OPS.quantize_fp8_append_paged_kv_cache,
+            (*parts, r(3, 2, 24), CACHE, pos, outs[0], outs[2], *fp8_caches, *pages, 4), {}),
+    }
+
+
+@pytest.mark.parametrize("name", list(_routed_calls()))
+def test_exactly_the_arguments_the_schema_marks_written_move_their_version(name):
+    """The C++ call path reads which arguments an op writes from its schema's `(a!)` annotations
+    (csrc/ops/routes.h parses rope_ext/schemas.def): checked here against torch's own parse of the
+    registered schema, by the version counter of every tensor argument, in both grad-off modes."""
+    op, args, kwargs = _routed_calls()[name]
+    schema = getattr(op, "default", op)._schema  # a packet's only overload, or the overload
+    written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    assert written, name
+    for mode in (torch.no_grad, torch.inference_mode):
+        op, args, kwargs = _routed_calls()[name]  # fresh tensors: normal ones in both modes
+        named = dict(zip([a.name for a in schema.arguments], args)) | kwargs
+        tensors = {n: t for n, t in named.items() if isinstance(t, torch.Tensor)}
+        before = {n: t._version for n, t in tensors.items()}
+        with mode():
+            op(*args, **kwargs)
+        moved = {n for n, t in tensors.items() if t._version != before[n]}
+        assert moved == written, (name, mode.__name__)

@@ -8,24 +8,13 @@
 
 #include "routes.h"
 
-namespace {
-
-// Defines op `name`; a routed op (routes.h) also gets its twins `_impl_<op>` and `_grad_<op>`
-// with the same signature.
-void def_op(torch::stable::detail::StableLibrary& m, const char* name, rope::RouteId route,
-            const char* signature) {
-  m.def((std::string(name) + signature).c_str());
-  if (route != rope::kNoRoute) {
+// Every op; a routed one (routes.h) also gets its twins `_impl_<op>` and `_grad_<op>` with the
+// same signature.
+STABLE_TORCH_LIBRARY(rope, m) {
+  for (const rope::OpSchema& op : rope::kOps) {
+    m.def((std::string(op.name) + op.signature).c_str());
     for (const char* prefix : {"_impl_", "_grad_"}) {
-      m.def((rope::twin_name(prefix, route) + signature).c_str());
+      if (op.routed) m.def((std::string(prefix) + op.name + op.signature).c_str());
     }
   }
-}
-
-}  // namespace
-
-STABLE_TORCH_LIBRARY(rope, m) {
-#define ROPE_OP(name, route, signature) def_op(m, name, rope::route, signature);
-#include "../../rope_ext/schemas.def"
-#undef ROPE_OP
 }

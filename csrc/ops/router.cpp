@@ -11,9 +11,9 @@
 
 namespace rope {
 
-BoxedKernel& routed_cpu_kernel(RouteId r) {
-  static BoxedKernel kernels[kNumRoutes] = {};
-  return kernels[r];
+BoxedKernel& routed_cpu_kernel(int op) {
+  static BoxedKernel kernels[kNumOps] = {};
+  return kernels[op];
 }
 
 namespace {
@@ -79,15 +79,15 @@ bool on_cpu(AtenTensorHandle t) {
 // torch), any other device's through the kernel-only twin.
 template <int R>
 void bump_and_run(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
-  const Route& route = kRoutes[R];
-  for (int i = 0; i < route.n_written; ++i) {
-    if (AtenTensorHandle t = borrowed(stack, route.written[i])) bump_version(t);
+  constexpr const OpSchema& op = kOps[R];
+  for (int i = 0; i < op.n_written; ++i) {
+    if (AtenTensorHandle t = borrowed(stack, op.written[i])) bump_version(t);
   }
-  const BoxedKernel cpu = routed_cpu_kernel(static_cast<RouteId>(R));
+  const BoxedKernel cpu = routed_cpu_kernel(R);
   if (cpu != nullptr && on_cpu(to<AtenTensorHandle>(stack[0]))) {
     cpu(stack, num_args, num_outputs);
   } else {
-    call_op("rope::" + twin_name("_impl_", static_cast<RouteId>(R)), stack);
+    call_op("rope::" + twin_name("_impl_", R), stack);
   }
 }
 
@@ -96,20 +96,22 @@ void bump_and_run(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) 
 template <int R>
 void autograd_router(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
   if (aoti_torch_grad_mode_is_enabled()) {
-    call_op("rope::" + twin_name("_grad_", static_cast<RouteId>(R)), stack);
+    call_op("rope::" + twin_name("_grad_", R), stack);
   } else {
     bump_and_run<R>(stack, num_args, num_outputs);
   }
 }
 
-// Serves op R at the Autograd key (autograd_router) or, when it writes, at ADInplaceOrView
-// (bump_and_run).
+// Serves routed op R at the Autograd key (autograd_router) or, when it writes, at
+// ADInplaceOrView (bump_and_run).
 template <int R>
 void register_one(torch::stable::detail::StableLibrary& m, bool autograd) {
-  if (autograd) {
-    m.impl(kRoutes[R].name, &autograd_router<R>);
-  } else if (kRoutes[R].n_written > 0) {
-    m.impl(kRoutes[R].name, &bump_and_run<R>);
+  if constexpr (kOps[R].routed) {
+    if (autograd) {
+      m.impl(kOps[R].name, &autograd_router<R>);
+    } else if (kOps[R].n_written > 0) {
+      m.impl(kOps[R].name, &bump_and_run<R>);
+    }
   }
 }
 
@@ -119,9 +121,14 @@ void register_all(torch::stable::detail::StableLibrary& m, bool autograd,
   (register_one<R>(m, autograd), ...);
 }
 
+template <int R>
+void register_grad_twin(torch::stable::detail::StableLibrary& m) {
+  if constexpr (kOps[R].routed) m.impl(twin_name("_grad_", R).c_str(), &bump_and_run<R>);
+}
+
 template <int... R>
 void register_grad_twins(torch::stable::detail::StableLibrary& m, std::integer_sequence<int, R...>) {
-  (m.impl(twin_name("_grad_", static_cast<RouteId>(R)).c_str(), &bump_and_run<R>), ...);
+  (register_grad_twin<R>(m), ...);
 }
 
 // torch_exception_get_what_without_backtrace (the error text of a forwarded call) is in every
@@ -133,13 +140,13 @@ bool routing_supported() { return aoti_torch_abi_version() >= TORCH_VERSION_2_13
 
 STABLE_TORCH_LIBRARY_IMPL(rope, Autograd, m) {
   if (rope::routing_supported()) {
-    rope::register_all(m, true, std::make_integer_sequence<int, rope::kNumRoutes>{});
+    rope::register_all(m, true, std::make_integer_sequence<int, rope::kNumOps>{});
   }
 }
 
 STABLE_TORCH_LIBRARY_IMPL(rope, ADInplaceOrView, m) {
   if (rope::routing_supported()) {
-    rope::register_all(m, false, std::make_integer_sequence<int, rope::kNumRoutes>{});
+    rope::register_all(m, false, std::make_integer_sequence<int, rope::kNumOps>{});
   }
 }
 
@@ -147,6 +154,6 @@ STABLE_TORCH_LIBRARY_IMPL(rope, ADInplaceOrView, m) {
 // op without autograd: bookkeeping and the kernel.
 STABLE_TORCH_LIBRARY_IMPL(rope, CompositeExplicitAutograd, m) {
   if (rope::routing_supported()) {
-    rope::register_grad_twins(m, std::make_integer_sequence<int, rope::kNumRoutes>{});
+    rope::register_grad_twins(m, std::make_integer_sequence<int, rope::kNumOps>{});
   }
 }

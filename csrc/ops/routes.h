@@ -18,10 +18,16 @@
 //
 // Each routed op has two twins with its schema: `_impl_<op>` (the device kernels alone, used
 // for non-CPU tensors) and `_grad_<op>` (the autograd path). docs/architecture.md.
+//
+// Which ops are routed and which of their arguments are written is read from the schemas
+// themselves (rope_ext/schemas.def: the route column and the `(a!)` annotations), at compile
+// time: there is no second list to keep in step with them.
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
+#include <string_view>
 
 #include <torch/csrc/stable/library.h>
 
@@ -29,71 +35,90 @@ namespace rope {
 
 using BoxedKernel = void (*)(StableIValue*, uint64_t, uint64_t);
 
-// A written argument: its index in the schema, and whether it is `Tensor?`.
+// A written argument: its index on the boxed stack, and whether it is `Tensor?`.
 struct Written {
   int8_t index;
   bool optional;
 };
 
-struct Route {
-  const char* name;      // as the dispatcher spells it after "rope::", overload included
-  int n_written;
-  Written written[5];
+constexpr int kMaxWritten = 5;
+
+// One op of schemas.def: its name as the dispatcher spells it after "rope::" (overload
+// included), whether it takes the C++ call path, its signature, and the arguments it writes.
+struct OpSchema {
+  const char* name;
+  bool routed;
+  const char* signature;
+  int n_written = 0;
+  Written written[kMaxWritten] = {};
 };
 
-enum RouteId : int {
-  kApply,
-  kQkNormRope,
-  kApplyBackward,
-  kApplyPositions,
-  kApplyOut,
-  kApplyInplace,
-  kMropeInplace,
-  kApplyAndCache,
-  kQkNormRopeInplace,
-  kQkvNormRopeInplace,
-  kQuantizeFp8,
-  kQuantizeFp8Paged,
-  kQkNormRopeAndCache,
-  kNumRoutes,
-  kNoRoute = kNumRoutes  // an op without the C++ call path (rope_ext/schemas.def)
-};
+// The written arguments of a signature "(Tensor(a!) query, Tensor(b!)? key, ..., *, ...) ->":
+// arguments are counted by the commas of the outer parentheses (the keyword-only marker `*`
+// takes no slot on the stack); an alias annotation with `!` marks the argument written, and a `?`
+// right after its closing parenthesis makes it optional.
+constexpr OpSchema parse_schema(const char* name, bool routed, const char* signature) {
+  OpSchema op{name, routed, signature};
+  int depth = 0, arg = 0;
+  for (const char* p = signature; *p != '\0'; ++p) {
+    if (*p == '(') {
+      ++depth;
+    } else if (*p == ')') {
+      if (--depth == 0) break;  // the end of the arguments
+    } else if (depth == 1 && *p == ',') {
+      ++arg;
+    } else if (depth == 1 && *p == '*') {
+      --arg;  // "*," is no argument
+    } else if (depth == 2 && *p == '!') {
+      if (op.n_written == kMaxWritten) throw std::logic_error("more written arguments than fit");
+      op.written[op.n_written++] = {static_cast<int8_t>(arg), p[1] == ')' && p[2] == '?'};
+    }
+  }
+  return op;
+}
 
-// The kernel's device is the first argument's (a Tensor in every op).
-inline constexpr Route kRoutes[kNumRoutes] = {
-    {"apply", 0, {}},
-    {"qk_norm_rope", 0, {}},
-    {"apply_backward", 0, {}},
-    {"apply_positions", 0, {}},
-    {"apply.out", 1, {{4, false}}},
-    {"apply_", 2, {{0, false}, {1, true}}},
-    {"mrope_", 2, {{0, false}, {1, true}}},
-    {"apply_and_cache_", 4, {{0, false}, {1, false}, {5, false}, {6, false}}},
-    {"qk_norm_rope_", 2, {{0, false}, {1, false}}},
-    {"qkv_norm_rope_", 1, {{0, false}}},
-    {"quantize_fp8", 4, {{6, false}, {7, false}, {8, false}, {9, false}}},
-    {"quantize_fp8_append_paged_kv_cache", 4, {{7, false}, {8, false}, {9, false}, {10, false}}},
-    {"qk_norm_rope_and_cache_", 5, {{0, false}, {1, false}, {2, false}, {7, false}, {8, false}}},
+#define ROUTED true
+#define DIRECT false
+inline constexpr OpSchema kOps[] = {
+#define ROPE_OP(name, route, signature) parse_schema(name, route, signature),
+#include "../../rope_ext/schemas.def"
+#undef ROPE_OP
 };
+#undef ROUTED
+#undef DIRECT
+constexpr int kNumOps = static_cast<int>(sizeof(kOps) / sizeof(kOps[0]));
+
+// The index of op `name` in kOps (-1: none).
+constexpr int op_index(std::string_view name) {
+  for (int i = 0; i < kNumOps; ++i) {
+    if (name == kOps[i].name) return i;
+  }
+  return -1;
+}
 
 // "apply.out" -> "<prefix>apply.out"
-inline std::string twin_name(const char* prefix, RouteId r) {
-  return std::string(prefix) + kRoutes[r].name;
+inline std::string twin_name(const char* prefix, int op) {
+  return std::string(prefix) + kOps[op].name;
 }
 
 // The CPU kernels, as the router calls them for CPU tensors (set by the CPU registrations).
-BoxedKernel& routed_cpu_kernel(RouteId r);
+BoxedKernel& routed_cpu_kernel(int op);
 
-// Registers `fn` for op r and its kernel-only twin.
-inline void impl_routed(torch::stable::detail::StableLibrary& m, RouteId r, BoxedKernel fn) {
-  m.impl(kRoutes[r].name, fn);
-  m.impl(twin_name("_impl_", r).c_str(), fn);
+// Registers `fn` for the routed op `name` and its kernel-only twin; returns the op's index.
+inline int impl_routed(torch::stable::detail::StableLibrary& m, const char* name, BoxedKernel fn) {
+  const int op = op_index(name);
+  if (op < 0 || !kOps[op].routed) {
+    throw std::logic_error(std::string("rope::") + name + " is not a routed op (schemas.def)");
+  }
+  m.impl(name, fn);
+  m.impl(twin_name("_impl_", op).c_str(), fn);
+  return op;
 }
 
 // The same for a CPU kernel, which the router also calls directly.
-inline void impl_routed_cpu(torch::stable::detail::StableLibrary& m, RouteId r, BoxedKernel fn) {
-  impl_routed(m, r, fn);
-  routed_cpu_kernel(r) = fn;
+inline void impl_routed_cpu(torch::stable::detail::StableLibrary& m, const char* name,
+                            BoxedKernel fn) {
+  routed_cpu_kernel(impl_routed(m, name, fn)) = fn;
 }
 
 }  // namespace rope

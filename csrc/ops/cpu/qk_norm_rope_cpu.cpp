@@ -259,10 +259,10 @@ void qk_norm_rope_and_cache_cpu(Tensor query, Tensor key, Tensor value, Tensor p
 }  // namespace rope
 
 STABLE_TORCH_LIBRARY_IMPL(rope, CPU, m) {
-  rope::impl_routed_cpu(m, rope::kQkNormRope, TORCH_BOX(&rope::qk_norm_rope_cpu));
+  rope::impl_routed_cpu(m, "qk_norm_rope", TORCH_BOX(&rope::qk_norm_rope_cpu));
   m.impl("norm_rope", TORCH_BOX(&rope::norm_rope_cpu));
-  rope::impl_routed_cpu(m, rope::kQkNormRopeInplace, TORCH_BOX(&rope::qk_norm_rope_inplace_cpu));
-  rope::impl_routed_cpu(m, rope::kQkvNormRopeInplace, TORCH_BOX(&rope::qkv_norm_rope_inplace_cpu));
-  rope::impl_routed_cpu(m, rope::kQkNormRopeAndCache,
+  rope::impl_routed_cpu(m, "qk_norm_rope_", TORCH_BOX(&rope::qk_norm_rope_inplace_cpu));
+  rope::impl_routed_cpu(m, "qkv_norm_rope_", TORCH_BOX(&rope::qkv_norm_rope_inplace_cpu));
+  rope::impl_routed_cpu(m, "qk_norm_rope_and_cache_",
                         TORCH_BOX(&rope::qk_norm_rope_and_cache_cpu));
 }

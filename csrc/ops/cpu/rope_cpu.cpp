@@ -198,11 +198,11 @@ void apply_and_cache_cpu(Tensor query, Tensor key, Tensor value, Tensor position
 }  // namespace rope
 
 STABLE_TORCH_LIBRARY_IMPL(rope, CPU, m) {
-  rope::impl_routed_cpu(m, rope::kApply, TORCH_BOX(&rope::apply_cpu<false>));
-  rope::impl_routed_cpu(m, rope::kApplyOut, TORCH_BOX(&rope::apply_out_cpu));
-  rope::impl_routed_cpu(m, rope::kApplyBackward, TORCH_BOX(&rope::apply_cpu<true>));
-  rope::impl_routed_cpu(m, rope::kApplyInplace, TORCH_BOX(&rope::apply_inplace_cpu));
-  rope::impl_routed_cpu(m, rope::kMropeInplace, TORCH_BOX(&rope::mrope_inplace_cpu));
-  rope::impl_routed_cpu(m, rope::kApplyPositions, TORCH_BOX(&rope::apply_positions_cpu));
-  rope::impl_routed_cpu(m, rope::kApplyAndCache, TORCH_BOX(&rope::apply_and_cache_cpu));
+  rope::impl_routed_cpu(m, "apply", TORCH_BOX(&rope::apply_cpu<false>));
+  rope::impl_routed_cpu(m, "apply.out", TORCH_BOX(&rope::apply_out_cpu));
+  rope::impl_routed_cpu(m, "apply_backward", TORCH_BOX(&rope::apply_cpu<true>));
+  rope::impl_routed_cpu(m, "apply_", TORCH_BOX(&rope::apply_inplace_cpu));
+  rope::impl_routed_cpu(m, "mrope_", TORCH_BOX(&rope::mrope_inplace_cpu));
+  rope::impl_routed_cpu(m, "apply_positions", TORCH_BOX(&rope::apply_positions_cpu));
+  rope::impl_routed_cpu(m, "apply_and_cache_", TORCH_BOX(&rope::apply_and_cache_cpu));
 }

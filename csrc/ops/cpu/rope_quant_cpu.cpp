@@ -98,6 +98,8 @@ struct CpuRunner {
 }  // namespace rope
 
 STABLE_TORCH_LIBRARY_IMPL(rope, CPU, m) {
-  rope::impl_routed_cpu(m, rope::kQuantizeFp8, TORCH_BOX(&rope::gpu::quantize_fp8_op<rope::CpuRunner>));
-  rope::impl_routed_cpu(m, rope::kQuantizeFp8Paged, TORCH_BOX(&rope::gpu::quantize_fp8_paged_op<rope::CpuRunner>));
+  rope::impl_routed_cpu(m, "quantize_fp8",
+                        TORCH_BOX(&rope::gpu::quantize_fp8_op<rope::CpuRunner>));
+  rope::impl_routed_cpu(m, "quantize_fp8_append_paged_kv_cache",
+                        TORCH_BOX(&rope::gpu::quantize_fp8_paged_op<rope::CpuRunner>));
 }

@@ -167,24 +167,24 @@ void shift_kv_cache_cuda(Tensor key_cache, Tensor slot_mapping, Tensor delta,
 // Kernels only: the schemas are defined once, in the CPU library (csrc/ops/rope.cpp), which
 // rope_ext loads first.
 STABLE_TORCH_LIBRARY_IMPL(rope, CUDA, m) {
-  rope::impl_routed(m, rope::kApply, TORCH_BOX(&rope::gpu::apply_cuda<false>));
-  rope::impl_routed(m, rope::kApplyOut, TORCH_BOX(&rope::gpu::apply_out_cuda));
-  rope::impl_routed(m, rope::kApplyBackward, TORCH_BOX(&rope::gpu::apply_cuda<true>));
-  rope::impl_routed(m, rope::kApplyInplace, TORCH_BOX(&rope::gpu::apply_inplace_cuda));
-  rope::impl_routed(m, rope::kMropeInplace, TORCH_BOX(&rope::gpu::mrope_inplace_cuda));
-  rope::impl_routed(m, rope::kApplyPositions, TORCH_BOX(&rope::gpu::apply_positions_cuda));
-  rope::impl_routed(m, rope::kApplyAndCache, TORCH_BOX(&rope::gpu::apply_and_cache_cuda));
-  rope::impl_routed(m, rope::kQkNormRope, TORCH_BOX(&rope::gpu::qk_norm_rope_cuda));
+  rope::impl_routed(m, "apply", TORCH_BOX(&rope::gpu::apply_cuda<false>));
+  rope::impl_routed(m, "apply.out", TORCH_BOX(&rope::gpu::apply_out_cuda));
+  rope::impl_routed(m, "apply_backward", TORCH_BOX(&rope::gpu::apply_cuda<true>));
+  rope::impl_routed(m, "apply_", TORCH_BOX(&rope::gpu::apply_inplace_cuda));
+  rope::impl_routed(m, "mrope_", TORCH_BOX(&rope::gpu::mrope_inplace_cuda));
+  rope::impl_routed(m, "apply_positions", TORCH_BOX(&rope::gpu::apply_positions_cuda));
+  rope::impl_routed(m, "apply_and_cache_", TORCH_BOX(&rope::gpu::apply_and_cache_cuda));
+  rope::impl_routed(m, "qk_norm_rope", TORCH_BOX(&rope::gpu::qk_norm_rope_cuda));
   m.impl("norm_rope", TORCH_BOX(&rope::gpu::norm_rope_cuda));
-  rope::impl_routed(m, rope::kQkNormRopeInplace,
+  rope::impl_routed(m, "qk_norm_rope_",
                     TORCH_BOX(&rope::gpu::qk_norm_rope_inplace_cuda));
-  rope::impl_routed(m, rope::kQkvNormRopeInplace,
+  rope::impl_routed(m, "qkv_norm_rope_",
                     TORCH_BOX(&rope::gpu::qkv_norm_rope_inplace_cuda));
-  rope::impl_routed(m, rope::kQkNormRopeAndCache,
+  rope::impl_routed(m, "qk_norm_rope_and_cache_",
                     TORCH_BOX(&rope::gpu::qk_norm_rope_and_cache_cuda));
-  rope::impl_routed(m, rope::kQuantizeFp8,
+  rope::impl_routed(m, "quantize_fp8",
                     TORCH_BOX(&rope::gpu::quantize_fp8_op<rope::gpu::CudaLaunch>));
-  rope::impl_routed(m, rope::kQuantizeFp8Paged,
+  rope::impl_routed(m, "quantize_fp8_append_paged_kv_cache",
                     TORCH_BOX(&rope::gpu::quantize_fp8_paged_op<rope::gpu::CudaLaunch>));
   m.impl("shift_kv_cache_", TORCH_BOX(&rope::gpu::shift_kv_cache_cuda));
 }
