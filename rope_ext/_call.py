@@ -20,11 +20,27 @@ _any_requires_grad = torch._C._any_requires_grad  # tensors, and tensors in list
 _compiling = torch.compiler.is_compiling
 
 
+def _keyword_defaults(op):
+    """{name: default} of an OpOverload's arguments that have one."""
+    return {a.name: a.default_value for a in op._schema.arguments if a.has_default_value()}
+
+
 def without_autograd_if_unneeded(op):
     """op (an OpOverload or packet) as a function that switches grad mode off around calls whose
-    arguments need no gradient."""
+    arguments need no gradient, and that leaves out keyword arguments given as their schema
+    default: torch matches each keyword given against the schema by name, about 0.2 us apiece
+    (the serving prologue's public call passes nine), and fills in defaults for less."""
+    defaults = _keyword_defaults(getattr(op, "default", op))
+    missing = object()
 
     def call(*args, **kwargs):
+        if kwargs:
+            given = {}
+            for k, v in kwargs.items():
+                d = defaults.get(k, missing)
+                if not (v is d or (type(v) is type(d) and v == d)):  # (False is not 0 here)
+                    given[k] = v
+            kwargs = given
         if _grad_enabled() and not _compiling() and not _any_requires_grad(*args, **kwargs):
             _set_grad_enabled(False)
             try:

@@ -265,3 +265,19 @@ def test_exactly_the_arguments_the_schema_marks_written_move_their_version(name)
             op(*args, **kwargs)
         moved = {n for n, t in tensors.items() if t._version != before[n]}
         assert moved == written, (name, mode.__name__)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {}, {"interleaved": False, "rope_dim_offset": 0, "inverse": False}, {"interleaved": True},
+    {"rope_dim_offset": 2, "inverse": True}, {"interleaved": 1, "rope_dim_offset": False}])
+def test_public_calls_leave_out_default_keywords_without_changing_the_call(kwargs):
+    """The public functions' op calls drop keywords equal to their schema default (_call.py: torch
+    parses each keyword given): a value that differs, or has another type, still reaches the op."""
+    from rope_ext._call import ops
+
+    table = rope_ext.cos_sin_cache(64, 12)
+    q, k, pos = torch.randn(3, 4, 16), torch.randn(3, 2, 16), torch.tensor([5, 0, 63])
+    q2, k2 = q.clone(), k.clone()
+    ops.apply_(q, k, pos, table, **kwargs)
+    OPS.apply_(q2, k2, pos, table, **kwargs)
+    assert torch.equal(q, q2) and torch.equal(k, k2)  # (a dropped non-default would differ)
