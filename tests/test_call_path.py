@@ -281,3 +281,25 @@ def test_public_calls_leave_out_default_keywords_without_changing_the_call(kwarg
     ops.apply_(q, k, pos, table, **kwargs)
     OPS.apply_(q2, k2, pos, table, **kwargs)
     assert torch.equal(q, q2) and torch.equal(k, k2)  # (a dropped non-default would differ)
+
+
+def test_every_keyword_at_its_default_is_the_plain_call_and_a_tensor_for_a_flag_is_torchs_error():
+    """The serving prologue passes all eight keywords (the wrapper's fast path: every one its
+    default); a tensor where the schema takes a bool still meets torch's own check."""
+    from rope_ext._call import ops
+
+    q, k, v = torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    w, pos, slots = torch.randn(16), torch.tensor([1, 60]), torch.tensor([0, 5])
+    caches = [torch.zeros(2, 4, 2, 16) for _ in range(4)]
+    kw = dict(unit_offset=False, interleaved=False, mrope_section=None, mrope_interleaved=False,
+              v_norm=False, kv_cache_dtype="auto", k_scale=None, v_scale=None)
+    a, b = (q.clone(), k.clone(), v.clone()), (q.clone(), k.clone(), v.clone())
+    ops.qk_norm_rope_and_cache_(*a, pos, CACHE, w, w, *caches[:2], slots, 1e-6, **kw)
+    OPS.qk_norm_rope_and_cache_(*b, pos, CACHE, w, w, *caches[2:], slots, 1e-6)
+    for x, y in zip(a + tuple(caches[:2]), b + tuple(caches[2:])):
+        assert torch.equal(x, y)
+    for fn in (ops.qk_norm_rope_and_cache_, OPS.qk_norm_rope_and_cache_):
+        with pytest.raises(RuntimeError, match="Expected a value of type 'bool' for argument "
+                                               "'interleaved'"):
+            fn(q, k, v, pos, CACHE, w, w, *caches[:2], slots, 1e-6,
+               **(kw | {"interleaved": torch.tensor([True, False])}))
