@@ -254,7 +254,8 @@ def test_exactly_the_arguments_the_schema_marks_written_move_their_version(name)
     registered schema, by the version counter of every tensor argument, in both grad-off modes."""
     op, args, kwargs = _routed_calls()[name]
     schema = getattr(op, "default", op)._schema  # a packet's only overload, or the overload
-    written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    written = {a.name for a in schema.arguments
+               if a.alias_info is not None and a.alias_info.is_write}
     assert written, name
     for mode in (torch.no_grad, torch.inference_mode):
         op, args, kwargs = _routed_calls()[name]  # fresh tensors: normal ones in both modes

@@ -43,7 +43,11 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, r
     else:
         q = heads(query, head_size, "query", lead)
         k = heads(key, head_size, "key", lead)
-    _apply_(q, k, positions, cos_sin_cache, not is_neox, rope_dim_offset, inverse)
+    if is_neox is True and inverse is False and type(rope_dim_offset) is int and \
+            rope_dim_offset == 0:  # the defaults, left to torch (0.5 us of a decode call)
+        _apply_(q, k, positions, cos_sin_cache)
+    else:
+        _apply_(q, k, positions, cos_sin_cache, not is_neox, rope_dim_offset, inverse)
 
 
 # fused QK-RMSNorm + RoPE (vLLM's `_custom_ops.fused_qk_norm_rope`), with the SGLang twin, and
