@@ -92,6 +92,19 @@ def test_readme_is_short():
         f"README.md has {lines} lines; at most {README_MAX_LINES}: move details into docs/")
 
 
+def test_readme_op_table_names_every_op_of_the_schemas():
+    """README "The ops" lists each op once, by name; its schema lives in schemas.def alone."""
+    from rope_ext._schemas import SCHEMAS
+
+    section = read("README.md").split("## The ops", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `rope::")]
+    named = set()
+    for row in rows:
+        first = row.split("|")[1]
+        named.update(name.removeprefix("rope::") for name in re.findall(r"`([^`]+)`", first))
+    assert named == set(SCHEMAS), (sorted(set(SCHEMAS) - named), sorted(named - set(SCHEMAS)))
+
+
 @pytest.mark.parametrize("rel", doc_files())
 def test_docs_point_nowhere_outside_the_repository(rel):
     text = read(rel)
