@@ -88,6 +88,19 @@ inline constexpr OpSchema kOps[] = {
 #undef DIRECT
 constexpr int kNumOps = static_cast<int>(sizeof(kOps) / sizeof(kOps[0]));
 
+// The router finds a call's device from its first argument: a Tensor (not `Tensor?`) in every
+// routed op.
+constexpr bool routed_ops_start_with_a_tensor() {
+  for (const OpSchema& op : kOps) {
+    const std::string_view sig = op.signature;
+    if (op.routed && !(sig.substr(0, 7) == "(Tensor" && (sig[7] == ' ' || sig[7] == '('))) {
+      return false;
+    }
+  }
+  return true;
+}
+static_assert(routed_ops_start_with_a_tensor(), "a routed op's first argument must be a Tensor");
+
 // The index of op `name` in kOps (-1: none).
 constexpr int op_index(std::string_view name) {
   for (int i = 0; i < kNumOps; ++i) {
