@@ -3,6 +3,7 @@ kernels that serve against a float64 reference, and prints a small timing table 
 copy, the eager reference and torch.compile of it. The full benchmark is bench/bench.py."""
 
 import argparse
+import logging
 import platform
 import statistics
 import sys
@@ -115,6 +116,9 @@ def median_us(fn, device, blocks=15, min_block_s=0.01):
 def time_kernels(device, shape=(1024, 32, 128)):
     print(f"\nTiming on {device}, x of shape {list(shape)}, float32 table, median of 15 blocks "
           "(GB/s counts the bytes of x read and written; bench/bench.py is the full benchmark):")
+    # On a machine without a GPU, torch.compile's C++ toolchain lookup warns that it found the
+    # CUDA toolkit but no CUDA runtime: true, and nothing to act on here.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     compiled_ref = torch.compile(reference.apply_rope, dynamic=False)
     print(f"  {'dtype':9s} {'implementation':30s} {'us':>9s} {'GB/s':>7s} {'vs copy':>8s}")
     for dtype in (torch.float32, torch.bfloat16):
