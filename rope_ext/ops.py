@@ -95,9 +95,9 @@ def apply_rope_(query, key, positions, cos_sin_cache, *, interleaved=False, head
         tangent_aware("apply_", heads(query, head_size, "query"), heads(key, head_size, "key"),
                       positions, cos_sin_cache, interleaved, rope_dim_offset, inverse)
     elif head_size is None:
-        if interleaved is False and inverse is False and rope_dim_offset == 0 and \
-                type(rope_dim_offset) is int:  # the defaults, left to torch (each argument
-            ops.apply_(query, key, positions, cos_sin_cache)  # given costs 0.15 us to convert)
+        if interleaved is False and inverse is False and type(rope_dim_offset) is int and \
+                rope_dim_offset == 0:  # the defaults, left to torch (each argument given
+            ops.apply_(query, key, positions, cos_sin_cache)  # costs 0.15 us to convert)
         else:
             ops.apply_(query, key, positions, cos_sin_cache, interleaved, rope_dim_offset, inverse)
     else:
