@@ -12,8 +12,6 @@ Under torch.compile the op is traced as it is (the graph decides grad mode itsel
 dual level takes the public functions' own path (_registrations.tangent_aware) before this.
 """
 
-import sys
-
 import torch
 
 _grad_enabled = torch.is_grad_enabled
@@ -23,10 +21,8 @@ _compiling = torch.compiler.is_compiling
 
 
 def _keyword_defaults(op):
-    """{name: default} of an OpOverload's arguments that have one (strings interned, so that a
-    Python default of the same text is the same object)."""
-    return {a.name: sys.intern(a.default_value) if isinstance(a.default_value, str) else
-            a.default_value for a in op._schema.arguments if a.has_default_value()}
+    """{name: default} of an OpOverload's arguments that have one."""
+    return {a.name: a.default_value for a in op._schema.arguments if a.has_default_value()}
 
 
 def without_autograd_if_unneeded(op):
@@ -35,24 +31,16 @@ def without_autograd_if_unneeded(op):
     default: torch matches each keyword given against the schema by name, about 0.2 us apiece
     (the serving prologue's public call passes eight), and fills in defaults for less."""
     defaults = _keyword_defaults(getattr(op, "default", op))
-    default_types = tuple(map(type, defaults.values()))
     missing = object()
 
-    def given(kwargs):  # the keywords that are not their default (False is not 0 here)
-        out = {}
-        for k, v in kwargs.items():
-            d = defaults.get(k, missing)
-            if not (v is d or (type(v) is type(d) and v == d)):
-                out[k] = v
-        return out
-
     def call(*args, **kwargs):
-        if kwargs:
-            try:  # every default, as the public functions pass them: compared at C speed
-                every = kwargs == defaults and tuple(map(type, kwargs.values())) == default_types
-            except RuntimeError:  # a tensor where the default is a number
-                every = False
-            kwargs = {} if every else given(kwargs)
+        if kwargs:  # keep the keywords that are not their default (False is not 0 here)
+            given = {}
+            for k, v in kwargs.items():
+                d = defaults.get(k, missing)
+                if not (v is d or (type(v) is type(d) and v == d)):
+                    given[k] = v
+            kwargs = given
         if _grad_enabled() and not _compiling() and not _any_requires_grad(*args, **kwargs):
             _set_grad_enabled(False)
             try:
