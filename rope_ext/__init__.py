@@ -39,7 +39,8 @@ from .ops import (  # noqa: E402
     backend,
     varlen_positions,
 )
-from .qk_norm import norm_rope, qk_norm_rope, qk_norm_rope_, qk_norm_rope_and_cache_, qkv_norm_rope_  # noqa: E402
+from .qk_norm import (norm_rope, qk_norm_rope, qk_norm_rope_, qk_norm_rope_and_cache,  # noqa: E402
+                      qk_norm_rope_and_cache_, qkv_norm_rope_)
 from .tables import cos_sin_cache  # noqa: E402
 from .kv_shift import shift_kv_cache_  # noqa: E402
 
@@ -57,6 +58,7 @@ __all__ = [
     "qk_norm_rope",
     "norm_rope",
     "qk_norm_rope_",
+    "qk_norm_rope_and_cache",
     "qk_norm_rope_and_cache_",
     "qkv_norm_rope_",
     "reference",

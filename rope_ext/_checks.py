@@ -316,14 +316,15 @@ def check_apply_and_cache(query, key, value, positions, cache, key_cache, value_
 def check_rope_and_cache(query, key, value, positions, cache, key_cache, value_cache,
                          slot_mapping, kv_cache_dtype="auto", k_scale=None, v_scale=None,
                          memory=True, op="rope.apply_and_cache_", mrope_section=None,
-                         mrope_interleaved=False, value_written=False):
+                         mrope_interleaved=False, value_written=False, in_place=True):
     """Mirrors checks.h check_rope_and_cache (every op that ends in the paged caches); returns
-    (the caches' format or None for "auto", the mrope section or None)."""
+    (the caches' format or None for "auto", the mrope section or None). in_place False: query,
+    key and value only read (fresh outputs written)."""
     if query.dim() != 3 or key.dim() != 3:
         _fail(f"{op}: query and key must have shape (num_tokens, num_heads, head_dim), got query "
               f"{_shape(query)} and key {_shape(key)}")
     half = check_positions_op(query, key, positions, 0 if mrope_section is None else 1,
-                              cache=cache, op=op, memory=memory)
+                              cache=cache, in_place=in_place, op=op, memory=memory)
     section = None
     if mrope_section is not None:
         section = check_mrope_sections(mrope_section, half, op, "cos_sin_cache.size(1)/2")
@@ -378,9 +379,11 @@ def check_rope_and_cache(query, key, value, positions, cache, key_cache, value_c
         for wname, w in (("query", query), ("key", key)):
             for cname, c in caches:
                 check_disjoint_bytes(c, cname, w, wname, op)
-        # value may be a view of the same fused qkv buffer as query and key: disjoint rows suffice.
-        check_rows_disjoint(query, value, 1, op, "query", "value")
-        check_rows_disjoint(key, value, 1, op, "key", "value")
+        if in_place:
+            # value may be a view of the same fused qkv buffer as query and key: disjoint rows
+            # suffice.
+            check_rows_disjoint(query, value, 1, op, "query", "value")
+            check_rows_disjoint(key, value, 1, op, "key", "value")
         check_disjoint_bytes(kc, "key_cache", value, "value", op)
         check_disjoint_bytes(vc, "value_cache", value, "value", op)
         if value_written:
@@ -391,7 +394,8 @@ def check_rope_and_cache(query, key, value, positions, cache, key_cache, value_c
             check_disjoint_bytes(value, "value", cache, "cos_sin_cache", op)
         # The scales are read while query, key and the caches (and value, if written) are
         # written.
-        written = (("query", query), ("key", key), *caches)
+        written = (("query", query), ("key", key)) if in_place else ()
+        written += caches
         written += (("value", value),) if value_written else ()
         for name, s in scales:
             if s is not None:

@@ -526,8 +526,17 @@ def _rule_qk_norm_rope_and_cache(op, a):
     return None, need
 
 
+def _rule_qk_norm_rope_and_cache_out(op, a):
+    """The out-of-place prologue: the layouts of the in-place one (query, key and value keep
+    theirs: a rank normalizes and rotates its own heads); the new query, key and value come
+    back in them."""
+    _, need = _rule_qk_norm_rope_and_cache(op, a)
+    return (need["query"], need["key"], need["value"]), need
+
+
 _RULES.update({
     "qk_norm_rope_and_cache_": (_rule_qk_norm_rope_and_cache, 10),
+    "qk_norm_rope_and_cache": (_rule_qk_norm_rope_and_cache_out, 10),
     "qk_norm_rope": (_rule_qk_norm_rope, 6),
     "norm_rope": (_rule_norm_rope, 8),
     "qk_norm_rope_": (_rule_qk_norm_rope_in_place, 6),

@@ -15,7 +15,8 @@ is rounded once to the input dtype. Values (V) are never touched.
 - qk_norm_rope_ / qkv_norm_rope_: in place on separate query/key or on a packed qkv buffer
   (vLLM's layout), positions gathered from a cos_sin_cache; for serving, not differentiable.
 - qk_norm_rope_and_cache_: the whole serving attention prologue in one op call: qk_norm_rope_,
-  an optional weightless V-norm (Gemma 4), and the paged KV-cache write (fp8 too).
+  an optional weightless V-norm (Gemma 4), and the paged KV-cache write (fp8 too);
+  qk_norm_rope_and_cache: the same returning new query, key and value, the inputs only read.
 """
 
 import numbers
@@ -26,8 +27,8 @@ from ._call import ops  # torch.ops.rope, without autograd where none is needed
 from ._registrations import tangent_aware
 from .ops import _op_call, heads
 
-__all__ = ["qk_norm_rope", "norm_rope", "qk_norm_rope_", "qk_norm_rope_and_cache_", "qkv_norm_rope_",
-           "half_tables"]
+__all__ = ["qk_norm_rope", "norm_rope", "qk_norm_rope_", "qk_norm_rope_and_cache_",
+           "qk_norm_rope_and_cache", "qkv_norm_rope_", "half_tables"]
 
 TABLE_WIDTHS = ("full", "half")
 
@@ -209,3 +210,26 @@ def qk_norm_rope_and_cache_(query, key, value, positions, cos_sin_cache, q_weigh
          mrope_interleaved=mrope_interleaved, v_norm=v_norm, kv_cache_dtype=kv_cache_dtype,
          k_scale=k_scale, v_scale=v_scale)
     return query, key
+
+
+def qk_norm_rope_and_cache(query, key, value, positions, cos_sin_cache, q_weight, k_weight,
+                           key_cache, value_cache, slot_mapping, *, eps=1e-6, unit_offset=False,
+                           interleaved=False, mrope_section=None, mrope_interleaved=False,
+                           v_norm=False, kv_cache_dtype="auto", k_scale=None, v_scale=None):
+    """qk_norm_rope_and_cache_ out of place, in the same single pass (vLLM's
+    fused_qknorm_rope_cache): query, key and value are only read (any strides, views of one qkv
+    projection output included, which may overlap each other); returns new contiguous (query,
+    key, value): query and key normalized and rotated, value normalized with v_norm or else
+    copied, the same key and value rows written into the paged caches. A rejected call writes
+    nothing. Serving only: not differentiable."""
+    if (unit_offset is False and interleaved is False and mrope_section is None and
+            mrope_interleaved is False and v_norm is False and kv_cache_dtype == "auto" and
+            k_scale is None and v_scale is None and forward_ad._current_level < 0):
+        return ops.qk_norm_rope_and_cache(query, key, value, positions, cos_sin_cache, q_weight,
+                                          k_weight, key_cache, value_cache, slot_mapping, eps)
+    call = tangent_aware if forward_ad._current_level >= 0 else _op_call
+    return call("qk_norm_rope_and_cache", query, key, value, positions, cos_sin_cache, q_weight,
+                k_weight, key_cache, value_cache, slot_mapping, eps, unit_offset=unit_offset,
+                interleaved=interleaved, mrope_section=_section(mrope_section),
+                mrope_interleaved=mrope_interleaved, v_norm=v_norm, kv_cache_dtype=kv_cache_dtype,
+                k_scale=k_scale, v_scale=v_scale)

@@ -60,3 +60,16 @@ def qk_norm_rope_and_cache_(query, key, value, positions, cache, q_weight, k_wei
         slot_mapping, eps, unit_offset, interleaved, mrope_section, mrope_interleaved, v_norm,
         kv_cache_dtype, k_scale, v_scale, max_blocks, info)
     return info.tolist()
+
+
+def qk_norm_rope_and_cache(query, key, value, positions, cache, q_weight, k_weight, key_cache,
+                           value_cache, slot_mapping, *, eps=1e-6, unit_offset=False,
+                           interleaved=False, mrope_section=None, mrope_interleaved=False,
+                           v_norm=False, kv_cache_dtype="auto", k_scale=None, v_scale=None,
+                           max_blocks=1 << 20):
+    info = _info()
+    out = torch.ops.rope_sim.qk_norm_rope_and_cache(
+        query, key, value, positions, cache, q_weight, k_weight, key_cache, value_cache,
+        slot_mapping, eps, unit_offset, interleaved, mrope_section, mrope_interleaved, v_norm,
+        kv_cache_dtype, k_scale, v_scale, max_blocks, info)
+    return out, info.tolist()

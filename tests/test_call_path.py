@@ -240,6 +240,8 @@ def _routed_calls():
                                                 1e-6), {}),
         "qk_norm_rope_and_cache_": (OPS.qk_norm_rope_and_cache_, (q, k, v, pos, CACHE, wq, wk,
                                                                   *caches(), slots, 1e-6), {}),
+        "qk_norm_rope_and_cache": (OPS.qk_norm_rope_and_cache, (q, k, v, pos, CACHE, wq, wk,
+                                                                *caches(), slots, 1e-6), {}),
         "quantize_fp8": (OPS.quantize_fp8, (*parts, CACHE, pos, *outs), {}),
         "quantize_fp8_append_paged_kv_cache": (
             OPS.quantize_fp8_append_paged_kv_cache,

@@ -313,10 +313,11 @@ def close_cache(a, b, dtype):
 
 
 def case_qk_norm_cache(rng):
-    """rope.qk_norm_rope_and_cache_ (the serving prologue): random head dims, partial and
-    too-wide rotary, both pair layouts, MRoPE, v_norm, unit_offset, weight dtypes and shapes,
-    float8 caches with scales (sometimes missing), slots with padding (sometimes repeated or out
-    of range), q/k/v as strided views of one buffer or separate tensors."""
+    """rope.qk_norm_rope_and_cache_ and its out-of-place form (the serving prologue): random
+    head dims, partial and too-wide rotary, both pair layouts, MRoPE, v_norm, unit_offset,
+    weight dtypes and shapes, float8 caches with scales (sometimes missing), slots with padding
+    (sometimes repeated or out of range), q/k/v as strided views of one buffer or separate
+    tensors."""
     dtype = rng.choice(DTYPES)
     t, hq, hk = rng.choice([0, 1, 3, 6]), rng.choice([1, 3]), rng.choice([1, 2])
     d = rng.choice([2, 6, 8, 16, 40, 64, 128, 136])
@@ -355,9 +356,13 @@ def case_qk_norm_cache(rng):
     kw = dict(unit_offset=rng.random() < 0.5, interleaved=rng.random() < 0.5, mrope_section=sec,
               mrope_interleaved=mi, v_norm=rng.random() < 0.5, kv_cache_dtype=fmt, **scales)
     eps = rng.choice([1e-6, 1e-5])
-    reference_op = rope_ext._qk_norm.reference.qk_norm_rope_and_cache_
+    # in place (rope.qk_norm_rope_and_cache_) or out of place (rope.qk_norm_rope_and_cache)
+    out_of_place = rng.random() < 0.35
+    name = "qk_norm_rope_and_cache" + ("" if out_of_place else "_")
+    reference_op = getattr(rope_ext._qk_norm.reference, name)
+
     def on(fn, w):
-        fn(w[0], w[1], w[2], pos, tab, wq, wk, w[3], w[4], slots, eps, **kw)
+        return fn(w[0], w[1], w[2], pos, tab, wq, wk, w[3], w[4], slots, eps, **kw)
 
     if t and q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr():
         # q, k and v share one buffer: each path gets a copy of it, and its views of the copy
@@ -370,7 +375,7 @@ def case_qk_norm_cache(rng):
 
         def views(w):
             return w
-    res = run_paths(lambda o: lambda w: on(o.qk_norm_rope_and_cache_, views(w)),
+    res = run_paths(lambda o: lambda w: on(getattr(o, name), views(w)),
                     lambda w: on(reference_op, views(w)), written)
     if res:
         # (the CUDA kernels sum a row's squares in another order than the CPU's: close, not
@@ -378,6 +383,13 @@ def case_qk_norm_cache(rng):
         n = len(written)
         for i, (a, b) in enumerate(zip(res[0][1], res[1][1])):
             (close_cache if i >= n - 2 else close)(a, b, dtype)
+        if out_of_place:  # the inputs only read; the new query, key and value alike
+            for _, copies in res:
+                for c, w in zip(copies[:n - 2], written[:n - 2]):
+                    torch.testing.assert_close(c, w, rtol=0, atol=0, equal_nan=True,
+                                               msg="an input was written out of place")
+            for a, b in zip(res[0][0], res[1][0]):
+                close(a, b, dtype)
 
 
 def case_shift(rng):

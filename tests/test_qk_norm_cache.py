@@ -2,7 +2,8 @@
 normed and rotated in place, value normed (v_norm), key and value stored into paged caches,
 against an independent float64 computation written out here; the native and reference paths
 against each other; bad inputs (same error on both paths, nothing written); opcheck; and
-torch.compile(fullgraph=True) with one op call for the whole prologue."""
+torch.compile(fullgraph=True) with one op call for the whole prologue. Each also for its
+out-of-place form rope.qk_norm_rope_and_cache (inputs only read, new query, key and value)."""
 
 import pytest
 import torch
@@ -128,6 +129,31 @@ def call(fn, a, **kw):
     return fn(*args, **rest, **kw)
 
 
+FORMS = ("in_place", "out_of_place")
+OPS = {"in_place": (ops.qk_norm_rope_and_cache_, reference.qk_norm_rope_and_cache_),
+       "out_of_place": (ops.qk_norm_rope_and_cache, reference.qk_norm_rope_and_cache)}
+
+
+def run_prologue(form, a, **kw):
+    """The public prologue function of `form` on case `a`; after it a["query"], a["key"] and
+    a["value"] hold the results: in place the inputs themselves; out of place the returned
+    tensors, once the inputs are seen unchanged (bit for bit) and the results new contiguous
+    tensors of the inputs' shapes and dtype."""
+    names = ("query", "key", "value")
+    if form == "in_place":
+        got = call(rope_ext.qk_norm_rope_and_cache_, a, **kw)
+        assert got[0] is a["query"] and got[1] is a["key"]
+        return
+    before = {n: bits(a[n]).clone() for n in names}
+    got = call(rope_ext.qk_norm_rope_and_cache, a, **kw)
+    assert len(got) == 3
+    for n, t in zip(names, got):
+        assert torch.equal(bits(a[n]), before[n]), f"{n} was written out of place"
+        assert t.is_contiguous() and t.shape == a[n].shape and t.dtype == a[n].dtype, n
+        assert t.numel() == 0 or t.data_ptr() != a[n].data_ptr(), n
+        a[n] = t
+
+
 def check_against_oracle(a, before, dtype, unit_offset=False, interleaved=False, section=None,
                          mrope_interleaved=False, v_norm=False):
     q0, k0, v0 = before["query"], before["key"], before["value"]
@@ -169,11 +195,11 @@ def check_cache_rows(kc, vc, a, key, value):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("fmt", ["auto", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("v_norm", [False, True])
-def test_matches_float64_computation(dtype, fmt, v_norm):
+@pytest.mark.parametrize("form", FORMS)
+def test_matches_float64_computation(dtype, fmt, v_norm, form):
     a = make_case(dtype=dtype, fmt=fmt)
     before = {n: a[n].clone() for n in ("query", "key", "value")}
-    got = call(rope_ext.qk_norm_rope_and_cache_, a, eps=EPS, v_norm=v_norm)
-    assert got[0] is a["query"] and got[1] is a["key"]
+    run_prologue(form, a, eps=EPS, v_norm=v_norm)
     check_against_oracle(a, before, dtype, v_norm=v_norm)
 
 
@@ -181,45 +207,52 @@ def test_matches_float64_computation(dtype, fmt, v_norm):
                                           (512, 128), (80, 48)])
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("unit_offset", [False, True])
-def test_head_dims_layouts_and_partial_rotary(D, rotary_dim, interleaved, unit_offset):
+@pytest.mark.parametrize("form", FORMS)
+def test_head_dims_layouts_and_partial_rotary(D, rotary_dim, interleaved, unit_offset, form):
     a = make_case(T=6, hq=3, hk=1, D=D, rotary_dim=rotary_dim, dtype=torch.bfloat16,
                   packed=D != 80, block_size=1)
     before = {n: a[n].clone() for n in ("query", "key", "value")}
-    call(rope_ext.qk_norm_rope_and_cache_, a, eps=EPS, interleaved=interleaved,
-         unit_offset=unit_offset, v_norm=True)
+    run_prologue(form, a, eps=EPS, interleaved=interleaved, unit_offset=unit_offset, v_norm=True)
     check_against_oracle(a, before, torch.bfloat16, unit_offset, interleaved, v_norm=True)
 
 
 @pytest.mark.parametrize("section,mrope_interleaved", [([16, 24, 24], False), ([24, 20, 20], True)])
-def test_mrope(section, mrope_interleaved):
+@pytest.mark.parametrize("form", FORMS)
+def test_mrope(section, mrope_interleaved, form):
     a = make_case(T=7, D=128, dtype=torch.float32, mrope=True, fmt="fp8")
     before = {n: a[n].clone() for n in ("query", "key", "value")}
-    call(rope_ext.qk_norm_rope_and_cache_, a, eps=EPS, mrope_section=section,
-         mrope_interleaved=mrope_interleaved)
+    run_prologue(form, a, eps=EPS, mrope_section=section, mrope_interleaved=mrope_interleaved)
     check_against_oracle(a, before, torch.float32, section=section,
                          mrope_interleaved=mrope_interleaved)
 
 
-def test_value_dim_differs_and_strided_caches():
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("v_norm", [False, True])
+def test_value_dim_differs_and_strided_caches(form, v_norm):
     """value_dim != head_dim; caches that are views with non-contiguous strides (HND-like
-    permutations of a bigger buffer)."""
+    permutations of a bigger buffer); value a strided view."""
     a = make_case(T=5, hq=2, hk=2, D=64, Dv=32, dtype=torch.float32, packed=False)
     kc = torch.full((a["key_cache"].shape[0], 2, 4, 64), float("nan")).permute(0, 2, 1, 3)
     a["key_cache"] = kc  # (blocks, block_size=4, hk=2, 64), heads outer in memory
+    a["value"] = torch.randn(5, 32, 2).transpose(1, 2)  # (T, hk, Dv), last dim strided
     before = {n: a[n].clone() for n in ("query", "key", "value")}
-    call(rope_ext.qk_norm_rope_and_cache_, a, eps=EPS, v_norm=True)
-    check_against_oracle(a, before, torch.float32, v_norm=True)
+    run_prologue(form, a, eps=EPS, v_norm=v_norm)
+    check_against_oracle(a, before, torch.float32, v_norm=v_norm)
 
 
 @pytest.mark.parametrize("fmt", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("v_norm", [False, True])
-def test_native_equals_reference(fmt, v_norm):
+@pytest.mark.parametrize("form", FORMS)
+def test_native_equals_reference(fmt, v_norm, form):
     if not native_cpu():
         pytest.skip("no native CPU library")
     a = make_case(dtype=torch.bfloat16, fmt=fmt, T=13)
     b = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in a.items()}
-    call(ops.qk_norm_rope_and_cache_, a, eps=EPS, v_norm=v_norm)
-    call(reference.qk_norm_rope_and_cache_, b, eps=EPS, v_norm=v_norm)
+    native, ref = OPS[form]
+    outs = [call(native, a, eps=EPS, v_norm=v_norm), call(ref, b, eps=EPS, v_norm=v_norm)]
+    if form == "out_of_place":
+        for d, out in zip((a, b), outs):
+            d.update(zip(("query", "key", "value"), out))
     for n in ("query", "key", "value", "key_cache", "value_cache"):
         x, y = a[n], b[n]
         if x.element_size() == 1:  # a float8 code may differ by one step where bf16 inputs tie
@@ -230,14 +263,44 @@ def test_native_equals_reference(fmt, v_norm):
                                        equal_nan=True)
 
 
-def test_one_token_decode_and_empty():
+@pytest.mark.parametrize("form", FORMS)
+def test_one_token_decode_and_empty(form):
     a = make_case(T=1, pad=False)
     before = {n: a[n].clone() for n in ("query", "key", "value")}
-    call(rope_ext.qk_norm_rope_and_cache_, a, eps=EPS)
+    run_prologue(form, a, eps=EPS)
     check_against_oracle(a, before, torch.bfloat16)
     e = make_case(T=0)
-    call(rope_ext.qk_norm_rope_and_cache_, e, eps=EPS, v_norm=True)
+    run_prologue(form, e, eps=EPS, v_norm=True)
     assert e["key_cache"].float().isnan().all()
+    assert e["query"].shape == (0, 4, 128) and e["value"].shape == (0, 2, 128)
+
+
+def test_out_of_place_reads_overlapping_inputs():
+    """Out of place nothing of query, key or value is written, so they may share memory: one
+    tensor as all three, and the weights and the table inside it (each a rejected call in
+    place). The results are those of the in-place op on separate copies."""
+    torch.manual_seed(3)
+    x = torch.randn(6, 2, 64)
+    buf = torch.randn(64 * 64)
+    wq, cache = buf[:64], buf.view(64, 64)
+    kc, vc = (torch.full((2, 4, 2, 64), float("nan")) for _ in range(2))
+    slots, positions = torch.tensor([0, 5, -1, 2, 7, 3]), torch.randint(0, 64, (6,))
+    before = x.clone()
+    results = []
+    for fn in OPS["out_of_place"]:  # native, then the reference
+        results.append((*fn(x, x, x, positions, cache, wq, wq, kc, vc, slots, EPS, v_norm=True),
+                        kc.clone(), vc.clone()))
+        assert torch.equal(x, before)
+    copies = [x.clone() for _ in range(3)]
+    kc2, vc2 = torch.full_like(kc, float("nan")), torch.full_like(vc, float("nan"))
+    ops.qk_norm_rope_and_cache_(*copies, positions, cache.clone(), wq.clone(), wq.clone(), kc2,
+                                vc2, slots, EPS, v_norm=True)
+    for got, want in zip(results[0], (*copies, kc2, vc2)):
+        assert torch.equal(bits(got), bits(want))
+    for got, want in zip(results[1], (*copies, kc2, vc2)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+    with pytest.raises(RuntimeError, match="query and key"):
+        ops.qk_norm_rope_and_cache_(x, x, x.clone(), positions, cache, wq, wq, kc, vc, slots, EPS)
 
 
 def _bad_cases():
@@ -259,7 +322,8 @@ def _bad_cases():
         (lambda a: dict(key_cache=a["key_cache"].float()), r"key_cache must be BFloat16"),
         (lambda a: dict(eps=-1.0), r"eps must be a finite number >= 0"),
         (lambda a: dict(mrope_section=[8, 8, 8]), r"positions must have shape \(3,\)"),
-        # Read while value (v_norm) is written: a weight or the table in value's memory.
+        # In place only (IN_PLACE_ONLY): read while value (v_norm) is written, a weight or the
+        # table in value's memory.
         (lambda a: (lambda v: dict(value=v, q_weight=v[0, 0]))(torch.randn(8, 2, 128).bfloat16()),
          r"q_weight and value: "),
         (lambda a: (lambda v: dict(value=v, cos_sin_cache=v[:, 0]))(torch.randn(8, 2, 128).bfloat16()),
@@ -267,12 +331,18 @@ def _bad_cases():
     ]
 
 
+IN_PLACE_ONLY = 2  # the last cases of _bad_cases
+
+
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("case", range(len(_bad_cases())))
-def test_rejected_calls_change_nothing_and_both_paths_agree(case):
+def test_rejected_calls_change_nothing_and_both_paths_agree(case, form):
+    if form == "out_of_place" and case >= len(_bad_cases()) - IN_PLACE_ONLY:
+        pytest.skip("value is only read out of place")
     change, match = _bad_cases()[case]
     messages = []
     base = make_case(T=8, D=128)
-    for fn in (ops.qk_norm_rope_and_cache_, reference.qk_norm_rope_and_cache_):
+    for fn in OPS[form]:
         a = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in base.items()}
         a.update(eps=EPS, v_norm=True)
         torch.manual_seed(1)
@@ -284,13 +354,16 @@ def test_rejected_calls_change_nothing_and_both_paths_agree(case):
         for n, t in before.items():
             assert torch.equal(bits(a[n]), t), f"{n} changed by a rejected call"
     assert messages[0] == messages[1]
+    op = "rope.qk_norm_rope_and_cache" + ("_" if form == "in_place" else "")
+    assert messages[0].startswith(op + ": "), messages[0]
 
 
-def test_refuses_grad():
+@pytest.mark.parametrize("fn", [rope_ext.qk_norm_rope_and_cache_, rope_ext.qk_norm_rope_and_cache])
+def test_refuses_grad(fn):
     a = make_case(dtype=torch.float32, T=4)
     a["query"] = a["query"].detach().clone().requires_grad_()
     with pytest.raises(RuntimeError, match="not differentiable"):
-        call(rope_ext.qk_norm_rope_and_cache_, a)
+        call(fn, a)
 
 
 def test_opcheck():
@@ -302,11 +375,12 @@ def test_opcheck():
         kwargs.update(eps=EPS, v_norm=v_norm)
         if mrope:
             kwargs["mrope_section"] = [8, 12, 12]
-        torch.library.opcheck(ops.qk_norm_rope_and_cache_.default, [a[n] for n in POSITIONAL],
-                              kwargs)
+        for op in (ops.qk_norm_rope_and_cache_, ops.qk_norm_rope_and_cache):
+            torch.library.opcheck(op.default, [a[n] for n in POSITIONAL], kwargs)
 
 
-def test_compile_fullgraph_is_one_op_call():
+@pytest.mark.parametrize("form", FORMS)
+def test_compile_fullgraph_is_one_op_call(form):
     torch._dynamo.reset()
     a = make_case(T=6, D=64, fmt="fp8_e4m3", packed=True)
     b = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in a.items()}
@@ -317,14 +391,17 @@ def test_compile_fullgraph_is_one_op_call():
         return gm.forward
 
     def prologue(q, k, v, pos, cache, wq, wk, kc, vc, slots, ks, vs):
-        rope_ext.qk_norm_rope_and_cache_(q, k, v, pos, cache, wq, wk, kc, vc, slots, eps=EPS,
-                                         v_norm=True, kv_cache_dtype="fp8_e4m3", k_scale=ks,
-                                         v_scale=vs)
-        return q, k
+        kw = dict(eps=EPS, v_norm=True, kv_cache_dtype="fp8_e4m3", k_scale=ks, v_scale=vs)
+        if form == "out_of_place":
+            return rope_ext.qk_norm_rope_and_cache(q, k, v, pos, cache, wq, wk, kc, vc, slots, **kw)
+        rope_ext.qk_norm_rope_and_cache_(q, k, v, pos, cache, wq, wk, kc, vc, slots, **kw)
+        return q, k, v
 
     args = lambda d: [d[n] for n in POSITIONAL] + [d["k_scale"], d["v_scale"]]  # noqa: E731
-    torch.compile(prologue, fullgraph=True, backend=backend)(*args(a))
-    prologue(*args(b))
+    got = torch.compile(prologue, fullgraph=True, backend=backend)(*args(a))
+    want = prologue(*args(b))
+    for x, y in zip(got, want):
+        assert torch.equal(bits(x), bits(y))
     for n in ("query", "key", "value", "key_cache", "value_cache"):
         assert torch.equal(bits(a[n]), bits(b[n])), n
     calls = [n for g in graphs for n in g.graph.nodes if n.op == "call_function"]

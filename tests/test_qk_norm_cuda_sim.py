@@ -74,19 +74,31 @@ def test_host_checks_are_the_native_ones():
                            torch.zeros(3, dtype=torch.long), torch.randn(4, 16), -1.0)
 
 
-# ---- rope.qk_norm_rope_and_cache_: the kernel with the paged-cache store stage ----
+# ---- rope.qk_norm_rope_and_cache[_]: the kernel with the paged-cache store stage ----
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fmt", ["auto", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("v_norm", [False, True])
 @pytest.mark.parametrize("packed", [True, False])
-def test_prologue_with_cache_store(dtype, fmt, v_norm, packed):
+@pytest.mark.parametrize("in_place", [True, False])
+def test_prologue_with_cache_store(dtype, fmt, v_norm, packed, in_place):
+    """In place (rope.qk_norm_rope_and_cache_) and out of place (rope.qk_norm_rope_and_cache:
+    the simulator also proves the inputs only read and every element of the new query, key and
+    value written once)."""
     from test_qk_norm_cache import EPS, POSITIONAL, check_against_oracle, make_case
     a = make_case(T=6, hq=3, hk=2, D=64, dtype=dtype, fmt=fmt, packed=packed, block_size=2)
     before = {n: a[n].clone() for n in ("query", "key", "value")}
     kw = {n: v for n, v in a.items() if n not in POSITIONAL}
-    info = sim.qk_norm_rope_and_cache_(*[a[n] for n in POSITIONAL], eps=EPS, v_norm=v_norm,
-                                       max_blocks=1, **kw)  # one block: the grid strides
+    args = [a[n] for n in POSITIONAL]
+    if in_place:
+        info = sim.qk_norm_rope_and_cache_(*args, eps=EPS, v_norm=v_norm, max_blocks=1,
+                                           **kw)  # one block: the grid strides
+    else:
+        out, info = sim.qk_norm_rope_and_cache(*args, eps=EPS, v_norm=v_norm, max_blocks=1, **kw)
+        for n, t in zip(("query", "key", "value"), out):
+            assert torch.equal(a[n], before[n]), f"{n} written out of place"
+            assert t.is_contiguous() and t.shape == a[n].shape
+            a[n] = t
     assert info[0] == 1  # unit-stride 16-byte-aligned rows: the vector path
     check_against_oracle(a, before, dtype, v_norm=v_norm)
 

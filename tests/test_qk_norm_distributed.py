@@ -16,7 +16,8 @@ if HERE not in sys.path:
 
 import test_distributed as td  # noqa: E402
 from rope_ext.qk_norm import (  # noqa: E402
-    norm_rope, qk_norm_rope, qk_norm_rope_, qk_norm_rope_and_cache_, qkv_norm_rope_)
+    norm_rope, qk_norm_rope, qk_norm_rope_, qk_norm_rope_and_cache, qk_norm_rope_and_cache_,
+    qkv_norm_rope_)
 
 CASES = {}
 B, S, T, HQ, HK, D, ROT, MAXPOS = 2, 4, 6, 4, 2, 16, 12, 32
@@ -127,6 +128,33 @@ def case_prologue_with_cache_heads(run):
               run.d(kc, R), run.d(vc, R), run.d(slots, Sh(0)))
     run.unchanged(dq, q)
     run.unchanged(dk, k)
+
+
+@case
+def case_prologue_out_of_place_heads(run):
+    """The out-of-place prologue over sharded heads: the new query, key and value come back
+    sharded like the inputs, which are only read; the caches as in place."""
+    Sh, R = run.S, run.R
+    wq, wk = _weights()
+    cache = torch.randn(MAXPOS, ROT)
+    q, k, v = torch.randn(T, HQ, D), torch.randn(T, HK, D), torch.randn(T, HK, D)
+    pos = torch.randint(0, MAXPOS, (T,))
+    slots = torch.randperm(16)[:T]
+    slots[1] = -1
+    kc, vc = torch.zeros(4, 4, HK, D), torch.zeros(4, 4, HK, D)
+    want_kc, want_vc = kc.clone(), vc.clone()
+    want = qk_norm_rope_and_cache(q, k, v, pos, cache, wq, wk, want_kc, want_vc, slots,
+                                  v_norm=True)
+    inputs = [run.d(t, Sh(1)) for t in (q, k, v)]
+    caches = [run.d(t, Sh(2)) for t in (kc, vc)]
+    got = run.no_comm(qk_norm_rope_and_cache, *inputs, run.d(pos, R), run.d(cache, R),
+                      run.d(wq, R), run.d(wk, R), *caches, run.d(slots, R), v_norm=True)
+    for g, w in zip(got, want):
+        run.expect(g, w, [Sh(1)])
+    for g, w in zip(caches, (want_kc, want_vc)):
+        run.expect(g, w, [Sh(2)])
+    for g, w in zip(inputs, (q, k, v)):
+        run.unchanged(g, w)
 
 
 @case

@@ -720,13 +720,17 @@ inline RotateGeometry check_positions_op(const Tensor& query_t, const std::optio
   if (g.tokens != 0) {
     for (int64_t d = 0; d < nlead; ++d) g.tokens *= q.sizes[d];  // positions' numel (< 2^63)
   }
-  if (!in_place) {  // a fresh contiguous output of x's shape (one target)
-    g.target[0].dst_head = g.head_dim;
-    g.target[0].dst_last = 1;
-    int64_t st = q.size(-2) * g.head_dim;
-    for (int64_t d = nlead - 1; d >= 0 && g.tokens != 0; --d) {
-      lead.stride(kDst0, d) = st;
-      st *= q.sizes[d];  // at most x's numel
+  if (!in_place) {  // fresh contiguous outputs of the targets' shapes
+    const Meta* xs[2] = {&q, k ? &*k : nullptr};
+    for (int t = 0; t < g.targets; ++t) {
+      g.target[t].dst_head = g.head_dim;
+      g.target[t].dst_last = 1;
+      if (g.tokens == 0) continue;  // no rows: the products below could overflow
+      int64_t st = xs[t]->size(-2) * g.head_dim;  // at most the target's numel
+      for (int64_t d = nlead - 1; d >= 0; --d) {
+        lead.stride(t == 0 ? kDst0 : kDst1, d) = st;
+        st *= xs[t]->sizes[d];  // at most the target's numel
+      }
     }
   }
   g.lead = make_indexer(lead, op);
@@ -796,14 +800,15 @@ inline CacheGeometry check_rope_and_cache(const Tensor& query_t, const Tensor& k
                                           bool interleaved, const std::string& kv_cache_dtype,
                                           const std::optional<Tensor>& k_scale_t,
                                           const std::optional<Tensor>& v_scale_t,
-                                          bool value_written, const char* op) {
+                                          bool value_written, const char* op,
+                                          bool in_place = true) {
   const Meta q(query_t), k(key_t), v(value_t), kc(key_cache_t), vc(value_cache_t), sl(slots_t);
   ROPE_CHECK(q.dim == 3 && k.dim == 3, op,
              ": query and key must have shape (num_tokens, num_heads, head_dim), got query ",
              shape_str(q), " and key ", shape_str(k));
   CacheGeometry cg;
-  cg.rot = check_positions_op(query_t, key_t, positions_t, tables, interleaved, false, true, op,
-                              "query");
+  cg.rot = check_positions_op(query_t, key_t, positions_t, tables, interleaved, false, in_place,
+                              op, "query");
   const int64_t tokens = q.sizes[0], kv_heads = k.sizes[1], head_dim = k.sizes[2];
   check_same_device(q, "query", v, op, "value");
   ROPE_CHECK(v.dtype == k.dtype, op, ": value must have the dtype of key (", dtype_str(k.dtype),
@@ -863,7 +868,8 @@ inline CacheGeometry check_rope_and_cache(const Tensor& query_t, const Tensor& k
                shape_str(m));
   }
 
-  // Written: query, key, both caches. Nothing else may share their memory.
+  // Written: both caches, and in place query and key (out of place they are only read, like
+  // value, and may share memory with each other). Nothing else may share the written memory.
   check_no_internal_overlap(kc, op, "key_cache");
   check_no_internal_overlap(vc, op, "value_cache");
   check_disjoint_bytes(kc, "key_cache", vc, "value_cache", op);
@@ -871,9 +877,11 @@ inline CacheGeometry check_rope_and_cache(const Tensor& query_t, const Tensor& k
   for (const auto& [wname, w] : rotated) {
     for (const auto& [cname, c] : caches) check_disjoint_bytes(*c, cname, *w, wname, op);
   }
-  // value may be a view of the same fused qkv buffer as query and key: disjoint rows suffice.
-  check_rows_disjoint(q, v, 1, op, "query", "value");
-  check_rows_disjoint(k, v, 1, op, "key", "value");
+  if (in_place) {
+    // value may be a view of the same fused qkv buffer as query and key: disjoint rows suffice.
+    check_rows_disjoint(q, v, 1, op, "query", "value");
+    check_rows_disjoint(k, v, 1, op, "key", "value");
+  }
   check_disjoint_bytes(kc, "key_cache", v, "value", op);
   check_disjoint_bytes(vc, "value_cache", v, "value", op);
   if (value_written) check_no_internal_overlap(v, op, "value");
@@ -885,7 +893,9 @@ inline CacheGeometry check_rope_and_cache(const Tensor& query_t, const Tensor& k
   for (const auto& [name, s] : scales) {
     if (!s->has_value()) continue;
     const Meta m(**s);
-    for (const auto& [wname, w] : rotated) check_disjoint_bytes(*w, wname, m, name, op);
+    if (in_place) {
+      for (const auto& [wname, w] : rotated) check_disjoint_bytes(*w, wname, m, name, op);
+    }
     for (const auto& [cname, c] : caches) check_disjoint_bytes(*c, cname, m, name, op);
     if (value_written) check_disjoint_bytes(v, "value", m, name, op);
   }
@@ -902,6 +912,14 @@ inline CacheGeometry check_rope_and_cache(const Tensor& query_t, const Tensor& k
   cg.v_token = v.strides[0];
   cg.v_head = v.strides[1];
   cg.v_last = v.strides[2];
+  if (in_place) {
+    cg.vo_token = cg.v_token;
+    cg.vo_head = cg.v_head;
+    cg.vo_last = cg.v_last;
+  } else {  // a fresh contiguous (tokens, kv_heads, value_dim)
+    cg.vo_head = value_dim;
+    if (!mul_fits(kv_heads, value_dim, cg.vo_token)) cg.vo_token = 0;  // only with no tokens
+  }
   cg.kc = CacheStrides{kc.strides[0], kc.strides[1], kc.strides[2], kc.strides[3]};
   cg.vc = CacheStrides{vc.strides[0], vc.strides[1], vc.strides[2], vc.strides[3]};
   return cg;

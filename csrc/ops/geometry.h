@@ -121,6 +121,9 @@ struct CacheDesc {
   // the two caches (block, offset in the block, head, last dim).
   int64_t slot_stride = 1;
   int64_t v_token = 0, v_head = 0, v_last = 1;
+  // Of the written value rows: value's own with v_norm in place, a fresh contiguous value out
+  // of place (rope.qk_norm_rope_and_cache); unused where value is only read.
+  int64_t vo_token = 0, vo_head = 0, vo_last = 1;
   CacheStrides kc, vc;
 };
 

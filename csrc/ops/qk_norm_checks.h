@@ -22,6 +22,7 @@ constexpr const char* kQkNormOp = "rope.qk_norm_rope";
 constexpr const char* kQkNormInplaceOp = "rope.qk_norm_rope_";
 constexpr const char* kQkvNormOp = "rope.qkv_norm_rope_";
 constexpr const char* kQkNormCacheOp = "rope.qk_norm_rope_and_cache_";
+constexpr const char* kQkNormCacheOutOp = "rope.qk_norm_rope_and_cache";
 constexpr const char* kNormFormsOp = "rope.norm_rope";
 // rope.norm_rope's general rows (any form but kRms, or biases) go through the kernels' stack
 // buffer: head_dim at most this (rope_ext/_qk_norm/checks.py MAX_GENERAL_HEAD_DIM).
@@ -170,22 +171,27 @@ inline RotateGeometry check_qk_norm_rope_inplace(const Tensor& query, const Tens
 
 // rope.qk_norm_rope_and_cache_: the rotation and the paged caches as rope.apply_and_cache_
 // (check_rope_and_cache, MRoPE sections allowed; value written with v_norm), then the norm's
-// arguments.
+// arguments. in_place false: rope.qk_norm_rope_and_cache, which only reads query, key and value
+// (the geometry writes fresh contiguous outputs of their shapes).
 inline CacheGeometry check_qk_norm_rope_and_cache(
     const Tensor& query, const Tensor& key, const Tensor& value, const Tensor& positions,
     const Tensor& cache, const Tensor& q_weight, const Tensor& k_weight, const Tensor& key_cache,
     const Tensor& value_cache, const Tensor& slots, double eps, bool interleaved,
     const std::vector<int64_t>* section, bool mrope_interleaved, bool v_norm,
     const std::string& kv_cache_dtype, const std::optional<Tensor>& k_scale,
-    const std::optional<Tensor>& v_scale) {
-  const char* op = kQkNormCacheOp;
+    const std::optional<Tensor>& v_scale, bool in_place = true) {
+  const char* op = in_place ? kQkNormCacheOp : kQkNormCacheOutOp;
   CacheGeometry cg = check_rope_and_cache(
       query, key, value, positions, TableArgs{&cache, nullptr, nullptr, section, mrope_interleaved},
-      key_cache, value_cache, slots, interleaved, kv_cache_dtype, k_scale, v_scale, v_norm, op);
+      key_cache, value_cache, slots, interleaved, kv_cache_dtype, k_scale, v_scale,
+      v_norm && in_place, op, in_place);
   check_norm_weights(q_weight, k_weight, cg.rot.head_dim, Meta(query), "query", op);
+  const Tensor* written_q = in_place ? &query : nullptr;
+  const Tensor* written_k = in_place ? &key : nullptr;
   check_weights_disjoint(q_weight, k_weight,
-                         {{"query", &query}, {"key", &key}, {"key_cache", &key_cache},
-                          {"value_cache", &value_cache}, {"value", v_norm ? &value : nullptr}},
+                         {{"query", written_q}, {"key", written_k}, {"key_cache", &key_cache},
+                          {"value_cache", &value_cache},
+                          {"value", v_norm && in_place ? &value : nullptr}},
                          op);
   check_eps(eps, op);
   return cg;

@@ -14,6 +14,7 @@ OP_OUT = "rope.qk_norm_rope"
 OP_INPLACE = "rope.qk_norm_rope_"
 OP_PACKED = "rope.qkv_norm_rope_"
 OP_CACHE = "rope.qk_norm_rope_and_cache_"
+OP_CACHE_OUT = "rope.qk_norm_rope_and_cache"
 OP_FORMS = "rope.norm_rope"
 
 NORM_FORMS = ("rms", "rms_across_heads", "layer")
@@ -137,20 +138,24 @@ def check_qk_norm_rope_inplace(query, key, q_weight, k_weight, positions, cache,
 def check_qk_norm_rope_and_cache(query, key, value, positions, cache, q_weight, k_weight,
                                  key_cache, value_cache, slot_mapping, eps, mrope_section=None,
                                  mrope_interleaved=False, v_norm=False, kv_cache_dtype="auto",
-                                 k_scale=None, v_scale=None, memory=True):
+                                 k_scale=None, v_scale=None, memory=True, in_place=True):
     """The serving prologue: the rotation and the caches as rope.apply_and_cache_ checks them
     (MRoPE allowed; value written with v_norm), then the norm's arguments. Returns (the caches'
-    format or None, the mrope section or None)."""
+    format or None, the mrope section or None). in_place False: rope.qk_norm_rope_and_cache,
+    which only reads query, key and value."""
+    op = OP_CACHE if in_place else OP_CACHE_OUT
     fmt, section = _checks.check_rope_and_cache(
         query, key, value, positions, cache, key_cache, value_cache, slot_mapping,
-        kv_cache_dtype, k_scale, v_scale, memory, op=OP_CACHE, mrope_section=mrope_section,
-        mrope_interleaved=mrope_interleaved, value_written=v_norm)
-    check_weights(q_weight, k_weight, query.shape[-1], query, "query", OP_CACHE)
+        kv_cache_dtype, k_scale, v_scale, memory, op=op, mrope_section=mrope_section,
+        mrope_interleaved=mrope_interleaved, value_written=v_norm and in_place,
+        in_place=in_place)
+    check_weights(q_weight, k_weight, query.shape[-1], query, "query", op)
     if memory:
         check_weights_disjoint(q_weight, k_weight, (
-            ("query", query), ("key", key), ("key_cache", key_cache),
-            ("value_cache", value_cache), ("value", value if v_norm else None)), OP_CACHE)
-    check_eps(eps, OP_CACHE)
+            ("query", query if in_place else None), ("key", key if in_place else None),
+            ("key_cache", key_cache), ("value_cache", value_cache),
+            ("value", value if v_norm and in_place else None)), op)
+    check_eps(eps, op)
     return fmt, section
 
 

@@ -129,24 +129,27 @@ def qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weigh
                        interleaved, section, mrope_interleaved)
 
 
-def qk_norm_rope_and_cache_(query, key, value, positions, cos_sin_cache, q_weight, k_weight,
-                            key_cache, value_cache, slot_mapping, eps=1e-6, *, unit_offset=False,
-                            interleaved=False, mrope_section=None, mrope_interleaved=False,
-                            v_norm=False, kv_cache_dtype="auto", k_scale=None, v_scale=None):
-    """The serving prologue: qk_norm_rope_ on query and key, with v_norm each value head
-    RMS-normalized without weight (in place), then key and value stored into the paged caches
-    as rope.apply_and_cache_ stores them."""
+def _prologue(query, key, value, positions, cos_sin_cache, q_weight, k_weight, key_cache,
+              value_cache, slot_mapping, eps, unit_offset, interleaved, mrope_section,
+              mrope_interleaved, v_norm, kv_cache_dtype, k_scale, v_scale, in_place):
+    """The serving prologue. In place: qk_norm_rope_ on query and key, with v_norm each value
+    head RMS-normalized without weight (in place), then key and value stored into the paged
+    caches as rope.apply_and_cache_ stores them. Out of place: the same on new contiguous copies
+    of query, key and value, which are returned."""
     _checks = reference._checks
+    op = checks.OP_CACHE if in_place else checks.OP_CACHE_OUT
     fmt, section = checks.check_qk_norm_rope_and_cache(
         query, key, value, positions, cos_sin_cache, q_weight, k_weight, key_cache, value_cache,
         slot_mapping, eps, mrope_section, mrope_interleaved, v_norm, kv_cache_dtype, k_scale,
-        v_scale)
-    written = (query, key, value, key_cache, value_cache)
+        v_scale, in_place=in_place)
+    written = (query, key, value, key_cache, value_cache) if in_place else (key_cache, value_cache)
     positions = _checks.positions_read_once(positions, written)
     slot_mapping = _checks.positions_read_once(slot_mapping, written)
-    _checks.check_positions_in_range(positions, cos_sin_cache.shape[0], checks.OP_CACHE)
-    _checks.check_slots_in_range(slot_mapping, key_cache.shape[0] * key_cache.shape[1],
-                                 checks.OP_CACHE)
+    _checks.check_positions_in_range(positions, cos_sin_cache.shape[0], op)
+    _checks.check_slots_in_range(slot_mapping, key_cache.shape[0] * key_cache.shape[1], op)
+    if not in_place:
+        query, key, value = (t.clone(memory_format=torch.contiguous_format)
+                             for t in (query, key, value))
     _norm_rope_inplace(query, key, q_weight, k_weight, positions, cos_sin_cache, eps, unit_offset,
                        interleaved, section, mrope_interleaved)
     if v_norm and value.numel():
@@ -154,4 +157,25 @@ def qk_norm_rope_and_cache_(query, key, value, positions, cos_sin_cache, q_weigh
         vf = value.to(acc)
         value.copy_(vf * torch.rsqrt(vf.square().mean(-1, keepdim=True) + eps))
     reference.store_paged(key, value, key_cache, value_cache, slot_mapping, fmt, k_scale, v_scale)
+    return query, key, value
+
+
+def qk_norm_rope_and_cache_(query, key, value, positions, cos_sin_cache, q_weight, k_weight,
+                            key_cache, value_cache, slot_mapping, eps=1e-6, *, unit_offset=False,
+                            interleaved=False, mrope_section=None, mrope_interleaved=False,
+                            v_norm=False, kv_cache_dtype="auto", k_scale=None, v_scale=None):
+    """The serving prologue in place (_prologue); returns (query, key)."""
+    _prologue(query, key, value, positions, cos_sin_cache, q_weight, k_weight, key_cache,
+              value_cache, slot_mapping, eps, unit_offset, interleaved, mrope_section,
+              mrope_interleaved, v_norm, kv_cache_dtype, k_scale, v_scale, True)
     return query, key
+
+
+def qk_norm_rope_and_cache(query, key, value, positions, cos_sin_cache, q_weight, k_weight,
+                           key_cache, value_cache, slot_mapping, eps=1e-6, *, unit_offset=False,
+                           interleaved=False, mrope_section=None, mrope_interleaved=False,
+                           v_norm=False, kv_cache_dtype="auto", k_scale=None, v_scale=None):
+    """The serving prologue out of place (_prologue); returns the new (query, key, value)."""
+    return _prologue(query, key, value, positions, cos_sin_cache, q_weight, k_weight, key_cache,
+                     value_cache, slot_mapping, eps, unit_offset, interleaved, mrope_section,
+                     mrope_interleaved, v_norm, kv_cache_dtype, k_scale, v_scale, False)

@@ -1,5 +1,5 @@
 """Python-side registrations of the fused norm + RoPE ops (rope.qk_norm_rope, rope.norm_rope,
-rope.qk_norm_rope_, rope.qkv_norm_rope_, rope.qk_norm_rope_and_cache_): the reference kernels
+rope.qk_norm_rope_, rope.qkv_norm_rope_, rope.qk_norm_rope_and_cache[_]): the reference kernels
 for devices without a native one, fake kernels, the autograd of the out-of-place ops, and for
 the in-place (serving) ops rope_ext._registrations.serving_autograd (torch's in-place
 bookkeeping, a refusal under autograd). Their entries join rope_ext._registrations.OPS on
@@ -53,6 +53,19 @@ def _fake_qk_norm_rope_and_cache_(query, key, value, positions, cos_sin_cache, q
                                         k_weight, key_cache, value_cache, slot_mapping, eps,
                                         mrope_section, mrope_interleaved, v_norm, kv_cache_dtype,
                                         k_scale, v_scale, memory=False)
+
+
+def _fake_qk_norm_rope_and_cache(query, key, value, positions, cos_sin_cache, q_weight, k_weight,
+                                 key_cache, value_cache, slot_mapping, eps=1e-6, *,
+                                 unit_offset=False, interleaved=False, mrope_section=None,
+                                 mrope_interleaved=False, v_norm=False, kv_cache_dtype="auto",
+                                 k_scale=None, v_scale=None):
+    checks.check_qk_norm_rope_and_cache(query, key, value, positions, cos_sin_cache, q_weight,
+                                        k_weight, key_cache, value_cache, slot_mapping, eps,
+                                        mrope_section, mrope_interleaved, v_norm, kv_cache_dtype,
+                                        k_scale, v_scale, memory=False, in_place=False)
+    return (query.new_empty(query.shape), key.new_empty(key.shape),
+            value.new_empty(value.shape))
 
 
 # ---- autograd of rope.qk_norm_rope ----
@@ -135,6 +148,8 @@ def ops_table(op_type):
         "qk_norm_rope_and_cache_": serving("qk_norm_rope_and_cache_",
                                            _ref_qk_norm_rope_and_cache_,
                                            _fake_qk_norm_rope_and_cache_),
+        "qk_norm_rope_and_cache": serving("qk_norm_rope_and_cache", ref.qk_norm_rope_and_cache,
+                                          _fake_qk_norm_rope_and_cache),
     }
 
 

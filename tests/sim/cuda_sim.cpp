@@ -66,11 +66,12 @@ void allow_rotate_operands(Recorder& rec, const RotateArgs<x_t, tab_t>& a) {
 // rows of the slots used written once each; the scales read (float8).
 template <typename x_t>
 void allow_paged_store(Recorder& rec, const CacheDesc& cg, int64_t tokens, int64_t head_dim,
-                       const x_t* value, bool value_written, const void* slots,
+                       const x_t* value, const x_t* value_out, const void* slots,
                        const void* key_cache, const void* value_cache, const float* k_scale,
                        const float* v_scale) {
   const int64_t es = cg.format == CacheFormat::kSame ? sizeof(x_t) : 1;
-  const uint8_t value_perm = value_written ? kRead | kWrite | kMustWrite : kRead;
+  const bool in_place = value_out == value;  // (value rows written in place: v_norm)
+  const uint8_t value_perm = in_place ? kRead | kWrite | kMustWrite : kRead;
   for (int64_t tok = 0; tok < tokens; ++tok) {
     const char* sp = static_cast<const char*>(slots) + tok * cg.slot_stride * (cg.slots64 ? 8 : 4);
     rec.allow(sp, cg.slots64 ? 8 : 4, kRead);
@@ -79,6 +80,10 @@ void allow_paged_store(Recorder& rec, const CacheDesc& cg, int64_t tokens, int64
     for (int64_t h = 0; h < cg.kv_heads; ++h) {
       for (int64_t j = 0; j < cg.value_dim; ++j) {
         rec.allow(value + tok * cg.v_token + h * cg.v_head + j * cg.v_last, sizeof(x_t), value_perm);
+        if (value_out != nullptr && !in_place) {
+          rec.allow(value_out + tok * cg.vo_token + h * cg.vo_head + j * cg.vo_last, sizeof(x_t),
+                    kWrite | kMustWrite);
+        }
       }
       if (slot < 0 || slot >= cg.slots) continue;
       // Written out here, not with CacheStrides::slot_row: an independent statement of the layout.
@@ -100,8 +105,8 @@ void allow_paged_store(Recorder& rec, const CacheDesc& cg, int64_t tokens, int64
 template <typename x_t, typename tab_t>
 void allow_cache_operands(Recorder& rec, const CacheArgs<x_t, tab_t>& a) {
   allow_rotate_operands(rec, a.rot);
-  allow_paged_store(rec, a.cg, a.rot.g.tokens, a.rot.g.head_dim, a.value, false, a.slots,
-                    a.key_cache, a.value_cache, a.k_scale, a.v_scale);
+  allow_paged_store<x_t>(rec, a.cg, a.rot.g.tokens, a.rot.g.head_dim, a.value, nullptr, a.slots,
+                         a.key_cache, a.value_cache, a.k_scale, a.v_scale);
 }
 
 // rope.shift_kv_cache_: slots and deltas read; the table rows; the rotary elements of every
@@ -316,6 +321,12 @@ STABLE_TORCH_LIBRARY(rope_sim, m) {
         "bool unit_offset, bool interleaved, int[]? mrope_section, bool mrope_interleaved, "
         "bool v_norm, str kv_cache_dtype, Tensor? k_scale, Tensor? v_scale, int max_blocks, "
         "Tensor(f!) info) -> ()");
+  m.def("qk_norm_rope_and_cache(Tensor query, Tensor key, Tensor value, "
+        "Tensor positions, Tensor cos_sin_cache, Tensor q_weight, Tensor k_weight, "
+        "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, float eps, "
+        "bool unit_offset, bool interleaved, int[]? mrope_section, bool mrope_interleaved, "
+        "bool v_norm, str kv_cache_dtype, Tensor? k_scale, Tensor? v_scale, int max_blocks, "
+        "Tensor(c!) info) -> (Tensor, Tensor, Tensor)");
 }
 
 // The implementations, one block per simulator file: this one's first.
@@ -342,4 +353,5 @@ STABLE_TORCH_LIBRARY_IMPL(rope_sim, CPU, m) {
   m.impl("qk_norm_rope_", TORCH_BOX(&rope::sim::qk_norm_rope_inplace_sim));
   m.impl("qkv_norm_rope_", TORCH_BOX(&rope::sim::qkv_norm_rope_inplace_sim));
   m.impl("qk_norm_rope_and_cache_", TORCH_BOX(&rope::sim::qk_norm_rope_and_cache_sim));
+  m.impl("qk_norm_rope_and_cache", TORCH_BOX(&rope::sim::qk_norm_rope_and_cache_out_sim));
 }

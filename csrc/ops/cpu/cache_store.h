@@ -15,16 +15,18 @@ inline float read_scale(const std::optional<Tensor>& s) {
 }
 
 // key: the written key rows (the kernels store them after writing); v_eps >= 0: value rows
-// normed in place first (v_norm), else < 0.
+// normed first (v_norm), else < 0; value_out: where value rows are written (normed or copied),
+// or nullptr.
 inline CacheJob cache_store_job(const CacheGeometry& cg, const Tensor& key, const Tensor& value,
                                 double v_eps, const Tensor& slot_mapping, const Tensor& key_cache,
                                 const Tensor& value_cache, const std::optional<Tensor>& k_scale,
-                                const std::optional<Tensor>& v_scale) {
+                                const std::optional<Tensor>& v_scale,
+                                const Tensor* value_out = nullptr) {
   CacheJob job{};
   job.g = &cg;
   job.key = key.const_data_ptr();
   job.value = value.const_data_ptr();
-  job.value_normed = v_eps >= 0 ? const_cast<void*>(value.const_data_ptr()) : nullptr;
+  job.value_out = value_out != nullptr ? value_out->mutable_data_ptr() : nullptr;
   job.v_eps = v_eps;
   job.slot_mapping = slot_mapping.const_data_ptr();
   job.key_cache = const_cast<void*>(key_cache.const_data_ptr());

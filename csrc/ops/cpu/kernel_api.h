@@ -44,15 +44,18 @@ struct RotateJob {
 
 // A call's store stage into the paged caches (geometry.h CacheGeometry): after a token's query
 // and key rows are written (rotated, or normed and rotated), its key rows and value rows go to
-// the caches at its slot. Scales already read. With v_norm (rope.qk_norm_rope_and_cache_), each
-// value row is first RMS-normalized without a weight, in place (value_normed: value's memory).
+// the caches at its slot. Scales already read. Value rows go through value_out first where it
+// is given (the geometry's vo_* strides): RMS-normalized without a weight with v_norm (v_eps >=
+// 0), else copied; the stored rows are then the written ones. rope.qk_norm_rope_and_cache_
+// with v_norm writes value in place (value_out = value); rope.qk_norm_rope_and_cache writes a
+// fresh value.
 struct CacheJob {
   const CacheGeometry* g;
   RotateJob rot;          // query and key, rotated in place (rope.apply_and_cache_)
   const void* key;        // the written key rows (token offsets: the geometry's kDst1)
-  const void* value;
-  void* value_normed;     // non-null: v_norm
-  double v_eps;
+  const void* value;      // the value rows read (v_* strides)
+  void* value_out;        // nullptr: value only read and stored
+  double v_eps;           // >= 0: v_norm
   const void* slot_mapping;
   void* key_cache;
   void* value_cache;

@@ -558,44 +558,62 @@ void store_cache_row(const x_t* row, int64_t last, void* cache_row, int64_t cach
            [encode](x_t v) { return encode(static_cast<float>(to_acc<F32Ops>(v))); });
 }
 
-// With v_norm: value row (n elements, stride `last`) RMS-normalized without a weight, in the
-// arithmetic type, rounded once, in place.
+// A value row (n elements, stride `last`) written to `out` (stride `out_last`; may be the row
+// itself): with eps >= 0 (v_norm) RMS-normalized without a weight in the arithmetic type,
+// rounded once; else copied.
 template <typename x_t>
-void rms_norm_row(x_t* row, int64_t last, int64_t n, double eps) {
+void write_value_row(const x_t* row, int64_t last, x_t* out, int64_t out_last, int64_t n,
+                     double eps) {
   using acc = typename OpsFor<x_t>::acc;
+  if (eps < 0) {
+    if (last == 1 && out_last == 1) {
+      std::memcpy(out, row, n * sizeof(x_t));
+    } else {
+      for (int64_t j = 0; j < n; ++j) out[j * out_last] = row[j * last];
+    }
+    return;
+  }
   acc ss = 0;
   for (int64_t j = 0; j < n; ++j) {
     const acc v = to_acc<OpsFor<x_t>>(row[j * last]);
     ss += v * v;
   }
   const acc r = acc(1) / std::sqrt(ss / static_cast<acc>(n) + static_cast<acc>(eps));
-  for (int64_t j = 0; j < n; ++j) row[j * last] = from_acc<x_t>(to_acc<OpsFor<x_t>>(row[j * last]) * r);
+  for (int64_t j = 0; j < n; ++j) {
+    out[j * out_last] = from_acc<x_t>(to_acc<OpsFor<x_t>>(row[j * last]) * r);
+  }
 }
 
-// The token's written key rows (still in L1) and its value rows (normed first with v_norm), to
-// the caches at its slot. Padding slots (negative) store nothing, but their values are normed.
+// The token's written key rows (still in L1) and its value rows (written first where value_out
+// is given), to the caches at its slot. Padding slots (negative) store nothing, but their value
+// rows are written.
 template <typename x_t, CacheFormat kFormat>
 void write_cache_token(const void* ctx, int64_t token, const int64_t* off) {
   const CacheJob& job = *static_cast<const CacheJob*>(ctx);
   const CacheGeometry& cg = *job.g;
-  if (job.value_normed != nullptr && cg.value_dim > 0) {
-    x_t* v = static_cast<x_t*>(job.value_normed) + token * cg.v_token;
+  const x_t* v = static_cast<const x_t*>(job.value) + token * cg.v_token;
+  int64_t v_head = cg.v_head, v_last = cg.v_last;
+  if (job.value_out != nullptr && cg.value_dim > 0) {
+    x_t* out = static_cast<x_t*>(job.value_out) + token * cg.vo_token;
     for (int64_t h = 0; h < cg.kv_heads; ++h) {
-      rms_norm_row<x_t>(v + h * cg.v_head, cg.v_last, cg.value_dim, job.v_eps);
+      write_value_row<x_t>(v + h * cg.v_head, cg.v_last, out + h * cg.vo_head, cg.vo_last,
+                           cg.value_dim, job.v_eps);
     }
+    v = out;  // the cache stores the written rows
+    v_head = cg.vo_head;
+    v_last = cg.vo_last;
   }
   const int64_t slot = read_position(job.slot_mapping, cg.slots64, token * cg.slot_stride);
   if (slot < 0) return;  // padding
   const int64_t es = kFormat == CacheFormat::kSame ? sizeof(x_t) : 1;
   const TargetDesc& kt = cg.rot.target[1];
   const x_t* k = static_cast<const x_t*>(job.key) + off[kDst1];
-  const x_t* v = static_cast<const x_t*>(job.value) + token * cg.v_token;
   char* kc = static_cast<char*>(job.key_cache) + cg.kc.slot_row(slot, cg.block_size) * es;
   char* vc = static_cast<char*>(job.value_cache) + cg.vc.slot_row(slot, cg.block_size) * es;
   for (int64_t h = 0; h < cg.kv_heads; ++h) {
     store_cache_row<x_t, kFormat>(k + h * kt.dst_head, kt.dst_last, kc + h * cg.kc.head * es,
                                   cg.kc.last, cg.rot.head_dim, job.k_scale);
-    store_cache_row<x_t, kFormat>(v + h * cg.v_head, cg.v_last, vc + h * cg.vc.head * es,
+    store_cache_row<x_t, kFormat>(v + h * v_head, v_last, vc + h * cg.vc.head * es,
                                   cg.vc.last, cg.value_dim, job.v_scale);
   }
 }

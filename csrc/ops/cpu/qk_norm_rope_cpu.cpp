@@ -218,34 +218,49 @@ void qkv_norm_rope_inplace_cpu(Tensor qkv, int64_t num_heads_q, int64_t num_head
 
 // The serving prologue: the norm and rotation stage of rope.qk_norm_rope_ with the paged-cache
 // store stage of rope.apply_and_cache_ (cache_store.h) run after each token, while its rows are
-// in L1. Positions and slots read once and checked before anything is written.
-void qk_norm_rope_and_cache_cpu(Tensor query, Tensor key, Tensor value, Tensor positions,
-                                Tensor cos_sin_cache, Tensor q_weight, Tensor k_weight,
-                                Tensor key_cache, Tensor value_cache, Tensor slot_mapping,
-                                double eps, bool unit_offset, bool interleaved,
-                                std::optional<std::vector<int64_t>> mrope_section,
-                                bool mrope_interleaved, bool v_norm, std::string kv_cache_dtype,
-                                std::optional<Tensor> k_scale, std::optional<Tensor> v_scale) {
-  const char* op = kQkNormCacheOp;
+// in L1. Positions and slots read once and checked before anything is written. `out`: nullptr
+// in place (rope.qk_norm_rope_and_cache_), else the fresh query, key and value are allocated
+// there and written instead (rope.qk_norm_rope_and_cache).
+void prologue_cpu(const Tensor& query, const Tensor& key, const Tensor& value, Tensor positions,
+                  const Tensor& cos_sin_cache, const Tensor& q_weight, const Tensor& k_weight,
+                  const Tensor& key_cache, const Tensor& value_cache, Tensor slot_mapping,
+                  double eps, bool unit_offset, bool interleaved,
+                  const std::optional<std::vector<int64_t>>& mrope_section,
+                  bool mrope_interleaved, bool v_norm, const std::string& kv_cache_dtype,
+                  const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale,
+                  std::optional<std::tuple<Tensor, Tensor, Tensor>>* out) {
+  const bool in_place = out == nullptr;
+  const char* op = in_place ? kQkNormCacheOp : kQkNormCacheOutOp;
   auto check = [&] {
     return check_qk_norm_rope_and_cache(query, key, value, positions, cos_sin_cache, q_weight,
                                         k_weight, key_cache, value_cache, slot_mapping, eps,
                                         interleaved, mrope_section ? &*mrope_section : nullptr,
                                         mrope_interleaved, v_norm, kv_cache_dtype, k_scale,
-                                        v_scale);
+                                        v_scale, in_place);
   };
-  const CacheGeometry cg = check_read_once(check, {&positions, &slot_mapping},
-                                           {&query, &key, &value, &key_cache, &value_cache});
+  const CacheGeometry cg =
+      in_place ? check_read_once(check, {&positions, &slot_mapping},
+                                 {&query, &key, &value, &key_cache, &value_cache})
+               : check_read_once(check, {&positions, &slot_mapping}, {&key_cache, &value_cache});
   check_positions_in_range(positions, cg.rot.table.rows, op, "cos_sin_cache.size(0)");
   check_slots(slot_mapping, cg.slots, op);
   const ScalarType xt = dtype_of(query);
   const Tensor wq = norm_weight(q_weight, xt, cg.rot.head_dim);
   const Tensor wk = norm_weight(k_weight, xt, cg.rot.head_dim);
-  const CacheJob store = cache_store_job(cg, key, value, v_norm ? eps : -1.0, slot_mapping,
-                                         key_cache, value_cache, k_scale, v_scale);
+  if (!in_place) {
+    out->emplace(new_contiguous(query, query.sizes()), new_contiguous(key, key.sizes()),
+                 new_contiguous(value, value.sizes()));
+  }
+  const Tensor& q_out = in_place ? query : std::get<0>(**out);
+  const Tensor& k_out = in_place ? key : std::get<1>(**out);
+  const Tensor* v_out = in_place ? (v_norm ? &value : nullptr) : &std::get<2>(**out);
+  const CacheJob store = cache_store_job(cg, k_out, value, v_norm ? eps : -1.0, slot_mapping,
+                                         key_cache, value_cache, k_scale, v_scale, v_out);
   NormJob job = make_job(cg.rot, eps, unit_offset, wq, wk, xt, dtype_of(cos_sin_cache));
-  job.src[0] = job.dst[0] = query.mutable_data_ptr();
-  job.src[1] = job.dst[1] = key.mutable_data_ptr();
+  job.src[0] = query.const_data_ptr();
+  job.src[1] = key.const_data_ptr();
+  job.dst[0] = q_out.mutable_data_ptr();
+  job.dst[1] = k_out.mutable_data_ptr();
   job.cos = cos_sin_cache.const_data_ptr();
   job.sin = sin_of_cache(cos_sin_cache, cg.rot);
   job.positions = positions.const_data_ptr();
@@ -253,6 +268,31 @@ void qk_norm_rope_and_cache_cpu(Tensor query, Tensor key, Tensor value, Tensor p
   int64_t values = 0;
   if (!mul_fits(cg.kv_heads, cg.value_dim, values)) values = kInt64Max;
   run_norm_rope(job, values);
+}
+
+void qk_norm_rope_and_cache_cpu(Tensor query, Tensor key, Tensor value, Tensor positions,
+                                Tensor cos_sin_cache, Tensor q_weight, Tensor k_weight,
+                                Tensor key_cache, Tensor value_cache, Tensor slot_mapping,
+                                double eps, bool unit_offset, bool interleaved,
+                                std::optional<std::vector<int64_t>> mrope_section,
+                                bool mrope_interleaved, bool v_norm, std::string kv_cache_dtype,
+                                std::optional<Tensor> k_scale, std::optional<Tensor> v_scale) {
+  prologue_cpu(query, key, value, positions, cos_sin_cache, q_weight, k_weight, key_cache,
+               value_cache, slot_mapping, eps, unit_offset, interleaved, mrope_section,
+               mrope_interleaved, v_norm, kv_cache_dtype, k_scale, v_scale, nullptr);
+}
+
+std::tuple<Tensor, Tensor, Tensor> qk_norm_rope_and_cache_out_cpu(
+    Tensor query, Tensor key, Tensor value, Tensor positions, Tensor cos_sin_cache,
+    Tensor q_weight, Tensor k_weight, Tensor key_cache, Tensor value_cache, Tensor slot_mapping,
+    double eps, bool unit_offset, bool interleaved,
+    std::optional<std::vector<int64_t>> mrope_section, bool mrope_interleaved, bool v_norm,
+    std::string kv_cache_dtype, std::optional<Tensor> k_scale, std::optional<Tensor> v_scale) {
+  std::optional<std::tuple<Tensor, Tensor, Tensor>> out;
+  prologue_cpu(query, key, value, positions, cos_sin_cache, q_weight, k_weight, key_cache,
+               value_cache, slot_mapping, eps, unit_offset, interleaved, mrope_section,
+               mrope_interleaved, v_norm, kv_cache_dtype, k_scale, v_scale, &out);
+  return std::move(*out);
 }
 
 }  // namespace
@@ -265,4 +305,6 @@ STABLE_TORCH_LIBRARY_IMPL(rope, CPU, m) {
   rope::impl_routed_cpu(m, "qkv_norm_rope_", TORCH_BOX(&rope::qkv_norm_rope_inplace_cpu));
   rope::impl_routed_cpu(m, "qk_norm_rope_and_cache_",
                         TORCH_BOX(&rope::qk_norm_rope_and_cache_cpu));
+  rope::impl_routed_cpu(m, "qk_norm_rope_and_cache",
+                        TORCH_BOX(&rope::qk_norm_rope_and_cache_out_cpu));
 }

@@ -152,6 +152,21 @@ void qk_norm_rope_and_cache_cuda(Tensor query, Tensor key, Tensor value, Tensor 
                               CudaLaunch(query, kQkNormCacheOp));
 }
 
+std::tuple<Tensor, Tensor, Tensor> qk_norm_rope_and_cache_out_cuda(
+    Tensor query, Tensor key, Tensor value, Tensor positions, Tensor cos_sin_cache,
+    Tensor q_weight, Tensor k_weight, Tensor key_cache, Tensor value_cache, Tensor slot_mapping,
+    double eps, bool unit_offset, bool interleaved,
+    std::optional<std::vector<int64_t>> mrope_section, bool mrope_interleaved, bool v_norm,
+    std::string kv_cache_dtype, std::optional<Tensor> k_scale, std::optional<Tensor> v_scale) {
+  std::optional<std::tuple<Tensor, Tensor, Tensor>> out;
+  qk_norm_rope_and_cache_host(query, key, value, positions, cos_sin_cache, q_weight, k_weight,
+                              key_cache, value_cache, slot_mapping, eps, unit_offset, interleaved,
+                              mrope_section ? &*mrope_section : nullptr, mrope_interleaved,
+                              v_norm, kv_cache_dtype, k_scale, v_scale,
+                              CudaLaunch(query, kQkNormCacheOutOp), &out);
+  return std::move(*out);
+}
+
 // ---- K-shift (shift_cuda_host.h) ----
 
 void shift_kv_cache_cuda(Tensor key_cache, Tensor slot_mapping, Tensor delta,
@@ -182,6 +197,8 @@ STABLE_TORCH_LIBRARY_IMPL(rope, CUDA, m) {
                     TORCH_BOX(&rope::gpu::qkv_norm_rope_inplace_cuda));
   rope::impl_routed(m, "qk_norm_rope_and_cache_",
                     TORCH_BOX(&rope::gpu::qk_norm_rope_and_cache_cuda));
+  rope::impl_routed(m, "qk_norm_rope_and_cache",
+                    TORCH_BOX(&rope::gpu::qk_norm_rope_and_cache_out_cuda));
   rope::impl_routed(m, "quantize_fp8",
                     TORCH_BOX(&rope::gpu::quantize_fp8_op<rope::gpu::CudaLaunch>));
   rope::impl_routed(m, "quantize_fp8_append_paged_kv_cache",

@@ -219,7 +219,9 @@ void qk_norm_rope_inplace_host(const Tensor& query, const Tensor& key, const Ten
 }
 
 // rope.qk_norm_rope_and_cache_: the norm and rotation of qk_norm_rope_ with the paged-cache store
-// stage of apply_and_cache_ (NormStore), in one kernel after the slots' device check.
+// stage of apply_and_cache_ (NormStore), in one kernel after the slots' device check. `out`:
+// nullptr in place, else rope.qk_norm_rope_and_cache: the fresh query, key and value are
+// allocated there and written instead.
 template <class Runner>
 void qk_norm_rope_and_cache_host(
     const Tensor& query, const Tensor& key, const Tensor& value, const Tensor& positions_in,
@@ -228,24 +230,40 @@ void qk_norm_rope_and_cache_host(
     bool unit_offset, bool interleaved, const std::vector<int64_t>* section,
     bool mrope_interleaved, bool v_norm, const std::string& kv_cache_dtype,
     const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale, Runner&& run,
+    std::optional<std::tuple<Tensor, Tensor, Tensor>>* out = nullptr,
     int64_t max_blocks = kMaxBlocks) {
+  const bool in_place = out == nullptr;
   Tensor positions = positions_in, slots = slots_in;
   auto check = [&](const Tensor& cache) {
     return check_qk_norm_rope_and_cache(query, key, value, positions, cache, q_weight, k_weight,
                                         key_cache, value_cache, slots, eps, interleaved, section,
                                         mrope_interleaved, v_norm, kv_cache_dtype, k_scale,
-                                        v_scale);
+                                        v_scale, in_place);
   };
-  CacheGeometry cg = check_read_once([&] { return check(cache_in); }, {&positions, &slots},
-                                     {&query, &key, &value, &key_cache, &value_cache});
+  CacheGeometry cg =
+      in_place ? check_read_once([&] { return check(cache_in); }, {&positions, &slots},
+                                 {&query, &key, &value, &key_cache, &value_cache})
+               : check_read_once([&] { return check(cache_in); }, {&positions, &slots},
+                                 {&key_cache, &value_cache});
   const ScalarType xt = dtype_of(query);
   const Tensor cache = table_for(cache_in, xt);
   if (cache.get() != cache_in.get()) cg = check(cache);
   check_slots_on_device(cg, slots, run, max_blocks);
   const Tensor wq = norm_weight_for(q_weight, xt), wk = norm_weight_for(k_weight, xt);
+  NormRopeTensors t = inplace_operands(query, key, wq, wk, cache, cg.rot, positions);
   NormStore st{};
   st.cg = cg;
-  st.value = value.mutable_data_ptr();
+  st.value = value.const_data_ptr();
+  st.value_out = v_norm ? value.mutable_data_ptr() : nullptr;
+  if (!in_place) {
+    out->emplace(new_contiguous(query, query.sizes()), new_contiguous(key, key.sizes()),
+                 new_contiguous(value, value.sizes()));
+    t.src[0] = query.const_data_ptr();  // only read: no mutable access (a lazy clone stays one)
+    t.src[1] = key.const_data_ptr();
+    t.dst[0] = std::get<0>(**out).mutable_data_ptr();
+    t.dst[1] = std::get<1>(**out).mutable_data_ptr();
+    st.value_out = std::get<2>(**out).mutable_data_ptr();
+  }
   st.slots = slots.const_data_ptr();
   st.key_cache = key_cache.mutable_data_ptr();
   st.value_cache = value_cache.mutable_data_ptr();
@@ -254,8 +272,7 @@ void qk_norm_rope_and_cache_host(
     st.v_scale = static_cast<const float*>(v_scale->const_data_ptr());
   }
   st.v_norm = v_norm;
-  run_norm_rope(cg.rot, inplace_operands(query, key, wq, wk, cache, cg.rot, positions),
-                rms_norm(eps, unit_offset), xt, run, max_blocks, &st);
+  run_norm_rope(cg.rot, t, rms_norm(eps, unit_offset), xt, run, max_blocks, &st);
 }
 
 }  // namespace rope::gpu

@@ -12,10 +12,11 @@
 // unit-stride rows (`vec`) every access of the row is a 16-byte vector. A thread reads its row
 // fully before writing any of it, and no other thread touches it: in place is safe.
 //
-// With the paged-cache store stage (NormStore, rope.qk_norm_rope_and_cache_) a key row's thread
+// With the paged-cache store stage (NormStore, rope.qk_norm_rope_and_cache*) a key row's thread
 // also stores each element it writes into the key cache at its token's slot, and the value rows
-// (the rows after the key heads) get a thread each: normed without weight in place (v_norm),
-// then stored into the value cache. Padding slots (negative) store nothing.
+// (the rows after the key heads) get a thread each: written to value_out where it is given
+// (normed without weight with v_norm, else copied; in place: value_out is value), then stored
+// into the value cache. Padding slots (negative) store nothing.
 #pragma once
 
 #include <cmath>
@@ -28,7 +29,8 @@ namespace rope::gpu {
 // The store stage of a call that ends in the paged caches; key_cache == nullptr: none.
 struct NormStore {
   CacheDesc cg;
-  void* value;           // (T, Hk, Dv) rows of x_t, read (written with v_norm)
+  const void* value;     // (T, Hk, Dv) rows of x_t, read (the cg.v_* strides)
+  void* value_out;       // where value rows are written (cg.vo_* strides), or nullptr
   const void* slots;
   void* key_cache;
   void* value_cache;
@@ -78,15 +80,19 @@ ROPE_HD int64_t store_slot(const NormStore& s, int64_t tok) {
   return slot < s.cg.slots ? slot : -1;
 }
 
-// Value head hi of token tok: normed without weight in place (v_norm), then stored to the value
-// cache at the token's slot.
+// Value head hi of token tok: written to value_out (normed without weight with v_norm, else
+// copied) where it is given, then stored to the value cache at the token's slot. Each element
+// is read before its own write: in place is safe.
 template <typename x_t>
 ROPE_HD void value_row(const NormStore& s, double eps, int64_t tok, int64_t hi) {
   using acc_t = opmath_t<x_t>;
   const CacheDesc& cg = s.cg;
   const int64_t slot = store_slot(s, tok);
-  if (slot < 0 && !s.v_norm) return;
-  x_t* v = static_cast<x_t*>(s.value) + tok * cg.v_token + hi * cg.v_head;
+  if (slot < 0 && s.value_out == nullptr) return;
+  const x_t* v = static_cast<const x_t*>(s.value) + tok * cg.v_token + hi * cg.v_head;
+  x_t* out = s.value_out == nullptr
+                 ? nullptr
+                 : static_cast<x_t*>(s.value_out) + tok * cg.vo_token + hi * cg.vo_head;
   acc_t r = 1;
   if (s.v_norm) {
     acc_t ss = 0;
@@ -104,10 +110,8 @@ ROPE_HD void value_row(const NormStore& s, double eps, int64_t tok, int64_t hi) 
       cg.vc.last, fp8 ? load(s.v_scale) : 1.0f, cg.format};
   for (int64_t j = 0; j < cg.value_dim; ++j) {
     x_t e = load(v + j * cg.v_last);
-    if (s.v_norm) {
-      e = static_cast<x_t>(static_cast<acc_t>(e) * r);
-      store(v + j * cg.v_last, e);
-    }
+    if (s.v_norm) e = static_cast<x_t>(static_cast<acc_t>(e) * r);
+    if (out != nullptr) store(out + j * cg.vo_last, e);
     if (slot >= 0) to_cache(j, e);
   }
 }
