@@ -9,7 +9,8 @@ traffic the work needs, so GB/s compare directly. Cases:
 - apply_ rope_dim_offset + inverse: DeepSeek-V4's RoPE on the tail of each head, undone in place;
 - qk_norm_rope_and_cache_: the serving attention prologue (Qwen3-8B heads 32/8/128, bfloat16,
   bfloat16 and float8 caches) at 1 to 512 tokens, against rope_ext's own unfused sequence
-  (qk_norm_rope_, then the paged write in PyTorch), vLLM's signature for it
+  (qk_norm_rope_, then the paged write in PyTorch), its out-of-place form
+  (rope_ext.qk_norm_rope_and_cache), vLLM's signature for it
   (rope_ext.compat.vllm.fused_qknorm_rope_cache), the prologue in eager PyTorch as a model's
   native path writes it, and torch.compile of that.
 
@@ -31,6 +32,7 @@ sys.path.insert(1, os.path.dirname(HERE))  # rope_ext from this checkout
 import torch  # noqa: E402
 
 import rope_ext  # noqa: E402
+from rope_bench import malloc  # noqa: E402
 from rope_bench.cases import steady_norm_weight  # noqa: E402
 from rope_bench.timing import clock_for, measure_interleaved, median, quantile  # noqa: E402
 from rope_ext import reference  # noqa: E402
@@ -160,7 +162,10 @@ def prologue_case(device, tokens, kv_cache_dtype, heads=(32, 8), head_dim=128):
         "rope_ext": lambda: rope_ext.qk_norm_rope_and_cache_(q, k, v, positions, table, wq, wk,
                                                              key_cache, value_cache, slots, **kw),
         "unfused rope_ext": unfused,
-        # vLLM's signature (packed qkv in, new q, k, v out: three copies more than the op)
+        # out of place: q, k, v (views of qkv) only read, new ones written
+        "rope_ext out of place": lambda: rope_ext.qk_norm_rope_and_cache(
+            q, k, v, positions, table, wq, wk, key_cache, value_cache, slots, **kw),
+        # vLLM's signature (packed qkv in, new q, k, v out), on the out-of-place op
         "compat.vllm.fused_qknorm_rope_cache": lambda: fused_qknorm_rope_cache(
             qkv, wq, wk, table, positions, slots, key_cache, value_cache, hq, hk, head_dim,
             head_dim, eps, 0.0, kv_cache_dtype, ks, vs),
@@ -199,6 +204,8 @@ def main(argv=None):
                    "default 1, as bench/bench.py: timings per core, steady on a shared machine)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    # outputs (the out-of-place rows) from recycled memory, as in a long-running process
+    allocator = malloc.pin_thresholds() if args.device == "cpu" else "torch's CUDA caching allocator"
     if args.device == "cuda" and not torch.cuda.is_available():
         print("serving_bench: --device cuda needs a GPU (torch.cuda.is_available() is False)")
         return 2
@@ -225,7 +232,8 @@ def main(argv=None):
                     "rope_ext": rope_ext.__version__, "backend": rope_ext.backend(args.device),
                     "threads": torch.get_num_threads(), "machine": platform.machine(),
                     "cpu_isa": rope_ext.cpu_isa() if args.device == "cpu" else None,
-                    "repeat": repeat, "min_block_ms": min_block_s * 1e3, "clock": clock.name},
+                    "repeat": repeat, "min_block_ms": min_block_s * 1e3, "clock": clock.name,
+                    "allocator": allocator},
            "results": results, "errors": errors}
     lines = ["| case | shape | row | median (us) | GB/s | time / rope_ext |", "|---|---|---|---|---|---|"]
     for r in results:

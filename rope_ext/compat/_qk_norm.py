@@ -1,5 +1,5 @@
 """The fused QK-RMSNorm + RoPE drop-ins of vLLM and SGLang on rope.qkv_norm_rope_, and vLLM's
-whole prologue (norm, RoPE and the paged KV write) on rope.qk_norm_rope_and_cache_; re-exported
+whole prologue (norm, RoPE and the paged KV write) on rope.qk_norm_rope_and_cache; re-exported
 by rope_ext.compat.vllm and rope_ext.compat.sglang."""
 
 import math
@@ -7,7 +7,7 @@ import numbers
 
 import torch
 
-from ..qk_norm import qk_norm_rope_and_cache_, qkv_norm_rope_
+from ..qk_norm import qk_norm_rope_and_cache, qkv_norm_rope_
 
 
 def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight,
@@ -37,6 +37,8 @@ _VLLM_FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
 
 
 def _int_arg(name, v, low=0):
+    if type(v) is int and v >= low:  # the common case, without the ABC check (decode calls)
+        return v
     if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low:
         raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
     return int(v)
@@ -57,7 +59,7 @@ def fused_qknorm_rope_cache(qkv, q_weight, k_weight, cos_sin_cache, positions, s
     not cached), float8 caches (uint8 as vLLM allocates them, or a float8 dtype) storing x /
     scale, saturated.
 
-    One rope.qk_norm_rope_and_cache_ call on copies of q, k and v. Unlike vLLM's kernel, the
+    One rope.qk_norm_rope_and_cache call (one pass; qkv only read). Unlike vLLM's kernel, the
     normalized rows are rounded once, after the rotation (vLLM rounds them to qkv's dtype
     before it too: results can differ by one unit in the last place), a position or slot out
     of range is an error, and every bad argument raises before anything is written.
@@ -68,8 +70,9 @@ def fused_qknorm_rope_cache(qkv, q_weight, k_weight, cos_sin_cache, positions, s
     rot = _int_arg("rotary_dim", rotary_dim)
     if rot > dim or rot % 8:
         raise ValueError("rotary_dim must be a multiple of 8 in [0, head_dim]")
-    if isinstance(norm_weight_bias, bool) or not isinstance(norm_weight_bias, numbers.Real) or \
-            not math.isfinite(norm_weight_bias):
+    if type(norm_weight_bias) is not float and (
+            isinstance(norm_weight_bias, bool) or not isinstance(norm_weight_bias, numbers.Real)) \
+            or not math.isfinite(norm_weight_bias):
         raise ValueError(f"norm_weight_bias must be a finite number, got {norm_weight_bias!r}")
     q_size, kv_size = heads_q * dim, heads_kv * dim
     if not isinstance(qkv, torch.Tensor) or qkv.dim() != 2 or qkv.shape[1] != q_size + 2 * kv_size:
@@ -96,14 +99,15 @@ def fused_qknorm_rope_cache(qkv, q_weight, k_weight, cos_sin_cache, positions, s
     if fmt is not None and key_cache.dtype == torch.uint8 and value_cache.dtype == torch.uint8:
         key_cache, value_cache = key_cache.view(fmt), value_cache.view(fmt)
     tokens = qkv.shape[0]
-    q, k, v = (part.clone(memory_format=torch.contiguous_format)
-               for part in qkv.split([q_size, kv_size, kv_size], dim=1))
-    qk_norm_rope_and_cache_(q.view(tokens, heads_q, dim), k.view(tokens, heads_kv, dim),
-                            v.view(tokens, heads_kv, dim), positions, table, q_weight, k_weight,
-                            key_cache, value_cache, slot_mapping, eps=eps,
-                            unit_offset=unit_offset, kv_cache_dtype=kv_cache_dtype,
-                            k_scale=k_scale, v_scale=v_scale)
-    return q, k, v
+    # q, k, v: views of qkv's heads (one op; qkv is only read, so a layout that cannot be viewed
+    # is copied by reshape)
+    q, k, v = qkv.reshape(tokens, heads_q + 2 * heads_kv, dim).tensor_split(
+        (heads_q, heads_q + heads_kv), 1)
+    q, k, v = qk_norm_rope_and_cache(q, k, v, positions, table, q_weight, k_weight, key_cache,
+                                     value_cache, slot_mapping, eps=eps, unit_offset=unit_offset,
+                                     kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
+                                     v_scale=v_scale)
+    return q.view(tokens, q_size), k.view(tokens, kv_size), v.view(tokens, kv_size)
 
 
 def _yarn_tables(positions, rotary_dim, base, factor, low, high, attention_factor):
