@@ -195,14 +195,11 @@ def qk_norm_rope_and_cache_(query, key, value, positions, cos_sin_cache, q_weigh
     projection output included). Serving only: not differentiable. A rejected call (bad
     shapes, dtypes, positions or slots out of range, a repeated slot, a missing scale) writes
     nothing. Returns (query, key)."""
-    if (unit_offset is False and interleaved is False and mrope_section is None and
-            mrope_interleaved is False and v_norm is False and kv_cache_dtype == "auto" and
-            k_scale is None and v_scale is None and forward_ad._current_level < 0):
-        # The common serving call, with no keyword to pass on (torch matches each keyword given
-        # by name, and Python packs them at each hop: 1.5 us of a 10 us decode call).
-        ops.qk_norm_rope_and_cache_(query, key, value, positions, cos_sin_cache, q_weight,
-                                    k_weight, key_cache, value_cache, slot_mapping, eps)
-        return query, key
+    _prologue("qk_norm_rope_and_cache_", (query, key, value, positions, cos_sin_cache, q_weight,
+                                          k_weight, key_cache, value_cache, slot_mapping),
+              eps, unit_offset, interleaved, mrope_section, mrope_interleaved, v_norm,
+              kv_cache_dtype, k_scale, v_scale)
+    return query, key
     call = tangent_aware if forward_ad._current_level >= 0 else _op_call  # a dual level open?
     call("qk_norm_rope_and_cache_", query, key, value, positions, cos_sin_cache, q_weight,
          k_weight, key_cache, value_cache, slot_mapping, eps, unit_offset=unit_offset,
@@ -222,14 +219,23 @@ def qk_norm_rope_and_cache(query, key, value, positions, cos_sin_cache, q_weight
     key, value): query and key normalized and rotated, value normalized with v_norm or else
     copied, the same key and value rows written into the paged caches. A rejected call writes
     nothing. Serving only: not differentiable."""
+    return _prologue("qk_norm_rope_and_cache", (query, key, value, positions, cos_sin_cache,
+                                                q_weight, k_weight, key_cache, value_cache,
+                                                slot_mapping),
+                     eps, unit_offset, interleaved, mrope_section, mrope_interleaved, v_norm,
+                     kv_cache_dtype, k_scale, v_scale)
+
+
+def _prologue(name, tensors, eps, unit_offset, interleaved, mrope_section, mrope_interleaved,
+              v_norm, kv_cache_dtype, k_scale, v_scale):
+    """The op call of both prologue functions (op `name`, its ten leading arguments)."""
     if (unit_offset is False and interleaved is False and mrope_section is None and
             mrope_interleaved is False and v_norm is False and kv_cache_dtype == "auto" and
             k_scale is None and v_scale is None and forward_ad._current_level < 0):
-        return ops.qk_norm_rope_and_cache(query, key, value, positions, cos_sin_cache, q_weight,
-                                          k_weight, key_cache, value_cache, slot_mapping, eps)
-    call = tangent_aware if forward_ad._current_level >= 0 else _op_call
-    return call("qk_norm_rope_and_cache", query, key, value, positions, cos_sin_cache, q_weight,
-                k_weight, key_cache, value_cache, slot_mapping, eps, unit_offset=unit_offset,
-                interleaved=interleaved, mrope_section=_section(mrope_section),
-                mrope_interleaved=mrope_interleaved, v_norm=v_norm, kv_cache_dtype=kv_cache_dtype,
-                k_scale=k_scale, v_scale=v_scale)
+        # The common serving call, with no keyword to pass on (torch matches each keyword given
+        # by name, and Python packs them at each hop: 1.5 us of a 10 us decode call).
+        return getattr(ops, name)(*tensors, eps)
+    call = tangent_aware if forward_ad._current_level >= 0 else _op_call  # a dual level open?
+    return call(name, *tensors, eps, unit_offset=unit_offset, interleaved=interleaved,
+                mrope_section=_section(mrope_section), mrope_interleaved=mrope_interleaved,
+                v_norm=v_norm, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)

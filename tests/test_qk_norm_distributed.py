@@ -38,6 +38,19 @@ def _packed():
     return wq, wk, torch.randn(MAXPOS, ROT), torch.randn(T, (HQ + 2 * HK) * D)
 
 
+def _prologue_args():
+    """The serving prologue's arguments: weights, a cos_sin_cache, q, k, v (T, H, D), positions,
+    slots (one padding) and zeroed paged caches."""
+    wq, wk = _weights()
+    cache = torch.randn(MAXPOS, ROT)
+    q, k, v = torch.randn(T, HQ, D), torch.randn(T, HK, D), torch.randn(T, HK, D)
+    pos = torch.randint(0, MAXPOS, (T,))
+    slots = torch.randperm(16)[:T]
+    slots[0] = -1
+    kc, vc = torch.zeros(4, 4, HK, D), torch.zeros(4, 4, HK, D)
+    return wq, wk, cache, q, k, v, pos, slots, kc, vc
+
+
 @case
 def case_out_of_place_heads_and_tokens(run):
     Sh, R = run.S, run.R
@@ -108,13 +121,7 @@ def case_prologue_with_cache_heads(run):
     their kv heads (tensor parallelism): each rank writes its heads; the tokens may not be
     sharded (each rank would fill a different part of a replicated cache)."""
     Sh, R = run.S, run.R
-    wq, wk = _weights()
-    cache = torch.randn(MAXPOS, ROT)
-    q, k, v = torch.randn(T, HQ, D), torch.randn(T, HK, D), torch.randn(T, HK, D)
-    pos = torch.randint(0, MAXPOS, (T,))
-    slots = torch.randperm(16)[:T]
-    slots[0] = -1
-    kc, vc = torch.zeros(4, 4, HK, D), torch.zeros(4, 4, HK, D)
+    wq, wk, cache, q, k, v, pos, slots, kc, vc = _prologue_args()
     want = [t.clone() for t in (q, k, v, kc, vc)]
     qk_norm_rope_and_cache_(*want[:3], pos, cache, wq, wk, want[3], want[4], slots, v_norm=True)
     got = [run.d(t, Sh(1)) for t in (q, k, v)] + [run.d(t, Sh(2)) for t in (kc, vc)]
@@ -135,13 +142,7 @@ def case_prologue_out_of_place_heads(run):
     """The out-of-place prologue over sharded heads: the new query, key and value come back
     sharded like the inputs, which are only read; the caches as in place."""
     Sh, R = run.S, run.R
-    wq, wk = _weights()
-    cache = torch.randn(MAXPOS, ROT)
-    q, k, v = torch.randn(T, HQ, D), torch.randn(T, HK, D), torch.randn(T, HK, D)
-    pos = torch.randint(0, MAXPOS, (T,))
-    slots = torch.randperm(16)[:T]
-    slots[1] = -1
-    kc, vc = torch.zeros(4, 4, HK, D), torch.zeros(4, 4, HK, D)
+    wq, wk, cache, q, k, v, pos, slots, kc, vc = _prologue_args()
     want_kc, want_vc = kc.clone(), vc.clone()
     want = qk_norm_rope_and_cache(q, k, v, pos, cache, wq, wk, want_kc, want_vc, slots,
                                   v_norm=True)

@@ -44,28 +44,22 @@ def _fake_qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q
                                memory=False)
 
 
-def _fake_qk_norm_rope_and_cache_(query, key, value, positions, cos_sin_cache, q_weight, k_weight,
-                                  key_cache, value_cache, slot_mapping, eps=1e-6, *,
-                                  unit_offset=False, interleaved=False, mrope_section=None,
-                                  mrope_interleaved=False, v_norm=False, kv_cache_dtype="auto",
-                                  k_scale=None, v_scale=None):
-    checks.check_qk_norm_rope_and_cache(query, key, value, positions, cos_sin_cache, q_weight,
-                                        k_weight, key_cache, value_cache, slot_mapping, eps,
-                                        mrope_section, mrope_interleaved, v_norm, kv_cache_dtype,
-                                        k_scale, v_scale, memory=False)
+def _fake_prologue(in_place):
+    """The fake kernel of rope.qk_norm_rope_and_cache_ (in_place) or rope.qk_norm_rope_and_cache
+    (new query, key and value)."""
+    def fake(query, key, value, positions, cos_sin_cache, q_weight, k_weight, key_cache,
+             value_cache, slot_mapping, eps=1e-6, *, unit_offset=False, interleaved=False,
+             mrope_section=None, mrope_interleaved=False, v_norm=False, kv_cache_dtype="auto",
+             k_scale=None, v_scale=None):
+        checks.check_qk_norm_rope_and_cache(
+            query, key, value, positions, cos_sin_cache, q_weight, k_weight, key_cache,
+            value_cache, slot_mapping, eps, mrope_section, mrope_interleaved, v_norm,
+            kv_cache_dtype, k_scale, v_scale, memory=False, in_place=in_place)
+        if not in_place:
+            return tuple(t.new_empty(t.shape) for t in (query, key, value))
+        return None
 
-
-def _fake_qk_norm_rope_and_cache(query, key, value, positions, cos_sin_cache, q_weight, k_weight,
-                                 key_cache, value_cache, slot_mapping, eps=1e-6, *,
-                                 unit_offset=False, interleaved=False, mrope_section=None,
-                                 mrope_interleaved=False, v_norm=False, kv_cache_dtype="auto",
-                                 k_scale=None, v_scale=None):
-    checks.check_qk_norm_rope_and_cache(query, key, value, positions, cos_sin_cache, q_weight,
-                                        k_weight, key_cache, value_cache, slot_mapping, eps,
-                                        mrope_section, mrope_interleaved, v_norm, kv_cache_dtype,
-                                        k_scale, v_scale, memory=False, in_place=False)
-    return (query.new_empty(query.shape), key.new_empty(key.shape),
-            value.new_empty(value.shape))
+    return fake
 
 
 # ---- autograd of rope.qk_norm_rope ----
@@ -146,10 +140,9 @@ def ops_table(op_type):
         "qk_norm_rope_": serving("qk_norm_rope_", ref.qk_norm_rope_, _fake_qk_norm_rope_),
         "qkv_norm_rope_": serving("qkv_norm_rope_", ref.qkv_norm_rope_, _fake_qkv_norm_rope_),
         "qk_norm_rope_and_cache_": serving("qk_norm_rope_and_cache_",
-                                           _ref_qk_norm_rope_and_cache_,
-                                           _fake_qk_norm_rope_and_cache_),
+                                           _ref_qk_norm_rope_and_cache_, _fake_prologue(True)),
         "qk_norm_rope_and_cache": serving("qk_norm_rope_and_cache", ref.qk_norm_rope_and_cache,
-                                          _fake_qk_norm_rope_and_cache),
+                                          _fake_prologue(False)),
     }
 
 
