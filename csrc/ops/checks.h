@@ -99,13 +99,15 @@ inline ScalarType dtype_of(const Tensor& t) {
 }
 
 struct Meta {
-  const Tensor* t = nullptr;
+  const Tensor* t = nullptr;  // nullptr: a view described here only (data, itemsize below)
   int64_t dim = 0;
   const int64_t* sizes = nullptr;
   const int64_t* strides = nullptr;
   ScalarType dtype = ScalarType::Undefined;
   torch::stable::Device device{torch::headeronly::DeviceType::CPU};
   int64_t numel = 0;
+  void* view_data = nullptr;
+  int64_t view_itemsize = 0;
 
   explicit Meta(const Tensor& tensor) : t(&tensor), device(tensor.device()) {
     dim = tensor.dim();
@@ -114,8 +116,23 @@ struct Meta {
     dtype = dtype_of(tensor);
     numel = tensor.numel();
   }
+  // A view of base's memory that no tensor holds: the element at `offset` (elements) of base,
+  // `dim` sizes and strides (the caller's arrays, alive as long as this), numel elements. What
+  // the checks read of a tensor, for rope.qkv_norm_rope_'s q and k columns without a tensor
+  // allocation each.
+  Meta(const Meta& base, int64_t offset, int64_t dim_, const int64_t* sizes_,
+       const int64_t* strides_, int64_t numel_)
+      : dim(dim_), sizes(sizes_), strides(strides_), dtype(base.dtype), device(base.device),
+        numel(numel_), view_itemsize(base.itemsize()) {
+    char* p = static_cast<char*>(base.data());
+    view_data = base.numel == 0 ? p : p + offset * view_itemsize;
+  }
   int64_t size(int64_t d) const { return sizes[d < 0 ? d + dim : d]; }
   int64_t stride(int64_t d) const { return strides[d < 0 ? d + dim : d]; }
+  void* data() const { return t != nullptr ? t->data_ptr() : view_data; }
+  int64_t itemsize() const {
+    return t != nullptr ? static_cast<int64_t>(t->element_size()) : view_itemsize;
+  }
 };
 
 inline std::string shape_str(const Meta& m) { return list_str(m.sizes, m.dim); }
@@ -186,8 +203,8 @@ inline ByteRange byte_range(const Meta& m) {
   if (m.numel == 0) return r;
   int64_t last = 0;
   for (int64_t d = 0; d < m.dim; ++d) last += (m.sizes[d] - 1) * m.strides[d];
-  r.begin = reinterpret_cast<uintptr_t>(m.t->data_ptr());
-  r.end = r.begin + static_cast<uintptr_t>(last + 1) * m.t->element_size();
+  r.begin = reinterpret_cast<uintptr_t>(m.data());
+  r.end = r.begin + static_cast<uintptr_t>(last + 1) * m.itemsize();
   return r;
 }
 
@@ -231,13 +248,13 @@ inline void check_no_internal_overlap(const Meta& m, const char* op, const char*
 inline bool rows_disjoint(const Meta& a, const Meta& b, int64_t nlead) {
   const ByteRange ra = byte_range(a), rb = byte_range(b);
   if (!ra.intersects(rb)) return true;
-  if (a.t->element_size() != b.t->element_size()) return false;
+  if (a.itemsize() != b.itemsize()) return false;
   for (int64_t d = 0; d < nlead; ++d) {
     if (a.sizes[d] > 1 && a.strides[d] != b.strides[d]) return false;
   }
-  const int64_t es = static_cast<int64_t>(a.t->element_size());
-  const int64_t delta_bytes = static_cast<int64_t>(reinterpret_cast<uintptr_t>(b.t->data_ptr()) -
-                                                   reinterpret_cast<uintptr_t>(a.t->data_ptr()));
+  const int64_t es = a.itemsize();
+  const int64_t delta_bytes = static_cast<int64_t>(reinterpret_cast<uintptr_t>(b.data()) -
+                                                   reinterpret_cast<uintptr_t>(a.data()));
   if (delta_bytes % es != 0) return false;
   const int64_t delta = delta_bytes / es;
   // Rows (head_dim vectors) of one token as closed intervals of element offsets from a's start.
@@ -611,19 +628,19 @@ inline void set_mrope_sections(RotateGeometry& g, const std::vector<int64_t>& se
 // The query/key (or x) part shared by every positions-indexed op: dtypes, devices, shapes, the
 // table (and MRoPE sections), and the lead indexer. In place (`in_place`): the written tensors
 // may not overlap themselves, each other or the table.
-inline RotateGeometry check_positions_op(const Tensor& query_t, const std::optional<Tensor>& key_t,
+inline RotateGeometry check_positions_op(const Meta& q, const Meta* key_meta,
                                          const Tensor& positions_t, const TableArgs& tables,
                                          bool interleaved, bool inverse, bool in_place,
                                          const char* op, const char* q_name) {
-  const Meta q(query_t), pos(positions_t);
+  const Meta pos(positions_t);
   const int64_t pos_lead_dim0 = tables.mrope_section != nullptr ? 1 : 0;  // the components' dim
   check_float(q, op, q_name);
   ROPE_CHECK(q.dim >= 2, op, ": ", q_name, " must have shape (..., num_heads, head_dim), got ",
              shape_str(q));
   const int64_t nlead = q.dim - 2;
   std::optional<Meta> k;
-  if (key_t.has_value()) {
-    k.emplace(*key_t);
+  if (key_meta != nullptr) {
+    k.emplace(*key_meta);
     check_same_device(q, q_name, *k, op, "key");
     ROPE_CHECK(k->dtype == q.dtype, op, ": key must have the dtype of ", q_name, " (",
                dtype_str(q.dtype), "), got ", dtype_str(k->dtype));
@@ -741,6 +758,17 @@ inline RotateGeometry check_positions_op(const Tensor& query_t, const std::optio
   return g;
 }
 
+inline RotateGeometry check_positions_op(const Tensor& query_t, const std::optional<Tensor>& key_t,
+                                         const Tensor& positions_t, const TableArgs& tables,
+                                         bool interleaved, bool inverse, bool in_place,
+                                         const char* op, const char* q_name) {
+  const Meta q(query_t);
+  std::optional<Meta> k;
+  if (key_t.has_value()) k.emplace(*key_t);
+  return check_positions_op(q, k ? &*k : nullptr, positions_t, tables, interleaved, inverse,
+                            in_place, op, q_name);
+}
+
 // rope.apply_ / rope.mrope_ with rope_dim_offset (vLLM's DeepSeek-V4 rotates the tail of each
 // head): the rotary dims are [offset, offset + rotary_dim). No sum is formed: rotary_dim <=
 // head_dim is already checked, so head_dim - rotary_dim cannot overflow.
@@ -807,8 +835,8 @@ inline CacheGeometry check_rope_and_cache(const Tensor& query_t, const Tensor& k
              ": query and key must have shape (num_tokens, num_heads, head_dim), got query ",
              shape_str(q), " and key ", shape_str(k));
   CacheGeometry cg;
-  cg.rot = check_positions_op(query_t, key_t, positions_t, tables, interleaved, false, in_place,
-                              op, "query");
+  cg.rot = check_positions_op(q, &k, positions_t, tables, interleaved, false, in_place, op,
+                              "query");
   const int64_t tokens = q.sizes[0], kv_heads = k.sizes[1], head_dim = k.sizes[2];
   check_same_device(q, "query", v, op, "value");
   ROPE_CHECK(v.dtype == k.dtype, op, ": value must have the dtype of key (", dtype_str(k.dtype),

@@ -4,6 +4,7 @@
 // mirrors it message for message, in the same order.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
@@ -48,13 +49,13 @@ inline void check_norm_weights(const Tensor& q_weight, const Tensor& k_weight, i
 
 // The weights are read while the written tensors are written: no byte may be both.
 inline void check_weights_disjoint(const Tensor& q_weight, const Tensor& k_weight,
-                                   std::initializer_list<std::pair<const char*, const Tensor*>> written,
+                                   std::initializer_list<std::pair<const char*, const Meta*>> written,
                                    const char* op) {
-  const std::pair<const char*, const Tensor*> weights[] = {{"q_weight", &q_weight},
-                                                           {"k_weight", &k_weight}};
-  for (const auto& [wname, w] : weights) {
+  const Meta weights[] = {Meta(q_weight), Meta(k_weight)};
+  const char* names[] = {"q_weight", "k_weight"};
+  for (int i = 0; i < 2; ++i) {
     for (const auto& [tname, t] : written) {
-      if (t != nullptr) check_disjoint_bytes(Meta(*t), tname, Meta(*w), wname, op);
+      if (t != nullptr) check_disjoint_bytes(*t, tname, weights[i], names[i], op);
     }
   }
 }
@@ -153,17 +154,16 @@ inline NormRopeCheck check_norm_rope(const Tensor& query, const Tensor& key,
 
 // rope.qk_norm_rope_ (and the packed op on its views): check_positions_op in place on query and
 // key with the cos_sin_cache (and MRoPE sections), then the norm's arguments.
-inline RotateGeometry check_qk_norm_rope_inplace(const Tensor& query, const Tensor& key,
+inline RotateGeometry check_qk_norm_rope_inplace(const Meta& query, const Meta& key,
                                                  const Tensor& q_weight, const Tensor& k_weight,
                                                  const Tensor& positions, const Tensor& cache,
                                                  double eps, bool interleaved,
                                                  const std::vector<int64_t>* section,
                                                  bool mrope_interleaved, const char* op) {
   const RotateGeometry g = check_positions_op(
-      query, std::optional<Tensor>(key), positions,
-      TableArgs{&cache, nullptr, nullptr, section, mrope_interleaved}, interleaved, false, true,
-      op, "query");
-  check_norm_weights(q_weight, k_weight, g.head_dim, Meta(query), "query", op);
+      query, &key, positions, TableArgs{&cache, nullptr, nullptr, section, mrope_interleaved},
+      interleaved, false, true, op, "query");
+  check_norm_weights(q_weight, k_weight, g.head_dim, query, "query", op);
   check_weights_disjoint(q_weight, k_weight, {{"query", &query}, {"key", &key}}, op);
   check_eps(eps, op);
   return g;
@@ -185,13 +185,12 @@ inline CacheGeometry check_qk_norm_rope_and_cache(
       query, key, value, positions, TableArgs{&cache, nullptr, nullptr, section, mrope_interleaved},
       key_cache, value_cache, slots, interleaved, kv_cache_dtype, k_scale, v_scale,
       v_norm && in_place, op, in_place);
-  check_norm_weights(q_weight, k_weight, cg.rot.head_dim, Meta(query), "query", op);
-  const Tensor* written_q = in_place ? &query : nullptr;
-  const Tensor* written_k = in_place ? &key : nullptr;
+  const Meta q(query), k(key), v(value), kc(key_cache), vc(value_cache);
+  check_norm_weights(q_weight, k_weight, cg.rot.head_dim, q, "query", op);
   check_weights_disjoint(q_weight, k_weight,
-                         {{"query", written_q}, {"key", written_k}, {"key_cache", &key_cache},
-                          {"value_cache", &value_cache},
-                          {"value", v_norm && in_place ? &value : nullptr}},
+                         {{"query", in_place ? &q : nullptr}, {"key", in_place ? &k : nullptr},
+                          {"key_cache", &kc}, {"value_cache", &vc},
+                          {"value", v_norm && in_place ? &v : nullptr}},
                          op);
   check_eps(eps, op);
   return cg;
@@ -202,48 +201,53 @@ inline int64_t check_count(int64_t v, const char* op, const char* name) {
   return v;
 }
 
-// rope.qkv_norm_rope_: qkv (num_tokens, (Hq + Hk + Hv) * head_dim); returns the views of its q
-// and k columns, (T, Hq, D) and (T, Hk, D). No size product can overflow: each factor is
-// compared against qkv's width (a real tensor's size) before the products are formed.
-inline std::pair<Tensor, Tensor> qkv_views(const Tensor& qkv, int64_t hq, int64_t hk, int64_t hv,
-                                           int64_t head_dim) {
-  const char* op = kQkvNormOp;
-  check_count(hq, op, "num_heads_q");
-  check_count(hk, op, "num_heads_k");
-  check_count(hv, op, "num_heads_v");
-  check_count(head_dim, op, "head_dim");
-  ROPE_CHECK(head_dim != 0, op, ": head_dim must be >= 1, got 0");
-  const Meta m(qkv);
-  check_float(m, op, "qkv");
-  ROPE_CHECK(m.dim == 2, op,
-             ": qkv must have shape (num_tokens, (num_heads_q + num_heads_k + num_heads_v) * "
-             "head_dim), got ",
-             shape_str(m));
-  int64_t heads = 0, width = 0;
-  const bool fits = add_fits(hq, hk, heads) && add_fits(heads, hv, heads) &&
-                    mul_fits(heads, head_dim, width);
-  ROPE_CHECK(fits && width == m.sizes[1], op, ": qkv.size(1) = ", m.sizes[1],
-             " must be (num_heads_q + num_heads_k + num_heads_v) * head_dim = (", hq, " + ", hk,
-             " + ", hv, ") * ", head_dim, " = ",
-             fits ? std::to_string(width) : std::string("more than 2^63"));
-  ROPE_CHECK(m.sizes[1] <= 1 || m.strides[1] == 1, op,
-             ": qkv must have unit stride along its columns (qkv.stride(1) == 1), got strides ",
-             list_str(m.strides, m.dim));
-  const int64_t tokens = m.sizes[0];
-  const std::vector<int64_t> qs{tokens, hq, head_dim}, ks{tokens, hk, head_dim};
-  if (m.numel == 0) {  // no data pointer to alias: torch's own views
-    Tensor base = qkv;  // narrow takes a non-const reference; this is a handle copy
-    Tensor q = torch::stable::narrow(base, 1, 0, hq * head_dim);
-    Tensor k = torch::stable::narrow(base, 1, hq * head_dim, hk * head_dim);
-    return {torch::stable::view(q, qs), torch::stable::view(k, ks)};
+// rope.qkv_norm_rope_: qkv (num_tokens, (Hq + Hk + Hv) * head_dim), checked; q and k describe
+// its q and k columns as (T, Hq, D) and (T, Hk, D) views that no tensor holds (Meta views: what
+// the checks read and where the kernels write), since a tensor each would cost an allocation
+// that a decode-sized call notices. Not copyable: the views point at its arrays. No size product
+// can overflow: each factor is compared against qkv's width (a real tensor's size) before the
+// products are formed.
+struct QkvViews {
+  int64_t q_sizes[3], k_sizes[3], strides[3];
+  Meta qkv;
+  std::optional<Meta> q, k;
+
+  QkvViews(const Tensor& qkv_t, int64_t hq, int64_t hk, int64_t hv, int64_t head_dim)
+      : qkv(qkv_t) {
+    const char* op = kQkvNormOp;
+    check_count(hq, op, "num_heads_q");
+    check_count(hk, op, "num_heads_k");
+    check_count(hv, op, "num_heads_v");
+    check_count(head_dim, op, "head_dim");
+    ROPE_CHECK(head_dim != 0, op, ": head_dim must be >= 1, got 0");
+    const Meta& m = qkv;
+    check_float(m, op, "qkv");
+    ROPE_CHECK(m.dim == 2, op,
+               ": qkv must have shape (num_tokens, (num_heads_q + num_heads_k + num_heads_v) * "
+               "head_dim), got ",
+               shape_str(m));
+    int64_t heads = 0, width = 0;
+    const bool fits = add_fits(hq, hk, heads) && add_fits(heads, hv, heads) &&
+                      mul_fits(heads, head_dim, width);
+    ROPE_CHECK(fits && width == m.sizes[1], op, ": qkv.size(1) = ", m.sizes[1],
+               " must be (num_heads_q + num_heads_k + num_heads_v) * head_dim = (", hq, " + ", hk,
+               " + ", hv, ") * ", head_dim, " = ",
+               fits ? std::to_string(width) : std::string("more than 2^63"));
+    ROPE_CHECK(m.sizes[1] <= 1 || m.strides[1] == 1, op,
+               ": qkv must have unit stride along its columns (qkv.stride(1) == 1), got strides ",
+               list_str(m.strides, m.dim));
+    const int64_t tokens = m.sizes[0];
+    const int64_t qs[3] = {tokens, hq, head_dim}, ks[3] = {tokens, hk, head_dim};
+    const int64_t st[3] = {m.strides[0], head_dim, 1};
+    std::copy(qs, qs + 3, q_sizes);
+    std::copy(ks, ks + 3, k_sizes);
+    std::copy(st, st + 3, strides);
+    // (numel: at most qkv's, the rows being a part of each of its rows)
+    q.emplace(m, 0, 3, q_sizes, strides, tokens * hq * head_dim);
+    k.emplace(m, hq * head_dim, 3, k_sizes, strides, tokens * hk * head_dim);
   }
-  // Non-owning aliases of qkv's memory (the caller holds qkv for as long as they live): one
-  // tensor creation each, where narrow + view would be four dispatched ops, a cost a decode-sized
-  // call notices. They are internal: the op's version and autograd bookkeeping is qkv's.
-  const std::vector<int64_t> st{m.strides[0], head_dim, 1};
-  void* data = qkv.mutable_data_ptr();
-  return {torch::stable::from_blob(data, qs, st, m.device, m.dtype, 0),
-          torch::stable::from_blob(data, ks, st, m.device, m.dtype, hq * head_dim)};
-}
+  QkvViews(const QkvViews&) = delete;
+  QkvViews& operator=(const QkvViews&) = delete;
+};
 
 }  // namespace rope

@@ -165,8 +165,9 @@ std::tuple<Tensor, Tensor> norm_rope_cpu(Tensor query, Tensor key, std::optional
 }
 
 // The in-place ops: positions copied if they share memory with what is written (re-checked:
-// the copy's strides), range-checked, then one pass.
-void norm_rope_inplace(const Tensor& query, const Tensor& key, const Tensor* written0,
+// the copy's strides), range-checked, then one pass. query and key: tensors' Metas, or views of
+// qkv's (QkvViews).
+void norm_rope_inplace(const Meta& query, const Meta& key, const Tensor* written0,
                        const Tensor* written1,
                        const Tensor& q_weight, const Tensor& k_weight, Tensor positions,
                        const Tensor& cache, double eps, bool unit_offset, bool interleaved,
@@ -184,12 +185,12 @@ void norm_rope_inplace(const Tensor& query, const Tensor& key, const Tensor* wri
     g = check();
   }
   check_positions_in_range(positions, g.table.rows, op, "cos_sin_cache.size(0)");
-  const ScalarType xt = dtype_of(query);
+  const ScalarType xt = query.dtype;
   const Tensor wq = norm_weight(q_weight, xt, g.head_dim);
   const Tensor wk = norm_weight(k_weight, xt, g.head_dim);
   NormJob job = make_job(g, eps, unit_offset, wq, wk, xt, dtype_of(cache));
-  job.src[0] = job.dst[0] = query.mutable_data_ptr();
-  job.src[1] = job.dst[1] = key.mutable_data_ptr();
+  job.src[0] = job.dst[0] = query.data();
+  job.src[1] = job.dst[1] = key.data();
   job.cos = cache.const_data_ptr();
   job.sin = sin_of_cache(cache, g);
   job.positions = positions.const_data_ptr();
@@ -200,9 +201,9 @@ void qk_norm_rope_inplace_cpu(Tensor query, Tensor key, Tensor q_weight, Tensor 
                               Tensor positions, Tensor cos_sin_cache, double eps, bool unit_offset,
                               bool interleaved, std::optional<std::vector<int64_t>> mrope_section,
                               bool mrope_interleaved) {
-  norm_rope_inplace(query, key, &query, &key, q_weight, k_weight, positions, cos_sin_cache, eps,
-                    unit_offset,
-                    interleaved, mrope_section, mrope_interleaved, kQkNormInplaceOp);
+  norm_rope_inplace(Meta(query), Meta(key), &query, &key, q_weight, k_weight, positions,
+                    cos_sin_cache, eps, unit_offset, interleaved, mrope_section,
+                    mrope_interleaved, kQkNormInplaceOp);
 }
 
 void qkv_norm_rope_inplace_cpu(Tensor qkv, int64_t num_heads_q, int64_t num_heads_k,
@@ -211,9 +212,9 @@ void qkv_norm_rope_inplace_cpu(Tensor qkv, int64_t num_heads_q, int64_t num_head
                                bool unit_offset, bool interleaved,
                                std::optional<std::vector<int64_t>> mrope_section,
                                bool mrope_interleaved) {
-  const auto [q, k] = qkv_views(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim);
-  norm_rope_inplace(q, k, &qkv, nullptr, q_weight, k_weight, positions, cos_sin_cache, eps, unit_offset,
-                    interleaved, mrope_section, mrope_interleaved, kQkvNormOp);
+  const QkvViews v(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim);
+  norm_rope_inplace(*v.q, *v.k, &qkv, nullptr, q_weight, k_weight, positions, cos_sin_cache, eps,
+                    unit_offset, interleaved, mrope_section, mrope_interleaved, kQkvNormOp);
 }
 
 // The serving prologue: the norm and rotation stage of rope.qk_norm_rope_ with the paged-cache

@@ -119,7 +119,7 @@ void qk_norm_rope_inplace_cuda(Tensor query, Tensor key, Tensor q_weight, Tensor
                                bool unit_offset, bool interleaved,
                                std::optional<std::vector<int64_t>> mrope_section,
                                bool mrope_interleaved) {
-  qk_norm_rope_inplace_host(query, key, &query, &key, q_weight, k_weight, positions,
+  qk_norm_rope_inplace_host(Meta(query), Meta(key), &query, &key, q_weight, k_weight, positions,
                             cos_sin_cache, eps, unit_offset, interleaved,
                             mrope_section ? &*mrope_section : nullptr, mrope_interleaved,
                             kQkNormInplaceOp, CudaLaunch(query, kQkNormInplaceOp));
@@ -131,8 +131,8 @@ void qkv_norm_rope_inplace_cuda(Tensor qkv, int64_t num_heads_q, int64_t num_hea
                                 double eps, bool unit_offset, bool interleaved,
                                 std::optional<std::vector<int64_t>> mrope_section,
                                 bool mrope_interleaved) {
-  const auto [q, k] = qkv_views(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim);
-  qk_norm_rope_inplace_host(q, k, &qkv, nullptr, q_weight, k_weight, positions, cos_sin_cache,
+  const QkvViews v(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim);
+  qk_norm_rope_inplace_host(*v.q, *v.k, &qkv, nullptr, q_weight, k_weight, positions, cos_sin_cache,
                             eps, unit_offset, interleaved,
                             mrope_section ? &*mrope_section : nullptr, mrope_interleaved,
                             kQkvNormOp, CudaLaunch(qkv, kQkvNormOp));

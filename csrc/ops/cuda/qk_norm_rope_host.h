@@ -178,12 +178,12 @@ std::tuple<Tensor, Tensor> norm_rope_host(const Tensor& query, const Tensor& key
 
 // The in-place ops' operands: query and key read and written where they are, the rows of the
 // cos_sin_cache at positions, the weights wq and wk (the caller's: kept alive by it).
-inline NormRopeTensors inplace_operands(const Tensor& query, const Tensor& key, const Tensor& wq,
+inline NormRopeTensors inplace_operands(const Meta& query, const Meta& key, const Tensor& wq,
                                         const Tensor& wk, const Tensor& cache,
                                         const RotateGeometry& g, const Tensor& positions) {
   NormRopeTensors t;
-  t.src[0] = t.dst[0] = query.mutable_data_ptr();
-  t.src[1] = t.dst[1] = key.mutable_data_ptr();
+  t.src[0] = t.dst[0] = query.data();
+  t.src[1] = t.dst[1] = key.data();
   t.w[0] = &wq;
   t.w[1] = &wk;
   t.cos = cache.const_data_ptr();
@@ -194,9 +194,9 @@ inline NormRopeTensors inplace_operands(const Tensor& query, const Tensor& key, 
 }
 
 // rope.qk_norm_rope_ (written1 = &key) and rope.qkv_norm_rope_ (query/key: views of written0 =
-// &qkv, written1 = nullptr).
+// &qkv, QkvViews; written1 = nullptr).
 template <class Runner>
-void qk_norm_rope_inplace_host(const Tensor& query, const Tensor& key, const Tensor* written0,
+void qk_norm_rope_inplace_host(const Meta& query, const Meta& key, const Tensor* written0,
                                const Tensor* written1, const Tensor& q_weight,
                                const Tensor& k_weight, const Tensor& positions_in,
                                const Tensor& cache_in, double eps, bool unit_offset,
@@ -210,9 +210,9 @@ void qk_norm_rope_inplace_host(const Tensor& query, const Tensor& key, const Ten
   };
   RotateGeometry g = check(cache_in);
   positions = positions_read_once(positions, {written0, written1});
-  const Tensor cache = table_for(cache_in, dtype_of(query));
+  const Tensor cache = table_for(cache_in, query.dtype);
   if (positions.get() != positions_in.get() || cache.get() != cache_in.get()) g = check(cache);
-  const ScalarType xt = dtype_of(query);
+  const ScalarType xt = query.dtype;
   const Tensor wq = norm_weight_for(q_weight, xt), wk = norm_weight_for(k_weight, xt);
   run_norm_rope(g, inplace_operands(query, key, wq, wk, cache, g, positions),
                 rms_norm(eps, unit_offset), xt, run, max_blocks);
@@ -250,7 +250,7 @@ void qk_norm_rope_and_cache_host(
   if (cache.get() != cache_in.get()) cg = check(cache);
   check_slots_on_device(cg, slots, run, max_blocks);
   const Tensor wq = norm_weight_for(q_weight, xt), wk = norm_weight_for(k_weight, xt);
-  NormRopeTensors t = inplace_operands(query, key, wq, wk, cache, cg.rot, positions);
+  NormRopeTensors t = inplace_operands(Meta(query), Meta(key), wq, wk, cache, cg.rot, positions);
   NormStore st{};
   st.cg = cg;
   st.value = value.const_data_ptr();
