@@ -371,6 +371,26 @@ def test_bad_input_changes_nothing(backend, name):
                        before.view(torch.uint8) if kc.dtype.itemsize == 1 else before)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("blocks", [4, 2048])  # the repeat found by a bitmap, or by sorting
+def test_long_slot_lists_report_the_first_repeat(backend, blocks):
+    """Lists longer than a decode batch: the first index that repeats an earlier slot (and that
+    slot's first index) is reported, whatever the search, and nothing is written."""
+    if backend == "native" and not native_cpu():
+        pytest.skip("no native CPU library")
+    kc = torch.randn(blocks, 16, 1, 8)
+    slots = torch.randperm(blocks * 16)[:40]
+    slots[3] = -1
+    slots[33], slots[37], slots[39] = slots[20], slots[5], slots[20]
+    before = kc.clone()
+    f = torch.ops.rope.shift_kv_cache_ if backend == "native" else ref.shift_kv_cache_
+    msg = (f"rope.shift_kv_cache_: slot_mapping must list each slot at most once \\(negative: "
+           f"skipped\\), got slot {int(slots[20])} at indices 20 and 33")
+    with pytest.raises(RuntimeError, match=msg):
+        f(kc, slots, torch.tensor(1), table("plain", 8))
+    assert torch.equal(kc, before)
+
+
 def test_metadata_errors_on_meta_tensors():
     for name in ("delta shape", "cache shape", "rotary_dim", "no k_scale", "k_scale dtype"):
         over, msg = BAD[name]

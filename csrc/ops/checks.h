@@ -424,27 +424,14 @@ inline void check_positions_in_range(const Tensor& positions, int64_t rows, cons
 // rope.apply_and_cache_'s slots (CPU, before anything is written): each below `slots`, negative
 // ones padding; a non-negative slot used by two tokens would leave its row to whichever thread
 // writes last, so it is refused, naming the first token (in order) whose slot an earlier token has.
-inline void check_slots(const Tensor& slot_mapping, int64_t slots, const char* op) {
-  const Meta m(slot_mapping);
-  const int64_t n = m.numel, stride = m.dim == 1 ? m.strides[0] : 1;
-  const bool slots64 = m.dtype == ScalarType::Long;
-  const char* base = static_cast<const char*>(slot_mapping.const_data_ptr());
-  auto slot_at = [&](int64_t t) -> int64_t {
-    return slots64 ? reinterpret_cast<const int64_t*>(base)[t * stride]
-                   : reinterpret_cast<const int32_t*>(base)[t * stride];
-  };
-  int64_t used = 0;
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t s = slot_at(t);
-    ROPE_CHECK(s < slots, op, ": slot_mapping must lie below num_blocks * block_size = ", slots,
-               " (negative: padding, skipped), got ", s, " at index ", t);
-    used += s >= 0;
-  }
-  if (used < 2) return;
-  auto fail_repeat = [&](int64_t first, int64_t repeat) {
-    fail(op, ": slot_mapping must not repeat a slot (negative: padding, skipped), got ",
-         slot_at(repeat), " at indices ", first, " and ", repeat);
-  };
+// The first repeat in a list of n slots (slot_at(t): entry t; negative entries skipped, `used`
+// of them >= 0, all below `slots`): {the first index of the slot, the index that repeats it},
+// the smallest such index; {-1, -1} if none. `like`: a CPU tensor, for scratch memory from
+// torch's allocator.
+template <class SlotAt>
+std::pair<int64_t, int64_t> find_repeated_slot(const SlotAt& slot_at, int64_t n, int64_t used,
+                                               int64_t slots, const Tensor& like) {
+  if (used < 2) return {-1, -1};
   // A decode-sized batch: every pair of tokens compared (at most 496 comparisons), no buffer
   // allocated: an allocation through torch costs more than the comparisons.
   constexpr int64_t kPairwise = 32;
@@ -453,15 +440,15 @@ inline void check_slots(const Tensor& slot_mapping, int64_t slots, const char* o
       const int64_t s = slot_at(t);
       if (s < 0) continue;
       for (int64_t first = 0; first < t; ++first) {
-        if (slot_at(first) == s) fail_repeat(first, t);
+        if (slot_at(first) == s) return {first, t};
       }
     }
-    return;
+    return {-1, -1};
   }
   // Few slots beside the tokens (a large prefill): one bit per slot, one pass in token order.
   const int64_t bitmap_bytes = slots / 8 + 1;
   if (bitmap_bytes <= 64 * used) {
-    Tensor bits = torch::stable::new_zeros(slot_mapping, {bitmap_bytes}, ScalarType::Byte);
+    Tensor bits = torch::stable::new_zeros(like, {bitmap_bytes}, ScalarType::Byte);
     auto* b = static_cast<uint8_t*>(bits.mutable_data_ptr());
     for (int64_t t = 0; t < n; ++t) {
       const int64_t s = slot_at(t);
@@ -470,14 +457,14 @@ inline void check_slots(const Tensor& slot_mapping, int64_t slots, const char* o
       if (b[s >> 3] & bit) {
         int64_t first = 0;
         while (slot_at(first) != s) ++first;
-        fail_repeat(first, t);
+        return {first, t};
       }
       b[s >> 3] |= bit;
     }
-    return;
+    return {-1, -1};
   }
   // Otherwise (slot, token) of the used slots, sorted: a repeated slot's tokens side by side.
-  Tensor buf = torch::stable::new_empty(slot_mapping, {used, 2}, ScalarType::Long);
+  Tensor buf = torch::stable::new_empty(like, {used, 2}, ScalarType::Long);
   auto* pairs = static_cast<std::pair<int64_t, int64_t>*>(buf.mutable_data_ptr());
   static_assert(sizeof(std::pair<int64_t, int64_t>) == 2 * sizeof(int64_t), "packed pairs");
   for (int64_t t = 0, k = 0; t < n; ++t) {
@@ -494,7 +481,30 @@ inline void check_slots(const Tensor& slot_mapping, int64_t slots, const char* o
       first = pairs[group].second;
     }
   }
-  if (repeat != n) fail_repeat(first, repeat);
+  return repeat != n ? std::pair<int64_t, int64_t>{first, repeat}
+                     : std::pair<int64_t, int64_t>{-1, -1};
+}
+
+inline void check_slots(const Tensor& slot_mapping, int64_t slots, const char* op) {
+  const Meta m(slot_mapping);
+  const int64_t n = m.numel, stride = m.dim == 1 ? m.strides[0] : 1;
+  const bool slots64 = m.dtype == ScalarType::Long;
+  const char* base = static_cast<const char*>(slot_mapping.const_data_ptr());
+  auto slot_at = [&](int64_t t) -> int64_t {
+    return slots64 ? reinterpret_cast<const int64_t*>(base)[t * stride]
+                   : reinterpret_cast<const int32_t*>(base)[t * stride];
+  };
+  int64_t used = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t s = slot_at(t);
+    ROPE_CHECK(s < slots, op, ": slot_mapping must lie below num_blocks * block_size = ", slots,
+               " (negative: padding, skipped), got ", s, " at index ", t);
+    used += s >= 0;
+  }
+  const auto [first, repeat] = find_repeated_slot(slot_at, n, used, slots, slot_mapping);
+  ROPE_CHECK(repeat < 0, op,
+             ": slot_mapping must not repeat a slot (negative: padding, skipped), got ",
+             repeat < 0 ? 0 : slot_at(repeat), " at indices ", first, " and ", repeat);
 }
 
 // The cos_sin_cache row's sin half: half * (column stride) elements past its cos.

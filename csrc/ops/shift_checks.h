@@ -6,7 +6,6 @@
 #include <limits>
 #include <optional>
 #include <string>
-#include <unordered_map>
 
 #include "checks.h"
 #include "shift_geometry.h"
@@ -111,18 +110,23 @@ inline int64_t read_index(const void* base, bool is64, int64_t offset) {
 // order, each listed slot below num_blocks * block_size and its delta in (-max_position,
 // max_position); then no slot listed twice (a slot would be rotated twice, and on a GPU by two
 // threads at once). Negative slots are skipped, their deltas unread.
-inline void check_shift_data(const ShiftDesc& d, const void* slots, const void* delta,
+// `slots_t`: slot_mapping (a CPU tensor: the op's, or a host copy of a CUDA one).
+inline void check_shift_data(const ShiftDesc& d, const Tensor& slots_t, const void* delta,
                              const float* k_scale) {
   const char* op = kShiftOp;
+  const void* slots = slots_t.const_data_ptr();
   if (k_scale != nullptr) {
     const float s = *k_scale;
     ROPE_CHECK(s > 0.0f && s <= std::numeric_limits<float>::max(), op,
                ": k_scale must be finite and > 0 (the keys are dequantized, rotated and "
                "requantized with it), got ", s);
   }
+  auto slot_at = [&](int64_t i) { return read_index(slots, d.slots64, i * d.slot_stride); };
+  int64_t used = 0;
   for (int64_t i = 0; i < d.n; ++i) {
-    const int64_t s = read_index(slots, d.slots64, i * d.slot_stride);
+    const int64_t s = slot_at(i);
     if (s < 0) continue;
+    ++used;
     ROPE_CHECK(s < d.slots, op, ": slot_mapping must lie below num_blocks * block_size = ",
                d.slots, " (negative: skipped), got ", s, " at index ", i);
     const int64_t k = read_index(delta, d.delta64, i * d.delta_stride);
@@ -131,14 +135,9 @@ inline void check_shift_data(const ShiftDesc& d, const void* slots, const void* 
                d.rows, ", ", d.rows, ") (table row |delta|; max_position = cos_sin_cache.size(0)), "
                "got ", k, " at index ", i);
   }
-  std::unordered_map<int64_t, int64_t> first;
-  for (int64_t i = 0; i < d.n; ++i) {
-    const int64_t s = read_index(slots, d.slots64, i * d.slot_stride);
-    if (s < 0) continue;
-    const auto [it, fresh] = first.emplace(s, i);
-    ROPE_CHECK(fresh, op, ": slot_mapping must list each slot at most once (negative: skipped), "
-               "got slot ", s, " at indices ", it->second, " and ", i);
-  }
+  const auto [first, repeat] = find_repeated_slot(slot_at, d.n, used, d.slots, slots_t);
+  ROPE_CHECK(repeat < 0, op, ": slot_mapping must list each slot at most once (negative: skipped), "
+             "got slot ", repeat < 0 ? 0 : slot_at(repeat), " at indices ", first, " and ", repeat);
 }
 
 }  // namespace rope

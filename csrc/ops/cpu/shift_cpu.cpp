@@ -37,7 +37,7 @@ void shift_kv_cache_cpu(Tensor key_cache, Tensor slot_mapping, Tensor delta, Ten
                                            interleaved, kv_cache_dtype, k_scale);
   const bool fp8 = d.format != CacheFormat::kSame;
   const float* scale = fp8 ? static_cast<const float*>(k_scale->const_data_ptr()) : nullptr;
-  check_shift_data(d, slot_mapping.const_data_ptr(), delta.const_data_ptr(), scale);
+  check_shift_data(d, slot_mapping, delta.const_data_ptr(), scale);
   if (d.n == 0 || d.heads == 0 || d.half == 0) return;  // nothing rotates (data may be null)
   ShiftJob job{&d,
                key_cache.mutable_data_ptr(),

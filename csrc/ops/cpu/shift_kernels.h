@@ -59,9 +59,10 @@ void shift_fp8_slot(uint8_t* slot, int64_t heads, int64_t half, const float* c, 
   codes_of(buf, int64_t{1}, total, slot, int64_t{1}, cache_encoder<kFormat>(scale));
 }
 
-// The listed slots are scattered over the cache, so the hardware prefetchers see each row only
-// once it is being rotated: the rows of the entry kPrefetchAhead places ahead are requested
-// (for writing) while this one is rotated. Unit-stride rows only (the common cache layout).
+// The listed slots are scattered over the cache, and their deltas over the table, so the
+// hardware prefetchers see each row only once it is being rotated: the cache rows (for writing)
+// and the table row of the entry kPrefetchAhead places ahead are requested while this one is
+// rotated. Unit-stride rows only (the common cache layout; a table row's columns likewise).
 constexpr int64_t kPrefetchAhead = 4;
 
 template <typename x_t>
@@ -70,6 +71,12 @@ ROPE_INLINE void prefetch_slot_rows(const ShiftJob& job, int64_t i, int64_t e) {
   if (i >= e || d.kc.last != 1) return;
   const int64_t slot = read_position(job.slots, d.slots64, i * d.slot_stride);
   if (slot < 0) return;
+  if (d.cos_col == 1) {
+    const int64_t k = read_position(job.delta, d.delta64, i * d.delta_stride);
+    const int64_t es = job.table_dt == kF64 ? 8 : job.table_dt == kF32 ? 4 : 2;
+    const char* t = static_cast<const char*>(job.table) + (k < 0 ? -k : k) * d.cos_row * es;
+    for (int64_t o = 0; o < 2 * d.half * es; o += 64) __builtin_prefetch(t + o, 0);
+  }
   const char* base = reinterpret_cast<const char*>(static_cast<const x_t*>(job.cache) +
                                                    d.kc.slot_row(slot, d.block_size));
   const int64_t row_bytes = 2 * d.half * static_cast<int64_t>(sizeof(x_t));

@@ -40,7 +40,7 @@ void shift_kv_cache_host(const Tensor& key_cache, const Tensor& slots, const Ten
     hdesc.slot_stride = 1;
     hdesc.delta_stride = delta.dim() == 1 ? 1 : 0;
     const float* ks = fp8 ? static_cast<const float*>(hk->const_data_ptr()) : nullptr;
-    check_shift_data(hdesc, hs.const_data_ptr(), hd.const_data_ptr(), ks);
+    check_shift_data(hdesc, hs, hd.const_data_ptr(), ks);
     if (fp8) scale = *ks;
   }
   if (d.n == 0 || d.heads == 0 || d.half == 0) return;  // nothing rotates
