@@ -200,13 +200,6 @@ def qk_norm_rope_and_cache_(query, key, value, positions, cos_sin_cache, q_weigh
               eps, unit_offset, interleaved, mrope_section, mrope_interleaved, v_norm,
               kv_cache_dtype, k_scale, v_scale)
     return query, key
-    call = tangent_aware if forward_ad._current_level >= 0 else _op_call  # a dual level open?
-    call("qk_norm_rope_and_cache_", query, key, value, positions, cos_sin_cache, q_weight,
-         k_weight, key_cache, value_cache, slot_mapping, eps, unit_offset=unit_offset,
-         interleaved=interleaved, mrope_section=_section(mrope_section),
-         mrope_interleaved=mrope_interleaved, v_norm=v_norm, kv_cache_dtype=kv_cache_dtype,
-         k_scale=k_scale, v_scale=v_scale)
-    return query, key
 
 
 def qk_norm_rope_and_cache(query, key, value, positions, cos_sin_cache, q_weight, k_weight,

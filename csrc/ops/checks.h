@@ -421,9 +421,6 @@ inline void check_positions_in_range(const Tensor& positions, int64_t rows, cons
   }
 }
 
-// rope.apply_and_cache_'s slots (CPU, before anything is written): each below `slots`, negative
-// ones padding; a non-negative slot used by two tokens would leave its row to whichever thread
-// writes last, so it is refused, naming the first token (in order) whose slot an earlier token has.
 // The first repeat in a list of n slots (slot_at(t): entry t; negative entries skipped, `used`
 // of them >= 0, all below `slots`): {the first index of the slot, the index that repeats it},
 // the smallest such index; {-1, -1} if none. `like`: a CPU tensor, for scratch memory from
@@ -485,6 +482,9 @@ std::pair<int64_t, int64_t> find_repeated_slot(const SlotAt& slot_at, int64_t n,
                      : std::pair<int64_t, int64_t>{-1, -1};
 }
 
+// The paged-cache ops' slots (CPU, before anything is written): each below `slots`, negative
+// ones padding; a non-negative slot used by two tokens would leave its row to whichever thread
+// writes last, so it is refused, naming the first token (in order) whose slot an earlier token has.
 inline void check_slots(const Tensor& slot_mapping, int64_t slots, const char* op) {
   const Meta m(slot_mapping);
   const int64_t n = m.numel, stride = m.dim == 1 ? m.strides[0] : 1;

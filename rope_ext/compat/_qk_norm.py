@@ -23,8 +23,9 @@ def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps
     Unlike vLLM's kernel: any head_dim, partial rotary, any float dtypes, and a position outside
     [0, max_position) is an error, raised (like every bad argument) before anything is written.
     """
-    if isinstance(forced_token_heads_per_warp, bool) or not isinstance(
-            forced_token_heads_per_warp, numbers.Integral):
+    if type(forced_token_heads_per_warp) is not int and (
+            isinstance(forced_token_heads_per_warp, bool)
+            or not isinstance(forced_token_heads_per_warp, numbers.Integral)):
         raise TypeError(f"forced_token_heads_per_warp must be an int, got "
                         f"{forced_token_heads_per_warp!r}")
     qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight, k_weight,
