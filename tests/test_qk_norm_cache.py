@@ -303,6 +303,25 @@ def test_out_of_place_reads_overlapping_inputs():
         ops.qk_norm_rope_and_cache_(x, x, x.clone(), positions, cache, wq, wq, kc, vc, slots, EPS)
 
 
+def test_out_of_place_reads_expanded_inputs():
+    """Expanded query and key (stride 0: one row read for many heads or tokens), which the
+    in-place op refuses, are read out of place: the float64 computation of the materialized
+    tensors, on both paths."""
+    a = make_case(T=5, hq=4, hk=2, D=64, dtype=torch.float32, packed=False)
+    a["query"] = torch.randn(5, 1, 64).expand(5, 4, 64)
+    a["key"] = torch.randn(1, 2, 64).expand(5, 2, 64)
+    b = {n: (t.clone() if isinstance(t, torch.Tensor) and n.endswith("cache") else t)
+         for n, t in a.items()}
+    before = {n: a[n].clone() for n in ("query", "key", "value")}
+    run_prologue("out_of_place", a, eps=EPS, v_norm=True)
+    check_against_oracle(a, before, torch.float32, v_norm=True)
+    got = call(reference.qk_norm_rope_and_cache, b, eps=EPS, v_norm=True)
+    for x, y in zip(got, (a["query"], a["key"], a["value"])):
+        close(x, y, torch.float32, "reference")
+    with pytest.raises(RuntimeError, match="query: unsupported operation: more than one element"):
+        call(ops.qk_norm_rope_and_cache_, b, eps=EPS)
+
+
 def _bad_cases():
     """(change to a good call, the message): each must raise on both paths and write nothing."""
     def dup(a):
