@@ -3,8 +3,9 @@
 Against the float64 reference for every op, dtype, layout and partial rotary, on strided views
 and GQA; outputs poisoned so that every element is proven written; CUDA graph capture; a
 non-default stream; out-of-range positions (a device-side assert, checked in a child process);
-autograd, opcheck and torch.compile on CUDA; the positions op, MRoPE and the KV-cache write; and a
-tensor past 2^31 elements (64-bit indexing) where memory allows.
+autograd, opcheck and torch.compile on CUDA; the positions op, MRoPE and the KV-cache write; the
+serving prologue (QK-norm + RoPE + paged KV write) in place and out of place against the CPU
+kernels; and a tensor past 2^31 elements (64-bit indexing) where memory allows.
 """
 
 import os
@@ -15,7 +16,8 @@ import pytest
 import torch
 
 import rope_ext
-from cuda_testing import DTYPES, assert_close, fused_qkv, reference_apply, reference_apply_, tables
+from cuda_testing import (DTYPES, TOL, assert_close, fused_qkv, reference_apply, reference_apply_,
+                          tables)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
 DEV = "cuda"
@@ -267,3 +269,54 @@ def test_more_than_2_pow_31_elements():
     torch.ops.rope.apply_(q, None, positions, cache, False)
     want = reference_apply_(tail_before, None, positions[-1], cache, False)[0]
     assert_close(q[-1], want, torch.bfloat16)
+
+
+def prologue_on(device, a, form, kw):
+    """The serving prologue of `form` on a copy of case `a` (test_qk_norm_cache.make_case, q, k
+    and v views of one qkv buffer) moved to `device`, the views rebuilt there; returns the
+    results (query, key, value, key_cache, value_cache) on the CPU."""
+    from test_qk_norm_cache import POSITIONAL
+    qkv = a["query"]._base
+    hq, hk, d = a["query"].shape[1], a["key"].shape[1], a["query"].shape[2]
+    b = {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in a.items()}
+    base = qkv.to(device)
+    b["query"] = base[:, : hq * d].unflatten(1, (hq, d))
+    b["key"] = base[:, hq * d : (hq + hk) * d].unflatten(1, (hk, d))
+    b["value"] = base[:, (hq + hk) * d :].unflatten(1, (hk, d))
+    args = [b[n] for n in POSITIONAL]
+    rest = {n: v for n, v in b.items() if n not in POSITIONAL}
+    if form == "in_place":
+        rope_ext.qk_norm_rope_and_cache_(*args, **rest, **kw)
+        out = (b["query"], b["key"], b["value"])
+    else:
+        if device == DEV:
+            poison_allocator()
+        before = base.clone()
+        out = rope_ext.qk_norm_rope_and_cache(*args, **rest, **kw)
+        assert torch.equal(base, before), "qkv written out of place"
+    return [t.cpu() for t in (*out, b["key_cache"], b["value_cache"])]
+
+
+def test_qk_norm_prologue_matches_the_cpu_kernels():
+    """rope.qk_norm_rope_and_cache_ and rope.qk_norm_rope_and_cache on the GPU against the CPU
+    kernels (tested against float64 in test_qk_norm_cache.py): bf16 and fp32, bf16 and fp8
+    caches, v_norm, MRoPE, padding slots, q/k/v views of one qkv buffer; the out-of-place outputs
+    from a NaN-poisoned allocator, the caches NaN-poisoned (every row written or kept)."""
+    from test_qk_norm_cache import make_case
+    for dtype in (torch.bfloat16, torch.float32):
+        for fmt in ("auto", "fp8_e4m3"):
+            for v_norm, mrope in ((False, None), (True, True)):
+                a = make_case(T=9, hq=4, hk=2, D=128, dtype=dtype, fmt=fmt, mrope=mrope)
+                kw = dict(eps=1e-6, v_norm=v_norm,
+                          mrope_section=[16, 24, 24] if mrope else None)
+                for form in ("in_place", "out_of_place"):
+                    got = prologue_on(DEV, a, form, kw)
+                    want = prologue_on("cpu", a, form, kw)
+                    for x, y in zip(got, want):
+                        if x.element_size() == 1:  # float8 codes: within one step
+                            torch.testing.assert_close(x.float(), y.float(), rtol=0.13,
+                                                       atol=1e-3, equal_nan=True)
+                        else:  # (the caches' unwritten rows: NaN on both)
+                            rtol, atol = TOL[dtype]
+                            torch.testing.assert_close(x.double(), y.double(), rtol=rtol,
+                                                       atol=atol, equal_nan=True)
