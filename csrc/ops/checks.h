@@ -831,16 +831,23 @@ inline void set_mrope_sections(RotateGeometry& g, const std::vector<int64_t>& se
 // scales. The caches are written (and value, where value_written), so they may not overlap
 // anything; slot range checks are data and run where the data is (the CPU host, or the CUDA
 // kernel).
-inline CacheGeometry check_rope_and_cache(const Tensor& query_t, const Tensor& key_t,
-                                          const Tensor& value_t, const Tensor& positions_t,
-                                          const TableArgs& tables, const Tensor& key_cache_t,
-                                          const Tensor& value_cache_t, const Tensor& slots_t,
-                                          bool interleaved, const std::string& kv_cache_dtype,
+// What the checks read of the paged-cache ops' tensors, read once (a caller that checks more of
+// them, the prologue's weights against what it writes, reuses it).
+struct CacheMetas {
+  Meta q, k, v, kc, vc, sl;
+  CacheMetas(const Tensor& query, const Tensor& key, const Tensor& value, const Tensor& key_cache,
+             const Tensor& value_cache, const Tensor& slots)
+      : q(query), k(key), v(value), kc(key_cache), vc(value_cache), sl(slots) {}
+};
+
+inline CacheGeometry check_rope_and_cache(const CacheMetas& m, const Tensor& positions_t,
+                                          const TableArgs& tables, bool interleaved,
+                                          const std::string& kv_cache_dtype,
                                           const std::optional<Tensor>& k_scale_t,
                                           const std::optional<Tensor>& v_scale_t,
                                           bool value_written, const char* op,
                                           bool in_place = true) {
-  const Meta q(query_t), k(key_t), v(value_t), kc(key_cache_t), vc(value_cache_t), sl(slots_t);
+  const Meta &q = m.q, &k = m.k, &v = m.v, &kc = m.kc, &vc = m.vc, &sl = m.sl;
   ROPE_CHECK(q.dim == 3 && k.dim == 3, op,
              ": query and key must have shape (num_tokens, num_heads, head_dim), got query ",
              shape_str(q), " and key ", shape_str(k));
@@ -970,9 +977,9 @@ inline CacheGeometry check_apply_and_cache(const Tensor& query, const Tensor& ke
                                            bool interleaved, const std::string& kv_cache_dtype,
                                            const std::optional<Tensor>& k_scale,
                                            const std::optional<Tensor>& v_scale) {
-  return check_rope_and_cache(query, key, value, positions, TableArgs{&cache}, key_cache,
-                              value_cache, slots, interleaved, kv_cache_dtype, k_scale, v_scale,
-                              false, "rope.apply_and_cache_");
+  return check_rope_and_cache(CacheMetas(query, key, value, key_cache, value_cache, slots),
+                              positions, TableArgs{&cache}, interleaved, kv_cache_dtype, k_scale,
+                              v_scale, false, "rope.apply_and_cache_");
 }
 
 }  // namespace rope

@@ -181,16 +181,15 @@ inline CacheGeometry check_qk_norm_rope_and_cache(
     const std::string& kv_cache_dtype, const std::optional<Tensor>& k_scale,
     const std::optional<Tensor>& v_scale, bool in_place = true) {
   const char* op = in_place ? kQkNormCacheOp : kQkNormCacheOutOp;
+  const CacheMetas m(query, key, value, key_cache, value_cache, slots);
   CacheGeometry cg = check_rope_and_cache(
-      query, key, value, positions, TableArgs{&cache, nullptr, nullptr, section, mrope_interleaved},
-      key_cache, value_cache, slots, interleaved, kv_cache_dtype, k_scale, v_scale,
-      v_norm && in_place, op, in_place);
-  const Meta q(query), k(key), v(value), kc(key_cache), vc(value_cache);
-  check_norm_weights(q_weight, k_weight, cg.rot.head_dim, q, "query", op);
+      m, positions, TableArgs{&cache, nullptr, nullptr, section, mrope_interleaved}, interleaved,
+      kv_cache_dtype, k_scale, v_scale, v_norm && in_place, op, in_place);
+  check_norm_weights(q_weight, k_weight, cg.rot.head_dim, m.q, "query", op);
   check_weights_disjoint(q_weight, k_weight,
-                         {{"query", in_place ? &q : nullptr}, {"key", in_place ? &k : nullptr},
-                          {"key_cache", &kc}, {"value_cache", &vc},
-                          {"value", v_norm && in_place ? &v : nullptr}},
+                         {{"query", in_place ? &m.q : nullptr}, {"key", in_place ? &m.k : nullptr},
+                          {"key_cache", &m.kc}, {"value_cache", &m.vc},
+                          {"value", v_norm && in_place ? &m.v : nullptr}},
                          op);
   check_eps(eps, op);
   return cg;
