@@ -1,14 +1,22 @@
 // Every float8 conversion the kernels use, against the branchy definitions in
 // csrc/rope_math.h and csrc/ops/shift_geometry.h: float_to_fp8_code (the CPU's branch-free
-// encoder) for all 2^32 floats, fp8_to_float_lanes (the branch-free decoder) for all 256 codes,
-// in both formats. Built and run by tests/test_fp8_codes.py; prints the first mismatches and
-// exits non-zero on any.
+// encoder) and fp8_encode_run (csrc/ops/cpu/fp8_vec.h, as the ISA named at build time compiles
+// it) for all 2^32 floats, fp8_to_float_lanes and fp8_decode_run for all 256 codes (times
+// several scales, and with denormals flushed), in both formats. Built and run by
+// tests/test_fp8_codes.py once per vector unit the machine has (ROPE_FP8_AVX2, ROPE_FP8_AVX512,
+// or neither); prints the first mismatches and exits non-zero on any.
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <initializer_list>
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
 
+#define ROPE_INLINE inline __attribute__((always_inline))
 #include "ops/shift_geometry.h"
+#include "ops/cpu/fp8_vec.h"
 
 using namespace rope;
 
@@ -25,22 +33,78 @@ int main() {
       if (float_bits(got) != float_bits(want)) report("decode", code, float_bits(got), float_bits(want));
     }
   }
+  // The runs: every code, each scale; then again with denormals flushed (DAZ and FTZ), which
+  // must not change a result (the vector decoders pass e4m3's subnormals through half
+  // denormals).
+  uint8_t codes[256];
+  for (int i = 0; i < 256; ++i) codes[i] = static_cast<uint8_t>(i);
+  auto check_decode = [&](const char* what) {
+    for (float scale : {1.0f, 0.37f, 1e-3f, 448.0f, 3e-30f}) {
+      float got_e4m3[256], got_e5m2[256];
+      fp8_decode_run<CacheFormat::kE4M3FN>(codes, 256, got_e4m3, scale);
+      fp8_decode_run<CacheFormat::kE5M2>(codes, 256, got_e5m2, scale);
+      for (int i = 0; i < 256; ++i) {
+        const float w4 = fp8_to_float(codes[i], CacheFormat::kE4M3FN) * scale;
+        const float w5 = fp8_to_float(codes[i], CacheFormat::kE5M2) * scale;
+        if (float_bits(got_e4m3[i]) != float_bits(w4)) report(what, i, float_bits(got_e4m3[i]), float_bits(w4));
+        if (float_bits(got_e5m2[i]) != float_bits(w5)) report(what, i, float_bits(got_e5m2[i]), float_bits(w5));
+      }
+    }
+  };
+  check_decode("decode run");
+#if defined(__x86_64__)
+  const unsigned csr = _mm_getcsr();
+  _mm_setcsr(csr | 0x8040);  // FTZ | DAZ
+  check_decode("decode run (denormals flushed)");
+  _mm_setcsr(csr);
+#endif
   // Blocks of 2^16 inputs, each conversion in a loop of its own (so the branch-free one runs
   // vectorized, as in the kernels).
   constexpr int kBlock = 1 << 16;
   static float x[kBlock];
   static uint32_t lanes[kBlock];
+  static uint8_t want[kBlock], run_div[kBlock], run_mul[kBlock];
   for (uint32_t hi = 0; hi < (1u << 16); ++hi) {
     for (int i = 0; i < kBlock; ++i) x[i] = bits_float(hi << 16 | static_cast<uint32_t>(i));
     for (Fp8Format f : {Fp8Format::kE4M3FN, Fp8Format::kE5M2}) {
+      // A run's length off the vector widths, so the scalar tail is covered too.
+      constexpr int kRun = kBlock - 3;
       if (f == Fp8Format::kE4M3FN) {
         for (int i = 0; i < kBlock; ++i) lanes[i] = float_to_fp8_code(x[i], Fp8Format::kE4M3FN);
+        fp8_encode_run<Fp8Format::kE4M3FN, true>(x, kRun, run_div, 1.0f);
+        fp8_encode_run<Fp8Format::kE4M3FN, false>(x, kRun, run_mul, 1.0f);
       } else {
         for (int i = 0; i < kBlock; ++i) lanes[i] = float_to_fp8_code(x[i], Fp8Format::kE5M2);
+        fp8_encode_run<Fp8Format::kE5M2, true>(x, kRun, run_div, 1.0f);
+        fp8_encode_run<Fp8Format::kE5M2, false>(x, kRun, run_mul, 1.0f);
+      }
+      for (int i = 0; i < kBlock; ++i) want[i] = float_to_fp8(x[i], f);
+      // Counted in loops that vectorize; read element by element only when something differs.
+      int differ = 0;
+      for (int i = 0; i < kBlock; ++i) differ += lanes[i] != want[i];
+      for (int i = 0; i < kRun; ++i) differ += (run_div[i] != want[i]) + (run_mul[i] != want[i]);
+      for (int i = 0; differ != 0 && i < kBlock; ++i) {
+        if (lanes[i] != want[i]) report("encode", float_bits(x[i]), lanes[i], want[i]);
+        if (i < kRun && run_div[i] != want[i]) report("encode run / 1", float_bits(x[i]), run_div[i], want[i]);
+        if (i < kRun && run_mul[i] != want[i]) report("encode run * 1", float_bits(x[i]), run_mul[i], want[i]);
+      }
+    }
+  }
+  // The scale's division and multiplication: every float with 16 low bits of one pattern.
+  for (float scale : {0.37f, 3.0f}) {
+    for (uint32_t hi = 0; hi < (1u << 16); ++hi) x[hi] = bits_float(hi << 16 | 0x8001u);
+    for (Fp8Format f : {Fp8Format::kE4M3FN, Fp8Format::kE5M2}) {
+      if (f == Fp8Format::kE4M3FN) {
+        fp8_encode_run<Fp8Format::kE4M3FN, true>(x, kBlock, run_div, scale);
+        fp8_encode_run<Fp8Format::kE4M3FN, false>(x, kBlock, run_mul, scale);
+      } else {
+        fp8_encode_run<Fp8Format::kE5M2, true>(x, kBlock, run_div, scale);
+        fp8_encode_run<Fp8Format::kE5M2, false>(x, kBlock, run_mul, scale);
       }
       for (int i = 0; i < kBlock; ++i) {
-        const uint32_t want = float_to_fp8(x[i], f);
-        if (lanes[i] != want) report("encode", float_bits(x[i]), lanes[i], want);
+        const uint8_t want_div = float_to_fp8(x[i] / scale, f), want_mul = float_to_fp8(x[i] * scale, f);
+        if (run_div[i] != want_div) report("encode run / scale", float_bits(x[i]), run_div[i], want_div);
+        if (run_mul[i] != want_mul) report("encode run * scale", float_bits(x[i]), run_mul[i], want_mul);
       }
     }
   }

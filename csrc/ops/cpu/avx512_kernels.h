@@ -146,6 +146,7 @@ void store_fence() { _mm_sfence(); }
 #ifdef ROPE_AVX512_BF16
 #define ROPE_KERNELS_BF16_ONLY 1
 #endif
+#define ROPE_FP8_AVX512 1  // fp8_vec.h
 #include "kernels.h"
 
 #ifdef ROPE_AVX512_BF16

@@ -1,13 +1,26 @@
 // Float8 rows in the CPU kernel family (included by kernels.h, compiled once per ISA): elements
-// read into float blocks and float blocks written as float8 codes, each through the caller's
-// conversion (decode, dequantize, scale), and a row's rotary pairs taken through both with the
-// family's rotate_block in between. The conversions are branch-free lane code
-// (fp8_to_float_lanes, float_to_fp8_code), so the unit-stride loops here vectorize. Used by the
-// paged cache store (kernels.h), the K-shift of float8 caches (shift_kernels.h) and RoPE + FP8
-// quantization (quant_kernels.h).
+// read into float blocks and float blocks written as float8 codes, and a row's rotary pairs
+// taken through both with the family's rotate_block in between. The conversions are the ISA's
+// (fp8_vec.h). Used by the paged cache store (kernels.h), the K-shift of float8 caches
+// (shift_kernels.h) and RoPE + FP8 quantization (quant_kernels.h).
+
+#include "fp8_vec.h"
 
 namespace rope {
 namespace {
+
+// A float8 format's conversions, as the loops below take them: codes read back as
+// code * scale, floats stored as the codes of x / scale (kDivide: a KV cache's scale) or of
+// x * scale (RoPE + FP8 quantization's inverse scale), saturated (rope_math.h).
+template <CacheFormat kFormat>
+struct Fp8Decoder {
+  float scale;
+};
+
+template <Fp8Format kFmt, bool kDivide>
+struct Fp8Encoder {
+  float scale;
+};
 
 // n elements of a row (stride `last`) as floats, each through to_float.
 template <typename T, typename F>
@@ -19,26 +32,38 @@ ROPE_INLINE void floats_of(const T* row, int64_t last, int64_t n, float* out, F&
   }
 }
 
-// n elements of a row (stride `last`) written to `out` (stride out_last) as the float8 codes
-// code_of gives (in 32-bit lanes, float_to_fp8_code): converted a block at a time, then narrowed
-// to bytes in a loop of their own (narrowing inside the conversion has the compiler pack every
-// intermediate mask down to bytes).
-template <typename T, typename F>
+// n codes of a row (stride `last`) decoded (fp8_vec.h for a unit stride).
+template <CacheFormat kFormat>
+ROPE_INLINE void floats_of(const uint8_t* row, int64_t last, int64_t n, float* out,
+                           Fp8Decoder<kFormat> d) {
+  if (last == 1) {
+    fp8_decode_run<kFormat>(row, n, out, d.scale);
+  } else {
+    for (int64_t e = 0; e < n; ++e) out[e] = fp8_to_float_lanes<kFormat>(row[e * last]) * d.scale;
+  }
+}
+
+// n elements of a row (stride `last`; float, half or bfloat16) written to `out` (stride
+// out_last) as codes (fp8_vec.h): float rows of unit strides directly, the rest through a float
+// block.
+template <typename T, Fp8Format kFmt, bool kDivide>
 ROPE_INLINE void codes_of(const T* row, int64_t last, int64_t n, uint8_t* out, int64_t out_last,
-                          F&& code_of) {
-  constexpr int64_t kBlock = 64;
-  alignas(64) uint32_t code[kBlock];
+                          Fp8Encoder<kFmt, kDivide> enc) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (last == 1 && out_last == 1) return fp8_encode_run<kFmt, kDivide>(row, n, out, enc.scale);
+  }
+  constexpr int64_t kBlock = 256;
+  alignas(64) float block[kBlock];
+  alignas(64) uint8_t code[kBlock];
   for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
     const int64_t m = std::min(kBlock, n - j0);
-    if (last == 1) {
-      for (int64_t j = 0; j < m; ++j) code[j] = code_of(row[j0 + j]);
-    } else {
-      for (int64_t j = 0; j < m; ++j) code[j] = code_of(row[(j0 + j) * last]);
-    }
+    floats_of(row + j0 * last, last, m, block,
+              [](T v) { return static_cast<float>(to_acc<F32Ops>(v)); });
     if (out_last == 1) {
-      for (int64_t j = 0; j < m; ++j) out[j0 + j] = static_cast<uint8_t>(code[j]);
+      fp8_encode_run<kFmt, kDivide>(block, m, out + j0, enc.scale);
     } else {
-      for (int64_t j = 0; j < m; ++j) out[(j0 + j) * out_last] = static_cast<uint8_t>(code[j]);
+      fp8_encode_run<kFmt, kDivide>(block, m, code, enc.scale);
+      for (int64_t j = 0; j < m; ++j) out[(j0 + j) * out_last] = code[j];
     }
   }
 }
@@ -58,11 +83,11 @@ PairSpans pair_spans(int64_t half, int64_t b0, int64_t n) {
 
 // Pairs [b0, b0 + n) of row `src` (stride s_last) read as floats through to_float, rotated by
 // (c, s) (laid out as kTableLayout<F32Ops, float, kInterleaved>), written to row `dst` (stride
-// d_last; may be src) as the codes code_of gives.
-template <bool kInterleaved, typename T, typename F, typename G>
+// d_last; may be src) as codes.
+template <bool kInterleaved, typename T, typename F, Fp8Format kFmt, bool kDivide>
 ROPE_INLINE void rotate_to_codes(const T* src, int64_t s_last, uint8_t* dst, int64_t d_last,
                                  int64_t half, int64_t b0, int64_t n, const float* c,
-                                 const float* s, F&& to_float, G&& code_of) {
+                                 const float* s, F&& to_float, Fp8Encoder<kFmt, kDivide> enc) {
   alignas(64) float buf[2 * kBlockPairs];
   const PairSpans sp = pair_spans<kInterleaved>(half, b0, n);
   for (int i = 0, k = 0; i < sp.spans; k += sp.count[i], ++i) {
@@ -70,7 +95,7 @@ ROPE_INLINE void rotate_to_codes(const T* src, int64_t s_last, uint8_t* dst, int
   }
   rotate_block<F32Ops, kInterleaved, false>(buf, buf, n, n, c, s);
   for (int i = 0, k = 0; i < sp.spans; k += sp.count[i], ++i) {
-    codes_of(buf + k, int64_t{1}, sp.count[i], dst + sp.start[i] * d_last, d_last, code_of);
+    codes_of(buf + k, int64_t{1}, sp.count[i], dst + sp.start[i] * d_last, d_last, enc);
   }
 }
 
@@ -81,13 +106,13 @@ constexpr Fp8Format fp8_format(CacheFormat f) {
 // A float8 cache's conversions (kv_cache_dtype "fp8*"): a value stored as saturated
 // value / scale, a code read back as code * scale.
 template <CacheFormat kFormat>
-ROPE_INLINE auto cache_encoder(float scale) {
-  return [scale](float v) { return float_to_fp8_code(v / scale, fp8_format(kFormat)); };
+ROPE_INLINE Fp8Encoder<fp8_format(kFormat), true> cache_encoder(float scale) {
+  return {scale};
 }
 
 template <CacheFormat kFormat>
-ROPE_INLINE auto cache_decoder(float scale) {
-  return [scale](uint8_t code) { return fp8_to_float_lanes<kFormat>(code) * scale; };
+ROPE_INLINE Fp8Decoder<kFormat> cache_decoder(float scale) {
+  return {scale};
 }
 
 }  // namespace

@@ -123,6 +123,7 @@ void store_fence() { _mm_sfence(); }
 }  // namespace
 }  // namespace rope
 
+#define ROPE_FP8_AVX2 1  // fp8_vec.h
 #include "kernels.h"
 
 #include "isa_target_end.h"

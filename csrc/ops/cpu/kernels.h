@@ -553,9 +553,8 @@ void store_cache_row(const x_t* row, int64_t last, void* cache_row, int64_t cach
     }
     return;
   }
-  const auto encode = cache_encoder<kFormat>(scale);
   codes_of(row, last, n, static_cast<uint8_t*>(cache_row), cache_last,
-           [encode](x_t v) { return encode(static_cast<float>(to_acc<F32Ops>(v))); });
+           cache_encoder<kFormat>(scale));
 }
 
 // A value row (n elements, stride `last`) written to `out` (stride `out_last`; may be the row

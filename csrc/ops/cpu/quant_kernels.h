@@ -34,11 +34,9 @@ void quant_tokens_impl(const gpu::QuantArgs<x_t>& a, int64_t b, int64_t e) {
     for (int64_t r = 0; r < rows; ++r) {
       const gpu::QuantRow<x_t> w = gpu::quant_row(a, t, tok, r);
       if (w.dst == nullptr || w.n == 0) continue;
-      const float scale = w.scale;
-      auto code_of = [scale](float v) { return float_to_fp8_code(v * scale, kFmt); };
+      const Fp8Encoder<kFmt, false> code_of{w.scale};
       if (!w.rope) {
-        codes_of(w.src, w.s_last, w.n, w.dst, w.d_last,
-                 [&](x_t v) { return code_of(to_float(v)); });
+        codes_of(w.src, w.s_last, w.n, w.dst, w.d_last, code_of);
         continue;
       }
       for (int64_t b0 = 0; b0 < g.half; b0 += kBlockPairs) {
