@@ -223,11 +223,14 @@ def _prologue(name, tensors, eps, unit_offset, interleaved, mrope_section, mrope
               v_norm, kv_cache_dtype, k_scale, v_scale):
     """The op call of both prologue functions (op `name`, its ten leading arguments)."""
     if (unit_offset is False and interleaved is False and mrope_section is None and
-            mrope_interleaved is False and v_norm is False and kv_cache_dtype == "auto" and
-            k_scale is None and v_scale is None and forward_ad._current_level < 0):
-        # The common serving call, with no keyword to pass on (torch matches each keyword given
-        # by name, and Python packs them at each hop: 1.5 us of a 10 us decode call).
-        return getattr(ops, name)(*tensors, eps)
+            mrope_interleaved is False and v_norm is False and forward_ad._current_level < 0):
+        # The common serving calls, with no keyword to pass on but the caches' format (torch
+        # matches each keyword given by name, and Python packs them at each hop: 1.5 us of a
+        # 10 us decode call with eight).
+        if kv_cache_dtype == "auto" and k_scale is None and v_scale is None:
+            return getattr(ops, name)(*tensors, eps)
+        return getattr(ops, name)(*tensors, eps, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
+                                  v_scale=v_scale)
     call = tangent_aware if forward_ad._current_level >= 0 else _op_call  # a dual level open?
     return call(name, *tensors, eps, unit_offset=unit_offset, interleaved=interleaved,
                 mrope_section=_section(mrope_section), mrope_interleaved=mrope_interleaved,
