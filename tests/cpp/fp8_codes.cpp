@@ -2,7 +2,8 @@
 // csrc/rope_math.h and csrc/ops/shift_geometry.h: float_to_fp8_code (the CPU's branch-free
 // encoder) and fp8_encode_run (csrc/ops/cpu/fp8_vec.h, as the ISA named at build time compiles
 // it) for all 2^32 floats, fp8_to_float_lanes and fp8_decode_run for all 256 codes (times
-// several scales, and with denormals flushed), in both formats. Built and run by
+// several scales, and with denormals flushed), in both formats; and dividing_encoder's choice
+// (a multiplication where 1 / scale is exact) against the division. Built and run by
 // tests/test_fp8_codes.py once per vector unit the machine has (ROPE_FP8_AVX2, ROPE_FP8_AVX512,
 // or neither); prints the first mismatches and exits non-zero on any.
 #include <algorithm>
@@ -71,12 +72,12 @@ int main() {
       constexpr int kRun = kBlock - 3;
       if (f == Fp8Format::kE4M3FN) {
         for (int i = 0; i < kBlock; ++i) lanes[i] = float_to_fp8_code(x[i], Fp8Format::kE4M3FN);
-        fp8_encode_run<Fp8Format::kE4M3FN, true>(x, kRun, run_div, 1.0f);
-        fp8_encode_run<Fp8Format::kE4M3FN, false>(x, kRun, run_mul, 1.0f);
+        fp8_encode_run_as<Fp8Format::kE4M3FN, true>(x, kRun, run_div, 1.0f);
+        fp8_encode_run_as<Fp8Format::kE4M3FN, false>(x, kRun, run_mul, 1.0f);
       } else {
         for (int i = 0; i < kBlock; ++i) lanes[i] = float_to_fp8_code(x[i], Fp8Format::kE5M2);
-        fp8_encode_run<Fp8Format::kE5M2, true>(x, kRun, run_div, 1.0f);
-        fp8_encode_run<Fp8Format::kE5M2, false>(x, kRun, run_mul, 1.0f);
+        fp8_encode_run_as<Fp8Format::kE5M2, true>(x, kRun, run_div, 1.0f);
+        fp8_encode_run_as<Fp8Format::kE5M2, false>(x, kRun, run_mul, 1.0f);
       }
       for (int i = 0; i < kBlock; ++i) want[i] = float_to_fp8(x[i], f);
       // Counted in loops that vectorize; read element by element only when something differs.
@@ -95,17 +96,35 @@ int main() {
     for (uint32_t hi = 0; hi < (1u << 16); ++hi) x[hi] = bits_float(hi << 16 | 0x8001u);
     for (Fp8Format f : {Fp8Format::kE4M3FN, Fp8Format::kE5M2}) {
       if (f == Fp8Format::kE4M3FN) {
-        fp8_encode_run<Fp8Format::kE4M3FN, true>(x, kBlock, run_div, scale);
-        fp8_encode_run<Fp8Format::kE4M3FN, false>(x, kBlock, run_mul, scale);
+        fp8_encode_run_as<Fp8Format::kE4M3FN, true>(x, kBlock, run_div, scale);
+        fp8_encode_run_as<Fp8Format::kE4M3FN, false>(x, kBlock, run_mul, scale);
       } else {
-        fp8_encode_run<Fp8Format::kE5M2, true>(x, kBlock, run_div, scale);
-        fp8_encode_run<Fp8Format::kE5M2, false>(x, kBlock, run_mul, scale);
+        fp8_encode_run_as<Fp8Format::kE5M2, true>(x, kBlock, run_div, scale);
+        fp8_encode_run_as<Fp8Format::kE5M2, false>(x, kBlock, run_mul, scale);
       }
       for (int i = 0; i < kBlock; ++i) {
         const uint8_t want_div = float_to_fp8(x[i] / scale, f), want_mul = float_to_fp8(x[i] * scale, f);
         if (run_div[i] != want_div) report("encode run / scale", float_bits(x[i]), run_div[i], want_div);
         if (run_mul[i] != want_mul) report("encode run * scale", float_bits(x[i]), run_mul[i], want_mul);
       }
+    }
+  }
+  // dividing_encoder: a scale whose reciprocal is exact multiplies by it, every other divides;
+  // either way the codes of x / scale.
+  for (float scale : {1.0f, 0.5f, 4.0f, 0x1p-100f, 0x1p+100f, 0x1p+127f, 0.37f, 3.0f}) {
+    for (uint32_t hi = 0; hi < (1u << 16); ++hi) x[hi] = bits_float(hi << 16 | 0x8001u);
+    const auto e4m3 = dividing_encoder<Fp8Format::kE4M3FN>(scale);
+    const auto e5m2 = dividing_encoder<Fp8Format::kE5M2>(scale);
+    const bool power_of_two = scale == 1.0f || scale == 0.5f || scale == 4.0f ||
+                              scale == 0x1p-100f || scale == 0x1p+100f;
+    if (e4m3.divide == power_of_two) report("dividing_encoder choice", float_bits(scale), e4m3.divide, !power_of_two);
+    fp8_encode_run(x, kBlock, run_div, e4m3);
+    fp8_encode_run(x, kBlock, run_mul, e5m2);
+    for (int i = 0; i < kBlock; ++i) {
+      const uint8_t w4 = float_to_fp8(x[i] / scale, Fp8Format::kE4M3FN);
+      const uint8_t w5 = float_to_fp8(x[i] / scale, Fp8Format::kE5M2);
+      if (run_div[i] != w4) report("dividing_encoder e4m3", float_bits(x[i]), run_div[i], w4);
+      if (run_mul[i] != w5) report("dividing_encoder e5m2", float_bits(x[i]), run_mul[i], w5);
     }
   }
   std::printf("%ld mismatches\n", bad);

@@ -9,16 +9,9 @@
 namespace rope {
 namespace {
 
-// A float8 format's conversions, as the loops below take them: codes read back as
-// code * scale, floats stored as the codes of x / scale (kDivide: a KV cache's scale) or of
-// x * scale (RoPE + FP8 quantization's inverse scale), saturated (rope_math.h).
+// Codes read back as code * scale (floats are stored through an Fp8Encoder, fp8_vec.h).
 template <CacheFormat kFormat>
 struct Fp8Decoder {
-  float scale;
-};
-
-template <Fp8Format kFmt, bool kDivide>
-struct Fp8Encoder {
   float scale;
 };
 
@@ -46,11 +39,11 @@ ROPE_INLINE void floats_of(const uint8_t* row, int64_t last, int64_t n, float* o
 // n elements of a row (stride `last`; float, half or bfloat16) written to `out` (stride
 // out_last) as codes (fp8_vec.h): float rows of unit strides directly, the rest through a float
 // block.
-template <typename T, Fp8Format kFmt, bool kDivide>
+template <typename T, Fp8Format kFmt>
 ROPE_INLINE void codes_of(const T* row, int64_t last, int64_t n, uint8_t* out, int64_t out_last,
-                          Fp8Encoder<kFmt, kDivide> enc) {
+                          Fp8Encoder<kFmt> enc) {
   if constexpr (std::is_same_v<T, float>) {
-    if (last == 1 && out_last == 1) return fp8_encode_run<kFmt, kDivide>(row, n, out, enc.scale);
+    if (last == 1 && out_last == 1) return fp8_encode_run(row, n, out, enc);
   }
   constexpr int64_t kBlock = 256;
   alignas(64) float block[kBlock];
@@ -60,9 +53,9 @@ ROPE_INLINE void codes_of(const T* row, int64_t last, int64_t n, uint8_t* out, i
     floats_of(row + j0 * last, last, m, block,
               [](T v) { return static_cast<float>(to_acc<F32Ops>(v)); });
     if (out_last == 1) {
-      fp8_encode_run<kFmt, kDivide>(block, m, out + j0, enc.scale);
+      fp8_encode_run(block, m, out + j0, enc);
     } else {
-      fp8_encode_run<kFmt, kDivide>(block, m, code, enc.scale);
+      fp8_encode_run(block, m, code, enc);
       for (int64_t j = 0; j < m; ++j) out[(j0 + j) * out_last] = code[j];
     }
   }
@@ -84,10 +77,10 @@ PairSpans pair_spans(int64_t half, int64_t b0, int64_t n) {
 // Pairs [b0, b0 + n) of row `src` (stride s_last) read as floats through to_float, rotated by
 // (c, s) (laid out as kTableLayout<F32Ops, float, kInterleaved>), written to row `dst` (stride
 // d_last; may be src) as codes.
-template <bool kInterleaved, typename T, typename F, Fp8Format kFmt, bool kDivide>
+template <bool kInterleaved, typename T, typename F, Fp8Format kFmt>
 ROPE_INLINE void rotate_to_codes(const T* src, int64_t s_last, uint8_t* dst, int64_t d_last,
                                  int64_t half, int64_t b0, int64_t n, const float* c,
-                                 const float* s, F&& to_float, Fp8Encoder<kFmt, kDivide> enc) {
+                                 const float* s, F&& to_float, Fp8Encoder<kFmt> enc) {
   alignas(64) float buf[2 * kBlockPairs];
   const PairSpans sp = pair_spans<kInterleaved>(half, b0, n);
   for (int i = 0, k = 0; i < sp.spans; k += sp.count[i], ++i) {
@@ -106,8 +99,8 @@ constexpr Fp8Format fp8_format(CacheFormat f) {
 // A float8 cache's conversions (kv_cache_dtype "fp8*"): a value stored as saturated
 // value / scale, a code read back as code * scale.
 template <CacheFormat kFormat>
-ROPE_INLINE Fp8Encoder<fp8_format(kFormat), true> cache_encoder(float scale) {
-  return {scale};
+ROPE_INLINE Fp8Encoder<fp8_format(kFormat)> cache_encoder(float scale) {
+  return dividing_encoder<fp8_format(kFormat)>(scale);
 }
 
 template <CacheFormat kFormat>

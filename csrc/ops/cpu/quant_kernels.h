@@ -34,7 +34,7 @@ void quant_tokens_impl(const gpu::QuantArgs<x_t>& a, int64_t b, int64_t e) {
     for (int64_t r = 0; r < rows; ++r) {
       const gpu::QuantRow<x_t> w = gpu::quant_row(a, t, tok, r);
       if (w.dst == nullptr || w.n == 0) continue;
-      const Fp8Encoder<kFmt, false> code_of{w.scale};
+      const Fp8Encoder<kFmt> code_of{w.scale, false};
       if (!w.rope) {
         codes_of(w.src, w.s_last, w.n, w.dst, w.d_last, code_of);
         continue;
