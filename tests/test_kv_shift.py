@@ -197,7 +197,7 @@ def test_native_matches_reference(dtype, kv_cache_dtype, table_dtype, interleave
 
 @pytest.mark.parametrize("kv_cache_dtype", list(FP8))
 @pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("k_scale", [1.0, 0.37, 2.0**-6])
+@pytest.mark.parametrize("k_scale", [1.0, 0.37, 2.0**-6, 3e37])  # 3e37: e4m3 decodes by lanes
 def test_fp8_every_code_pair_exactly(kv_cache_dtype, interleaved, k_scale):
     """Every pair of float8 codes (NaNs, infinities, subnormals, both signs) shifted by rotations
     that float arithmetic does exactly (0 and +-90 degrees): the native decoding, rotation and

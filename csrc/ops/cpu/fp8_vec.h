@@ -25,7 +25,8 @@ namespace {
 constexpr uint16_t kHalfQuietNaN = 0x7E00;
 
 // The factor a decoded half is multiplied by: the scale, times 2^8 for e4m3 (its half is the
-// value times 2^-8). Exact: a power of two times a positive float.
+// value times 2^-8). Exact: a power of two times a positive float, unless it overflows (a scale
+// above 2^120: fp8_decode_run then takes the lane functions).
 template <CacheFormat kFormat>
 float fp8_half_factor(float scale) {
   return kFormat == CacheFormat::kE4M3FN ? scale * 256.0f : scale;
@@ -210,7 +211,7 @@ void fp8_encode_vec(const float*, int64_t, uint8_t*, float) {}
 // n codes to floats (code * scale), the same bits as fp8_to_float(code) * scale.
 template <CacheFormat kFormat>
 ROPE_INLINE void fp8_decode_run(const uint8_t* in, int64_t n, float* out, float scale) {
-  int64_t j = n - n % kFp8DecodeStep;
+  int64_t j = fp8_half_factor<kFormat>(scale) <= 3.40282347e+38f ? n - n % kFp8DecodeStep : 0;
   fp8_decode_vec<kFormat>(in, j, out, scale);
   for (; j < n; ++j) out[j] = fp8_to_float_lanes<kFormat>(in[j]) * scale;
 }
