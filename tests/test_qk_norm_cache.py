@@ -493,6 +493,28 @@ def test_vllm_fused_qknorm_rope_cache(dtype, fmt, bias, rotary_dim, width):
     check_cache_rows(kc, vc, a, k.unflatten(1, heads), v.unflatten(1, heads))
 
 
+@pytest.mark.parametrize("layout", ["rows of a wider buffer", "column-major"])
+def test_vllm_fused_qknorm_rope_cache_qkv_layouts(layout):
+    """qkv of any strides: rows of a wider buffer are viewed as heads, a column-major qkv (its
+    heads not a view) is copied first; either way the contiguous case's results, qkv unchanged."""
+    from rope_ext.compat.vllm import fused_qknorm_rope_cache
+
+    a = vllm_prologue_case(torch.bfloat16, "auto", 128)
+    want = fused_qknorm_rope_cache(**{**a, "key_cache": a["key_cache"].clone(),
+                                      "value_cache": a["value_cache"].clone()})
+    T, W = a["qkv"].shape
+    if layout == "column-major":
+        qkv = a["qkv"].t().contiguous().t()
+    else:
+        qkv = torch.full((T, W + 64), float("nan"), dtype=torch.bfloat16)[:, 32 : 32 + W]
+        qkv.copy_(a["qkv"])
+    before = qkv.clone()
+    got = fused_qknorm_rope_cache(**{**a, "qkv": qkv})
+    assert torch.equal(qkv, before)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
 def test_vllm_fused_qknorm_rope_cache_rejects_and_changes_nothing():
     from rope_ext.compat.vllm import fused_qknorm_rope_cache
 
