@@ -79,9 +79,11 @@ ROPE_INLINE __m512i fp8_code_lanes16(__m512 x, __m512 scale) {
   const __m512i u = _mm512_castps_si512(v);
   __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
   const __mmask16 nan = _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000));
-  a = _mm512_min_epu32(a, _mm512_set1_epi32(static_cast<int32_t>(float_bits(kE4M3 ? 448.0f : 57344.0f))));
+  const int32_t max_bits = static_cast<int32_t>(float_bits(kE4M3 ? 448.0f : 57344.0f));
+  a = _mm512_min_epu32(a, _mm512_set1_epi32(max_bits));
   const __m512i e = _mm512_and_si512(a, _mm512_set1_epi32(0x7F800000));
-  const __m512i c = _mm512_add_epi32(_mm512_max_epu32(e, _mm512_set1_epi32((127 + 1 - kBias) << 23)),
+  const __m512i min_normal = _mm512_set1_epi32((127 + 1 - kBias) << 23);
+  const __m512i c = _mm512_add_epi32(_mm512_max_epu32(e, min_normal),
                                      _mm512_set1_epi32((23 - kMant) << 23));
   const __m512i sum =
       _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(c)));
@@ -160,9 +162,11 @@ ROPE_INLINE __m256i fp8_code_lanes8(__m256 x, __m256 scale) {
   __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
   // Signed compare: both sides are non-negative.
   const __m256i nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000));
-  a = _mm256_min_epu32(a, _mm256_set1_epi32(static_cast<int32_t>(float_bits(kE4M3 ? 448.0f : 57344.0f))));
+  const int32_t max_bits = static_cast<int32_t>(float_bits(kE4M3 ? 448.0f : 57344.0f));
+  a = _mm256_min_epu32(a, _mm256_set1_epi32(max_bits));
   const __m256i e = _mm256_and_si256(a, _mm256_set1_epi32(0x7F800000));
-  const __m256i c = _mm256_add_epi32(_mm256_max_epu32(e, _mm256_set1_epi32((127 + 1 - kBias) << 23)),
+  const __m256i min_normal = _mm256_set1_epi32((127 + 1 - kBias) << 23);
+  const __m256i c = _mm256_add_epi32(_mm256_max_epu32(e, min_normal),
                                      _mm256_set1_epi32((23 - kMant) << 23));
   const __m256i sum =
       _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(c)));
@@ -184,13 +188,15 @@ ROPE_INLINE void fp8_encode_vec(const float* in, int64_t n, uint8_t* out, float 
     const __m256i c1 = fp8_code_lanes8<kFmt, kDivide>(_mm256_loadu_ps(in + j + 8), s);
     const __m256i c2 = fp8_code_lanes8<kFmt, kDivide>(_mm256_loadu_ps(in + j + 16), s);
     const __m256i c3 = fp8_code_lanes8<kFmt, kDivide>(_mm256_loadu_ps(in + j + 24), s);
-    const __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+    const __m256i bytes =
+        _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j),
                         _mm256_permutevar8x32_epi32(bytes, order));
   }
   for (; j < n; j += 8) {
     const __m256i c = fp8_code_lanes8<kFmt, kDivide>(_mm256_loadu_ps(in + j), s);
-    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    const __m128i words =
+        _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out + j), _mm_packus_epi16(words, words));
   }
 }
@@ -212,7 +218,8 @@ void fp8_encode_vec(const float*, int64_t, uint8_t*, float) {}
 // one copy per format (inlined into each row loop of each dtype and layout, the runs took
 // 0.7 MB of the CPU library); a call costs a few cycles of a 128-code row.
 template <CacheFormat kFormat>
-__attribute__((noinline)) void fp8_decode_run(const uint8_t* in, int64_t n, float* out, float scale) {
+__attribute__((noinline)) void fp8_decode_run(const uint8_t* in, int64_t n, float* out,
+                                              float scale) {
   int64_t j = fp8_half_factor<kFormat>(scale) <= 3.40282347e+38f ? n - n % kFp8DecodeStep : 0;
   fp8_decode_vec<kFormat>(in, j, out, scale);
   for (; j < n; ++j) out[j] = fp8_to_float_lanes<kFormat>(in[j]) * scale;
