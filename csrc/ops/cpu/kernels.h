@@ -539,10 +539,11 @@ void rotate_tokens(const RotateJob& job, int64_t b, int64_t e) {
 
 // ---- rope.apply_and_cache_: the rotation, then each token's paged KV-cache write ----
 
-// n elements (stride `last`) to a cache row (stride `cache_last`), converted.
+// n elements (stride `last`) to a cache row (stride `cache_last`), converted (float8: by enc,
+// cache_encoder of the cache's scale).
 template <typename x_t, CacheFormat kFormat>
 void store_cache_row(const x_t* row, int64_t last, void* cache_row, int64_t cache_last,
-                     int64_t n, float scale) {
+                     int64_t n, Fp8Encoder<fp8_format(kFormat)> enc) {
   if (n == 0) return;  // rows of 0 elements (head_dim 0) may have null data pointers
   if (kFormat == CacheFormat::kSame) {
     x_t* out = static_cast<x_t*>(cache_row);
@@ -553,8 +554,7 @@ void store_cache_row(const x_t* row, int64_t last, void* cache_row, int64_t cach
     }
     return;
   }
-  codes_of(row, last, n, static_cast<uint8_t*>(cache_row), cache_last,
-           cache_encoder<kFormat>(scale));
+  codes_of(row, last, n, static_cast<uint8_t*>(cache_row), cache_last, enc);
 }
 
 // A value row (n elements, stride `last`) written to `out` (stride `out_last`; may be the row
@@ -609,11 +609,16 @@ void write_cache_token(const void* ctx, int64_t token, const int64_t* off) {
   const x_t* k = static_cast<const x_t*>(job.key) + off[kDst1];
   char* kc = static_cast<char*>(job.key_cache) + cg.kc.slot_row(slot, cg.block_size) * es;
   char* vc = static_cast<char*>(job.value_cache) + cg.vc.slot_row(slot, cg.block_size) * es;
+  // Once per token, not per row (the encoder's choice costs a division).
+  using Enc = Fp8Encoder<fp8_format(kFormat)>;
+  const bool fp8 = kFormat != CacheFormat::kSame;
+  const Enc k_enc = fp8 ? cache_encoder<kFormat>(job.k_scale) : Enc{};
+  const Enc v_enc = fp8 ? cache_encoder<kFormat>(job.v_scale) : Enc{};
   for (int64_t h = 0; h < cg.kv_heads; ++h) {
     store_cache_row<x_t, kFormat>(k + h * kt.dst_head, kt.dst_last, kc + h * cg.kc.head * es,
-                                  cg.kc.last, cg.rot.head_dim, job.k_scale);
+                                  cg.kc.last, cg.rot.head_dim, k_enc);
     store_cache_row<x_t, kFormat>(v + h * v_head, v_last, vc + h * cg.vc.head * es,
-                                  cg.vc.last, cg.value_dim, job.v_scale);
+                                  cg.vc.last, cg.value_dim, v_enc);
   }
 }
 

@@ -33,13 +33,20 @@ void unit_rotation_block(const ShiftJob& job, int64_t k, int64_t b0, int64_t n,
   lay_out_table<Ops, kLayout>(cb, sb, n, c, s);
 }
 
+// A float8 cache's conversions, built once per task (the encoder's choice costs a division).
+template <CacheFormat kFormat>
+struct Fp8Cache {
+  Fp8Decoder<kFormat> decode;
+  Fp8Encoder<fp8_format(kFormat)> encode;
+};
+
 // A float8 row's pairs [b0, b0 + n): decoded and dequantized (code * scale) into a float block,
 // rotated, encoded as saturated value / scale.
 template <CacheFormat kFormat, bool kInterleaved>
 void shift_fp8_row(uint8_t* row, int64_t last, int64_t half, int64_t b0, int64_t n,
-                   const float* c, const float* s, float scale) {
-  rotate_to_codes<kInterleaved>(row, last, row, last, half, b0, n, c, s,
-                                cache_decoder<kFormat>(scale), cache_encoder<kFormat>(scale));
+                   const float* c, const float* s, const Fp8Cache<kFormat>& conv) {
+  rotate_to_codes<kInterleaved>(row, last, row, last, half, b0, n, c, s, conv.decode,
+                                conv.encode);
 }
 
 // A float8 slot's `heads` rows of 2 * half codes, each rotated whole, that follow each other:
@@ -49,14 +56,14 @@ constexpr int64_t kSlotElements = 4096;
 
 template <CacheFormat kFormat, bool kInterleaved>
 void shift_fp8_slot(uint8_t* slot, int64_t heads, int64_t half, const float* c, const float* s,
-                    float scale) {
+                    const Fp8Cache<kFormat>& conv) {
   alignas(64) float buf[kSlotElements];
   const int64_t row = 2 * half, total = heads * row;
-  floats_of(slot, int64_t{1}, total, buf, cache_decoder<kFormat>(scale));
+  floats_of(slot, int64_t{1}, total, buf, conv.decode);
   for (int64_t h = 0; h < heads; ++h) {
     rotate_block<F32Ops, kInterleaved, false>(buf + h * row, buf + h * row, half, half, c, s);
   }
-  codes_of(buf, int64_t{1}, total, slot, int64_t{1}, cache_encoder<kFormat>(scale));
+  codes_of(buf, int64_t{1}, total, slot, int64_t{1}, conv.encode);
 }
 
 // The listed slots are scattered over the cache, and their deltas over the table, so the
@@ -104,6 +111,8 @@ void shift_slots_impl(const ShiftJob& job, int64_t b, int64_t e) {
   // A float8 slot whose heads are rotated whole and follow each other: one decode, one encode.
   const bool whole_slot = kFp8 && one_block && kc.last == 1 && kc.head == 2 * d.half &&
                           d.heads * kc.head <= kSlotElements;
+  Fp8Cache<kFormat> conv{};
+  if constexpr (kFp8) conv = {cache_decoder<kFormat>(job.scale), cache_encoder<kFormat>(job.scale)};
   int64_t cached = 0;
   bool have = false;
   x_t* const cache = static_cast<x_t*>(job.cache);
@@ -125,12 +134,12 @@ void shift_slots_impl(const ShiftJob& job, int64_t b, int64_t e) {
       }
       if constexpr (kFp8) {
         if (whole_slot) {
-          shift_fp8_slot<kFormat, kInterleaved>(base, d.heads, d.half, c, s, job.scale);
+          shift_fp8_slot<kFormat, kInterleaved>(base, d.heads, d.half, c, s, conv);
           continue;
         }
         for (int64_t h = 0; h < d.heads; ++h) {
           shift_fp8_row<kFormat, kInterleaved>(base + h * kc.head, kc.last, d.half, b0, n, c, s,
-                                               job.scale);
+                                               conv);
         }
       } else {
         rotate_heads<Ops, kInterleaved>(tg, base, base, d.half, b0, n, c, s, false);
