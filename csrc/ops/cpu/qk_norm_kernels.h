@@ -226,18 +226,9 @@ ROPE_QK_INLINE void store_bf16_row(BF16Bits*, const float*) {}
 template <typename x_t>
 constexpr bool kEvenOddRows = kBf16<x_t>;
 
-// n (a multiple of 16) bfloat16 values to float in even/odd order.
-ROPE_QK_INLINE void load_bf16_even_odd(const BF16Bits* src, float* row, int n) {
-  for (int j = 0; j < n; j += 16) {
-    __m256 even, odd;
-    F32Ops::load_even_odd(src + j, even, odd);
-    _mm256_store_ps(row + j, even);
-    _mm256_store_ps(row + j + 8, odd);
-  }
-}
-
-// n (a multiple of 16) floats (a table) into even/odd order.
-ROPE_QK_INLINE void split_even_odd_row(const float* in, float* out, int n) {
+// n (a multiple of 16) values, a bfloat16 row or a float table, as floats in even/odd order.
+template <typename T>
+ROPE_QK_INLINE void even_odd_floats(const T* in, float* out, int n) {
   for (int j = 0; j < n; j += 16) {
     __m256 even, odd;
     F32Ops::split_even_odd(in + j, even, odd);
@@ -268,8 +259,8 @@ ROPE_QK_INLINE void norm_rotate_even_odd(const float* a_row, const float* b_row,
 #else  // never called (kEvenOddRows is false)
 template <typename x_t>
 constexpr bool kEvenOddRows = false;
-inline void load_bf16_even_odd(const BF16Bits*, float*, int) {}
-inline void split_even_odd_row(const float*, float*, int) {}
+template <typename T>
+inline void even_odd_floats(const T*, float*, int) {}
 inline void norm_rotate_even_odd(const float*, const float*, float, const float*, const float*,
                                  const float*, const float*, BF16Bits*, BF16Bits*) {}
 #endif
@@ -304,7 +295,7 @@ ROPE_QK_INLINE void group_norm(const x_t* src, int64_t src_head, acc eps,
                                GroupRows<x_t, acc, kD, kG>& rows) {
   static_assert(kD % kSumLanes == 0, "whole vectors of partial sums");
   if constexpr (kEvenOddRows<x_t>) {
-    for (int g = 0; g < kG; ++g) load_bf16_even_odd(src + g * src_head, rows.row[g], kD);
+    for (int g = 0; g < kG; ++g) even_odd_floats(src + g * src_head, rows.row[g], kD);
   } else if constexpr (!GroupRows<x_t, acc, kD, kG>::kDirect) {
     // Converted rows first (as one loop with the squares the compiler converts in narrower,
     // slower steps).
@@ -418,7 +409,7 @@ __attribute__((noinline)) void norm_rope_heads_fixed(const x_t* src, x_t* dst, i
   alignas(32) acc t[kEvenOdd ? 4 : 1][kEvenOdd ? kD / 2 : 1];
   if constexpr (kEvenOdd) {  // the tables in the rows' order
     const acc* in[4] = {ca, sb, cb, sa};
-    for (int k = 0; k < 4; ++k) split_even_odd_row(in[k], t[k], kD / 2);
+    for (int k = 0; k < 4; ++k) even_odd_floats(in[k], t[k], kD / 2);
     ca = t[0], sb = t[1], cb = t[2], sa = t[3];
   }
   GroupRows<x_t, acc, kD, kG> rows[2];
