@@ -88,6 +88,29 @@ def test_non_contiguous_inputs(impl, interleaved, dtype):
         assert_close(out, rope(x, cos_nc.unsqueeze(1), sin_nc.unsqueeze(1), interleaved), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("perm", [(0, 1, 2), (0, 2, 1), (1, 0, 2), (1, 2, 0), (2, 0, 1), (2, 1, 0)])
+def test_any_memory_order_of_leading_dims(perm, dtype):
+    # x stored (B, S, H, D) but seen in any order of its leading dims (transformers' q is the
+    # (B, H, S, D) view): the op walks x's rows in memory order, writing a contiguous output of
+    # the view's shape; apply.out into a poisoned buffer shows every element written. Rows
+    # enough to be split across threads, the table broadcast over the heads.
+    Bn, Sn, Hn, D = 2, 300, 6, 64
+    base = torch.randn(Bn, Sn, Hn, D, dtype=dtype)
+    ang = torch.rand(1, Sn, 1, D // 2) * 50
+    x = base.permute(*perm, 3)
+    cos, sin = ang.cos().permute(*perm, 3), ang.sin().permute(*perm, 3)
+    want = rope(x, cos, sin, False)
+    out = rope_ext.apply_rope(x, cos, sin)
+    assert out.is_contiguous() and out.shape == x.shape
+    assert_close(out, want, dtype)
+    poisoned = torch.full(x.shape, float("nan"), dtype=dtype)
+    torch.ops.rope.apply.out(x, cos, sin, False, out=poisoned)
+    assert torch.equal(poisoned, out)
+    grad = torch.ops.rope.apply_backward(x, cos, sin, False)
+    assert_close(grad, rope(x, cos, sin, False, inverse=True), dtype)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_large_parallel_rows(impl):
     # Enough rows to be split across threads; offsets must stay right at every chunk start.

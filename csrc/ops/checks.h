@@ -317,6 +317,20 @@ struct LeadDims {
   std::vector<int64_t> heap;
 };
 
+// The leading dims reordered so that operand t's strides descend (stably: ties, size-1 dims
+// included, keep their order). The rows are then walked in t's memory order: for x of a
+// transposed view (batch, heads, seq, head_dim), a (batch, seq) table row's heads become one
+// token's heads (one table row, rows one after another) instead of seq rows apart.
+inline LeadDims in_memory_order(LeadDims dims, int t) {
+  for (int64_t i = 1; i < dims.n; ++i) {  // an insertion sort: a handful of dims, no allocation
+    for (int64_t j = i; j > 0 && dims.stride(t, j - 1) < dims.stride(t, j); --j) {
+      std::swap(dims.size(j - 1), dims.size(j));
+      for (int u = 0; u < kMaxOperands; ++u) std::swap(dims.stride(u, j - 1), dims.stride(u, j));
+    }
+  }
+  return dims;
+}
+
 // Builds the indexer from per-dim sizes and per-operand strides: drops size-1 dims and merges a
 // dim into the next inner one when every operand is contiguous across the two.
 inline LeadIndexer make_indexer(const LeadDims& in, const char* op) {
@@ -518,9 +532,11 @@ inline const void* sin_of_cache(const Tensor& cache, const RotateGeometry& g) {
 // rope.apply / rope.apply_backward / rope.apply.out: cos and sin (..., rotary_dim/2) have x's
 // number of dims (or are one row, 1-D), each dim x's size or 1. The output is contiguous with
 // x's shape. Pointers are not part of the geometry; the caller binds x, cos, sin and out.
+// x_order: the rows are walked in x's memory order (in_memory_order), for the rotation alone;
+// the norm ops' checks keep the logical order, where a token's heads are its innermost rows.
 inline RotateGeometry check_apply(const Tensor& x_t, const Tensor& cos_t, const Tensor& sin_t,
                                   bool interleaved, bool inverse, const char* op,
-                                  const char* x_name) {
+                                  const char* x_name, bool x_order = false) {
   const Meta x(x_t), cos(cos_t), sin(sin_t);
   check_float(x, op, x_name);
   check_float(cos, op, "cos");
@@ -580,7 +596,7 @@ inline RotateGeometry check_apply(const Tensor& x_t, const Tensor& cos_t, const 
     }
     out_stride *= x.sizes[d];  // at most x's numel
   }
-  g.lead = make_indexer(lead, op);
+  g.lead = make_indexer(x_order ? in_memory_order(lead, kSrc0) : lead, op);
   // Rows that share a table row along the innermost leading dim (the heads of x (B, S, H, D)
   // with cos (B, S, 1, rotary_dim/2)) become the heads of one token: the kernels convert the
   // table row once and loop over the heads with nothing else per row.
@@ -600,7 +616,7 @@ inline RotateGeometry check_apply(const Tensor& x_t, const Tensor& cos_t, const 
 inline RotateGeometry check_apply_out(const Tensor& x_t, const Tensor& cos_t, const Tensor& sin_t,
                                       const Tensor& out_t, bool interleaved) {
   const char* op = "rope.apply.out";
-  RotateGeometry g = check_apply(x_t, cos_t, sin_t, interleaved, false, op, "x");
+  RotateGeometry g = check_apply(x_t, cos_t, sin_t, interleaved, false, op, "x", true);
   const Meta x(x_t), out(out_t);
   check_same_device(x, "x", out, op, "out");
   ROPE_CHECK(out.dtype == x.dtype, op, ": out must have the dtype of x (", dtype_str(x.dtype),
