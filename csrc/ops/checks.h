@@ -532,8 +532,8 @@ inline const void* sin_of_cache(const Tensor& cache, const RotateGeometry& g) {
 // rope.apply / rope.apply_backward / rope.apply.out: cos and sin (..., rotary_dim/2) have x's
 // number of dims (or are one row, 1-D), each dim x's size or 1. The output is contiguous with
 // x's shape. Pointers are not part of the geometry; the caller binds x, cos, sin and out.
-// x_order: the rows are walked in x's memory order (in_memory_order), for the rotation alone;
-// the norm ops' checks keep the logical order, where a token's heads are its innermost rows.
+// x_order: the rows are walked in x's memory order (in_memory_order); the norm across heads
+// keeps the logical order, where a token's heads are its innermost rows.
 inline RotateGeometry check_apply(const Tensor& x_t, const Tensor& cos_t, const Tensor& sin_t,
                                   bool interleaved, bool inverse, const char* op,
                                   const char* x_name, bool x_order = false) {
