@@ -111,6 +111,29 @@ def test_any_memory_order_of_leading_dims(perm, dtype):
     assert_close(grad, rope(x, cos, sin, False, inverse=True), dtype)
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("head_dim,rotary_dim,broadcast", [(2048, 2048, False), (96, 64, True),
+                                                            (1280, 1216, True)])
+def test_tables_of_every_other_entry(x_dtype, table_dtype, interleaved, head_dim, rotary_dim,
+                                     broadcast):
+    # Tables read at every other entry of a wider one (diffusers' interleaved full-width
+    # tables, LTX-Video's one row per row of x): a column stride of 2, in blocks of pairs past
+    # the first (head_dim 2048: 1024 pairs), forward and inverse, broadcast over heads or not.
+    S, H = 5, 3
+    x = torch.randn(S, H, head_dim, dtype=x_dtype)
+    rows = (S, 1) if broadcast else (S, H)
+    wide = (torch.rand(*rows, rotary_dim) * 40).to(table_dtype)
+    cos, sin = wide.cos()[..., 0::2], wide.sin()[..., 0::2]
+    assert cos.stride(-1) == 2
+    out = rope_ext.apply_rope(x, cos, sin, interleaved=interleaved)
+    assert_close(out, rope(x, cos, sin, interleaved), x_dtype)
+    assert torch.equal(out[..., rotary_dim:], x[..., rotary_dim:])
+    back = torch.ops.rope.apply_backward(x, cos, sin, interleaved)
+    assert_close(back, rope(x, cos, sin, interleaved, inverse=True), x_dtype)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_large_parallel_rows(impl):
     # Enough rows to be split across threads; offsets must stay right at every chunk start.

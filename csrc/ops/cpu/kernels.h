@@ -318,6 +318,27 @@ struct TableBlock {
         }
       }
       const acc sign = g.inverse ? acc(-1) : acc(1);
+      if (!mrope && t.cos_col == 2 && t.sin_col == 2) {
+        // Every other entry (diffusers' interleaved full-width tables, read at their pairs'
+        // first members): a constant stride, which vectorizes, where LTX-Video's tables (one
+        // row per row of x, as large as x) spent more time here than in the rotation.
+        const T* cs = static_cast<const T*>(r.cos[0]) + 2 * b0;
+        const T* ss = static_cast<const T*>(r.sin[0]) + 2 * b0;
+        for (int64_t i = 0; i < n; ++i) {
+          c[i] = to_acc<Ops>(cs[2 * i]);
+          s[i] = sign * to_acc<Ops>(ss[2 * i]);
+        }
+        if (kPairDup) {  // spread in place, from the last pair down
+          for (int64_t i = n - 1; i >= 0; --i) {
+            c[2 * i] = c[2 * i + 1] = c[i];
+            const acc sv = s[i];
+            s[2 * i] = -sv;
+            s[2 * i + 1] = sv;
+          }
+        }
+        if (kLayout == TableLayout::kEvenOdd) even_odd_blocks_in_place<Ops>(c, s, n);
+        return;
+      }
       for (int64_t i = 0; i < n; ++i) {
         const int64_t pair = b0 + i;
         const int j = mrope ? mrope_component(pair, t.section, t.mrope_interleaved) : 0;
