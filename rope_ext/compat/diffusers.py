@@ -24,18 +24,23 @@ import torch
 from ._layout import broadcasts_within, float32_table, join_members, pair_members, rotate_pairs
 
 
-def _one_per_pair(table, interleaved):
+def _one_per_pair(table, interleaved, compact):
     """The (..., D/2) table of one entry per pair when both members of every pair hold the same
     value, else None. Compared at every call: a table's values can change without a version
     bump (`t.data.copy_(...)`, `t.data = ...`), so nothing about them is remembered (the
-    comparison reads the table once, a few percent of what the rotation moves)."""
+    comparison reads the table once: a few percent of what the rotation moves where the table
+    broadcasts over x's heads, about what x's pass moves where it does not, as LTX-Video's).
+    compact: the entries copied into a contiguous table, which the kernel reads fastest when
+    each table row serves several of x's rows; a table as large as x is read once either way,
+    and the copy would be a third pass over it."""
     if torch.compiler.is_compiling() or table.device.type == "meta":
         return None
     if type(table) not in (torch.Tensor, torch.nn.Parameter):
         return None  # fake, functional, distributed tensors: no data to compare here
     first, second = pair_members(table, interleaved)
-    # (contiguous: the kernel reads unit-stride rows fastest)
-    return float32_table(first).contiguous() if torch.equal(first, second) else None
+    if not torch.equal(first, second):
+        return None
+    return float32_table(first).contiguous() if compact else float32_table(first)
 
 
 def _check_x(x, name="x"):
@@ -91,9 +96,12 @@ def _one_pass(x, cos, sin, interleaved):
                        float32_table(pair_members(sin, interleaved)[0]), interleaved)
 
 
-def _paired(cos, sin, interleaved):
-    """The (..., D/2) tables (cos, sin) of one entry per pair, or None (see _one_per_pair)."""
-    c, s = _one_per_pair(cos, interleaved), _one_per_pair(sin, interleaved)
+def _paired(x, cos, sin, interleaved):
+    """The (..., D/2) tables (cos, sin) of one entry per pair, or None (see _one_per_pair;
+    compacted where they broadcast over x)."""
+    compact = cos.numel() < x.numel()
+    c = _one_per_pair(cos, interleaved, compact)
+    s = None if c is None else _one_per_pair(sin, interleaved, compact)
     return None if c is None or s is None else (c, s)
 
 
@@ -125,7 +133,7 @@ def _real(x, cos, sin, interleaved, place=lambda t: t):
                           _one_pass_true if interleaved else _one_pass_false,
                           _two_passes_true if interleaved else _two_passes_false,
                           (x, place(cos), place(sin)))
-    paired = None if grads else _paired(cos, sin, interleaved)
+    paired = None if grads else _paired(x, cos, sin, interleaved)
     if paired is not None:
         return _float_math(x, place(paired[0]), place(paired[1]), interleaved)
     return _two_passes(x, place(cos), place(sin), interleaved)
@@ -331,7 +339,7 @@ def _real_tables(x, freqs, interleaved, place):
     cos, sin = freqs
     if cos.shape != sin.shape or cos.dim() < 1 or _table_grads(cos, sin):
         return None
-    paired = _paired(cos, sin, interleaved)
+    paired = _paired(x, cos, sin, interleaved)
     return None if paired is None else _op_tables(x, place(paired[0]), place(paired[1]), interleaved)
 
 
