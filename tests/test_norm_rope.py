@@ -174,6 +174,36 @@ def test_every_cpu_variant_agrees_with_the_oracle(dtype, isa):
         rope_ext.set_cpu_isa(before)
 
 
+@pytest.mark.parametrize("isa", rope_ext._library.CPU_ISA_NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_longer_than_the_stack_buffers(dtype, isa):
+    # Rows past the kernels' stack buffers (head_dim > 1024: LTX-Video's flat (B, S, H * D) as
+    # one head), summed a block at a time: whole blocks, a tail, strided rows; tables
+    # contiguous or read at every other entry of full-width ones (diffusers' interleaved form).
+    if not native_cpu():
+        pytest.skip("no native CPU library")
+    if isa not in runnable():
+        pytest.skip(f"this CPU cannot run the {isa} kernels")
+    before = rope_ext.cpu_isa()
+    try:
+        assert rope_ext.set_cpu_isa(isa) == isa
+        for D, rot, strided in ((2048, 2048, False), (1304, 1280, False), (1152, 1088, True)):
+            base = torch.randn(2, 5, 2, 2 * D if strided else D, dtype=dtype) * 3
+            q = base[..., ::2] if strided else base
+            k = torch.randn(2, 5, 1, D, dtype=dtype)
+            w = torch.randn(D, dtype=dtype)
+            wide = torch.rand(1, 5, 1, rot) * 30
+            for cos, sin in ((wide.cos()[..., : rot // 2], wide.sin()[..., : rot // 2]),
+                             (wide.cos()[..., 0::2], wide.sin()[..., 0::2])):
+                for interleaved in (False, True):
+                    oq, ok = ops.norm_rope(q, k, w, w, None, None, cos, sin, 1e-6, "rms",
+                                           interleaved)
+                    close(oq, oracle(q, w, None, cos, sin, 1e-6, "rms", interleaved), dtype)
+                    close(ok, oracle(k, w, None, cos, sin, 1e-6, "rms", interleaved), dtype)
+    finally:
+        rope_ext.set_cpu_isa(before)
+
+
 def test_empty():
     for shape in ((0, 3, 16), (4, 0, 16)):
         q, k = torch.randn(*shape), torch.randn(*shape)

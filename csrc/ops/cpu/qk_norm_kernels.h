@@ -2,7 +2,7 @@
 // QK-RMSNorm + RoPE), written once in plain loops that the compiler vectorizes for the
 // instruction set of the file including it: included by kernels.h, so compiled once per ISA into
 // the same table (CpuKernels::norm_rope). Everything has internal linkage (see kernel_api.h). Per
-// row (one head of one token): the sum of squares (kLanes partial sums, so the loop vectorizes),
+// row (one head of one token): the sum of squares (kSumLanes partial sums, so the loop vectorizes),
 // then each rotary pair read again (from L1), normalized (x * r), rotated with the weights folded
 // into the token's cos and sin (a * (w_a * cos) - b * (w_b * sin): the products per token and
 // target, not per head) and written once, then the dims past rotary_dim normalized, scaled and
@@ -48,8 +48,7 @@ inline BF16Bits from_f<BF16Bits, float>(float v) {
 #define ROPE_QK_INLINE inline __attribute__((always_inline))
 
 constexpr int64_t kQkBlockPairs = 256;
-constexpr int kLanes = 8;
-constexpr int kSumLanes = 16;  // the partial sums of rows in the stack buffers (below)
+constexpr int kSumLanes = 16;  // the partial sums of a row's squares
 
 // part[0] += part[n]; then the halves of [0, n) likewise, down to one: log2 of the lane count
 // dependent adds (a template, so each step has a constant width and unrolls).
@@ -100,26 +99,6 @@ ROPE_QK_INLINE acc sum_partials(acc* part) {
   }
 }
 
-template <typename x_t, typename acc>
-inline acc sum_squares(const x_t* x, int64_t last, int64_t n) {
-  acc part[kLanes] = {};
-  int64_t j = 0;
-  if (last == 1) {
-    for (; j + kLanes <= n; j += kLanes) {
-      for (int l = 0; l < kLanes; ++l) {
-        const acc v = to_f(x[j + l]);
-        part[l] += v * v;
-      }
-    }
-  }
-  for (; j < n; ++j) {
-    const acc v = to_f(x[j * last]);
-    part[j % kLanes] += v * v;
-  }
-  tree_sum<kLanes / 2>(part);  // (not a chain of kLanes dependent adds)
-  return part[0];
-}
-
 // Rows that fit the stack: converted once into a float (double) buffer, whose sum of squares
 // then vectorizes (kSumLanes independent partial sums: lanes of one vector) and which the
 // rotation reads instead of the row.
@@ -133,14 +112,37 @@ inline void load_row(const x_t* x, int64_t last, int64_t n, acc* buf) {
   }
 }
 
+// part[l] += the squares of buf's elements l, l + kSumLanes, ... (n a multiple of kSumLanes
+// but in a row's last block: its tail goes to lanes 0, 1, ...).
 template <typename acc>
-inline acc sum_squares_buf(const acc* buf, int64_t n) {
-  acc part[kSumLanes] = {};
+ROPE_QK_INLINE void add_squares(const acc* buf, int64_t n, acc* part) {
   int64_t j = 0;
   for (; j + kSumLanes <= n; j += kSumLanes) {
     for (int l = 0; l < kSumLanes; ++l) part[l] += buf[j + l] * buf[j + l];
   }
   for (int l = 0; j < n; ++j, ++l) part[l] += buf[j] * buf[j];
+}
+
+template <typename acc>
+inline acc sum_squares_buf(const acc* buf, int64_t n) {
+  acc part[kSumLanes] = {};
+  add_squares(buf, n, part);
+  return sum_partials<false>(part);
+}
+
+// The sum of squares of a row too long for the stack buffers (or, across heads, of each head),
+// in sum_squares_buf's order: converted a block at a time (a loop that vectorizes, where the
+// row's elements one at a time took scalar code that waited on each load from memory).
+template <typename x_t, typename acc>
+inline acc sum_squares(const x_t* x, int64_t last, int64_t n) {
+  constexpr int64_t kBlock = 256;  // a multiple of kSumLanes: only the last block has a tail
+  alignas(64) acc buf[kBlock];
+  acc part[kSumLanes] = {};
+  for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
+    const int64_t m = std::min(kBlock, n - j0);
+    load_row<x_t, acc>(x + j0 * last, last, m, buf);
+    add_squares(buf, m, part);
+  }
   return sum_partials<false>(part);
 }
 
@@ -498,6 +500,15 @@ __attribute__((noinline)) void load_table_block(int dt, const TableDesc& t,
       for (int64_t i = 0; i < n; ++i) {
         c[i] = static_cast<acc>(to_f(c0[i]));
         s[i] = static_cast<acc>(to_f(s0[i]));
+      }
+      return;
+    }
+    if (!mrope && t.cos_col == 2 && t.sin_col == 2) {  // every other entry (kernels.h TableBlock)
+      const tab_t* c0 = reinterpret_cast<const tab_t*>(cr[0]) + 2 * b0;
+      const tab_t* s0 = reinterpret_cast<const tab_t*>(sr[0]) + 2 * b0;
+      for (int64_t i = 0; i < n; ++i) {
+        c[i] = static_cast<acc>(to_f(c0[2 * i]));
+        s[i] = static_cast<acc>(to_f(s0[2 * i]));
       }
       return;
     }
