@@ -532,11 +532,11 @@ inline const void* sin_of_cache(const Tensor& cache, const RotateGeometry& g) {
 // rope.apply / rope.apply_backward / rope.apply.out: cos and sin (..., rotary_dim/2) have x's
 // number of dims (or are one row, 1-D), each dim x's size or 1. The output is contiguous with
 // x's shape. Pointers are not part of the geometry; the caller binds x, cos, sin and out.
-// x_order: the rows are walked in x's memory order (in_memory_order); the norm across heads
-// keeps the logical order, where a token's heads are its innermost rows.
+// The rows are walked in x's memory order (in_memory_order), but with view_order in the order of
+// x's dims (the norm across heads: a token's heads must be its innermost rows).
 inline RotateGeometry check_apply(const Tensor& x_t, const Tensor& cos_t, const Tensor& sin_t,
                                   bool interleaved, bool inverse, const char* op,
-                                  const char* x_name, bool x_order = false) {
+                                  const char* x_name, bool view_order = false) {
   const Meta x(x_t), cos(cos_t), sin(sin_t);
   check_float(x, op, x_name);
   check_float(cos, op, "cos");
@@ -596,7 +596,7 @@ inline RotateGeometry check_apply(const Tensor& x_t, const Tensor& cos_t, const 
     }
     out_stride *= x.sizes[d];  // at most x's numel
   }
-  g.lead = make_indexer(x_order ? in_memory_order(lead, kSrc0) : lead, op);
+  g.lead = make_indexer(view_order ? lead : in_memory_order(lead, kSrc0), op);
   // Rows that share a table row along the innermost leading dim (the heads of x (B, S, H, D)
   // with cos (B, S, 1, rotary_dim/2)) become the heads of one token: the kernels convert the
   // table row once and loop over the heads with nothing else per row.
@@ -616,7 +616,7 @@ inline RotateGeometry check_apply(const Tensor& x_t, const Tensor& cos_t, const 
 inline RotateGeometry check_apply_out(const Tensor& x_t, const Tensor& cos_t, const Tensor& sin_t,
                                       const Tensor& out_t, bool interleaved) {
   const char* op = "rope.apply.out";
-  RotateGeometry g = check_apply(x_t, cos_t, sin_t, interleaved, false, op, "x", true);
+  RotateGeometry g = check_apply(x_t, cos_t, sin_t, interleaved, false, op, "x");
   const Meta x(x_t), out(out_t);
   check_same_device(x, "x", out, op, "out");
   ROPE_CHECK(out.dtype == x.dtype, op, ": out must have the dtype of x (", dtype_str(x.dtype),

@@ -79,8 +79,8 @@ inline std::pair<RotateGeometry, RotateGeometry> check_qk_norm_rope(
     const Tensor& query, const Tensor& key, const Tensor& q_weight, const Tensor& k_weight,
     const Tensor& cos, const Tensor& sin, double eps, bool interleaved) {
   const char* op = kQkNormOp;
-  RotateGeometry gq = check_apply(query, cos, sin, interleaved, false, op, "query", true);
-  RotateGeometry gk = check_apply(key, cos, sin, interleaved, false, op, "key", true);
+  RotateGeometry gq = check_apply(query, cos, sin, interleaved, false, op, "query");
+  RotateGeometry gk = check_apply(key, cos, sin, interleaved, false, op, "key");
   const Meta q(query), k(key);
   check_query_key(q, k, op);
   check_norm_weights(q_weight, k_weight, q.size(-1), q, "query", op);
@@ -114,14 +114,12 @@ inline NormRopeCheck check_norm_rope(const Tensor& query, const Tensor& key,
   } else {
     fail(op, ": norm must be 'rms', 'rms_across_heads' or 'layer', got '", norm, "'");
   }
-  // Across heads, a token's heads must stay its innermost rows (the logical order).
-  const bool x_order = r.form != NormForm::kRmsAcrossHeads;
-  r.gq = check_apply(query, cos, sin, interleaved, false, op, "query", x_order);
-  r.gk = check_apply(key, cos, sin, interleaved, false, op, "key", x_order);
+  const bool across = r.form == NormForm::kRmsAcrossHeads;  // (a token's heads innermost)
+  r.gq = check_apply(query, cos, sin, interleaved, false, op, "query", across);
+  r.gk = check_apply(key, cos, sin, interleaved, false, op, "key", across);
   const Meta q(query), k(key);
   check_query_key(q, k, op);
   const int64_t head_dim = q.size(-1);
-  const bool across = r.form == NormForm::kRmsAcrossHeads;
   const std::tuple<const char*, const std::optional<Tensor>*, const Meta*> args[] = {
       {"q_weight", &q_weight, &q}, {"k_weight", &k_weight, &k},
       {"q_bias", &q_bias, &q}, {"k_bias", &k_bias, &k}};

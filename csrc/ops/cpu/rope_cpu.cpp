@@ -89,7 +89,7 @@ template <bool kInverse>
 Tensor apply_cpu(Tensor x, Tensor cos, Tensor sin, bool interleaved) {
   const RotateGeometry g = check_apply(x, cos, sin, interleaved, kInverse,
                                        kInverse ? "rope.apply_backward" : "rope.apply",
-                                       kInverse ? "grad" : "x", true);
+                                       kInverse ? "grad" : "x");
   Tensor out = new_contiguous(x, x.sizes());
   run_rotate_new(job_for(g, x, out.mutable_data_ptr(), cos, sin, nbytes(out)), out,
                  dtype_of(x));

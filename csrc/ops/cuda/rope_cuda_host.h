@@ -188,7 +188,7 @@ Tensor apply_host(const Tensor& x, const Tensor& cos_in, const Tensor& sin_in, b
   const RotateGeometry g =
       bind_tables(cos_in, sin_in, dtype_of(x), t, [&](const Tensor& c, const Tensor& s) {
         return out_in ? check_apply_out(x, c, s, *out_in, interleaved)
-                      : check_apply(x, c, s, interleaved, inverse, op, x_name, true);
+                      : check_apply(x, c, s, interleaved, inverse, op, x_name);
       });
   Tensor out = out_in ? *out_in : new_contiguous(x, x.sizes());
   t.src[0] = &x;
