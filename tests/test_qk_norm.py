@@ -151,13 +151,14 @@ def test_empty_and_single_row():
 # ---- in place ----
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D,rotary_dim", [(64, 64), (128, 128), (256, 256), (128, 64), (256, 64)])
 @pytest.mark.parametrize("unit_offset", [False, True])
-def test_whole_rotary_rows_of_common_head_dims(dtype, D, unit_offset):
-    """The CPU kernel's rows of head_dim 64/128/256 rotated whole (unit strides) take a path of
-    their own, heads in groups of four: 6 q heads (a group and two more) and 3 k heads."""
+def test_rows_of_common_head_dims(dtype, D, rotary_dim, unit_offset):
+    """The CPU kernel's rows of head_dim 64/128/256 (unit strides) rotated whole, or their first
+    64 dims (GLM-4.5's 64 of 128, Qwen3-Next's 64 of 256), take paths of their own, heads in
+    groups of four: 6 q heads (a group and two more) and 3 k heads."""
     T, Hq, Hk, Hv = 5, 6, 3, 1
-    qkv, before, wq, wk, cache, pos = packed_case(T, Hq, Hk, Hv, D, dtype, 40, D)
+    qkv, before, wq, wk, cache, pos = packed_case(T, Hq, Hk, Hv, D, dtype, 40, rotary_dim)
     qkv_norm_rope_(qkv, Hq, Hk, Hv, D, wq, wk, pos, cache, eps=1e-6, unit_offset=unit_offset)
     c, s = gathered(cache, pos)
     check_packed(qkv, before, Hq, Hk, wq, wk, c, s, unit_offset, False, dtype)

@@ -318,10 +318,12 @@ struct TableBlock {
         }
       }
       const acc sign = g.inverse ? acc(-1) : acc(1);
-      if (!mrope && t.cos_col == 2 && t.sin_col == 2) {
+      if (std::is_same<T, float>::value && !mrope && t.cos_col == 2 && t.sin_col == 2) {
         // Every other entry (diffusers' interleaved full-width tables, read at their pairs'
         // first members): a constant stride, which vectorizes, where LTX-Video's tables (one
-        // row per row of x, as large as x) spent more time here than in the rotation.
+        // row per row of x, as large as x) spent more time here than in the rotation. (float
+        // tables only: the drop-ins pass others converted, and each table dtype is a copy of
+        // this loop in every row kernel.)
         const T* cs = static_cast<const T*>(r.cos[0]) + 2 * b0;
         const T* ss = static_cast<const T*>(r.sin[0]) + 2 * b0;
         for (int64_t i = 0; i < n; ++i) {

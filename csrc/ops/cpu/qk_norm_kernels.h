@@ -134,7 +134,7 @@ inline acc sum_squares_buf(const acc* buf, int64_t n) {
 // in sum_squares_buf's order: converted a block at a time (a loop that vectorizes, where the
 // row's elements one at a time took scalar code that waited on each load from memory).
 template <typename x_t, typename acc>
-inline acc sum_squares(const x_t* x, int64_t last, int64_t n) {
+__attribute__((noinline)) acc sum_squares(const x_t* x, int64_t last, int64_t n) {
   constexpr int64_t kBlock = 256;  // a multiple of kSumLanes: only the last block has a tail
   alignas(64) acc buf[kBlock];
   acc part[kSumLanes] = {};
@@ -298,6 +298,17 @@ ROPE_QK_INLINE void norm_rotate_even_odd(const float* a_row, const float* b_row,
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(da), F32Ops::join_even_odd_raw(lo[0], lo[1]));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(db), F32Ops::join_even_odd_raw(hi[0], hi[1]));
 }
+
+// 16 elements of a row in even/odd order past the rotary dims: normalized by r, scaled by their
+// weights w (even/odd order too), rounded and written in order to d.
+ROPE_QK_INLINE void norm_scale_even_odd(const float* row, float r, const float* w, BF16Bits* d) {
+  const __m256 rv = _mm256_set1_ps(r);
+  __m256 v[2];
+  for (int h = 0; h < 2; ++h) {
+    v[h] = _mm256_mul_ps(_mm256_mul_ps(_mm256_load_ps(row + 8 * h), rv), _mm256_load_ps(w + 8 * h));
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), F32Ops::join_even_odd_raw(v[0], v[1]));
+}
 #else  // never called (kEvenOddRows is false)
 template <typename x_t>
 constexpr bool kEvenOddRows = false;
@@ -305,11 +316,14 @@ template <typename T>
 inline void even_odd_floats(const T*, float*, int) {}
 inline void norm_rotate_even_odd(const float*, const float*, float, const float*, const float*,
                                  const float*, const float*, BF16Bits*, BF16Bits*) {}
+inline void norm_scale_even_odd(const float*, float, const float*, BF16Bits*) {}
 #endif
 
-// The common rows: unit strides, head_dim kD a compile-time constant (64, 128, 256) and every
-// dim rotated (half-split pairs). Every loop has a constant trip count, so the compiler keeps the
-// rows in registers (or L1) and vectorizes each step. Rows go in groups of kG heads, each in two
+// The common rows: unit strides, head_dim kD a compile-time constant (64, 128, 256), half-split
+// pairs, the first 2 * half dims rotated (half a multiple of 32: all of them, or partial rotary
+// as GLM-4.5's 64 of 128 and Qwen3-Next's 64 of 256), the rest normalized and scaled. Every
+// loop steps by a constant width, so the compiler keeps the rows in registers (or L1) and
+// vectorizes each step. Rows go in groups of kG heads, each in two
 // steps: the norm (group_norm: sums of squares, then r = rsqrt(mean + eps)) and the rotation
 // (group_rotate). A row's r is a chain of dependent operations (a tree of partial sums, a square
 // root, a division): kG independent chains overlap, and norm_rope_heads_fixed runs the next
@@ -324,10 +338,13 @@ struct GroupRows {
   acc r[kG];
 
   ROPE_QK_INLINE acc at(const x_t* src, int64_t src_head, int g, int j) const {
+    return row_of(src, src_head, g)[j];
+  }
+  ROPE_QK_INLINE const acc* row_of(const x_t* src, int64_t src_head, int g) const {
     if constexpr (kDirect) {
-      return src[g * src_head + j];
+      return src + g * src_head;
     } else {
-      return row[g][j];
+      return row[g];
     }
   }
 };
@@ -363,45 +380,65 @@ ROPE_QK_INLINE void group_norm(const x_t* src, int64_t src_head, acc eps,
 
 // The rotation goes chunk by chunk through the kG rows, so each chunk of the folded tables is
 // loaded once for all of them (loads and stores, not arithmetic, bound this loop).
-template <typename x_t, typename acc, int kD, int kG>
+// Then the dims past the rotary ones, normalized and scaled by their weights w (in the rows'
+// order), likewise.
+template <typename x_t, typename acc, int kD, int kHalf, int kG>
 ROPE_QK_INLINE void group_rotate(const x_t* src, x_t* dst, int64_t src_head, int64_t dst_head,
                                  const GroupRows<x_t, acc, kD, kG>& rows,
                                  const acc* __restrict__ ca, const acc* __restrict__ sb,
-                                 const acc* __restrict__ cb, const acc* __restrict__ sa) {
-  constexpr int kHalf = kD / 2;
+                                 const acc* __restrict__ cb, const acc* __restrict__ sa,
+                                 const acc* __restrict__ w) {
   constexpr int kChunk = 32;
-  static_assert(kHalf % kChunk == 0, "whole chunks");
-  for (int j = 0; j < kHalf; j += kChunk) {
+  static_assert(kHalf % kChunk == 0 && 2 * kHalf <= kD, "whole chunks");
+  constexpr int half = kHalf;
+  for (int j = 0; j < half; j += kChunk) {
     for (int g = 0; g < kG; ++g) {
-      x_t* d = dst + g * dst_head;
+      const acc* ra = rows.row_of(src, src_head, g) + j;  // the chunk's first and second members
+      const acc* rb = ra + half;
+      x_t* da = dst + g * dst_head + j;
+      x_t* db = da + half;
       const acc r = rows.r[g];
       if constexpr (kEvenOddRows<x_t>) {  // rows and tables in even/odd order
-        for (int i = j; i < j + kChunk; i += 16) {
-          norm_rotate_even_odd(&rows.row[g][i], &rows.row[g][i + kHalf], r, ca + i, sb + i,
-                               cb + i, sa + i, d + i, d + i + kHalf);
+        for (int i = 0; i < kChunk; i += 16) {
+          norm_rotate_even_odd(ra + i, rb + i, r, ca + j + i, sb + j + i, cb + j + i, sa + j + i,
+                               da + i, db + i);
         }
       } else if constexpr (kVectorBf16Rows<x_t>) {  // the results in float, then converted at once
         alignas(64) float lo[kChunk], hi[kChunk];
         for (int l = 0; l < kChunk; ++l) {
-          const int i = j + l;
-          const acc a = rows.at(src, src_head, g, i) * r;
-          const acc b = rows.at(src, src_head, g, i + kHalf) * r;
-          lo[l] = a * ca[i] - b * sb[i];
-          hi[l] = b * cb[i] + a * sa[i];
+          const acc a = ra[l] * r, b = rb[l] * r;
+          lo[l] = a * ca[j + l] - b * sb[j + l];
+          hi[l] = b * cb[j + l] + a * sa[j + l];
         }
-        store_bf16_row<kChunk>(d + j, lo);
-        store_bf16_row<kChunk>(d + j + kHalf, hi);
+        store_bf16_row<kChunk>(da, lo);
+        store_bf16_row<kChunk>(db, hi);
       } else {
         // In place (dst == src) each element is read before it is written, and no other
         // element reads it: the loop has no dependence between iterations.
 #pragma GCC ivdep
         for (int l = 0; l < kChunk; ++l) {
-          const int i = j + l;
-          const acc a = rows.at(src, src_head, g, i) * r;
-          const acc b = rows.at(src, src_head, g, i + kHalf) * r;
-          d[i] = from_f<x_t>(a * ca[i] - b * sb[i]);
-          d[i + kHalf] = from_f<x_t>(b * cb[i] + a * sa[i]);
+          const acc a = ra[l] * r, b = rb[l] * r;
+          da[l] = from_f<x_t>(a * ca[j + l] - b * sb[j + l]);
+          db[l] = from_f<x_t>(b * cb[j + l] + a * sa[j + l]);
         }
+      }
+    }
+  }
+  for (int j = 2 * half; j < kD; j += kChunk) {  // (x * r) * w, as the other rows round it
+    for (int g = 0; g < kG; ++g) {
+      const acc* rx = rows.row_of(src, src_head, g) + j;
+      x_t* d = dst + g * dst_head + j;
+      const acc* wj = w + j;
+      const acc r = rows.r[g];
+      if constexpr (kEvenOddRows<x_t>) {
+        for (int i = 0; i < kChunk; i += 16) norm_scale_even_odd(rx + i, r, wj + i, d + i);
+      } else if constexpr (kVectorBf16Rows<x_t>) {
+        alignas(64) float out[kChunk];
+        for (int l = 0; l < kChunk; ++l) out[l] = (rx[l] * r) * wj[l];
+        store_bf16_row<kChunk>(d, out);
+      } else {
+#pragma GCC ivdep
+        for (int l = 0; l < kChunk; ++l) d[l] = from_f<x_t>((rx[l] * r) * wj[l]);
       }
     }
   }
@@ -419,13 +456,14 @@ struct NextRows {
 // Every head of one target of one token (not inlined: one copy per element type and kD, not one
 // per layout). ca, sb, cb and sa are the caller's stack buffers, so no write through dst
 // reaches them (__restrict__: the stores need not be ordered against their loads).
-template <typename x_t, typename acc, int kD>
+template <typename x_t, typename acc, int kD, int kHalf>
 __attribute__((noinline)) void norm_rope_heads_fixed(const x_t* src, x_t* dst, int64_t src_head,
                                                      int64_t dst_head, int64_t heads,
                                                      const acc* __restrict__ ca,
                                                      const acc* __restrict__ sb,
                                                      const acc* __restrict__ cb,
-                                                     const acc* __restrict__ sa, acc eps,
+                                                     const acc* __restrict__ sa,
+                                                     const acc* __restrict__ w, acc eps,
                                                      const NextRows<x_t>& next) {
   constexpr int kG = 4;
   // Rows from DRAM (next.prefetch: the call's rows outgrow the caches): the loads of a group
@@ -436,11 +474,16 @@ __attribute__((noinline)) void norm_rope_heads_fixed(const x_t* src, x_t* dst, i
   constexpr int kLineElems = 64 / static_cast<int>(sizeof(x_t));
   const int64_t groups = heads / kG;
   constexpr bool kEvenOdd = kEvenOddRows<x_t>;
-  alignas(32) acc t[kEvenOdd ? 4 : 1][kEvenOdd ? kD / 2 : 1];
-  if constexpr (kEvenOdd) {  // the tables in the rows' order
+  alignas(32) acc t[kEvenOdd ? 4 : 1][kEvenOdd ? kHalf : 1];
+  alignas(32) acc wt[kEvenOdd && 2 * kHalf < kD ? kD : 1];
+  if constexpr (kEvenOdd) {  // the tables, and the weights past the rotary dims, in the rows' order
     const acc* in[4] = {ca, sb, cb, sa};
-    for (int k = 0; k < 4; ++k) even_odd_floats(in[k], t[k], kD / 2);
+    for (int k = 0; k < 4; ++k) even_odd_floats(in[k], t[k], kHalf);
     ca = t[0], sb = t[1], cb = t[2], sa = t[3];
+    if constexpr (2 * kHalf < kD) {
+      even_odd_floats(w + 2 * kHalf, wt + 2 * kHalf, kD - 2 * kHalf);
+      w = wt;
+    }
   }
   GroupRows<x_t, acc, kD, kG> rows[2];
   if (groups > 0) group_norm<x_t, acc, kD, kG>(src, src_head, eps, rows[0]);
@@ -458,22 +501,32 @@ __attribute__((noinline)) void norm_rope_heads_fixed(const x_t* src, x_t* dst, i
     if (q + 1 < groups) {
       group_norm<x_t, acc, kD, kG>(src + (h + kG) * src_head, src_head, eps, rows[(q + 1) & 1]);
     }
-    group_rotate<x_t, acc, kD, kG>(src + h * src_head, dst + h * dst_head, src_head, dst_head,
-                                   rows[q & 1], ca, sb, cb, sa);
+    group_rotate<x_t, acc, kD, kHalf, kG>(src + h * src_head, dst + h * dst_head, src_head,
+                                          dst_head, rows[q & 1], ca, sb, cb, sa, w);
   }
   for (int64_t h = groups * kG; h < heads; ++h) {
     GroupRows<x_t, acc, kD, 1> one;
     group_norm<x_t, acc, kD, 1>(src + h * src_head, src_head, eps, one);
-    group_rotate<x_t, acc, kD, 1>(src + h * src_head, dst + h * dst_head, src_head, dst_head, one,
-                                  ca, sb, cb, sa);
+    group_rotate<x_t, acc, kD, kHalf, 1>(src + h * src_head, dst + h * dst_head, src_head,
+                                         dst_head, one, ca, sb, cb, sa, w);
   }
 }
 
-// kD when the rows of target tg take the fixed path, else 0.
-inline int fixed_head_dim(const RotateGeometry& g, const TargetDesc& tg) {
-  if (g.interleaved || tg.src_last != 1 || tg.dst_last != 1 || 2 * g.half != g.head_dim) return 0;
-  return g.head_dim == 64 || g.head_dim == 128 || g.head_dim == 256 ? static_cast<int>(g.head_dim)
-                                                                     : 0;
+// The fixed paths: head_dim kD, rotated pairs kHalf (all, or 32: partial rotary of 64 dims).
+enum class FixedRows { kNone, k64, k128, k256, k128Rot64, k256Rot64 };
+
+// Which fixed path the rows of target tg take.
+inline FixedRows fixed_rows(const RotateGeometry& g, const TargetDesc& tg) {
+  if (g.interleaved || tg.src_last != 1 || tg.dst_last != 1 || g.rot_offset != 0) {
+    return FixedRows::kNone;
+  }
+  const int64_t D = g.head_dim, half = g.half;
+  if (2 * half == D) {
+    return D == 64 ? FixedRows::k64 : D == 128 ? FixedRows::k128 : D == 256 ? FixedRows::k256
+                                                                            : FixedRows::kNone;
+  }
+  if (half != 32) return FixedRows::kNone;
+  return D == 128 ? FixedRows::k128Rot64 : D == 256 ? FixedRows::k256Rot64 : FixedRows::kNone;
 }
 
 inline int64_t read_pos(const void* pos, bool pos64, int64_t off) {
@@ -503,7 +556,8 @@ __attribute__((noinline)) void load_table_block(int dt, const TableDesc& t,
       }
       return;
     }
-    if (!mrope && t.cos_col == 2 && t.sin_col == 2) {  // every other entry (kernels.h TableBlock)
+    if (std::is_same_v<tab_t, float> && !mrope && t.cos_col == 2 && t.sin_col == 2) {
+      // every other entry of a float table (as kernels.h TableBlock)
       const tab_t* c0 = reinterpret_cast<const tab_t*>(cr[0]) + 2 * b0;
       const tab_t* s0 = reinterpret_cast<const tab_t*>(sr[0]) + 2 * b0;
       for (int64_t i = 0; i < n; ++i) {
@@ -771,9 +825,14 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
         continue;
       }
       const bool unit_strides = tg.src_last == 1 && tg.dst_last == 1 && ws[k] == 1;
-      // Only half-split rows take the fixed path (fixed_head_dim): the interleaved walk is
-      // compiled without it.
-      if (const int fixed = !kI && D <= kQkNormStackHeadDim ? fixed_head_dim(g, tg) : 0) {
+      // Only half-split rows take a fixed path (fixed_rows): the interleaved walk is compiled
+      // without them.
+      // (float64 rows, which tests and references use, take the general rows: each fixed path
+      // is a copy per element type and instruction set.)
+      constexpr bool kFixedRows = !kI && !std::is_same_v<x_t, double>;
+      if (const FixedRows fixed = kFixedRows && D <= kQkNormStackHeadDim ? fixed_rows(g, tg)
+                                                                         : FixedRows::kNone;
+          fixed != FixedRows::kNone) {
         tables(k, 0, half);
         NextRows<x_t> rows_after;  // the next target's rows, or the next token's first target's
         rows_after.prefetch = prefetch;
@@ -783,21 +842,16 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
           rows_after.head = g.target[nk].src_head;
           rows_after.heads = g.target[nk].heads;
         }
+        const auto run = [&](auto fixed_fn) {
+          fixed_fn(src, dst, tg.src_head, tg.dst_head, tg.heads, fold[0], fold[1], fold[2],
+                   fold[3], w[k], eps, rows_after);
+        };
         switch (fixed) {
-          case 64:
-            norm_rope_heads_fixed<x_t, acc, 64>(src, dst, tg.src_head, tg.dst_head, tg.heads,
-                                                fold[0], fold[1], fold[2], fold[3], eps,
-                                                rows_after);
-            break;
-          case 128:
-            norm_rope_heads_fixed<x_t, acc, 128>(src, dst, tg.src_head, tg.dst_head, tg.heads,
-                                                 fold[0], fold[1], fold[2], fold[3], eps,
-                                                 rows_after);
-            break;
-          default:
-            norm_rope_heads_fixed<x_t, acc, 256>(src, dst, tg.src_head, tg.dst_head, tg.heads,
-                                                 fold[0], fold[1], fold[2], fold[3], eps,
-                                                 rows_after);
+          case FixedRows::k64: run(norm_rope_heads_fixed<x_t, acc, 64, 32>); break;
+          case FixedRows::k128: run(norm_rope_heads_fixed<x_t, acc, 128, 64>); break;
+          case FixedRows::k256: run(norm_rope_heads_fixed<x_t, acc, 256, 128>); break;
+          case FixedRows::k128Rot64: run(norm_rope_heads_fixed<x_t, acc, 128, 32>); break;
+          default: run(norm_rope_heads_fixed<x_t, acc, 256, 32>);
         }
         continue;
       }
