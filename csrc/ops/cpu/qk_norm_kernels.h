@@ -319,15 +319,15 @@ inline void norm_rotate_even_odd(const float*, const float*, float, const float*
 inline void norm_scale_even_odd(const float*, float, const float*, BF16Bits*) {}
 #endif
 
-// The common rows: unit strides, head_dim kD a compile-time constant (64, 128, 256), half-split
-// pairs, the first 2 * half dims rotated (half a multiple of 32: all of them, or partial rotary
-// as GLM-4.5's 64 of 128 and Qwen3-Next's 64 of 256), the rest normalized and scaled. Every
-// loop steps by a constant width, so the compiler keeps the rows in registers (or L1) and
-// vectorizes each step. Rows go in groups of kG heads, each in two
-// steps: the norm (group_norm: sums of squares, then r = rsqrt(mean + eps)) and the rotation
-// (group_rotate). A row's r is a chain of dependent operations (a tree of partial sums, a square
-// root, a division): kG independent chains overlap, and norm_rope_heads_fixed runs the next
-// group's norm before this group's rotation, so the chains' latency hides behind the rotation.
+// The common rows: unit strides, half-split pairs, head_dim kD (64, 128, 256) and the pairs
+// rotated kHalf (all of them, or 32: partial rotary as GLM-4.5's 64 of 128 and Qwen3-Next's 64
+// of 256, the rest normalized and scaled) compile-time constants. Every loop has a constant trip
+// count, so the compiler keeps the rows in registers (or L1) and vectorizes each step. Rows go
+// in groups of kG heads, each in two steps: the norm (group_norm: sums of squares, then
+// r = rsqrt(mean + eps)) and the rotation (group_rotate). A row's r is a chain of dependent
+// operations (a tree of partial sums, a square root, a division): kG independent chains overlap,
+// and norm_rope_heads_fixed runs the next group's norm before this group's rotation, so the
+// chains' latency hides behind the rotation.
 
 // Rows in the arithmetic type already (float, double) are read where they are, twice (the
 // second time from L1); others are converted once into a stack buffer, read by the rotation.
@@ -390,13 +390,12 @@ ROPE_QK_INLINE void group_rotate(const x_t* src, x_t* dst, int64_t src_head, int
                                  const acc* __restrict__ w) {
   constexpr int kChunk = 32;
   static_assert(kHalf % kChunk == 0 && 2 * kHalf <= kD, "whole chunks");
-  constexpr int half = kHalf;
-  for (int j = 0; j < half; j += kChunk) {
+  for (int j = 0; j < kHalf; j += kChunk) {
     for (int g = 0; g < kG; ++g) {
       const acc* ra = rows.row_of(src, src_head, g) + j;  // the chunk's first and second members
-      const acc* rb = ra + half;
+      const acc* rb = ra + kHalf;
       x_t* da = dst + g * dst_head + j;
-      x_t* db = da + half;
+      x_t* db = da + kHalf;
       const acc r = rows.r[g];
       if constexpr (kEvenOddRows<x_t>) {  // rows and tables in even/odd order
         for (int i = 0; i < kChunk; i += 16) {
@@ -424,7 +423,7 @@ ROPE_QK_INLINE void group_rotate(const x_t* src, x_t* dst, int64_t src_head, int
       }
     }
   }
-  for (int j = 2 * half; j < kD; j += kChunk) {  // (x * r) * w, as the other rows round it
+  for (int j = 2 * kHalf; j < kD; j += kChunk) {  // (x * r) * w, as the other rows round it
     for (int g = 0; g < kG; ++g) {
       const acc* rx = rows.row_of(src, src_head, g) + j;
       x_t* d = dst + g * dst_head + j;
@@ -453,8 +452,8 @@ struct NextRows {
   int64_t head = 0, heads = 0;
 };
 
-// Every head of one target of one token (not inlined: one copy per element type and kD, not one
-// per layout). ca, sb, cb and sa are the caller's stack buffers, so no write through dst
+// Every head of one target of one token (not inlined: one copy per element type, kD and kHalf,
+// not one per layout). ca, sb, cb and sa are the caller's stack buffers, so no write through dst
 // reaches them (__restrict__: the stores need not be ordered against their loads).
 template <typename x_t, typename acc, int kD, int kHalf>
 __attribute__((noinline)) void norm_rope_heads_fixed(const x_t* src, x_t* dst, int64_t src_head,
