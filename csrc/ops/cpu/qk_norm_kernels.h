@@ -546,24 +546,21 @@ __attribute__((noinline)) void load_table_block(int dt, const TableDesc& t,
   with_dt_type(dt, [&](auto elem) {
     using tab_t = decltype(elem);
     const bool mrope = t.kind == TableKind::kMrope;
-    if (!mrope && t.cos_col == 1 && t.sin_col == 1) {  // contiguous: a loop that vectorizes
-      const tab_t* c0 = reinterpret_cast<const tab_t*>(cr[0]) + b0;
-      const tab_t* s0 = reinterpret_cast<const tab_t*>(sr[0]) + b0;
+    // Rows at a constant stride (the table contiguous, or every other entry of a float one, as
+    // kernels.h TableBlock reads it): loops that vectorize.
+    auto strided = [&](auto stride) {
+      const tab_t* c0 = reinterpret_cast<const tab_t*>(cr[0]) + stride * b0;
+      const tab_t* s0 = reinterpret_cast<const tab_t*>(sr[0]) + stride * b0;
       for (int64_t i = 0; i < n; ++i) {
-        c[i] = static_cast<acc>(to_f(c0[i]));
-        s[i] = static_cast<acc>(to_f(s0[i]));
+        c[i] = static_cast<acc>(to_f(c0[stride * i]));
+        s[i] = static_cast<acc>(to_f(s0[stride * i]));
       }
-      return;
+    };
+    if (!mrope && t.cos_col == 1 && t.sin_col == 1) {
+      return strided(std::integral_constant<int, 1>{});
     }
     if (std::is_same_v<tab_t, float> && !mrope && t.cos_col == 2 && t.sin_col == 2) {
-      // every other entry of a float table (as kernels.h TableBlock)
-      const tab_t* c0 = reinterpret_cast<const tab_t*>(cr[0]) + 2 * b0;
-      const tab_t* s0 = reinterpret_cast<const tab_t*>(sr[0]) + 2 * b0;
-      for (int64_t i = 0; i < n; ++i) {
-        c[i] = static_cast<acc>(to_f(c0[2 * i]));
-        s[i] = static_cast<acc>(to_f(s0[2 * i]));
-      }
-      return;
+      return strided(std::integral_constant<int, 2>{});
     }
     for (int64_t i = 0; i < n; ++i) {
       const int64_t pair = b0 + i;
