@@ -213,8 +213,11 @@ CMAKE_DIR := build/cmake
 CMAKE_LIB := $(CMAKE_DIR)/librope_ops.so
 CMAKE_CUDA_LIB := $(CMAKE_DIR)/librope_ops_cuda.so
 
+# It compiles only the CPU variants this machine runs (the wheel's build compiles them all, from
+# the same files and flags): the test can run no other, and each costs a minute of compiling.
 $(CMAKE_DIR)/CMakeCache.txt: $(DEPS_STAMP)
 	cmake -S . -B $(CMAKE_DIR) -DCMAKE_BUILD_TYPE=Release \
+		-DCMAKE_CXX_FLAGS="$$($(PY) build_config.py --native-cpu-flags)" \
 		-DCMAKE_PREFIX_PATH="$$($(PY) -c 'import os, torch; print(os.path.dirname(torch.__file__))')"
 
 cmake-build: $(CMAKE_DIR)/CMakeCache.txt
@@ -254,7 +257,7 @@ SAN_ENV   := ROPE_EXT_BUILD=sanitize \
 .PHONY: sanitize
 $(SAN_LIB): $(DEPS_STAMP) $(NATIVE_SRC) build_config.py
 	@echo "rope_ext: compiling the CPU library with AddressSanitizer and UBSan"
-	@ROPE_EXT_BUILD=sanitize ROPE_EXT_CUDA=0 $(PY) scripts/build_native.py \
+	@ROPE_EXT_BUILD=sanitize ROPE_EXT_CUDA=0 ROPE_EXT_CPU_VARIANTS=native $(PY) scripts/build_native.py \
 		--build-temp $(SAN_DIR)/temp --build-lib $(SAN_DIR)/lib
 	touch $@
 

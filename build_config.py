@@ -7,7 +7,8 @@ it; otherwise it is built whenever the installed torch is a CUDA build and a CUD
 detect the archs, so TORCH_CUDA_ARCH_LIST defaults to build.json's `cuda_archs`.
 
 `python build_config.py --cuda-lib` prints the CUDA library's path when it would be built (the
-Makefile tracks that file), and nothing otherwise; `--cuda-home` prints the toolkit root found.
+Makefile tracks that file), and nothing otherwise; `--cuda-home` prints the toolkit root found;
+`--native-cpu-flags` the C++ flags of a build of only the CPU variants this machine runs.
 """
 
 import importlib.util
@@ -39,6 +40,27 @@ def library_path(name, suffix=".abi3.so"):
     return library(name)[0].replace(".", "/") + suffix
 
 
+def native_cpu_variant(cpuinfo="/proc/cpuinfo"):
+    """The best CPU kernel variant this machine runs (0 baseline .. 3 avx512_bf16, as in
+    csrc/ops/cpu/kernel_api.h), read from the kernel's CPU flags; 3 where they are unreadable."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
+    except OSError:
+        flags = None
+    if flags is None:
+        return 3
+    has = set(flags).issuperset
+    if has({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"}):
+        return 3 if has({"avx512_bf16"}) else 2
+    return 1 if has({"avx2", "fma", "f16c"}) else 0
+
+
+def native_cpu_flags():
+    """The C++ flags of a build of only the CPU variants this machine runs."""
+    return [f"-DROPE_CPU_MAX_ISA={native_cpu_variant()}"]
+
+
 def _defines():
     return [f"-DTORCH_TARGET_VERSION={DESCRIPTION['torch_target_version']}"]
 
@@ -46,6 +68,8 @@ def _defines():
 def cxx_flags():
     """Flags for the C++ sources: the project's, then release (no debug info) or sanitizer flags."""
     extra = DESCRIPTION["sanitize_flags" if envs.BUILD == "sanitize" else "release_flags"]
+    if envs.CPU_VARIANTS == "native":
+        extra = extra + native_cpu_flags()
     return DESCRIPTION["cxx_flags"] + _defines() + extra
 
 
@@ -134,5 +158,7 @@ if __name__ == "__main__":
             print(library_path("cuda"))
     elif sys.argv[1:] == ["--cuda-home"]:
         print(cuda_home() or "")
+    elif sys.argv[1:] == ["--native-cpu-flags"]:
+        print(*native_cpu_flags())
     else:
         print(want_cuda())

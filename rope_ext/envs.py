@@ -39,6 +39,12 @@ VARIABLES = {
         "sanitize: build the CPU library with AddressSanitizer and UndefinedBehaviorSanitizer "
         "(make sanitize).",
     ),
+    "ROPE_EXT_CPU_VARIANTS": (
+        "build", ("all", "native"), "all",
+        "native: compile only the CPU kernel variants the building machine runs (a faster build "
+        "for development; make sanitize uses it). The library then serves no better variant on "
+        "another CPU.",
+    ),
     "ROPE_EXT_BUILD_VERBOSE": (
         "build", ("0", "1"), "0",
         "1: make's builds (scripts/build_native.py) print every compiler command, not a line per "
@@ -68,4 +74,5 @@ CPU_ISA = _read("ROPE_EXT_CPU_ISA")
 CPU_STREAM_MB = _read("ROPE_EXT_CPU_STREAM_MB")
 CUDA = _read("ROPE_EXT_CUDA")
 BUILD = _read("ROPE_EXT_BUILD")
+CPU_VARIANTS = _read("ROPE_EXT_CPU_VARIANTS")
 BUILD_VERBOSE = _read("ROPE_EXT_BUILD_VERBOSE")

@@ -250,3 +250,30 @@ def test_no_avx_instruction_outside_the_per_isa_kernels():
     # The variants give the same bits only if none contracts a product and a sum into one
     # rounding (-ffp-contract=off; GCC's vfmaddsub pattern ignored it once).
     assert not fused, sorted(fused)[:10]
+
+
+@pytest.mark.parametrize("flags, variant", [
+    ("fpu sse2 avx", 0),
+    ("avx avx2 fma", 0),  # no f16c: the avx2 variant needs all three
+    ("avx2 fma f16c bmi2", 1),
+    ("avx2 fma f16c avx512f avx512bw avx512vl", 1),  # no avx512dq
+    ("avx2 fma f16c avx512f avx512bw avx512vl avx512dq", 2),
+    ("avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16", 3),
+])
+def test_native_build_reads_the_variant_from_cpu_flags(tmp_path, flags, variant):
+    # ROPE_EXT_CPU_VARIANTS=native compiles the variants up to this one (build_config.py).
+    import build_config
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+    assert build_config.native_cpu_variant(str(info)) == variant
+    assert build_config.native_cpu_variant(str(tmp_path / "missing")) == 3  # unreadable: all
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="no /proc/cpuinfo")
+def test_native_build_keeps_every_variant_this_cpu_runs():
+    # The flags the kernel reports and __builtin_cpu_supports (which serves) agree here: a native
+    # build would lose no variant this machine could serve.
+    import build_config
+    if not rope_ext.cpu_isas():
+        pytest.skip("no native CPU library")
+    assert NAMES[build_config.native_cpu_variant()] == rope_ext.cpu_isas()[-1]

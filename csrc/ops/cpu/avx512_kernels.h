@@ -3,11 +3,12 @@
 //   ROPE_AVX512_TARGET   the features, e.g. "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"
 //   ROPE_AVX512_ENTRY    the function that returns the table (declared in kernel_api.h)
 //   ROPE_AVX512_BF16     defined for the variant with the one-instruction bfloat16 conversion
+//   ROPE_AVX512_LEVEL    its CpuIsa value (2 or 3): above ROPE_CPU_MAX_ISA the file compiles nothing
 #include "convert.h"
 #include "kernel_api.h"
 
 // Everything with external linkage is included above this line, before the target switch.
-#ifdef ROPE_CPU_X86_VARIANTS
+#if defined(ROPE_CPU_X86_VARIANTS) && ROPE_CPU_MAX_ISA >= ROPE_AVX512_LEVEL
 
 #if !defined(__clang__)
 // GCC 12's own AVX-512 headers trip this warning (_mm512_undefined_*): not our code.
@@ -193,4 +194,6 @@ CpuKernels make_kernels() {
 #include "isa_target_end.h"
 
 ROPE_DEFINE_CPU_KERNELS(ROPE_AVX512_ENTRY)
-#endif  // ROPE_CPU_X86_VARIANTS
+#elif defined(ROPE_CPU_X86_VARIANTS)
+ROPE_DEFINE_NO_CPU_KERNELS(ROPE_AVX512_ENTRY)
+#endif

@@ -1,6 +1,7 @@
 // Which compiled variant of the CPU kernels serves (the best the CPU supports, or a lower one
 // chosen with rope.set_cpu_isa, so every variant can be tested on one machine), and from which
 // output size stores are non-temporal. Registers the ops that report and set both.
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <fstream>
@@ -14,7 +15,7 @@
 namespace rope {
 namespace {
 
-CpuIsa best_supported() {
+CpuIsa best_in_cpu() {
 #ifdef ROPE_CPU_X86_VARIANTS
   __builtin_cpu_init();
   // __builtin_cpu_supports also checks that the OS saves the wider registers (XCR0).
@@ -29,6 +30,11 @@ CpuIsa best_supported() {
   }
 #endif
   return CpuIsa::kBaseline;
+}
+
+// The best variant both this CPU and this build have (kernel_api.h: ROPE_CPU_MAX_ISA).
+CpuIsa best_supported() {
+  return static_cast<CpuIsa>(std::min(static_cast<int>(best_in_cpu()), ROPE_CPU_MAX_ISA));
 }
 
 std::atomic<int> g_isa{-1};  // -1: not chosen yet

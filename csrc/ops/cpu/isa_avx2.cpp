@@ -4,7 +4,7 @@
 #include "kernel_api.h"
 
 // Everything with external linkage is included above this line, before the target switch.
-#ifdef ROPE_CPU_X86_VARIANTS
+#if defined(ROPE_CPU_X86_VARIANTS) && ROPE_CPU_MAX_ISA >= 1
 
 #define ROPE_ISA_TARGET "avx2,fma,f16c"
 #include "isa_target_begin.h"
@@ -129,4 +129,6 @@ void store_fence() { _mm_sfence(); }
 #include "isa_target_end.h"
 
 ROPE_DEFINE_CPU_KERNELS(cpu_kernels_avx2)
-#endif  // ROPE_CPU_X86_VARIANTS
+#elif defined(ROPE_CPU_X86_VARIANTS)
+ROPE_DEFINE_NO_CPU_KERNELS(cpu_kernels_avx2)
+#endif

@@ -4,4 +4,5 @@
 #define ROPE_AVX512_BF16 1
 #define ROPE_AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c"
 #define ROPE_AVX512_ENTRY cpu_kernels_avx512_bf16
+#define ROPE_AVX512_LEVEL 3
 #include "avx512_kernels.h"

@@ -133,6 +133,14 @@ struct CpuKernels {
 #define ROPE_CPU_X86_VARIANTS 1
 #endif
 
+// The highest variant compiled (0 baseline, 1 avx2, 2 avx512, 3 avx512_bf16; all by default).
+// A build of only the variants its own machine runs (ROPE_EXT_CPU_VARIANTS=native: the sanitizer
+// build, the JIT test) sets it lower: the kernel files above it then define their entry as
+// nullptr, and the variant chosen never exceeds it (cpu_isa.cpp).
+#ifndef ROPE_CPU_MAX_ISA
+#define ROPE_CPU_MAX_ISA 3
+#endif
+
 const CpuKernels* cpu_kernels_baseline();
 // Defined only where ROPE_CPU_X86_VARIANTS is.
 const CpuKernels* cpu_kernels_avx2();
@@ -147,6 +155,11 @@ const CpuKernels* cpu_kernels_avx512_bf16();
     static const CpuKernels kernels = make_kernels(); \
     return &kernels;                                  \
   }                                                   \
+  }
+// ... and in a kernel file above ROPE_CPU_MAX_ISA, which compiles nothing else.
+#define ROPE_DEFINE_NO_CPU_KERNELS(entry)       \
+  namespace rope {                              \
+  const CpuKernels* entry() { return nullptr; } \
   }
 
 // The variant that serves: the best the CPU supports unless capped by rope.set_cpu_isa.
