@@ -70,8 +70,20 @@ endif
 run: $(RUN_BUILD)
 	$(PY) -m rope_ext
 
+# With two cores or more, two pytest processes, each every other test file (tests/conftest.py
+# --shard): most tests are single-threaded Python. The second process's report follows the first's.
+# TEST_JOBS=1 runs one.
+TEST_JOBS ?= $(shell [ "$$(nproc 2>/dev/null || echo 1)" -ge 2 ] && echo 2 || echo 1)
 test: build
+ifeq ($(TEST_JOBS),1)
 	$(PY) -m pytest tests/ -q
+else
+	@echo "rope_ext: the tests in two processes (every other file each; the second one's report follows)"
+	@$(PY) -m pytest tests/ -q -p no:cacheprovider --shard 2/2 > build/tests-part2.log 2>&1 & part2=$$!; \
+	$(PY) -m pytest tests/ -q --shard 1/2; part1=$$?; wait $$part2; part2=$$?; \
+	echo "rope_ext: the second process (build/tests-part2.log):"; cat build/tests-part2.log; \
+	[ $$part1 -eq 0 ] && [ $$part2 -eq 0 ]
+endif
 
 BENCH_ARGS ?=
 bench: build

@@ -40,10 +40,33 @@ def pytest_addoption(parser):
     parser.addoption("--fuzz-cases", type=int, default=400,
                      help="random cases of tests/test_fuzz.py (make sanitize runs more)")
     parser.addoption("--fuzz-seed", type=int, default=None, help="replay test_fuzz.py from this seed")
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run part I of N: every N-th test file (make test runs two parts at once)")
+
+
+def _shard(config, items):
+    """The items of part I of N (--shard I/N): whole files, every N-th in collection order, so
+    that a module's fixtures and background work stay in one process."""
+    value = config.getoption("--shard")
+    if not value:
+        return items, []
+    try:
+        part, parts = (int(v) for v in value.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard {value!r}: expected I/N, e.g. 1/2") from None
+    if not 1 <= part <= parts:
+        raise pytest.UsageError(f"--shard {value!r}: expected 1 <= I <= N")
+    files = list(dict.fromkeys(str(item.path) for item in items))
+    mine = set(files[part - 1::parts])
+    return ([i for i in items if str(i.path) in mine], [i for i in items if str(i.path) not in mine])
 
 
 def pytest_collection_modifyitems(session, config, items):
     """The CUDA codegen tests run last: their compiles run in the background meanwhile."""
+    keep, deselected = _shard(config, items)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = keep
     items.sort(key=lambda item: item.module.__name__ == "test_cuda_codegen")  # a stable sort
 
 
