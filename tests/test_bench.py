@@ -266,11 +266,16 @@ def test_quick_run_of_the_case_groups_writes_their_tables(tmp_path):
     assert doc["meta"]["timing"].startswith("time.thread_time")
     assert list(doc["groups"]) == ["calls", "dropins", "models"]
     calls = doc["groups"]["calls"]["rows"]
-    assert {r["mode"] for r in calls} == {"inference_mode", "no_grad"}
+    assert {r["mode"] for r in calls} == {"inference_mode", "no_grad", "grad_mode"}
     names = {r["call"] for r in calls}
-    assert {"floor: q.mul_(c); k.mul_(c)", "torch.ops.rope.apply_", "rope_ext.apply_rope_",
-            "torch.ops.rope.apply_positions (q, k)"} <= names
-    for r in calls:
+    assert {"floor: q.mul_(c); k.mul_(c)", "floor: q.clone(); k.clone()", "torch.ops.rope.apply_",
+            "rope_ext.apply_rope_", "rope_ext.qk_norm_rope_", "rope_ext.apply_rope (q, k)",
+            "rope_ext.apply_rope_at (q, k)", "torch.ops.rope.apply_positions (q, k)"} <= names
+    floors = {(r["mode"], r["call"]): r["median_s"] for r in calls if r["call"].startswith("floor")}
+    for r in calls:  # the functions that return new tensors against clone, the rest against mul_
+        assert r["floor"] == ("floor: q.clone(); k.clone()" if "(q, k)" in r["call"] or "clone" in
+                              r["call"] else "floor: q.mul_(c); k.mul_(c)")
+        assert r["floor_s"] == floors[(r["mode"], r["floor"])]
         assert r["x_floor"] == pytest.approx(r["median_s"] / r["floor_s"], rel=1e-9)
     for r in doc["groups"]["dropins"]["rows"]:
         assert r["x_peer"] == pytest.approx(r["peer_median_s"] / r["median_s"], rel=1e-9)
