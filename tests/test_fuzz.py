@@ -167,6 +167,21 @@ def close(a, b, dtype):
         torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=atol, equal_nan=True)
 
 
+def close_scaled(a, b, dtype):
+    """close, with the absolute tolerance taken relative to the largest magnitude of b (at least
+    1): the norm stage's weights and bias scale each row, and a*c - b*s of scaled rows can cancel
+    to values far below its terms, whose rounding in each path (both in float32 for float32 rows)
+    is relative to the terms, not to the result (float32, weights and bias ~N(0, 1): 1.07e-6 apart
+    on an element of 0.066 whose terms were near 8)."""
+    if isinstance(a, torch.Tensor) and b.numel() and b.dtype.is_floating_point:
+        scale = max(1.0, b.double().nan_to_num(0.0, 0.0, 0.0).abs().max().item())
+        rtol, atol = TOL[dtype] if dtype in TOL else (0, 0)
+        torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=atol * scale,
+                                   equal_nan=True)
+    else:
+        close(a, b, dtype)
+
+
 def case_apply(rng):
     dtype, tdtype = rng.choice(DTYPES), rng.choice(DTYPES)
     lead = [rng.choice([0, 1, 2, 3, 5]) for _ in range(rng.randrange(0, 4))]
@@ -551,7 +566,7 @@ def case_qk_norm(rng):
                             [])
         if res:
             for a, b in zip(res[0][0], res[1][0]):
-                close(a, b, dtype)
+                close_scaled(a, b, dtype)
         return
     tab, sec, pos = table_and_positions(rng, t, rot)
     mi = rng.random() < 0.5
@@ -574,7 +589,7 @@ def case_qk_norm(rng):
             [qkv])
     if res:
         for a, b in zip(res[0][1], res[1][1]):
-            close(a, b, dtype)
+            close_scaled(a, b, dtype)
 
 
 CASES = [case_apply, case_inplace, case_positions, case_cache, case_qk_norm_cache, case_shift,
