@@ -76,7 +76,7 @@ def run(ctx):
     cache = rope_ext.cos_sin_cache(MAX_POSITION, HEAD_DIM)  # outside any mode: a buffer
     weight = torch.ones(HEAD_DIM)  # the norm's weight, a model's parameter (not requiring grad)
     out = []
-    for mode, enter in MODES.items():  # --quick: still both modes, one size
+    for mode, enter in MODES.items():  # --quick: still every mode, one size
         for dtype_name in ctx.dtypes:
             for T in TOKENS[:1] if ctx.quick else TOKENS:
                 g = torch.Generator().manual_seed(T)
