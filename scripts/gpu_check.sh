@@ -6,11 +6,14 @@
 #   carry: ["rope_ext/_C.abi3.so", "rope_ext/_C_cuda.abi3.so"]
 #   1. libraries: use the carried ones (stable ABI: built against one torch, they load in others)
 #      if they load and pass a smoke test on the GPU; else rebuild against the local torch.
-#   2. the CUDA tests (tests/test_cuda_device.py, test_cuda_build.py)
+#   2. the CUDA tests (tests/test_cuda_device.py, test_cuda_build.py) and the fuzz on the GPU
+#      against the CPU kernels (tests/test_fuzz.py, GPU_CHECK_FUZZ cases)
 #   3. the benchmark on the GPU: bench/bench.py --device cuda (JSON + Markdown written after every
 #      case, so a run cut short by its time budget still leaves what it measured)
-#   4. compute-sanitizer over the CUDA tests: memcheck on all of them, racecheck on a subset
-#   5. the rest of the test suite, if time is left
+#   4. compute-sanitizer over the CUDA tests: memcheck on all of them and on some fuzz cases,
+#      racecheck on a subset
+#   5. the serving benchmark on the GPU (bench/serving_bench.py --device cuda), if time is left
+#   6. the rest of the test suite, if time is left
 # Everything goes to $OUT (default ./gpu-results): log, env, build log, junit xml, cuda.json/.md.
 # Exit status: 0 only if the libraries serve CUDA and the CUDA tests pass.
 #
@@ -18,6 +21,7 @@
 #        GPU_CHECK_REBUILD=1    skip the carried libraries, rebuild
 #        GPU_CHECK_DRY=1        no GPU here: run every step anyway (benchmark on the CPU, tiny)
 #        GPU_CHECK_BUDGET_S=480 stop starting new steps (and benchmark cases) after this many seconds
+#        GPU_CHECK_FUZZ=4000    fuzz cases on the GPU (a tenth of them under memcheck)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-results}"
@@ -106,8 +110,11 @@ echo "libraries: $LIBS"
 
 step "2. CUDA tests"
 left=$((BUDGET - SECONDS - 90)); [ "$left" -gt 240 ] && left=240; [ "$left" -lt 60 ] && left=60
-timeout "$left" "$PY" -m pytest tests/test_cuda_device.py tests/test_cuda_build.py -q -rs \
-  -p no:cacheprovider --junitxml="$OUT/tests_cuda.xml" 2>&1 | tee "$OUT/tests_cuda.txt"
+FUZZ="${GPU_CHECK_FUZZ:-4000}"
+FUZZ_TEST=tests/test_fuzz.py::test_cuda_agrees_with_native_on_random_inputs
+timeout "$left" "$PY" -m pytest tests/test_cuda_device.py tests/test_cuda_build.py "$FUZZ_TEST" \
+  --fuzz-cases "$((FUZZ * 2))" -q -rs -p no:cacheprovider --junitxml="$OUT/tests_cuda.xml" 2>&1 \
+  | tee "$OUT/tests_cuda.txt"
 CUDA_TESTS=$?
 
 step "3. GPU benchmark"
@@ -132,8 +139,9 @@ if [ -n "$CS" ] && [ "${GPU_CHECK_DRY:-0}" != "1" ]; then
   left=$((BUDGET - SECONDS)); [ "$left" -gt "$SANITIZER_S" ] && left="$SANITIZER_S"
   [ "$left" -lt 60 ] && left=60
   timeout "$((left * 2 / 3))" "$CS" --tool memcheck --error-exitcode 7 --print-limit 20 \
-    --target-processes all "$PY" -m pytest tests/test_cuda_device.py -q -p no:cacheprovider \
-    -k "$SAN_K" 2>&1 | tail -30 | tee "$OUT/sanitizer_memcheck.txt"
+    --target-processes all "$PY" -m pytest tests/test_cuda_device.py "$FUZZ_TEST" -q \
+    -p no:cacheprovider --fuzz-cases "$((FUZZ / 5))" -k "$SAN_K" 2>&1 | tail -30 \
+    | tee "$OUT/sanitizer_memcheck.txt"
   MEMCHECK=${PIPESTATUS[0]}
   timeout "$((left / 3))" "$CS" --tool racecheck --error-exitcode 7 --print-limit 20 \
     --target-processes all "$PY" -m pytest tests/test_cuda_device.py -q -p no:cacheprovider \
@@ -143,7 +151,15 @@ if [ -n "$CS" ] && [ "${GPU_CHECK_DRY:-0}" != "1" ]; then
 fi
 echo "sanitizer: $SANITIZER"
 
-step "5. the rest of the test suite"
+step "5. serving benchmark"
+SERVING="skipped (time budget)"
+left=$((BUDGET - SECONDS))
+if [ "$left" -gt 60 ] && [ "${GPU_CHECK_DRY:-0}" != "1" ]; then
+  timeout "$left" "$PY" bench/serving_bench.py --device cuda --out "$OUT" 2>&1 | tee "$OUT/serving.txt"
+  SERVING="exit ${PIPESTATUS[0]} ($OUT/serving-cuda.md)"
+fi
+
+step "6. the rest of the test suite"
 REST="skipped (time budget)"
 left=$((BUDGET - SECONDS))
 if [ "$left" -gt 30 ]; then
@@ -158,6 +174,7 @@ step "summary (${SECONDS}s)"
   echo "CUDA tests:  exit $CUDA_TESTS  ($(tail -1 "$OUT/tests_cuda.txt"))"
   echo "benchmark:   exit $BENCH  ($OUT/cuda.md, cuda.json)"
   echo "sanitizer:   $SANITIZER"
+  echo "serving:     $SERVING"
   echo "rest:        $REST"
   echo
   cat "$OUT/cuda.md" 2>/dev/null

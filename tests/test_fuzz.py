@@ -2,7 +2,8 @@
 overlaps, positions (some out of range) and adversarial sizes, native against the reference.
 Either both raise, with the same message, and nothing written changed; or both give the same
 result. Every case also runs the CUDA code, on the CPU simulator, against the native CPU op (a
-data error there is the device's trap). `--fuzz-cases N` sets how many (make
+data error there is the device's trap), and, where torch sees a GPU, on the GPU against the native
+CPU op (calls the CPU accepts). `--fuzz-cases N` sets how many (make
 sanitize runs many under the sanitizers); each case's seed is in the failure message, and
 `--fuzz-seed S` replays from S."""
 
@@ -144,18 +145,87 @@ class SimOps:
 
         return call
 
+    compare = staticmethod(run_simulated)
 
-# The second path of run_paths: None, the reference; a SimOps, the simulated CUDA code (set by
-# test_simulated_cuda_agrees_with_native_on_random_inputs).
+
+def run_on_device(native, on_device, written):
+    """run_both for the ops on a GPU against the native CPU op, for the calls the CPU accepts: a
+    data error the CPU refuses (a position or slot out of range, a repeated slot) is a
+    device-side assert on a GPU, which leaves the CUDA context unusable, so a call the CPU
+    refuses is not made there (the simulated test compares the errors)."""
+    results = []
+    for fn in (native, on_device):
+        copies = [w.clone() for w in written]
+        try:
+            results.append((fn(copies), copies))
+        except RuntimeError as e:
+            assert fn is native, f"the GPU refused a call the CPU accepted: {e}"
+            return None
+    return results
+
+
+class DeviceOps:
+    """torch.ops.rope's ops run on `device` with the CPU tensors they are given: each storage is
+    copied there once (so views of one buffer stay views of one buffer, with their strides,
+    offsets and broadcasts), the op runs, every storage is copied back (an in-place write shows
+    in the CPU tensors, as does a write where none belongs) and its outputs come back to the CPU."""
+
+    compare = staticmethod(run_on_device)
+
+    def __init__(self, device):
+        self.device = device
+
+    def __getattr__(self, name):
+        return DeviceOp(getattr(ops, name), self.device)
+
+
+class DeviceOp:
+    def __init__(self, packet, device):
+        self.packet, self.device = packet, device
+
+    def __getattr__(self, overload):  # o.apply.out(...)
+        return DeviceOp(getattr(self.packet, overload), self.device)
+
+    def __call__(self, *args, **kwargs):
+        moved = {}  # CPU storage's address -> (its bytes on the CPU, its bytes on the device)
+
+        def to_device(a):
+            if isinstance(a, (list, tuple)):
+                return type(a)(to_device(b) for b in a)
+            if not isinstance(a, torch.Tensor):
+                return a
+            st = a.untyped_storage()
+            if st.data_ptr() not in moved:
+                host = torch.empty(0, dtype=torch.uint8).set_(st)
+                moved[st.data_ptr()] = (host, host.to(self.device, copy=True))
+            dev = moved[st.data_ptr()][1]
+            return torch.empty(0, dtype=a.dtype, device=self.device).set_(
+                dev.untyped_storage(), a.storage_offset(), a.size(), a.stride())
+
+        def to_cpu(a):
+            if isinstance(a, (list, tuple)):
+                return type(a)(to_cpu(b) for b in a)
+            return a.cpu() if isinstance(a, torch.Tensor) else a
+
+        out = self.packet(*to_device(args), **{k: to_device(v) for k, v in kwargs.items()})
+        out = to_cpu(out)
+        for host, dev in moved.values():
+            host.copy_(dev.cpu())
+        return out
+
+
+# The second path of run_paths: None, the reference; a SimOps or a DeviceOps (set by the
+# simulated and the GPU tests), the ops run on the simulator or on the GPU.
 SECOND = {"sim": None}
 
 
 def run_paths(call, reference, written):
     """call(o) is the op call on torch.ops.rope-like o; run against the reference (run_both) or,
-    in the simulated test, against the same call on the simulator (run_simulated)."""
-    if SECOND["sim"] is None:
+    in the simulated and GPU tests, against the same call there (SECOND's compare)."""
+    second = SECOND["sim"]
+    if second is None:
         return run_both(call(ops), reference, written)
-    return run_simulated(call(ops), call(SECOND["sim"]), written)
+    return second.compare(call(ops), call(second), written)
 
 
 def close(a, b, dtype, scaled=False):
@@ -616,6 +686,16 @@ def test_simulated_cuda_agrees_with_native_on_random_inputs(request):
     device reports by a trap). max_blocks 1: the grid strides over the tokens."""
     fuzz(request, CASES, max(1, request.config.getoption("--fuzz-cases") // 2),
          lambda rng: SimOps(max_blocks=rng.choice([1, 3, 1 << 20])), "simulated ")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_cuda_agrees_with_native_on_random_inputs(request):
+    """The CUDA ops on the GPU against the native CPU ops, on the calls the CPU accepts: close
+    results (float8 codes equal), inputs written alike (make gpu-check runs many cases)."""
+    if rope_ext.backend("cuda") != "native":
+        pytest.skip("the CUDA kernels are not loaded")
+    fuzz(request, CASES, max(1, request.config.getoption("--fuzz-cases") // 2),
+         lambda rng: DeviceOps("cuda"), "cuda ")
 
 
 def test_native_and_reference_agree_on_random_inputs(request):
