@@ -219,6 +219,13 @@ def test_launch_plan_shapes():
     out, plan = cuda_sim.apply(q, *tables(torch.arange(16).view(16, 1), 128), False)
     # Tables broadcast over heads: the 32 heads of a token share one block row of threads.
     assert plan.vec and plan.block == (8, 32, 1) and plan.grid == 16
+    # Rows of one chunk and one head: blocks of 64 tokens, CUDA's limit on blockDim.z (a plan of
+    # 256 failed its launch on a GPU with "invalid argument").
+    x = torch.randn(300, 1, 4)
+    cos, sin = tables(torch.arange(300).view(300, 1), 4)
+    out, plan = cuda_sim.apply(x, cos, sin, False)
+    assert plan.block == (1, 1, 64) and plan.grid == 5
+    torch.testing.assert_close(out, torch.ops.rope.apply(x, cos, sin, False), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -660,24 +660,31 @@ CASES = [case_apply, case_inplace, case_positions, case_cache, case_qk_norm_cach
 
 
 def fuzz(request, cases, n, second=lambda rng: None, label=""):
-    """n seeded cases from `cases` in turn, each against the second path second(rng) gives
-    (run_paths; None: the reference); a failure names the case and its seed."""
+    """n seeded cases from `cases` in turn (a seed's case: seed modulo their number, so
+    `--fuzz-seed S --fuzz-cases 1` replays seed S), each against the second path second(rng)
+    gives (run_paths; None: the reference). A failure names the case and its seed; the run goes
+    on (a run on a lent GPU shows every failure at once), stopping at the 20th."""
     if rope_ext.backend("cpu") != "native":
         pytest.skip("the native library is not loaded")
     base = request.config.getoption("--fuzz-seed")
     base = random.randrange(2**31) if base is None else base
-    for i in range(n):
-        seed = base + i
+    failures = []
+    for seed in range(base, base + n):
         rng = random.Random(seed)
         torch.manual_seed(seed)
-        case = cases[i % len(cases)]
+        case = cases[seed % len(cases)]
         SECOND["sim"] = second(rng)
         try:
             case(rng)
         except AssertionError as e:
-            raise AssertionError(f"{label}{case.__name__}, --fuzz-seed {seed}: {e}") from None
+            failures.append(f"{label}{case.__name__}, --fuzz-seed {seed}: {e}")
+            if len(failures) == 20:
+                break
         finally:
             SECOND["sim"] = None
+    if failures:
+        raise AssertionError(f"{len(failures)} failed case(s) (replay one: --fuzz-seed S "
+                             "--fuzz-cases 1):\n" + "\n\n".join(failures[:5]))
 
 
 def test_simulated_cuda_agrees_with_native_on_random_inputs(request):

@@ -16,6 +16,8 @@ constexpr int64_t kThreadsPerBlock = 256;
 // The largest block a plan chooses: bx * by <= 2 * kThreadsPerBlock (the kernels'
 // __launch_bounds__).
 constexpr int kMaxBlockThreads = 512;
+// CUDA's limit on blockDim.z (x and y may reach 1024): a launch past it fails.
+constexpr int64_t kMaxBlockZ = 64;
 // The block of the fused QK-RMSNorm + RoPE kernel: one thread per row.
 constexpr int64_t kNormThreadsPerBlock = 128;
 // ... and the blocks per SM its __launch_bounds__ asks for: 170 registers per thread at most

@@ -72,7 +72,9 @@ inline void plan_block(LaunchPlan& p, int64_t chunks, int64_t heads, int64_t tok
                        int64_t max_blocks) {
   const int64_t bx = std::min<int64_t>(pow2_at_least(std::max<int64_t>(chunks, 1)), 64);
   const int64_t by = std::max<int64_t>(1, std::min<int64_t>(heads, 2 * kThreadsPerBlock / bx));
-  const int64_t bz = std::max<int64_t>(1, kThreadsPerBlock / (bx * by));
+  // (rows of one or two chunks and one head: fewer than kThreadsPerBlock threads, not a bz past
+  // CUDA's limit)
+  const int64_t bz = std::clamp<int64_t>(kThreadsPerBlock / (bx * by), 1, kMaxBlockZ);
   p.block = {static_cast<unsigned>(bx), static_cast<unsigned>(by), static_cast<unsigned>(bz)};
   p.grid = {static_cast<unsigned>(std::min(ceil_div(tokens, bz), max_blocks)), 1, 1};
   p.idx32 = tokens <= static_cast<int64_t>(UINT32_MAX);
