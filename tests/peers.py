@@ -141,7 +141,7 @@ def fa_apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_of
         batch, seqlen = x.shape[:2]
         for b in range(batch):
             off = int(seqlen_offsets[b]) if torch.is_tensor(seqlen_offsets) else seqlen_offsets
-            positions = torch.arange(seqlen) + off
+            positions = torch.arange(seqlen, device=x.device) + off
             _fa_rotate_rows(out[b], src[b], cos, sin, positions, interleaved)
     else:
         assert max_seqlen is not None
@@ -149,7 +149,7 @@ def fa_apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_of
             start, end = int(cu_seqlens[b]), int(cu_seqlens[b + 1])
             end = min(end, start + max_seqlen)
             off = int(seqlen_offsets[b]) if torch.is_tensor(seqlen_offsets) else seqlen_offsets
-            positions = torch.arange(end - start) + off
+            positions = torch.arange(end - start, device=x.device) + off
             _fa_rotate_rows(out[start:end], src[start:end], cos, sin, positions, interleaved)
     return out
 
