@@ -11,7 +11,7 @@
 #   3. the benchmark on the GPU: bench/bench.py --device cuda (JSON + Markdown written after every
 #      case, so a run cut short by its time budget still leaves what it measured)
 #   4. compute-sanitizer over the CUDA tests: memcheck on all of them and on some fuzz cases,
-#      racecheck on a subset
+#      initcheck, racecheck and synccheck on a few
 #   5. the serving benchmark on the GPU (bench/serving_bench.py --device cuda), if time is left
 #   6. the rest of the test suite, if time is left
 # Everything goes to $OUT (default ./gpu-results): log, env, build log, junit xml, cuda.json/.md.
@@ -120,7 +120,7 @@ CUDA_TESTS=$?
 step "3. GPU benchmark"
 # Cases start only while the budget lasts (the bench checks before each one); the timeout is the
 # backstop for a single case that hangs. SANITIZER_S is kept back for step 4.
-SANITIZER_S="${GPU_CHECK_SANITIZER_S:-150}"
+SANITIZER_S="${GPU_CHECK_SANITIZER_S:-200}"
 left=$((BUDGET - SECONDS - 60 - SANITIZER_S))
 [ "$left" -lt 60 ] && left=60
 BENCH_ARGS=(--device cuda --out "$OUT" --time-budget "$((left - 60 > 30 ? left - 60 : 30))")
@@ -131,25 +131,32 @@ BENCH=${PIPESTATUS[0]}
 step "4. compute-sanitizer"
 # memcheck: every CUDA test but the ones that cannot run under it (the device-side assert is
 # meant to fault; the > 2^31-element test, and torch.compile's code generation, would take
-# minutes at sanitizer speed), and some fuzz cases. racecheck: the kernels that use no shared
-# memory still get one pass, to prove that stays true. (On an H200: memcheck 20 s, racecheck
-# 55 s.)
+# minutes at sanitizer speed), and some fuzz cases. initcheck (no read of memory nothing wrote):
+# the reference tests and the paged caches' writes, whose slot sets the kernels fill themselves.
+# racecheck and synccheck: the kernels use no shared memory and no barrier; one short pass each
+# proves that stays true. (On an H200: memcheck 20 s; racecheck took 55 s over 10 tests.)
 SANITIZER="skipped (no compute-sanitizer)"
 CS="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)"
+# sanitize TOOL SECONDS PYTEST-ARGS...: one tool over some CUDA tests; its exit joins SANITIZER.
+sanitize() {
+  local tool="$1" secs="$2"; shift 2
+  timeout "$secs" "$CS" --tool "$tool" --error-exitcode 7 --print-limit 20 \
+    --target-processes all "$PY" -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -30 \
+    | tee "$OUT/sanitizer_$tool.txt"
+  SANITIZER="$SANITIZER$tool exit ${PIPESTATUS[0]}, "
+}
 if [ -n "$CS" ] && [ "${GPU_CHECK_DRY:-0}" != "1" ]; then
   SAN_K="not device_side_assert and not more_than_2_pow_31 and not opcheck_and_compile"
   left=$((BUDGET - SECONDS)); [ "$left" -gt "$SANITIZER_S" ] && left="$SANITIZER_S"
-  [ "$left" -lt 60 ] && left=60
-  timeout "$((left / 2))" "$CS" --tool memcheck --error-exitcode 7 --print-limit 20 \
-    --target-processes all "$PY" -m pytest tests/test_cuda_device.py "$FUZZ_TEST" -q \
-    -p no:cacheprovider --fuzz-cases "$((FUZZ / 5))" -k "$SAN_K" 2>&1 | tail -30 \
-    | tee "$OUT/sanitizer_memcheck.txt"
-  MEMCHECK=${PIPESTATUS[0]}
-  timeout "$((left / 2))" "$CS" --tool racecheck --error-exitcode 7 --print-limit 20 \
-    --target-processes all "$PY" -m pytest tests/test_cuda_device.py -q -p no:cacheprovider \
-    -k "gqa_matches_reference or qk_norm_prologue or mrope_and_cache" 2>&1 | tail -30 \
-    | tee "$OUT/sanitizer_racecheck.txt"
-  SANITIZER="memcheck exit $MEMCHECK, racecheck exit ${PIPESTATUS[0]} (7: errors found, 124: time)"
+  [ "$left" -lt 100 ] && left=100
+  SANITIZER=""
+  sanitize memcheck "$((left * 2 / 5))" tests/test_cuda_device.py "$FUZZ_TEST" \
+    --fuzz-cases "$((FUZZ / 5))" -k "$SAN_K"
+  sanitize initcheck "$((left / 5))" tests/test_cuda_device.py \
+    -k "gqa_matches_reference or mrope_and_cache or qk_norm_prologue"
+  sanitize racecheck "$((left / 5))" tests/test_cuda_device.py -k "gqa_matches_reference"
+  sanitize synccheck "$((left / 5))" tests/test_cuda_device.py -k "gqa_matches_reference"
+  SANITIZER="${SANITIZER%, } (7: errors found, 124: time)"
 fi
 echo "sanitizer: $SANITIZER"
 
