@@ -27,6 +27,11 @@ class Plan:
     tail_chunks: int
     vector_accesses: int
     scalar_accesses: int
+    tvec: bool  # whole-vector table loads
+
+
+def _plan_fields(v):
+    return bool(v[0]), bool(v[1]), v[2], (v[3], v[4], v[5]), v[6], v[7], v[8], v[9], bool(v[10])
 
 
 def _run(op_name, *args, max_blocks=1 << 20, force_idx64=False):
@@ -34,7 +39,7 @@ def _run(op_name, *args, max_blocks=1 << 20, force_idx64=False):
     info = torch.zeros(12, dtype=torch.int64)
     result = getattr(torch.ops.rope_sim, op_name)(*args, max_blocks, force_idx64, info)
     v = info.tolist()
-    return result, Plan(bool(v[0]), bool(v[1]), v[2], (v[3], v[4], v[5]), v[6], v[7], v[8], v[9])
+    return result, Plan(*_plan_fields(v))
 
 
 def apply(x, cos, sin, interleaved=False, inverse=False, **kw):
@@ -48,7 +53,7 @@ def apply_out(x, cos, sin, out, interleaved=False, max_blocks=1 << 20, force_idx
     info = torch.zeros(12, dtype=torch.int64)
     torch.ops.rope_sim.apply_out(x, cos, sin, interleaved, max_blocks, force_idx64, info, out)
     v = info.tolist()
-    return Plan(bool(v[0]), bool(v[1]), v[2], (v[3], v[4], v[5]), v[6], v[7], v[8], v[9])
+    return Plan(*_plan_fields(v))
 
 
 def apply_(query, key, positions, cache, interleaved=False, rope_dim_offset=0, inverse=False,

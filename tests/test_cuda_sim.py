@@ -58,13 +58,18 @@ def simulator():
 @pytest.mark.parametrize("interleaved", LAYOUTS, ids=["half_split", "interleaved"])
 def test_apply_every_head_dim_and_rotary_dim(dtype, head_dim, interleaved):
     B, S, H = 2, 5, 3
+    w = vec_width(dtype)
     for rot in rotary_dims(head_dim):
         x = torch.randn(B, S, H, head_dim, dtype=dtype)
         cos, sin = tables(torch.arange(S).view(1, S, 1), rot)  # [1, S, 1, rot/2], float32
         out, plan = cuda_sim.apply(x, cos, sin, interleaved)
         check_against_cpu_and_reference(out, x, cos, sin, interleaved)
         assert plan.vec == expect_vec(dtype, head_dim, rot // 2, interleaved), (rot, plan)
-        assert (plan.vector_accesses > 0) == plan.vec
+        if plan.vec:  # float32 tables (float64 for float64 x): whole vectors where a chunk spans them
+            table_w = 2 if dtype == torch.float64 else 4
+            assert plan.tvec == ((w // 2 if interleaved else w) % table_w == 0), (rot, plan)
+        # vector accesses: x's where its rows are vectors, else the tables' at most
+        assert plan.vector_accesses > 0 if plan.vec else plan.tvec or plan.vector_accesses == 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -215,10 +220,12 @@ def test_launch_plan_shapes():
     # The prefill shape of the benchmark: bf16, 32 q + 8 kv heads, head_dim 128.
     q, k = fused_qkv(16, 32, 8, 128, torch.bfloat16)
     plan = cuda_sim.apply_(q, k, torch.arange(16), rope_ext.cos_sin_cache(16, 128))
-    assert plan.vec and plan.block == (8, 40, 1) and plan.grid == 16 and plan.rot_chunks == 8
+    # 8 chunks x 16 threads over the 40 heads (a thread takes 2 or 3 of them), 2 tokens a block;
+    # the float32 table rows in whole vectors
+    assert plan.vec and plan.tvec and plan.rot_chunks == 8
+    assert plan.block == (8, 16, 2) and plan.grid == 8
     out, plan = cuda_sim.apply(q, *tables(torch.arange(16).view(16, 1), 128), False)
-    # Tables broadcast over heads: the 32 heads of a token share one block row of threads.
-    assert plan.vec and plan.block == (8, 32, 1) and plan.grid == 16
+    assert plan.vec and plan.tvec and plan.block == (8, 16, 2) and plan.grid == 8
     # Rows of one chunk and one head: blocks of 64 tokens, CUDA's limit on blockDim.z (a plan of
     # 256 failed its launch on a GPU with "invalid argument").
     x = torch.randn(300, 1, 4)

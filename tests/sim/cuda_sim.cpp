@@ -146,7 +146,7 @@ void fill_info(Tensor& info, const LaunchPlan& p, const Recorder& rec) {
   const int64_t v[12] = {p.vec,           p.idx32,         p.grid.x,
                          p.block.x,       p.block.y,       p.block.z,
                          p.rot_chunks,    p.tail_chunks,   rec.vector_accesses,
-                         rec.scalar_accesses, 0, 0};
+                         rec.scalar_accesses, p.tvec, 0};
   for (int i = 0; i < 12; ++i) o[i] = v[i];
 }
 

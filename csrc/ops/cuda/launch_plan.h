@@ -13,8 +13,15 @@ namespace rope::gpu {
 // At most this many blocks; beyond it blocks stride (a grid this size already fills any GPU).
 constexpr int64_t kMaxBlocks = int64_t{1} << 20;
 constexpr int64_t kThreadsPerBlock = 256;
-// The largest block a plan chooses: bx * by <= 2 * kThreadsPerBlock (the kernels'
-// __launch_bounds__).
+// The threads of one token's rows in a block (plan_block: bx * by). Fewer threads than rows, so
+// a thread rotates several heads with one load of its chunk's cos and sin and one reading of
+// the token's position: on an H200 (bench/results/gpu-check-h200.md) 128 took a prefill
+// rotation (8192 x 32 x 128) from 90 to 74 us in bfloat16 and from 206 to 96 us in float32,
+// and rope.apply_and_cache_ from 221 to 109 us, against 256 or 512.
+constexpr int64_t kRowThreads = 128;
+// The kernels' __launch_bounds__: no block is larger (a plan's blocks have at most
+// kThreadsPerBlock threads, or kRowThreads times one token), and a thread may use up to 128
+// registers.
 constexpr int kMaxBlockThreads = 512;
 // CUDA's limit on blockDim.z (x and y may reach 1024): a launch past it fails.
 constexpr int64_t kMaxBlockZ = 64;
@@ -27,6 +34,7 @@ constexpr int kNormMinBlocksPerSm = 3;
 struct LaunchPlan {
   Idx3 grid, block;
   bool vec = false;
+  bool tvec = false;  // whole-vector table loads (load_tables)
   bool idx32 = false;
   int64_t rot_chunks = 0, tail_chunks = 0;
 };

@@ -75,7 +75,20 @@ void run_norm_rope(const RotateGeometry& g, const NormRopeTensors& t, const Norm
     a.pos = t.pos;
     a.g = g;
     a.rows = g.tokens * heads;  // at most the rows of the operands: fits
-    if (store != nullptr) a.store = *store;
+    if (store != nullptr) {
+      NormStore& st = a.store;
+      st = *store;
+      const CacheDesc& cg = st.cg;
+      constexpr int W = kWidth<x_t>;
+      auto rows_vec = [&](const void* base, int64_t token, int64_t head, int64_t last) {
+        return last == 1 && aligned(base, kVecBytes) && token % W == 0 && head % W == 0;
+      };
+      st.v_vec = cg.value_dim % W == 0 && rows_vec(st.value, cg.v_token, cg.v_head, cg.v_last) &&
+                 (st.value_out == nullptr ||
+                  rows_vec(st.value_out, cg.vo_token, cg.vo_head, cg.vo_last));
+      st.kc_vec = cache_rows_vectorizable<x_t>(st.key_cache, cg.kc, cg.format);
+      st.vc_vec = cache_rows_vectorizable<x_t>(st.value_cache, cg.vc, cg.format);
+    }
     const void* src[2] = {a.src[0], a.src[1]};
     const void* dst[2] = {a.dst[0], a.dst[1]};
     a.vec = vectorizable<x_t>(g, src, dst, true) && (g.interleaved || g.half % kWidth<x_t> == 0);

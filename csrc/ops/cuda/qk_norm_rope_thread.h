@@ -37,6 +37,9 @@ struct NormStore {
   const float* k_scale;  // nullptr unless fp8
   const float* v_scale;
   bool v_norm;
+  // value rows (and value_out's) 16-byte aligned with unit stride, value_dim % W == 0; the
+  // caches take whole chunks (CacheStore::vec)
+  bool v_vec, kc_vec, vc_vec;
 };
 
 template <typename x_t, typename tab_t = opmath_t<x_t>>
@@ -80,42 +83,6 @@ ROPE_HD int64_t store_slot(const NormStore& s, int64_t tok) {
   return slot < s.cg.slots ? slot : -1;
 }
 
-// Value head hi of token tok: written to value_out (normed without weight with v_norm, else
-// copied) where it is given, then stored to the value cache at the token's slot. Each element
-// is read before its own write: in place is safe.
-template <typename x_t>
-ROPE_HD void value_row(const NormStore& s, double eps, int64_t tok, int64_t hi) {
-  using acc_t = opmath_t<x_t>;
-  const CacheDesc& cg = s.cg;
-  const int64_t slot = store_slot(s, tok);
-  if (slot < 0 && s.value_out == nullptr) return;
-  const x_t* v = static_cast<const x_t*>(s.value) + tok * cg.v_token + hi * cg.v_head;
-  x_t* out = s.value_out == nullptr
-                 ? nullptr
-                 : static_cast<x_t*>(s.value_out) + tok * cg.vo_token + hi * cg.vo_head;
-  acc_t r = 1;
-  if (s.v_norm) {
-    acc_t ss = 0;
-    for (int64_t j = 0; j < cg.value_dim; ++j) {
-      const acc_t e = static_cast<acc_t>(load(v + j * cg.v_last));
-      ss += e * e;
-    }
-    r = inv_rms(ss, cg.value_dim, eps);
-  }
-  const bool fp8 = cg.format != CacheFormat::kSame;
-  const int64_t es = fp8 ? 1 : sizeof(x_t);
-  const CacheStore<x_t> to_cache{
-      static_cast<char*>(s.value_cache) + (cg.vc.slot_row(slot < 0 ? 0 : slot, cg.block_size) +
-                                           hi * cg.vc.head) * es,
-      cg.vc.last, fp8 ? load(s.v_scale) : 1.0f, cg.format};
-  for (int64_t j = 0; j < cg.value_dim; ++j) {
-    x_t e = load(v + j * cg.v_last);
-    if (s.v_norm) e = static_cast<x_t>(static_cast<acc_t>(e) * r);
-    if (out != nullptr) store(out + j * cg.vo_last, e);
-    if (slot >= 0) to_cache(j, e);
-  }
-}
-
 // The first pass over a row (src, element stride sl; vec: aligned unit-stride vectors): the sum
 // of its elements minus `mean`, squared (kSquares) or not. (The row by value, not the token's
 // Offsets by reference: an address taken would put them in local memory.)
@@ -141,6 +108,49 @@ ROPE_HD opmath_t<x_t> row_sum(const x_t* src, int64_t sl, int64_t n, bool vec,
     }
   }
   return sum;
+}
+
+// Value head hi of token tok: written to value_out (normed without weight with v_norm, else
+// copied) where it is given, then stored to the value cache at the token's slot. Each element
+// is read before its own write: in place is safe.
+template <typename x_t>
+ROPE_HD void value_row(const NormStore& s, double eps, int64_t tok, int64_t hi) {
+  using acc_t = opmath_t<x_t>;
+  const CacheDesc& cg = s.cg;
+  const int64_t slot = store_slot(s, tok);
+  if (slot < 0 && s.value_out == nullptr) return;
+  const x_t* v = static_cast<const x_t*>(s.value) + tok * cg.v_token + hi * cg.v_head;
+  x_t* out = s.value_out == nullptr
+                 ? nullptr
+                 : static_cast<x_t*>(s.value_out) + tok * cg.vo_token + hi * cg.vo_head;
+  const acc_t r = s.v_norm ? inv_rms(row_sum<true>(v, cg.v_last, cg.value_dim, s.v_vec, acc_t(0)),
+                                     cg.value_dim, eps)
+                          : acc_t(1);
+  const bool fp8 = cg.format != CacheFormat::kSame;
+  const int64_t es = fp8 ? 1 : sizeof(x_t);
+  const CacheStore<x_t> to_cache{
+      static_cast<char*>(s.value_cache) + (cg.vc.slot_row(slot < 0 ? 0 : slot, cg.block_size) +
+                                           hi * cg.vc.head) * es,
+      cg.vc.last, fp8 ? load(s.v_scale) : 1.0f, cg.format, s.vc_vec};
+  if (s.v_vec) {
+    constexpr int W = kWidth<x_t>;
+    for (int64_t c = 0; c < cg.value_dim; c += W) {
+      Pack<x_t, W> e = load_pack<x_t, W>(v + c);
+      if (s.v_norm) {
+        ROPE_UNROLL
+        for (int l = 0; l < W; ++l) e.v[l] = static_cast<x_t>(static_cast<acc_t>(e.v[l]) * r);
+      }
+      if (out != nullptr) store_pack<x_t, W>(out + c, e);
+      if (slot >= 0) to_cache.chunk(c, e);
+    }
+    return;
+  }
+  for (int64_t j = 0; j < cg.value_dim; ++j) {
+    x_t e = load(v + j * cg.v_last);
+    if (s.v_norm) e = static_cast<x_t>(static_cast<acc_t>(e) * r);
+    if (out != nullptr) store(out + j * cg.vo_last, e);
+    if (slot >= 0) to_cache(j, e);
+  }
 }
 
 template <typename x_t, typename tab_t, bool kInterleaved>
@@ -200,9 +210,12 @@ ROPE_HD void norm_rope_thread(const NormRopeArgs<x_t, tab_t>& a, const ThreadPos
                          (st.cg.kc.slot_row(slot, st.cg.block_size) +
                           (h - t0.heads) * st.cg.kc.head) *
                              es,
-          st.cg.kc.last, slot >= 0 && fp8 ? load(st.k_scale) : 1.0f, st.cg.format};
+          st.cg.kc.last, slot >= 0 && fp8 ? load(st.k_scale) : 1.0f, st.cg.format, st.kc_vec};
       auto cached = [&](int64_t j, x_t v) {
         if (key_cache.row != nullptr) key_cache(j, v);
+      };
+      auto cached_chunk = [&](int64_t j0, const Pack<x_t, W>& v) {
+        if (key_cache.row != nullptr) key_cache.chunk(j0, v);
       };
       const auto [src, dst, sl, dl] = head_row(a, off, h);
       // pass 1: the row's statistics (across heads: the unit's, above)
@@ -233,8 +246,7 @@ ROPE_HD void norm_rope_thread(const NormRopeArgs<x_t, tab_t>& a, const ThreadPos
               o.v[l + 1] = static_cast<x_t>(ob);
             }
             store_pack<x_t, W>(dst + c, o);
-            ROPE_UNROLL
-            for (int l = 0; l < W; ++l) cached(c + l, o.v[l]);
+            cached_chunk(c, o);
           }
         } else {
           for (int64_t c = 0; c < half; c += W) {
@@ -251,11 +263,8 @@ ROPE_HD void norm_rope_thread(const NormRopeArgs<x_t, tab_t>& a, const ThreadPos
             }
             store_pack<x_t, W>(dst + c, oa);
             store_pack<x_t, W>(dst + half + c, ob);
-            ROPE_UNROLL
-            for (int l = 0; l < W; ++l) {
-              cached(c + l, oa.v[l]);
-              cached(half + c + l, ob.v[l]);
-            }
+            cached_chunk(c, oa);
+            cached_chunk(half + c, ob);
           }
         }
         for (int64_t c = 2 * half; c < D; c += W) {
@@ -264,8 +273,7 @@ ROPE_HD void norm_rope_thread(const NormRopeArgs<x_t, tab_t>& a, const ThreadPos
           ROPE_UNROLL
           for (int l = 0; l < W; ++l) o.v[l] = static_cast<x_t>(normed(v.v[l], c + l));
           store_pack<x_t, W>(dst + c, o);
-          ROPE_UNROLL
-          for (int l = 0; l < W; ++l) cached(c + l, o.v[l]);
+          cached_chunk(c, o);
         }
       } else {
         for (int64_t p = 0; p < half; ++p) {

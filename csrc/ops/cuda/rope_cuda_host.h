@@ -67,11 +67,42 @@ bool vectorizable(const RotateGeometry& g, const void* const src[2], const void*
   return true;
 }
 
+// Whole-vector table loads (load_tables' tvec): a chunk's pairs span whole table vectors, the
+// rows are one component's (not MRoPE) with unit stride along the pairs, both tables are
+// 16-byte aligned, and every row starts at a multiple of the vector width: the table's row
+// strides (gathered) or the tables' lead strides (strided).
+template <typename x_t, typename tab_t>
+bool tables_vectorizable(const RotateGeometry& g, const void* cos, const void* sin) {
+  constexpr int TW = kWidth<tab_t>;
+  const int pairs = g.interleaved ? kWidth<x_t> / 2 : kWidth<x_t>;  // of a full chunk
+  const TableDesc& t = g.table;
+  if (pairs % TW != 0) return false;
+  if (t.kind == TableKind::kMrope || t.cos_col != 1 || t.sin_col != 1) return false;
+  if (!aligned(cos, kVecBytes) || !aligned(sin, kVecBytes)) return false;
+  if (t.kind == TableKind::kGathered) return t.cos_row % TW == 0 && t.sin_row % TW == 0;
+  for (int d = 0; d < g.lead.ndim; ++d) {
+    if (g.lead.strides[kTab0][d] % TW != 0 || g.lead.strides[kTab1][d] % TW != 0) return false;
+  }
+  return true;
+}
+
+// A paged cache takes a chunk as one store (CacheStore::vec): unit stride along the head dim,
+// its base aligned for the chunk (16 bytes, or W float8 codes), and every row starting at a
+// multiple of W elements.
+template <typename x_t>
+bool cache_rows_vectorizable(const void* base, const CacheStrides& s, CacheFormat format) {
+  constexpr int W = kWidth<x_t>;
+  return s.last == 1 && aligned(base, format == CacheFormat::kSame ? kVecBytes : W) &&
+         s.block % W == 0 && s.offset % W == 0 && s.head % W == 0;
+}
+
 // x over a row's chunks, y over heads, z over tokens within a block; the grid strides over tokens.
+// At most kRowThreads threads share a token, so a thread takes several of its heads and reads
+// its chunk's cos and sin once for all of them (see kRowThreads).
 inline void plan_block(LaunchPlan& p, int64_t chunks, int64_t heads, int64_t tokens,
                        int64_t max_blocks) {
   const int64_t bx = std::min<int64_t>(pow2_at_least(std::max<int64_t>(chunks, 1)), 64);
-  const int64_t by = std::max<int64_t>(1, std::min<int64_t>(heads, 2 * kThreadsPerBlock / bx));
+  const int64_t by = std::max<int64_t>(1, std::min<int64_t>(heads, kRowThreads / bx));
   // (rows of one or two chunks and one head: fewer than kThreadsPerBlock threads, not a bz past
   // CUDA's limit)
   const int64_t bz = std::clamp<int64_t>(kThreadsPerBlock / (bx * by), 1, kMaxBlockZ);
@@ -90,6 +121,7 @@ LaunchPlan plan_rotate(const RotateArgs<x_t, tab_t>& a, int64_t max_blocks) {
   const void* src[2] = {a.src[0], a.src[1]};
   const void* dst[2] = {a.dst[0], a.dst[1]};
   p.vec = vectorizable<x_t>(g, src, dst, g.copy_tail);
+  p.tvec = tables_vectorizable<x_t, tab_t>(g, a.cos, a.sin);
   const int64_t heads = g.target[0].heads + (g.targets > 1 ? g.target[1].heads : 0);
   plan_block(p, p.rot_chunks + p.tail_chunks, heads, g.tokens, max_blocks);
   return p;
@@ -161,6 +193,7 @@ void run_rotate(const RotateGeometry& g, const RotateTensors& t, ScalarType x_ty
     a.tail_chunks = p.tail_chunks;
     a.idx32 = p.idx32;
     a.vec = p.vec;
+    a.tvec = p.tvec;
     g.interleaved ? run(p, a, Bool<true>{}) : run(p, a, Bool<false>{});
   });
 }
@@ -312,16 +345,21 @@ void apply_and_cache_host(const Tensor& query, const Tensor& key, const Tensor& 
     LaunchPlan p;
     p.rot_chunks = g.interleaved ? rotary_chunks<x_t, true>(g.half) : rotary_chunks<x_t, false>(g.half);
     a.key_chunks = p.rot_chunks + ceil_div(g.head_dim - 2 * g.half, W);
-    a.value_chunks = ceil_div(cg.value_dim, W);
+    a.value_vecs = g.interleaved ? 1 : 2;  // a value chunk as wide as a rotary one
+    a.value_chunks = ceil_div(cg.value_dim, a.value_vecs * W);
     const int64_t chunks = std::max(a.key_chunks, a.value_chunks);
     if (chunks == 0) return;  // rows of 0 elements
     p.tail_chunks = chunks - p.rot_chunks;
     const void* src[2] = {r.src[0], r.src[1]};
     p.vec = vectorizable<x_t>(g, src, src, true);  // key rows' tails go to the cache too
-    plan_block(p, chunks, g.target[0].heads + cg.kv_heads, g.tokens, max_blocks);
+    // rows: query heads, key heads, value heads
+    plan_block(p, chunks, g.target[0].heads + 2 * cg.kv_heads, g.tokens, max_blocks);
     r.rot_chunks = p.rot_chunks;
     r.idx32 = p.idx32;
     r.vec = p.vec;
+    r.tvec = p.tvec = tables_vectorizable<x_t, tab_t>(g, r.cos, r.sin);
+    a.kc_vec = cache_rows_vectorizable<x_t>(a.key_cache, cg.kc, cg.format);
+    a.vc_vec = cache_rows_vectorizable<x_t>(a.value_cache, cg.vc, cg.format);
     a.v_vec = cg.v_last == 1 && aligned(a.value, kVecBytes) && cg.v_token % W == 0 &&
               cg.v_head % W == 0 && cg.value_dim % W == 0;
     run(p, a);

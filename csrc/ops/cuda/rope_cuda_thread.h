@@ -111,6 +111,31 @@ ROPE_HD void store_pack(T* p, const Pack<T, N>& v) {
 #endif
 }
 
+// A pack under 16 bytes (a chunk's W float8 codes) as one 2-, 4- or 8-byte global store.
+template <typename T, int N>
+ROPE_HD void store_small_pack(T* p, const Pack<T, N>& v) {
+  using P = Pack<T, N>;
+  static_assert(sizeof(P) == 2 || sizeof(P) == 4 || sizeof(P) == 8, "a pack of 2, 4 or 8 bytes");
+  if (!ROPE_ACCESS_OK(p, sizeof(P), sizeof(T), alignof(P), true)) return;
+#if defined(__CUDA_ARCH__)
+  if constexpr (sizeof(P) == 8) {
+    uint2 bits;
+    __builtin_memcpy(&bits, &v, sizeof(P));
+    __stwb(reinterpret_cast<uint2*>(p), bits);
+  } else if constexpr (sizeof(P) == 4) {
+    unsigned bits;
+    __builtin_memcpy(&bits, &v, sizeof(P));
+    __stwb(reinterpret_cast<unsigned*>(p), bits);
+  } else {
+    unsigned short bits;
+    __builtin_memcpy(&bits, &v, sizeof(P));
+    __stwb(reinterpret_cast<unsigned short*>(p), bits);
+  }
+#else
+  *reinterpret_cast<P*>(p) = v;
+#endif
+}
+
 // Element offsets of one token in every operand. Kernels index only with compile-time indices
 // (unrolled loops, selects): a runtime index into a kernel parameter or a local array would put
 // it in local memory, which a test of the compiled code rules out.
@@ -228,14 +253,34 @@ struct ChunkTables {
   acc_t c[P], s[P];
 };
 
+// tvec: the tables' rows are one component's (not MRoPE), unit stride along the pairs, and
+// 16-byte aligned wherever a run of kWidth<tab_t> pairs starts (the host's tables_vectorizable):
+// a chunk's cos and sin then come in whole vectors where `first` and `count` allow.
 template <typename x_t, typename tab_t>
 ROPE_HD void load_tables(const RotateGeometry& g, const TokenRows<tab_t>& r, int64_t first,
-                         int count, ChunkTables<x_t>& t) {
+                         int count, bool tvec, ChunkTables<x_t>& t) {
   using acc_t = opmath_t<x_t>;
+  constexpr int P = ChunkTables<x_t>::P;
+  constexpr int TW = kWidth<tab_t>;
+  if (tvec && (first % TW) == 0 && (count % TW) == 0) {
+    ROPE_UNROLL
+    for (int j0 = 0; j0 < P; j0 += TW) {
+      if (j0 < count) {
+        const Pack<tab_t, TW> c = load_pack<tab_t, TW>(r.cos0 + first + j0);
+        const Pack<tab_t, TW> s = load_pack<tab_t, TW>(r.sin0 + first + j0);
+        ROPE_UNROLL
+        for (int j = 0; j < TW && j0 + j < P; ++j) {
+          t.c[j0 + j] = static_cast<acc_t>(c.v[j]);
+          t.s[j0 + j] = g.inverse ? -static_cast<acc_t>(s.v[j]) : static_cast<acc_t>(s.v[j]);
+        }
+      }
+    }
+    return;
+  }
   const TableDesc& d = g.table;
   const bool mrope = d.kind == TableKind::kMrope;
   ROPE_UNROLL
-  for (int j = 0; j < ChunkTables<x_t>::P; ++j) {
+  for (int j = 0; j < P; ++j) {
     if (j < count) {
       const int64_t pair = first + j;
       const int k = mrope ? mrope_component(pair, d.section, d.mrope_interleaved) : 0;
@@ -250,7 +295,8 @@ ROPE_HD void load_tables(const RotateGeometry& g, const TokenRows<tab_t>& r, int
 // writes dst (stride ds). src == dst (in place) is fine: a thread reads its chunk fully before
 // writing it, and no other thread touches it. vec: src/dst rows are 16-byte aligned with unit
 // stride and (half-split) half % W == 0, so a full chunk is one or two vector accesses.
-// The rotated values are also handed to `also(element, value)` (the KV-cache write).
+// The rotated values are also handed to `also` (the KV-cache write): a vector's worth at once,
+// also.chunk(first element, pack), where the rows are vectors, else also(element, value).
 template <typename x_t, bool kInterleaved, typename Also>
 ROPE_HD void rotate_chunk(const x_t* src, int64_t ss, x_t* dst, int64_t ds, int64_t half,
                           int64_t first, int count, const ChunkTables<x_t>& t, bool vec,
@@ -270,8 +316,7 @@ ROPE_HD void rotate_chunk(const x_t* src, int64_t ss, x_t* dst, int64_t ds, int6
         v.v[2 * j + 1] = static_cast<x_t>(o1);
       }
       store_pack<x_t, W>(dst + e0, v);
-      ROPE_UNROLL
-      for (int j = 0; j < W; ++j) also(e0 + j, v.v[j]);
+      also.chunk(e0, v);
       return;
     }
     ROPE_UNROLL
@@ -304,11 +349,8 @@ ROPE_HD void rotate_chunk(const x_t* src, int64_t ss, x_t* dst, int64_t ds, int6
     }
     store_pack<x_t, W>(dst + first, a);
     store_pack<x_t, W>(dst + half + first, b);
-    ROPE_UNROLL
-    for (int j = 0; j < W; ++j) {
-      also(first + j, a.v[j]);
-      also(half + first + j, b.v[j]);
-    }
+    also.chunk(first, a);
+    also.chunk(half + first, b);
     return;
   }
   ROPE_UNROLL
@@ -330,18 +372,17 @@ ROPE_HD void rotate_chunk(const x_t* src, int64_t ss, x_t* dst, int64_t ds, int6
 struct NoAlso {
   template <typename T>
   ROPE_HD void operator()(int64_t, T) const {}
+  template <typename P>
+  ROPE_HD void chunk(int64_t, const P&) const {}
 };
 
-// Elements [e0, min(e0 + W, end)) of a row, handed to put(element, value) (a bit-exact copy of
-// the dims past rotary_dim, or their KV-cache write). vec: src is a 16-byte aligned unit-stride
-// row and e0 + W <= end.
+// Elements [e0, min(e0 + W, end)) of a row, handed to `put` as rotate_chunk hands them to
+// `also` (their KV-cache write). vec: src is a 16-byte aligned unit-stride row and e0 + W <= end.
 template <typename x_t, typename Put>
 ROPE_HD void read_chunk(const x_t* src, int64_t ss, int64_t e0, int64_t end, bool vec, Put&& put) {
   constexpr int W = kWidth<x_t>;
   if (vec && e0 + W <= end) {
-    const Pack<x_t, W> v = load_pack<x_t, W>(src + e0);
-    ROPE_UNROLL
-    for (int j = 0; j < W; ++j) put(e0 + j, v.v[j]);
+    put.chunk(e0, load_pack<x_t, W>(src + e0));
     return;
   }
   ROPE_UNROLL
@@ -350,7 +391,7 @@ ROPE_HD void read_chunk(const x_t* src, int64_t ss, int64_t e0, int64_t end, boo
   }
 }
 
-// The same elements copied to dst (unit stride), as one vector store when vec.
+// The same elements copied bit for bit to dst (unit stride), as one vector store when vec.
 template <typename x_t>
 ROPE_HD void copy_chunk(const x_t* src, int64_t ss, x_t* dst, int64_t e0, int64_t end, bool vec) {
   constexpr int W = kWidth<x_t>;
@@ -358,7 +399,10 @@ ROPE_HD void copy_chunk(const x_t* src, int64_t ss, x_t* dst, int64_t e0, int64_
     store_pack<x_t, W>(dst + e0, load_pack<x_t, W>(src + e0));
     return;
   }
-  read_chunk(src, ss, e0, end, false, [&](int64_t e, x_t v) { store(dst + e, v); });
+  ROPE_UNROLL
+  for (int j = 0; j < W; ++j) {
+    if (e0 + j < end) store(dst + e0 + j, load(src + (e0 + j) * ss));
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -381,6 +425,7 @@ struct RotateArgs {
   int64_t tail_chunks;  // pass-through chunks per row (copy_tail)
   bool idx32;
   bool vec;
+  bool tvec;  // whole-vector table loads (load_tables)
 };
 
 // Head h over both targets (target 0's heads, then target 1's): where its row starts in src and
@@ -425,7 +470,7 @@ ROPE_HD void rotate_thread(const RotateArgs<x_t, tab_t>& a, const ThreadPos& tp)
       int count = 0;
       if (c < a.rot_chunks) {
         chunk_pairs<x_t, kInterleaved>(c, g.half, first, count);
-        load_tables(g, rows, first, count, t);
+        load_tables(g, rows, first, count, a.tvec, t);
       }
       for (int64_t h = tp.thread.y; h < heads; h += tp.block_dim.y) {
         const HeadRow<x_t> row = head_row(a, off, h);
@@ -443,9 +488,11 @@ ROPE_HD void rotate_thread(const RotateArgs<x_t, tab_t>& a, const ThreadPos& tp)
 
 // ---------------------------------------------------------------------------------------------
 // cache_thread: rope.apply_and_cache_. The rotation of rotate_thread on query (target 0) and key
-// (target 1) in place; each rotated key chunk also goes, converted, into the key cache, and key
-// heads also carry their token's value chunks into the value cache. threadIdx.x walks
-// max(key chunks, value chunks).
+// (target 1) in place; each rotated key chunk also goes, converted, into the key cache, and the
+// value rows are stored into the value cache. threadIdx.y walks the rows of a token: query heads,
+// key heads, then value heads; threadIdx.x the chunks of a row, max(key chunks, value chunks).
+// A value chunk is as wide as a key row's rotary chunk (two vectors half-split, one interleaved),
+// so that every thread of a block moves about as many bytes.
 
 template <typename x_t, typename tab_t = opmath_t<x_t>>
 struct CacheArgs {
@@ -458,24 +505,56 @@ struct CacheArgs {
   const float* k_scale;  // nullptr unless fp8
   const float* v_scale;
   int64_t key_chunks;    // rotary + pass-through chunks of a key row
-  int64_t value_chunks;
+  int64_t value_chunks;  // chunks of value_vecs vectors of a value row
+  int value_vecs;        // 2 half-split, 1 interleaved
   bool v_vec;            // value rows 16-byte aligned with unit stride, value_dim % W == 0
+  bool kc_vec, vc_vec;   // the caches take whole chunks (CacheStore::vec)
 };
 
-// The cache write of one element: kept (kSame) or value / scale to float8.
+// The cache write of one element, or of a chunk's W elements: kept (kSame) or value / scale to
+// float8. vec: the row takes a chunk as one store (the host's cache_rows_vectorizable): 16
+// bytes, or W float8 codes, at every multiple of W.
 template <typename x_t>
 struct CacheStore {
   void* row;  // the slot's row in the cache, of x_t or of 1-byte float8 codes
   int64_t last;
   float scale;
   CacheFormat format;
+  bool vec;
+  ROPE_HD uint8_t code(x_t v) const {
+    const Fp8Format fmt = format == CacheFormat::kE4M3FN ? Fp8Format::kE4M3FN : Fp8Format::kE5M2;
+    return float_to_fp8(static_cast<float>(v) / scale, fmt);
+  }
   ROPE_HD void operator()(int64_t e, x_t v) const {
     if (format == CacheFormat::kSame) {
       store(static_cast<x_t*>(row) + e * last, v);
     } else {
-      const Fp8Format fmt =
-          format == CacheFormat::kE4M3FN ? Fp8Format::kE4M3FN : Fp8Format::kE5M2;
-      store(static_cast<uint8_t*>(row) + e * last, float_to_fp8(static_cast<float>(v) / scale, fmt));
+      store(static_cast<uint8_t*>(row) + e * last, code(v));
+    }
+  }
+  // Elements [e0, e0 + W), e0 a multiple of W. (Each conversion written once: the kernels
+  // inline this at every store site.)
+  ROPE_HD void chunk(int64_t e0, const Pack<x_t, kWidth<x_t>>& v) const {
+    constexpr int W = kWidth<x_t>;
+    if (format == CacheFormat::kSame) {
+      x_t* const p = static_cast<x_t*>(row) + e0 * last;
+      if (vec) {
+        store_pack<x_t, W>(p, v);
+      } else {
+        ROPE_UNROLL
+        for (int j = 0; j < W; ++j) store(p + j * last, v.v[j]);
+      }
+      return;
+    }
+    Pack<uint8_t, W> codes;
+    ROPE_UNROLL
+    for (int j = 0; j < W; ++j) codes.v[j] = code(v.v[j]);
+    uint8_t* const p = static_cast<uint8_t*>(row) + e0 * last;
+    if (vec) {
+      store_small_pack<uint8_t, W>(p, codes);
+    } else {
+      ROPE_UNROLL
+      for (int j = 0; j < W; ++j) store(p + j * last, codes.v[j]);
     }
   }
 };
@@ -500,7 +579,8 @@ ROPE_HD void cache_thread(const CacheArgs<x_t, tab_t>& a, const ThreadPos& tp) {
   const RotateGeometry& g = r.g;
   const CacheDesc& cg = a.cg;
   const int64_t es = cg.format == CacheFormat::kSame ? sizeof(x_t) : 1;
-  const int64_t q_heads = g.target[0].heads, heads = q_heads + cg.kv_heads;
+  const int64_t q_heads = g.target[0].heads, qk_heads = q_heads + cg.kv_heads;
+  const int64_t rows_per_token = qk_heads + cg.kv_heads;
   const int64_t chunks = a.key_chunks > a.value_chunks ? a.key_chunks : a.value_chunks;
   const int64_t tok_step = static_cast<int64_t>(tp.grid_dim.x) * tp.block_dim.z;
   // Read once: the compiler cannot hoist these loads past the cache stores (they may alias).
@@ -509,7 +589,10 @@ ROPE_HD void cache_thread(const CacheArgs<x_t, tab_t>& a, const ThreadPos& tp) {
   for (int64_t tok = static_cast<int64_t>(tp.block.x) * tp.block_dim.z + tp.thread.z;
        tok < g.tokens; tok += tok_step) {
     const Offsets off = lead_offsets(g.lead, tok, r.idx32);
-    const TokenRows<tab_t> rows = token_rows(g, r.cos, r.sin, r.pos, off);
+    // The table rows (and the check of the position) where the thread has a query or key row:
+    // the threads of value rows only store.
+    TokenRows<tab_t> rows{};
+    if (tp.thread.y < qk_heads) rows = token_rows(g, r.cos, r.sin, r.pos, off);
     const int64_t slot = load_position(a.slots, cg.slots64, tok * cg.slot_stride);
     ROPE_DEVICE_CHECK(slot < cg.slots, "rope: slot_mapping must lie below num_blocks * block_size");
     const bool write = slot >= 0 && slot < cg.slots;
@@ -517,18 +600,36 @@ ROPE_HD void cache_thread(const CacheArgs<x_t, tab_t>& a, const ThreadPos& tp) {
     char* const kc0 = static_cast<char*>(a.key_cache) + cg.kc.slot_row(write ? slot : 0, cg.block_size) * es;
     char* const vc0 = static_cast<char*>(a.value_cache) + cg.vc.slot_row(write ? slot : 0, cg.block_size) * es;
     for (int64_t c = tp.thread.x; c < chunks; c += tp.block_dim.x) {
+      // The chunk's cos and sin, read where a query or key row needs them.
       ChunkTables<x_t> t;
       int64_t first = 0;
       int count = 0;
-      if (c < r.rot_chunks) {
-        if (g.interleaved) {
-          chunk_pairs<x_t, true>(c, g.half, first, count);
-        } else {
-          chunk_pairs<x_t, false>(c, g.half, first, count);
+      bool tables = false;
+      for (int64_t h = tp.thread.y; h < rows_per_token; h += tp.block_dim.y) {
+        if (h >= qk_heads) {  // value head hi: its chunk into the value cache
+          if (!write || c >= a.value_chunks) continue;
+          const int64_t hi = h - qk_heads;
+          const x_t* v = a.value + tok * cg.v_token + hi * cg.v_head;
+          const CacheStore<x_t> to_value_cache{vc0 + hi * cg.vc.head * es, cg.vc.last, v_scale,
+                                               cg.format, a.vc_vec};
+          ROPE_UNROLL
+          for (int k = 0; k < 2; ++k) {
+            const int64_t e0 = (c * a.value_vecs + k) * W;
+            if (k < a.value_vecs && e0 < cg.value_dim) {
+              read_chunk(v, cg.v_last, e0, cg.value_dim, a.v_vec, to_value_cache);
+            }
+          }
+          continue;
         }
-        load_tables(g, rows, first, count, t);
-      }
-      for (int64_t h = tp.thread.y; h < heads; h += tp.block_dim.y) {
+        if (c < r.rot_chunks && !tables) {
+          if (g.interleaved) {
+            chunk_pairs<x_t, true>(c, g.half, first, count);
+          } else {
+            chunk_pairs<x_t, false>(c, g.half, first, count);
+          }
+          load_tables(g, rows, first, count, r.tvec, t);
+          tables = true;
+        }
         const HeadRow<x_t> hr = head_row(r, off, h);  // in place: src == dst
         x_t* row = hr.dst;
         if (h < q_heads) {
@@ -538,7 +639,7 @@ ROPE_HD void cache_thread(const CacheArgs<x_t, tab_t>& a, const ThreadPos& tp) {
         const int64_t hi = h - q_heads;
         const TargetDesc& tg = g.target[1];
         const CacheStore<x_t> to_key_cache{kc0 + hi * cg.kc.head * es, cg.kc.last, k_scale,
-                                           cg.format};
+                                           cg.format, a.kc_vec};
         if (c < r.rot_chunks) {
           if (write) {
             rotate_row_chunk(g, row, tg.dst_last, first, count, t, r.vec, to_key_cache);
@@ -548,11 +649,6 @@ ROPE_HD void cache_thread(const CacheArgs<x_t, tab_t>& a, const ThreadPos& tp) {
         } else if (c < a.key_chunks && write) {
           read_chunk(row, tg.dst_last, 2 * g.half + (c - r.rot_chunks) * W, g.head_dim, r.vec,
                      to_key_cache);
-        }
-        if (c < a.value_chunks && write) {
-          const x_t* v = a.value + tok * cg.v_token + hi * cg.v_head;
-          read_chunk(v, cg.v_last, c * W, cg.value_dim, a.v_vec,
-                     CacheStore<x_t>{vc0 + hi * cg.vc.head * es, cg.vc.last, v_scale, cg.format});
         }
       }
     }
