@@ -63,7 +63,7 @@ def cache_bytes(i):  # q, k in place; v read; k and v written to the caches; slo
             + i.nbytes(i.slots))
 
 
-def _unfused_cache(i):
+def unfused_cache(i):
     def run():
         rope_ext.apply_rope_(i.q, i.k, i.positions, i.cache)
         eq.cache_write(i.k, i.v, i.key_cache, i.value_cache, i.slots)
@@ -109,7 +109,7 @@ OPS = {
                i.q, i.k, i.v, i.positions, i.cache, i.key_cache, i.value_cache, i.slots),
            (eq.apply_and_cache_, lambda i: (i.q, i.k, i.v, i.positions, i.cache, i.key_cache,
                                             i.value_cache, i.slots)),
-           unfused=_unfused_cache),
+           unfused=unfused_cache),
     )
 }
 
