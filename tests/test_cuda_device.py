@@ -317,6 +317,9 @@ def test_qk_norm_prologue_matches_the_cpu_kernels():
                             torch.testing.assert_close(x.float(), y.float(), rtol=0.13,
                                                        atol=1e-3, equal_nan=True)
                         else:  # (the caches' unwritten rows: NaN on both)
-                            rtol, atol = TOL[dtype]
+                            # two float32 results, each within TOL of the exact one: within
+                            # twice TOL of each other (sums of squares in different orders;
+                            # a seed found 1.9e-6 apart at 0.21)
+                            rtol, atol = (2 * t for t in TOL[dtype])
                             torch.testing.assert_close(x.double(), y.double(), rtol=rtol,
                                                        atol=atol, equal_nan=True)
