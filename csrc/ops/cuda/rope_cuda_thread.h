@@ -537,24 +537,26 @@ struct CacheStore {
   ROPE_HD void chunk(int64_t e0, const Pack<x_t, kWidth<x_t>>& v) const {
     constexpr int W = kWidth<x_t>;
     if (format == CacheFormat::kSame) {
-      x_t* const p = static_cast<x_t*>(row) + e0 * last;
-      if (vec) {
-        store_pack<x_t, W>(p, v);
-      } else {
-        ROPE_UNROLL
-        for (int j = 0; j < W; ++j) store(p + j * last, v.v[j]);
-      }
+      store_row_pack(static_cast<x_t*>(row) + e0 * last, last, v, vec);
       return;
     }
     Pack<uint8_t, W> codes;
     ROPE_UNROLL
     for (int j = 0; j < W; ++j) codes.v[j] = code(v.v[j]);
-    uint8_t* const p = static_cast<uint8_t*>(row) + e0 * last;
-    if (vec) {
-      store_small_pack<uint8_t, W>(p, codes);
-    } else {
+    store_row_pack(static_cast<uint8_t*>(row) + e0 * last, last, codes, vec);
+  }
+
+ private:
+  // A pack at p: one store where vec, else element by element `last` apart.
+  template <typename T, int N>
+  static ROPE_HD void store_row_pack(T* p, int64_t last, const Pack<T, N>& v, bool vec) {
+    if (!vec) {
       ROPE_UNROLL
-      for (int j = 0; j < W; ++j) store(p + j * last, codes.v[j]);
+      for (int j = 0; j < N; ++j) store(p + j * last, v.v[j]);
+    } else if constexpr (sizeof(Pack<T, N>) == kVecBytes) {
+      store_pack<T, N>(p, v);
+    } else {
+      store_small_pack<T, N>(p, v);
     }
   }
 };
