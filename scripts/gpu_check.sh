@@ -9,7 +9,8 @@
 #   2. the CUDA tests (tests/test_cuda_device.py, test_cuda_build.py) and the fuzz on the GPU
 #      against the CPU kernels (tests/test_fuzz.py, GPU_CHECK_FUZZ cases)
 #   3. the benchmark on the GPU: bench/bench.py --device cuda (JSON + Markdown written after every
-#      case, so a run cut short by its time budget still leaves what it measured)
+#      case, so a run cut short by its time budget still leaves what it measured), then
+#      bench/gpu_profile.py: each call's kernel time beside its wall time
 #   4. compute-sanitizer over the CUDA tests: memcheck on all of them and on some fuzz cases,
 #      initcheck, racecheck and synccheck on a few
 #   5. the serving benchmark on the GPU (bench/serving_bench.py --device cuda), if time is left
@@ -128,13 +129,21 @@ if [ "${GPU_CHECK_DRY:-0}" = "1" ]; then BENCH_ARGS=(--device cpu --quick --out 
 timeout "$left" "$PY" bench/bench.py "${BENCH_ARGS[@]}" 2> >(grep -v "^W[0-9]" >&2) | tee "$OUT/bench.txt"
 BENCH=${PIPESTATUS[0]}
 
+step "3b. where each call's time goes"
+# Kernel GPU time beside wall time per call (bench/gpu_profile.py): about 20 s on an H200.
+PROFILE="skipped"
+if [ "${GPU_CHECK_DRY:-0}" != "1" ]; then
+  timeout 90 "$PY" bench/gpu_profile.py --out "$OUT" 2> >(grep -v -i "warn" >&2) | tee "$OUT/gpu-profile.md"
+  PROFILE="exit ${PIPESTATUS[0]} ($OUT/gpu-profile.md, .json)"
+fi
+
 step "4. compute-sanitizer"
 # memcheck: every CUDA test but the ones that cannot run under it (the device-side assert is
 # meant to fault; the > 2^31-element test, and torch.compile's code generation, would take
 # minutes at sanitizer speed), and some fuzz cases. initcheck (no read of memory nothing wrote):
 # the reference tests and the paged caches' writes, whose slot sets the kernels fill themselves.
 # racecheck and synccheck: the kernels use no shared memory and no barrier; one short pass each
-# proves that stays true. (On an H200: memcheck 20 s; racecheck took 55 s over 10 tests.)
+# proves that stays true. (On an H200: memcheck 20-25 s; racecheck took 55 s over 10 tests.)
 SANITIZER="skipped (no compute-sanitizer)"
 CS="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)"
 # sanitize TOOL SECONDS PYTEST-ARGS...: one tool over some CUDA tests; its exit joins SANITIZER.
@@ -154,7 +163,8 @@ if [ -n "$CS" ] && [ "${GPU_CHECK_DRY:-0}" != "1" ]; then
     --fuzz-cases "$((FUZZ / 5))" -k "$SAN_K"
   sanitize initcheck "$((left / 5))" tests/test_cuda_device.py \
     -k "gqa_matches_reference or mrope_and_cache or qk_norm_prologue"
-  sanitize racecheck "$((left / 5))" tests/test_cuda_device.py -k "gqa_matches_reference"
+  # (racecheck is the slowest tool: 8 tests took over 30 s on an H200, 2 took 8 s)
+  sanitize racecheck "$((left / 5))" tests/test_cuda_device.py -k "gqa_matches_reference and bfloat16"
   sanitize synccheck "$((left / 5))" tests/test_cuda_device.py -k "gqa_matches_reference"
   SANITIZER="${SANITIZER%, } (7: errors found, 124: time)"
 fi
@@ -182,6 +192,7 @@ step "summary (${SECONDS}s)"
   echo "libraries:   $LIBS"
   echo "CUDA tests:  exit $CUDA_TESTS  ($(tail -1 "$OUT/tests_cuda.txt"))"
   echo "benchmark:   exit $BENCH  ($OUT/cuda.md, cuda.json)"
+  echo "profile:     $PROFILE"
   echo "sanitizer:   $SANITIZER"
   echo "serving:     $SERVING"
   echo "rest:        $REST"
