@@ -15,7 +15,7 @@ constexpr int64_t kMaxBlocks = int64_t{1} << 20;
 constexpr int64_t kThreadsPerBlock = 256;
 // The threads of one token's rows in a block (plan_block: bx * by). Fewer threads than rows, so
 // a thread rotates several heads with one load of its chunk's cos and sin and one reading of
-// the token's position: on an H200 (bench/results/gpu-check-h200.md) 128 took a prefill
+// the token's position: on an H200 (bench/results/gpu-profile-h200.md) 128 took a prefill
 // rotation (8192 x 32 x 128) from 90 to 74 us in bfloat16 and from 206 to 96 us in float32,
 // and rope.apply_and_cache_ from 221 to 109 us, against 256 or 512.
 constexpr int64_t kRowThreads = 128;
