@@ -306,6 +306,8 @@ def test_apply_and_cache(dtype, kv_cache_dtype, interleaved):
         qkv = torch.randn(T, hq + 2 * hk, head_dim, dtype=dtype)  # strided views of a fused buffer
         q, k = qkv[:, :hq], qkv[:, hq : hq + hk]
         v = torch.randn(T, hk, dv, dtype=dtype)
+        if head_dim == 96:  # value strided along its head dim: element by element
+            v = torch.randn(T, hk, 2 * dv, dtype=dtype)[..., ::2]
         cdt = FP8[kv_cache_dtype] or dtype
         blocks = (T + 3 + block - 1) // block  # room for every token, and unused slots
         kc = torch.randn(blocks, block, hk, head_dim).to(cdt)

@@ -108,6 +108,7 @@ def test_prologue_scalar_path_mrope_and_partial_rotary():
     a = make_case(T=5, hq=2, hk=1, D=40, Dv=24, rotary_dim=24, dtype=torch.float16,
                   fmt="fp8_e4m3", packed=False, mrope=True)
     a["query"] = torch.randn(5, 2, 80, dtype=torch.float16)[..., ::2]  # strided head dim
+    a["value"] = torch.randn(5, 1, 48, dtype=torch.float16)[..., ::2]  # the value's too
     before = {n: a[n].clone() for n in ("query", "key", "value")}
     kw = {n: v for n, v in a.items() if n not in POSITIONAL}
     info = sim.qk_norm_rope_and_cache_(*[a[n] for n in POSITIONAL], eps=EPS, v_norm=True,

@@ -79,13 +79,11 @@ void run_norm_rope(const RotateGeometry& g, const NormRopeTensors& t, const Norm
       NormStore& st = a.store;
       st = *store;
       const CacheDesc& cg = st.cg;
-      constexpr int W = kWidth<x_t>;
-      auto rows_vec = [&](const void* base, int64_t token, int64_t head, int64_t last) {
-        return last == 1 && aligned(base, kVecBytes) && token % W == 0 && head % W == 0;
-      };
-      st.v_vec = cg.value_dim % W == 0 && rows_vec(st.value, cg.v_token, cg.v_head, cg.v_last) &&
+      st.v_vec = value_rows_vectorizable<x_t>(st.value, cg.v_token, cg.v_head, cg.v_last,
+                                              cg.value_dim) &&
                  (st.value_out == nullptr ||
-                  rows_vec(st.value_out, cg.vo_token, cg.vo_head, cg.vo_last));
+                  value_rows_vectorizable<x_t>(st.value_out, cg.vo_token, cg.vo_head, cg.vo_last,
+                                               cg.value_dim));
       st.kc_vec = cache_rows_vectorizable<x_t>(st.key_cache, cg.kc, cg.format);
       st.vc_vec = cache_rows_vectorizable<x_t>(st.value_cache, cg.vc, cg.format);
     }

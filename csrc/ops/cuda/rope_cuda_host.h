@@ -96,6 +96,17 @@ bool cache_rows_vectorizable(const void* base, const CacheStrides& s, CacheForma
          s.block % W == 0 && s.offset % W == 0 && s.head % W == 0;
 }
 
+// Value rows read (or written) as whole vectors: unit stride along the head dim, the base 16-byte
+// aligned, every token's and head's row starting at a multiple of W elements, and value_dim a
+// multiple of W. (value_out's rows take the same test, with its own strides.)
+template <typename x_t>
+bool value_rows_vectorizable(const void* base, int64_t token, int64_t head, int64_t last,
+                             int64_t value_dim) {
+  constexpr int W = kWidth<x_t>;
+  return last == 1 && aligned(base, kVecBytes) && token % W == 0 && head % W == 0 &&
+         value_dim % W == 0;
+}
+
 // x over a row's chunks, y over heads, z over tokens within a block; the grid strides over tokens.
 // At most kRowThreads threads share a token, so a thread takes several of its heads and reads
 // its chunk's cos and sin once for all of them (see kRowThreads).
@@ -360,8 +371,8 @@ void apply_and_cache_host(const Tensor& query, const Tensor& key, const Tensor& 
     r.tvec = p.tvec = tables_vectorizable<x_t, tab_t>(g, r.cos, r.sin);
     a.kc_vec = cache_rows_vectorizable<x_t>(a.key_cache, cg.kc, cg.format);
     a.vc_vec = cache_rows_vectorizable<x_t>(a.value_cache, cg.vc, cg.format);
-    a.v_vec = cg.v_last == 1 && aligned(a.value, kVecBytes) && cg.v_token % W == 0 &&
-              cg.v_head % W == 0 && cg.value_dim % W == 0;
+    a.v_vec = value_rows_vectorizable<x_t>(a.value, cg.v_token, cg.v_head, cg.v_last,
+                                           cg.value_dim);
     run(p, a);
   });
 }
