@@ -122,7 +122,7 @@ def test_aligned_path_moves_128_bit_global_vectors(compiled):
     assert len(bodies) >= 18
     for name, body in bodies.items():
         if "slot_set" in name or "shift_kernel" in name:  # one 8-byte slot per thread, read and
-            # hashed; K-shift: scalar by design (shift_cuda_thread.h). Nothing to vectorize.
+            # hashed; K-shift: scalar by design (kv_shift/cuda/thread.h). Nothing to vectorize.
             continue
         loads = re.findall(r"ld\.global(?:\.ca)?\.v4\.u32", body)
         stores = re.findall(r"st\.global(?:\.wb)?\.v4\.u32", body)

@@ -159,6 +159,11 @@ def test_one_build_description_serves_every_way_in():
     # Every C++/CUDA source under csrc/ is either listed or included (no stray, unbuilt file),
     # and no .cpp includes another .cpp.
     listed = {s for lib in desc["libraries"].values() for s in lib["sources"] + [lib["python_init"]]}
+    # The JIT build names each object file after its source's base name (family folders reuse
+    # file names: qk_norm/cpu/kernels.h, quant/cpu/kernels.h), so a library's sources must not.
+    for lib in desc["libraries"].values():
+        stems = [os.path.splitext(os.path.basename(s))[0] for s in lib["sources"] + [lib["python_init"]]]
+        assert len(stems) == len(set(stems)), f"sources sharing a base name: {sorted(stems)}"
     for dirpath, _, files in os.walk(os.path.join(root, "csrc")):
         for f in files:
             rel = os.path.relpath(os.path.join(dirpath, f), root)

@@ -212,7 +212,7 @@ def test_bad_input_raises_and_changes_nothing(impl, case, match):
 
 @pytest.mark.parametrize("case", [c for c, _ in BAD if c != "device"])
 def test_native_and_reference_messages_are_identical(case):
-    # The Python checks mirror csrc/ops/mrope_checks.cpp word for word (C++ adds a location prefix).
+    # The Python checks mirror csrc/ops/checks.h word for word (C++ adds a location prefix).
     messages = []
     for impl in IMPLS.values():
         q, k, pos, cache, sections = bad_case(case)

@@ -1,4 +1,4 @@
-"""rope.shift_kv_cache_ (K-shift) in PyTorch: the checks, mirroring csrc/ops/shift_checks.h
+"""rope.shift_kv_cache_ (K-shift) in PyTorch: the checks, mirroring csrc/ops/kv_shift/checks.h
 message for message, and the reference kernel (the readable spec; docs/kv-shift.md).
 
 Each listed slot's cached keys are rotated in place by `delta` positions: the first rotary_dim

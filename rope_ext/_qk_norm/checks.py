@@ -1,7 +1,7 @@
 """Argument checks of the fused QK-RMSNorm + RoPE ops (rope.qk_norm_rope, rope.qk_norm_rope_,
 rope.qkv_norm_rope_), for the reference and fake kernels. They reuse rope_ext._checks for what
 the rotation ops share (query/key, positions, the cos_sin_cache) and add the norm's arguments;
-the native checks (csrc/ops/qk_norm_checks.h) raise the same messages in the same order.
+the native checks (csrc/ops/qk_norm/checks.h) raise the same messages in the same order.
 """
 
 import math

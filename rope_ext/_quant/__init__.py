@@ -1,3 +1,3 @@
 """The RoPE + FP8 quantization ops' Python side: argument checks (mirroring
-csrc/ops/rope_quant_checks.h), the reference, fake kernels and in-place bookkeeping. The public
+csrc/ops/quant/checks.h), the reference, fake kernels and in-place bookkeeping. The public
 functions are rope_ext.compat.flashinfer's."""

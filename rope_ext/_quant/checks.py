@@ -1,7 +1,7 @@
 """Argument checks of the RoPE + FP8 quantization ops (rope.quantize_fp8 and
 rope.quantize_fp8_append_paged_kv_cache) for the Python paths (reference and fake kernels).
 
-They mirror csrc/ops/rope_quant_checks.h: the same conditions in the same order and the same
+They mirror csrc/ops/quant/checks.h: the same conditions in the same order and the same
 messages. `memory=False` skips the byte-range overlap checks (fake tensors have no memory).
 """
 
@@ -99,7 +99,7 @@ def check_outputs_disjoint(outs, op):
 
 def check_quantize(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, q_rope_out, k_rope_out,
                    q_nope_out, k_nope_out, memory=True):
-    """Mirrors rope_quant_checks.h check_quantize. Returns (geometry tuple, fp8 dtype)."""
+    """Mirrors quant/checks.h check_quantize. Returns (geometry tuple, fp8 dtype)."""
     op = OP
     geo = check_inputs(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, op)
     outs = (("q_rope_out", q_rope_out, q_rope), ("k_rope_out", k_rope_out, k_rope),
@@ -124,7 +124,7 @@ def cache_names(mla):
 def check_paged(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, q_rope_out, q_nope_out,
                 k_cache, v_cache, kv_indices, kv_indptr, batch_indices, positions, page_size,
                 kv_layout, memory=True):
-    """Mirrors rope_quant_checks.h check_paged. Returns (geometry tuple, fp8 dtype)."""
+    """Mirrors quant/checks.h check_paged. Returns (geometry tuple, fp8 dtype)."""
     op = PAGED_OP
     geo = check_inputs(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, op)
     nnz, q_heads, kv_heads, rope_dim, no_rope_dim, mla = geo

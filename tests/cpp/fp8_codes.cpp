@@ -1,5 +1,5 @@
 // Every float8 conversion the kernels use, against the branchy definitions in
-// csrc/rope_math.h and csrc/ops/shift_geometry.h: float_to_fp8_code (the CPU's branch-free
+// csrc/rope_math.h and csrc/ops/kv_shift/geometry.h: float_to_fp8_code (the CPU's branch-free
 // encoder) and fp8_encode_run (csrc/ops/cpu/fp8_vec.h, as the ISA named at build time compiles
 // it) for all 2^32 floats, fp8_to_float_lanes and fp8_decode_run for all 256 codes (times
 // several scales, and with denormals flushed), in both formats; and dividing_encoder's choice
@@ -18,7 +18,7 @@
 #endif
 
 #define ROPE_INLINE inline __attribute__((always_inline))
-#include "ops/shift_geometry.h"
+#include "ops/kv_shift/geometry.h"
 #include "ops/cpu/fp8_vec.h"
 
 using namespace rope;

@@ -23,7 +23,7 @@
 #include <torch/csrc/stable/library.h>
 
 #include "ops/cuda/rope_cuda_host.h"
-#include "ops/cuda/shift_cuda_host.h"
+#include "ops/kv_shift/cuda/host.h"
 #include "sim_recorder.inc"
 
 namespace rope::sim {

@@ -1,5 +1,5 @@
 // The storage type of a DtIndex as a C++ type, for the kernel headers (kernels.h,
-// qk_norm_kernels.h): their conversion loops then know it instead of switching per element.
+// qk_norm/cpu/kernels.h): their conversion loops then know it instead of switching per element.
 // Included by them, so inside the ISA file's target switch, like the lambdas it calls; internal
 // linkage (see kernel_api.h).
 #pragma once

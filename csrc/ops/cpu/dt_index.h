@@ -1,5 +1,5 @@
 // The DtIndex (kernel_api.h) of a tensor's dtype, for the CPU host files (rope_cpu.cpp,
-// qk_norm_rope_cpu.cpp). Host side only: the ISA files need no torch header.
+// qk_norm/cpu/qk_norm_cpu.cpp). Host side only: the ISA files need no torch header.
 #pragma once
 
 #include "../checks.h"

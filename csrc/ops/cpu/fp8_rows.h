@@ -2,7 +2,7 @@
 // read into float blocks and float blocks written as float8 codes, and a row's rotary pairs
 // taken through both with the family's rotate_block in between. The conversions are the ISA's
 // (fp8_vec.h). Used by the paged cache store (kernels.h), the K-shift of float8 caches
-// (shift_kernels.h) and RoPE + FP8 quantization (quant_kernels.h).
+// (kv_shift/cpu/kernels.h) and RoPE + FP8 quantization (quant/cpu/kernels.h).
 
 #include "fp8_vec.h"
 

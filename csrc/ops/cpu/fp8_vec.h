@@ -2,7 +2,7 @@
 // unit of the including ISA file: ROPE_FP8_AVX512 (AVX-512 F/BW + F16C) or ROPE_FP8_AVX2
 // (AVX2 + F16C); without either, the branch-free lane functions in a loop the compiler
 // vectorizes. Every path gives the bits of fp8_to_float and float_to_fp8 (../../rope_math.h,
-// ../shift_geometry.h): tests/cpp/fp8_codes.cpp runs each compiled one over all 2^32 floats and
+// kv_shift/geometry.h): tests/cpp/fp8_codes.cpp runs each compiled one over all 2^32 floats and
 // all 256 codes.
 //
 // Why not the lane functions everywhere: their auto-vectorized form widens codes to 32-bit

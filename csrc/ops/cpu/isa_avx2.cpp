@@ -12,7 +12,7 @@
 #include <immintrin.h>
 
 #include "avx2_bf16.h"
-// The norm kernels round bfloat16 rows with avx2_bf16.h too (qk_norm_kernels.h).
+// The norm kernels round bfloat16 rows with avx2_bf16.h too (qk_norm/cpu/kernels.h).
 #define ROPE_AVX2_BF16 1
 
 namespace rope {

@@ -7,10 +7,10 @@
 
 #include <cstdint>
 
-#include "../cuda/rope_quant_thread.h"
+#include "../quant/cuda/thread.h"
 #include "../geometry.h"
-#include "../qk_norm_geometry.h"
-#include "../shift_geometry.h"
+#include "../qk_norm/geometry.h"
+#include "../kv_shift/geometry.h"
 
 namespace rope {
 
@@ -94,7 +94,7 @@ struct NormJob {
 // kernel; longer ones get weights the host cast to the arithmetic type.
 constexpr int64_t kQkNormStackHeadDim = 1024;
 
-// One call of rope.shift_kv_cache_ (shift_geometry.h ShiftDesc, checked, its data too).
+// One call of rope.shift_kv_cache_ (kv_shift/geometry.h ShiftDesc, checked, its data too).
 struct ShiftJob {
   const ShiftDesc* d;
   void* cache;        // the key cache: its elements, or float8 codes
@@ -109,11 +109,11 @@ using RotateTokensFn = void (*)(const RotateJob&, int64_t begin_token, int64_t e
 using ShiftSlotsFn = void (*)(const ShiftJob&, int64_t begin_entry, int64_t end_entry);
 using NormRopeTokensFn = void (*)(const NormJob&, int64_t begin_token, int64_t end_token);
 using CacheTokensFn = void (*)(const CacheJob&, int64_t begin_token, int64_t end_token);
-// args: a gpu::QuantArgs (../cuda/rope_quant_thread.h) of the entry's element type.
+// args: a gpu::QuantArgs (quant/cuda/thread.h) of the entry's element type.
 using QuantTokensFn = void (*)(const void* args, int64_t begin_token, int64_t end_token);
 
 // Kernels of one ISA, indexed by the dtype of x (query/key) and, for the cache write, the
-// CacheFormat of the caches: the rotation, the norm stage with the rotation (qk_norm_kernels.h),
+// CacheFormat of the caches: the rotation, the norm stage with the rotation (qk_norm/cpu/kernels.h),
 // the rotation with the cache store, and the cache store alone (a TokenHook over a CacheJob, for
 // the norm kernel's tokens); the K-shift by the cache's dtype, or its float8 format
 // (shift_fp8[kSame] is unused).

@@ -653,9 +653,9 @@ void cache_tokens(const CacheJob& job, int64_t b, int64_t e) {
 }  // namespace
 }  // namespace rope
 
-#include "qk_norm_kernels.h"
-#include "shift_kernels.h"
-#include "quant_kernels.h"
+#include "../qk_norm/cpu/kernels.h"
+#include "../kv_shift/cpu/kernels.h"
+#include "../quant/cpu/kernels.h"
 
 namespace rope {
 namespace {

@@ -12,10 +12,10 @@
 #pragma once
 
 #include "launch_plan.h"
-#include "qk_norm_rope_thread.h"
+#include "../qk_norm/cuda/thread.h"
 #include "rope_cuda_thread.h"
-#include "rope_quant_thread.h"
-#include "shift_cuda_thread.h"
+#include "../quant/cuda/thread.h"
+#include "../kv_shift/cuda/thread.h"
 
 namespace rope::gpu {
 
@@ -26,16 +26,16 @@ template <typename x_t, typename tab_t>
 const char* launch_cache(const LaunchPlan& p, const CacheArgs<x_t, tab_t>& a, void* stream);
 const char* launch_slot_set(const LaunchPlan& p, const SlotSetArgs& a, void* stream);
 
-// qk_norm_rope.cu: the fused QK-RMSNorm + RoPE ops.
+// qk_norm/cuda/qk_norm_cuda.cu: the fused QK-RMSNorm + RoPE ops.
 template <typename x_t, typename tab_t, bool kInterleaved>
 const char* launch_norm_rope(const LaunchPlan& p, const NormRopeArgs<x_t, tab_t>& a,
                              void* stream);
 
-// rope_quant.cu: the RoPE + FP8 quantization ops.
+// quant/cuda/quant_cuda.cu: the RoPE + FP8 quantization ops.
 template <typename x_t>
 const char* launch_quant(const LaunchPlan& p, const QuantArgs<x_t>& a, void* stream);
 
-// shift_cuda.cu: rope.shift_kv_cache_.
+// kv_shift/cuda/shift_cuda.cu: rope.shift_kv_cache_.
 template <typename x_t, typename acc_t>
 const char* launch_shift(const LaunchPlan& p, const ShiftArgs<x_t, acc_t>& a, void* stream);
 

@@ -1,6 +1,6 @@
 // The CUDA kernels of every op, registered for the CUDA key. Each op family's host logic
 // (checks, table dtypes, launch plan, dispatch) is in its *_host.h (rope_cuda_host.h,
-// qk_norm_rope_host.h, rope_quant_host.h, shift_cuda_host.h), shared with the CPU simulator that
+// qk_norm/cuda/host.h, quant/cuda/host.h, kv_shift/cuda/host.h), shared with the CPU simulator that
 // tests the kernels without a GPU; this file adds what only a GPU needs: one runner
 // (cuda_runner.h: the device guard, the current stream, the launch check) whose overloads launch
 // every kernel of the family through its launcher (cuda_kernels.h, defined with the kernels in
@@ -9,10 +9,10 @@
 
 #include "../routes.h"
 #include "cuda_runner.h"
-#include "qk_norm_rope_host.h"
+#include "../qk_norm/cuda/host.h"
 #include "rope_cuda_host.h"
-#include "rope_quant_host.h"
-#include "shift_cuda_host.h"
+#include "../quant/cuda/host.h"
+#include "../kv_shift/cuda/host.h"
 
 namespace rope::gpu {
 namespace {
@@ -95,7 +95,7 @@ void apply_and_cache_cuda(Tensor query, Tensor key, Tensor value, Tensor positio
                        CudaLaunch(query, "rope.apply_and_cache_"));
 }
 
-// ---- norm + rotation (qk_norm_rope_host.h) ----
+// ---- norm + rotation (qk_norm/cuda/host.h) ----
 
 std::tuple<Tensor, Tensor> qk_norm_rope_cuda(Tensor query, Tensor key, Tensor q_weight,
                                              Tensor k_weight, Tensor cos, Tensor sin, double eps,
@@ -167,7 +167,7 @@ std::tuple<Tensor, Tensor, Tensor> qk_norm_rope_and_cache_out_cuda(
   return std::move(*out);
 }
 
-// ---- K-shift (shift_cuda_host.h) ----
+// ---- K-shift (kv_shift/cuda/host.h) ----
 
 void shift_kv_cache_cuda(Tensor key_cache, Tensor slot_mapping, Tensor delta,
                          Tensor cos_sin_cache, bool interleaved, std::string kv_cache_dtype,

@@ -1,14 +1,14 @@
 // rope.shift_kv_cache_ (K-shift): the keys of a paged cache re-rotated in place by a position
 // change. Its plain-data description and its per-pair math, shared by the CPU kernel, the CUDA
-// kernel and the CUDA simulator (host and device code); the checks are in shift_checks.h.
+// kernel and the CUDA simulator (host and device code); the checks are in kv_shift/checks.h.
 // docs/kv-shift.md has the semantics.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 
-#include "../rope_math.h"
-#include "geometry.h"
+#include "../../rope_math.h"
+#include "../geometry.h"
 
 namespace rope {
 

@@ -1,5 +1,5 @@
 // Host side of the fused QK-RMSNorm + RoPE CUDA ops, shared by the ops (cuda_ops.cpp) and
-// the CPU simulator (tests/sim/qk_norm_sim.inc): checks (../qk_norm_checks.h), positions read
+// the CPU simulator (tests/sim/qk_norm_sim.inc): checks (qk_norm/checks.h), positions read
 // once, table and weight casts, the launch plan and the dtype dispatch. A `Runner` launches the
 // kernel instantiation it is given, or simulates it. Positions are range-checked on the device.
 #pragma once
@@ -10,10 +10,10 @@
 #include <tuple>
 #include <vector>
 
-#include "../alloc.h"
-#include "../qk_norm_checks.h"
-#include "qk_norm_rope_thread.h"
-#include "rope_cuda_host.h"
+#include "../../alloc.h"
+#include "../checks.h"
+#include "thread.h"
+#include "../../cuda/rope_cuda_host.h"
 
 namespace rope::gpu {
 

@@ -1,5 +1,5 @@
 // Host side of rope.shift_kv_cache_ on CUDA, shared by the op (cuda_ops.cpp) and the CPU
-// simulator (tests/sim/cuda_sim.cpp): the checks (../shift_checks.h), the data checks on host
+// simulator (tests/sim/cuda_sim.cpp): the checks (kv_shift/checks.h), the data checks on host
 // copies of slot_mapping, delta and k_scale (one synchronization, so that a bad slot or delta
 // is a clear error before anything is written, as on the CPU), the table in the arithmetic
 // type, the launch plan and the dtype dispatch. A `Runner` launches or simulates.
@@ -11,9 +11,9 @@
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 
-#include "../shift_checks.h"
-#include "rope_cuda_host.h"
-#include "shift_cuda_thread.h"
+#include "../checks.h"
+#include "../../cuda/rope_cuda_host.h"
+#include "thread.h"
 
 namespace rope::gpu {
 

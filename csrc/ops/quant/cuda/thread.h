@@ -1,6 +1,6 @@
 // Per-token code of the RoPE + FP8 quantization ops (rope.quantize_fp8 and
 // rope.quantize_fp8_append_paged_kv_cache), plain C++ like rope_cuda_thread.h: the CUDA kernels
-// (rope_quant.cu) and the simulator run all of it; the CPU kernels (../cpu/quant_kernels.h) run
+// (quant/cuda/quant_cuda.cu) and the simulator run all of it; the CPU kernels (quant/cpu/kernels.h) run
 // its rows and their destinations (quant_token_rows, quant_row) with their own vector row loops,
 // which round like rotate_pair and float_to_fp8 (tests/test_rope_quant.py compares every path's
 // bits).
@@ -11,8 +11,8 @@
 // that writes both of its outputs.
 #pragma once
 
-#include "../rope_quant_geometry.h"
-#include "rope_cuda_thread.h"
+#include "../geometry.h"
+#include "../../cuda/rope_cuda_thread.h"
 
 namespace rope::gpu {
 

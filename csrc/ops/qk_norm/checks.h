@@ -14,8 +14,8 @@
 #include <utility>
 #include <vector>
 
-#include "checks.h"
-#include "qk_norm_geometry.h"
+#include "../checks.h"
+#include "geometry.h"
 
 namespace rope {
 

@@ -1,6 +1,6 @@
 // Per-thread code of the fused QK-RMSNorm + RoPE CUDA kernels (rope.qk_norm_rope*), plain C++
 // over rope_cuda_thread.h's instrumented accesses, so that nvcc builds the kernels from it
-// (qk_norm_rope.cu) and g++ builds the simulator that checks every access
+// (qk_norm/cuda/qk_norm_cuda.cu) and g++ builds the simulator that checks every access
 // (tests/sim/qk_norm_sim.inc).
 //
 // One thread per row (one head of one token): a first pass takes the sum of squares of the row
@@ -21,8 +21,8 @@
 
 #include <cmath>
 
-#include "../qk_norm_geometry.h"
-#include "rope_cuda_thread.h"
+#include "../geometry.h"
+#include "../../cuda/rope_cuda_thread.h"
 
 namespace rope::gpu {
 

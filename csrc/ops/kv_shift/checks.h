@@ -7,8 +7,8 @@
 #include <optional>
 #include <string>
 
-#include "checks.h"
-#include "shift_geometry.h"
+#include "../checks.h"
+#include "geometry.h"
 
 namespace rope {
 

@@ -1,7 +1,7 @@
 // The CPU host side of the fused QK-RMSNorm + RoPE ops (rope.qk_norm_rope, rope.qk_norm_rope_,
-// rope.qkv_norm_rope_; docs/qk_norm.md): checks (../qk_norm_checks.h), positions read once and
+// rope.qkv_norm_rope_; docs/qk_norm.md): checks (qk_norm/checks.h), positions read once and
 // range-checked before anything is written, the threading, and the call into the norm kernel of
-// the CPU variant that serves (CpuKernels::norm_rope, qk_norm_kernels.h). Each call is a
+// the CPU variant that serves (CpuKernels::norm_rope, qk_norm/cpu/kernels.h). Each call is a
 // RotateGeometry plus a NormDesc.
 #include <algorithm>
 #include <cmath>
@@ -14,12 +14,12 @@
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 
-#include "../alloc.h"
-#include "../qk_norm_checks.h"
-#include "../routes.h"
-#include "cache_store.h"
-#include "dt_index.h"
-#include "kernel_api.h"
+#include "../../alloc.h"
+#include "../checks.h"
+#include "../../routes.h"
+#include "../../cpu/cache_store.h"
+#include "../../cpu/dt_index.h"
+#include "../../cpu/kernel_api.h"
 
 namespace rope {
 namespace {

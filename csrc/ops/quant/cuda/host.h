@@ -1,5 +1,5 @@
 // Host side of the RoPE + FP8 quantization ops, shared by the CUDA ops (cuda_ops.cpp), the
-// CPU kernel (../cpu/rope_quant_cpu.cpp) and the simulator: checks (../rope_quant_checks.h), the
+// CPU kernel (quant/cpu/quant_cpu.cpp) and the simulator: checks (quant/checks.h), the
 // arguments, the launch plan (grid, block, vector path) and the dtype dispatch. The `Runner`
 // launches the kernel, runs it on the CPU, or simulates every thread.
 #pragma once
@@ -9,9 +9,9 @@
 
 #include <torch/csrc/stable/tensor.h>
 
-#include "../rope_quant_checks.h"
-#include "rope_cuda_host.h"
-#include "rope_quant_thread.h"
+#include "../checks.h"
+#include "../../cuda/rope_cuda_host.h"
+#include "thread.h"
 
 namespace rope::gpu {
 

@@ -1,11 +1,11 @@
-// The CUDA kernels of the RoPE + FP8 quantization ops: the per-token code of rope_quant_thread.h
+// The CUDA kernels of the RoPE + FP8 quantization ops: the per-token code of quant/cuda/thread.h
 // (shared with the CPU kernel and the simulator) run at each thread's position, and their
-// launchers (cuda_kernels.h), one per dtype that the host code (rope_quant_host.h, run by
+// launchers (cuda_kernels.h), one per dtype that the host code (quant/cuda/host.h, run by
 // cuda_ops.cpp) dispatches to.
 #include <torch/headeronly/util/BFloat16.h>
 #include <torch/headeronly/util/Half.h>
 
-#include "cuda_launch.cuh"
+#include "../../cuda/cuda_launch.cuh"
 
 namespace rope::gpu {
 namespace {
@@ -22,7 +22,7 @@ const char* launch_quant(const LaunchPlan& p, const QuantArgs<x_t>& a, void* str
   return launch(quant_kernel<x_t>, p, a, stream);
 }
 
-// The dtypes of ROPE_DISPATCH_QUANT_X (rope_quant_host.h).
+// The dtypes of ROPE_DISPATCH_QUANT_X (quant/cuda/host.h).
 template const char* launch_quant<float>(const LaunchPlan&, const QuantArgs<float>&, void*);
 template const char* launch_quant<torch::headeronly::Half>(
     const LaunchPlan&, const QuantArgs<torch::headeronly::Half>&, void*);

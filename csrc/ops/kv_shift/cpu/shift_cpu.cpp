@@ -1,5 +1,5 @@
-// The CPU host of rope.shift_kv_cache_ (K-shift, ../shift_geometry.h): the checks, then the
-// listed slots split across threads; the kernel (shift_kernels.h) is the variant that serves,
+// The CPU host of rope.shift_kv_cache_ (K-shift, kv_shift/geometry.h): the checks, then the
+// listed slots split across threads; the kernel (kv_shift/cpu/kernels.h) is the variant that serves,
 // compiled per ISA with the rotation kernels whose row loop it shares.
 #include <optional>
 #include <string>
@@ -8,8 +8,8 @@
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 
-#include "../shift_checks.h"
-#include "dt_index.h"
+#include "../checks.h"
+#include "../../cpu/dt_index.h"
 
 namespace rope {
 namespace {

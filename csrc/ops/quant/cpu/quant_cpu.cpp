@@ -1,7 +1,7 @@
 // RoPE + FP8 quantization (FlashInfer's rope_quantize_fp8 family) on the CPU: the host side (the
-// CUDA ops' checks and arguments, ../cuda/rope_quant_host.h), the data checks (positions, page
+// CUDA ops' checks and arguments, quant/cuda/host.h), the data checks (positions, page
 // tables) that the CUDA kernels make on the device, here made first so that a rejected call
-// writes nothing, then the ISA's kernel (quant_kernels.h) over token ranges on torch's thread
+// writes nothing, then the ISA's kernel (quant/cpu/kernels.h) over token ranges on torch's thread
 // pool.
 #include <algorithm>
 #include <optional>
@@ -12,9 +12,9 @@
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 
-#include "../cuda/rope_quant_host.h"
-#include "../routes.h"
-#include "kernel_api.h"
+#include "../cuda/host.h"
+#include "../../routes.h"
+#include "../../cpu/kernel_api.h"
 
 namespace rope {
 namespace {
@@ -78,7 +78,7 @@ struct CpuRunner {
         1, (g.q_heads + g.kv_heads) * (2 * g.half + g.nope) +
                (g.paged && !g.mla ? g.kv_heads * (2 * g.half + g.nope) : 0));
     const int64_t grain = std::max<int64_t>(1, kGrainElements / per_token);
-    // The ISA's kernel (quant_kernels.h) reads `a` as QuantArgs of its element type, of
+    // The ISA's kernel (quant/cpu/kernels.h) reads `a` as QuantArgs of its element type, of
     // the same layout: float, HalfBits or BF16Bits for float, Half and BFloat16.
     static_assert(sizeof(x_t) == (std::is_same<x_t, float>::value ? 4 : 2), "element layout");
     constexpr int dt = std::is_same<x_t, float>::value                        ? kF32

@@ -1,7 +1,7 @@
 // rope.quantize_fp8 and rope.quantize_fp8_append_paged_kv_cache (RoPE + FP8 quantization,
-// ../rope_quant_geometry.h) in the CPU kernel family: included by kernels.h, so compiled once per
+// quant/geometry.h) in the CPU kernel family: included by kernels.h, so compiled once per
 // ISA. Which rows a token has and where each goes (outputs, paged caches, MLA) is the CUDA
-// kernels' own code (../cuda/rope_quant_thread.h: quant_token_rows, quant_row), so the devices
+// kernels' own code (quant/cuda/thread.h: quant_token_rows, quant_row), so the devices
 // cannot disagree on it; here each row is converted with the family's vector loops
 // (fp8_rows.h): rotary rows rotated in float blocks, then every row scaled and encoded.
 

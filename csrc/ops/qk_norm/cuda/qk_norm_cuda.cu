@@ -1,11 +1,11 @@
 // The CUDA kernels of the fused QK-RMSNorm + RoPE ops: the per-thread code of
-// qk_norm_rope_thread.h run at each thread's position, and their launchers (cuda_kernels.h), one
-// per dtype pair and layout that the host code (qk_norm_rope_host.h, run by cuda_ops.cpp)
+// qk_norm/cuda/thread.h run at each thread's position, and their launchers (cuda_kernels.h), one
+// per dtype pair and layout that the host code (qk_norm/cuda/host.h, run by cuda_ops.cpp)
 // dispatches to.
 #include <torch/headeronly/util/BFloat16.h>
 #include <torch/headeronly/util/Half.h>
 
-#include "cuda_launch.cuh"
+#include "../../cuda/cuda_launch.cuh"
 
 namespace rope::gpu {
 namespace {

@@ -1,4 +1,4 @@
-// rope.shift_kv_cache_ (K-shift, ../shift_geometry.h) in the CPU kernel family: each listed
+// rope.shift_kv_cache_ (K-shift, kv_shift/geometry.h) in the CPU kernel family: each listed
 // slot's key rows re-rotated in place by the unit rotation of table row |delta|. Included by
 // kernels.h, so it is compiled once per ISA with the rotation kernels it reuses (rotate_heads):
 // a K-shift of a long context moves as many bytes as a copy of the cache rows, and the row loop

@@ -1,5 +1,5 @@
-// The per-thread code of rope.shift_kv_cache_ (K-shift, ../shift_geometry.h), plain C++ like
-// rope_cuda_thread.h: nvcc builds the kernel from it (shift_cuda.cu), g++ the CPU simulator
+// The per-thread code of rope.shift_kv_cache_ (K-shift, kv_shift/geometry.h), plain C++ like
+// rope_cuda_thread.h: nvcc builds the kernel from it (kv_shift/cuda/shift_cuda.cu), g++ the CPU simulator
 // (tests/sim/cuda_sim.cpp) that checks every access. Scalar accesses: a K-shift moves a few
 // cache rows per evicted or reused token, and the pairs of a float8 row are single bytes.
 #pragma once
@@ -7,8 +7,8 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "../shift_geometry.h"
-#include "rope_cuda_thread.h"
+#include "../geometry.h"
+#include "../../cuda/rope_cuda_thread.h"
 
 namespace rope::gpu {
 

@@ -1,12 +1,12 @@
 // The plain-data description of a RoPE + FP8 quantization call (rope.quantize_fp8 and
-// rope.quantize_fp8_append_paged_kv_cache), made by the checks (rope_quant_checks.h) and read by
+// rope.quantize_fp8_append_paged_kv_cache), made by the checks (quant/checks.h) and read by
 // the CPU kernel, the CUDA kernel and the simulator. No torch header: the CUDA kernel file
 // includes it.
 #pragma once
 
 #include <cstdint>
 
-#include "../rope_math.h"
+#include "../../rope_math.h"
 
 namespace rope {
 

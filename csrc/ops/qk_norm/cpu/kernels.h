@@ -15,10 +15,10 @@
 #include <type_traits>
 #include <utility>
 
-#include "../../rope_math.h"
-#include "convert.h"
-#include "dt_dispatch.h"
-#include "kernel_api.h"
+#include "../../../rope_math.h"
+#include "../../cpu/convert.h"
+#include "../../cpu/dt_dispatch.h"
+#include "../../cpu/kernel_api.h"
 
 namespace rope {
 namespace {

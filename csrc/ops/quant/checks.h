@@ -1,6 +1,6 @@
 // RoPE + FP8 quantization (rope.quantize_fp8 and rope.quantize_fp8_append_paged_kv_cache): the
 // argument checks that produce the plain-data description of a call (QuantGeometry, in
-// rope_quant_geometry.h). Same conditions, order and messages as rope_ext/_quant/checks.py. Data
+// quant/geometry.h). Same conditions, order and messages as rope_ext/_quant/checks.py. Data
 // checks (positions, page tables) run where the data is: the CPU host before anything is
 // written, the CUDA kernel as device-side checks.
 #pragma once
@@ -8,8 +8,8 @@
 #include <string>
 #include <utility>
 
-#include "checks.h"
-#include "rope_quant_geometry.h"
+#include "../checks.h"
+#include "geometry.h"
 
 namespace rope {
 

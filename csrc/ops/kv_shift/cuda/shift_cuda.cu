@@ -1,12 +1,12 @@
-// The CUDA kernel of rope.shift_kv_cache_: the per-thread code of shift_cuda_thread.h run at each
+// The CUDA kernel of rope.shift_kv_cache_: the per-thread code of kv_shift/cuda/thread.h run at each
 // thread's position, and its launcher (cuda_kernels.h), one per cache dtype that the host code
-// (shift_cuda_host.h, run by cuda_ops.cpp) dispatches to.
+// (kv_shift/cuda/host.h, run by cuda_ops.cpp) dispatches to.
 #include <cstdint>
 
 #include <torch/headeronly/util/BFloat16.h>
 #include <torch/headeronly/util/Half.h>
 
-#include "cuda_launch.cuh"
+#include "../../cuda/cuda_launch.cuh"
 
 namespace rope::gpu {
 namespace {
