@@ -104,6 +104,28 @@ ROPE_HD uint8_t float_to_fp8_bits(float x, float max_finite, uint8_t nan_code) {
   return static_cast<uint8_t>(code | (sign >> 24));
 }
 
+// The format's constants of float_to_fp8_lanes, as values: one loop converts to either format
+// (a format as a template parameter doubled every CPU kernel that writes float8 rows).
+struct Fp8LaneConsts {
+  uint32_t max_bits;    // the largest finite value's bits (saturation)
+  uint32_t min_normal;  // the smallest normal's exponent field, 127 + 1 - bias
+  uint32_t step;        // (23 - mantissa bits) << 23: c's exponent above the binade's
+  uint32_t shift;       // 23 - mantissa bits
+  uint32_t first;       // (151 - mantissa bits - bias) << mantissa bits
+};
+
+template <int kMant, int kBias>
+ROPE_HD Fp8LaneConsts fp8_lane_consts_of(float max_finite) {
+  return {float_bits(max_finite), static_cast<uint32_t>(127 + 1 - kBias) << 23,
+          static_cast<uint32_t>(23 - kMant) << 23, static_cast<uint32_t>(23 - kMant),
+          static_cast<uint32_t>(151 - kMant - kBias) << kMant};
+}
+
+ROPE_HD Fp8LaneConsts fp8_lane_consts(Fp8Format fmt) {
+  return fmt == Fp8Format::kE4M3FN ? fp8_lane_consts_of<3, 7>(448.0f)
+                                   : fp8_lane_consts_of<2, 15>(57344.0f);
+}
+
 // The same conversion without branches (every case computed, the result picked by masks), for
 // the CPU's loops over rows: it vectorizes (GCC keeps conditionals here as branches), where on
 // the GPU the extra registers would spill. One float addition rounds: c = 2^(e + 23 - kMant),
@@ -113,24 +135,20 @@ ROPE_HD uint8_t float_to_fp8_bits(float x, float max_finite, uint8_t nan_code) {
 // leading one for a normal, the code itself for a subnormal. The two conversions give the same
 // bits for every one of the 2^32 floats in both formats (tests/test_fp8_codes.py;
 // tests/test_cache_write.py compares the CPU cache stores with torch's conversion for every
-// bfloat16 value).
-template <int kMant, int kBias>
-ROPE_HD uint32_t float_to_fp8_lanes(float x, float max_finite, uint32_t nan_code) {
+// bfloat16 value). NaN gives 0x7F with its sign, in both formats.
+ROPE_HD uint32_t float_to_fp8_lanes(float x, const Fp8LaneConsts& k) {
   uint32_t u = float_bits(x);
   const uint32_t sign = u & 0x80000000u;
   u ^= sign;
   const uint32_t nan_mask = 0u - static_cast<uint32_t>(u > 0x7F800000u);
   // Saturate, inf included (for non-negative floats the bits order as the values do).
-  const uint32_t max_bits = float_bits(max_finite);
-  u = u < max_bits ? u : max_bits;
-  const uint32_t min_normal = static_cast<uint32_t>(127 + 1 - kBias) << 23;
+  u = u < k.max_bits ? u : k.max_bits;
   const uint32_t e = u & 0x7F800000u;
-  const uint32_t c = (e > min_normal ? e : min_normal) + (static_cast<uint32_t>(23 - kMant) << 23);
+  const uint32_t c = (e > k.min_normal ? e : k.min_normal) + k.step;
   const uint32_t sum = float_bits(bits_float(u) + bits_float(c));
   // The binade's first code, ((e - min_normal) >> 23) << kMant, plus the steps.
-  const uint32_t code =
-      (c >> (23 - kMant)) + (sum - c) - (static_cast<uint32_t>(151 - kMant - kBias) << kMant);
-  return ((nan_code & nan_mask) | (code & ~nan_mask)) | (sign >> 24);  // narrowed by the caller
+  const uint32_t code = (c >> k.shift) + (sum - c) - k.first;
+  return ((0x7Fu & nan_mask) | (code & ~nan_mask)) | (sign >> 24);  // narrowed by the caller
 }
 
 ROPE_HD uint8_t float_to_fp8(float x, Fp8Format fmt) {
@@ -142,8 +160,7 @@ ROPE_HD uint8_t float_to_fp8(float x, Fp8Format fmt) {
 // narrow the block to bytes in a loop of their own, vectorize both cleanly (narrowing inside the
 // conversion has the compiler pack every intermediate mask down to bytes).
 ROPE_HD uint32_t float_to_fp8_code(float x, Fp8Format fmt) {
-  return fmt == Fp8Format::kE4M3FN ? float_to_fp8_lanes<3, 7>(x, 448.0f, 0x7F)
-                                   : float_to_fp8_lanes<2, 15>(x, 57344.0f, 0x7F);
+  return float_to_fp8_lanes(x, fp8_lane_consts(fmt));
 }
 
 ROPE_HD uint8_t float_to_fp8_vec(float x, Fp8Format fmt) {

@@ -9,10 +9,11 @@
 namespace rope {
 namespace {
 
-// Codes read back as code * scale (floats are stored through an Fp8Encoder, fp8_vec.h).
-template <CacheFormat kFormat>
+// Codes of a format read back as code * scale (floats are stored through an Fp8Encoder,
+// fp8_vec.h). A value, like the encoder's format: one kernel serves both formats.
 struct Fp8Decoder {
-  float scale;
+  float scale = 1.0f;
+  CacheFormat format = CacheFormat::kE4M3FN;
 };
 
 // n elements of a row (stride `last`) as floats, each through to_float.
@@ -27,21 +28,28 @@ ROPE_INLINE void floats_of(const T* row, int64_t last, int64_t n, float* out, F&
 
 // n codes of a row (stride `last`) decoded (fp8_vec.h for a unit stride).
 template <CacheFormat kFormat>
+void strided_floats_of(const uint8_t* row, int64_t last, int64_t n, float* out, float scale) {
+  for (int64_t e = 0; e < n; ++e) out[e] = fp8_to_float_lanes<kFormat>(row[e * last]) * scale;
+}
+
 ROPE_INLINE void floats_of(const uint8_t* row, int64_t last, int64_t n, float* out,
-                           Fp8Decoder<kFormat> d) {
+                           Fp8Decoder d) {
+  const bool e4m3 = d.format == CacheFormat::kE4M3FN;
   if (last == 1) {
-    fp8_decode_run<kFormat>(row, n, out, d.scale);
+    e4m3 ? fp8_decode_run<CacheFormat::kE4M3FN>(row, n, out, d.scale)
+         : fp8_decode_run<CacheFormat::kE5M2>(row, n, out, d.scale);
   } else {
-    for (int64_t e = 0; e < n; ++e) out[e] = fp8_to_float_lanes<kFormat>(row[e * last]) * d.scale;
+    e4m3 ? strided_floats_of<CacheFormat::kE4M3FN>(row, last, n, out, d.scale)
+         : strided_floats_of<CacheFormat::kE5M2>(row, last, n, out, d.scale);
   }
 }
 
 // n elements of a row (stride `last`; float, half or bfloat16) written to `out` (stride
 // out_last) as codes (fp8_vec.h): float rows of unit strides directly, the rest through a float
 // block.
-template <typename T, Fp8Format kFmt>
+template <typename T>
 ROPE_INLINE void codes_of(const T* row, int64_t last, int64_t n, uint8_t* out, int64_t out_last,
-                          Fp8Encoder<kFmt> enc) {
+                          const Fp8Encoder& enc) {
   if constexpr (std::is_same_v<T, float>) {
     if (last == 1 && out_last == 1) return fp8_encode_run(row, n, out, enc);
   }
@@ -77,10 +85,10 @@ PairSpans pair_spans(int64_t half, int64_t b0, int64_t n) {
 // Pairs [b0, b0 + n) of row `src` (stride s_last) read as floats through to_float, rotated by
 // (c, s) (laid out as kTableLayout<F32Ops, float, kInterleaved>), written to row `dst` (stride
 // d_last; may be src) as codes.
-template <bool kInterleaved, typename T, typename F, Fp8Format kFmt>
+template <bool kInterleaved, typename T, typename F>
 ROPE_INLINE void rotate_to_codes(const T* src, int64_t s_last, uint8_t* dst, int64_t d_last,
                                  int64_t half, int64_t b0, int64_t n, const float* c,
-                                 const float* s, F&& to_float, Fp8Encoder<kFmt> enc) {
+                                 const float* s, F&& to_float, const Fp8Encoder& enc) {
   alignas(64) float buf[2 * kBlockPairs];
   const PairSpans sp = pair_spans<kInterleaved>(half, b0, n);
   for (int i = 0, k = 0; i < sp.spans; k += sp.count[i], ++i) {
@@ -98,15 +106,11 @@ constexpr Fp8Format fp8_format(CacheFormat f) {
 
 // A float8 cache's conversions (kv_cache_dtype "fp8*"): a value stored as saturated
 // value / scale, a code read back as code * scale.
-template <CacheFormat kFormat>
-ROPE_INLINE Fp8Encoder<fp8_format(kFormat)> cache_encoder(float scale) {
-  return dividing_encoder<fp8_format(kFormat)>(scale);
+inline Fp8Encoder cache_encoder(float scale, CacheFormat format) {
+  return dividing_encoder(scale, fp8_format(format));
 }
 
-template <CacheFormat kFormat>
-ROPE_INLINE Fp8Decoder<kFormat> cache_decoder(float scale) {
-  return {scale};
-}
+inline Fp8Decoder cache_decoder(float scale, CacheFormat format) { return {scale, format}; }
 
 }  // namespace
 }  // namespace rope

@@ -225,31 +225,39 @@ __attribute__((noinline)) void fp8_decode_run(const uint8_t* in, int64_t n, floa
   for (; j < n; ++j) out[j] = fp8_to_float_lanes<kFormat>(in[j]) * scale;
 }
 
-// n floats to codes of x / scale (kDivide) or x * scale, the same bits as float_to_fp8.
-template <Fp8Format kFmt, bool kDivide>
-ROPE_INLINE void fp8_encode_run_as(const float* in, int64_t n, uint8_t* out, float scale) {
+// n floats to codes of x / scale (kDivide) or x * scale in format fmt, the same bits as
+// float_to_fp8. The format is a value, so the kernels that write float8 rows are compiled once
+// for both formats (a copy per format made them about 1 MB of the CPU library). Only the vector
+// loop is compiled per format, its constants in its instructions: held in registers instead,
+// they pushed the loop's temporaries to the stack.
+template <bool kDivide>
+ROPE_INLINE void fp8_encode_run_as(const float* in, int64_t n, uint8_t* out, float scale,
+                                   Fp8Format fmt) {
   int64_t j = n - n % kFp8EncodeStep;
-  fp8_encode_vec<kFmt, kDivide>(in, j, out, scale);
+  fmt == Fp8Format::kE4M3FN ? fp8_encode_vec<Fp8Format::kE4M3FN, kDivide>(in, j, out, scale)
+                            : fp8_encode_vec<Fp8Format::kE5M2, kDivide>(in, j, out, scale);
+  if (j == n) return;
   // The rest (all of it without a vector unit above): in 32-bit lanes a block at a time, then
   // narrowed in a loop of their own (narrowing inside the conversion has the compiler pack
   // every intermediate mask down to bytes).
+  const Fp8LaneConsts k = fp8_lane_consts(fmt);
   constexpr int64_t kBlock = 64;
   alignas(64) uint32_t code[kBlock];
   for (; j < n; j += kBlock) {
     const int64_t m = std::min(kBlock, n - j);
     for (int64_t i = 0; i < m; ++i) {
-      code[i] = float_to_fp8_code(kDivide ? in[j + i] / scale : in[j + i] * scale, kFmt);
+      code[i] = float_to_fp8_lanes(kDivide ? in[j + i] / scale : in[j + i] * scale, k);
     }
     for (int64_t i = 0; i < m; ++i) out[j + i] = static_cast<uint8_t>(code[i]);
   }
 }
 
-// Floats stored as the codes of x * factor, or of x / factor (divide: a KV cache's scale, which
-// torch divides by).
-template <Fp8Format kFmt>
+// Floats stored as the codes (format fmt) of x * factor, or of x / factor (divide: a KV
+// cache's scale, which torch divides by).
 struct Fp8Encoder {
-  float factor;
-  bool divide;
+  float factor = 1.0f;
+  bool divide = false;
+  Fp8Format fmt = Fp8Format::kE4M3FN;
 };
 
 // The codes of x / scale. Where 1 / scale is exact (scale a power of two: a KV cache's scale of
@@ -257,27 +265,24 @@ struct Fp8Encoder {
 // and a multiplication costs a fraction of a division (a fifth of a float8 K-shift). Checked in
 // double, where the product of two floats is exact; a subnormal reciprocal is left alone (a
 // flush-to-zero mode would read it as 0).
-template <Fp8Format kFmt>
-Fp8Encoder<kFmt> dividing_encoder(float scale) {
+inline Fp8Encoder dividing_encoder(float scale, Fp8Format fmt) {
   const float r = 1.0f / scale;
   const bool exact = r >= 1.17549435e-38f && r <= 3.40282347e+38f &&
                      static_cast<double>(r) * static_cast<double>(scale) == 1.0;
-  return exact ? Fp8Encoder<kFmt>{r, false} : Fp8Encoder<kFmt>{scale, true};
+  return exact ? Fp8Encoder{r, false, fmt} : Fp8Encoder{scale, true, fmt};
 }
 
-// The division's run out of line (one copy per format; its division costs more than the call),
-// the multiplication's inlined into the row loops (RoPE + FP8 quantization's rows of 32-512
-// codes run 3-10% slower through a call).
-template <Fp8Format kFmt>
+// The division's run out of line (one copy; its division costs more than the call), the
+// multiplication's inlined into the row loops (RoPE + FP8 quantization's rows of 32-512 codes
+// run 3-10% slower through a call).
 __attribute__((noinline)) void fp8_encode_run_dividing(const float* in, int64_t n, uint8_t* out,
-                                                       float scale) {
-  fp8_encode_run_as<kFmt, true>(in, n, out, scale);
+                                                       float scale, Fp8Format fmt) {
+  fp8_encode_run_as<true>(in, n, out, scale, fmt);
 }
 
-template <Fp8Format kFmt>
-ROPE_INLINE void fp8_encode_run(const float* in, int64_t n, uint8_t* out, Fp8Encoder<kFmt> enc) {
-  if (enc.divide) return fp8_encode_run_dividing<kFmt>(in, n, out, enc.factor);
-  fp8_encode_run_as<kFmt, false>(in, n, out, enc.factor);
+ROPE_INLINE void fp8_encode_run(const float* in, int64_t n, uint8_t* out, const Fp8Encoder& enc) {
+  if (enc.divide) return fp8_encode_run_dividing(in, n, out, enc.factor, enc.fmt);
+  fp8_encode_run_as<false>(in, n, out, enc.factor, enc.fmt);
 }
 
 }  // namespace

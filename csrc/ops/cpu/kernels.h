@@ -564,11 +564,11 @@ void rotate_tokens(const RotateJob& job, int64_t b, int64_t e) {
 
 // n elements (stride `last`) to a cache row (stride `cache_last`), converted (float8: by enc,
 // cache_encoder of the cache's scale).
-template <typename x_t, CacheFormat kFormat>
+template <typename x_t, bool kFp8>
 void store_cache_row(const x_t* row, int64_t last, void* cache_row, int64_t cache_last,
-                     int64_t n, Fp8Encoder<fp8_format(kFormat)> enc) {
+                     int64_t n, const Fp8Encoder& enc) {
   if (n == 0) return;  // rows of 0 elements (head_dim 0) may have null data pointers
-  if (kFormat == CacheFormat::kSame) {
+  if (!kFp8) {
     x_t* out = static_cast<x_t*>(cache_row);
     if (last == 1 && cache_last == 1) {
       std::memcpy(out, row, n * sizeof(x_t));
@@ -608,8 +608,8 @@ void write_value_row(const x_t* row, int64_t last, x_t* out, int64_t out_last, i
 
 // The token's written key rows (still in L1) and its value rows (written first where value_out
 // is given), to the caches at its slot. Padding slots (negative) store nothing, but their value
-// rows are written.
-template <typename x_t, CacheFormat kFormat>
+// rows are written. kFp8: float8 caches, of either format (cg.format).
+template <typename x_t, bool kFp8>
 void write_cache_token(const void* ctx, int64_t token, const int64_t* off) {
   const CacheJob& job = *static_cast<const CacheJob*>(ctx);
   const CacheGeometry& cg = *job.g;
@@ -627,27 +627,25 @@ void write_cache_token(const void* ctx, int64_t token, const int64_t* off) {
   }
   const int64_t slot = read_position(job.slot_mapping, cg.slots64, token * cg.slot_stride);
   if (slot < 0) return;  // padding
-  const int64_t es = kFormat == CacheFormat::kSame ? sizeof(x_t) : 1;
+  const int64_t es = kFp8 ? 1 : sizeof(x_t);
   const TargetDesc& kt = cg.rot.target[1];
   const x_t* k = static_cast<const x_t*>(job.key) + off[kDst1];
   char* kc = static_cast<char*>(job.key_cache) + cg.kc.slot_row(slot, cg.block_size) * es;
   char* vc = static_cast<char*>(job.value_cache) + cg.vc.slot_row(slot, cg.block_size) * es;
   // Once per token, not per row (the encoder's choice costs a division).
-  using Enc = Fp8Encoder<fp8_format(kFormat)>;
-  const bool fp8 = kFormat != CacheFormat::kSame;
-  const Enc k_enc = fp8 ? cache_encoder<kFormat>(job.k_scale) : Enc{};
-  const Enc v_enc = fp8 ? cache_encoder<kFormat>(job.v_scale) : Enc{};
+  const Fp8Encoder k_enc = kFp8 ? cache_encoder(job.k_scale, cg.format) : Fp8Encoder{};
+  const Fp8Encoder v_enc = kFp8 ? cache_encoder(job.v_scale, cg.format) : Fp8Encoder{};
   for (int64_t h = 0; h < cg.kv_heads; ++h) {
-    store_cache_row<x_t, kFormat>(k + h * kt.dst_head, kt.dst_last, kc + h * cg.kc.head * es,
-                                  cg.kc.last, cg.rot.head_dim, k_enc);
-    store_cache_row<x_t, kFormat>(v + h * v_head, v_last, vc + h * cg.vc.head * es,
-                                  cg.vc.last, cg.value_dim, v_enc);
+    store_cache_row<x_t, kFp8>(k + h * kt.dst_head, kt.dst_last, kc + h * cg.kc.head * es,
+                               cg.kc.last, cg.rot.head_dim, k_enc);
+    store_cache_row<x_t, kFp8>(v + h * v_head, v_last, vc + h * cg.vc.head * es, cg.vc.last,
+                               cg.value_dim, v_enc);
   }
 }
 
-template <typename x_t, CacheFormat kFormat>
+template <typename x_t, bool kFp8>
 void cache_tokens(const CacheJob& job, int64_t b, int64_t e) {
-  rotate_tokens_hooked<x_t>(job.rot, b, e, TokenHook{write_cache_token<x_t, kFormat>, &job});
+  rotate_tokens_hooked<x_t>(job.rot, b, e, TokenHook{write_cache_token<x_t, kFp8>, &job});
 }
 
 }  // namespace
@@ -666,13 +664,14 @@ template <typename x_t>
 void fill(CpuKernels& k, int xi) {
   k.rotate[xi] = rotate_tokens<x_t>;
   k.norm_rope[xi] = norm_rope_layout<x_t>;
-  k.cache[xi][int(CacheFormat::kSame)] = cache_tokens<x_t, CacheFormat::kSame>;
-  k.cache[xi][int(CacheFormat::kE4M3FN)] = cache_tokens<x_t, CacheFormat::kE4M3FN>;
-  k.cache[xi][int(CacheFormat::kE5M2)] = cache_tokens<x_t, CacheFormat::kE5M2>;
-  k.store[xi][int(CacheFormat::kSame)] = write_cache_token<x_t, CacheFormat::kSame>;
-  k.store[xi][int(CacheFormat::kE4M3FN)] = write_cache_token<x_t, CacheFormat::kE4M3FN>;
-  k.store[xi][int(CacheFormat::kE5M2)] = write_cache_token<x_t, CacheFormat::kE5M2>;
-  k.shift[xi] = shift_slots<x_t, CacheFormat::kSame>;
+  // Both float8 formats: one kernel, which reads the format from the call's description.
+  k.cache[xi][int(CacheFormat::kSame)] = cache_tokens<x_t, false>;
+  k.cache[xi][int(CacheFormat::kE4M3FN)] = cache_tokens<x_t, true>;
+  k.cache[xi][int(CacheFormat::kE5M2)] = cache_tokens<x_t, true>;
+  k.store[xi][int(CacheFormat::kSame)] = write_cache_token<x_t, false>;
+  k.store[xi][int(CacheFormat::kE4M3FN)] = write_cache_token<x_t, true>;
+  k.store[xi][int(CacheFormat::kE5M2)] = write_cache_token<x_t, true>;
+  k.shift[xi] = shift_slots<x_t, false>;
   if constexpr (!std::is_same<x_t, double>::value) k.quant[xi] = quant_tokens<x_t>;
 }
 
@@ -683,8 +682,8 @@ CpuKernels make_kernels() {
   fill<double>(k, kF64);
   fill<HalfBits>(k, kF16);
   fill<BF16Bits>(k, kBF16);
-  k.shift_fp8[int(CacheFormat::kE4M3FN)] = shift_slots<uint8_t, CacheFormat::kE4M3FN>;
-  k.shift_fp8[int(CacheFormat::kE5M2)] = shift_slots<uint8_t, CacheFormat::kE5M2>;
+  k.shift_fp8[int(CacheFormat::kE4M3FN)] = shift_slots<uint8_t, true>;
+  k.shift_fp8[int(CacheFormat::kE5M2)] = shift_slots<uint8_t, true>;
   return k;
 }
 #endif

@@ -34,17 +34,16 @@ void unit_rotation_block(const ShiftJob& job, int64_t k, int64_t b0, int64_t n,
 }
 
 // A float8 cache's conversions, built once per task (the encoder's choice costs a division).
-template <CacheFormat kFormat>
 struct Fp8Cache {
-  Fp8Decoder<kFormat> decode;
-  Fp8Encoder<fp8_format(kFormat)> encode;
+  Fp8Decoder decode;
+  Fp8Encoder encode;
 };
 
 // A float8 row's pairs [b0, b0 + n): decoded and dequantized (code * scale) into a float block,
 // rotated, encoded as saturated value / scale.
-template <CacheFormat kFormat, bool kInterleaved>
+template <bool kInterleaved>
 void shift_fp8_row(uint8_t* row, int64_t last, int64_t half, int64_t b0, int64_t n,
-                   const float* c, const float* s, const Fp8Cache<kFormat>& conv) {
+                   const float* c, const float* s, const Fp8Cache& conv) {
   rotate_to_codes<kInterleaved>(row, last, row, last, half, b0, n, c, s, conv.decode,
                                 conv.encode);
 }
@@ -54,9 +53,9 @@ void shift_fp8_row(uint8_t* row, int64_t last, int64_t half, int64_t b0, int64_t
 // of the work of a 128-code row).
 constexpr int64_t kSlotElements = 4096;
 
-template <CacheFormat kFormat, bool kInterleaved>
+template <bool kInterleaved>
 void shift_fp8_slot(uint8_t* slot, int64_t heads, int64_t half, const float* c, const float* s,
-                    const Fp8Cache<kFormat>& conv) {
+                    const Fp8Cache& conv) {
   alignas(64) float buf[kSlotElements];
   const int64_t row = 2 * half, total = heads * row;
   floats_of(slot, int64_t{1}, total, buf, conv.decode);
@@ -93,10 +92,10 @@ ROPE_INLINE void prefetch_slot_rows(const ShiftJob& job, int64_t i, int64_t e) {
   }
 }
 
-// Entries [b, e) of the slot list. x_t: the cache's element type, or uint8_t codes of kFormat.
-template <typename x_t, CacheFormat kFormat, bool kInterleaved>
+// Entries [b, e) of the slot list. x_t: the cache's element type, or (kFp8) uint8_t codes of
+// the format d.format.
+template <typename x_t, bool kFp8, bool kInterleaved>
 void shift_slots_impl(const ShiftJob& job, int64_t b, int64_t e) {
-  constexpr bool kFp8 = kFormat != CacheFormat::kSame;
   using Ops = std::conditional_t<kFp8, F32Ops, OpsFor<x_t>>;
   using acc = typename Ops::acc;
   // Float8 rows are rotated as float blocks.
@@ -111,8 +110,10 @@ void shift_slots_impl(const ShiftJob& job, int64_t b, int64_t e) {
   // A float8 slot whose heads are rotated whole and follow each other: one decode, one encode.
   const bool whole_slot = kFp8 && one_block && kc.last == 1 && kc.head == 2 * d.half &&
                           d.heads * kc.head <= kSlotElements;
-  Fp8Cache<kFormat> conv{};
-  if constexpr (kFp8) conv = {cache_decoder<kFormat>(job.scale), cache_encoder<kFormat>(job.scale)};
+  Fp8Cache conv{};
+  if constexpr (kFp8) {
+    conv = {cache_decoder(job.scale, d.format), cache_encoder(job.scale, d.format)};
+  }
   int64_t cached = 0;
   bool have = false;
   x_t* const cache = static_cast<x_t*>(job.cache);
@@ -134,12 +135,11 @@ void shift_slots_impl(const ShiftJob& job, int64_t b, int64_t e) {
       }
       if constexpr (kFp8) {
         if (whole_slot) {
-          shift_fp8_slot<kFormat, kInterleaved>(base, d.heads, d.half, c, s, conv);
+          shift_fp8_slot<kInterleaved>(base, d.heads, d.half, c, s, conv);
           continue;
         }
         for (int64_t h = 0; h < d.heads; ++h) {
-          shift_fp8_row<kFormat, kInterleaved>(base + h * kc.head, kc.last, d.half, b0, n, c, s,
-                                               conv);
+          shift_fp8_row<kInterleaved>(base + h * kc.head, kc.last, d.half, b0, n, c, s, conv);
         }
       } else {
         rotate_heads<Ops, kInterleaved>(tg, base, base, d.half, b0, n, c, s, false);
@@ -148,10 +148,10 @@ void shift_slots_impl(const ShiftJob& job, int64_t b, int64_t e) {
   }
 }
 
-template <typename x_t, CacheFormat kFormat>
+template <typename x_t, bool kFp8>
 void shift_slots(const ShiftJob& job, int64_t b, int64_t e) {
-  job.d->interleaved ? shift_slots_impl<x_t, kFormat, true>(job, b, e)
-                     : shift_slots_impl<x_t, kFormat, false>(job, b, e);
+  job.d->interleaved ? shift_slots_impl<x_t, kFp8, true>(job, b, e)
+                     : shift_slots_impl<x_t, kFp8, false>(job, b, e);
 }
 
 }  // namespace

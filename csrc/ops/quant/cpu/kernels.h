@@ -8,7 +8,7 @@
 namespace rope {
 namespace {
 
-template <typename x_t, bool kInterleaved, Fp8Format kFmt>
+template <typename x_t, bool kInterleaved>
 void quant_tokens_impl(const gpu::QuantArgs<x_t>& a, int64_t b, int64_t e) {
   const QuantGeometry& g = a.g;
   constexpr TableLayout kLayout = kTableLayout<F32Ops, float, kInterleaved>;
@@ -34,7 +34,7 @@ void quant_tokens_impl(const gpu::QuantArgs<x_t>& a, int64_t b, int64_t e) {
     for (int64_t r = 0; r < rows; ++r) {
       const gpu::QuantRow<x_t> w = gpu::quant_row(a, t, tok, r);
       if (w.dst == nullptr || w.n == 0) continue;
-      const Fp8Encoder<kFmt> code_of{w.scale, false};
+      const Fp8Encoder code_of{w.scale, false, g.fmt};
       if (!w.rope) {
         codes_of(w.src, w.s_last, w.n, w.dst, w.d_last, code_of);
         continue;
@@ -54,14 +54,7 @@ void quant_tokens_impl(const gpu::QuantArgs<x_t>& a, int64_t b, int64_t e) {
 template <typename x_t>
 void quant_tokens(const void* args, int64_t b, int64_t e) {
   const auto& a = *static_cast<const gpu::QuantArgs<x_t>*>(args);
-  const bool e4m3 = a.g.fmt == Fp8Format::kE4M3FN;
-  if (a.g.interleaved) {
-    e4m3 ? quant_tokens_impl<x_t, true, Fp8Format::kE4M3FN>(a, b, e)
-         : quant_tokens_impl<x_t, true, Fp8Format::kE5M2>(a, b, e);
-  } else {
-    e4m3 ? quant_tokens_impl<x_t, false, Fp8Format::kE4M3FN>(a, b, e)
-         : quant_tokens_impl<x_t, false, Fp8Format::kE5M2>(a, b, e);
-  }
+  a.g.interleaved ? quant_tokens_impl<x_t, true>(a, b, e) : quant_tokens_impl<x_t, false>(a, b, e);
 }
 
 }  // namespace
