@@ -70,17 +70,20 @@ endif
 run: $(RUN_BUILD)
 	$(PY) -m rope_ext
 
-# With two cores or more, two pytest processes, each every other test file (tests/conftest.py
-# --shard): most tests are single-threaded Python. The second process's report follows the first's.
-# TEST_JOBS=1 runs one.
+# With two cores or more, two pytest processes that share the test files, each taking the next
+# file the other has not (tests/conftest.py --claim-dir): most tests are single-threaded Python.
+# The second process's report follows the first's; their progress lines count no percentage (each
+# runs a part it cannot know ahead). TEST_JOBS=1 runs one.
+TEST_SPLIT = --claim-dir build/test-claims -o console_output_style=classic
 TEST_JOBS ?= $(shell [ "$$(nproc 2>/dev/null || echo 1)" -ge 2 ] && echo 2 || echo 1)
 test: build
 ifeq ($(TEST_JOBS),1)
 	$(PY) -m pytest tests/ -q
 else
-	@echo "rope_ext: the tests in two processes (every other file each; the second one's report follows)"
-	@$(PY) -m pytest tests/ -q -p no:cacheprovider --shard 2/2 > build/tests-part2.log 2>&1 & part2=$$!; \
-	$(PY) -m pytest tests/ -q --shard 1/2; part1=$$?; wait $$part2; part2=$$?; \
+	@echo "rope_ext: the tests in two processes (each takes the next test file; the second one's report follows)"
+	@rm -rf build/test-claims && mkdir -p build/test-claims
+	@$(PY) -m pytest tests/ -q -p no:cacheprovider $(TEST_SPLIT) > build/tests-part2.log 2>&1 & part2=$$!; \
+	$(PY) -m pytest tests/ -q $(TEST_SPLIT); part1=$$?; wait $$part2; part2=$$?; \
 	echo "rope_ext: the second process (build/tests-part2.log):"; cat build/tests-part2.log; \
 	[ $$part1 -eq 0 ] && [ $$part2 -eq 0 ]
 endif
@@ -148,7 +151,7 @@ bench-diffusers: $(HF5_DEPS) build
 WHEEL_STAMP := dist/.wheel-built
 PACKAGE_SRC := pyproject.toml README.md $(shell find rope_ext -name '*.py')
 
-$(WHEEL_STAMP): $(DEPS_STAMP) $(NATIVE_SRC) $(PACKAGE_SRC)
+$(WHEEL_STAMP): $(LIB) $(PACKAGE_SRC)
 	rm -rf build/lib.* dist/rope_ext-*.whl
 	$(PY) -m pip wheel . --no-build-isolation --no-deps --no-index --quiet -w dist
 	touch $@
@@ -227,8 +230,12 @@ CMAKE_CUDA_LIB := $(CMAKE_DIR)/librope_ops_cuda.so
 
 # It compiles only the CPU variants this machine runs (the wheel's build compiles them all, from
 # the same files and flags): the test can run no other, and each costs a minute of compiling.
+# Likewise, with no GPU here, the CUDA library for one arch (build.json's last, with its PTX):
+# the test loads it to see its kernels register, and each arch costs a minute of nvcc.
+CMAKE_CUDA_ARCH_FLAG := $(if $(filter gpu,$(shell ls /dev/nvidia0 >/dev/null 2>&1 && echo gpu)),,\
+	-DCMAKE_CUDA_ARCHITECTURES=$(shell $(PYTHON_BOOT) -c 'import json; print(json.load(open("csrc/build.json"))["cuda_archs"][-1].replace(".", "").replace("+PTX", ""))'))
 $(CMAKE_DIR)/CMakeCache.txt: $(DEPS_STAMP)
-	cmake -S . -B $(CMAKE_DIR) -DCMAKE_BUILD_TYPE=Release \
+	cmake -S . -B $(CMAKE_DIR) -DCMAKE_BUILD_TYPE=Release $(CMAKE_CUDA_ARCH_FLAG) \
 		-DCMAKE_CXX_FLAGS="$$($(PY) build_config.py --native-cpu-flags)" \
 		-DCMAKE_PREFIX_PATH="$$($(PY) -c 'import os, torch; print(os.path.dirname(torch.__file__))')"
 
@@ -242,13 +249,17 @@ cmake-test: cmake-build
 		ROPE_EXT_AOTI_RUNNER=$(CMAKE_DIR)/rope_aoti_runner \
 		$(PY) -m pytest tests/test_cmake_library.py tests/test_aoti_deploy.py -q
 
-# Everything CI checks beyond `make test`.
-packaging-test: wheel-test torch213-test cmake-test
+# Everything CI checks beyond `make test` (the longest chain first: see ci-checks).
+packaging-test: torch213-test cmake-test wheel-test
 
 # Everything CI checks after `make test` (.ci/run runs it with -j2: the jobs are independent, and
 # most of their time is single-threaded Python, so two at a time halves it on a 2-core machine).
+# Longest first (make starts them in this order), so the short ones fill the gaps at the end:
+# on the 2-core AVX2 machine the sanitizer's build and run take about 8 minutes, the transformers
+# 5 / diffusers venv and tests 7, the three ways in 7 together; isa-test about a minute per CPU
+# variant it repeats (none on an AVX2-only machine: baseline and avx2 are run elsewhere).
 .PHONY: ci-checks
-ci-checks: isa-test hf5-test packaging-test sanitize
+ci-checks: sanitize hf5-test packaging-test isa-test
 
 # ---- AddressSanitizer + UndefinedBehaviorSanitizer (no -fwrapv) over the CPU library ----------
 # The library is built apart (build/sanitize; the release build in rope_ext/ is untouched), then

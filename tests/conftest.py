@@ -40,44 +40,72 @@ def pytest_addoption(parser):
     parser.addoption("--fuzz-cases", type=int, default=400,
                      help="random cases of tests/test_fuzz.py (make sanitize runs more)")
     parser.addoption("--fuzz-seed", type=int, default=None, help="replay test_fuzz.py from this seed")
-    parser.addoption("--shard", default=None, metavar="I/N",
-                     help="run part I of N: every N-th test file (make test runs two parts at once)")
+    parser.addoption("--claim-dir", default=None, metavar="DIR",
+                     help="share the test files with the other pytest processes given this DIR: "
+                          "each runs the files it takes first (make test runs two processes)")
 
 
-def _shard(config, items):
-    """The items of part I of N (--shard I/N): whole files, every N-th in collection order, so
-    that a module's fixtures and background work stay in one process."""
-    value = config.getoption("--shard")
-    if not value:
-        return items, []
-    try:
-        part, parts = (int(v) for v in value.split("/"))
-    except ValueError:
-        raise pytest.UsageError(f"--shard {value!r}: expected I/N, e.g. 1/2") from None
-    if not 1 <= part <= parts:
-        raise pytest.UsageError(f"--shard {value!r}: expected 1 <= I <= N")
-    files = list(dict.fromkeys(str(item.path) for item in items))
-    mine = set(files[part - 1::parts])
-    return ([i for i in items if str(i.path) in mine], [i for i in items if str(i.path) not in mine])
+class _FileClaims:
+    """Whole test files handed out to the pytest processes that share a directory (--claim-dir):
+    a process about to run a file's first test takes it by creating a marker there, and leaves
+    the files another process took first. So the processes stay busy until the last file is
+    taken, whatever each file's length on this machine (a fixed split of the files left one
+    process a minute behind the other). Whole files, so that a module's fixtures and background
+    work stay in one process."""
+
+    def __init__(self, directory):
+        self.directory = directory
+        self.mine = {}
+
+    def owns(self, path):
+        taken = self.mine.get(path)
+        if taken is None:
+            marker = os.path.join(self.directory, os.path.relpath(path, ROOT).replace(os.sep, "--"))
+            try:
+                os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                taken = True
+            except FileExistsError:
+                taken = False
+            self.mine[path] = taken
+        return taken
+
+
+def _claims(config):
+    directory = config.getoption("--claim-dir")
+    return None if directory is None else config.stash.setdefault(_CLAIMS, _FileClaims(directory))
+
+
+_CLAIMS = pytest.StashKey()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With --claim-dir, a test of a file another process took is left to it (not run, not
+    reported here)."""
+    claims = _claims(item.config)
+    if claims is not None and not claims.owns(str(item.path)):
+        return True
+    return None
 
 
 def pytest_collection_modifyitems(session, config, items):
     """The CUDA codegen tests run last: their compiles run in the background meanwhile."""
-    keep, deselected = _shard(config, items)
-    if deselected:
-        config.hook.pytest_deselected(items=deselected)
-        items[:] = keep
     items.sort(key=lambda item: item.module.__name__ == "test_cuda_codegen")  # a stable sort
 
 
 def pytest_collection_finish(session):
-    """Background work starts now, when the tests that need it are among those to run: the JIT
-    build tests/test_jit.py checks (test_jit.start_first_build) and the CUDA sources' PTX that
-    tests/test_cuda_codegen.py reads (test_cuda_codegen.start_compiles)."""
+    """Background work starts now, when the tests that need it are among those to run (with
+    --claim-dir: in the process that takes their files, now): the JIT build tests/test_jit.py
+    checks (test_jit.start_first_build) and the CUDA sources' PTX that tests/test_cuda_codegen.py
+    reads (test_cuda_codegen.start_compiles)."""
     if session.config.option.collectonly:
         return
+    claims = _claims(session.config)
     jit = codegen = None
     for item in session.items:
+        if claims is not None and item.module.__name__ in ("test_jit", "test_cuda_codegen") \
+                and not claims.owns(str(item.path)):
+            continue
         if item.name == "test_jit_build_serves_the_ops_and_is_cached":
             jit = item.module
         elif item.module.__name__ == "test_cuda_codegen":
