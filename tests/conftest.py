@@ -70,12 +70,13 @@ class _FileClaims:
         return taken
 
 
+_CLAIMS = pytest.StashKey()
+
+
 def _claims(config):
+    """The run's _FileClaims, or None without --claim-dir."""
     directory = config.getoption("--claim-dir")
     return None if directory is None else config.stash.setdefault(_CLAIMS, _FileClaims(directory))
-
-
-_CLAIMS = pytest.StashKey()
 
 
 @pytest.hookimpl(tryfirst=True)
