@@ -10,42 +10,43 @@ namespace rope {
 namespace {
 
 // The unit rotation of table row |k| (sin negated for k < 0) for pairs [b0, b0 + n), laid out
-// as the row kernels read it (kTableLayout). Computed from the table row straight into c, s
-// where the layout keeps pairs in place (plain; even/odd, rearranged there after): a copy of the
-// row first, or a pass that lays it out, took about a tenth of a bfloat16 slot's time with a
-// delta per slot.
+// as the row kernels read it (kTableLayout). A row of the accumulator's type at unit stride (the
+// common table) is read where it lies, straight into c, s where the layout keeps pairs in place
+// (plain; even/odd, rearranged there after): with a delta per slot, a copy of the row first and
+// a pass laying it out took about a tenth of a bfloat16 slot's time. Other tables are converted
+// into a block first (one loop per table type; the division loop is shared).
 template <class Ops, TableLayout kLayout>
 void unit_rotation_block(const ShiftJob& job, int64_t k, int64_t b0, int64_t n,
                          typename Ops::acc* c, typename Ops::acc* s) {
   using acc = typename Ops::acc;
-  constexpr bool kDirect = kLayout != TableLayout::kPairDup;
   const ShiftDesc& d = *job.d;
   const int64_t row = k < 0 ? -k : k;  // |k| < max_position: checked
   const bool negative = k < 0;
-  alignas(64) acc cb[kDirect ? 1 : kBlockPairs];
-  alignas(64) acc sb[kDirect ? 1 : kBlockPairs];
-  acc* const uc = kDirect ? c : cb;
-  acc* const us = kDirect ? s : sb;
-  with_dt_type(job.table_dt, [&](auto elem) {
-    using T = decltype(elem);
-    const T* t = static_cast<const T*>(job.table) + row * d.cos_row + b0 * d.cos_col;
-    const T* ts = t + d.half * d.cos_col;
-    if (d.cos_col == 1) {  // the common table: unit-stride loads, so the loop vectorizes
-      for (int64_t j = 0; j < n; ++j) {
-        unit_rotation(to_acc<Ops>(t[j]), to_acc<Ops>(ts[j]), negative, uc[j], us[j]);
-      }
-    } else {
-      for (int64_t j = 0; j < n; ++j) {
-        unit_rotation(to_acc<Ops>(t[j * d.cos_col]), to_acc<Ops>(ts[j * d.cos_col]), negative,
-                      uc[j], us[j]);
-      }
+  alignas(64) acc cb[kBlockPairs];
+  alignas(64) acc sb[kBlockPairs];
+  if (job.table_dt == (std::is_same_v<acc, double> ? kF64 : kF32) && d.cos_col == 1) {
+    constexpr bool kDirect = kLayout != TableLayout::kPairDup;
+    acc* const uc = kDirect ? c : cb;
+    acc* const us = kDirect ? s : sb;
+    const acc* t = static_cast<const acc*>(job.table) + row * d.cos_row + b0;
+    for (int64_t j = 0; j < n; ++j) unit_rotation(t[j], t[d.half + j], negative, uc[j], us[j]);
+    if constexpr (kDirect) {
+      if constexpr (kLayout == TableLayout::kEvenOdd) even_odd_blocks_in_place<Ops>(c, s, n);
+      return;
     }
-  });
-  if constexpr (kDirect) {
-    if constexpr (kLayout == TableLayout::kEvenOdd) even_odd_blocks_in_place<Ops>(c, s, n);
   } else {
-    lay_out_table<Ops, kLayout>(cb, sb, n, c, s);
+    with_dt_type(job.table_dt, [&](auto elem) {
+      using T = decltype(elem);
+      const T* t = static_cast<const T*>(job.table) + row * d.cos_row;
+      for (int64_t j = 0; j < n; ++j) {
+        cb[j] = to_acc<Ops>(t[(b0 + j) * d.cos_col]);
+        sb[j] = to_acc<Ops>(t[(d.half + b0 + j) * d.cos_col]);
+      }
+    });
+    // Separate from the loads (a switch on the table dtype), so that it vectorizes once.
+    for (int64_t j = 0; j < n; ++j) unit_rotation(cb[j], sb[j], negative, cb[j], sb[j]);
   }
+  lay_out_table<Ops, kLayout>(cb, sb, n, c, s);
 }
 
 // A float8 cache's conversions, built once per task (the encoder's choice costs a division).
