@@ -61,7 +61,8 @@ $(CPU_ONLY_STAMP): $(DEPS_STAMP) $(NATIVE_SRC) build_config.py
 	@ROPE_EXT_CUDA=0 $(PY) scripts/build_native.py --inplace
 	@mkdir -p build && touch $(LIB) $@
 
-ifeq ($(shell ls /dev/nvidia0 >/dev/null 2>&1 && echo gpu),gpu)
+HAVE_GPU := $(shell ls /dev/nvidia0 >/dev/null 2>&1 && echo gpu)
+ifeq ($(HAVE_GPU),gpu)
 RUN_BUILD := build
 else
 RUN_BUILD := $(if $(wildcard $(CUDA_LIB)),build,$(CPU_ONLY_STAMP))
@@ -232,8 +233,7 @@ CMAKE_CUDA_LIB := $(CMAKE_DIR)/librope_ops_cuda.so
 # the same files and flags): the test can run no other, and each costs a minute of compiling.
 # Likewise, with no GPU here, the CUDA library for one arch (build.json's last, with its PTX):
 # the test loads it to see its kernels register, and each arch costs a minute of nvcc.
-CMAKE_CUDA_ARCH_FLAG := $(if $(filter gpu,$(shell ls /dev/nvidia0 >/dev/null 2>&1 && echo gpu)),,\
-	-DCMAKE_CUDA_ARCHITECTURES=$(shell $(PYTHON_BOOT) -c 'import json; print(json.load(open("csrc/build.json"))["cuda_archs"][-1].replace(".", "").replace("+PTX", ""))'))
+CMAKE_CUDA_ARCH_FLAG := $(if $(HAVE_GPU),,-DROPE_EXT_CUDA_LAST_ARCH_ONLY=ON)
 $(CMAKE_DIR)/CMakeCache.txt: $(DEPS_STAMP)
 	cmake -S . -B $(CMAKE_DIR) -DCMAKE_BUILD_TYPE=Release $(CMAKE_CUDA_ARCH_FLAG) \
 		-DCMAKE_CXX_FLAGS="$$($(PY) build_config.py --native-cpu-flags)" \

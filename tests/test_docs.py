@@ -44,6 +44,7 @@ NOT_READ_BY_ROPE_EXT = {
     # CMake names: cache options (documented in docs/packaging.md), internal variables and a
     # compile definition of the C++ test; none is an environment variable.
     "ROPE_EXT_BUILD_TESTS": "CMake option: build the C++ dispatcher test",
+    "ROPE_EXT_CUDA_LAST_ARCH_ONLY": "CMake option: the CUDA library for one arch (make cmake-test)",
     "ROPE_EXT_WITH_CUDA": "CMakeLists.txt internal variable",
     "ROPE_EXT_NVCC": "CMakeLists.txt internal variable (the nvcc found)",
     "ROPE_EXT_EXPECT_CUDA": "compile definition of tests/cpp/dispatcher_test.cpp",
