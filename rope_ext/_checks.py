@@ -113,6 +113,47 @@ def _rows_disjoint(a, b, nlead):
     return _strided_dims_disjoint([(a.shape[d], a.stride(d)) for d in range(nlead)], span)
 
 
+def _lattice_reaches(dims, r, budget):
+    """Mirrors checks.h lattice_reaches: budget is a one-item list."""
+    if not dims:
+        return r == 0
+    below_lo = sum(lo * s for lo, _, s in dims[:-1])
+    below_hi = sum(hi * s for _, hi, s in dims[:-1])
+    lo, hi, stride = dims[-1]
+    for i in range(max(lo, -((below_hi - r) // stride)), min(hi, (r - below_lo) // stride) + 1):
+        budget[0] -= 1
+        if budget[0] < 0 or _lattice_reaches(dims[:-1], r - i * stride, budget):
+            return True
+    return False
+
+
+def _elements_disjoint(a, b):
+    """Mirrors checks.h elements_disjoint: apart in memory, or same-stride views of one buffer
+    whose elements interleave without meeting (a paged KV buffer's key and value halves)."""
+    if not _intersects(byte_range(a), byte_range(b)):
+        return True
+    if a.element_size() != b.element_size() or a.dim() != b.dim() or a.dim() > 8:
+        return False
+    delta_bytes = b.data_ptr() - a.data_ptr()
+    if delta_bytes % a.element_size():
+        return False
+    dims = []
+    for n, m, sa, sb in zip(a.shape, b.shape, a.stride(), b.stride()):
+        if n > 1 and m > 1 and sa != sb:
+            return False
+        stride = sa if n > 1 else sb
+        if (n > 1 or m > 1) and stride:
+            dims.append((1 - m, n - 1, stride))
+    dims.sort(key=lambda d: d[2])
+    return not _lattice_reaches(dims, delta_bytes // a.element_size(), [256])
+
+
+def check_elements_disjoint(a, a_name, b, b_name, op):
+    """Two tensors the op writes."""
+    if not _elements_disjoint(a, b):
+        _fail(f"{op}: {b_name} and {a_name}: {PARTIAL_OVERLAP}")
+
+
 def check_rows_disjoint(a, b, nlead, op, a_name, b_name):
     if a.numel() and b.numel() and not _rows_disjoint(a, b, nlead):
         _fail(f"{op}: {a_name} and {b_name}: {PARTIAL_OVERLAP}")
@@ -374,7 +415,7 @@ def check_rope_and_cache(query, key, value, positions, cache, key_cache, value_c
     check_no_internal_overlap(kc, op, "key_cache")
     check_no_internal_overlap(vc, op, "value_cache")
     if memory:
-        check_disjoint_bytes(kc, "key_cache", vc, "value_cache", op)
+        check_elements_disjoint(kc, "key_cache", vc, "value_cache", op)
         caches = (("key_cache", kc), ("value_cache", vc))
         for wname, w in (("query", query), ("key", key)):
             for cname, c in caches:

@@ -287,6 +287,62 @@ inline void check_rows_disjoint(const Meta& a, const Meta& b, int64_t nlead, con
              kPartialOverlap);
 }
 
+// Whether i_d in [lo_d, hi_d] exist with sum i_d * stride_d == r, dims[0..n) sorted by stride
+// (all > 0). Each step tries the few i of its largest dim that leave a rest the smaller dims can
+// reach; `budget` caps the steps (false when it runs out: "may meet").
+struct LatticeDim {
+  int64_t lo, hi, stride;
+};
+inline bool lattice_reaches(const LatticeDim* dims, int n, int64_t r, int& budget) {
+  if (n == 0) return r == 0;
+  int64_t below_lo = 0, below_hi = 0;  // the sums the smaller dims reach
+  for (int d = 0; d < n - 1; ++d) {
+    below_lo += dims[d].lo * dims[d].stride;
+    below_hi += dims[d].hi * dims[d].stride;
+  }
+  const LatticeDim& top = dims[n - 1];
+  auto floor_div = [](int64_t a, int64_t b) { return a / b - (a % b != 0 && a < 0); };
+  const int64_t first = std::max(top.lo, -floor_div(below_hi - r, top.stride));  // ceil
+  const int64_t last = std::min(top.hi, floor_div(r - below_lo, top.stride));
+  for (int64_t i = first; i <= last; ++i) {
+    if (--budget < 0 || lattice_reaches(dims, n - 1, r - i * top.stride, budget)) return true;
+  }
+  return false;
+}
+
+// Two written tensors with no element in common: apart in memory, or views of one buffer with
+// the same strides whose elements interleave without meeting (a paged KV buffer's key and value
+// halves: kv[:, 0] and kv[:, 1] of (num_blocks, 2, block_size, heads, head_dim), or the two
+// column ranges of (..., heads, head_dim + value_dim)). The sizes may differ; element i of a
+// and element j of b meet where a's offset sum_d i_d s_d equals delta + sum_d j_d s_d.
+inline bool elements_disjoint(const Meta& a, const Meta& b) {
+  if (!byte_range(a).intersects(byte_range(b))) return true;
+  if (a.itemsize() != b.itemsize() || a.dim != b.dim || a.dim > 8) return false;
+  const int64_t delta_bytes = static_cast<int64_t>(reinterpret_cast<uintptr_t>(b.data()) -
+                                                   reinterpret_cast<uintptr_t>(a.data()));
+  if (delta_bytes % a.itemsize() != 0) return false;
+  LatticeDim dims[8];
+  int n = 0;
+  for (int64_t d = 0; d < a.dim; ++d) {
+    // A size-1 dim's stride is arbitrary: only the other tensor's counts there.
+    if (a.sizes[d] > 1 && b.sizes[d] > 1 && a.strides[d] != b.strides[d]) return false;
+    const int64_t stride = a.sizes[d] > 1 ? a.strides[d] : b.strides[d];
+    if ((a.sizes[d] == 1 && b.sizes[d] == 1) || stride == 0) continue;  // no step to take
+    // i_d - j_d, inserted in stride order (bounded by real memory, as are the sums above).
+    int at = n++;
+    for (; at > 0 && dims[at - 1].stride > stride; --at) dims[at] = dims[at - 1];
+    dims[at] = {1 - b.sizes[d], a.sizes[d] - 1, stride};
+  }
+  int budget = 256;
+  return !lattice_reaches(dims, n, delta_bytes / a.itemsize(), budget);
+}
+
+// Two tensors the op writes.
+inline void check_elements_disjoint(const Meta& a, const char* a_name, const Meta& b,
+                                    const char* b_name, const char* op) {
+  ROPE_CHECK(elements_disjoint(a, b), op, ": ", b_name, " and ", a_name, ": ", kPartialOverlap);
+}
+
 // A read-only input that lies in the bytes of a written tensor.
 inline void check_disjoint_bytes(const Meta& written, const char* written_name, const Meta& input,
                                  const char* input_name, const char* op) {
@@ -933,7 +989,7 @@ inline CacheGeometry check_rope_and_cache(const CacheMetas& m, const Tensor& pos
   // value, and may share memory with each other). Nothing else may share the written memory.
   check_no_internal_overlap(kc, op, "key_cache");
   check_no_internal_overlap(vc, op, "value_cache");
-  check_disjoint_bytes(kc, "key_cache", vc, "value_cache", op);
+  check_elements_disjoint(kc, "key_cache", vc, "value_cache", op);
   const std::pair<const char*, const Meta*> rotated[] = {{"query", &q}, {"key", &k}};
   for (const auto& [wname, w] : rotated) {
     for (const auto& [cname, c] : caches) check_disjoint_bytes(*c, cname, *w, wname, op);

@@ -8,7 +8,8 @@ messages. `memory=False` skips the byte-range overlap checks (fake tensors have 
 import torch
 
 from .._checks import (PARTIAL_OVERLAP, _check_same_device, _fail, _rows_disjoint, _shape,
-                      check_disjoint_bytes, check_no_internal_overlap, dtype_name)
+                      check_disjoint_bytes, check_elements_disjoint, check_no_internal_overlap,
+                      dtype_name)
 
 OP = "rope.quantize_fp8"
 PAGED_OP = "rope.quantize_fp8_append_paged_kv_cache"
@@ -186,7 +187,7 @@ def check_paged(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, q_rop
         check_outputs_disjoint(written[:2], op)
         for i, (wname, w) in enumerate(written[2:]):
             for oname, o in written[:2 + i]:
-                check_disjoint_bytes(w, wname, o, oname, op)
+                check_elements_disjoint(w, wname, o, oname, op)
         inputs = (("q_rope", q_rope), ("k_rope", k_rope), ("q_nope", q_nope), ("k_nope", k_nope),
                   ("v", v), ("cos_sin_cache", cos_sin_cache), ("pos_ids", pos_ids),
                   ("kv_indices", kv_indices), ("kv_indptr", kv_indptr),

@@ -291,8 +291,8 @@ inline QuantGeometry check_paged(const Tensor& q_rope, const Tensor& k_rope, con
   check_outputs_disjoint(written, 2, op);
   for (int i = 2; i < 4; ++i) {
     for (int j = 0; j < i; ++j) {
-      check_disjoint_bytes(*written[i].second, written[i].first, *written[j].second,
-                           written[j].first, op);
+      check_elements_disjoint(*written[i].second, written[i].first, *written[j].second,
+                              written[j].first, op);
     }
   }
   std::pair<const char*, const Meta*> inputs[] = {
