@@ -269,6 +269,29 @@ def test_paged_append_matches_flashinfer(path, dtype, fmt, mla, kv_layout, inter
     same_bits(caches[1], c1)
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("mla,kv_layout", [(True, "NHD"), (False, "NHD"), (False, "HND")])
+def test_paged_append_into_the_two_halves_of_one_buffer(path, mla, kv_layout):
+    # FlashInfer's and vLLM's (max_pages, 2, ...) cache passed as (kv[:, 0], kv[:, 1]); MLA's two
+    # caches as column ranges of one (max_pages, page_size, no_rope_dim + rope_dim) buffer.
+    page_size, fmt = 4, torch.float8_e4m3fn
+    parts, v, table, pos, index, caches = paged_case(torch.float32, fmt, mla, kv_layout, page_size)
+    if mla:
+        buf = torch.cat(caches, -1)
+        views = (buf[..., :caches[0].shape[-1]], buf[..., caches[0].shape[-1]:])
+    else:
+        buf = torch.stack(caches, 1)
+        views = (buf[:, 0], buf[:, 1])
+    outs = []
+    for c in (caches, views):
+        q_out = [poisoned(parts[i].shape, fmt) for i in (0, 2)]
+        paged_op(path)(*parts, v, table, pos, *q_out, *c, *index, page_size, kv_layout, 0.5, 2.0,
+                       False)
+        outs.append(q_out + list(c))
+    for a, b in zip(*outs):
+        same_bits(a, b)
+
+
 def test_paged_dropin_flashinfer_layouts_and_errors():
     page_size = 4
     for mla, layout in ((True, "NHD"), (False, "HND")):
