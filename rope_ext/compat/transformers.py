@@ -125,6 +125,19 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     return _rotate_half_style((q, k), cos, sin, (_promoted(q, cos, sin), _promoted(k, cos, sin)))
 
 
+def apply_rotary_pos_emb_in_input_dtype(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """Olmo 2's and LFM3's apply_rotary_pos_emb: apply_rotary_pos_emb's rotation, each result in
+    its input's dtype (float32 tables of a bfloat16 model give bfloat16 q_embed and k_embed, the
+    rotation computed in float32 and rounded once)."""
+    fast = _fast_path(q, k, cos, sin, unsqueeze_dim)
+    if fast is not None:
+        return fast
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    _check_width(q, cos, sin, "rotary_dim", "q")
+    _check_width(k, cos, sin, "rotary_dim", "k")
+    return _rotate_half_style((q, k), cos, sin, (q.dtype, k.dtype))
+
+
 def apply_rotary_pos_emb_single(x, cos, sin, unsqueeze_dim=1):
     """transformers' one-tensor apply_rotary_pos_emb (Gemma 3n and 4, which rotate q and k in
     separate calls): x * cos + rotate_half(x) * sin, as apply_rotary_pos_emb computes it for q."""

@@ -68,7 +68,11 @@ def _probe_rotate_half(original, replacement):
             continue
         if not _same(replacement(q, k, emb.cos(), emb.sin()), want):
             return False
-    return True
+    # A bfloat16 model's float32 tables: most families return torch's promotion (float32), Olmo 2
+    # and LFM3 cast the results back to q's and k's dtypes, which their attention relies on.
+    emb = _duplicated(torch.randn(2, 4, 4, generator=g) * 3)
+    mixed = (q.to(torch.bfloat16), k.to(torch.bfloat16), emb.cos(), emb.sin())
+    return [t.dtype for t in replacement(*mixed)] == [t.dtype for t in original(*mixed)]
 
 
 def _probe_one_tensor(original, replacement):
@@ -106,6 +110,8 @@ def _probe_vision(original, replacement):
 
 
 _ROTATE_HALF = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb, _probe_rotate_half)}
+_ROTATE_HALF_IN_INPUT_DTYPE = {
+    "apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_in_input_dtype, _probe_rotate_half)}
 _GPTJ = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_gptj, _probe_gptj)}
 # Gemma 3n's and Gemma 4's apply_rotary_pos_emb rotates one tensor; their attention calls it for q
 # and for k.
@@ -158,7 +164,7 @@ FAMILIES = {
     "phi": ("phi.modeling_phi", _ROTATE_HALF),
     "gpt_neox": ("gpt_neox.modeling_gpt_neox", _ROTATE_HALF),
     "stablelm": ("stablelm.modeling_stablelm", _ROTATE_HALF),
-    "olmo2": ("olmo2.modeling_olmo2", _ROTATE_HALF),
+    "olmo2": ("olmo2.modeling_olmo2", _ROTATE_HALF_IN_INPUT_DTYPE),
     "granite": ("granite.modeling_granite", _ROTATE_HALF),
     "starcoder2": ("starcoder2.modeling_starcoder2", _ROTATE_HALF),
     "gptj": ("gptj.modeling_gptj", _GPTJ),
@@ -183,7 +189,7 @@ FAMILIES = {
     "hy_v3": ("hy_v3.modeling_hy_v3", _ROTATE_HALF),  # transformers >= 5
     "laguna": ("laguna.modeling_laguna", _ROTATE_HALF),  # transformers >= 5
     "mellum": ("mellum.modeling_mellum", _ROTATE_HALF),  # transformers >= 5
-    "lfm3": ("lfm3.modeling_lfm3", _ROTATE_HALF),  # transformers >= 5
+    "lfm3": ("lfm3.modeling_lfm3", _ROTATE_HALF_IN_INPUT_DTYPE),  # transformers >= 5
     "minimax_m3_vl_text": ("minimax_m3_vl.modeling_minimax_m3_vl", _ROTATE_HALF),  # >= 5
     "minimax_m3_vl": ("minimax_m3_vl.modeling_minimax_m3_vl", _ROTATE_HALF),  # >= 5; text
     "gemma4_unified_text": ("gemma4_unified.modeling_gemma4_unified", _ONE_TENSOR),  # >= 5
