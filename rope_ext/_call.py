@@ -8,11 +8,16 @@ kernel. With grad mode off the C++ router sends the call straight to the kernel,
 bookkeeping (version counters, inference-tensor errors) included. Results, errors and what is
 recorded are the same: an op none of whose inputs requires grad records nothing either way.
 
-Under torch.compile the op is traced as it is (the graph decides grad mode itself); a forward-AD
-dual level takes the public functions' own path (_registrations.tangent_aware) before this.
+Under torch.compile the op is traced as it is (the graph decides grad mode itself). While a
+forward-AD dual level is open (torch.func.jvp, torch.autograd.forward_ad), calls go to
+_registrations.tangent_aware, which keeps the tangents the kernel alone would drop: every caller
+of `ops` (the public functions, the drop-ins, the model patches) gets that from here.
 """
 
 import torch
+from torch.autograd import forward_ad
+
+from ._registrations import OPS, tangent_aware
 
 _grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
@@ -32,6 +37,9 @@ def without_autograd_if_unneeded(op):
     (the serving prologue's public call passes eight), and fills in defaults for less."""
     defaults = _keyword_defaults(getattr(op, "default", op))
     missing = object()
+    overload = getattr(op, "_overloadname", "default")
+    name = op.__name__.split(".")[0] + ("" if overload == "default" else "." + overload)
+    differentiable = name in OPS  # has an autograd story (not the library's settings ops)
 
     def call(*args, **kwargs):
         if kwargs:  # keep the keywords that are not their default (False is not 0 here)
@@ -41,6 +49,8 @@ def without_autograd_if_unneeded(op):
                 if not (v is d or (type(v) is type(d) and v == d)):
                     given[k] = v
             kwargs = given
+        if forward_ad._current_level >= 0 and differentiable:  # a dual level is open
+            return tangent_aware(name, *args, **kwargs)
         if _grad_enabled() and not _compiling() and not _any_requires_grad(*args, **kwargs):
             _set_grad_enabled(False)
             try:

@@ -405,7 +405,7 @@ def _functional_autograd_kernel(name, backward, setup_context):
     return library_autograd.make_autograd_impl(op, library_autograd.Info(backward, setup_context))
 
 
-def _has_tangent(args, kwargs):
+def has_tangent(args, kwargs):
     """Whether a forward-mode AD tangent rides on a tensor argument (torch.func.jvp and
     torch.autograd.forward_ad both make dual tensors at forward_ad's current level)."""
     if forward_ad._current_level < 0:  # no dual level entered: the common case, one read
@@ -424,7 +424,7 @@ def _forward_ad_aware(name, autograd_kernel):
     reference_kernel, differentiable = OPS[name].reference, OPS[name].differentiable
 
     def kernel(keyset, *args, **kwargs):
-        if _has_tangent(args, kwargs):
+        if has_tangent(args, kwargs):
             if not differentiable:
                 raise RuntimeError(f"rope.{name}: not differentiable, but a forward-mode AD "
                                    "tangent (torch.func.jvp, torch.autograd.forward_ad) rides "
@@ -436,13 +436,14 @@ def _forward_ad_aware(name, autograd_kernel):
 
 
 def tangent_aware(name, *args, **kwargs):
-    """rope.<name>(*args, **kwargs) from a public function while a forward-AD dual level is
+    """rope.<name>(*args, **kwargs) called through _call.ops while a forward-AD dual level is
     open. With grad mode on the op's autograd kernel sees the tangents (_forward_ad_aware); with
     it off the native call path goes straight to the kernel, which would drop them, so the
     reference (or the refusal of a non-differentiable op) serves here."""
-    if not torch.is_grad_enabled() and _has_tangent(args, kwargs):
+    if not torch.is_grad_enabled() and has_tangent(args, kwargs):
         return _forward_ad_aware(name, None)(None, *args, **kwargs)
-    return getattr(ops, name)(*args, **kwargs)
+    packet, _, overload = name.partition(".")
+    return getattr(getattr(ops, packet), overload or "default")(*args, **kwargs)
 
 
 def _autograd_kernel(name, op):

@@ -2,17 +2,12 @@
 for the tensors' device, or the reference where none is registered (see `backend`)."""
 
 import torch
-from torch.autograd import forward_ad
 
 from . import _library, reference
 from ._args import check_int
-from ._registrations import OUT_NOT_DIFFERENTIABLE, check_not_inference, tangent_aware
+from ._registrations import OUT_NOT_DIFFERENTIABLE, check_not_inference
 
 from ._call import ops  # noqa: E402  (torch.ops.rope, without autograd where none is needed)
-
-
-def _op_call(name, *args, **kwargs):
-    return getattr(ops, name)(*args, **kwargs)
 
 
 def check_head_size(head_size):
@@ -71,8 +66,6 @@ def apply_rope(x, cos, sin, *, interleaved=False, out=None):
     differentiable.
     """
     if out is None:
-        if forward_ad._current_level >= 0:  # a dual level is open (torch.func.jvp, forward_ad)
-            return tangent_aware("apply", x, cos, sin, interleaved)
         return ops.apply(x, cos, sin, interleaved)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, cos, sin, out)):
         raise RuntimeError(f"apply_rope(): {OUT_NOT_DIFFERENTIABLE}")
@@ -91,10 +84,7 @@ def apply_rope_(query, key, positions, cos_sin_cache, *, interleaved=False, head
     inverse: rotate by the negative angle (undoes the rotation of the same positions).
     Differentiable like torch's in-place ops (the op refuses what torch's own in-place ops refuse,
     before anything is written). Returns (query, key)."""
-    if forward_ad._current_level >= 0:  # a dual level is open (torch.func.jvp, forward_ad)
-        tangent_aware("apply_", heads(query, head_size, "query"), heads(key, head_size, "key"),
-                      positions, cos_sin_cache, interleaved, rope_dim_offset, inverse)
-    elif head_size is None:
+    if head_size is None:
         if interleaved is False and inverse is False and type(rope_dim_offset) is int and \
                 rope_dim_offset == 0:  # the defaults, left to torch (each argument given
             ops.apply_(query, key, positions, cos_sin_cache)  # costs 0.15 us to convert)
@@ -115,10 +105,9 @@ def apply_mrope_(query, key, positions, cos_sin_cache, mrope_section, *, interle
     apply_rope_. rope_dim_offset and inverse as for apply_rope_. Differentiable like apply_rope_.
     Returns (query, key)."""
     check_not_inference(query, key)
-    call = tangent_aware if forward_ad._current_level >= 0 else _op_call  # a dual level open?
-    call("mrope_", heads(query, head_size, "query"), heads(key, head_size, "key"), positions,
-         cos_sin_cache, [int(s) for s in mrope_section], interleaved, mrope_interleaved,
-         rope_dim_offset, inverse)
+    ops.mrope_(heads(query, head_size, "query"), heads(key, head_size, "key"), positions,
+               cos_sin_cache, [int(s) for s in mrope_section], interleaved, mrope_interleaved,
+               rope_dim_offset, inverse)
     return query, key
 
 
@@ -130,9 +119,8 @@ def apply_rope_at(x, positions, cos_sin_cache, *, interleaved=False, mrope_secti
     cos, sin = _table_halves(cos_sin_cache)
     xv = heads(x, head_size, "x")
     section = None if mrope_section is None else [int(s) for s in mrope_section]
-    call = tangent_aware if forward_ad._current_level >= 0 else _op_call  # a dual level open?
-    out = call("apply_positions", xv, positions, cos, sin, interleaved, False, section,
-               mrope_interleaved)
+    out = ops.apply_positions(xv, positions, cos, sin, interleaved, False, section,
+                              mrope_interleaved)
     return out if head_size is None else out.flatten(-2)
 
 

@@ -21,11 +21,8 @@ is rounded once to the input dtype. Values (V) are never touched.
 
 import numbers
 
-from torch.autograd import forward_ad
-
 from ._call import ops  # torch.ops.rope, without autograd where none is needed
-from ._registrations import tangent_aware
-from .ops import _op_call, heads
+from .ops import heads
 
 __all__ = ["qk_norm_rope", "norm_rope", "qk_norm_rope_", "qk_norm_rope_and_cache_",
            "qk_norm_rope_and_cache", "qkv_norm_rope_", "half_tables"]
@@ -87,9 +84,6 @@ def qk_norm_rope(query, key, q_weight, k_weight, cos, sin, *, eps=1e-6, unit_off
     if table_width == "full":
         cos, sin = half_tables(cos, sin, interleaved=interleaved, head_first=head_first,
                                ndim=query.dim())
-    if forward_ad._current_level >= 0:  # a dual level is open (torch.func.jvp, forward_ad)
-        return tangent_aware("qk_norm_rope", query, key, q_weight, k_weight, cos, sin, eps,
-                             unit_offset, interleaved)
     return ops.qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps, unit_offset,
                             interleaved)
 
@@ -128,8 +122,6 @@ def norm_rope(query, key, q_weight, k_weight, cos, sin, *, q_bias=None, k_bias=N
                          table_width="half")
         return q.transpose(-3, -2), k.transpose(-3, -2)
     args = (query, key, q_weight, k_weight, q_bias, k_bias, cos, sin, eps, norm, interleaved)
-    if forward_ad._current_level >= 0:  # a dual level is open (torch.func.jvp, forward_ad)
-        return tangent_aware("norm_rope", *args)
     return ops.norm_rope(*args)
 
 
@@ -159,10 +151,9 @@ def qk_norm_rope_(query, key, q_weight, k_weight, positions, cos_sin_cache, *, e
     differentiable. A rejected call writes nothing. Returns (query, key)."""
     # The op refuses inference tensors outside inference mode itself (torch's error, before any
     # write), as every in-place op of the library does.
-    call = tangent_aware if forward_ad._current_level >= 0 else _op_call  # a dual level open?
-    call("qk_norm_rope_", heads(query, head_size, "query"), heads(key, head_size, "key"),
-         q_weight, k_weight, positions, cos_sin_cache, eps,
-         *_flags(unit_offset, interleaved, mrope_section, mrope_interleaved))
+    ops.qk_norm_rope_(heads(query, head_size, "query"), heads(key, head_size, "key"), q_weight,
+                      k_weight, positions, cos_sin_cache, eps,
+                      *_flags(unit_offset, interleaved, mrope_section, mrope_interleaved))
     return query, key
 
 
@@ -173,10 +164,9 @@ def qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weigh
     any stride): the q and k heads normalized and rotated as qk_norm_rope_ does, positions
     (num_tokens,) (or (3, num_tokens) with mrope_section); the v heads untouched. Serving only.
     Returns qkv."""
-    call = tangent_aware if forward_ad._current_level >= 0 else _op_call  # a dual level open?
-    call("qkv_norm_rope_", qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight,
-         k_weight, positions, cos_sin_cache, eps,
-         *_flags(unit_offset, interleaved, mrope_section, mrope_interleaved))
+    ops.qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight, k_weight,
+                       positions, cos_sin_cache, eps,
+                       *_flags(unit_offset, interleaved, mrope_section, mrope_interleaved))
     return qkv
 
 
@@ -223,7 +213,7 @@ def _prologue(name, tensors, eps, unit_offset, interleaved, mrope_section, mrope
               v_norm, kv_cache_dtype, k_scale, v_scale):
     """The op call of both prologue functions (op `name`, its ten leading arguments)."""
     if (unit_offset is False and interleaved is False and mrope_section is None and
-            mrope_interleaved is False and v_norm is False and forward_ad._current_level < 0):
+            mrope_interleaved is False and v_norm is False):
         # The common serving calls, with no keyword to pass on but the caches' format (torch
         # matches each keyword given by name, and Python packs them at each hop: 1.5 us of a
         # 10 us decode call with eight).
@@ -231,7 +221,7 @@ def _prologue(name, tensors, eps, unit_offset, interleaved, mrope_section, mrope
             return getattr(ops, name)(*tensors, eps)
         return getattr(ops, name)(*tensors, eps, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
                                   v_scale=v_scale)
-    call = tangent_aware if forward_ad._current_level >= 0 else _op_call  # a dual level open?
-    return call(name, *tensors, eps, unit_offset=unit_offset, interleaved=interleaved,
-                mrope_section=_section(mrope_section), mrope_interleaved=mrope_interleaved,
-                v_norm=v_norm, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
+    return getattr(ops, name)(*tensors, eps, unit_offset=unit_offset, interleaved=interleaved,
+                              mrope_section=_section(mrope_section),
+                              mrope_interleaved=mrope_interleaved, v_norm=v_norm,
+                              kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)

@@ -149,3 +149,66 @@ def test_no_tangent_costs_nothing_and_changes_nothing():
         out = rope_ext.apply_rope(x, cos, sin)
         assert fwAD.unpack_dual(out).tangent is None
     assert torch.equal(out, ops.apply(x, cos, sin, False))
+
+
+def drop_in_cases():
+    """name -> (f, primals, the peer's f or None): the drop-ins, whose calls go through the same
+    op wrapper (rope_ext._call) as the public functions'. Tangents of full-width tables have
+    unequal halves, which only the peer's own function defines (rope_ext's primal reads one half
+    of tables that hold each angle twice): those cases compare with the peer's jvp."""
+    import peers
+    from rope_ext.compat import diffusers, flash_attn, llama, transformer_engine, transformers
+
+    q, k = torch.randn(1, 2, 5, 8, dtype=F64), torch.randn(1, 1, 5, 8, dtype=F64)
+    ang = torch.randn(1, 5, 4, dtype=F64)
+    full = torch.cat((ang, ang), -1)
+    x = torch.randn(1, 5, 2, 8, dtype=F64)
+    freqs_cis = torch.polar(torch.ones(5, 4, dtype=F64), ang[0])
+    pairs = ang[0].repeat_interleave(2, -1)
+
+    def diffusers_peer(*args):
+        from diffusers.models.embeddings import apply_rotary_emb
+        return apply_rotary_emb(*args)
+
+    return {
+        "transformers, q and k": (
+            lambda a, b: transformers.apply_rotary_pos_emb(a, b, full.cos(), full.sin()), (q, k),
+            None),
+        "transformers, tables": (
+            lambda c, s: transformers.apply_rotary_pos_emb(q, k, c, s), (full.cos(), full.sin()),
+            lambda c, s: peers.hf_apply_rotary_pos_emb(q, k, c, s)),
+        "flash_attn": (lambda a, c, s: flash_attn.apply_rotary_emb(a, c, s),
+                       (x, ang[0].cos(), ang[0].sin()), None),
+        "transformer_engine": (lambda t, f: transformer_engine.apply_rotary_pos_emb(t, f),
+                               (x.transpose(0, 1), torch.randn(5, 1, 1, 8, dtype=F64)), None),
+        "llama": (lambda a, b: llama.apply_rotary_emb(a, b, freqs_cis), (x, x.flip(1)), None),
+        "diffusers": (lambda a, c, s: diffusers.apply_rotary_emb(a, (c, s)),
+                      (q, pairs.cos(), pairs.sin()),
+                      lambda a, c, s: diffusers_peer(a, (c, s))),
+    }
+
+
+@pytest.mark.parametrize("case", ["transformers, q and k", "transformers, tables", "flash_attn",
+                                  "transformer_engine", "llama", "diffusers"])
+def test_jvp_through_the_drop_ins(case):
+    if case == "diffusers":
+        pytest.importorskip("diffusers")
+    f, primals, peer = drop_in_cases()[case]
+    tangents = tuple(torch.randn_like(p) for p in primals)
+    if peer is None:
+        check_jvp(f, primals, tangents)
+        return
+    # (diffusers' function computes in float32 whatever the input's dtype)
+    for got, want in zip(torch.func.jvp(f, primals, tangents), torch.func.jvp(peer, primals, tangents)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("grad_mode", [True, False])
+def test_forward_ad_through_a_drop_in_keeps_the_tangent(grad_mode):
+    f, (q, k), _ = drop_in_cases()["transformers, q and k"]
+    tq, tk = torch.randn_like(q), torch.randn_like(k)
+    want = central_difference(f, (q, k), (tq, tk))
+    with torch.set_grad_enabled(grad_mode), fwAD.dual_level():
+        out = f(fwAD.make_dual(q, tq), fwAD.make_dual(k, tk))
+        for got, w in zip(out, want):
+            torch.testing.assert_close(fwAD.unpack_dual(got).tangent, w, rtol=1e-6, atol=1e-6)

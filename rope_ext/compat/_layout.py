@@ -14,6 +14,15 @@ from .._args import check_int  # noqa: F401  (re-exported for the drop-ins)
 from ..ops import check_head_size, heads  # noqa: F401
 
 from .._call import ops  # noqa: E402  (torch.ops.rope, without autograd where none is needed)
+from .._registrations import has_tangent
+
+
+def derivative_wanted(*tables):
+    """Whether a derivative reaches the tables: one requires grad, or carries a forward-AD
+    tangent. The one-pass forms read one member of each pair of a full-width table, so the
+    other's derivative needs the two passes."""
+    return (torch.is_grad_enabled() and any(t.requires_grad for t in tables)) or \
+        has_tangent(tables, {})
 
 
 def check_index_tensor(t, name, shape=None):

@@ -21,7 +21,8 @@ docs/diffusers.md.
 
 import torch
 
-from ._layout import broadcasts_within, float32_table, join_members, pair_members, rotate_pairs
+from ._layout import (broadcasts_within, derivative_wanted, float32_table, join_members,
+                      pair_members, rotate_pairs)
 
 
 def _one_per_pair(table, interleaved, compact):
@@ -105,12 +106,6 @@ def _paired(x, cos, sin, interleaved):
     return None if c is None or s is None else (c, s)
 
 
-def _table_grads(cos, sin):
-    """Whether a gradient reaches the tables: the one pass reads only the first member of each
-    pair, so the second's gradient needs the two passes."""
-    return torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
-
-
 def _paired_pred(cos, sin, interleaved):
     """A 0-d bool tensor: both tables hold one value per pair."""
     (c0, c1), (s0, s1) = pair_members(cos, interleaved), pair_members(sin, interleaved)
@@ -125,7 +120,7 @@ def _real(x, cos, sin, interleaved, place=lambda t: t):
     _check_float_tables(cos, sin)
     cos, sin = cos.to(x.device), sin.to(x.device)
     _check_tables(x, place(cos), place(sin))
-    grads = _table_grads(cos, sin)
+    grads = derivative_wanted(cos, sin)
     if not grads and torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad):
         # Nothing is remembered in a graph: the comparison runs each call (a table's size, next
         # to x's heads times that), and torch.cond takes the one pass where it may.
@@ -337,7 +332,7 @@ def _real_tables(x, freqs, interleaved, place):
     if not isinstance(freqs, (tuple, list)) or len(freqs) != 2 or not _tensors(*freqs):
         return None
     cos, sin = freqs
-    if cos.shape != sin.shape or cos.dim() < 1 or _table_grads(cos, sin):
+    if cos.shape != sin.shape or cos.dim() < 1 or derivative_wanted(cos, sin):
         return None
     paired = _paired(x, cos, sin, interleaved)
     return None if paired is None else _op_tables(x, place(paired[0]), place(paired[1]), interleaved)

@@ -9,17 +9,15 @@ rope_ext's native op, with transformers' signatures, broadcasting, dtype promoti
 The tables: transformers' rotary modules return cos/sin of cat(freqs, freqs), so the two halves of
 their last dim are equal. rope_ext reads the first half only (a view, no copy): one rotation per
 pair instead of transformers' five elementwise passes. Tables whose halves differ are outside that
-contract, with one exception: when cos or sin require grad, each half is read where transformers
-reads it (two passes), so the tables' gradients are transformers' own, half by half.
+contract, with one exception: when cos or sin require grad (or carry a forward-AD tangent), each
+half is read where transformers reads it (two passes), so the tables' gradients are
+transformers' own, half by half.
 """
 
 import torch
+from torch.autograd import forward_ad
 
-from ._layout import float32_table, ops, rotate_pairs
-
-
-def _table_grad(*tables):
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tables)
+from ._layout import derivative_wanted, float32_table, ops, rotate_pairs
 
 
 def _check_width(x, cos, sin, what, name):
@@ -41,7 +39,7 @@ def _rotate_half_style(tensors, cos, sin, dtypes):
     rest passed through, in its dtype of `dtypes`."""
     half = cos.shape[-1] // 2
     first_c, first_s = float32_table(cos[..., :half]), float32_table(sin[..., :half])
-    if not _table_grad(cos, sin):
+    if not derivative_wanted(cos, sin):
         return tuple(rotate_pairs(x, first_c, first_s, d) for x, d in zip(tensors, dtypes))
     # The first half of the outputs reads the tables' first half, the second half their second.
     second_c = float32_table(cos[..., half : 2 * half])
@@ -68,7 +66,8 @@ def _fast_path(q, k, cos, sin, unsqueeze_dim):
     k None: q alone, (q_embed,)."""
     dtype = q.dtype
     k_one = q if k is None else k
-    if (cos.requires_grad or sin.requires_grad or k_one.dtype != dtype or cos.dtype != dtype
+    if (cos.requires_grad or sin.requires_grad or forward_ad._current_level >= 0
+            or k_one.dtype != dtype or cos.dtype != dtype
             or sin.dtype != dtype or unsqueeze_dim not in (1, 2)):
         return None
     q_shape, k_shape, shape = q.shape, k_one.shape, cos.shape
@@ -179,7 +178,7 @@ def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim
         raise ValueError(f"cos and sin must have one shape (3, batch, seq, head_dim), got "
                          f"{list(cos.shape)} and {list(sin.shape)}")
     section = _sections(mrope_section, cos.shape[-1])
-    halves = 2 if _table_grad(cos, sin) else 1  # both halves only when the tables need grads
+    halves = 2 if derivative_wanted(cos, sin) else 1  # both halves only when the tables need grads
     cos = _mixed(cos, section, halves).unsqueeze(unsqueeze_dim)
     sin = _mixed(sin, section, halves).unsqueeze(unsqueeze_dim)
     dtypes = (_promoted(q, cos, sin), _promoted(k, cos, sin))
