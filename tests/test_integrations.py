@@ -410,6 +410,32 @@ def test_bf16_model_patched_runs_as_accurately_as_unpatched(family):
         assert (g.float() - e).abs().max().item() <= 2 * hf_error + 1e-2
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # the rotation alone; fused with QK-norm
+def test_forward_mode_ad_through_a_patched_model(family):
+    import torch.autograd.forward_ad as fwAD
+
+    model = perturbed(build(family, torch.float64), 3)
+    model.config._attn_implementation = "eager"  # torch's CPU SDPA kernel has no forward AD
+    embeds = torch.randn(2, 12, model.config.hidden_size, dtype=torch.float64)
+    tangent = torch.randn_like(embeds)
+
+    def dual_logits():
+        with torch.no_grad(), fwAD.dual_level():
+            return fwAD.unpack_dual(model(inputs_embeds=fwAD.make_dual(embeds, tangent)).logits)
+
+    want = dual_logits()
+    integration.patch(model)
+    try:
+        got = dual_logits()
+    finally:
+        integration.unpatch(model)
+    # (transformers' RMSNorm computes in float32 even for float64 models; a dropped tangent of
+    # q and k moves the logits' tangent by about 1e-3)
+    assert want.tangent.abs().max() > 0.1
+    torch.testing.assert_close(got.primal, want.primal, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got.tangent, want.tangent, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt_neox", "gptj"])
 def test_training_gradients_match(family):
     model = build(family).train()
