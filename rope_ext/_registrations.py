@@ -453,18 +453,45 @@ def _autograd_kernel(name, op):
     return _forward_ad_aware(name, op.mutable_autograd)
 
 
+def _given(name, kernel, with_keyset=False):
+    """`kernel` of op `name` after the check that its `Tensor` arguments were given: Python's None
+    for one reaches the kernels, which would fail on it later (after writing, in place) or with
+    no word of which argument it was. Mirrors csrc/ops/routes.h check_tensors_given."""
+    base, _, overload = name.partition(".")
+    schema = getattr(getattr(ops, base), overload or "default")._schema
+    required = [(i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments)
+                if isinstance(a.type, torch._C.TensorType)]
+
+    def check(args, kwargs):
+        for i, arg, kwarg_only in required:
+            if (kwargs.get(arg) if kwarg_only or i >= len(args) else args[i]) is None:
+                raise RuntimeError(f"rope.{name}: {arg} must be a tensor, got None")
+
+    if with_keyset:
+        def given(keyset, *args, **kwargs):
+            check(args, kwargs)
+            return kernel(keyset, *args, **kwargs)
+    else:
+        def given(*args, **kwargs):
+            check(args, kwargs)
+            return kernel(*args, **kwargs)
+    return given
+
+
 def register():
     lib = torch.library.Library("rope", "IMPL")
     _libraries.append(lib)
     for name, op in OPS.items():
         # A backend key (CPU, CUDA) registered by a native library wins over this.
-        lib.impl(name, op.reference, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"rope::{name}", op.fake, lib=lib)
+        lib.impl(name, _given(name, op.reference), "CompositeExplicitAutograd")
+        torch.library.register_fake(f"rope::{name}", _given(name, op.fake), lib=lib)
         if routed(name):
             continue  # the library's C++ kernels serve Autograd and ADInplaceOrView: see below
-        lib.impl(name, _autograd_kernel(name, op), "Autograd", with_keyset=True)
+        lib.impl(name, _given(name, _autograd_kernel(name, op), True), "Autograd",
+                 with_keyset=True)
         if op.functional_autograd is None:
-            lib.impl(name, _ad_inplace_or_view_kernel(name), "ADInplaceOrView", with_keyset=True)
+            lib.impl(name, _given(name, _ad_inplace_or_view_kernel(name), True),
+                     "ADInplaceOrView", with_keyset=True)
     register_routes()
 
 
@@ -481,8 +508,8 @@ def register_routes():
             continue
         # The kernel-only twin serves every device but the CPU, meta included (no Python key:
         # a plain meta tensor reaches the C++ router too).
-        torch.library.register_fake(f"rope::_impl_{name}", op.fake, lib=lib)
-        autograd = _autograd_kernel(name, op)
+        torch.library.register_fake(f"rope::_impl_{name}", _given(name, op.fake), lib=lib)
+        autograd = _given(name, _autograd_kernel(name, op), True)
         lib.impl(f"_grad_{name}", autograd, "Autograd", with_keyset=True)
         if op.functional_autograd is not None:
             lib.impl(name, autograd, "PythonTLSSnapshot", with_keyset=True)

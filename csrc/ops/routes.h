@@ -24,11 +24,13 @@
 // time: there is no second list to keep in step with them.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <string_view>
 
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/library.h>
 
 namespace rope {
@@ -41,31 +43,62 @@ struct Written {
   bool optional;
 };
 
-constexpr int kMaxWritten = 5;
+// A `Tensor` argument (not `Tensor?`): its index on the boxed stack and its name, which an
+// error for a missing one (None from Python) spells.
+struct Required {
+  int8_t index;
+  std::string_view name;
+};
+
+constexpr int kMaxWritten = 5, kMaxRequired = 16;
 
 // One op of schemas.def: its name as the dispatcher spells it after "rope::" (overload
-// included), whether it takes the C++ call path, its signature, and the arguments it writes.
+// included), whether it takes the C++ call path, its signature, the arguments it writes and the
+// tensors it requires.
 struct OpSchema {
   const char* name;
   bool routed;
   const char* signature;
   int n_written = 0;
   Written written[kMaxWritten] = {};
+  int n_required = 0;
+  Required required[kMaxRequired] = {};
 };
 
-// The written arguments of a signature "(Tensor(a!) query, Tensor(b!)? key, ..., *, ...) ->":
-// arguments are counted by the commas of the outer parentheses (the keyword-only marker `*`
-// takes no slot on the stack); an alias annotation with `!` marks the argument written, and a `?`
-// right after its closing parenthesis makes it optional.
+// One argument of a signature, "Tensor(a!)? key = None" say: a required tensor is of type
+// `Tensor`, alias annotation or not, with no `?` or list after it.
+constexpr void parse_argument(OpSchema& op, int index, std::string_view text) {
+  while (!text.empty() && text.front() == ' ') text.remove_prefix(1);
+  const size_t space = text.find(' ');
+  if (space == std::string_view::npos) return;  // the keyword-only marker `*`
+  const std::string_view type = text.substr(0, space);
+  const bool tensor = type == "Tensor" || (type.substr(0, 7) == "Tensor(" && type.back() == ')');
+  if (!tensor) return;
+  std::string_view name = text.substr(space + 1);
+  name = name.substr(0, std::min(name.find(' '), name.find('=')));
+  if (op.n_required == kMaxRequired) throw std::logic_error("more tensors than fit");
+  op.required[op.n_required++] = {static_cast<int8_t>(index), name};
+}
+
+// The arguments of a signature "(Tensor(a!) query, Tensor(b!)? key, ..., *, ...) ->", split at
+// the commas of the outer parentheses (the keyword-only marker `*` takes no slot on the stack);
+// an alias annotation with `!` marks the argument written, and a `?` right after its closing
+// parenthesis makes it optional.
 constexpr OpSchema parse_schema(const char* name, bool routed, const char* signature) {
   OpSchema op{name, routed, signature};
   int depth = 0, arg = 0;
+  const char* start = signature + 1;
   for (const char* p = signature; *p != '\0'; ++p) {
     if (*p == '(') {
       ++depth;
     } else if (*p == ')') {
-      if (--depth == 0) break;  // the end of the arguments
+      if (--depth == 0) {  // the end of the arguments
+        parse_argument(op, arg, std::string_view(start, static_cast<size_t>(p - start)));
+        break;
+      }
     } else if (depth == 1 && *p == ',') {
+      parse_argument(op, arg, std::string_view(start, static_cast<size_t>(p - start)));
+      start = p + 1;
       ++arg;
     } else if (depth == 1 && *p == '*') {
       --arg;  // "*," is no argument
@@ -114,6 +147,22 @@ inline std::string twin_name(const char* prefix, int op) {
   return std::string(prefix) + kOps[op].name;
 }
 
+// Op R's required tensors are on the stack: Python's None for one arrives as an undefined
+// tensor, which the kernels would fail on with no word of which argument it was.
+template <int R>
+void check_tensors_given(const StableIValue* stack) {
+  constexpr const OpSchema& op = kOps[R];
+  for (int i = 0; i < op.n_required; ++i) {
+    const auto t = torch::stable::detail::to<AtenTensorHandle>(stack[op.required[i].index]);
+    bool defined = false;
+    if (t != nullptr) STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_is_defined(t, &defined));
+    if (!defined) {
+      throw std::runtime_error("rope." + std::string(op.name) + ": " +
+                               std::string(op.required[i].name) + " must be a tensor, got None");
+    }
+  }
+}
+
 // The CPU kernels, as the router calls them for CPU tensors (set by the CPU registrations).
 BoxedKernel& routed_cpu_kernel(int op);
 
@@ -134,4 +183,29 @@ inline void impl_routed_cpu(torch::stable::detail::StableLibrary& m, const char*
   routed_cpu_kernel(impl_routed(m, name, fn)) = fn;
 }
 
+// Device kernel K of op R, after the check that its tensors were given.
+template <int R, BoxedKernel K>
+void tensors_given_then(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
+  check_tensors_given<R>(stack);
+  K(stack, num_args, num_outputs);
+}
+
+// Registers kernel K for op R (and, if it is routed, for its twin; the router also calls a CPU
+// kernel directly).
+template <int R, BoxedKernel K>
+void impl_kernel(torch::stable::detail::StableLibrary& m, bool cpu) {
+  static_assert(R >= 0, "not an op of schemas.def");
+  constexpr BoxedKernel fn = &tensors_given_then<R, K>;
+  if constexpr (kOps[R].routed) {
+    cpu ? impl_routed_cpu(m, kOps[R].name, fn) : (void)impl_routed(m, kOps[R].name, fn);
+  } else {
+    m.impl(kOps[R].name, fn);
+  }
+}
+
 }  // namespace rope
+
+// The device kernels' registrations, in STABLE_TORCH_LIBRARY_IMPL(rope, CPU / CUDA, m): the
+// typed kernel `fn` of op `name` (as schemas.def spells it), boxed.
+#define ROPE_IMPL_CPU(m, name, fn) ::rope::impl_kernel<::rope::op_index(name), TORCH_BOX(fn)>(m, true)
+#define ROPE_IMPL(m, name, fn) ::rope::impl_kernel<::rope::op_index(name), TORCH_BOX(fn)>(m, false)

@@ -198,11 +198,11 @@ void apply_and_cache_cpu(Tensor query, Tensor key, Tensor value, Tensor position
 }  // namespace rope
 
 STABLE_TORCH_LIBRARY_IMPL(rope, CPU, m) {
-  rope::impl_routed_cpu(m, "apply", TORCH_BOX(&rope::apply_cpu<false>));
-  rope::impl_routed_cpu(m, "apply.out", TORCH_BOX(&rope::apply_out_cpu));
-  rope::impl_routed_cpu(m, "apply_backward", TORCH_BOX(&rope::apply_cpu<true>));
-  rope::impl_routed_cpu(m, "apply_", TORCH_BOX(&rope::apply_inplace_cpu));
-  rope::impl_routed_cpu(m, "mrope_", TORCH_BOX(&rope::mrope_inplace_cpu));
-  rope::impl_routed_cpu(m, "apply_positions", TORCH_BOX(&rope::apply_positions_cpu));
-  rope::impl_routed_cpu(m, "apply_and_cache_", TORCH_BOX(&rope::apply_and_cache_cpu));
+  ROPE_IMPL_CPU(m, "apply", &rope::apply_cpu<false>);
+  ROPE_IMPL_CPU(m, "apply.out", &rope::apply_out_cpu);
+  ROPE_IMPL_CPU(m, "apply_backward", &rope::apply_cpu<true>);
+  ROPE_IMPL_CPU(m, "apply_", &rope::apply_inplace_cpu);
+  ROPE_IMPL_CPU(m, "mrope_", &rope::mrope_inplace_cpu);
+  ROPE_IMPL_CPU(m, "apply_positions", &rope::apply_positions_cpu);
+  ROPE_IMPL_CPU(m, "apply_and_cache_", &rope::apply_and_cache_cpu);
 }

@@ -182,26 +182,21 @@ void shift_kv_cache_cuda(Tensor key_cache, Tensor slot_mapping, Tensor delta,
 // Kernels only: the schemas are defined once, in the CPU library (csrc/ops/rope.cpp), which
 // rope_ext loads first.
 STABLE_TORCH_LIBRARY_IMPL(rope, CUDA, m) {
-  rope::impl_routed(m, "apply", TORCH_BOX(&rope::gpu::apply_cuda<false>));
-  rope::impl_routed(m, "apply.out", TORCH_BOX(&rope::gpu::apply_out_cuda));
-  rope::impl_routed(m, "apply_backward", TORCH_BOX(&rope::gpu::apply_cuda<true>));
-  rope::impl_routed(m, "apply_", TORCH_BOX(&rope::gpu::apply_inplace_cuda));
-  rope::impl_routed(m, "mrope_", TORCH_BOX(&rope::gpu::mrope_inplace_cuda));
-  rope::impl_routed(m, "apply_positions", TORCH_BOX(&rope::gpu::apply_positions_cuda));
-  rope::impl_routed(m, "apply_and_cache_", TORCH_BOX(&rope::gpu::apply_and_cache_cuda));
-  rope::impl_routed(m, "qk_norm_rope", TORCH_BOX(&rope::gpu::qk_norm_rope_cuda));
-  m.impl("norm_rope", TORCH_BOX(&rope::gpu::norm_rope_cuda));
-  rope::impl_routed(m, "qk_norm_rope_",
-                    TORCH_BOX(&rope::gpu::qk_norm_rope_inplace_cuda));
-  rope::impl_routed(m, "qkv_norm_rope_",
-                    TORCH_BOX(&rope::gpu::qkv_norm_rope_inplace_cuda));
-  rope::impl_routed(m, "qk_norm_rope_and_cache_",
-                    TORCH_BOX(&rope::gpu::qk_norm_rope_and_cache_cuda));
-  rope::impl_routed(m, "qk_norm_rope_and_cache",
-                    TORCH_BOX(&rope::gpu::qk_norm_rope_and_cache_out_cuda));
-  rope::impl_routed(m, "quantize_fp8",
-                    TORCH_BOX(&rope::gpu::quantize_fp8_op<rope::gpu::CudaLaunch>));
-  rope::impl_routed(m, "quantize_fp8_append_paged_kv_cache",
-                    TORCH_BOX(&rope::gpu::quantize_fp8_paged_op<rope::gpu::CudaLaunch>));
-  m.impl("shift_kv_cache_", TORCH_BOX(&rope::gpu::shift_kv_cache_cuda));
+  ROPE_IMPL(m, "apply", &rope::gpu::apply_cuda<false>);
+  ROPE_IMPL(m, "apply.out", &rope::gpu::apply_out_cuda);
+  ROPE_IMPL(m, "apply_backward", &rope::gpu::apply_cuda<true>);
+  ROPE_IMPL(m, "apply_", &rope::gpu::apply_inplace_cuda);
+  ROPE_IMPL(m, "mrope_", &rope::gpu::mrope_inplace_cuda);
+  ROPE_IMPL(m, "apply_positions", &rope::gpu::apply_positions_cuda);
+  ROPE_IMPL(m, "apply_and_cache_", &rope::gpu::apply_and_cache_cuda);
+  ROPE_IMPL(m, "qk_norm_rope", &rope::gpu::qk_norm_rope_cuda);
+  ROPE_IMPL(m, "norm_rope", &rope::gpu::norm_rope_cuda);
+  ROPE_IMPL(m, "qk_norm_rope_", &rope::gpu::qk_norm_rope_inplace_cuda);
+  ROPE_IMPL(m, "qkv_norm_rope_", &rope::gpu::qkv_norm_rope_inplace_cuda);
+  ROPE_IMPL(m, "qk_norm_rope_and_cache_", &rope::gpu::qk_norm_rope_and_cache_cuda);
+  ROPE_IMPL(m, "qk_norm_rope_and_cache", &rope::gpu::qk_norm_rope_and_cache_out_cuda);
+  ROPE_IMPL(m, "quantize_fp8", &rope::gpu::quantize_fp8_op<rope::gpu::CudaLaunch>);
+  ROPE_IMPL(m, "quantize_fp8_append_paged_kv_cache",
+            &rope::gpu::quantize_fp8_paged_op<rope::gpu::CudaLaunch>);
+  ROPE_IMPL(m, "shift_kv_cache_", &rope::gpu::shift_kv_cache_cuda);
 }

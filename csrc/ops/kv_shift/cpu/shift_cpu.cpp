@@ -10,6 +10,7 @@
 
 #include "../checks.h"
 #include "../../cpu/dt_index.h"
+#include "../../routes.h"
 
 namespace rope {
 namespace {
@@ -55,5 +56,5 @@ void shift_kv_cache_cpu(Tensor key_cache, Tensor slot_mapping, Tensor delta, Ten
 }  // namespace rope
 
 STABLE_TORCH_LIBRARY_IMPL(rope, CPU, m) {
-  m.impl("shift_kv_cache_", TORCH_BOX(&rope::shift_kv_cache_cpu));
+  ROPE_IMPL_CPU(m, "shift_kv_cache_", &rope::shift_kv_cache_cpu);
 }

@@ -300,12 +300,10 @@ std::tuple<Tensor, Tensor, Tensor> qk_norm_rope_and_cache_out_cpu(
 }  // namespace rope
 
 STABLE_TORCH_LIBRARY_IMPL(rope, CPU, m) {
-  rope::impl_routed_cpu(m, "qk_norm_rope", TORCH_BOX(&rope::qk_norm_rope_cpu));
-  m.impl("norm_rope", TORCH_BOX(&rope::norm_rope_cpu));
-  rope::impl_routed_cpu(m, "qk_norm_rope_", TORCH_BOX(&rope::qk_norm_rope_inplace_cpu));
-  rope::impl_routed_cpu(m, "qkv_norm_rope_", TORCH_BOX(&rope::qkv_norm_rope_inplace_cpu));
-  rope::impl_routed_cpu(m, "qk_norm_rope_and_cache_",
-                        TORCH_BOX(&rope::qk_norm_rope_and_cache_cpu));
-  rope::impl_routed_cpu(m, "qk_norm_rope_and_cache",
-                        TORCH_BOX(&rope::qk_norm_rope_and_cache_out_cpu));
+  ROPE_IMPL_CPU(m, "qk_norm_rope", &rope::qk_norm_rope_cpu);
+  ROPE_IMPL_CPU(m, "norm_rope", &rope::norm_rope_cpu);
+  ROPE_IMPL_CPU(m, "qk_norm_rope_", &rope::qk_norm_rope_inplace_cpu);
+  ROPE_IMPL_CPU(m, "qkv_norm_rope_", &rope::qkv_norm_rope_inplace_cpu);
+  ROPE_IMPL_CPU(m, "qk_norm_rope_and_cache_", &rope::qk_norm_rope_and_cache_cpu);
+  ROPE_IMPL_CPU(m, "qk_norm_rope_and_cache", &rope::qk_norm_rope_and_cache_out_cpu);
 }

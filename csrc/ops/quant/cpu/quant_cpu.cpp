@@ -98,8 +98,7 @@ struct CpuRunner {
 }  // namespace rope
 
 STABLE_TORCH_LIBRARY_IMPL(rope, CPU, m) {
-  rope::impl_routed_cpu(m, "quantize_fp8",
-                        TORCH_BOX(&rope::gpu::quantize_fp8_op<rope::CpuRunner>));
-  rope::impl_routed_cpu(m, "quantize_fp8_append_paged_kv_cache",
-                        TORCH_BOX(&rope::gpu::quantize_fp8_paged_op<rope::CpuRunner>));
+  ROPE_IMPL_CPU(m, "quantize_fp8", &rope::gpu::quantize_fp8_op<rope::CpuRunner>);
+  ROPE_IMPL_CPU(m, "quantize_fp8_append_paged_kv_cache",
+                &rope::gpu::quantize_fp8_paged_op<rope::CpuRunner>);
 }
