@@ -14,3 +14,18 @@ def check_int(value, name, minimum=None):
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return int(value)
+
+
+def mrope_section_arg(mrope_section, mrope_interleaved=False):
+    """mrope_section as a list of ints (None stays None), or a ValueError: an entry that is not
+    an int (16.7 would otherwise become 16), or mrope_interleaved without a section (it would be
+    ignored)."""
+    if mrope_section is None:
+        if mrope_interleaved:
+            raise ValueError("mrope_interleaved=True needs mrope_section (the pairs of each of "
+                             "the 3 position components)")
+        return None
+    section = list(mrope_section)
+    if not all(not isinstance(s, bool) and isinstance(s, numbers.Integral) for s in section):
+        raise ValueError(f"mrope_section must hold ints, got {section!r}")
+    return [int(s) for s in section]

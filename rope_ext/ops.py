@@ -4,7 +4,7 @@ for the tensors' device, or the reference where none is registered (see `backend
 import torch
 
 from . import _library, reference
-from ._args import check_int
+from ._args import check_int, mrope_section_arg
 from ._registrations import OUT_NOT_DIFFERENTIABLE, check_not_inference
 
 from ._call import ops  # noqa: E402  (torch.ops.rope, without autograd where none is needed)
@@ -106,7 +106,7 @@ def apply_mrope_(query, key, positions, cos_sin_cache, mrope_section, *, interle
     Returns (query, key)."""
     check_not_inference(query, key)
     ops.mrope_(heads(query, head_size, "query"), heads(key, head_size, "key"), positions,
-               cos_sin_cache, [int(s) for s in mrope_section], interleaved, mrope_interleaved,
+               cos_sin_cache, mrope_section_arg(mrope_section), interleaved, mrope_interleaved,
                rope_dim_offset, inverse)
     return query, key
 
@@ -118,7 +118,7 @@ def apply_rope_at(x, positions, cos_sin_cache, *, interleaved=False, mrope_secti
     differentiable twin of apply_rope_ (gradients w.r.t. x and the table)."""
     cos, sin = _table_halves(cos_sin_cache)
     xv = heads(x, head_size, "x")
-    section = None if mrope_section is None else [int(s) for s in mrope_section]
+    section = mrope_section_arg(mrope_section, mrope_interleaved)
     out = ops.apply_positions(xv, positions, cos, sin, interleaved, False, section,
                               mrope_interleaved)
     return out if head_size is None else out.flatten(-2)

@@ -21,6 +21,7 @@ is rounded once to the input dtype. Values (V) are never touched.
 
 import numbers
 
+from ._args import mrope_section_arg
 from ._call import ops  # torch.ops.rope, without autograd where none is needed
 from .ops import heads
 
@@ -125,17 +126,14 @@ def norm_rope(query, key, q_weight, k_weight, cos, sin, *, q_bias=None, k_bias=N
     return ops.norm_rope(*args)
 
 
-def _section(mrope_section):
-    return None if mrope_section is None else [int(s) for s in mrope_section]
-
-
 def _flags(unit_offset, interleaved, mrope_section, mrope_interleaved):
     """The trailing flags of rope.qk_norm_rope_ / qkv_norm_rope_ to pass on: none when all four
     are their defaults (torch converts each argument given: 0.6 us of a decode call)."""
     if unit_offset is False and interleaved is False and mrope_section is None and \
             mrope_interleaved is False:
         return ()
-    return unit_offset, interleaved, _section(mrope_section), mrope_interleaved
+    return unit_offset, interleaved, mrope_section_arg(mrope_section, mrope_interleaved), \
+        mrope_interleaved
 
 
 def qk_norm_rope_(query, key, q_weight, k_weight, positions, cos_sin_cache, *, eps=1e-6,
@@ -222,6 +220,6 @@ def _prologue(name, tensors, eps, unit_offset, interleaved, mrope_section, mrope
         return getattr(ops, name)(*tensors, eps, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
                                   v_scale=v_scale)
     return getattr(ops, name)(*tensors, eps, unit_offset=unit_offset, interleaved=interleaved,
-                              mrope_section=_section(mrope_section),
+                              mrope_section=mrope_section_arg(mrope_section, mrope_interleaved),
                               mrope_interleaved=mrope_interleaved, v_norm=v_norm,
                               kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)

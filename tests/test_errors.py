@@ -156,3 +156,35 @@ def test_dtypes_no_op_takes_are_named_in_every_role(dtype, impl):
     cache_op = rope_ext.reference.apply_and_cache_ if ref else torch.ops.rope.apply_and_cache_
     with pytest.raises(RuntimeError, match=r"rope.apply_and_cache_: slot_mapping must be .*got"):
         cache_op(q, q.clone(), q.clone(), pos, cache, kc, vc, odd(pos))
+
+
+MROPE_BAD = [([2.0, 3, 3], False, r"mrope_section must hold ints, got \[2.0, 3, 3\]"),
+             (["2", "3", "3"], True, r"mrope_section must hold ints"),
+             (None, True, r"mrope_interleaved=True needs mrope_section")]
+
+
+@pytest.mark.parametrize("fn,section,interleaved,match", [
+    (fn, *bad) for fn in ["apply_mrope_", "apply_rope_at", "qk_norm_rope_", "qkv_norm_rope_",
+                          "qk_norm_rope_and_cache_"]
+    for bad in MROPE_BAD if not (fn == "apply_mrope_" and bad[0] is None)])  # its section is required
+def test_mrope_arguments_that_would_be_truncated_or_ignored_are_refused(fn, section, interleaved,
+                                                                        match):
+    q, k, v = torch.randn(3, 4, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    w, cache = torch.ones(16), rope_ext.cos_sin_cache(8, 16)
+    pos = torch.zeros(3, 3, dtype=torch.long) if section is not None else torch.zeros(3, dtype=torch.long)
+    kw = dict(mrope_section=section, mrope_interleaved=interleaved)
+    before = q.clone()
+    calls = {
+        "apply_mrope_": lambda: rope_ext.apply_mrope_(q, k, pos, cache, section,
+                                                      mrope_interleaved=interleaved),
+        "apply_rope_at": lambda: rope_ext.apply_rope_at(q, pos, cache, **kw),
+        "qk_norm_rope_": lambda: rope_ext.qk_norm_rope_(q, k, w, w, pos, cache, **kw),
+        "qkv_norm_rope_": lambda: rope_ext.qkv_norm_rope_(torch.cat((q, k, v), 1).flatten(1), 4, 2, 2,
+                                                          16, w, w, pos, cache, **kw),
+        "qk_norm_rope_and_cache_": lambda: rope_ext.qk_norm_rope_and_cache_(
+            q, k, v, pos, cache, w, w, torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16),
+            torch.arange(3), **kw),
+    }
+    with pytest.raises(ValueError, match=match):
+        calls[fn]()
+    assert torch.equal(q, before)
