@@ -104,6 +104,31 @@ def test_hf_broadcasts_tables_like_torch():
             check(g, w, torch.float32)
 
 
+@pytest.mark.parametrize("q_shape,k_shape,table_batch,table_seq", [
+    ((1, 3, 5, 8), (1, 1, 5, 8), 2, 5),  # the tables' batch broadcasts q and k
+    ((2, 3, 5, 8), (1, 1, 5, 8), 2, 5),  # ... k alone
+    ((2, 3, 1, 8), (2, 1, 1, 8), 2, 5),  # the tables' positions broadcast one token
+])
+def test_hf_broadcasts_q_and_k_against_larger_tables_like_torch(q_shape, k_shape, table_batch,
+                                                                  table_seq):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as transformers_own
+
+    q, k = torch.randn(q_shape, dtype=torch.float64), torch.randn(k_shape, dtype=torch.float64)
+    angles = torch.randn(table_batch, table_seq, 4, dtype=torch.float64).repeat(1, 1, 2)
+    got = hf.apply_rotary_pos_emb(q, k, angles.cos(), angles.sin())
+    want = transformers_own(q, k, angles.cos(), angles.sin())
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_flash_attn_qkv_names_the_short_table_of_k():
+    cache = torch.randn(16, 8)
+    with pytest.raises(ValueError, match=r"seqlen_ro = cos_k.size\(0\) = 2"):
+        flash_attn.apply_rotary_emb_qkv_(torch.randn(1, 4, 3, 2, 8), cache[:4, :4], cache[:4, 4:],
+                                         cache[:2, :4], cache[:2, 4:])
+
+
 @pytest.mark.parametrize("rot", [8, 4])
 def test_hf_gradients(rot):
     # Tables with unequal halves that require grad take the exact two-pass path: values and

@@ -47,11 +47,11 @@ def _offsets(seqlen_offsets, batch):
     return int(seqlen_offsets)
 
 
-def _table_rows(cos, offsets, seqlen):
-    """The rows of sequence positions offsets .. offsets + seqlen - 1, checked."""
+def _table_rows(cos, offsets, seqlen, name="cos"):
+    """The rows of sequence positions offsets .. offsets + seqlen - 1, checked (`name`: cos's)."""
     if offsets < 0 or offsets + seqlen > cos.shape[0]:
         raise ValueError(f"seqlen_offsets + seqlen = {offsets} + {seqlen} must lie within the "
-                         f"table's seqlen_ro = cos.size(0) = {cos.shape[0]}")
+                         f"table's seqlen_ro = {name}.size(0) = {cos.shape[0]}")
     return slice(offsets, offsets + seqlen)
 
 
@@ -70,15 +70,15 @@ def _rows_view(table, rows, head_dims):
                             (0, s0) + (0,) * head_dims + (s1,), table.storage_offset() + offset * s0)
 
 
-def _rotated(x, cos, sin, interleaved, seqlen_offsets):
+def _rotated(x, cos, sin, interleaved, seqlen_offsets, name="cos"):
     """Rotated copy of x (batch, seqlen, *heads, headdim): token s of sequence b at position
-    s + seqlen_offsets[b] (or + seqlen_offsets)."""
+    s + seqlen_offsets[b] (or + seqlen_offsets). name: cos's in errors."""
     batch, seqlen = x.shape[0], x.shape[1]
     offsets = _offsets(seqlen_offsets, batch)
     heads = (None,) * (x.dim() - 3)  # the tables broadcast over the head dims
     if isinstance(offsets, int):
         # One row per sequence position: the table slice itself, no gather.
-        rows = _table_rows(cos, offsets, seqlen)
+        rows = _table_rows(cos, offsets, seqlen, name)
         return ops.apply(x, _rows_view(cos, rows, len(heads)), _rows_view(sin, rows, len(heads)),
                          interleaved)
     positions = torch.arange(seqlen, device=x.device) + offsets.to(torch.int64)[:, None]
@@ -183,7 +183,8 @@ def apply_rotary_emb_qkv_(qkv, cos, sin, cos_k=None, sin_k=None, interleaved=Fal
         cos_k, sin_k = _tables(cos if cos_k is None else cos_k, sin if sin_k is None else sin_k)
         # Both rotated before either is written: a call rejected for K's tables changes nothing.
         q_rot = _rotated(q, cos, sin, interleaved, seqlen_offsets)
-        k_rot = _rotated(k, cos_k, sin_k, interleaved, seqlen_offsets)
+        k_rot = _rotated(k, cos_k, sin_k, interleaved, seqlen_offsets,
+                         "cos" if cos_k is cos else "cos_k")
         q.copy_(q_rot)
         k.copy_(k_rot)
     return qkv

@@ -74,9 +74,12 @@ def _fast_path(q, k, cos, sin, unsqueeze_dim):
     if len(q_shape) != 4 or len(k_shape) != 4 or len(shape) != 3 or sin.shape != shape:
         return None
     b, t, rot = shape
-    head_dim = q_shape[3]
+    head_dim, seq = q_shape[3], 3 - unsqueeze_dim  # q's seq dim: 2, or 1 for (b, s, h, d)
     if rot % 2 or rot == 0 or rot > head_dim or k_shape[3] != head_dim:
         return None
+    if (b != 1 and not b == q_shape[0] == k_shape[0]) or \
+            (t != 1 and not t == q_shape[seq] == k_shape[seq]):
+        return None  # the tables broadcast q or k to more rows: the general path expands them
     half = rot // 2
     if torch.compiler.is_compiling():
         # A traced graph has no storage offsets, and no per-call cost for a copy to save.
