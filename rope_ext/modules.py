@@ -129,9 +129,14 @@ class RotaryEmbedding(torch.nn.Module):
         return self._tables if self.mode != "longrope" else self._tables[self._original:]
 
     def _apply(self, fn, recurse=True):
+        was_meta = self._tables.is_meta
         super()._apply(fn, recurse)
-        if self._tables.dtype != torch.float32:  # a dtype cast: rebuild exactly in float32
+        materialized = was_meta and not self._tables.is_meta  # to_empty() of a meta-built module
+        if self._tables.dtype != torch.float32 or materialized:
+            # a dtype cast, or memory with no values yet: rebuild exactly in float32
             self._tables = self._build(self._tables.device)
+        if materialized and self.mode == "dynamic":
+            self.dynamic_len.fill_(self._original)
         return self
 
     def extra_repr(self):

@@ -66,6 +66,22 @@ def test_rotary_embedding_keeps_float32_table_under_dtype_casts():
     assert q2.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("scaling", [None, "dynamic", "longrope"])
+def test_rotary_embedding_built_on_meta_then_materialized_has_its_table(scaling):
+    # Large models are built on the meta device, then given memory with to_empty(): the table is
+    # not a parameter any checkpoint restores, so the module computes it again.
+    kw = dict(max_position=300, scaling={None: None, "dynamic": DYNAMIC, "longrope": LONGROPE}[scaling])
+    fresh = rope_ext.RotaryEmbedding(8, **kw)
+    with torch.device("meta"):
+        m = rope_ext.RotaryEmbedding(8, **kw)
+    m.to_empty(device="cpu")
+    assert torch.equal(m._tables, fresh._tables)
+    if scaling == "dynamic":
+        assert int(m.dynamic_len) == int(fresh.dynamic_len)
+    q, pos = torch.randn(2, 5, 3, 8), torch.randint(0, 300, (2, 5))
+    assert torch.equal(m(q, None, pos)[0], fresh(q, None, pos)[0])
+
+
 def test_rotary_embedding_rejects_out_of_range_positions():
     m = rope_ext.RotaryEmbedding(16, max_position=8)
     with pytest.raises(RuntimeError, match=r"positions must lie in \[0, 8\)"):
