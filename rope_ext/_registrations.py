@@ -257,7 +257,10 @@ def _below_autograd(op, keyset, written, *args, **kwargs):
     skips the ADInplaceOrView key: one Python call instead of two on the hot path."""
     check_not_inference(*written)
     torch._C._increment_version([t for t in written if t is not None])
-    return op.redispatch(keyset & _AFTER_AD_INPLACE, *args, **kwargs)
+    # What the kernel writes with torch ops (the reference's copy_) is not bumped again: one
+    # version per call, as the native kernel and torch's own in-place ops leave it.
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        return op.redispatch(keyset & _AFTER_AD_INPLACE, *args, **kwargs)
 
 
 def _rotate_each(op, keyset, query, key, positions, cos_sin_cache, interleaved, section, mi,

@@ -44,10 +44,13 @@ CHECK = textwrap.dedent("""
     else:
         raise AssertionError("out-of-range position accepted")
     torch.library.opcheck(torch.ops.rope.apply.default, (x.detach(), cos, sin, False))
-    # In place under autograd and the version counter, on either path.
-    v = q._version
-    torch.ops.rope.apply_(q, k, pos, cache, False)
-    assert q._version > v
+    # In place under autograd and the version counter, on either path: one version per call,
+    # as torch's own in-place ops leave it.
+    for grad_mode in (True, False):
+        with torch.set_grad_enabled(grad_mode):
+            v, vk = q._version, k._version
+            torch.ops.rope.apply_(q, k, pos, cache, False)
+            assert (q._version - v, k._version - vk) == (1, 1), (q._version - v, k._version - vk)
     leaf = torch.randn(5, 4, 32, requires_grad=True)
     try:
         rope_ext.apply_rope_(leaf, None, pos, cache)
