@@ -32,6 +32,17 @@ def poison_like(t):
     return torch.full_like(t, float("nan"))
 
 
+def assert_compiled_like_eager(step, args):
+    """torch.compile(step, fullgraph=True) on args returns and writes (in place, into args) what
+    step does eagerly on copies of them."""
+    torch._dynamo.reset()
+    eager_args = [a.clone() for a in args]
+    out = torch.compile(step, fullgraph=True)(*args)
+    torch.testing.assert_close(out, step(*eager_args), rtol=0, atol=0)
+    for a, b in zip(args, eager_args):
+        assert torch.equal(a, b)
+
+
 def native_cpu():
     return rope_ext.backend("cpu") == "native"
 

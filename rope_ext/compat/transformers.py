@@ -118,26 +118,27 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     dims and passes the rest through, as the GPT-NeoX and Phi-3 versions do. position_ids:
     unused, as in transformers. Differentiable w.r.t. q, k, cos and sin. At small sizes q_embed
     and k_embed may be views of one tensor, as torch's split returns them."""
-    fast = _fast_path(q, k, cos, sin, unsqueeze_dim)
-    if fast is not None:
-        return fast
-    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    _check_width(q, cos, sin, "rotary_dim", "q")
-    _check_width(k, cos, sin, "rotary_dim", "k")
-    return _rotate_half_style((q, k), cos, sin, (_promoted(q, cos, sin), _promoted(k, cos, sin)))
+    return _q_and_k(q, k, cos, sin, unsqueeze_dim, in_input_dtype=False)
 
 
 def apply_rotary_pos_emb_in_input_dtype(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """Olmo 2's and LFM3's apply_rotary_pos_emb: apply_rotary_pos_emb's rotation, each result in
     its input's dtype (float32 tables of a bfloat16 model give bfloat16 q_embed and k_embed, the
     rotation computed in float32 and rounded once)."""
+    return _q_and_k(q, k, cos, sin, unsqueeze_dim, in_input_dtype=True)
+
+
+def _q_and_k(q, k, cos, sin, unsqueeze_dim, in_input_dtype):
+    """(q_embed, k_embed) in q's and k's dtypes, or in torch's promotion of each with the tables."""
     fast = _fast_path(q, k, cos, sin, unsqueeze_dim)
     if fast is not None:
         return fast
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     _check_width(q, cos, sin, "rotary_dim", "q")
     _check_width(k, cos, sin, "rotary_dim", "k")
-    return _rotate_half_style((q, k), cos, sin, (q.dtype, k.dtype))
+    dtypes = ((q.dtype, k.dtype) if in_input_dtype else
+              (_promoted(q, cos, sin), _promoted(k, cos, sin)))
+    return _rotate_half_style((q, k), cos, sin, dtypes)
 
 
 def apply_rotary_pos_emb_single(x, cos, sin, unsqueeze_dim=1):
