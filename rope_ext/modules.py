@@ -54,8 +54,8 @@ class RotaryEmbedding(torch.nn.Module):
         freq_dim = head_dim if rotary_dim is None else check_int(rotary_dim, "RotaryEmbedding: rotary_dim")
         rotary_dim = rotated_dims(freq_dim)
         if not 0 < freq_dim <= head_dim or rotary_dim > head_dim:
-            raise ValueError(f"RotaryEmbedding: rotary_dim must be in (0, head_dim={head_dim}] (an odd one "
-                             f"rotates one dim more), got {freq_dim}")
+            raise ValueError(f"RotaryEmbedding: rotary_dim must be in (0, head_dim={head_dim}], and an odd "
+                             f"one rotates one dim more (rotary_dim + 1 <= head_dim), got {freq_dim}")
         if isinstance(rope_dim_offset, bool) or not isinstance(rope_dim_offset, int) or \
                 not 0 <= rope_dim_offset <= head_dim - rotary_dim:
             raise ValueError(f"RotaryEmbedding: rope_dim_offset must be an int in [0, head_dim - "
