@@ -279,8 +279,10 @@ def _rotate_each(op, keyset, query, key, positions, cos_sin_cache, interleaved, 
                             rope_dim_offset=offset)
     check_not_inference(query, key)
     # Positions that share memory with query or key would change under the rotation; the
-    # backward reads them again.
-    positions = _checks.positions_read_once(positions, (query, key))
+    # backward reads them again. A tensor subclass (a traced FakeTensor, a DTensor) shows no
+    # memory to compare: its positions are copied (a few integers per token).
+    positions = (_checks.positions_read_once(positions, (query, key)) if memory else
+                 positions.clone())
     table_grad = cos_sin_cache.requires_grad
     for t in (query, key):
         if t is not None:

@@ -183,3 +183,51 @@ def test_torch_compile_backward():
     (g_eager,) = torch.autograd.grad(f(x), x)
     (g_comp,) = torch.autograd.grad(torch.compile(f, fullgraph=True)(x), x)
     torch.testing.assert_close(g_eager, g_comp)
+
+
+@pytest.mark.parametrize("call,backend", [("apply_rope_", "inductor"), ("apply_rope_", "aot_eager"),
+                                          ("apply_mrope_", "aot_eager"), ("forward_", "aot_eager"),
+                                          ("table grad", "aot_eager")])
+def test_torch_compile_trains_through_the_in_place_ops(call, backend):
+    # Training under torch.compile: the in-place ops on a tensor that requires grad, traced with
+    # fake tensors (which show no memory to compare positions against), then the backward.
+    torch._dynamo.reset()
+    x = torch.randn(5, 4, 16, requires_grad=True)
+    table = rope_ext.cos_sin_cache(64, 16).requires_grad_(call == "table grad")
+    pos = torch.randint(0, 64, (5,))
+    module = rope_ext.RotaryEmbedding(16, max_position=64)
+
+    def f(x, table):
+        q = x * 2 if call != "table grad" else (x * 2).detach()
+        if call == "apply_mrope_":
+            rope_ext.apply_mrope_(q, None, torch.stack((pos, pos.flip(0), pos)), table, [2, 3, 3])
+        elif call == "forward_":
+            module.forward_(q, None, pos)
+        else:
+            rope_ext.apply_rope_(q, None, pos, table)
+        return (q * torch.arange(16.0)).square().sum()
+
+    wrt = (table,) if call == "table grad" else (x,)
+    want = torch.autograd.grad(f(x, table), wrt)
+    got = torch.autograd.grad(torch.compile(f, backend=backend, fullgraph=True)(x, table), wrt)
+    assert want[0].abs().max() > 0
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+
+
+def test_export_of_a_module_with_parameters_and_an_in_place_rotation():
+    # torch.export traces with the parameters requiring grad: the in-place op's autograd path
+    # runs on fake tensors.
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 64)
+            self.register_buffer("cache", rope_ext.cos_sin_cache(32, 16))
+
+        def forward(self, x, pos):
+            q = self.proj(x).view(x.shape[0], 4, 16)
+            rope_ext.apply_rope_(q, None, pos, self.cache)
+            return q
+
+    block, x, pos = Block(), torch.randn(6, 16), torch.randint(0, 32, (6,))
+    exported = torch.export.export(block, (x, pos))
+    torch.testing.assert_close(exported.module()(x, pos), block(x, pos), rtol=0, atol=0)
