@@ -257,10 +257,7 @@ def _below_autograd(op, keyset, written, *args, **kwargs):
     skips the ADInplaceOrView key: one Python call instead of two on the hot path."""
     check_not_inference(*written)
     torch._C._increment_version([t for t in written if t is not None])
-    # What the kernel writes with torch ops (the reference's copy_) is not bumped again: one
-    # version per call, as the native kernel and torch's own in-place ops leave it.
-    with torch._C._AutoDispatchBelowADInplaceOrView():
-        return op.redispatch(keyset & _AFTER_AD_INPLACE, *args, **kwargs)
+    return op.redispatch(keyset & _AFTER_AD_INPLACE, *args, **kwargs)
 
 
 def _rotate_each(op, keyset, query, key, positions, cos_sin_cache, interleaved, section, mi,
@@ -483,12 +480,26 @@ def _given(name, kernel, with_keyset=False):
     return given
 
 
+def _reference_kernel(name, reference):
+    """The reference as op `name`'s kernel: the tensors checked given, and its own torch ops run
+    below ADInplaceOrView, so that what it writes (copy_) is not bumped a second time: one version
+    per call, the ADInplaceOrView work's (Python's or the C++ router's), as with the native
+    kernel and torch's own in-place ops."""
+    given = _given(name, reference)
+
+    def kernel(*args, **kwargs):
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return given(*args, **kwargs)
+
+    return kernel
+
+
 def register():
     lib = torch.library.Library("rope", "IMPL")
     _libraries.append(lib)
     for name, op in OPS.items():
         # A backend key (CPU, CUDA) registered by a native library wins over this.
-        lib.impl(name, _given(name, op.reference), "CompositeExplicitAutograd")
+        lib.impl(name, _reference_kernel(name, op.reference), "CompositeExplicitAutograd")
         torch.library.register_fake(f"rope::{name}", _given(name, op.fake), lib=lib)
         if routed(name):
             continue  # the library's C++ kernels serve Autograd and ADInplaceOrView: see below
@@ -514,13 +525,13 @@ def register_routes():
         # The kernel-only twin serves every device but the CPU, meta included (no Python key:
         # a plain meta tensor reaches the C++ router too).
         torch.library.register_fake(f"rope::_impl_{name}", _given(name, op.fake), lib=lib)
-        autograd = _given(name, _autograd_kernel(name, op), True)
+        # The C++ router has checked the tensors given before the `_grad_` twin; the calls that
+        # take the PythonTLSSnapshot key never reached it.
+        autograd = _autograd_kernel(name, op)
         lib.impl(f"_grad_{name}", autograd, "Autograd", with_keyset=True)
-        if op.functional_autograd is not None:
-            lib.impl(name, autograd, "PythonTLSSnapshot", with_keyset=True)
-        else:
-            lib.impl(name, _snapshot_kernel(name, autograd), "PythonTLSSnapshot",
-                     with_keyset=True)
+        if op.functional_autograd is None:
+            autograd = _snapshot_kernel(name, autograd)
+        lib.impl(name, _given(name, autograd, True), "PythonTLSSnapshot", with_keyset=True)
         _routes_registered.add(name)
 
 
