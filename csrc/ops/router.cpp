@@ -80,7 +80,7 @@ bool on_cpu(AtenTensorHandle t) {
 template <int R>
 void bump_and_run(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
   constexpr const OpSchema& op = kOps[R];
-  check_tensors_given<R>(stack);  // before the device of the first is read
+  check_tensors_given(R, stack);  // before the device of the first is read
   for (int i = 0; i < op.n_written; ++i) {
     if (AtenTensorHandle t = borrowed(stack, op.written[i])) bump_version(t);
   }
@@ -96,7 +96,7 @@ void bump_and_run(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) 
 // with grad mode on, the autograd path (Python, or bump_and_run where no Python registered it).
 template <int R>
 void autograd_router(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
-  check_tensors_given<R>(stack);
+  check_tensors_given(R, stack);
   if (aoti_torch_grad_mode_is_enabled()) {
     call_op("rope::" + twin_name("_grad_", R), stack);
   } else {

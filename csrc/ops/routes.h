@@ -29,6 +29,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/library.h>
@@ -43,18 +44,11 @@ struct Written {
   bool optional;
 };
 
-// A `Tensor` argument (not `Tensor?`): its index on the boxed stack and its name, which an
-// error for a missing one (None from Python) spells.
-struct Required {
-  int8_t index;
-  std::string_view name;
-};
-
 constexpr int kMaxWritten = 5, kMaxRequired = 16;
 
 // One op of schemas.def: its name as the dispatcher spells it after "rope::" (overload
-// included), whether it takes the C++ call path, its signature, the arguments it writes and the
-// tensors it requires.
+// included), whether it takes the C++ call path, its signature, the arguments it writes, and
+// the stack indices of the tensors it requires (`Tensor`, not `Tensor?`).
 struct OpSchema {
   const char* name;
   bool routed;
@@ -62,51 +56,55 @@ struct OpSchema {
   int n_written = 0;
   Written written[kMaxWritten] = {};
   int n_required = 0;
-  Required required[kMaxRequired] = {};
+  int8_t required[kMaxRequired] = {};
 };
 
-// One argument of a signature, "Tensor(a!)? key = None" say: a required tensor is of type
-// `Tensor`, alias annotation or not, with no `?` or list after it.
-constexpr void parse_argument(OpSchema& op, int index, std::string_view text) {
-  while (!text.empty() && text.front() == ' ') text.remove_prefix(1);
-  const size_t space = text.find(' ');
-  if (space == std::string_view::npos) return;  // the keyword-only marker `*`
-  const std::string_view type = text.substr(0, space);
-  const bool tensor = type == "Tensor" || (type.substr(0, 7) == "Tensor(" && type.back() == ')');
-  if (!tensor) return;
-  std::string_view name = text.substr(space + 1);
-  name = name.substr(0, std::min(name.find(' '), name.find('=')));
-  if (op.n_required == kMaxRequired) throw std::logic_error("more tensors than fit");
-  op.required[op.n_required++] = {static_cast<int8_t>(index), name};
-}
-
-// The arguments of a signature "(Tensor(a!) query, Tensor(b!)? key, ..., *, ...) ->", split at
-// the commas of the outer parentheses (the keyword-only marker `*` takes no slot on the stack);
-// an alias annotation with `!` marks the argument written, and a `?` right after its closing
-// parenthesis makes it optional.
-constexpr OpSchema parse_schema(const char* name, bool routed, const char* signature) {
-  OpSchema op{name, routed, signature};
+// Calls fn(index, text) for each argument of a signature "(Tensor(a!) query, Tensor(b!)? key,
+// ..., *, ...) ->", split at the commas of the outer parentheses; the keyword-only marker `*`
+// takes no slot on the stack (nor an index).
+template <typename Fn>
+constexpr void for_each_argument(const char* signature, Fn&& fn) {
   int depth = 0, arg = 0;
   const char* start = signature + 1;
   for (const char* p = signature; *p != '\0'; ++p) {
+    const bool end = *p == ')' && depth == 1;
     if (*p == '(') {
       ++depth;
     } else if (*p == ')') {
-      if (--depth == 0) {  // the end of the arguments
-        parse_argument(op, arg, std::string_view(start, static_cast<size_t>(p - start)));
-        break;
-      }
-    } else if (depth == 1 && *p == ',') {
-      parse_argument(op, arg, std::string_view(start, static_cast<size_t>(p - start)));
-      start = p + 1;
-      ++arg;
-    } else if (depth == 1 && *p == '*') {
-      --arg;  // "*," is no argument
-    } else if (depth == 2 && *p == '!') {
-      if (op.n_written == kMaxWritten) throw std::logic_error("more written arguments than fit");
-      op.written[op.n_written++] = {static_cast<int8_t>(arg), p[1] == ')' && p[2] == '?'};
+      --depth;
     }
+    if (end || (depth == 1 && *p == ',')) {
+      std::string_view text(start, static_cast<size_t>(p - start));
+      while (!text.empty() && text.front() == ' ') text.remove_prefix(1);
+      if (text != "*") fn(arg++, text);
+      start = p + 1;
+    }
+    if (end) break;
   }
+}
+
+// An argument's text "Tensor(a!)? key=None" as (type, name).
+constexpr std::pair<std::string_view, std::string_view> type_and_name(std::string_view text) {
+  const size_t space = text.find(' ');
+  std::string_view name = text.substr(space + 1);
+  return {text.substr(0, space), name.substr(0, std::min(name.find(' '), name.find('=')))};
+}
+
+// An alias annotation with `!` marks an argument written, and a `?` after it optional; a
+// required tensor is of type `Tensor`, annotated or not, with no `?` or list after it.
+constexpr OpSchema parse_schema(const char* name, bool routed, const char* signature) {
+  OpSchema op{name, routed, signature};
+  for_each_argument(signature, [&op](int arg, std::string_view text) {
+    const std::string_view type = type_and_name(text).first;
+    if (type.find('!') != std::string_view::npos) {
+      if (op.n_written == kMaxWritten) throw std::logic_error("more written arguments than fit");
+      op.written[op.n_written++] = {static_cast<int8_t>(arg), type.back() == '?'};
+    }
+    if (type == "Tensor" || (type.substr(0, 7) == "Tensor(" && type.back() == ')')) {
+      if (op.n_required == kMaxRequired) throw std::logic_error("more tensors than fit");
+      op.required[op.n_required++] = static_cast<int8_t>(arg);
+    }
+  });
   return op;
 }
 
@@ -147,19 +145,22 @@ inline std::string twin_name(const char* prefix, int op) {
   return std::string(prefix) + kOps[op].name;
 }
 
-// Op R's required tensors are on the stack: Python's None for one arrives as an undefined
-// tensor, which the kernels would fail on with no word of which argument it was.
-template <int R>
-void check_tensors_given(const StableIValue* stack) {
-  constexpr const OpSchema& op = kOps[R];
-  for (int i = 0; i < op.n_required; ++i) {
-    const auto t = torch::stable::detail::to<AtenTensorHandle>(stack[op.required[i].index]);
+// Op `op`'s required tensors are on the stack: Python's None for one arrives as an undefined
+// tensor, which the kernels would fail on with no word of which argument it was. One copy for
+// every op (the argument's name is looked up in the signature only to raise).
+inline void check_tensors_given(int op, const StableIValue* stack) {
+  const OpSchema& s = kOps[op];
+  for (int i = 0; i < s.n_required; ++i) {
+    const auto t = torch::stable::detail::to<AtenTensorHandle>(stack[s.required[i]]);
     bool defined = false;
     if (t != nullptr) STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_is_defined(t, &defined));
-    if (!defined) {
-      throw std::runtime_error("rope." + std::string(op.name) + ": " +
-                               std::string(op.required[i].name) + " must be a tensor, got None");
-    }
+    if (defined) continue;
+    std::string name;
+    for_each_argument(s.signature, [&](int arg, std::string_view text) {
+      if (arg == s.required[i]) name = type_and_name(text).second;
+    });
+    throw std::runtime_error("rope." + std::string(s.name) + ": " + name +
+                             " must be a tensor, got None");
   }
 }
 
@@ -186,7 +187,7 @@ inline void impl_routed_cpu(torch::stable::detail::StableLibrary& m, const char*
 // Device kernel K of op R, after the check that its tensors were given.
 template <int R, BoxedKernel K>
 void tensors_given_then(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
-  check_tensors_given<R>(stack);
+  check_tensors_given(R, stack);
   K(stack, num_args, num_outputs);
 }
 
