@@ -37,10 +37,13 @@ from ..compat import transformers as hf
 FUSED_NAME = "_rope_ext_qk_norm_rope"
 FUSED_ONE_NAME = "_rope_ext_norm_rope_one"  # the one-tensor form (Gemma 3n, Gemma 4)
 FUSED_VISION_NAME = "_rope_ext_qk_norm_rope_vision"  # vision towers (GLM-OCR)
-# The kinds of fusion (a patched class's `fused`): q and k in one RoPE call (True), each in its
-# own call of a one-tensor RoPE function, or q and k of a vision tower (seq, heads, head_dim).
+FUSED_IN_INPUT_DTYPE_NAME = "_rope_ext_qk_norm_rope_in_input_dtype"  # Olmo 2's and LFM3's form
+# The kinds of fusion (a patched class's `fused`): q and k in one RoPE call (True; or
+# IN_INPUT_DTYPE, a RoPE function that returns q's and k's dtypes), each in its own call of a
+# one-tensor RoPE function, or q and k of a vision tower (seq, heads, head_dim).
 ONE_TENSOR = "one tensor"
 VISION = "vision"
+IN_INPUT_DTYPE = "in input dtype"
 _LAYOUT_METHODS = {"transpose", "view", "reshape", "contiguous"}
 _NORMS = ("q_norm", "k_norm")  # the usual names; a forward's own are found by norm_names
 _EPS_ATTRS = ("variance_epsilon", "eps")
@@ -551,26 +554,34 @@ def _fused_norms(module, q, k, cos, sin, norms):
     return q_fused[0], k_fused[0], q_fused[1], q_fused[2]
 
 
-def qk_norm_rope_call(module, q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *, _normed,
-                      _norms=_NORMS):
+def _qk_norm_rope_call(rope):
     """What the rewritten forward calls in place of the q and k norms (the modules named
-    `_norms`) and the RoPE function. It runs once per layer and token step (at decode it costs
-    about what the norms and RoPE it replaces do), so the common case takes few Python steps
-    and calls the op directly. Where the op cannot stand in for the norms, they run as
-    transformers runs them."""
-    if not _normed:  # the forward's conditions on its norms are false: RoPE only
-        return hf.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
-    norms = _fused_norms(module, q, k, cos, sin, _norms)
-    if norms is None or unsqueeze_dim not in (1, 2) or q.dim() != 4:  # transformers' layouts
-        q_norm, k_norm = _submodule(module, _norms[0]), _submodule(module, _norms[1])
-        return hf.apply_rotary_pos_emb(q_norm(q), k_norm(k), cos, sin, unsqueeze_dim=unsqueeze_dim)
-    if cos.dim() == 3:  # transformers' (batch, seq, rotary_dim)
-        cos, sin = _tables(cos, sin, unsqueeze_dim)
-    else:
-        cos, sin = _api.half_tables(cos, sin, head_first=unsqueeze_dim == 1, ndim=4)
-    q_weight, k_weight, eps, unit_offset = norms
-    # rope_ext.qk_norm.qk_norm_rope(..., table_width="half") without its Python frames.
-    return fused_op(q, k, q_weight, k_weight, cos, sin, eps, unit_offset, False)
+    `_norms`) and the RoPE function, for a family whose RoPE function is `rope`
+    (compat.transformers'). It runs once per layer and token step (at decode it costs about what
+    the norms and RoPE it replaces do), so the common case takes few Python steps and calls the
+    op directly. Where the op cannot stand in for the norms, they run as transformers runs them,
+    then `rope`."""
+    def call(module, q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *, _normed,
+             _norms=_NORMS):
+        if not _normed:  # the forward's conditions on its norms are false: RoPE only
+            return rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        norms = _fused_norms(module, q, k, cos, sin, _norms)
+        if norms is None or unsqueeze_dim not in (1, 2) or q.dim() != 4:  # transformers' layouts
+            q_norm, k_norm = _submodule(module, _norms[0]), _submodule(module, _norms[1])
+            return rope(q_norm(q), k_norm(k), cos, sin, unsqueeze_dim=unsqueeze_dim)
+        if cos.dim() == 3:  # transformers' (batch, seq, rotary_dim)
+            cos, sin = _tables(cos, sin, unsqueeze_dim)
+        else:
+            cos, sin = _api.half_tables(cos, sin, head_first=unsqueeze_dim == 1, ndim=4)
+        q_weight, k_weight, eps, unit_offset = norms
+        # rope_ext.qk_norm.qk_norm_rope(..., table_width="half") without its Python frames.
+        return fused_op(q, k, q_weight, k_weight, cos, sin, eps, unit_offset, False)
+
+    return call
+
+
+qk_norm_rope_call = _qk_norm_rope_call(hf.apply_rotary_pos_emb)
+qk_norm_rope_in_input_dtype_call = _qk_norm_rope_call(hf.apply_rotary_pos_emb_in_input_dtype)
 
 
 def qk_norm_rope_vision_call(module, q, k, cos, sin, *, _normed, _norms=_NORMS):
@@ -610,5 +621,6 @@ fused_op = without_autograd_if_unneeded(torch.ops.rope.qk_norm_rope.default)
 
 # Each kind of fusion: the name the rewritten forward calls, and what it calls.
 FUSED_CALLS = {True: (FUSED_NAME, qk_norm_rope_call),
+               IN_INPUT_DTYPE: (FUSED_IN_INPUT_DTYPE_NAME, qk_norm_rope_in_input_dtype_call),
                ONE_TENSOR: (FUSED_ONE_NAME, norm_rope_one_call),
                VISION: (FUSED_VISION_NAME, qk_norm_rope_vision_call)}

@@ -391,6 +391,7 @@ def _new_patched(original, names, fused=False):
 
 # The kind of fusion (_qk_norm) of an attention whose one RoPE function is replaced by each.
 _FUSED_KINDS = {hf.apply_rotary_pos_emb: True,
+                hf.apply_rotary_pos_emb_in_input_dtype: _qk_norm.IN_INPUT_DTYPE,
                 hf.apply_rotary_pos_emb_single: _qk_norm.ONE_TENSOR,
                 hf.apply_rotary_pos_emb_vision: _qk_norm.VISION}
 
