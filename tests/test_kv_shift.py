@@ -154,9 +154,10 @@ def test_fp8_shift_within_quantization_error(backend, kind, kv_cache_dtype, inte
 
 
 def assert_same_result(a, b, dtype, k_scale=None):
-    """Native and reference results agree to the last rounding: the reference normalizes with
+    """Native and reference results agree to the last rounding (bit for bit where the math runs
+    in float32: test_reference_bits_equal_native); a float64 cache's reference normalizes with
     torch.sqrt, which on CPU is not always correctly rounded (the kernels' square root is), so a
-    result may differ by a unit in the last place, or a float8 code by one step."""
+    result may differ by a unit in the last place."""
     if k_scale is None:
         # A unit in the last place of the pair's larger member: relative to the largest key.
         eps = torch.finfo(dtype).eps
@@ -166,6 +167,26 @@ def assert_same_result(a, b, dtype, k_scale=None):
     step = fp8_step(torch.maximum(ad, bd).abs() / k_scale, dtype) * k_scale
     assert ((ad - bd).abs() <= step).all()
     assert (a.view(torch.uint8) != b.view(torch.uint8)).float().mean() < 0.05
+
+
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [
+    (torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.float8_e4m3fn, "fp8")])
+def test_reference_bits_equal_native(dtype, kv_cache_dtype):
+    """Where the math runs in float32, the reference gives the kernels' bits: its table rows are
+    normalized with a correctly rounded square root, as the kernels' are. 1024 rows of random
+    lengths (torch's own float32 sqrt misrounds about one in 500 of them)."""
+    if not native_cpu():
+        pytest.skip("no native CPU library")
+    cache = (torch.randn(64, 16, 2, 64) * 3).to(dtype)
+    cos_sin = torch.rand(1024, 64) * 2 + 0.1
+    slots = torch.randperm(64 * 16)
+    delta = torch.randint(-1023, 1024, (slots.numel(),))
+    scale = torch.tensor([0.3]) if kv_cache_dtype != "auto" else None
+    a, b = cache.clone(), cache.clone()
+    rope_ext.shift_kv_cache_(a, slots, delta, cos_sin, kv_cache_dtype=kv_cache_dtype, k_scale=scale)
+    ref.shift_kv_cache_(b, slots, delta, cos_sin, kv_cache_dtype=kv_cache_dtype, k_scale=scale)
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert not torch.equal(a.view(torch.uint8), cache.view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype,kv_cache_dtype", [
@@ -195,9 +216,24 @@ def test_native_matches_reference(dtype, kv_cache_dtype, table_dtype, interleave
     assert not torch.equal(a.view(torch.uint8), big.view(torch.uint8))
 
 
+def scale_bound(fmt, which):
+    """The smallest or largest k_scale the shift accepts for the format: every code times it a
+    normal float32 (the largest code's product finite in float32 arithmetic)."""
+    max_code, min_exp = (448.0, -117) if fmt == torch.float8_e4m3fn else (57344.0, -110)
+    if which == "smallest":
+        return 2.0 ** min_exp
+    s = torch.tensor(torch.finfo(torch.float32).max / max_code, dtype=torch.float32)
+    up = torch.tensor(math.inf)
+    while torch.isfinite(torch.nextafter(s, up) * max_code):
+        s = torch.nextafter(s, up)
+    while not torch.isfinite(s * max_code):
+        s = torch.nextafter(s, -up)
+    return float(s)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", list(FP8))
 @pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("k_scale", [1.0, 0.37, 2.0**-6, 3e37])  # 3e37: e4m3 decodes by lanes
+@pytest.mark.parametrize("k_scale", [1.0, 0.37, 2.0**-6, "smallest", "largest"])
 def test_fp8_every_code_pair_exactly(kv_cache_dtype, interleaved, k_scale):
     """Every pair of float8 codes (NaNs, infinities, subnormals, both signs) shifted by rotations
     that float arithmetic does exactly (0 and +-90 degrees): the native decoding, rotation and
@@ -219,7 +255,7 @@ def test_fp8_every_code_pair_exactly(kv_cache_dtype, interleaved, k_scale):
     cache_table = torch.stack((torch.cat((one, zero)), torch.cat((zero, one))))  # 0, 90 degrees
     slots = torch.randperm(256)
     delta = torch.randint(-1, 2, (256,))
-    scale = torch.tensor([k_scale])
+    scale = torch.tensor([scale_bound(fmt, k_scale) if isinstance(k_scale, str) else k_scale])
     a, b = cache.clone(), cache.clone()
     rope_ext.shift_kv_cache_(a, slots, delta, cache_table, interleaved=interleaved,
                              kv_cache_dtype=kv_cache_dtype, k_scale=scale)
@@ -346,6 +382,15 @@ BAD = {
                     "k_scale must be finite and > 0 .*, got nan$"),
     "k_scale inf": (dict(kv_cache_dtype="fp8", key_cache=fp8_cache, k_scale=torch.tensor([math.inf])),
                     "k_scale must be finite and > 0 .*, got inf$"),
+    "k_scale huge": (dict(kv_cache_dtype="fp8", key_cache=fp8_cache, k_scale=torch.tensor([1e36])),
+                     "k_scale must lie in \\[2\\^-117, 3.40282e\\+38 / 448\\] for a float8_e4m3fn "
+                     "cache \\(every code times it a normal float32\\), got 1e\\+36$"),
+    "k_scale tiny": (dict(kv_cache_dtype="fp8", key_cache=fp8_cache, k_scale=torch.tensor([2.0**-118])),
+                     "k_scale must lie in \\[2\\^-117, .*, got 3.00927e-36$"),
+    "k_scale e5m2": (dict(kv_cache_dtype="fp8_e5m2", key_cache=fp8_cache.to(torch.float8_e5m2),
+                          k_scale=torch.tensor([6e33])),
+                     "k_scale must lie in \\[2\\^-110, 3.40282e\\+38 / 57344\\] for a float8_e5m2 "
+                     "cache .*, got 6e\\+33$"),
     "internal overlap": (dict(key_cache=torch.randn(3, 1, 2, 16).expand(3, 4, 2, 16)),
                          "key_cache: unsupported operation: more than one element"),
 }

@@ -77,6 +77,14 @@ def check_shift_data(key_cache, slot_mapping, delta, cos_sin_cache, k_scale):
         if not (0.0 < s <= torch.finfo(torch.float32).max):
             _fail(f"{op}: k_scale must be finite and > 0 (the keys are dequantized, rotated and "
                   f"requantized with it), got {s:g}")
+        # Every code times k_scale a finite, normal float32 (float32 arithmetic, as the kernels').
+        e4m3 = key_cache.dtype == torch.float8_e4m3fn
+        max_code, min_exp = (448.0, -117) if e4m3 else (57344.0, -110)
+        scale = k_scale.reshape(()).float()
+        if not (bool(torch.isfinite(scale * max_code)) and s >= 2.0 ** min_exp):
+            _fail(f"{op}: k_scale must lie in [2^{min_exp}, 3.40282e+38 / {max_code:g}] for a "
+                  f"{'float8_e4m3fn' if e4m3 else 'float8_e5m2'} cache (every code times it a "
+                  f"normal float32), got {s:g}")
     n = slot_mapping.shape[0]
     if n == 0:
         return
@@ -117,7 +125,11 @@ def unit_rows(cos_sin_cache, delta, acc):
     half = cos_sin_cache.shape[1] // 2
     rows = cos_sin_cache[delta.abs()].to(acc)
     c, s = rows[..., :half], rows[..., half:]
-    n = torch.sqrt(c * c + s * s)
+    n2 = c * c + s * s
+    # torch's CPU sqrt is not correctly rounded (its vector code is within 1 ulp); the kernels'
+    # IEEE one is. A float32 root taken in float64 and rounded once is the correctly rounded one.
+    exact = acc == torch.float32 and n2.device.type == "cpu"
+    n = torch.sqrt(n2.double()).to(acc) if exact else torch.sqrt(n2)
     c, s = c / n, s / n
     return c, torch.where(delta[..., None] < 0, -s, s)
 

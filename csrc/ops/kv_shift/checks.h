@@ -3,6 +3,7 @@
 // rope_ext/_kv_shift/reference.py mirrors it message for message.
 #pragma once
 
+#include <cmath>
 #include <limits>
 #include <optional>
 #include <string>
@@ -120,6 +121,15 @@ inline void check_shift_data(const ShiftDesc& d, const Tensor& slots_t, const vo
     ROPE_CHECK(s > 0.0f && s <= std::numeric_limits<float>::max(), op,
                ": k_scale must be finite and > 0 (the keys are dequantized, rotated and "
                "requantized with it), got ", s);
+    // Every code times k_scale a finite, normal float32: a larger scale turns the largest codes
+    // into inf (and inf * 0 in the rotation into NaN), a smaller one rounds the smallest to 0.
+    const bool e4m3 = d.format == CacheFormat::kE4M3FN;
+    const float max_code = e4m3 ? 448.0f : 57344.0f;
+    const int min_exp = e4m3 ? -117 : -110;  // log2(FLT_MIN / the smallest subnormal code)
+    ROPE_CHECK(s * max_code <= std::numeric_limits<float>::max() && s >= std::ldexp(1.0f, min_exp),
+               op, ": k_scale must lie in [2^", min_exp, ", 3.40282e+38 / ", max_code, "] for a ",
+               e4m3 ? "float8_e4m3fn" : "float8_e5m2",
+               " cache (every code times it a normal float32), got ", s);
   }
   auto slot_at = [&](int64_t i) { return read_index(slots, d.slots64, i * d.slot_stride); };
   int64_t used = 0;
