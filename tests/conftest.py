@@ -1,3 +1,4 @@
+import contextlib
 import os
 import sys
 
@@ -41,6 +42,22 @@ def assert_compiled_like_eager(step, args):
     torch.testing.assert_close(out, step(*eager_args), rtol=0, atol=0)
     for a, b in zip(args, eager_args):
         assert torch.equal(a, b)
+
+
+@contextlib.contextmanager
+def torch_defaults(default):
+    """torch's default dtype ("bfloat16", "float16") or default device ("meta") set to
+    `default` inside, as a script that builds models under such defaults has them."""
+    dtype = torch.get_default_dtype()
+    try:
+        if default == "meta":
+            torch.set_default_device("meta")
+        else:
+            torch.set_default_dtype(getattr(torch, default))
+        yield
+    finally:
+        torch.set_default_device(None)
+        torch.set_default_dtype(dtype)
 
 
 def native_cpu():

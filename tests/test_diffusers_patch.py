@@ -16,9 +16,10 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 
 import diffusers_models as dm  # noqa: E402
-from conftest import ROOT  # noqa: E402
+from conftest import ROOT, torch_defaults  # noqa: E402
 from rope_ext.compat import diffusers as rd  # noqa: E402
 from rope_ext.integrations import _dit_prologue as prologue  # noqa: E402
+from rope_ext.integrations import _qk_norm  # noqa: E402
 from rope_ext.integrations import diffusers as rdi  # noqa: E402
 
 FAMILIES = list(dm.BUILDERS)
@@ -104,6 +105,24 @@ def test_patched_equals_unpatched(family, dtype, norm_calls):
     assert processor_classes(model) == classes
     assert torch.equal(run(model, inputs), want)  # bit for bit
     assert not rope_ops(model, inputs)
+
+
+@pytest.mark.parametrize("default", ["bfloat16", "float16", "meta"])
+@pytest.mark.parametrize("family", ["flux", "wan", "qwenimage"])
+def test_patch_whatever_torch_defaults_are(family, default, monkeypatch):
+    """A float32 CPU model patched while torch's default dtype or device is another (a script
+    that sets them): the patch's probes of diffusers' functions and norms run on the CPU in
+    float32, so the model is patched (they crashed, or Wan's was refused under float16) and
+    computes what diffusers does."""
+    monkeypatch.setattr(rdi, "_verified", set())  # probed afresh, under these defaults
+    monkeypatch.setattr(_qk_norm, "_norm_forms", {})
+    model, inputs = dm.build(family)
+    want = run(model, inputs)
+    with torch_defaults(default):
+        rdi.patch(model)
+    assert rdi.is_patched(model)
+    torch.testing.assert_close(run(model, inputs), want, **TOLS[torch.float32])
+    assert {"rope::norm_rope"} <= rope_ops(model, inputs)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 transformers = pytest.importorskip("transformers")
 from rope_ext.integrations import _qk_norm  # noqa: E402
 from rope_ext.integrations import transformers as integration  # noqa: E402
+from conftest import torch_defaults  # noqa: E402
 
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -375,6 +376,25 @@ def test_patched_model_same_logits(family):
     assert n_after == 0 and all(torch.equal(a, w) for a, w in zip(again, want))
     assert rope_functions(family) == originals  # transformers' own function objects again
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("default", ["bfloat16", "meta"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "olmo2"])
+def test_patch_whatever_torch_defaults_are(family, default, monkeypatch):
+    """A float32 CPU model patched while torch's default dtype or device is another: the
+    probes of transformers' functions and norm classes run on the CPU in float32, so the patch
+    is made, the QK-norm fused, and the logits are transformers'."""
+    monkeypatch.setattr(integration, "_verified", set())  # probed afresh, under these defaults
+    monkeypatch.setattr(_qk_norm, "_norm_forms", {})
+    model = build(family)
+    batches = inputs(family)
+    want, _ = logits(model, batches)
+    with torch_defaults(default):
+        integration.patch(model)
+    got, _, calls = patched_calls(model, batches)
+    assert (calls["fused attention"] > 0) == (family in QK_NORM)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_logits():

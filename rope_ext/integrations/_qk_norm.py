@@ -437,15 +437,17 @@ def _probe_norm(norm):
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or attr is None:
         return None
     try:
-        probe = type(norm)(8, eps=0.25)
+        # On the CPU in float32 whatever torch's defaults are (set_default_device/_dtype).
+        with torch.device("cpu"):
+            probe = type(norm)(8, eps=0.25).float()
     except Exception:  # noqa: BLE001 - a constructor of another shape: not a norm we know
         return None
     if getattr(probe, attr, None) != 0.25 or getattr(probe, "weight", None) is None:
         return None
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 2, 8, generator=g)
-    w = torch.randn(8, generator=g)
-    with torch.no_grad():
+    with torch.no_grad(), torch.device("cpu"):
+        x = torch.randn(3, 2, 8, generator=g, dtype=torch.float32)
+        w = torch.randn(8, generator=g, dtype=torch.float32)
         probe.weight.copy_(w)
         got = probe(x).double()
     x, w = x.double(), w.double()

@@ -301,8 +301,11 @@ def _duplicated(angles, interleaved):
 
 def _probe_calls(target, g):
     """(args, kwargs) to call both functions with: every layout the replacement serves."""
-    def randn(*shape):
-        return torch.randn(*shape, generator=g)
+    def randn(*shape):  # float32 whatever torch's default dtype is
+        return torch.randn(*shape, generator=g, dtype=torch.float32)
+
+    def ones(*shape):
+        return torch.ones(*shape, dtype=torch.float32)
 
     if target == "apply_rotary_emb":
         calls = []
@@ -311,12 +314,12 @@ def _probe_calls(target, g):
             cs = (_duplicated(ang.cos(), interleaved), _duplicated(ang.sin(), interleaved))
             calls.append(((randn(2, 3, 5, 8), cs), {"use_real_unbind_dim": unbind}))
             calls.append(((randn(2, 5, 3, 8), cs), {"use_real_unbind_dim": unbind, "sequence_dim": 1}))
-        calls.append(((randn(2, 5, 3, 8), torch.polar(torch.ones(2, 5, 4), randn(2, 5, 4))),
+        calls.append(((randn(2, 5, 3, 8), torch.polar(ones(2, 5, 4), randn(2, 5, 4))),
                       {"use_real": False}))
         return calls
     if target == "apply_rotary_emb_qwen":
         ang = randn(3, 4) * 3
-        return [((randn(2, 5, 3, 8), torch.polar(torch.ones(5, 4), randn(5, 4))), {"use_real": False}),
+        return [((randn(2, 5, 3, 8), torch.polar(ones(5, 4), randn(5, 4))), {"use_real": False}),
                 ((randn(2, 5, 3, 8), (_duplicated(ang.cos(), True), _duplicated(ang.sin(), True))), {})]
     if target == "apply_rotary_emb_ltx":
         ang = randn(2, 5, 8) * 3
@@ -333,7 +336,8 @@ def _verify(target, original, processor):
     if key in _verified:
         return
     replacement = getattr(dfx, target)
-    with torch.no_grad():
+    # On the CPU whatever torch's defaults are (a model built under set_default_device).
+    with torch.no_grad(), torch.device("cpu"):
         for args, kwargs in _probe_calls(target, torch.Generator().manual_seed(0)):
             want, got = original(*args, **kwargs), replacement(*args, **kwargs)
             if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-5, atol=1e-5):

@@ -70,7 +70,7 @@ def _probe_rotate_half(original, replacement):
             return False
     # A bfloat16 model's float32 tables: most families return torch's promotion (float32), Olmo 2
     # and LFM3 cast the results back to q's and k's dtypes, which their attention relies on.
-    emb = _duplicated(torch.randn(2, 4, 4, generator=g) * 3)
+    emb = _duplicated(torch.randn(2, 4, 4, generator=g, dtype=torch.float32) * 3)
     mixed = (q.to(torch.bfloat16), k.to(torch.bfloat16), emb.cos(), emb.sin())
     return [t.dtype for t in replacement(*mixed)] == [t.dtype for t in original(*mixed)]
 
@@ -104,7 +104,7 @@ def _probe_vision(original, replacement):
     g = _generator()
     q = torch.randn(5, 2, 8, generator=g, dtype=torch.float32)
     k = torch.randn(5, 2, 8, generator=g, dtype=torch.float32)
-    emb = _duplicated(torch.randn(5, 4, generator=g) * 3)
+    emb = _duplicated(torch.randn(5, 4, generator=g, dtype=torch.float32) * 3)
     got, want = replacement(q, k, emb.cos(), emb.sin()), original(q, k, emb.cos(), emb.sin())
     return all(torch.allclose(x, y, rtol=1e-5, atol=1e-5) for x, y in zip(got, want))
 
@@ -215,7 +215,8 @@ def _verify(modeling, name, replacement, probe):
     key = (modeling.__name__, name, id(original))
     if key in _verified:
         return
-    with torch.no_grad():
+    # On the CPU whatever torch's defaults are (a model built under set_default_device).
+    with torch.no_grad(), torch.device("cpu"):
         ok = probe(original, replacement)
     if not ok:
         import transformers
