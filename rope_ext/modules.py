@@ -202,7 +202,8 @@ class RotaryEmbedding(torch.nn.Module):
     def cos_sin(self, positions):
         """(cos, sin), each positions.shape + (rotary_dim/2,), float32 (the attention factor
         included): what forward rotates by at these positions. Advances the dynamic-NTK length
-        as forward does."""
+        as forward does. With mrope_section, positions (3, ...) give each component's rows, every
+        pair of them; a call takes pair i from the component of its section."""
         if self.mode == "static" and positions.numel():
             self._check_positions(positions)
         table, index, length = self._table_and_index(positions)
@@ -227,9 +228,10 @@ class RotaryEmbedding(torch.nn.Module):
         def rotate(t):
             if t is None:
                 return None
+            # Text-only positions (no section) are plain RoPE, whatever the sections' layout.
             out = apply_rope_at(t[..., off:] if off else t, index, table,
                                 interleaved=self.interleaved, mrope_section=section,
-                                mrope_interleaved=self.mrope_interleaved)
+                                mrope_interleaved=self.mrope_interleaved and section is not None)
             return torch.cat((t[..., :off], out), dim=-1) if off else out
 
         out = rotate(query), rotate(key)

@@ -269,6 +269,27 @@ def test_compile_fullgraph_module_with_mrope():
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("mrope_interleaved", [False, True])
+def test_module_text_only_positions_are_plain_rope(mrope_interleaved):
+    """Positions of shape query.shape[:-2] (a text-only batch) through a module with MRoPE
+    sections, chunked or interleaved (Qwen3-VL's), rotate as plain RoPE, in forward (which
+    raised for interleaved sections) and forward_ alike; (3, ...) positions still take the
+    sections."""
+    section = [4, 6, 6]
+    m = rope_ext.RotaryEmbedding(32, max_position=97, mrope_section=section,
+                                 mrope_interleaved=mrope_interleaved)
+    plain = rope_ext.RotaryEmbedding(32, max_position=97)
+    q, k, pos, _ = make_case((2, 7), 4, 2, 32, 32, torch.float32)
+    text = pos[0]
+    want = plain(q, k, text)
+    for got in (m(q, k, text), m.forward_(q.clone(), k.clone(), text)):
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+    sectioned = rope_ext.apply_rope_at(q, pos, m._tables, mrope_section=section,
+                                       mrope_interleaved=mrope_interleaved)
+    torch.testing.assert_close(m(q, k, pos)[0], sectioned, rtol=0, atol=0)
+
+
 def test_schema_matches_python_definition():
     from rope_ext._schemas import SCHEMAS
 

@@ -116,14 +116,14 @@ def _real(x, cos, sin, interleaved, place=lambda t: t):
     """x * cos + rotated(x) * sin for full-width tables, placed against x by `place` (diffusers'
     indexing), computed in float32 (float64 for float64 x) and returned in x's dtype. The check
     for one entry per pair looks at cos and sin themselves, the objects a model passes to every
-    layer, so that it is remembered."""
+    layer, at each call."""
     _check_float_tables(cos, sin)
     cos, sin = cos.to(x.device), sin.to(x.device)
     _check_tables(x, place(cos), place(sin))
     grads = derivative_wanted(cos, sin)
     if not grads and torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad):
-        # Nothing is remembered in a graph: the comparison runs each call (a table's size, next
-        # to x's heads times that), and torch.cond takes the one pass where it may.
+        # In a graph the comparison runs each call too (a table's size, next to x's heads times
+        # that), and torch.cond takes the one pass where it may.
         return torch.cond(_paired_pred(cos, sin, interleaved),
                           _one_pass_true if interleaved else _one_pass_false,
                           _two_passes_true if interleaved else _two_passes_false,
