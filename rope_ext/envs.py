@@ -1,7 +1,8 @@
 """Every environment variable rope_ext reads, in one place, each read once.
 
 Runtime variables are read when rope_ext is imported; build variables when setup.py or the JIT
-loader runs (build_config.py loads this file by path, without importing rope_ext or torch). The
+loader first asks for them (build_config.py loads this file by path, without importing rope_ext or
+torch), so a build-only setting never stops an installed package from importing. The
 table in docs/packaging.md ("Environment variables") lists the same names; a test checks that
 the two agree. A value outside the allowed ones is an error that names the variable.
 """
@@ -63,8 +64,9 @@ def _read(name):
         if value not in allowed:
             raise ValueError(f"{name}={raw!r}: expected one of {', '.join(allowed)}")
         return value
-    if not raw.isdigit():
-        raise ValueError(f"{name}={raw!r}: expected {allowed}")
+    # ASCII digits only (str.isdigit takes '²'), and a count of MiB whose bytes fit in int64.
+    if not (raw.isascii() and raw.isdigit()) or int(raw) >= 1 << 43:
+        raise ValueError(f"{name}={raw!r}: expected {allowed} (below 2^43)")
     return int(raw)
 
 
@@ -72,7 +74,14 @@ BACKEND = _read("ROPE_EXT_BACKEND")
 JIT = _read("ROPE_EXT_JIT")
 CPU_ISA = _read("ROPE_EXT_CPU_ISA")
 CPU_STREAM_MB = _read("ROPE_EXT_CPU_STREAM_MB")
-CUDA = _read("ROPE_EXT_CUDA")
-BUILD = _read("ROPE_EXT_BUILD")
-CPU_VARIANTS = _read("ROPE_EXT_CPU_VARIANTS")
-BUILD_VERBOSE = _read("ROPE_EXT_BUILD_VERBOSE")
+
+_BUILD_NAMES = {"CUDA": "ROPE_EXT_CUDA", "BUILD": "ROPE_EXT_BUILD",
+                "CPU_VARIANTS": "ROPE_EXT_CPU_VARIANTS", "BUILD_VERBOSE": "ROPE_EXT_BUILD_VERBOSE"}
+assert set(_BUILD_NAMES.values()) == {n for n, v in VARIABLES.items() if v[0] == "build"}
+
+
+def __getattr__(attr):
+    """The build variables (envs.CUDA, envs.BUILD, ...), read when a build asks for them."""
+    if attr in _BUILD_NAMES:
+        return _read(_BUILD_NAMES[attr])
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")

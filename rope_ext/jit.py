@@ -72,46 +72,64 @@ def _with_cuda(config):
     return torch.cuda.is_available() and config.want_cuda()[0]
 
 
+def _build(config, name, cuda, verbose):
+    from torch.utils import cpp_extension
+
+    _, _, sources = config.library(name)
+    return cpp_extension.load(
+        name=NAMES[name],
+        sources=[os.path.join(SOURCE_ROOT, s) for s in sources],
+        extra_cflags=config.cxx_flags(),
+        extra_cuda_cflags=config.nvcc_flags() if cuda else None,
+        extra_include_paths=config.include_dirs(),
+        with_cuda=cuda,
+        is_python_module=False,
+        verbose=verbose,
+    )
+
+
 def load(verbose=False):
     """Builds (if needed) and loads the JIT libraries; returns the CPU library's path.
 
     Works while no native library serves the rope ops (the compiled one is not built, or
     ROPE_EXT_BACKEND=reference): the Python-defined schemas are replaced by the library's.
-    Calling it again after a JIT load returns the same path. Refuses, with a RuntimeError, when
-    another native library already registered the ops: a second copy would register them twice.
+    Calling it again after a JIT load returns the same path (and retries the CUDA library if its
+    build failed). Refuses, with a RuntimeError, when another native library already registered
+    the ops: a second copy would register them twice.
     """
     state = _library.state
     if state.loaded_by == "jit":
-        return state.path
-    if state.path is not None:
-        raise RuntimeError(
-            f"rope_ext.jit.load: the rope ops are already served by the native library "
-            f"{state.path}; loading a second copy into this process would register rope::* "
-            "twice. Start a new process with ROPE_EXT_JIT=1 (or without the compiled library)."
-        )
-    config = check_prerequisites()
-    _library.refuse_foreign_library("ROPE_EXT_JIT=1" if envs.JIT != "0" else "rope_ext.jit.load")
+        config = _build_config()
+        with_cuda = state.cuda_path is None and _with_cuda(config)
+    else:
+        if state.path is not None:
+            raise RuntimeError(
+                f"rope_ext.jit.load: the rope ops are already served by the native library "
+                f"{state.path}; loading a second copy into this process would register rope::* "
+                "twice. Start a new process with ROPE_EXT_JIT=1 (or without the compiled library)."
+            )
+        config = check_prerequisites()
+        _library.refuse_foreign_library("ROPE_EXT_JIT=1" if envs.JIT != "0" else "rope_ext.jit.load")
+        with_cuda = _with_cuda(config)  # ROPE_EXT_CUDA=1 where impossible: refused before building
+        _load_cpu(config, verbose)
+    if with_cuda:
+        try:
+            state.cuda_path = _build(config, "cuda", True, verbose)
+        except Exception as e:
+            raise RuntimeError(
+                f"rope_ext JIT build of {SOURCE_ROOT}/csrc failed (the CUDA library; the CPU one "
+                f"is loaded and serves, and rope_ext.jit.load() tries the CUDA build again): {e}"
+            ) from e
+    return state.path
 
+
+def _load_cpu(config, verbose):
     import torch
-    from torch.utils import cpp_extension
 
-    def build(name, cuda):
-        _, _, sources = config.library(name)
-        return cpp_extension.load(
-            name=NAMES[name],
-            sources=[os.path.join(SOURCE_ROOT, s) for s in sources],
-            extra_cflags=config.cxx_flags(),
-            extra_cuda_cflags=config.nvcc_flags() if cuda else None,
-            extra_include_paths=config.include_dirs(),
-            with_cuda=cuda,
-            is_python_module=False,
-            verbose=verbose,
-        )
-
-    with_cuda = _with_cuda(config)
+    state = _library.state
     had_python_defs = _library.drop_python_definitions()
     try:
-        path = build("cpu", False)
+        path = _build(config, "cpu", False, verbose)
     except BaseException as e:
         if had_python_defs:  # keep torch.ops.rope.* defined (reference-backed) as before
             _library.define_from_python()
@@ -124,7 +142,4 @@ def load(verbose=False):
         from . import _registrations
 
         _registrations.register_routes()
-    if with_cuda:
-        state.cuda_path = build("cuda", True)
-    _library.apply_cpu_settings()
-    return path
+    _library.apply_cpu_settings()  # before the CUDA build, which may fail

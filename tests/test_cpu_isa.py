@@ -211,6 +211,26 @@ def test_environment_caps_the_variant_at_import():
     assert r.returncode != 0 and "ROPE_EXT_CPU_STREAM_MB='2.5'" in r.stderr
 
 
+def test_environment_values(monkeypatch):
+    """Every bad value names its variable; ROPE_EXT_CPU_STREAM_MB takes ASCII digits whose bytes
+    fit in int64; build-only variables are read when a build asks for them, so none (nor the
+    CMake spelling ON) stops an installed package from importing."""
+    from rope_ext import envs
+
+    for raw in ("8796093022208", "\u00b2", "-1", "2.5"):
+        monkeypatch.setenv("ROPE_EXT_CPU_STREAM_MB", raw)
+        with pytest.raises(ValueError, match=f"ROPE_EXT_CPU_STREAM_MB={raw!r}: expected an integer"):
+            envs._read("ROPE_EXT_CPU_STREAM_MB")
+    monkeypatch.setenv("ROPE_EXT_CPU_STREAM_MB", "8796093022207")
+    assert envs._read("ROPE_EXT_CPU_STREAM_MB") == (1 << 43) - 1
+    r = run_python(["-c", "import rope_ext"], ROPE_EXT_CPU_STREAM_MB="8796093022207",
+                   ROPE_EXT_CUDA="ON", ROPE_EXT_BUILD="debug", ROPE_EXT_CPU_VARIANTS="avx2")
+    assert r.returncode == 0, r.stderr
+    monkeypatch.setenv("ROPE_EXT_CUDA", "ON")
+    with pytest.raises(ValueError, match="ROPE_EXT_CUDA='ON': expected one of auto, 0, 1"):
+        envs.CUDA  # noqa: B018 - read on access
+
+
 def test_reference_backend_reports_reference():
     r = run_python(
         ["-c", "import rope_ext, torch; print(torch.ops.rope.cpu_isa(), rope_ext.cpu_isa())"],

@@ -203,3 +203,35 @@ def test_failed_jit_build_leaves_the_reference_serving(tmp_path):
     result = run(["-c", code], env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"build failed: rope_ext JIT build of {jit.SOURCE_ROOT}/csrc failed" in result.stdout, result.stdout
+
+
+@needs_sources
+def test_failed_cuda_build_after_the_cpu_library(tmp_path):
+    """The CPU library loads, then the CUDA library's build fails (an nvcc that always fails):
+    rope_ext's error names the CUDA build, the CPU library serves with ROPE_EXT_CPU_ISA
+    applied, and a second jit.load() tries the CUDA build again instead of reporting success."""
+    import torch
+
+    if torch.version.cuda is None:
+        pytest.skip("torch is a CPU-only build: no CUDA library to build")
+    nvcc = tmp_path / "cuda" / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text("#!/bin/sh\necho 'nvcc: this toolkit always fails' >&2\nexit 1\n")
+    nvcc.chmod(0o755)
+    code = (
+        "import rope_ext\n"
+        "from rope_ext import _library as L\n"
+        "for attempt in (1, 2):\n"
+        "    try:\n        rope_ext.jit.load()\n"
+        "    except RuntimeError as e:\n        print('failed', attempt, str(e).splitlines()[0])\n"
+        "    else:\n        raise SystemExit('the CUDA build succeeded')\n"
+        "    assert L.state.loaded_by == 'jit' and L.state.cuda_path is None\n"
+        "    assert rope_ext.backend('cpu') == 'native' and rope_ext.cpu_isa() == 'baseline'\n"
+    )
+    env = jit_env(ROPE_EXT_BACKEND="reference", ROPE_EXT_CUDA="1", ROPE_EXT_CPU_ISA="baseline",
+                  CUDA_HOME=str(nvcc.parent.parent), TORCH_CUDA_ARCH_LIST="9.0")
+    result = run(["-c", code], env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    want = f"rope_ext JIT build of {jit.SOURCE_ROOT}/csrc failed (the CUDA library; the CPU one is loaded"
+    for attempt in (1, 2):
+        assert f"failed {attempt} {want}" in result.stdout, result.stdout
