@@ -19,6 +19,11 @@ del _name
 from ._version import __version__
 
 if envs.JIT != "0":
+    if envs.BACKEND == "reference":
+        import warnings as _warnings
+
+        _warnings.warn("rope_ext: ROPE_EXT_JIT wins over ROPE_EXT_BACKEND=reference: the JIT "
+                       "library serves the rope ops natively", stacklevel=2)
     jit.load(verbose=envs.JIT == "verbose")
 else:
     _library.load_compiled()

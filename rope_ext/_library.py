@@ -45,6 +45,23 @@ def define_from_python():
     _python_defs.append(lib)
 
 
+def check_schemas():
+    """Raises ImportError if the native library's ops are not those of schemas.def: a library
+    built from other sources (a checkout updated without rebuilding) would take arguments this
+    package does not pass."""
+    for key, want in SCHEMAS.items():
+        name, _, overload = key.partition(".")
+        try:
+            got = str(torch._C._dispatch_find_schema_or_throw(f"rope::{name}", overload).schema())
+        except RuntimeError:
+            got = "missing"
+        if got != str(torch._C.parse_schema("rope::" + want)):  # both as this torch prints them
+            raise ImportError(
+                f"rope_ext: the native library {state.path} was built from other sources than this "
+                f"package: rope::{key} is {got} there, rope::{want} here. Rebuild it (`make build`, "
+                "or `pip install .`).")
+
+
 def drop_python_definitions():
     """Removes the Python-defined schemas (a native library is about to define them)."""
     had = bool(_python_defs)
@@ -92,6 +109,11 @@ def load_compiled():
     if preloaded is not None:  # loading rope_ext._C too would register the ops twice
         state.path, state.cuda_path = preloaded
         state.loaded_by = "preloaded"
+        check_schemas()
+        if envs.BACKEND == "reference":
+            warnings.warn(f"rope_ext: ROPE_EXT_BACKEND=reference is not honoured: {preloaded[0]}, "
+                          "loaded before rope_ext, already serves the rope ops natively",
+                          stacklevel=3)
         return
     if envs.BACKEND == "reference":
         state.error = "ROPE_EXT_BACKEND=reference"
@@ -113,6 +135,7 @@ def load_compiled():
         define_from_python()
         return
     state.loaded_by, state.path = "compiled", module.__file__
+    check_schemas()
     _load_cuda()
 
 

@@ -88,3 +88,23 @@ def test_missing_native_library_falls_back_with_one_warning(tmp_path):
                     ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__"))
     out = _run({"ROPE_EXT_BACKEND": "auto"}, tmp_path, str(tmp_path / "site"))
     assert "BACKEND reference" in out and "WARNINGS 1" in out and "OK" in out
+
+
+def test_a_library_built_from_other_sources_is_refused(monkeypatch):
+    """The loaded library's ops are checked against schemas.def at import: one built from other
+    sources (a checkout pulled without rebuilding) is an ImportError that says to rebuild, not
+    an AttributeError or a call with the wrong arguments later."""
+    from rope_ext import _library
+
+    if _library.state.path is None:
+        pytest.skip("no native library loaded")
+    _library.check_schemas()  # this build's library: its ops are the package's
+    schemas = dict(_library.SCHEMAS)
+    schemas["apply"] = schemas["apply"].replace("bool interleaved=False)", "bool interleaved=False, int extra=0)")
+    schemas["apply_new"] = "apply_new(Tensor x) -> Tensor"
+    for changed in ("apply", "apply_new"):
+        monkeypatch.setattr(_library, "SCHEMAS", {changed: schemas[changed]})
+        with pytest.raises(ImportError, match=f"rope_ext: the native library .* was built from other "
+                                              f"sources than this package: rope::{changed} is "
+                                              f"{'rope::apply.Tensor x' if changed == 'apply' else 'missing'}"):
+            _library.check_schemas()

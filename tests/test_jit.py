@@ -66,6 +66,12 @@ def test_preloaded_library_is_used_not_loaded_twice(tmp_path):
     assert refused.returncode == 1, refused.stderr
     expected = f"ROPE_EXT_JIT=1 would load a second copy of the rope ops, but {lib}"
     assert expected in refused.stderr, refused.stderr
+    # ROPE_EXT_BACKEND=reference cannot take the ops back from the preloaded library: it says so.
+    code = f"import torch; torch.ops.load_library({str(lib)!r}); import rope_ext; print(rope_ext.backend('cpu'))"
+    warned = run(["-c", code], env={"ROPE_EXT_BACKEND": "reference"})
+    assert warned.returncode == 0, warned.stderr
+    assert warned.stdout.split()[-1] == "native"
+    assert f"ROPE_EXT_BACKEND=reference is not honoured: {lib}, loaded before rope_ext" in warned.stderr
 
 
 @needs_sources
