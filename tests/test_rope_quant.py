@@ -387,6 +387,11 @@ def test_paged_bad_input_names_the_argument_and_writes_nothing(path):
     far[-1] = 1000
     bad_pages = kv_indices.clone()
     bad_pages[-1] = caches[0].shape[0]
+    repeated = positions.clone()
+    repeated[-1] = repeated[-2]  # the last two tokens (of one request) would write one cache row
+    p = int(repeated[-1])
+    page, entry = int(kv_indices[int(kv_indptr[1]) + p // page_size]), p % page_size
+    n = len(positions)
     cases = [
         ({"v": None}, "v is required for GQA/MHA"),
         ({"v": v[..., :10]}, "v must have shape"),
@@ -405,6 +410,9 @@ def test_paged_bad_input_names_the_argument_and_writes_nothing(path):
         ({"kv_indptr": torch.tensor([0, 9, 2], dtype=torch.int32)}, "kv_indptr must be non-decreasing"),
         ({"v_cache": caches[0]}, "k_cache and v_cache: unsupported operation"),
         ({"pos_ids": torch.full_like(pos, 64)}, "pos_ids must lie in [0, max_position"),
+        ({"positions": repeated},
+         f"kv_indices and positions must give each token its own cache entry (negative "
+         f"batch_indices: padding, skipped), got page {page} entry {entry} for tokens {n - 2} and {n - 1}"),
     ]
     for change, message in cases:
         args = dict(base, **change)
@@ -529,6 +537,19 @@ def test_simulated_kernel_traps_on_bad_page_tables(sim):
         sim.quantize_fp8_append_paged_kv_cache(*parts, v, table, torch.full_like(pos, 64), *q_out,
                                                *caches, *index, page_size, "NHD", 1.0, 1.0, False,
                                                4, sim_info())
+    # Two tokens on one cache entry: the entry-set kernel, launched first, traps (its accesses
+    # checked too), so the quant kernel never runs; with one block, then with a thread per token.
+    repeated = positions.clone()
+    repeated[-1] = repeated[-2]
+    before = [c.view(torch.uint8).clone() for c in (*q_out, *caches)]
+    for max_blocks in (1, 4):
+        with pytest.raises(RuntimeError, match="device-side assert triggered: rope: two tokens must "
+                                               "not write one cache entry"):
+            sim.quantize_fp8_append_paged_kv_cache(*parts, v, table, pos, *q_out, *caches,
+                                                   kv_indices, kv_indptr, batch, repeated,
+                                                   page_size, "NHD", 1.0, 1.0, False, max_blocks,
+                                                   sim_info())
+        assert all(torch.equal(c.view(torch.uint8), b) for c, b in zip((*q_out, *caches), before))
 
 
 def test_rows_of_no_elements_still_check_positions(sim):

@@ -211,8 +211,9 @@ def check_pos_ids(pos_ids, rows, op):
 
 def paged_slots(kv_indices, kv_indptr, batch_indices, positions, page_size, max_pages):
     """(tokens written, their pages, their entries in the page), after checking every token that
-    is not padding (batch_indices < 0) against the page table. Token order: the first bad one is
-    reported, as the native kernels do."""
+    is not padding (batch_indices < 0) against the page table (token order: the first bad one is
+    reported, as the native kernels do), then that no two tokens write one cache entry (the
+    first token, in order, whose entry an earlier one has)."""
     op = PAGED_OP
     batch = kv_indptr.shape[0] - 1
     total = kv_indices.shape[0]
@@ -241,4 +242,11 @@ def paged_slots(kv_indices, kv_indptr, batch_indices, positions, page_size, max_
         tokens.append(t)
         pages.append(page)
         entries.append(p % page_size)
+    owner = {}
+    for t, page, entry in zip(tokens, pages, entries):
+        first = owner.setdefault((page, entry), t)
+        if first != t:
+            _fail(f"{op}: kv_indices and positions must give each token its own cache entry (negative "
+                  f"batch_indices: padding, skipped), got page {page} entry {entry} for tokens {first} "
+                  f"and {t}")
     return tokens, pages, entries

@@ -21,6 +21,8 @@ namespace {
 // kernel arguments.
 struct CudaLaunch : CudaStreamLaunch {
   using CudaStreamLaunch::CudaStreamLaunch;
+  // Data checks the host does not make (a sync) run as kernels before the writes.
+  static constexpr bool kDeviceDataChecks = true;
 
   template <typename x_t, typename tab_t, bool kI>
   void operator()(const LaunchPlan& p, const RotateArgs<x_t, tab_t>& a, Bool<kI>) const {
@@ -44,6 +46,11 @@ struct CudaLaunch : CudaStreamLaunch {
   template <typename x_t>
   void operator()(const LaunchPlan& p, const QuantArgs<x_t>& a) const {
     check(launch_quant<x_t>(p, a, stream()));
+  }
+
+  template <typename x_t>
+  void operator()(const LaunchPlan& p, const PagedSlotSetArgs<x_t>& a) const {
+    check(launch_paged_slot_set<x_t>(p, a, stream()));
   }
 
   template <typename x_t, typename acc_t>

@@ -293,6 +293,27 @@ Tensor apply_positions_host(const Tensor& x, const Tensor& positions, const Tens
   return out;
 }
 
+// An empty slot set for `tokens` tokens (a power of two >= 2 * tokens entries, all kEmptySlot,
+// on `like`'s device) and the plan of a kernel with a thread per token that fills it.
+struct SlotSet {
+  Tensor entries;
+  int64_t mask;
+  LaunchPlan plan;
+  unsigned long long* data() const {
+    return static_cast<unsigned long long*>(entries.mutable_data_ptr());
+  }
+};
+
+inline SlotSet new_slot_set(const Tensor& like, int64_t tokens, int64_t max_blocks) {
+  const int64_t capacity = pow2_at_least(2 * tokens);
+  SlotSet s{torch::stable::new_empty(like, {capacity}, ScalarType::Long), capacity - 1, {}};
+  torch::stable::fill_(s.entries, -1.0);  // kEmptySlot
+  s.plan.block = Idx3{static_cast<unsigned>(kThreadsPerBlock), 1, 1};
+  s.plan.grid =
+      Idx3{static_cast<unsigned>(std::min(ceil_div(tokens, kThreadsPerBlock), max_blocks)), 1, 1};
+  return s;
+}
+
 // Slots used at most once, checked on the device before the kernel that writes the caches (with
 // two tokens or more): the slot-set kernel's device-side assert stops the stream first.
 template <class Runner>
@@ -300,15 +321,9 @@ void check_slots_on_device(const CacheGeometry& cg, const Tensor& slots, Runner&
                            int64_t max_blocks) {
   const int64_t tokens = cg.rot.tokens;
   if (tokens < 2) return;
-  const int64_t capacity = pow2_at_least(2 * tokens);
-  Tensor set = torch::stable::new_empty(slots, {capacity}, ScalarType::Long);
-  torch::stable::fill_(set, -1.0);  // kEmptySlot
-  const SlotSetArgs s{slots.const_data_ptr(), cg.slots64, cg.slot_stride, tokens, capacity - 1,
-                      static_cast<unsigned long long*>(set.mutable_data_ptr())};
-  LaunchPlan p;
-  p.block = Idx3{static_cast<unsigned>(kThreadsPerBlock), 1, 1};
-  p.grid = Idx3{static_cast<unsigned>(std::min(ceil_div(tokens, kThreadsPerBlock), max_blocks)), 1, 1};
-  run(p, s);
+  const SlotSet set = new_slot_set(slots, tokens, max_blocks);
+  run(set.plan, SlotSetArgs{slots.const_data_ptr(), cg.slots64, cg.slot_stride, tokens, set.mask,
+                            set.data()});
 }
 
 template <class Runner>

@@ -686,23 +686,28 @@ ROPE_HD unsigned long long cas_entry(unsigned long long* p, unsigned long long e
 #endif
 }
 
+// Inserts slot `key` into the set (`mask + 1` entries, never full); false if it was there.
+ROPE_HD bool insert_slot(unsigned long long* set, int64_t mask, unsigned long long key) {
+  const unsigned long long h = key * 0x9E3779B97F4A7C15ull;  // spreads neighbouring slots
+  for (int64_t probe = 0; probe <= mask; ++probe) {
+    const unsigned long long old =
+        cas_entry(set + (((h ^ (h >> 31)) + static_cast<unsigned long long>(probe)) &
+                         static_cast<unsigned long long>(mask)),
+                  kEmptySlot, key);
+    if (old == kEmptySlot) return true;
+    if (old == key) return false;
+  }
+  return true;
+}
+
 ROPE_HD void slot_set_thread(const SlotSetArgs& a, const ThreadPos& tp) {
   const int64_t step = static_cast<int64_t>(tp.grid_dim.x) * tp.block_dim.x;
   for (int64_t tok = static_cast<int64_t>(tp.block.x) * tp.block_dim.x + tp.thread.x;
        tok < a.tokens; tok += step) {
     const int64_t slot = load_position(a.slots, a.slots64, tok * a.slot_stride);
     if (slot < 0) continue;  // padding
-    const auto key = static_cast<unsigned long long>(slot);
-    const unsigned long long h = key * 0x9E3779B97F4A7C15ull;  // spreads neighbouring slots
-    for (int64_t probe = 0; probe <= a.mask; ++probe) {
-      const unsigned long long old =
-          cas_entry(a.set + (((h ^ (h >> 31)) + static_cast<unsigned long long>(probe)) &
-                             static_cast<unsigned long long>(a.mask)),
-                    kEmptySlot, key);
-      if (old == kEmptySlot) break;
-      ROPE_DEVICE_CHECK(old != key, "rope: slot_mapping must not repeat a slot");
-      if (old == key) break;
-    }
+    ROPE_DEVICE_CHECK(insert_slot(a.set, a.mask, static_cast<unsigned long long>(slot)),
+                      "rope: slot_mapping must not repeat a slot");
   }
 }
 

@@ -24,9 +24,23 @@ int64_t read_index(const void* p, const QuantIndex& ix, int64_t i) {
                  : static_cast<const int32_t*>(p)[i * ix.stride];
 }
 
-// The data checks, in token order, with the Python paths' messages (rope_ext/_quant/checks.py).
+// The cache entry (page * page_size + entry) of paged token t, or -1 for padding; after the
+// range checks below.
 template <typename x_t>
-void check_data(const gpu::QuantArgs<x_t>& a, const char* op) {
+int64_t paged_entry(const gpu::QuantArgs<x_t>& a, int64_t t) {
+  const QuantGeometry& g = a.g;
+  const int64_t b = read_index(a.batch_indices, g.batch_indices, t);
+  if (b < 0) return -1;
+  const int64_t start = read_index(a.kv_indptr, g.kv_indptr, b);
+  const int64_t pos = read_index(a.positions, g.positions, t);
+  const int64_t page = read_index(a.kv_indices, g.kv_indices, start + pos / g.page_size);
+  return page * g.page_size + pos % g.page_size;
+}
+
+// The data checks, in token order, with the Python paths' messages (rope_ext/_quant/checks.py);
+// then each cache entry written by one token at most (two would race for its row).
+template <typename x_t>
+void check_data(const gpu::QuantArgs<x_t>& a, const Tensor& like, const char* op) {
   const QuantGeometry& g = a.g;
   for (int64_t t = 0; t < g.tokens; ++t) {
     const int64_t p = read_index(a.pos, g.pos, t);
@@ -35,6 +49,7 @@ void check_data(const gpu::QuantArgs<x_t>& a, const char* op) {
                "), got ", p, " at index ", t);
   }
   if (!g.paged) return;
+  int64_t used = 0;  // tokens cached (not padding)
   for (int64_t t = 0; t < g.tokens; ++t) {
     const int64_t b = read_index(a.batch_indices, g.batch_indices, t);
     if (b < 0) continue;
@@ -59,6 +74,17 @@ void check_data(const gpu::QuantArgs<x_t>& a, const char* op) {
     const int64_t page = read_index(a.kv_indices, g.kv_indices, j);
     ROPE_CHECK(page >= 0 && page < g.max_pages, op, ": kv_indices must lie in [0, max_pages = ",
                g.max_pages, "), got ", page, " at index ", j, " (token ", t, ")");
+    ++used;
+  }
+  int64_t entries = 0;
+  ROPE_CHECK(mul_fits(g.max_pages, g.page_size, entries), op, ": the caches have more than 2^63 entries");
+  auto entry_of = [&](int64_t t) { return paged_entry(a, t); };
+  const auto [first, repeat] = find_repeated_slot(entry_of, g.tokens, used, entries, like);
+  if (repeat >= 0) {
+    const int64_t e = entry_of(repeat);
+    fail(op, ": kv_indices and positions must give each token its own cache entry (negative "
+         "batch_indices: padding, skipped), got page ", e / g.page_size, " entry ",
+         e % g.page_size, " for tokens ", first, " and ", repeat);
   }
 }
 
@@ -66,13 +92,16 @@ void check_data(const gpu::QuantArgs<x_t>& a, const char* op) {
 constexpr int64_t kGrainElements = 1 << 15;
 
 struct CpuRunner {
-  CpuRunner(const Tensor&, const char* op_name) : op(op_name) {}
+  CpuRunner(const Tensor& first, const char* op_name) : like(first), op(op_name) {}
 
+  // The data checks run on the host, in check_data, before anything is written.
+  static constexpr bool kDeviceDataChecks = false;
+  Tensor like;  // the first input: scratch memory for the checks comes from torch's allocator
   const char* op;
 
   template <typename x_t>
   void operator()(const gpu::LaunchPlan&, const gpu::QuantArgs<x_t>& a) const {
-    check_data(a, op);
+    check_data(a, like, op);
     const QuantGeometry& g = a.g;
     const int64_t per_token = std::max<int64_t>(
         1, (g.q_heads + g.kv_heads) * (2 * g.half + g.nope) +

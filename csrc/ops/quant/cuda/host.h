@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include <torch/csrc/stable/tensor.h>
 
@@ -92,6 +93,13 @@ void run_quant(const QuantGeometry& g, const QuantTensors& t, Runner&& run,
   if (g.tokens == 0) return;
   ROPE_DISPATCH_QUANT_X(dtype_of(*t.q_rope), "rope_quant", [&] {
     QuantArgs<scalar_t> a = quant_args<scalar_t>(g, t);
+    // Each cache entry written at most once: on the device (the CPU runner checks on the host).
+    if constexpr (std::decay_t<Runner>::kDeviceDataChecks) {
+      if (g.paged && g.tokens >= 2) {
+        const SlotSet set = new_slot_set(*t.q_rope, g.tokens, max_blocks);
+        run(set.plan, PagedSlotSetArgs<scalar_t>{a, set.mask, set.data()});
+      }
+    }
     const int64_t chunks = std::max({a.rope_chunks, a.nope_chunks, a.v_chunks});
     const int64_t rows = quant_rows<scalar_t>(g);
     // Rows of 0 elements still run: each token's positions are checked (the reference refuses

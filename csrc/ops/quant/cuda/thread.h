@@ -165,6 +165,30 @@ ROPE_HD bool paged_slot(const QuantArgs<x_t>& a, int64_t tok, int64_t& page, int
   return page >= 0 && page < g.max_pages;
 }
 
+// The paged op's cache entries used at most once, as rope.apply_and_cache_'s slots
+// (slot_set_thread): launched before the quant kernel when two tokens or more are cached, each
+// token inserts page * page_size + entry into the set (`mask + 1` entries, all kEmptySlot), and
+// one that finds its entry there stops the stream before the quant kernel writes anything.
+template <typename x_t>
+struct PagedSlotSetArgs {
+  QuantArgs<x_t> a;
+  int64_t mask;
+  unsigned long long* set;
+};
+
+template <typename x_t>
+ROPE_HD void paged_slot_set_thread(const PagedSlotSetArgs<x_t>& s, const ThreadPos& tp) {
+  const int64_t step = static_cast<int64_t>(tp.grid_dim.x) * tp.block_dim.x;
+  for (int64_t tok = static_cast<int64_t>(tp.block.x) * tp.block_dim.x + tp.thread.x;
+       tok < s.a.g.tokens; tok += step) {
+    int64_t page = 0, entry = 0;
+    if (!paged_slot(s.a, tok, page, entry)) continue;  // padding
+    const auto key = static_cast<unsigned long long>(page * s.a.g.page_size + entry);
+    ROPE_DEVICE_CHECK(insert_slot(s.set, s.mask, key),
+                      "rope: two tokens must not write one cache entry");
+  }
+}
+
 // Rows of one token (see the top of the file).
 template <typename x_t>
 ROPE_HD int64_t quant_rows(const QuantGeometry& g) {
