@@ -86,7 +86,8 @@ def _preloaded_libraries():
     cpu = [p for p in libs if p not in cuda]
     if len(cpu) == 1 and len(cuda) <= 1:
         return cpu[0], (cuda[0] if cuda else None)
-    return "a library loaded before rope_ext (" + ", ".join(libs) + ")", None
+    where = ", ".join(libs) or "not through torch.ops.load_library"  # e.g. dlopen'ed by a C++ host
+    return f"a library loaded before rope_ext ({where})", None
 
 
 def refuse_foreign_library(what):

@@ -103,10 +103,12 @@ def load(verbose=False):
         with_cuda = state.cuda_path is None and _with_cuda(config)
     else:
         if state.path is not None:
+            fresh = ("without that library" if state.loaded_by == "preloaded"
+                     else "with ROPE_EXT_JIT=1 (or without the compiled library)")
             raise RuntimeError(
                 f"rope_ext.jit.load: the rope ops are already served by the native library "
                 f"{state.path}; loading a second copy into this process would register rope::* "
-                "twice. Start a new process with ROPE_EXT_JIT=1 (or without the compiled library)."
+                f"twice. Start a new process {fresh}."
             )
         config = check_prerequisites()
         _library.refuse_foreign_library("ROPE_EXT_JIT=1" if envs.JIT != "0" else "rope_ext.jit.load")

@@ -66,6 +66,14 @@ def test_preloaded_library_is_used_not_loaded_twice(tmp_path):
     assert refused.returncode == 1, refused.stderr
     expected = f"ROPE_EXT_JIT=1 would load a second copy of the rope ops, but {lib}"
     assert expected in refused.stderr, refused.stderr
+    # dlopen'ed directly (as a C++ host would): named as such, and jit.load's advice fits it.
+    code = (f"import ctypes, os, torch; ctypes.CDLL({str(lib)!r}, mode=os.RTLD_NOW | os.RTLD_GLOBAL)\n"
+            "import rope_ext\nprint(rope_ext._library.state.path)\n"
+            "try:\n    rope_ext.jit.load()\nexcept RuntimeError as e:\n    print(e)\n")
+    direct = run(["-c", code])
+    assert direct.returncode == 0, direct.stderr
+    assert "a library loaded before rope_ext (not through torch.ops.load_library)" in direct.stdout
+    assert direct.stdout.rstrip().endswith("Start a new process without that library."), direct.stdout
     # ROPE_EXT_BACKEND=reference cannot take the ops back from the preloaded library: it says so.
     code = f"import torch; torch.ops.load_library({str(lib)!r}); import rope_ext; print(rope_ext.backend('cpu'))"
     warned = run(["-c", code], env={"ROPE_EXT_BACKEND": "reference"})
