@@ -22,11 +22,11 @@ LIB         := rope_ext/_C.abi3.so
 CUDA_LIB    := $(shell test -x $(PY) && $(PY) build_config.py --cuda-lib)
 export MAX_JOBS ?= 2
 # The CUDA toolkit, for everything that imports torch.utils.cpp_extension (which would otherwise
-# guess it from a stray nvcc on PATH, and warn): build_config.py looks where toolkits live.
-# Looked up once, when make starts (`?=` would define a recursive variable, run for each recipe).
-ifeq ($(origin CUDA_HOME),undefined)
+# guess it from a stray nvcc on PATH, and warn, or take a CUDA_HOME with no toolkit in it and
+# fail at the first CUDA compile): build_config.py keeps a CUDA_HOME that holds nvcc, else looks
+# where toolkits live, and says so. Looked up once, when make starts (`?=` would define a
+# recursive variable, run for each recipe).
 CUDA_HOME := $(shell $(PYTHON_BOOT) build_config.py --cuda-home)
-endif
 export CUDA_HOME
 
 .PHONY: all venv build run test bench clean gpu-check
@@ -149,15 +149,40 @@ bench-diffusers: $(HF5_DEPS) build
 # The wheel: built against the installed torch, no build isolation; it reuses the object files of
 # `make build` (same build/temp dir and flags). build/lib* is cleared so that nothing stale
 # (a deleted module, an old library) can slip into the wheel.
-WHEEL_STAMP := dist/.wheel-built
-PACKAGE_SRC := pyproject.toml README.md $(shell find rope_ext -name '*.py')
+# It is rebuilt when anything it packs changes: any file of the package (model_defaults.json and
+# schemas.def too), the files its metadata and build come from, and two things no mtime shows:
+# which files the package holds (a module deleted) and the build variables that shape the
+# libraries. Those two are recorded in WHEEL_INPUTS, remade (FORCE) only when they differ from
+# the record, so that a second `make wheel` with nothing changed does nothing.
+WHEEL_STAMP   := dist/.wheel-built
+WHEEL_INPUTS  := build/.wheel-inputs
+PACKAGE_FILES := $(shell find rope_ext -type f ! -name '*.so' ! -path '*/__pycache__/*' | LC_ALL=C sort)
+PACKAGE_SRC   := pyproject.toml setup.py MANIFEST.in README.md LICENSE $(PACKAGE_FILES)
+WHEEL_VARS    := ROPE_EXT_CUDA ROPE_EXT_BUILD ROPE_EXT_CPU_VARIANTS TORCH_CUDA_ARCH_LIST CUDA_HOME CXX
+WHEEL_INPUTS_NOW := $(foreach v,$(WHEEL_VARS),$(v)=$($(v))) $(PACKAGE_FILES)
 
-$(WHEEL_STAMP): $(LIB) $(PACKAGE_SRC)
+.PHONY: FORCE
+ifneq ($(strip $(WHEEL_INPUTS_NOW)),$(strip $(shell cat $(WHEEL_INPUTS) 2>/dev/null)))
+$(WHEEL_INPUTS): FORCE
+endif
+$(WHEEL_INPUTS):
+	@mkdir -p $(@D)
+	@printf '%s\n' $(foreach i,$(WHEEL_INPUTS_NOW),'$(i)') > $@.new
+	@if [ -f $@ ]; then echo "rope_ext: rebuilding the wheel, changed since the last one (- was, + is now):"; \
+		diff $@ $@.new | sed -n 's/^< /  - /p; s/^> /  + /p'; fi
+	@mv $@.new $@
+
+$(WHEEL_STAMP): $(LIB) $(CUDA_LIB) $(PACKAGE_SRC) $(WHEEL_INPUTS)
 	rm -rf build/lib.* dist/rope_ext-*.whl
 	$(PY) -m pip wheel . --no-build-isolation --no-deps --no-index --quiet -w dist
 	touch $@
 
 wheel: $(WHEEL_STAMP)
+
+# The source distribution: what a wheel is built from (MANIFEST.in), into dist/.
+.PHONY: sdist
+sdist: $(DEPS_STAMP)
+	$(PY) setup.py -q sdist -d dist
 
 wheel-test: $(WHEEL_STAMP)
 	ROPE_EXT_WHEEL="$$(ls dist/rope_ext-*.whl)" $(PY) -m pytest tests/test_wheel.py -q

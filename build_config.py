@@ -3,12 +3,14 @@ compile native code, and decides whether the CUDA library is built. Imports no t
 
 Rules for CUDA: ROPE_EXT_CUDA=1 forces the CUDA library (an error if it cannot be built), 0 skips
 it; otherwise it is built whenever the installed torch is a CUDA build and a CUDA toolkit is found
-(CUDA_HOME, else /usr/local/cuda, else the nvcc on PATH), GPU or not. Without a GPU torch cannot
+(CUDA_HOME, else /usr/local/cuda, else the nvcc on PATH), GPU or not; a CUDA_HOME (or CUDA_PATH)
+with no bin/nvcc in it is passed over, and the build output says so. Without a GPU torch cannot
 detect the archs, so TORCH_CUDA_ARCH_LIST defaults to build.json's `cuda_archs`.
 
 `python build_config.py --cuda-lib` prints the CUDA library's path when it would be built (the
-Makefile tracks that file), and nothing otherwise; `--cuda-home` prints the toolkit root found;
-`--native-cpu-flags` the C++ flags of a build of only the CPU variants this machine runs.
+Makefile tracks that file), and nothing otherwise; `--cuda-home` prints the toolkit root found
+(and on stderr a note, where CUDA_HOME was passed over); `--native-cpu-flags` the C++ flags of a
+build of only the CPU variants this machine runs.
 """
 
 import importlib.util
@@ -90,18 +92,40 @@ def _has_nvcc(home):
     return bool(home) and os.path.isfile(os.path.join(home, "bin", "nvcc"))
 
 
-def cuda_home():
-    """The CUDA toolkit root, or None."""
+def _find_cuda_home():
+    """(the CUDA toolkit root or None, the settings passed over on the way: "CUDA_HOME=<dir>" for
+    CUDA_HOME and CUDA_PATH each set to a directory without bin/nvcc)."""
+    passed_over = []
     for var in ("CUDA_HOME", "CUDA_PATH"):
         home = os.environ.get(var)
         if _has_nvcc(home):
-            return home
+            return home, passed_over
+        if home:
+            passed_over.append(f"{var}={home}")
     if _has_nvcc("/usr/local/cuda"):
-        return "/usr/local/cuda"
+        return "/usr/local/cuda", passed_over
     nvcc = shutil.which("nvcc")
     if nvcc:
-        return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
-    return None
+        return os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), passed_over
+    return None, passed_over
+
+
+def cuda_home():
+    """The CUDA toolkit root, or None."""
+    return _find_cuda_home()[0]
+
+
+def _no_nvcc(passed_over):
+    return f"{' and '.join(passed_over)} hold{'s' if len(passed_over) == 1 else ''} no bin/nvcc"
+
+
+def cuda_home_note():
+    """What the build output says when CUDA_HOME (or CUDA_PATH) names no toolkit, else None."""
+    home, passed_over = _find_cuda_home()
+    if not passed_over:
+        return None
+    where = f"using the CUDA toolkit at {home} instead" if home else "no other CUDA toolkit found"
+    return f"{_no_nvcc(passed_over)}: {where}"
 
 
 def torch_cuda_version():
@@ -127,26 +151,32 @@ def want_cuda():
         return False, "ROPE_EXT_CUDA=0"
     if envs.BUILD == "sanitize":
         return False, "sanitizer builds are CPU-only"
-    home, tcuda = cuda_home(), torch_cuda_version()
+    (home, passed_over), tcuda = _find_cuda_home(), torch_cuda_version()
+    bad = _no_nvcc(passed_over) if passed_over else ""
     missing = []
     if not tcuda:
         missing.append("torch is a CPU-only build")
     if not home:
-        missing.append("no CUDA toolkit (set CUDA_HOME or install one at /usr/local/cuda)")
+        missing.append(f"no CUDA toolkit ({bad + '; ' if bad else ''}"
+                       "set CUDA_HOME to one or install one at /usr/local/cuda)")
     if missing:
         if forced == "1":
             raise RuntimeError("ROPE_EXT_CUDA=1 but the CUDA library cannot be built: " + "; ".join(missing))
         return False, "; ".join(missing)
-    return True, f"torch CUDA {tcuda}, toolkit {home}"
+    return True, f"torch CUDA {tcuda}, toolkit {home}" + (f" ({bad}: passed over)" if bad else "")
 
 
 def configure_environment():
     """Sets CUDA_HOME and TORCH_CUDA_ARCH_LIST for torch.utils.cpp_extension, which reads them
-    at import (it would otherwise guess /usr/local from a stray nvcc and fail to link)."""
+    at import (it would otherwise guess /usr/local from a stray nvcc and fail to link). A CUDA_HOME
+    without nvcc is replaced by the toolkit found: torch would take it as it is, and fail at the
+    first CUDA compile, where want_cuda() has promised a CUDA library."""
     build, why = want_cuda()
-    home = cuda_home()
+    home, note = cuda_home(), cuda_home_note()
     if home:
-        os.environ.setdefault("CUDA_HOME", home)
+        if note and build:
+            print(f"rope_ext: {note}", file=sys.stderr)
+        os.environ["CUDA_HOME"] = home
     if build:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", cuda_arch_list())
     return build, why
@@ -157,6 +187,8 @@ if __name__ == "__main__":
         if want_cuda()[0]:
             print(library_path("cuda"))
     elif sys.argv[1:] == ["--cuda-home"]:
+        if cuda_home_note():
+            print(f"rope_ext: {cuda_home_note()}", file=sys.stderr)
         print(cuda_home() or "")
     elif sys.argv[1:] == ["--native-cpu-flags"]:
         print(*native_cpu_flags())

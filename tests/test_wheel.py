@@ -52,7 +52,7 @@ def test_wheel_holds_the_package_and_nothing_else():
     metadata = {n for n in names if n.startswith(dist_info)}
     assert python_files == package_sources
     assert "rope_ext/_C.abi3.so" in natives
-    assert {dist_info + m for m in ("METADATA", "WHEEL", "RECORD")} <= metadata
+    assert {dist_info + m for m in ("METADATA", "WHEEL", "RECORD", "licenses/LICENSE")} <= metadata
     unexpected = set(names) - python_files - data_files - natives - metadata
     assert not unexpected, f"the wheel carries files it should not: {sorted(unexpected)}"
     assert not any(re.search(r"\.(o|cpp|cu|h|cuh|pyc)$|tests/|csrc/|build/|bench/", n) for n in names)
@@ -84,6 +84,11 @@ def test_wheel_metadata():
     assert meta.get_all("Requires-Dist") == ["torch>=2.10"]
     assert meta["Requires-Python"] == ">=3.10"
     assert tags["Root-Is-Purelib"] == "false"  # it carries a native library
+    # the license: an SPDX expression, and its text
+    assert meta["License-Expression"] == "BSD-3-Clause"
+    assert meta.get_all("License-File") == ["LICENSE"]
+    with zipfile.ZipFile(WHEEL) as wheel, open(os.path.join(ROOT, "LICENSE"), "rb") as f:
+        assert wheel.read(f"rope_ext-{version}.dist-info/licenses/LICENSE") == f.read()
     assert [t.rsplit("-", 1)[0] for t in tags.get_all("Tag")] == ["cp310-abi3"]
 
 
