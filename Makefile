@@ -42,9 +42,32 @@ $(DEPS_STAMP): requirements.txt
 
 venv: $(DEPS_STAMP)
 
+# What no mtime shows is recorded in a file, remade (FORCE) only when its lines differ from the
+# record, so that what depends on it is rebuilt when they change and a second make does nothing:
+# `$(call record,<lines>,<what is rebuilt>)` is such a file's recipe.
+.PHONY: FORCE
+define record
+	@mkdir -p $(@D)
+	@printf '%s\n' $(foreach i,$(1),'$(i)') > $@.new
+	@if [ -f $@ ]; then echo "rope_ext: rebuilding $(2), changed since the last build (- was, + is now):"; \
+		diff $@ $@.new | sed -n 's/^< /  - /p; s/^> /  + /p'; fi
+	@mv $@.new $@
+endef
+
+# The build variables that shape the libraries (a build with ROPE_EXT_CPU_VARIANTS=native, then
+# one without, compiles the other CPU variants).
+BUILD_VARS     := ROPE_EXT_CUDA ROPE_EXT_BUILD ROPE_EXT_CPU_VARIANTS TORCH_CUDA_ARCH_LIST CUDA_HOME CXX
+BUILD_VARS_NOW := $(foreach v,$(BUILD_VARS),$(v)=$($(v)))
+BUILD_VARS_REC := build/.build-vars
+ifneq ($(strip $(BUILD_VARS_NOW)),$(strip $(shell cat $(BUILD_VARS_REC) 2>/dev/null)))
+$(BUILD_VARS_REC): FORCE
+endif
+$(BUILD_VARS_REC):
+	$(call record,$(BUILD_VARS_NOW),the native libraries)
+
 # scripts/build_native.py runs setup.py, printing a line per compiled file (and the whole step
 # that failed, if one does); ROPE_EXT_BUILD_VERBOSE=1 shows every compiler command.
-$(LIB) $(CUDA_LIB) &: $(DEPS_STAMP) $(NATIVE_SRC) build_config.py
+$(LIB) $(CUDA_LIB) &: $(DEPS_STAMP) $(NATIVE_SRC) build_config.py $(BUILD_VARS_REC)
 	@echo "rope_ext: compiling the native libraries ($(MAX_JOBS) jobs; a few minutes the first time)"
 	@$(PY) scripts/build_native.py --inplace
 	@touch $(LIB) $(CUDA_LIB)
@@ -55,7 +78,7 @@ build: $(LIB) $(CUDA_LIB)
 # nothing there, and compiling it is half the build); `make build` and `make test` build both.
 # The CPU objects are the same either way, so a later full build compiles only the CUDA files.
 CPU_ONLY_STAMP := build/.cpu-library-built
-$(CPU_ONLY_STAMP): $(DEPS_STAMP) $(NATIVE_SRC) build_config.py
+$(CPU_ONLY_STAMP): $(DEPS_STAMP) $(NATIVE_SRC) build_config.py $(BUILD_VARS_REC)
 	@echo "rope_ext: compiling the CPU library ($(MAX_JOBS) jobs; a minute or two the first time;"
 	@echo "  no GPU here, so not the CUDA library: make build compiles it)"
 	@ROPE_EXT_CUDA=0 $(PY) scripts/build_native.py --inplace
@@ -150,27 +173,17 @@ bench-diffusers: $(HF5_DEPS) build
 # `make build` (same build/temp dir and flags). build/lib* is cleared so that nothing stale
 # (a deleted module, an old library) can slip into the wheel.
 # It is rebuilt when anything it packs changes: any file of the package (model_defaults.json and
-# schemas.def too), the files its metadata and build come from, and two things no mtime shows:
-# which files the package holds (a module deleted) and the build variables that shape the
-# libraries. Those two are recorded in WHEEL_INPUTS, remade (FORCE) only when they differ from
-# the record, so that a second `make wheel` with nothing changed does nothing.
+# schemas.def too), the files its metadata and build come from, the libraries (and so the build
+# variables, BUILD_VARS_REC), and which files the package holds (a module deleted), recorded.
 WHEEL_STAMP   := dist/.wheel-built
 WHEEL_INPUTS  := build/.wheel-inputs
 PACKAGE_FILES := $(shell find rope_ext -type f ! -name '*.so' ! -path '*/__pycache__/*' | LC_ALL=C sort)
 PACKAGE_SRC   := pyproject.toml setup.py MANIFEST.in README.md LICENSE $(PACKAGE_FILES)
-WHEEL_VARS    := ROPE_EXT_CUDA ROPE_EXT_BUILD ROPE_EXT_CPU_VARIANTS TORCH_CUDA_ARCH_LIST CUDA_HOME CXX
-WHEEL_INPUTS_NOW := $(foreach v,$(WHEEL_VARS),$(v)=$($(v))) $(PACKAGE_FILES)
-
-.PHONY: FORCE
-ifneq ($(strip $(WHEEL_INPUTS_NOW)),$(strip $(shell cat $(WHEEL_INPUTS) 2>/dev/null)))
+ifneq ($(strip $(PACKAGE_FILES)),$(strip $(shell cat $(WHEEL_INPUTS) 2>/dev/null)))
 $(WHEEL_INPUTS): FORCE
 endif
 $(WHEEL_INPUTS):
-	@mkdir -p $(@D)
-	@printf '%s\n' $(foreach i,$(WHEEL_INPUTS_NOW),'$(i)') > $@.new
-	@if [ -f $@ ]; then echo "rope_ext: rebuilding the wheel, changed since the last one (- was, + is now):"; \
-		diff $@ $@.new | sed -n 's/^< /  - /p; s/^> /  + /p'; fi
-	@mv $@.new $@
+	$(call record,$(PACKAGE_FILES),the wheel)
 
 $(WHEEL_STAMP): $(LIB) $(CUDA_LIB) $(PACKAGE_SRC) $(WHEEL_INPUTS)
 	rm -rf build/lib.* dist/rope_ext-*.whl

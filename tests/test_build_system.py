@@ -42,7 +42,8 @@ MAKE_TREE = ["Makefile", "build_config.py", "setup.py", "pyproject.toml", "LICEN
 @pytest.fixture
 def wheel_tree(tmp_path):
     """A copy of the tree, the venv, the library and the wheel all up to date (stamps and empty
-    stand-ins): `make -q wheel` tells whether make would rebuild the wheel."""
+    stand-ins): `make -q wheel` (`make -q build`) tells whether make would rebuild the wheel (the
+    libraries)."""
     if not shutil.which("make"):
         pytest.skip("make not found")
     if not all(os.path.exists(os.path.join(ROOT, name)) for name in MAKE_TREE):
@@ -61,15 +62,22 @@ def wheel_tree(tmp_path):
         for f in files:
             os.utime(os.path.join(dirpath, f), (t0, t0))
     (tree / ".venv").mkdir()
-    for i, stamp in enumerate([".venv/.deps-installed", "rope_ext/_C.abi3.so"], 1):
-        (tree / stamp).write_text("")
-        os.utime(tree / stamp, (t0 + i, t0 + i))
-    make(tree, "build/.wheel-inputs")  # the record of the variables and files, as a build writes it
-    os.utime(tree / "build" / ".wheel-inputs", (t0 + 3, t0 + 3))
     (tree / "dist").mkdir()
-    (tree / "dist" / ".wheel-built").write_text("")
-    os.utime(tree / "dist" / ".wheel-built", (t0 + 4, t0 + 4))
+    # In build order; the records (of the build variables, of the package's files) as make writes them.
+    for i, stamp in enumerate([".venv/.deps-installed", "build/.build-vars", "rope_ext/_C.abi3.so",
+                               "build/.wheel-inputs", "dist/.wheel-built"], 1):
+        if stamp.startswith("build/"):
+            make(tree, stamp)
+        else:
+            (tree / stamp).write_text("")
+        os.utime(tree / stamp, (t0 + i, t0 + i))
     return tree
+
+
+def rebuilt(tree):
+    """What a build would leave: the library, then the wheel, newer than everything before."""
+    for stamp in ("rope_ext/_C.abi3.so", "dist/.wheel-built"):
+        os.utime(tree / stamp)
 
 
 def make(tree, *args, check=True, **env):
@@ -80,14 +88,18 @@ def make(tree, *args, check=True, **env):
     return result
 
 
-def wheel_up_to_date(tree, *args, **env):
-    code = make(tree, "-q", "wheel", *args, check=False, **env).returncode
-    assert code in (0, 1), make(tree, "-n", "wheel", *args, check=False, **env).stderr
+def up_to_date(tree, target, *args, **env):
+    code = make(tree, "-q", target, *args, check=False, **env).returncode
+    assert code in (0, 1), make(tree, "-n", target, *args, check=False, **env).stderr
     return code == 0
 
 
+def wheel_up_to_date(tree, *args, **env):
+    return up_to_date(tree, "wheel", *args, **env)
+
+
 def test_wheel_with_nothing_changed_is_not_rebuilt(wheel_tree):
-    assert wheel_up_to_date(wheel_tree)
+    assert wheel_up_to_date(wheel_tree) and up_to_date(wheel_tree, "build")
     assert "Nothing to be done" in make(wheel_tree, "wheel").stdout
 
 
@@ -115,24 +127,26 @@ def test_wheel_rebuilt_when_a_module_is_deleted_or_renamed(wheel_tree):
 @pytest.mark.parametrize("var, value", [("ROPE_EXT_CPU_VARIANTS", "native"),
                                         ("ROPE_EXT_CUDA", "0"), ("ROPE_EXT_BUILD", "sanitize"),
                                         ("TORCH_CUDA_ARCH_LIST", "7.5;8.9+PTX"), ("CXX", "c++-13")])
-def test_wheel_rebuilt_when_a_build_variable_changes(wheel_tree, var, value):
-    assert not wheel_up_to_date(wheel_tree, **{var: value})  # from the environment
-    assert not wheel_up_to_date(wheel_tree, f"{var}={value}")  # or make's command line
+def test_libraries_and_wheel_rebuilt_when_a_build_variable_changes(wheel_tree, var, value):
+    for target in ("build", "wheel"):
+        assert not up_to_date(wheel_tree, target, **{var: value})  # from the environment
+        assert not up_to_date(wheel_tree, target, f"{var}={value}")  # or make's command line
     # a build with the new value: the record changes once, and says how
-    out = make(wheel_tree, "build/.wheel-inputs", **{var: value}).stdout
+    out = make(wheel_tree, "build/.build-vars", **{var: value}).stdout
     assert f"  - {var}=" in out and f"  + {var}={value}\n" in out, out
-    os.utime(wheel_tree / "dist" / ".wheel-built")
+    rebuilt(wheel_tree)
     assert wheel_up_to_date(wheel_tree, **{var: value})
-    before = os.stat(wheel_tree / "build" / ".wheel-inputs").st_mtime_ns
-    make(wheel_tree, "build/.wheel-inputs", **{var: value})
-    assert os.stat(wheel_tree / "build" / ".wheel-inputs").st_mtime_ns == before
-    assert not wheel_up_to_date(wheel_tree)  # and back to the default is a change too
+    before = os.stat(wheel_tree / "build" / ".build-vars").st_mtime_ns
+    make(wheel_tree, "build/.build-vars", **{var: value})
+    assert os.stat(wheel_tree / "build" / ".build-vars").st_mtime_ns == before
+    assert not up_to_date(wheel_tree, "build")  # and back to the default is a change too
 
 
 def test_wheel_ignores_what_it_does_not_pack(wheel_tree):
     (wheel_tree / "rope_ext" / "__pycache__").mkdir()
     (wheel_tree / "rope_ext" / "__pycache__" / "config.cpython-311.pyc").write_text("")
     assert wheel_up_to_date(wheel_tree, ROPE_EXT_BUILD_VERBOSE="1", MAX_JOBS="1")
+    assert up_to_date(wheel_tree, "build", ROPE_EXT_BUILD_VERBOSE="1", MAX_JOBS="1")
 
 
 # ---- the sdist: a wheel builds from it -----------------------------------------------------------
