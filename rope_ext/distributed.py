@@ -55,9 +55,11 @@ def register():
         _dt = _load_dtensor()
         propagator = _dt.DTensor._op_dispatcher.sharding_propagator
         for name, (rule, static_argnum) in _RULES.items():
-            info = _dt.RuntimeSchemaInfo(
-                static_argnum=static_argnum,
-                static_kwargkey=["out"] if name == "apply.out" else None)
+            # DTensor caches a layout per call signature: the keyword-only arguments (v_norm,
+            # k_scale's layout, out, ...) decide it too, so they are part of the key.
+            kwarg_only = [arg.name for arg in _overload(name)._schema.arguments if arg.kwarg_only]
+            info = _dt.RuntimeSchemaInfo(static_argnum=static_argnum,
+                                         static_kwargkey=kwarg_only or None)
             propagator.register_op_strategy(_overload(name), _strategy(name, rule), info)
         # Updated in place, not replaced: context parallelism copies this dict while enabled.
         handlers = _dt.DTensor._op_dispatcher._custom_op_handlers
@@ -512,25 +514,34 @@ def _rule_qkv_norm_rope(op, a):
                   "k_weight": r}
 
 
-def _rule_qk_norm_rope_and_cache(op, a):
+def _rule_qk_norm_rope_and_cache(op, a, in_place=True):
     """The serving prologue: the layouts of apply_and_cache_ (query, key, value and the caches
     Replicate or sharded over their heads; never the tokens), with no Partial tensor written
-    (RMSNorm is not linear); the weights Replicate."""
+    (RMSNorm is not linear); with v_norm, value is written in place too, so it must already
+    have value_cache's heads; the weights Replicate. The out-of-place op writes no query: a
+    Partial one is reduced first."""
+    if not in_place:
+        a = dict(a, query=_whole(a["query"]))
     _check_normed(op, "query", a["query"], written=True)
     _check_normed(op, "key", a["key"], written=True)
-    if a["v_norm"]:
+    v_written = a["v_norm"] and in_place
+    if v_written:
         _check_normed(op, "value", a["value"], written=True)
     _, need = _rule_apply_and_cache(op, a)
+    if v_written:
+        _check_written(op, "value", a["value"], need["value"],
+                       "it holds the value rows of value_cache's heads (Shard(1) where value_cache "
+                       "is Shard(2), Replicate where it is Replicate)")
     r = _replicated(a["query"].mesh)
     need.update(q_weight=r, k_weight=r)
     return None, need
 
 
 def _rule_qk_norm_rope_and_cache_out(op, a):
-    """The out-of-place prologue: the layouts of the in-place one (query, key and value keep
-    theirs: a rank normalizes and rotates its own heads); the new query, key and value come
-    back in them."""
-    _, need = _rule_qk_norm_rope_and_cache(op, a)
+    """The out-of-place prologue: the layouts of the in-place one (a rank normalizes and rotates
+    its own heads); the new query and key come back in query's and key's layouts (a Partial
+    query reduced), the new value in value_cache's heads, where value was moved."""
+    _, need = _rule_qk_norm_rope_and_cache(op, a, in_place=False)
     return (need["query"], need["key"], need["value"]), need
 
 

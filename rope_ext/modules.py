@@ -13,6 +13,29 @@ from .scaling import (default_inv_freq, dynamic_base, dynamic_parameters, origin
 from .tables import cos_sin_rows, table_rows
 
 
+def _dtensor_module(t):
+    """torch.distributed.tensor if t is a DTensor (the module only where already imported)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor if dtensor is not None and isinstance(t, dtensor.DTensor) else None
+
+
+def _global_extremes(dtensor, positions, bound):
+    """(smallest, largest) of DTensor positions over every rank, plain 0-d int64 tensors, clamped
+    to [-1, bound]: one all-reduce (max) where positions are sharded. A rank whose shard is empty
+    (uneven shards) contributes nothing; reducing there would fail on it alone."""
+    local = positions.to_local().reshape(-1).long().clamp(-1, bound)
+    if local.numel():
+        ext = torch.stack((-local.amin(), local.amax()))
+    else:
+        # Below anything a shard gives: -min >= -bound, max >= -1.
+        ext = torch.full((2,), -bound - 1, dtype=torch.int64, device=local.device)
+    placements = [dtensor.Partial("max") if p.is_shard() else dtensor.Replicate()
+                  for p in positions.placements]
+    ext = dtensor.DTensor.from_local(ext, positions.device_mesh, placements, run_check=False)
+    ext = ext.full_tensor()
+    return -ext[0], ext[1]
+
+
 class RotaryEmbedding(torch.nn.Module):
     """RoPE for attention: forward(query, key, positions) returns rotated copies of query
     (..., Hq, head_dim) and key (..., Hk, head_dim) (key may be None), differentiable.
@@ -155,7 +178,23 @@ class RotaryEmbedding(torch.nn.Module):
     # ---- per call ------------------------------------------------------------------------
 
     def _check_positions(self, positions):
+        """Positions in [0, max_position), on every device. Returns their largest value over
+        every rank (a 0-d tensor) for DTensor positions, else None."""
         _check_positions_dtype(positions, "RotaryEmbedding")
+        dtensor = _dtensor_module(positions)
+        if dtensor is not None:
+            # Decided from the global extremes, so that every rank raises, or none does (a rank
+            # raising alone would leave the others waiting in the next collective).
+            lo, hi = _global_extremes(dtensor, positions, self.max_position)
+            ok = (lo >= 0) & (hi < self.max_position)
+            if positions.device.type == "cpu" and not torch.compiler.is_compiling():
+                if not bool(ok):
+                    got = int(lo) if int(lo) < 0 else int(hi)
+                    raise RuntimeError(f"RotaryEmbedding: positions must lie in [0, {self.max_position}) "
+                                       f"(max_position = RotaryEmbedding.max_position), got {got}")
+            else:
+                torch._assert_async(ok, f"RotaryEmbedding: positions must lie in [0, {self.max_position})")
+            return hi
         if positions.device.type == "cpu" and not torch.compiler.is_compiling():
             check_positions_in_range(positions, self.max_position, "RotaryEmbedding",
                                      "RotaryEmbedding.max_position")
@@ -163,15 +202,13 @@ class RotaryEmbedding(torch.nn.Module):
             ok = ((positions >= 0) & (positions < self.max_position)).all()
             torch._assert_async(ok, f"RotaryEmbedding: positions must lie in [0, {self.max_position})")
 
-    def _dynamic_rows(self, positions):
-        """The rows of this call, one per position (flattened), and the length it leaves."""
+    def _dynamic_rows(self, positions, largest):
+        """The rows of this call, one per position (flattened), and the length it leaves.
+        largest: the positions' largest value over every rank (DTensor positions), or None."""
         original = self._original
-        length = positions.amax().to(torch.int64) + 1
-        dtensor = sys.modules.get("torch.distributed.tensor")
-        if dtensor is not None and isinstance(length, dtensor.DTensor):
-            # The call's length over every rank (a collective only when positions are sharded),
-            # as a plain tensor: the state buffer is one, and the rows below follow positions.
-            length = length.full_tensor()
+        # DTensor positions: the call's length over every rank, as a plain tensor (the state
+        # buffer is one, and the rows below follow positions).
+        length = (positions.amax() if largest is None else largest).to(torch.int64) + 1
         cached = self.dynamic_len
         # transformers: grow to a longer call; back to the original after a shorter one.
         new = torch.where(length > cached, length, torch.where(length < original, original, cached))
@@ -185,13 +222,13 @@ class RotaryEmbedding(torch.nn.Module):
         length to keep once the call has succeeded (None when there is none)."""
         if self.mode == "static" or positions.numel() == 0:
             return self._tables, positions, None
-        self._check_positions(positions)
+        largest = self._check_positions(positions)
         if self.mode == "longrope":
-            is_long = (positions.amax() >= self._original).to(positions.dtype)
+            is_long = ((positions.amax() if largest is None else largest) >= self._original).to(positions.dtype)
             # Negative positions stay negative, so the op still rejects them.
             index = torch.where(positions >= 0, positions + is_long * self._original, positions)
             return self._tables, index, None
-        rows, length = self._dynamic_rows(positions)
+        rows, length = self._dynamic_rows(positions, largest)
         index = torch.arange(positions.numel(), device=positions.device).view(positions.shape)
         return rows, index, length
 

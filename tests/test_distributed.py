@@ -555,6 +555,23 @@ def case_dynamic_ntk_module(run):
             run.expect(got, wq, [p])
         for got in (gk, dk):
             run.expect(got, wk, [p])
+    # One token over the two ranks: one shard is empty (its max reduced to nothing, where it
+    # raised alone and left the other rank waiting), and a position out of range is refused by
+    # every rank alike, for dynamic and longrope modules.
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * (ROT // 2),
+                "long_factor": [2.0] * (ROT // 2), "original_max_position_embeddings": 16}
+    for scale in (scaling, longrope):
+        single = rope_ext.RotaryEmbedding(D, rotary_dim=ROT, max_position=MAXPOS, scaling=scale)
+        wq, wk = single(q[:1], k[:1], pos[3:4])
+        rope = rope_ext.RotaryEmbedding(D, rotary_dim=ROT, max_position=MAXPOS, scaling=scale)
+        with implicit_replication():
+            gq, gk = rope(run.d(q[:1], S(0)), run.d(k[:1], S(0)), run.d(pos[3:4], S(0)))
+            run.expect(gq, wq, [S(0)])
+            run.expect(gk, wk, [S(0)])
+            bad = pos.clone()
+            bad[-1] = MAXPOS  # on the last rank's tokens only
+            run.fails([f"RotaryEmbedding: positions must lie in [0, {MAXPOS})", f"got {MAXPOS}"],
+                      rope, run.d(q, S(0)), run.d(k, S(0)), run.d(bad, S(0)))
 
 
 @case

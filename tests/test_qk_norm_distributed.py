@@ -159,6 +159,51 @@ def case_prologue_out_of_place_heads(run):
 
 
 @case
+def case_prologue_value_and_keyword_layouts(run):
+    """With v_norm, value is written in place: placed unlike value_cache's heads it is refused
+    (it used to be moved, normalized as a temporary copy, and left as it was). A layout DTensor
+    accepted for one call is decided again when a keyword-only argument changes (v_norm, or
+    k_scale's placement): the second call is refused on every rank, nothing written. The
+    out-of-place op reduces a Partial query first."""
+    Sh, R = run.S, run.R
+    wq, wk, cache, q, k, v, pos, slots, kc, vc = _prologue_args()
+    common = (run.d(pos, R), run.d(cache, R), run.d(wq, R), run.d(wk, R))
+    dq, dk, dv = run.d(q, Sh(1)), run.d(k, Sh(1)), run.d(v, R)
+    dkc, dvc = run.d(kc, Sh(2)), run.d(vc, Sh(2))
+    run.fails(["value is written in place", "it must be [Shard(1)], got [Replicate()]"],
+              qk_norm_rope_and_cache_, dq, dk, dv, *common, dkc, dvc, run.d(slots, R), v_norm=True)
+    for t, w in ((dq, q), (dk, k), (dv, v), (dkc, kc), (dvc, vc)):
+        run.unchanged(t, w)
+    pv = run.partial(v)
+    qk_norm_rope_and_cache_(run.d(q, Sh(1)), run.d(k, Sh(1)), pv, *common, run.d(kc, Sh(2)),
+                            run.d(vc, Sh(2)), run.d(slots, R), v_norm=False)  # accepted: v read
+    run.fails(["value is Partial('sum')", "not linear"], qk_norm_rope_and_cache_, dq, dk, pv,
+              *common, dkc, dvc, run.d(slots, R), v_norm=True)
+    run.unchanged(dq, q)
+    fmt = torch.float8_e4m3fn
+    f8 = [run.d(c.to(fmt), Sh(2)) for c in (kc, vc)]
+    scale = torch.tensor([0.5])
+    qk_norm_rope_and_cache_(run.d(q, Sh(1)), run.d(k, Sh(1)), run.d(v, Sh(1)), *common, *f8,
+                            run.d(slots, R), kv_cache_dtype="fp8", k_scale=run.d(scale, R),
+                            v_scale=run.d(scale, R))
+    before = [c.to_local().view(torch.uint8).clone() for c in f8]
+    run.fails(["k_scale must be [Replicate()], got [Shard(0)]"], qk_norm_rope_and_cache_, dq,
+              dk, run.d(v, Sh(1)), *common, *f8, run.d(slots, R), kv_cache_dtype="fp8",
+              k_scale=run.d(scale, Sh(0)), v_scale=run.d(scale, R))
+    assert all(torch.equal(c.to_local().view(torch.uint8), b) for c, b in zip(f8, before))
+    run.unchanged(dq, q)
+    want_kc, want_vc = kc.clone(), vc.clone()
+    want = qk_norm_rope_and_cache(q, k, v, pos, cache, wq, wk, want_kc, want_vc, slots)
+    caches = [run.d(t, Sh(2)) for t in (kc, vc)]
+    got = qk_norm_rope_and_cache(run.partial(q), run.d(k, Sh(1)), run.d(v, Sh(1)), *common,
+                                 *caches, run.d(slots, R))
+    run.expect(got[0], want[0], [R])
+    run.expect(got[1], want[1], [Sh(1)])
+    for g, w in zip(caches, (want_kc, want_vc)):
+        run.expect(g, w, [Sh(2)])
+
+
+@case
 def case_norm_forms(run):
     """rope.norm_rope: LayerNorm with biases sharded like qk_norm_rope (heads or tokens); across
     heads the tokens may be sharded, the heads not."""
