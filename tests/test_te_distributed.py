@@ -121,12 +121,15 @@ def case_heads_sharded_too(run):
 @case
 def case_refused(run):
     full, freqs = torch.randn(8, B, H, D), _freqs("module", 8)
-    for x, f, fragment in (
-            (run.d(full, run.S(3)), freqs, "t is sharded over its last dim (head_dim)"),
-            (run.partial(full, "max"), freqs, "only partial sums and averages"),
-            (run.d(full, run.S(0)), run.d(freqs, run.S(0)), "freqs must be Replicate()")):
+    seq_sharded = f"t is sharded over its sequence dim (Shard(0) on mesh dim 0) into {CP} parts, so cp_size must be {CP}"
+    for x, f, fragment, cp in (
+            (run.d(full, run.S(3)), freqs, "t is sharded over its last dim (head_dim)", CP),
+            (run.partial(full, "max"), freqs, "only partial sums and averages", CP),
+            (run.d(full, run.S(0)), run.d(freqs, run.S(0)), "freqs must be Replicate()", CP),
+            # sequence-sharded with the default cp_size: each rank would rotate from position 0
+            (run.d(full, run.S(0)), freqs, seq_sharded, 1)):
         try:
-            te.apply_rotary_pos_emb(x, f, cp_size=CP, cp_rank=run.mesh.get_local_rank())
+            te.apply_rotary_pos_emb(x, f, cp_size=cp, cp_rank=run.mesh.get_local_rank() if cp > 1 else 0)
         except ValueError as e:
             assert fragment in str(e), str(e)
         else:

@@ -183,6 +183,22 @@ def _packed_angles(t, freqs, cu_seqlens, start_positions, cp_size, cp_rank):
     return freqs[pos][:, None]
 
 
+def _check_sequence_shards(t, tensor_format, cp_size):
+    """A DTensor t sharded over its sequence dim holds one rank's part of each sequence: cp_size
+    must say how many parts there are (with cp_size 1 each rank would take its part for the
+    whole sequence, and rotate it from position 0)."""
+    seq_dim = 1 if tensor_format == "bshd" else 0
+    parts, where = 1, []
+    for m, p in enumerate(t.placements):
+        if p.is_shard() and p.dim % t.dim() == seq_dim:
+            parts *= t.device_mesh.size(m)
+            where.append(f"Shard({seq_dim}) on mesh dim {m}")
+    if parts != 1 and parts != cp_size:
+        raise ValueError(f"t is sharded over its sequence dim ({', '.join(where)}) into {parts} "
+                         f"parts, so cp_size must be {parts} (and cp_rank this rank's part, in "
+                         f"Transformer Engine's context-parallel layout), got cp_size={cp_size}")
+
+
 def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
                          fused=False, cu_seqlens=None, cp_size=1, cp_rank=0):
     """TE's apply_rotary_pos_emb: t [s, b, h, d] (sbhd), [b, s, h, d] (bshd) or [t, h, d] (thd,
@@ -202,6 +218,7 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
     if is_dtensor(t):
         from ._local_shards import on_local_shards
 
+        _check_sequence_shards(t, tensor_format, cp_size)
         return on_local_shards(apply_rotary_pos_emb, t, freqs, tensor_format, start_positions,
                                interleaved, fused, cu_seqlens, cp_size, cp_rank, names=_ARGS)
     _check_t(t, tensor_format)
