@@ -36,7 +36,10 @@ def half_tables(cos, sin, *, interleaved=False, head_first=False, ndim=4):
     (..., rotary_dim/2) that the ops take, with a size-1 head dim inserted and leading 1s so
     they have `ndim` dims. The full-width tables hold each angle twice: the halves duplicated
     (half-split pairs: cos[..., i] == cos[..., i + rotary_dim/2]) or each entry repeated
-    (interleaved pairs: cos[..., 2i] == cos[..., 2i+1]); the first copy is read."""
+    (interleaved pairs: cos[..., 2i] == cos[..., 2i+1]); the first copy is read. Interleaved
+    models whose rotary module duplicates the halves and repeats entries only inside its
+    apply_rotary_pos_emb (transformers' GLM and GLM-4) need cos[..., :rotary_dim // 2] with
+    table_width="half" instead: their tables read here as repeated entries would be wrong."""
     if cos.dim() < 2 or cos.shape != sin.shape:
         raise ValueError(f"cos and sin must have one shape (..., seq, rotary_dim), got cos "
                          f"{list(cos.shape)} and sin {list(sin.shape)}")
@@ -77,7 +80,9 @@ def qk_norm_rope(query, key, q_weight, k_weight, cos, sin, *, eps=1e-6, unit_off
         Any float dtype. rotary_dim <= head_dim; dims >= rotary_dim are normalized only.
     eps: >= 0, added to mean(x^2). unit_offset: the norm scales by (1 + weight) (Gemma).
     interleaved: pairs (x[2i], x[2i+1]) (GPT-J, GLM) if True, (x[i], x[i + rotary_dim/2]) if
-        False (GPT-NeoX, Llama, Qwen: transformers' rotate_half).
+        False (GPT-NeoX, Llama, Qwen: transformers' rotate_half). GLM's rotary module gives its
+        tables with the halves duplicated: take table_width="half" and cos[..., :rotary_dim // 2]
+        (see half_tables).
     Returns (q, k), of query's and key's shapes and dtype, contiguous.
     """
     if table_width not in TABLE_WIDTHS:
@@ -118,9 +123,13 @@ def norm_rope(query, key, q_weight, k_weight, cos, sin, *, q_bias=None, k_bias=N
         def t(x):
             return x.transpose(-3, -2) if x.dim() == query.dim() else x  # (or one table row)
 
-        q, k = norm_rope(t(query), t(key), q_weight, k_weight, t(cos), t(sin), q_bias=q_bias,
-                         k_bias=k_bias, eps=eps, norm=norm, interleaved=interleaved,
-                         table_width="half")
+        try:
+            q, k = norm_rope(t(query), t(key), q_weight, k_weight, t(cos), t(sin), q_bias=q_bias,
+                             k_bias=k_bias, eps=eps, norm=norm, interleaved=interleaved,
+                             table_width="half")
+        except (RuntimeError, ValueError) as e:  # its shapes are those of the swapped views
+            raise type(e)(f"{e} (with head_first=True and norm='rms_across_heads' the op sees "
+                          "query, key, cos and sin with dims -3 and -2 swapped)") from e
         return q.transpose(-3, -2), k.transpose(-3, -2)
     args = (query, key, q_weight, k_weight, q_bias, k_bias, cos, sin, eps, norm, interleaved)
     return ops.norm_rope(*args)

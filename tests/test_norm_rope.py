@@ -335,3 +335,15 @@ def test_torch_compile_fullgraph_with_backward():
     expect = torch.autograd.grad(f(q, k, w), (q, k, w))
     got = torch.autograd.grad(torch.compile(f, fullgraph=True)(q, k, w), (q, k, w))
     torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
+
+
+def test_head_first_across_heads_errors_say_the_dims_are_swapped():
+    """With head_first=True and norm="rms_across_heads" the op runs on views with dims -3 and -2
+    swapped: its errors describe those views, and say so."""
+    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    per_head = torch.randn(1, 2, 5, 4)  # tables differing by head: refused across heads
+    with pytest.raises(RuntimeError, match=r"must be shared by them .* \(with head_first=True and "
+                                           r"norm='rms_across_heads' the op sees query, key, cos "
+                                           r"and sin with dims -3 and -2 swapped\)$"):
+        norm_rope(q, k, None, None, per_head, per_head, norm="rms_across_heads", head_first=True,
+                  table_width="half")

@@ -577,3 +577,28 @@ def test_rows_longer_than_the_stack_buffers(unit_offset, interleaved):
     c, s = gathered(cache, pos)
     close(a, oracle(q, wq, c, s, 1e-6, unit_offset, interleaved), torch.bfloat16)
     close(b, oracle(k, wk, c, s, 1e-6, unit_offset, interleaved), torch.bfloat16)
+
+
+def test_glm_tables_as_documented():
+    """transformers' GLM-4 rotary module duplicates the halves of its interleaved tables (its
+    apply_rotary_pos_emb repeats the entries): the documented call, cos[..., :rotary_dim // 2]
+    with table_width="half", gives GLM-4's norm + RoPE; its full tables read as interleaved
+    (repeated entries) would not, which is why the docs say so."""
+    glm4 = pytest.importorskip("transformers.models.glm4.modeling_glm4")
+    B, S, H, D, rd = 2, 6, 3, 16, 8  # GLM-4's partial rotary: half of head_dim
+    freqs = torch.rand(B, S, rd // 2, dtype=torch.float64) * 6
+    emb = torch.cat((freqs, freqs), dim=-1)  # as Glm4RotaryEmbedding.forward returns them
+    cos, sin = emb.cos(), emb.sin()
+    q, k = torch.randn(B, S, H, D, dtype=torch.float64), torch.randn(B, S, 1, D, dtype=torch.float64)
+    wq, wk = torch.randn(D, dtype=torch.float64), torch.randn(D, dtype=torch.float64)
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    want = glm4.apply_rotary_pos_emb(rms(q, wq).transpose(1, 2), rms(k, wk).transpose(1, 2), cos, sin)
+    half = (cos[..., None, : rd // 2], sin[..., None, : rd // 2])
+    got = qk_norm_rope(q, k, wq, wk, *half, interleaved=True, table_width="half")
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w.transpose(1, 2), rtol=1e-12, atol=1e-12)
+    wrong = qk_norm_rope(q, k, wq, wk, cos, sin, interleaved=True)
+    assert not torch.allclose(wrong[0], want[0].transpose(1, 2), atol=1e-3)
