@@ -106,6 +106,13 @@ def test_shift_equals_writing_at_the_new_positions(backend, kind, dtype, interle
                        before.view(-1, heads, head_dim)[untouched])
 
 
+def code_index(codes):
+    """float8 codes as integers in the order of their values (+-0 both 0): neighbours differ by 1."""
+    bits = codes.view(torch.uint8).long()
+    magnitude = bits & 0x7F
+    return torch.where(bits & 0x80 != 0, -magnitude, magnitude)
+
+
 def fp8_step(x, fmt):
     """The spacing of the float8 format at magnitude |x| (its subnormal step below the normals)."""
     mant, min_exp = (3, -6) if fmt == torch.float8_e4m3fn else (2, -14)
@@ -129,15 +136,17 @@ def test_fp8_shift_within_quantization_error(backend, kind, kv_cache_dtype, inte
     before = key_cache.clone()
     shift(backend, key_cache, slots, delta, cache_table, interleaved=interleaved,
           kv_cache_dtype=kv_cache_dtype, k_scale=scale)
-    got = key_cache.view(-1, heads, head_dim)[slots].double() * 0.05
+    # Compared as codes (values / k_scale): their differences and steps are exact in float64,
+    # where scaled values would carry the rounding of the products into the comparison.
+    k = float(scale)  # the float32 scale the kernels use
+    got = key_cache.view(-1, heads, head_dim)[slots].double()
     half = rotary_dim // 2
     # Against the keys written at p + delta: a step or two at the pair's magnitude.
-    want = ((rotated_keys(keys, p + delta, cache_table, interleaved) / 0.05).float().to(fmt).double()
-            * 0.05)
+    want = (rotated_keys(keys, p + delta, cache_table, interleaved) / 0.05).float().to(fmt).double()
     norms = pair_norms(want, half, interleaved)
-    assert ((got - want).abs() <= 2 * fp8_step(norms / 0.05, fmt) * 0.05).all()
+    assert ((got - want).abs() <= 2 * fp8_step(norms, fmt)).all()
     # Against dequantize-rotate-requantize done exactly: within one step.
-    deq = codes_at_p.double() * 0.05
+    deq = codes_at_p.double() * k
     c, s = ref.unit_rows(cache_table.double(), delta, torch.float64)
     exact_rows = deq.clone()
     ia = torch.arange(0, 2 * half, 2) if interleaved else torch.arange(half)
@@ -145,8 +154,9 @@ def test_fp8_shift_within_quantization_error(backend, kind, kv_cache_dtype, inte
     a, b = deq[..., ia], deq[..., ib]
     exact_rows[..., ia], exact_rows[..., ib] = a * c[:, None] - b * s[:, None], b * c[:, None] + a * s[:, None]
     m = torch.finfo(fmt).max
-    exact = (exact_rows / 0.05).clamp(-m, m).to(fmt).double() * 0.05
-    assert ((got - exact).abs() <= fp8_step(torch.maximum(got, exact).abs() / 0.05, fmt) * 0.05).all()
+    exact = (exact_rows / k).clamp(-m, m).to(fmt)
+    got_codes = key_cache.view(-1, heads, head_dim)[slots]
+    assert ((code_index(got_codes) - code_index(exact)).abs() <= 1).all()  # neighbouring codes
     untouched = torch.ones(30, dtype=torch.bool)
     untouched[slots] = False
     assert torch.equal(key_cache.view(torch.uint8).view(-1, heads, head_dim)[untouched],
