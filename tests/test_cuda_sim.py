@@ -380,3 +380,65 @@ def test_cache_write_with_empty_key_rows():
         cuda_sim.apply_and_cache_(q, k, v, pos, cache, kc, vc, slots)
         rope_ext.reference.apply_and_cache_(*ref)
         assert torch.equal(vc, ref[6])
+
+
+def _no_rows_cases():
+    """(name, simulated call, CPU call) with tokens but no rows (no heads, head_dim 0, rows of
+    0 elements) and a bad position (7 of 4) or slot (9 of 4)."""
+    import qk_norm_sim
+
+    ops = torch.ops.rope
+    bad, good = torch.tensor([0, 7, 1]), torch.tensor([0, 1, 2])
+    cache, c0 = torch.randn(4, 8), torch.randn(4, 0)
+
+    def cached(q, k, v, pos, tab, kv, slots):
+        caches = (torch.zeros(2, 2, kv, k.shape[-1]), torch.zeros(2, 2, kv, v.shape[-1]))
+        return ((lambda: cuda_sim.apply_and_cache_(q, k, v, pos, tab, *caches, slots)),
+                (lambda: ops.apply_and_cache_(q, k, v, pos, tab, *caches, slots, False, "auto", None, None)))
+
+    def normed_cache(fn_sim, fn_cpu, pos, slots):
+        q, k, v = torch.randn(3, 0, 8), torch.randn(3, 0, 8), torch.randn(3, 0, 8)
+        caches = (torch.zeros(2, 2, 0, 8), torch.zeros(2, 2, 0, 8))
+        w = torch.ones(8)
+        return ((lambda: fn_sim(q, k, v, pos, cache, w, w, *caches, slots)),
+                (lambda: fn_cpu(q, k, v, pos, cache, w, w, *caches, slots, 1e-6)))
+
+    q0 = torch.randn(3, 0, 8)
+    return [
+        ("apply_ no heads", lambda: cuda_sim.apply_(q0, None, bad, cache),
+         lambda: ops.apply_(q0, None, bad, cache, False, 0, False)),
+        ("apply_ head_dim 0", lambda: cuda_sim.apply_(torch.randn(3, 2, 0), None, bad, c0),
+         lambda: ops.apply_(torch.randn(3, 2, 0), None, bad, c0, False, 0, False)),
+        ("mrope_ no heads", lambda: cuda_sim.mrope_(q0, None, bad.expand(3, 3), cache, [2, 1, 1]),
+         lambda: ops.mrope_(q0, None, bad.expand(3, 3), cache, [2, 1, 1], False, False, 0, False)),
+        ("apply_positions no heads",
+         lambda: cuda_sim.apply_positions(q0, bad, cache[:, :4], cache[:, 4:]),
+         lambda: ops.apply_positions(q0, bad, cache[:, :4], cache[:, 4:], False, False, None, False)),
+        ("apply_and_cache_ no heads, position", *cached(q0, q0, torch.randn(3, 0, 4), bad, cache, 0, good)),
+        ("apply_and_cache_ no heads, slot", *cached(q0, q0, torch.randn(3, 0, 4), good, cache, 0,
+                                                     torch.tensor([0, 9, 1]))),
+        ("apply_and_cache_ rows of 0 elements", *cached(torch.randn(3, 2, 0), torch.randn(3, 1, 0),
+                                                         torch.randn(3, 1, 0), bad, c0, 1, good)),
+        ("qk_norm_rope_ head_dim 0",
+         lambda: qk_norm_sim.qk_norm_rope_(torch.randn(3, 2, 0), torch.randn(3, 1, 0), torch.ones(0),
+                                           torch.ones(0), bad, c0, 1e-6),
+         lambda: ops.qk_norm_rope_(torch.randn(3, 2, 0), torch.randn(3, 1, 0), torch.ones(0),
+                                   torch.ones(0), bad, c0, 1e-6)),
+        ("qk_norm_rope_and_cache_ no heads",
+         *normed_cache(qk_norm_sim.qk_norm_rope_and_cache_, ops.qk_norm_rope_and_cache_, bad, good)),
+        ("qk_norm_rope_and_cache no heads, slot",
+         *normed_cache(qk_norm_sim.qk_norm_rope_and_cache, ops.qk_norm_rope_and_cache, good,
+                       torch.tensor([0, 9, 1]))),
+    ]
+
+
+def test_calls_with_nothing_to_rotate_still_check_their_data():
+    """A call with tokens but no rows launches no kernel on CUDA: its positions and slots are
+    checked on the host instead, with the CPU op's messages (they used to go unchecked)."""
+    cuda_sim.load()
+    for name, on_sim, on_cpu in _no_rows_cases():
+        with pytest.raises(RuntimeError) as cpu:
+            on_cpu()
+        with pytest.raises(RuntimeError) as sim:
+            on_sim()
+        assert str(sim.value).splitlines()[0] == str(cpu.value).splitlines()[0], name

@@ -182,11 +182,30 @@ struct RotateTensors {
   const Tensor* positions = nullptr;
 };
 
+// t on the host, contiguous (itself when it already is both).
+inline Tensor host_contiguous(const Tensor& t) {
+  return torch::stable::contiguous(
+      torch::stable::to(t, torch::stable::Device(torch::headeronly::DeviceType::CPU)));
+}
+
+// A call with tokens but nothing to rotate or store (no heads, head_dim 0) launches no kernel,
+// so what the kernels check on the device is checked here, on a host copy, with the CPU op's
+// messages: the positions' range and, given, the slots' (range and repeats). A device sync,
+// made only by such calls.
+inline void check_data_on_host(int64_t tokens, const Tensor& positions, int64_t rows,
+                               const char* op, const char* rows_name,
+                               const Tensor* slots = nullptr, int64_t num_slots = 0) {
+  if (tokens == 0) return;
+  check_positions_in_range(host_contiguous(positions), rows, op, rows_name);
+  if (slots != nullptr) check_slots(host_contiguous(*slots), num_slots, op);
+}
+
+// Returns whether a kernel was launched (false: nothing to rotate).
 template <class Runner>
-void run_rotate(const RotateGeometry& g, const RotateTensors& t, ScalarType x_type, Runner&& run,
+bool run_rotate(const RotateGeometry& g, const RotateTensors& t, ScalarType x_type, Runner&& run,
                 int64_t max_blocks) {
   const int64_t heads = g.target[0].heads + (g.targets > 1 ? g.target[1].heads : 0);
-  if (g.tokens == 0 || g.head_dim == 0 || heads == 0) return;  // however many (empty) tokens
+  if (g.tokens == 0 || g.head_dim == 0 || heads == 0) return false;  // however many (empty) tokens
   dispatch_types(x_type, dtype_of(t.cos_table), [&](auto x0, auto tab0) {
     using x_t = decltype(x0);
     using tab_t = decltype(tab0);
@@ -207,6 +226,7 @@ void run_rotate(const RotateGeometry& g, const RotateTensors& t, ScalarType x_ty
     a.tvec = p.tvec;
     g.interleaved ? run(p, a, Bool<true>{}) : run(p, a, Bool<false>{});
   });
+  return true;
 }
 
 // Separate cos and sin tables, cast if their dtype needs it (then checked again: the cast's
@@ -269,7 +289,9 @@ void rotate_inplace_host(const Tensor& query, const std::optional<Tensor>& key,
   t.cos = t.cos_table.const_data_ptr();
   t.sin = sin_of_cache(t.cos_table, g);
   t.positions = &positions;
-  run_rotate(g, t, dtype_of(query), run, max_blocks);
+  if (!run_rotate(g, t, dtype_of(query), run, max_blocks)) {
+    check_data_on_host(g.tokens, positions, g.table.rows, op, "cos_sin_cache.size(0)");
+  }
 }
 
 template <class Runner>
@@ -289,7 +311,9 @@ Tensor apply_positions_host(const Tensor& x, const Tensor& positions, const Tens
   t.src[0] = &x;
   t.dst[0] = &out;
   t.positions = &positions;
-  run_rotate(g, t, dtype_of(x), run, max_blocks);
+  if (!run_rotate(g, t, dtype_of(x), run, max_blocks)) {
+    check_data_on_host(g.tokens, positions, g.table.rows, "rope.apply_positions", "cos.size(0)");
+  }
   return out;
 }
 
@@ -344,8 +368,12 @@ void apply_and_cache_host(const Tensor& query, const Tensor& key, const Tensor& 
   const Tensor cache = table_for(cache_in, dtype_of(query));
   if (cache.get() != cache_in.get()) cg = check(cache);
   const RotateGeometry& g = cg.rot;
+  auto check_on_host = [&] {
+    check_data_on_host(g.tokens, positions, g.table.rows, "rope.apply_and_cache_",
+                       "cos_sin_cache.size(0)", &slots, cg.slots);
+  };
   // Rows to rotate or values to store; key rows of head_dim 0 still carry their values.
-  if (g.tokens == 0 || g.target[0].heads + cg.kv_heads == 0) return;
+  if (g.tokens == 0 || g.target[0].heads + cg.kv_heads == 0) return check_on_host();
   check_slots_on_device(cg, slots, run, max_blocks);
   dispatch_types(dtype_of(query), dtype_of(cache), [&](auto x0, auto tab0) {
     using x_t = decltype(x0);
@@ -374,7 +402,7 @@ void apply_and_cache_host(const Tensor& query, const Tensor& key, const Tensor& 
     a.value_vecs = g.interleaved ? 1 : 2;  // a value chunk as wide as a rotary one
     a.value_chunks = ceil_div(cg.value_dim, a.value_vecs * W);
     const int64_t chunks = std::max(a.key_chunks, a.value_chunks);
-    if (chunks == 0) return;  // rows of 0 elements
+    if (chunks == 0) return check_on_host();  // rows of 0 elements
     p.tail_chunks = chunks - p.rot_chunks;
     const void* src[2] = {r.src[0], r.src[1]};
     p.vec = vectorizable<x_t>(g, src, src, true);  // key rows' tails go to the cache too

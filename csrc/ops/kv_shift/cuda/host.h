@@ -17,12 +17,6 @@
 
 namespace rope::gpu {
 
-// t on the host, contiguous (itself when it already is both).
-inline Tensor host_contiguous(const Tensor& t) {
-  return torch::stable::contiguous(
-      torch::stable::to(t, torch::stable::Device(torch::headeronly::DeviceType::CPU)));
-}
-
 template <class Runner>
 void shift_kv_cache_host(const Tensor& key_cache, const Tensor& slots, const Tensor& delta,
                          const Tensor& table_in, bool interleaved,

@@ -45,8 +45,9 @@ struct NormRopeTensors {
 
 // `store`: the paged-cache store stage (its value heads get rows of their own), or nullptr.
 // `norm`: its eps, unit_offset, form and group_heads are read (the weights' strides are set here).
+// Returns whether a kernel was launched (false: nothing to normalize, rotate or store).
 template <class Runner>
-void run_norm_rope(const RotateGeometry& g, const NormRopeTensors& t, const NormDesc& norm,
+bool run_norm_rope(const RotateGeometry& g, const NormRopeTensors& t, const NormDesc& norm,
                    ScalarType x_type, Runner&& run, int64_t max_blocks,
                    const NormStore* store = nullptr) {
   // a thread per unit: one head, or across heads a token's heads of one target (norm_rope_thread)
@@ -54,9 +55,9 @@ void run_norm_rope(const RotateGeometry& g, const NormRopeTensors& t, const Norm
   const int64_t qk_units = g.target[0].heads / (across ? norm.group_heads[0] : 1) +
                            (g.targets > 1 ? g.target[1].heads / (across ? norm.group_heads[1] : 1)
                                           : 0);
-  if (store == nullptr && g.head_dim == 0) return;
+  if (store == nullptr && g.head_dim == 0) return false;
   const int64_t heads = qk_units + (store != nullptr ? store->cg.kv_heads : 0);
-  if (g.tokens == 0 || heads == 0) return;
+  if (g.tokens == 0 || heads == 0) return false;
   dispatch_types(x_type, t.table_type, [&](auto x0, auto tab0) {
     using x_t = decltype(x0);
     using tab_t = decltype(tab0);
@@ -99,6 +100,7 @@ void run_norm_rope(const RotateGeometry& g, const NormRopeTensors& t, const Norm
     a.idx32 = p.idx32;
     g.interleaved ? run(p, a, Bool<true>{}) : run(p, a, Bool<false>{});
   });
+  return true;
 }
 
 template <class Runner>
@@ -225,8 +227,10 @@ void qk_norm_rope_inplace_host(const Meta& query, const Meta& key, const Tensor*
   if (positions.get() != positions_in.get() || cache.get() != cache_in.get()) g = check(cache);
   const ScalarType xt = query.dtype;
   const Tensor wq = norm_weight_for(q_weight, xt), wk = norm_weight_for(k_weight, xt);
-  run_norm_rope(g, inplace_operands(query, key, wq, wk, cache, g, positions),
-                rms_norm(eps, unit_offset), xt, run, max_blocks);
+  if (!run_norm_rope(g, inplace_operands(query, key, wq, wk, cache, g, positions),
+                     rms_norm(eps, unit_offset), xt, run, max_blocks)) {
+    check_data_on_host(g.tokens, positions, g.table.rows, op, "cos_sin_cache.size(0)");
+  }
 }
 
 // rope.qk_norm_rope_and_cache_: the norm and rotation of qk_norm_rope_ with the paged-cache store
@@ -283,7 +287,11 @@ void qk_norm_rope_and_cache_host(
     st.v_scale = static_cast<const float*>(v_scale->const_data_ptr());
   }
   st.v_norm = v_norm;
-  run_norm_rope(cg.rot, t, rms_norm(eps, unit_offset), xt, run, max_blocks, &st);
+  if (!run_norm_rope(cg.rot, t, rms_norm(eps, unit_offset), xt, run, max_blocks, &st)) {
+    check_data_on_host(cg.rot.tokens, positions, cg.rot.table.rows,
+                       in_place ? kQkNormCacheOp : kQkNormCacheOutOp, "cos_sin_cache.size(0)",
+                       &slots, cg.slots);
+  }
 }
 
 }  // namespace rope::gpu
