@@ -34,9 +34,7 @@ const char* launch_norm_rope(const LaunchPlan& p, const NormRopeArgs<x_t, tab_t>
 // quant/cuda/quant_cuda.cu: the RoPE + FP8 quantization ops.
 template <typename x_t>
 const char* launch_quant(const LaunchPlan& p, const QuantArgs<x_t>& a, void* stream);
-template <typename x_t>
-const char* launch_paged_slot_set(const LaunchPlan& p, const PagedSlotSetArgs<x_t>& a,
-                                  void* stream);
+const char* launch_paged_slot_set(const LaunchPlan& p, const PagedSlotSetArgs& a, void* stream);
 
 // kv_shift/cuda/shift_cuda.cu: rope.shift_kv_cache_.
 template <typename x_t, typename acc_t>

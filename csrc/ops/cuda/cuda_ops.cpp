@@ -48,9 +48,8 @@ struct CudaLaunch : CudaStreamLaunch {
     check(launch_quant<x_t>(p, a, stream()));
   }
 
-  template <typename x_t>
-  void operator()(const LaunchPlan& p, const PagedSlotSetArgs<x_t>& a) const {
-    check(launch_paged_slot_set<x_t>(p, a, stream()));
+  void operator()(const LaunchPlan& p, const PagedSlotSetArgs& a) const {
+    check(launch_paged_slot_set(p, a, stream()));
   }
 
   template <typename x_t, typename acc_t>

@@ -97,7 +97,7 @@ void run_quant(const QuantGeometry& g, const QuantTensors& t, Runner&& run,
     if constexpr (std::decay_t<Runner>::kDeviceDataChecks) {
       if (g.paged && g.tokens >= 2) {
         const SlotSet set = new_slot_set(*t.q_rope, g.tokens, max_blocks);
-        run(set.plan, PagedSlotSetArgs<scalar_t>{a, set.mask, set.data()});
+        run(set.plan, PagedSlotSetArgs{g, paged_table(a), set.mask, set.data()});
       }
     }
     const int64_t chunks = std::max({a.rope_chunks, a.nope_chunks, a.v_chunks});

@@ -15,9 +15,8 @@ __global__ void __launch_bounds__(kMaxBlockThreads, 1) quant_kernel(const QuantA
   quant_thread<x_t>(a, here());
 }
 
-template <typename x_t>
-__global__ void __launch_bounds__(kThreadsPerBlock) paged_slot_set_kernel(const PagedSlotSetArgs<x_t> a) {
-  paged_slot_set_thread<x_t>(a, here());
+__global__ void __launch_bounds__(kThreadsPerBlock) paged_slot_set_kernel(const PagedSlotSetArgs a) {
+  paged_slot_set_thread(a, here());
 }
 
 }  // namespace
@@ -27,19 +26,15 @@ const char* launch_quant(const LaunchPlan& p, const QuantArgs<x_t>& a, void* str
   return launch(quant_kernel<x_t>, p, a, stream);
 }
 
-template <typename x_t>
-const char* launch_paged_slot_set(const LaunchPlan& p, const PagedSlotSetArgs<x_t>& a,
-                                  void* stream) {
-  return launch(paged_slot_set_kernel<x_t>, p, a, stream);
+const char* launch_paged_slot_set(const LaunchPlan& p, const PagedSlotSetArgs& a, void* stream) {
+  return launch(paged_slot_set_kernel, p, a, stream);
 }
 
 // The dtypes of ROPE_DISPATCH_QUANT_X (quant/cuda/host.h).
-#define ROPE_QUANT_KERNELS(x_t)                                                             \
-  template const char* launch_quant<x_t>(const LaunchPlan&, const QuantArgs<x_t>&, void*); \
-  template const char* launch_paged_slot_set<x_t>(const LaunchPlan&,                       \
-                                                  const PagedSlotSetArgs<x_t>&, void*);
-ROPE_QUANT_KERNELS(float)
-ROPE_QUANT_KERNELS(torch::headeronly::Half)
-ROPE_QUANT_KERNELS(torch::headeronly::BFloat16)
+template const char* launch_quant<float>(const LaunchPlan&, const QuantArgs<float>&, void*);
+template const char* launch_quant<torch::headeronly::Half>(
+    const LaunchPlan&, const QuantArgs<torch::headeronly::Half>&, void*);
+template const char* launch_quant<torch::headeronly::BFloat16>(
+    const LaunchPlan&, const QuantArgs<torch::headeronly::BFloat16>&, void*);
 
 }  // namespace rope::gpu

@@ -143,9 +143,21 @@ ROPE_HD void quant_copy_chunk(const x_t* src, int64_t s_last, uint8_t* dst, int6
 // The element offset of the token's slot in a paged cache, or -1 when the token is padding
 // (batch_indices < 0) or its page table entries are out of range (a device-side check, which the
 // CPU host has already made).
+// The page table of a paged call: what paged_slot reads, whatever x's dtype.
+struct PagedTable {
+  const void* kv_indices;
+  const void* kv_indptr;
+  const void* batch_indices;
+  const void* positions;
+};
+
 template <typename x_t>
-ROPE_HD bool paged_slot(const QuantArgs<x_t>& a, int64_t tok, int64_t& page, int64_t& entry) {
-  const QuantGeometry& g = a.g;
+ROPE_HD PagedTable paged_table(const QuantArgs<x_t>& a) {
+  return {a.kv_indices, a.kv_indptr, a.batch_indices, a.positions};
+}
+
+ROPE_HD bool paged_slot(const QuantGeometry& g, const PagedTable& a, int64_t tok, int64_t& page,
+                        int64_t& entry) {
   const int64_t b = load_position(a.batch_indices, g.batch_indices.is64, tok * g.batch_indices.stride);
   if (b < 0) return false;
   ROPE_DEVICE_CHECK(b < g.batch, "rope: batch_indices must lie below batch_size");
@@ -169,21 +181,21 @@ ROPE_HD bool paged_slot(const QuantArgs<x_t>& a, int64_t tok, int64_t& page, int
 // (slot_set_thread): launched before the quant kernel when two tokens or more are cached, each
 // token inserts page * page_size + entry into the set (`mask + 1` entries, all kEmptySlot), and
 // one that finds its entry there stops the stream before the quant kernel writes anything.
-template <typename x_t>
+// One kernel for every dtype: it reads the page table only.
 struct PagedSlotSetArgs {
-  QuantArgs<x_t> a;
+  QuantGeometry g;
+  PagedTable table;
   int64_t mask;
   unsigned long long* set;
 };
 
-template <typename x_t>
-ROPE_HD void paged_slot_set_thread(const PagedSlotSetArgs<x_t>& s, const ThreadPos& tp) {
+ROPE_HD void paged_slot_set_thread(const PagedSlotSetArgs& s, const ThreadPos& tp) {
   const int64_t step = static_cast<int64_t>(tp.grid_dim.x) * tp.block_dim.x;
   for (int64_t tok = static_cast<int64_t>(tp.block.x) * tp.block_dim.x + tp.thread.x;
-       tok < s.a.g.tokens; tok += step) {
+       tok < s.g.tokens; tok += step) {
     int64_t page = 0, entry = 0;
-    if (!paged_slot(s.a, tok, page, entry)) continue;  // padding
-    const auto key = static_cast<unsigned long long>(page * s.a.g.page_size + entry);
+    if (!paged_slot(s.g, s.table, tok, page, entry)) continue;  // padding
+    const auto key = static_cast<unsigned long long>(page * s.g.page_size + entry);
     ROPE_DEVICE_CHECK(insert_slot(s.set, s.mask, key),
                       "rope: two tokens must not write one cache entry");
   }
@@ -213,7 +225,7 @@ ROPE_HD QuantTokenRows quant_token_rows(const QuantArgs<x_t>& a, int64_t tok) {
   if (pos < 0 || pos >= g.table_rows) return t;
   int64_t page = 0, entry = 0;
   t.ok = true;
-  t.to_cache = g.paged && paged_slot(a, tok, page, entry);
+  t.to_cache = g.paged && paged_slot(g, paged_table(a), tok, page, entry);
   t.cos = a.cos + pos * g.cos_row;
   t.sin = a.sin + pos * g.cos_row;
   t.kc_row = page * g.kc.page + entry * g.kc.entry;
