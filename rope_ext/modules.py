@@ -19,16 +19,17 @@ def _dtensor_module(t):
     return dtensor if dtensor is not None and isinstance(t, dtensor.DTensor) else None
 
 
-def _global_extremes(dtensor, positions, bound):
-    """(smallest, largest) of DTensor positions over every rank, plain 0-d int64 tensors, clamped
-    to [-1, bound]: one all-reduce (max) where positions are sharded. A rank whose shard is empty
-    (uneven shards) contributes nothing; reducing there would fail on it alone."""
-    local = positions.to_local().reshape(-1).long().clamp(-1, bound)
+def _global_extremes(dtensor, positions):
+    """(smallest, largest) of DTensor positions over every rank, plain 0-d int64 tensors (within
+    +-2^62, so that the smallest can be negated): one all-reduce (max) where positions are
+    sharded. A rank whose shard is empty (uneven shards) contributes nothing; reducing there
+    would fail on it alone."""
+    limit = 1 << 62
+    local = positions.to_local().reshape(-1).long().clamp(-limit, limit)
     if local.numel():
         ext = torch.stack((-local.amin(), local.amax()))
-    else:
-        # Below anything a shard gives: -min >= -bound, max >= -1.
-        ext = torch.full((2,), -bound - 1, dtype=torch.int64, device=local.device)
+    else:  # below anything a shard gives
+        ext = torch.full((2,), -limit - 1, dtype=torch.int64, device=local.device)
     placements = [dtensor.Partial("max") if p.is_shard() else dtensor.Replicate()
                   for p in positions.placements]
     ext = dtensor.DTensor.from_local(ext, positions.device_mesh, placements, run_check=False)
@@ -185,7 +186,7 @@ class RotaryEmbedding(torch.nn.Module):
         if dtensor is not None:
             # Decided from the global extremes, so that every rank raises, or none does (a rank
             # raising alone would leave the others waiting in the next collective).
-            lo, hi = _global_extremes(dtensor, positions, self.max_position)
+            lo, hi = _global_extremes(dtensor, positions)
             ok = (lo >= 0) & (hi < self.max_position)
             if positions.device.type == "cpu" and not torch.compiler.is_compiling():
                 if not bool(ok):
