@@ -8,6 +8,8 @@ sin negated for a negative delta). Math in float32 (float64 for a float64 cache)
 kernels do it.
 """
 
+import math
+
 import torch
 
 from .. import _checks
@@ -78,12 +80,13 @@ def check_shift_data(key_cache, slot_mapping, delta, cos_sin_cache, k_scale):
             _fail(f"{op}: k_scale must be finite and > 0 (the keys are dequantized, rotated and "
                   f"requantized with it), got {s:g}")
         # Every code times k_scale a finite, normal float32 (float32 arithmetic, as the kernels').
-        e4m3 = key_cache.dtype == torch.float8_e4m3fn
-        max_code, min_exp = (448.0, -117) if e4m3 else (57344.0, -110)
+        codes = torch.finfo(key_cache.dtype)
+        smallest = codes.smallest_normal * codes.eps  # the smallest subnormal code
+        min_exp = -126 - round(math.log2(smallest))  # log2(FLT_MIN / smallest)
         scale = k_scale.reshape(()).float()
-        if not (bool(torch.isfinite(scale * max_code)) and s >= 2.0 ** min_exp):
-            _fail(f"{op}: k_scale must lie in [2^{min_exp}, 3.40282e+38 / {max_code:g}] for a "
-                  f"{'float8_e4m3fn' if e4m3 else 'float8_e5m2'} cache (every code times it a "
+        if not (bool(torch.isfinite(scale * codes.max)) and s >= 2.0 ** min_exp):
+            _fail(f"{op}: k_scale must lie in [2^{min_exp}, 3.40282e+38 / {codes.max:g}] for a "
+                  f"{str(key_cache.dtype).removeprefix('torch.')} cache (every code times it a "
                   f"normal float32), got {s:g}")
     n = slot_mapping.shape[0]
     if n == 0:

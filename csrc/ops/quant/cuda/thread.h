@@ -140,9 +140,6 @@ ROPE_HD void quant_copy_chunk(const x_t* src, int64_t s_last, uint8_t* dst, int6
   }
 }
 
-// The element offset of the token's slot in a paged cache, or -1 when the token is padding
-// (batch_indices < 0) or its page table entries are out of range (a device-side check, which the
-// CPU host has already made).
 // The page table of a paged call: what paged_slot reads, whatever x's dtype.
 struct PagedTable {
   const void* kv_indices;
@@ -156,6 +153,9 @@ ROPE_HD PagedTable paged_table(const QuantArgs<x_t>& a) {
   return {a.kv_indices, a.kv_indptr, a.batch_indices, a.positions};
 }
 
+// The token's cache slot (page, entry); false when the token is padding (batch_indices < 0) or
+// its page table entries are out of range (a device-side check, which the CPU host has already
+// made).
 ROPE_HD bool paged_slot(const QuantGeometry& g, const PagedTable& a, int64_t tok, int64_t& page,
                         int64_t& entry) {
   const int64_t b = load_position(a.batch_indices, g.batch_indices.is64, tok * g.batch_indices.stride);
