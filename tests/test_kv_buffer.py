@@ -139,11 +139,16 @@ def random_view_pair(rng):
         d = rng.randrange(4)
         if sizes[d] == 1:
             strides[d] = rng.randint(1, 40)
-    buf = torch.zeros(2 * extent + 64)
     a, b = rng.randint(0, extent), rng.randint(0, extent)
     vstrides = list(strides)
     if rng.random() < 0.1:
         vstrides[rng.randrange(4)] += 1
+
+    def end(offset, shape, steps):  # one past the view's last element
+        return offset + sum((n - 1) * s for n, s in zip(shape, steps)) + 1
+
+    # (a size-1 dim's arbitrary stride can reach past 2 * extent)
+    buf = torch.zeros(max(2 * extent + 64, end(a, sizes, strides), end(b, vsizes, vstrides)))
     return buf.as_strided(sizes, strides, a), buf.as_strided(vsizes, vstrides, b)
 
 
