@@ -16,7 +16,9 @@ build of only the CPU variants this machine runs.
 import importlib.util
 import json
 import os
+import re
 import shutil
+import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -75,8 +77,27 @@ def cxx_flags():
     return DESCRIPTION["cxx_flags"] + _defines() + extra
 
 
-def nvcc_flags():
-    return DESCRIPTION["nvcc_flags"] + _defines()
+def nvcc_major(home=None):
+    """The major version of the toolkit's nvcc (`nvcc --version`: "release 13.0"), or None."""
+    home = home or cuda_home()
+    if not _has_nvcc(home):
+        return None
+    try:
+        out = subprocess.run([os.path.join(home, "bin", "nvcc"), "--version"], capture_output=True,
+                             text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"release (\d+)\.", out)
+    return int(found.group(1)) if found else None
+
+
+def nvcc_flags(home=None):
+    """Flags for the CUDA sources. From CUDA 13 on, `nvcc13_flags` too: the fatbin compressed for
+    size (the CUDA library a fifth as large). nvcc before 12.8 lacks the option, and a 12.x build
+    compressed so would need a newer driver (550+) than its torch does; CUDA 13 needs 580+."""
+    major = nvcc_major(home)
+    extra = DESCRIPTION["nvcc13_flags"] if major is not None and major >= 13 else []
+    return DESCRIPTION["nvcc_flags"] + extra + _defines()
 
 
 def include_dirs():

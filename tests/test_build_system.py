@@ -301,6 +301,34 @@ def test_a_valid_cuda_home_is_kept(toolkits, monkeypatch, capsys):
     assert os.environ["CUDA_HOME"] == good and capsys.readouterr().err == ""
 
 
+# ---- nvcc flags per toolkit version -------------------------------------------------------------
+
+@pytest.mark.parametrize("release, compressed", [
+    ("Cuda compilation tools, release 12.6, V12.6.77", False),
+    ("Cuda compilation tools, release 13.0, V13.0.88", True),
+    ("Cuda compilation tools, release 14.1, V14.1.2", True),
+    ("no version line", False),
+])
+def test_fatbin_compressed_for_size_from_cuda_13(tmp_path, release, compressed):
+    # --compress-mode is unknown to nvcc before 12.8, and a 12.x build compressed for size would
+    # need a newer driver than its torch does: only CUDA 13 toolkits get nvcc13_flags.
+    home = tmp_path / "cuda"
+    (home / "bin").mkdir(parents=True)
+    nvcc = home / "bin" / "nvcc"
+    nvcc.write_text(f"#!/bin/sh\necho 'nvcc: NVIDIA (R) Cuda compiler driver'\necho '{release}'\n")
+    nvcc.chmod(0o755)
+    flags = build_config.nvcc_flags(str(home))
+    extra = build_config.DESCRIPTION["nvcc13_flags"]
+    assert extra == ["-Xfatbin=-compress-all", "--compress-mode=size"]
+    assert all(f in flags for f in extra) == compressed
+    assert flags[:len(build_config.DESCRIPTION["nvcc_flags"])] == build_config.DESCRIPTION["nvcc_flags"]
+
+
+def test_nvcc_flags_without_a_toolkit(tmp_path):
+    assert build_config.nvcc_major(str(tmp_path)) is None
+    assert "--compress-mode=size" not in build_config.nvcc_flags(str(tmp_path))
+
+
 # ---- license and build requirements --------------------------------------------------------------
 
 def pyproject():
