@@ -181,6 +181,11 @@ def drop_in_cases():
                        (x, ang[0].cos(), ang[0].sin()), None),
         "transformer_engine": (lambda t, f: transformer_engine.apply_rotary_pos_emb(t, f),
                                (x.transpose(0, 1), torch.randn(5, 1, 1, 8, dtype=F64)), None),
+        # TE's own table holds each angle twice; a tangent on it need not (one pass would drop
+        # the second member's)
+        "transformer_engine, its table": (
+            lambda t, f: transformer_engine.apply_rotary_pos_emb(t, f),
+            (x.transpose(0, 1), transformer_engine.RotaryPositionEmbedding(8)(5).to(F64)), None),
         "llama": (lambda a, b: llama.apply_rotary_emb(a, b, freqs_cis), (x, x.flip(1)), None),
         "diffusers": (lambda a, c, s: diffusers.apply_rotary_emb(a, (c, s)),
                       (q, pairs.cos(), pairs.sin()),
@@ -189,7 +194,8 @@ def drop_in_cases():
 
 
 @pytest.mark.parametrize("case", ["transformers, q and k", "transformers, tables", "flash_attn",
-                                  "transformer_engine", "llama", "diffusers"])
+                                  "transformer_engine", "transformer_engine, its table", "llama",
+                                  "diffusers"])
 def test_jvp_through_the_drop_ins(case):
     if case == "diffusers":
         pytest.importorskip("diffusers")

@@ -4,15 +4,15 @@ pair turns by its own entry and the second by its own, and nothing says the two 
 rope.apply reads one (cos, sin) per pair. When both members of every pair hold the same angle (as
 every table the peers build does), one pass over x with that angle is exact. Otherwise two passes,
 each exact for one member of every pair, give the same values and gradients as the per-element
-formula; so do they whenever the angles themselves need a gradient (each member's angle gets its
-own). Which case a call is takes one comparison of the angles' two halves, the rows the call
-reads: values can change without a version bump, so nothing is remembered. Under torch.compile
-the comparison runs in the graph and torch.cond picks the path.
+formula; so do they whenever the angles themselves need a derivative, a gradient or a forward-AD
+tangent (each member's angle gets its own). Which case a call is takes one comparison of the
+angles' two halves, the rows the call reads: values can change without a version bump, so nothing
+is remembered. Under torch.compile the comparison runs in the graph and torch.cond picks the path.
 """
 
 import torch
 
-from ._layout import float32_table, join_members, pair_members
+from ._layout import derivative_wanted, float32_table, join_members, pair_members
 
 from .._call import ops  # noqa: E402  (torch.ops.rope, without autograd where none is needed)
 
@@ -60,7 +60,7 @@ def rotate(x, angles, interleaved):
     (pairs (2i, 2i+1) if interleaved, else (i, i + rotary_dim/2)); the dims past rotary_dim pass
     through. Returns a new tensor in x's dtype, computed in float32 (float64 for float64 x).
     Differentiable w.r.t. x and the angles."""
-    if torch.is_grad_enabled() and angles.requires_grad:
+    if derivative_wanted(angles):  # each member's angle its own derivative, tangents included
         return _two_passes(x, angles, interleaved)
     if torch.compiler.is_compiling():
         first, second = pair_members(angles, interleaved)
