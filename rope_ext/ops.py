@@ -131,7 +131,14 @@ def varlen_positions(cu_seqlens, total_tokens, seqlen_offsets=0, *, dtype=torch.
     integer tensor (B,)). Tokens outside every sequence (before cu_seqlens[0] or from
     cu_seqlens[-1] on) get position -1, which every op rejects. dtype: int64, or int32 where
     every position fits it (checked: on CPU a ValueError, elsewhere a device-side assert). No
-    host-device sync, so it runs under torch.compile and CUDA graphs."""
+    host-device sync, so it runs under torch.compile and CUDA graphs. cu_seqlens must be
+    non-decreasing, from >= 0 up to <= total_tokens (checked likewise)."""
+    return sequence_positions(cu_seqlens, total_tokens, seqlen_offsets, dtype)
+
+
+def sequence_positions(cu_seqlens, total_tokens, seqlen_offsets, dtype=torch.int64,
+                       names=("cu_seqlens", "total_tokens")):
+    """varlen_positions, its bounds' error naming the caller's arguments (a drop-in's)."""
     if (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1
             or cu_seqlens.dtype not in (torch.int32, torch.int64)):
         got = (f"{cu_seqlens.dtype} of shape {list(cu_seqlens.shape)}" if isinstance(cu_seqlens, torch.Tensor)
@@ -150,6 +157,7 @@ def varlen_positions(cu_seqlens, total_tokens, seqlen_offsets=0, *, dtype=torch.
         if not -2**63 <= seqlen_offsets < 2**63:
             raise ValueError(f"seqlen_offsets must fit int64, got {seqlen_offsets}")
     starts = cu_seqlens.long()
+    _check_bounds(starts, total_tokens, names)
     token, seq = token_sequences(starts, total_tokens)
     pos = token - starts[seq]
     if isinstance(seqlen_offsets, torch.Tensor):
@@ -170,6 +178,31 @@ def token_sequences(starts, total_tokens):
     token = torch.arange(total_tokens, device=starts.device, dtype=torch.int64)
     seq = torch.searchsorted(starts[1:], token, right=True).clamp_max(max(starts.numel() - 2, 0))
     return token, seq
+
+
+def _check_bounds(starts, total_tokens, names):
+    """Sequences laid end to end inside the batch: 0 <= cu_seqlens[0] <= ... <= cu_seqlens[-1] <=
+    total_tokens (else positions of overlapping sequences, or of tokens the batch lacks)."""
+    cu, total = names
+    rule = f"{cu} must be non-decreasing, from >= 0 up to <= {total} = {total_tokens}"
+    if starts.device.type != "cpu" or torch.compiler.is_compiling():  # no sync: a device assert
+        torch._assert_async(_bounds_hold(starts, total_tokens), rule)
+        return
+    if starts.numel() <= 64:  # the usual few sequences: a list is ten times quicker than tensor ops
+        v = starts.tolist()
+        ok = v[0] >= 0 and v[-1] <= total_tokens and v == sorted(v)
+    else:
+        ok = bool(_bounds_hold(starts, total_tokens))
+    if not ok:
+        v = starts.tolist()
+        i = next((i for i in range(len(v) - 1) if v[i + 1] < v[i]), None)
+        bad = (f"{cu}[{i + 1}] = {v[i + 1]} < {cu}[{i}] = {v[i]}" if i is not None else
+               f"{cu}[0] = {v[0]}" if v[0] < 0 else f"{cu}[-1] = {v[-1]}")
+        raise ValueError(f"{rule}, got {bad}")
+
+
+def _bounds_hold(starts, total_tokens):
+    return (starts[0] >= 0) & (starts[-1] <= total_tokens) & (starts[1:] >= starts[:-1]).all()
 
 
 def _check_int32(pos):

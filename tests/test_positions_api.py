@@ -1,6 +1,8 @@
 """Positions for every layout: packed variable-length sequences (varlen_positions), flat q/k with
 an explicit head_size, and the out-of-place positions op, against an independent float64 oracle."""
 
+import re
+
 import pytest
 import torch
 
@@ -33,6 +35,39 @@ def test_varlen_positions_rejects_bad_arguments():
         rope_ext.varlen_positions(torch.tensor([[0, 1]]), 1)
     with pytest.raises(ValueError, match=r"seqlen_offsets must be an int or an int32/int64 tensor of shape \(2,\)"):
         rope_ext.varlen_positions(torch.tensor([0, 1, 2]), 2, torch.tensor([1, 2, 3]))
+
+
+@pytest.mark.parametrize("cu, bad", [
+    ([0, 4, 2, 5], "cu_seqlens[2] = 2 < cu_seqlens[1] = 4"),  # overlapping sequences
+    ([-1, 2, 5], "cu_seqlens[0] = -1"),                       # a sequence starts before the batch
+    ([0, 3, 9], "cu_seqlens[-1] = 9"),                        # ... or ends past it
+])
+@pytest.mark.parametrize("many", [False, True])  # a few sequences (a list check), many (tensor ops)
+def test_varlen_positions_refuses_sequences_out_of_order_or_outside_the_batch(cu, bad, many):
+    if many:  # the same fault after 100 well-formed empty sequences
+        cu = [0] * 100 + cu if cu[0] >= 0 else cu + [cu[-1]] * 100
+        bad = re.sub(r"\[(\d+)\]", lambda m: f"[{int(m.group(1)) + 100}]", bad) if cu[0] >= 0 else bad
+    for dtype in (torch.int32, torch.int64):
+        with pytest.raises(ValueError, match=re.escape(
+                f"cu_seqlens must be non-decreasing, from >= 0 up to <= total_tokens = 5, got {bad}")):
+            rope_ext.varlen_positions(torch.tensor(cu, dtype=dtype), 5)
+    assert rope_ext.varlen_positions(torch.tensor([0, 0, 5, 5]), 5).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_drop_ins_name_their_own_sequence_bounds():
+    from rope_ext.compat import flash_attn, flashinfer
+    cu = torch.tensor([0, 4, 2, 5], dtype=torch.int32)
+    cos, sin = rope_ext.cos_sin_cache(16, 8).chunk(2, dim=-1)
+    x = torch.randn(5, 2, 8)
+    with pytest.raises(ValueError, match=re.escape("cu_seqlens must be non-decreasing, from >= 0 "
+                                                   "up to <= x.size(0) = 5, got cu_seqlens[2] = 2")):
+        flash_attn.apply_rotary_emb(x, cos, sin, cu_seqlens=cu, max_seqlen=4)
+    q, k = torch.randn(5, 2, 8), torch.randn(5, 1, 8)
+    q0, k0 = q.clone(), k.clone()
+    with pytest.raises(ValueError, match=re.escape("indptr must be non-decreasing, from >= 0 up to "
+                                                   "<= q.size(0) = 5, got indptr[-1] = 9")):
+        flashinfer.apply_rope_inplace(q, k, torch.tensor([0, 3, 9]), torch.zeros(2, dtype=torch.int64))
+    assert torch.equal(q, q0) and torch.equal(k, k0)
 
 
 def test_packed_sequences_rotate_each_from_its_offset_and_padding_is_refused():

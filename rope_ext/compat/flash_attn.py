@@ -18,7 +18,7 @@ import torch
 
 from .._checks import FLOAT_DTYPES
 from .._registrations import check_not_inference
-from ..ops import varlen_positions
+from ..ops import sequence_positions
 from ._layout import check_int, float32_table, rotate_pairs
 
 from .._call import ops  # noqa: E402  (torch.ops.rope, without autograd where none is needed)
@@ -139,9 +139,10 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
                              f"got {list(x.shape)}")
         if max_seqlen is None:
             raise ValueError("If cu_seqlens is passed in, then max_seqlen must be passed")
-        if cu_seqlens.dim() == 1:  # else varlen_positions names the problem
+        if cu_seqlens.dim() == 1:  # else sequence_positions names the problem
             seqlen_offsets = _offsets(seqlen_offsets, cu_seqlens.shape[0] - 1)
-        positions = varlen_positions(cu_seqlens, x.shape[0], seqlen_offsets)
+        positions = sequence_positions(cu_seqlens, x.shape[0], seqlen_offsets,
+                                       names=("cu_seqlens", "x.size(0)"))
         out = ops.apply_positions(x, positions, cos, sin, interleaved, False, None, False)
     if inplace:
         x.copy_(out)

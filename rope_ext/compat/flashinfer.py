@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from ..ops import apply_rope as _rotated, apply_rope_at, varlen_positions  # FlashInfer has its own apply_rope
+from ..ops import apply_rope as _rotated, apply_rope_at, sequence_positions  # FlashInfer has its own apply_rope
 from .._call import ops
 from ..ops import apply_rope_
 from ._layout import check_cache_views, check_index_tensor, uncached_when_compiling
@@ -88,7 +88,7 @@ def _indptr_positions(q, indptr, offsets):
         raise ValueError(f"indptr must have shape (batch_size + 1,), got {list(indptr.shape)}")
     check_index_tensor(offsets, "offsets", (indptr.shape[0] - 1,))
     nnz = q.shape[0]
-    positions = varlen_positions(indptr, nnz, offsets)
+    positions = sequence_positions(indptr, nnz, offsets, names=("indptr", "q.size(0)"))
     token = torch.arange(nnz, device=q.device)
     return positions, (token >= indptr[0]) & (token < indptr[-1])
 
