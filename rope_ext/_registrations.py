@@ -254,19 +254,47 @@ _AFTER_AD_INPLACE = torch._C._after_ADInplaceOrView_keyset
 def _below_autograd(op, keyset, written, *args, **kwargs):
     """The ADInplaceOrView work (inference-tensor error, version bump), then the backend kernel.
     Also the no-grad path of a mutable op's Autograd kernel, which does that work itself and
-    skips the ADInplaceOrView key: one Python call instead of two on the hot path."""
+    skips the ADInplaceOrView key: one Python call instead of two on the hot path. Both come
+    before the kernel, as in the native call path (csrc/ops/router.cpp says why)."""
     check_not_inference(*written)
     torch._C._increment_version([t for t in written if t is not None])
     return op.redispatch(keyset & _AFTER_AD_INPLACE, *args, **kwargs)
 
 
+_creation_meta = getattr(torch._C._autograd, "_get_creation_meta", None)
+_META_SOURCE = torch.empty((), device="meta")
+
+
+def check_inplace_rules(t, table_grad):
+    """torch's in-place rules for t under autograd (a leaf that requires grad, a view of one, a
+    view from split/unbind, no_grad or inference mode), raised with torch's own errors, recording
+    and writing nothing. Where a rule may apply, a copy_ into t from a meta tensor runs torch's
+    check (check_inplace) and then fails in its kernel, before anything is written."""
+    if not (t.is_leaf and t.requires_grad) and not (t._is_view() and (
+            _creation_meta is None or _creation_meta(t) != torch._C._autograd.CreationMeta.DEFAULT
+            or (t.requires_grad and t._base.is_leaf))):
+        return  # the common case: none applies (and a try/except costs microseconds)
+    source = _META_SOURCE.expand(t.shape)
+    try:
+        t.copy_(source.requires_grad_() if table_grad else source)
+    except NotImplementedError:  # meta tensors hold no data: torch's rules passed
+        pass
+
+
+def check_savable(*saved):
+    """torch's error for an inference tensor saved for backward, before anything is recorded."""
+    for t in saved:
+        if t.is_inference() and not torch.is_inference_mode_enabled():
+            torch.zeros((), requires_grad=True) * t  # raises torch's own error
+
+
 def _rotate_each(op, keyset, query, key, positions, cos_sin_cache, interleaved, section, mi,
                  offset=0, inverse=False):
-    """The in-place rotation under autograd: the whole call checked, each tensor recorded (torch's
-    in-place errors raised before anything is written), then one kernel call for both."""
+    """The in-place rotation under autograd: the whole call checked, torch's in-place rules
+    included, one kernel call for both tensors, then each recorded. A refused call (by torch's
+    rules on either tensor, or by the kernel's checks) records, writes and bumps nothing."""
     # Memory checks only on plain tensors: a tensor subclass (DTensor) is checked where its op
-    # runs on the local shards. Positions are range-checked by the op on query, before anything
-    # is written.
+    # runs on the local shards.
     memory = type(query) is torch.Tensor
     if section is None:
         _checks.check_apply_inplace(query, key, positions, cos_sin_cache, memory=memory,
@@ -275,21 +303,32 @@ def _rotate_each(op, keyset, query, key, positions, cos_sin_cache, interleaved, 
         _checks.check_mrope(query, key, positions, cos_sin_cache, section, memory=memory,
                             rope_dim_offset=offset)
     check_not_inference(query, key)
+    written = [t for t in (query, key) if t is not None]
+    table_grad = cos_sin_cache.requires_grad
     # Positions that share memory with query or key would change under the rotation; the
     # backward reads them again. A tensor subclass (a traced FakeTensor, a DTensor) shows no
     # memory to compare: its positions are copied (a few integers per token).
     positions = (_checks.positions_read_once(positions, (query, key)) if memory else
                  positions.clone())
-    table_grad = cos_sin_cache.requires_grad
-    for t in (query, key):
-        if t is not None:
-            _RotateInPlace.apply(t, t.clone() if table_grad else None, positions, cos_sin_cache,
-                                 interleaved, section, mi, offset, inverse)
+    inputs = [t.clone() if table_grad else None for t in written]  # the table's gradient reads them
+
+    def record():  # mark_dirty: torch's rules checked, the history rebased, the version moved
+        for t, t_input in zip(written, inputs):
+            _RotateInPlace.apply(t, t_input, positions, cos_sin_cache, interleaved, section, mi,
+                                 offset, inverse)
+
+    if memory:
+        for t in written:
+            check_inplace_rules(t, table_grad)
+        check_savable(positions, cos_sin_cache)
+    else:  # a tensor subclass: its rules are checked as it is recorded, before the write
+        record()
     args = (query, key, positions, cos_sin_cache)
     args += (interleaved,) if section is None else (section, interleaved, mi)
-    args += (offset, inverse)
     with torch._C._AutoDispatchBelowAutograd():
-        _below_autograd(op, keyset, (query, key), *args)
+        op.redispatch(keyset & _AFTER_AD_INPLACE, *args, offset, inverse)
+    if memory:
+        record()
 
 
 def _autograd_apply_(keyset, query, key, positions, cos_sin_cache, interleaved=False,

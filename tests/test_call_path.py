@@ -2,6 +2,7 @@
 (no_grad, inference_mode), torch's in-place bookkeeping kept there, and under autograd
 torch's in-place errors raised before any tensor of the call is written, on every entry point."""
 
+import re
 import sys
 
 import pytest
@@ -117,24 +118,79 @@ ENTRIES = {
 }
 
 
+def _state(*tensors):
+    """What a refused call must leave as it was: values, versions and autograd histories."""
+    return [(t.detach().clone(), t._version, t.grad_fn) for t in tensors]
+
+
+def _same_state(before, *tensors):
+    return all(torch.equal(t.detach(), v) and t._version == n and t.grad_fn is g
+               for t, (v, n, g) in zip(tensors, before))
+
+
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_refused_in_place_call_writes_nothing(entry):
     pos = torch.tensor([3, 0, 9, 63])
     for name, q, k, message in _targets():
-        before = (q.detach().clone(), k.detach().clone())
+        before = _state(q, k)
         with pytest.raises(RuntimeError, match=message):
             ENTRIES[entry](q, k, pos)
-        assert torch.equal(q.detach(), before[0]) and torch.equal(k.detach(), before[1]), name
+        # the tensor torch accepts is not recorded either: its gradient stays the identity
+        assert _same_state(before, q, k), name
 
 
-@pytest.mark.parametrize("case", range(len(_targets())))
-def test_refused_single_tensor_writes_nothing(case):
-    name, q, k, message = _targets()[case]
-    bad = q if name == "leaf query" else k
-    before = bad.detach().clone()
+@pytest.mark.parametrize("entry", ["apply_rope_", "apply_mrope_", "ops.apply_", "ops.mrope_"])
+@pytest.mark.parametrize("fault", ["position out of range", "inference table",
+                                   "inference positions", "no_grad view", "leaf key"])
+def test_refused_call_under_autograd_leaves_history_and_gradient(entry, fault):
+    w = torch.randn(4, 2, 16, requires_grad=True)
+    q, k = w * 1.0, torch.randn(4, 1, 16)
+    pos, table = torch.tensor([3, 0, 9, 63]), CACHE
+    message = None
+    if fault == "position out of range":
+        pos = torch.tensor([3, 0, 64, 1])
+        message = r"positions must lie in \[0, 64\)"
+    elif fault == "inference table":
+        with torch.inference_mode():
+            table = CACHE.clone()
+    elif fault == "inference positions":
+        with torch.inference_mode():
+            pos = pos.clone()
+    elif fault == "no_grad view":
+        with torch.no_grad():
+            q = q[:, :2]  # a view of w * 1.0, made in no_grad: torch refuses to write it
+    else:
+        k = torch.randn(4, 1, 16, requires_grad=True)
+    if message is None:  # torch's own words for the same fault on its own in-place op
+        with pytest.raises(RuntimeError) as torch_error:
+            (k if fault == "leaf key" else q).mul_(table[:4, None, :16] if "table" in fault else
+                                                   pos[:, None, None] if "positions" in fault else 2)
+        message = re.escape(str(torch_error.value).split("\n")[0])
+    before = _state(q, k)
+    calls = {
+        "apply_rope_": lambda: rope_ext.apply_rope_(q, k, pos, table),
+        "apply_mrope_": lambda: rope_ext.apply_mrope_(q, k, pos.expand(3, 4), table, [4, 2, 2]),
+        "ops.apply_": lambda: OPS.apply_(q, k, pos, table),
+        "ops.mrope_": lambda: OPS.mrope_(q, k, pos.expand(3, 4), table, [4, 2, 2]),
+    }
     with pytest.raises(RuntimeError, match=message):
-        rope_ext.apply_rope_(bad, None, torch.arange(4), CACHE)
-    assert torch.equal(bad.detach(), before), name
+        calls[entry]()
+    assert _same_state(before, q, k)
+    grad = torch.randn(4, 2, 16)
+    (q._base if fault == "no_grad view" else q).backward(grad)
+    assert torch.equal(w.grad, grad)  # q = w * 1: the identity, not a rotation
+
+
+@pytest.mark.parametrize("entry", ["apply_rope_", "apply_mrope_"])
+def test_versions_move_once_under_autograd_and_not_for_a_refused_call(entry):
+    q = torch.randn(4, 2, 16, requires_grad=True) * 1.0
+    k = torch.randn(4, 1, 16, requires_grad=True) * 1.0
+    call = ENTRIES[entry]
+    with pytest.raises(RuntimeError, match="positions must lie in"):
+        call(q, k, torch.tensor([3, 0, 64, 1]))
+    assert (q._version, k._version) == (0, 0)
+    call(q, k, torch.tensor([3, 0, 9, 63]))
+    assert (q._version, k._version) == (1, 1)  # as torch's q.mul_(c); k.mul_(c)
 
 
 def test_flash_attn_one_pass_in_place_refuses_a_leaf_before_writing():

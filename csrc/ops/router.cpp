@@ -37,15 +37,31 @@ using torch::stable::detail::to;
   throw std::runtime_error(msg);
 }
 
-// Calls rope/aten op `qualified` ("ns::name.overload") on a boxed stack it consumes.
-void call_op(const std::string& qualified, StableIValue* stack) {
-  const auto dot = qualified.find('.');
-  const std::string name = qualified.substr(0, dot);
-  const std::string overload = dot == std::string::npos ? "" : qualified.substr(dot + 1);
-  if (torch_call_dispatcher(name.c_str(), overload.c_str(), stack, TORCH_ABI_VERSION) !=
-      TORCH_SUCCESS) {
-    rethrow_dispatch_error(qualified);
+// Calls op `name` ("ns::name"), overload `overload` ("" for the default) on a boxed stack it
+// consumes.
+void call_op(const char* name, const char* overload, StableIValue* stack) {
+  if (torch_call_dispatcher(name, overload, stack, TORCH_ABI_VERSION) != TORCH_SUCCESS) {
+    rethrow_dispatch_error(*overload ? std::string(name) + "." + overload : std::string(name));
   }
+}
+
+// An op's name and overload ("rope::_impl_apply", "out"), as the dispatcher takes them.
+struct OpName {
+  std::string name, overload;
+};
+
+OpName twin_op(const char* prefix, int op) {
+  const std::string full = "rope::" + twin_name(prefix, op);
+  const auto dot = full.find('.');
+  return {full.substr(0, dot), dot == std::string::npos ? "" : full.substr(dot + 1)};
+}
+
+// Calls op R's kernel-only ("_impl_") or autograd ("_grad_") twin: its name split once.
+template <int R>
+void call_twin(bool grad, StableIValue* stack) {
+  static const OpName impl = twin_op("_impl_", R), with_grad = twin_op("_grad_", R);
+  const OpName& twin = grad ? with_grad : impl;
+  call_op(twin.name.c_str(), twin.overload.c_str(), stack);
 }
 
 // A borrowed look at a written argument on the stack: (Tensor) holds the handle, (Tensor?) a
@@ -57,15 +73,21 @@ AtenTensorHandle borrowed(const StableIValue* stack, const Written& w) {
   return p == nullptr ? nullptr : to<AtenTensorHandle>(*p);
 }
 
-// torch's in-place bookkeeping for a written tensor, through aten::set_(t, t): the version
-// counter (shared with every view of its storage) moves, and an inference tensor outside
-// inference mode is refused with torch's own error, before anything is written.
-void bump_version(AtenTensorHandle t) {
+// A new reference to t, for a boxed call that consumes it.
+torch::stable::Tensor new_reference(AtenTensorHandle t) {
   AtenTensorHandle handle = nullptr;
   STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_new_tensor_handle(t, &handle));
-  const torch::stable::Tensor tensor(handle);
+  return torch::stable::Tensor(handle);
+}
+
+// torch's in-place bookkeeping for a written tensor, through aten::set_(t, t): the version
+// counter (shared with every view of its storage) moves, and an inference tensor outside
+// inference mode is refused with torch's own error, before anything is written. (torch's own
+// ops move it after their kernel, and so write an inference tensor before refusing it; the
+// stable ABI has no cheaper test of one. So a call the kernel refuses has moved the versions.)
+void bump_version(const torch::stable::Tensor& tensor) {
   StableIValue stack[2] = {from(tensor), from(tensor)};  // new references, consumed by the call
-  call_op("aten::set_.source_Tensor", stack);
+  call_op("aten::set_", "source_Tensor", stack);
   torch::stable::Tensor returned(to<AtenTensorHandle>(stack[0]));  // releases the alias
 }
 
@@ -82,13 +104,13 @@ void bump_and_run(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) 
   constexpr const OpSchema& op = kOps[R];
   check_tensors_given(R, stack);  // before the device of the first is read
   for (int i = 0; i < op.n_written; ++i) {
-    if (AtenTensorHandle t = borrowed(stack, op.written[i])) bump_version(t);
+    if (AtenTensorHandle t = borrowed(stack, op.written[i])) bump_version(new_reference(t));
   }
   const BoxedKernel cpu = routed_cpu_kernel(R);
   if (cpu != nullptr && on_cpu(to<AtenTensorHandle>(stack[0]))) {
     cpu(stack, num_args, num_outputs);
   } else {
-    call_op("rope::" + twin_name("_impl_", R), stack);
+    call_twin<R>(false, stack);
   }
 }
 
@@ -98,7 +120,7 @@ template <int R>
 void autograd_router(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
   check_tensors_given(R, stack);
   if (aoti_torch_grad_mode_is_enabled()) {
-    call_op("rope::" + twin_name("_grad_", R), stack);
+    call_twin<R>(true, stack);
   } else {
     bump_and_run<R>(stack, num_args, num_outputs);
   }
