@@ -171,7 +171,12 @@ if HF5:
         "hy_v3": causal_lm(T.HYV3Config(**BASE, head_dim=16)),
         "laguna": causal_lm(T.LagunaConfig(**BASE, head_dim=16)),
         "mellum": causal_lm(T.MellumConfig(**BASE, head_dim=16)),
-        "minimax_m3_vl_text": causal_lm(T.MiniMaxM3VLTextConfig(**BASE, head_dim=16)),
+        # a sparse layer's indexer rotates by a slice of the layer's table (index_head_dim <
+        # head_dim: the slice's halves differ), which transformers' code keeps serving
+        "minimax_m3_vl_text": causal_lm(T.MiniMaxM3VLTextConfig(
+            **BASE, head_dim=16, layer_types=["minimax_m3_sparse", "full_attention"],
+            index_n_heads=2, index_head_dim=8, index_block_size=2, index_topk_blocks=2,
+            index_local_blocks=1)),
         "lfm3": causal_lm(T.Lfm3Config(**BASE, head_dim=16, pad_token_id=0,
                                        layer_types=["sliding_attention", "full_attention"])),
     })

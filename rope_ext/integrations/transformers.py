@@ -24,9 +24,11 @@ patched. A family not listed in FAMILIES raises UnsupportedModelError (a ValueEr
 NotImplementedError).
 """
 
+import ast
 import dis
 import importlib
 import inspect
+import textwrap
 import threading
 import types
 
@@ -329,7 +331,32 @@ def _rope_calls(cls, modeling, functions):
     if code is None or getattr(fn, "__globals__", None) is not vars(modeling):
         return ()
     used = _code_names(code)
-    return tuple(sorted(n for n in functions if n in used and hasattr(modeling, n)))
+    called = {n for n in functions if n in used and hasattr(modeling, n)}
+    return tuple(sorted(called - _given_a_slice_of_the_table(fn, called)))
+
+
+_TABLES = ("cos", "sin")
+
+
+def _given_a_slice_of_the_table(fn, names):
+    """Those of `names` that fn's source calls with a slice of cos or sin, such as MiniMax-M3-VL's
+    indexer (`cos[..., :self.head_dim]`): the slice's two halves differ, where the replacements
+    read one half of a table that holds each angle twice. transformers' own code serves them."""
+    if not names:
+        return set()
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return set()
+    sliced = set()
+    for call in ast.walk(tree):
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in names:
+            for arg in (*call.args, *(k.value for k in call.keywords)):
+                if any(isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name)
+                       and n.value.id in _TABLES and isinstance(n.slice, (ast.Slice, ast.Tuple))
+                       for n in ast.walk(arg)):
+                    sliced.add(call.func.id)
+    return sliced
 
 
 # ---- the patched classes ----
