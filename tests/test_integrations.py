@@ -383,6 +383,33 @@ def test_patched_model_same_logits(family):
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_patch_inside_init_empty_weights(family, monkeypatch):
+    """Big-model loading builds the model with its parameters on meta (accelerate's and
+    transformers' init_empty_weights, which also catch the probe's new norm), patches, then loads
+    the weights: the QK-norm is fused, and the logits are transformers'."""
+    accelerate = pytest.importorskip("transformers.integrations.accelerate")
+    if not hasattr(accelerate, "init_empty_weights"):
+        pytest.skip("this transformers has no init_empty_weights")
+    monkeypatch.setattr(integration, "_verified", set())
+    monkeypatch.setattr(_qk_norm, "_norm_forms", {})  # the norm class probed afresh, inside
+    reference = build(family)
+    batches = inputs(family)
+    want, _ = logits(reference, batches)
+    with accelerate.init_empty_weights():
+        model = build(family)
+        integration.patch(model)
+    model = model.to_empty(device="cpu")
+    model.load_state_dict(reference.state_dict())
+    with torch.no_grad():  # non-persistent buffers (inv_freq) are not in the state dict
+        for b, rb in zip(model.buffers(), reference.buffers()):
+            b.copy_(rb)
+    got, _, calls = patched_calls(model.eval(), batches)
+    assert (calls["fused attention"] > 0) == (family in QK_NORM)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("default", ["bfloat16", "meta"])
 @pytest.mark.parametrize("family", ["llama", "qwen3", "olmo2"])
 def test_patch_whatever_torch_defaults_are(family, default, monkeypatch):

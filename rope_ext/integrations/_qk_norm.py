@@ -440,6 +440,11 @@ def _probe_norm(norm):
         # On the CPU in float32 whatever torch's defaults are (set_default_device/_dtype).
         with torch.device("cpu"):
             probe = type(norm)(8, eps=0.25).float()
+        if any(t.is_meta for t in (*probe.parameters(), *probe.buffers())):
+            # made inside init_empty_weights (accelerate's, transformers'), which puts new
+            # parameters on meta: given CPU memory (the weight is set below; a norm whose
+            # constructor sets other values then fails the probe and is not fused)
+            probe = probe.to_empty(device="cpu")
     except Exception:  # noqa: BLE001 - a constructor of another shape: not a norm we know
         return None
     if getattr(probe, attr, None) != 0.25 or getattr(probe, "weight", None) is None:
