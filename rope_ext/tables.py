@@ -31,6 +31,15 @@ def table_rows(length, inv_freq, attention=1.0, dtype=torch.float32, device=None
     return out
 
 
+TABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what the ops read
+
+
+def _check_table_dtype(dtype, fn):
+    if dtype not in TABLE_DTYPES:
+        raise ValueError(f"{fn}: dtype must be torch.float16, torch.bfloat16, torch.float32 or "
+                         f"torch.float64, got {dtype}")
+
+
 def _check_table_args(max_position, rotary_dim, base):
     check_int(max_position, "cos_sin_cache: max_position", 1)
     check_int(rotary_dim, "cos_sin_cache: rotary_dim", 1)
@@ -50,6 +59,7 @@ def cos_sin_cache(max_position, rotary_dim, *, base=10000.0, scaling=None, dtype
     seq_len: the sequence length the table serves, for `dynamic` and `longrope` (default
     max_position). One fixed table: RotaryEmbedding is what follows the length call by call."""
     _check_table_args(max_position, rotary_dim, base)
+    _check_table_dtype(dtype, "cos_sin_cache")
     if seq_len is not None:
         check_int(seq_len, "cos_sin_cache: seq_len", 1)
     inv_freq, attention = rope_parameters(scaling, rotary_dim, base, max_position, seq_len, device)
@@ -86,6 +96,7 @@ def multi_axis_cos_sin(positions, axes_dim, theta=10000.0, *, dtype=torch.float3
     rope_ext.apply_rope directly (a heads dim of size 1 to broadcast); diffusers' full-width
     (cos, sin) is each repeated per pair (repeat_interleave(2, -1))."""
     dims, thetas = _check_axes(positions, axes_dim, theta)
+    _check_table_dtype(dtype, "multi_axis_cos_sin")
     pos = positions.to(torch.float64)
     angles = []
     for a, (d, t) in enumerate(zip(dims, thetas)):

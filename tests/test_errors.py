@@ -130,6 +130,12 @@ def test_cos_sin_cache_rejects_bad_arguments():
         rope_ext.cos_sin_cache(0, 8)
     with pytest.raises(ValueError, match="base must be > 0"):
         rope_ext.cos_sin_cache(10, 8, base=-1.0)
+    for dtype in (torch.int32, torch.int64, torch.bool, torch.complex64, torch.float8_e4m3fn):
+        with pytest.raises(ValueError, match=f"cos_sin_cache: dtype must be torch.float16, "
+                                             f"torch.bfloat16, torch.float32 or torch.float64, got {dtype}"):
+            rope_ext.cos_sin_cache(10, 8, dtype=dtype)
+        with pytest.raises(ValueError, match="multi_axis_cos_sin: dtype must be"):
+            rope_ext.tables.multi_axis_cos_sin(torch.zeros(2, 1), [8], dtype=dtype)
 
 
 # Dtypes no op takes (the native library reads a tensor's dtype through a table of the ones it
