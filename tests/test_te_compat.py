@@ -273,6 +273,9 @@ def test_refuses_what_te_refuses(what, args, fragment):
     (dict(start_positions=torch.tensor([0.0, 1.0])), "start_positions must be an int32 or int64"),
     (dict(start_positions=torch.tensor([0, 1, 2])), "start_positions must have shape \\[2\\]"),
     (dict(start_positions=torch.tensor([-1, 0])), "start_positions must be >= 0"),
+    # past freqs, and so far past that start + seqlen wraps int64
+    (dict(start_positions=torch.tensor([9, 0])), "start_positions \\+ cp_size \\* seqlen must be <="),
+    (dict(start_positions=torch.tensor([2**63 - 2, 0])), "start_positions \\+ cp_size \\* seqlen must be <="),
 ])
 def test_refuses_bad_scalars_by_name(kwargs, fragment):
     t, freqs = _sbhd()

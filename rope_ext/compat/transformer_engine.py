@@ -145,7 +145,7 @@ def _dense_angles(t, freqs, seq_dim, start_positions, cp_size, cp_rank):
             rows_of_t = freqs[_rank_positions(local, seqlen, cp_size, cp_rank)]
         return rows_of_t[:, None, None] if seq_dim == 0 else rows_of_t[None, :, None]
     start = _check_starts(start_positions, batch, t.device)
-    check_values(start + seqlen * cp_size <= rows,
+    check_values(start <= rows - seqlen * cp_size,  # not start + ...: a huge start would wrap
                  f"start_positions + cp_size * seqlen must be <= freqs.size(0) = {rows} (every "
                  f"sequence's positions inside freqs), with seqlen = {seqlen}, cp_size = {cp_size}")
     local = torch.arange(seqlen, device=t.device)
@@ -172,7 +172,7 @@ def _packed_angles(t, freqs, cu_seqlens, start_positions, cp_size, cp_rank):
                      "(from cu_seqlens) must be even: the two chunks this rank holds")
     offsets = 0 if start_positions is None else _check_starts(start_positions, lengths.numel(),
                                                               t.device)
-    check_values(offsets + lengths * cp_size <= rows,
+    check_values(offsets <= rows - lengths * cp_size,  # no int64 wrap for a huge offset
                  f"freqs has {rows} positions (freqs.size(0)); a sequence needs start_positions "
                  "+ cp_size * (its length over cp_size)")
     token, seq = token_sequences(starts, total)
