@@ -41,6 +41,26 @@ def _fail(msg):
     raise RuntimeError(msg)
 
 
+# ---- sizes that may be traced ----
+# Under torch.compile and torch.export a size can be symbolic, and an unbacked one (tokens picked
+# by nonzero(), a length from .item(), mark_unbacked) cannot be compared while tracing. A check of
+# such a size is left to the kernel, which checks the real sizes when it runs.
+
+def decided(cond, default):
+    """cond, a bool or a traced SymBool; `default` where it depends on data (no guard)."""
+    if isinstance(cond, bool):
+        return cond
+    from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true
+    return guard_or_true(cond) if default else guard_or_false(cond)
+
+
+def differ(a, b):
+    """Sizes, or shapes, a and b known to differ."""
+    if isinstance(a, (tuple, list, torch.Size)):
+        return len(a) != len(b) or any(differ(x, y) for x, y in zip(a, b))
+    return decided(a != b, False)
+
+
 def _check_float(t, op, name):
     if t.dtype not in FLOAT_DTYPES:
         _fail(f"{op}: {name} must be float16, bfloat16, float32 or float64, got {dtype_name(t.dtype)}")
@@ -76,16 +96,16 @@ def _strided_dims_disjoint(dims, inner):
     offset the smaller-stride dims reach (sufficient, not necessary)."""
     extent = inner
     for size, stride in sorted(dims, key=lambda d: d[1]):
-        if size <= 1:
+        if decided(size <= 1, False):
             continue
-        if stride <= extent:
+        if decided(stride <= extent, False):
             return False
         extent += (size - 1) * stride
     return True
 
 
 def check_no_internal_overlap(t, op, name):
-    if t.numel() and not _strided_dims_disjoint(list(zip(t.shape, t.stride())), 0):
+    if differ(t.numel(), 0) and not _strided_dims_disjoint(list(zip(t.shape, t.stride())), 0):
         _fail(f"{op}: {name}: {INTERNAL_OVERLAP}")
 
 
@@ -185,7 +205,7 @@ def check_apply(x, cos, sin, op="rope.apply", x_name="x"):
     if cos.dtype != sin.dtype:
         _fail(f"{op}: cos and sin must have the same dtype, got cos {dtype_name(cos.dtype)} and "
               f"sin {dtype_name(sin.dtype)}")
-    if cos.shape != sin.shape:
+    if differ(cos.shape, sin.shape):
         _fail(f"{op}: cos and sin must have the same shape, got cos {_shape(cos)} and sin {_shape(sin)}")
     if cos.dim() < 1:
         _fail(f"{op}: cos must have at least 1 dim (..., rotary_dim/2)")
@@ -203,7 +223,7 @@ def check_apply(x, cos, sin, op="rope.apply", x_name="x"):
     if half > head_dim // 2:
         _fail(f"{op}: rotary_dim = 2 * cos.size(-1) = {2 * half} must be <= head_dim = "
               f"{x_name}.size(-1) = {head_dim}")
-    if cos.dim() > 1 and not all(c == 1 or c == n for c, n in zip(cos.shape[:-1], x.shape[:-1])):
+    if cos.dim() > 1 and any(differ(c, 1) and differ(c, n) for c, n in zip(cos.shape[:-1], x.shape[:-1])):
         _fail(f"{op}: cos and sin of shape {_shape(cos)} must broadcast to {x_name}.shape[:-1] + "
               f"(rotary_dim/2,) for {x_name} of shape {_shape(x)}")
 
@@ -214,7 +234,7 @@ def check_apply_out(x, cos, sin, out, memory=True):
     _check_same_device(x, "x", out, op, "out")
     if out.dtype != x.dtype:
         _fail(f"{op}: out must have the dtype of x ({dtype_name(x.dtype)}), got {dtype_name(out.dtype)}")
-    if out.shape != x.shape:
+    if differ(out.shape, x.shape):
         _fail(f"{op}: out must have the shape of x {_shape(x)}, got {_shape(out)}")
     if not out.is_contiguous():
         _fail(f"{op}: out must be contiguous")
@@ -251,12 +271,14 @@ def check_positions_op(query, key, positions, pos_lead_dim0, cache=None, cos=Non
         if key.dtype != query.dtype:
             _fail(f"{op}: key must have the dtype of {q_name} ({dtype_name(query.dtype)}), got "
                   f"{dtype_name(key.dtype)}")
-        if key.dim() != query.dim() or key.shape[:nlead] != query.shape[:nlead] or key.shape[-1] != query.shape[-1]:
+        if (key.dim() != query.dim() or differ(key.shape[:nlead], query.shape[:nlead])
+                or key.shape[-1] != query.shape[-1]):
             _fail(f"{op}: key must have shape (..., num_kv_heads, head_dim) with the leading dims "
                   f"and head_dim of {q_name} {_shape(query)}, got {_shape(key)}")
     _check_same_device(query, q_name, positions, op, "positions")
     _check_positions_dtype(positions, op)
-    ok = positions.dim() == nlead + pos_lead_dim0 and positions.shape[pos_lead_dim0:] == query.shape[:nlead]
+    ok = (positions.dim() == nlead + pos_lead_dim0
+          and not differ(positions.shape[pos_lead_dim0:], query.shape[:nlead]))
     if pos_lead_dim0 == 0:
         if not ok:
             _fail(f"{op}: positions must have shape {q_name}.shape[:-2] ({q_name} is {_shape(query)}), "
@@ -275,7 +297,7 @@ def check_positions_op(query, key, positions, pos_lead_dim0, cache=None, cos=Non
         if cos.dtype != sin.dtype:
             _fail(f"{op}: cos and sin must have the same dtype, got cos {dtype_name(cos.dtype)} and "
                   f"sin {dtype_name(sin.dtype)}")
-        if cos.dim() != 2 or sin.dim() != 2 or cos.shape != sin.shape:
+        if cos.dim() != 2 or sin.dim() != 2 or differ(cos.shape, sin.shape):
             _fail(f"{op}: cos and sin must be tables of one shape (max_position, rotary_dim/2), got "
                   f"cos {_shape(cos)} and sin {_shape(sin)}")
         if cos.shape[1] > head_dim // 2:
@@ -373,7 +395,7 @@ def check_rope_and_cache(query, key, value, positions, cache, key_cache, value_c
     _check_same_device(query, "query", value, op, "value")
     if value.dtype != key.dtype:
         _fail(f"{op}: value must have the dtype of key ({dtype_name(key.dtype)}), got {dtype_name(value.dtype)}")
-    if value.dim() != 3 or value.shape[0] != tokens or value.shape[1] != kv_heads:
+    if value.dim() != 3 or differ(value.shape[0], tokens) or value.shape[1] != kv_heads:
         _fail(f"{op}: value must have shape (num_tokens, num_kv_heads, value_dim) = ({tokens}, "
               f"{kv_heads}, value_dim), got {_shape(value)}")
     value_dim = value.shape[2]
@@ -398,7 +420,7 @@ def check_rope_and_cache(query, key, value, positions, cache, key_cache, value_c
     _check_same_device(query, "query", slot_mapping, op, "slot_mapping")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         _fail(f"{op}: slot_mapping must be int32 or int64, got {dtype_name(slot_mapping.dtype)}")
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != tokens:
+    if slot_mapping.dim() != 1 or differ(slot_mapping.shape[0], tokens):
         _fail(f"{op}: slot_mapping must have shape (num_tokens,) = ({tokens},), got {_shape(slot_mapping)}")
     # Checked whenever given (vLLM passes them for every cache dtype), required for fp8 only.
     scales = (("k_scale", k_scale), ("v_scale", v_scale))

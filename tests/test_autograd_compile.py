@@ -169,6 +169,80 @@ def test_torch_compile_fullgraph_no_graph_break():
     assert torch.equal(qc, qe) and torch.equal(kc, ke) and not torch.equal(qc, q)
 
 
+def _unbacked_cases():
+    """name -> (f of a dict of inputs, the inputs whose dim 0, the tokens, is unbacked)."""
+    from rope_ext import qk_norm
+    from rope_ext.compat import flashinfer
+    ops = torch.ops.rope
+    cache = rope_ext.cos_sin_cache(64, 16)
+    cos, sin = cache[:, :8], cache[:, 8:]
+    w = torch.rand(16) + 0.5
+    fp8_table = torch.cat((cos[:, :4], sin[:, :4]), -1)
+    return {
+        "apply": (lambda a: ops.apply(a["q"], a["c"], a["s"]), ["q", "c", "s"]),
+        "apply_": (lambda a: (ops.apply_(a["q"], a["k"], a["pos"], cache), a["q"] * 1)[1],
+                   ["q", "k", "pos"]),
+        "mrope_": (lambda a: (ops.mrope_(a["q"], a["k"], a["pos"].expand(3, -1), cache, [4, 2, 2]),
+                              a["q"] * 1)[1], ["q", "k", "pos"]),
+        "apply_rope_at": (lambda a: rope_ext.apply_rope_at(a["q"], a["pos"], cache), ["q", "pos"]),
+        "apply_and_cache_": (lambda a: (ops.apply_and_cache_(
+            a["q"], a["k"], a["v"], a["pos"], cache, a["kc"], a["vc"], a["slots"]), a["kc"] * 1)[1],
+            ["q", "k", "v", "pos", "slots"]),
+        "qk_norm_rope_and_cache_": (lambda a: (rope_ext.qk_norm_rope_and_cache_(
+            a["q"], a["k"], a["v"], a["pos"], cache, w, w, a["kc"], a["vc"], a["slots"]),
+            a["q"] * 1)[1], ["q", "k", "v", "pos", "slots"]),
+        "qk_norm_rope": (lambda a: qk_norm.qk_norm_rope(a["q"], a["k"], w, w, a["c"], a["s"],
+                                                        table_width="half")[0], ["q", "k", "c", "s"]),
+        "rope_quantize_fp8": (lambda a: flashinfer.rope_quantize_fp8(
+            a["q"][..., :8], a["k"][..., :8], a["q"][..., 8:], a["k"][..., 8:], fp8_table,
+            a["pos"])[0].float(), ["q", "k", "pos"]),
+        "shift_kv_cache_": (lambda a: (rope_ext.shift_kv_cache_(a["kc"], a["slots"], -2, cache),
+                                       a["kc"] * 1)[1], ["slots"]),
+    }
+
+
+@pytest.mark.parametrize("name", list(_unbacked_cases()))
+def test_compile_with_a_data_dependent_token_count(name):
+    """Tokens whose count the trace cannot know (picked by nonzero(), a length from .item(),
+    mark_unbacked, as one graph for decode and prefill): the checks leave those sizes to the
+    kernel, which checks them when it runs; the compiled call is the eager one."""
+    f, unbacked = _unbacked_cases()[name]
+    cache = rope_ext.cos_sin_cache(64, 16)
+    pos = torch.randint(0, 64, (3,))
+
+    def inputs():
+        g = torch.Generator().manual_seed(0)
+        return dict(q=torch.randn(3, 4, 16, generator=g), k=torch.randn(3, 2, 16, generator=g),
+                    v=torch.randn(3, 2, 16, generator=g), pos=pos.clone(),
+                    kc=torch.randn(4, 4, 2, 16, generator=g), vc=torch.zeros(4, 4, 2, 16),
+                    slots=torch.tensor([0, 5, -1]), c=cache[pos, None, :8], s=cache[pos, None, 8:])
+
+    want = f(inputs())
+    torch._dynamo.reset()
+    a = inputs()
+    for n in unbacked:
+        torch._dynamo.decorators.mark_unbacked(a[n], 0)
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(a)
+    assert torch.equal(got, want)
+
+
+def test_export_of_tokens_picked_by_nonzero():
+    cache = rope_ext.cos_sin_cache(64, 16)
+
+    class Selected(torch.nn.Module):
+        def forward(self, q, k, mask):
+            idx = mask.nonzero()[:, 0]
+            qs, ks = q[idx], k[idx]
+            torch.ops.rope.apply_(qs, ks, idx, cache)
+            return qs, ks
+
+    q, k = torch.randn(10, 4, 16), torch.randn(10, 2, 16)
+    mask = torch.tensor([1, 0, 1, 1, 0, 0, 1, 1, 1, 0], dtype=torch.bool)
+    program = torch.export.export(Selected(), (q, k, mask))
+    for got, want in zip(program.module()(q, k, mask), Selected()(q, k, mask)):
+        assert torch.equal(got, want)
+
+
 def test_torch_compile_backward():
     torch._dynamo.reset()
     x = torch.randn(3, 8, 2, 16, requires_grad=True)

@@ -9,7 +9,7 @@ import torch
 
 from .._checks import (PARTIAL_OVERLAP, _check_same_device, _fail, _rows_disjoint, _shape,
                       check_disjoint_bytes, check_elements_disjoint, check_no_internal_overlap,
-                      dtype_name)
+                      differ, dtype_name)
 
 OP = "rope.quantize_fp8"
 PAGED_OP = "rope.quantize_fp8_append_paged_kv_cache"
@@ -26,7 +26,7 @@ def _check_index(t, op, name, ref):
 
 
 def _check_1d(t, op, name, n, what):
-    if t.dim() != 1 or (n is not None and t.shape[0] != n):
+    if t.dim() != 1 or (n is not None and differ(t.shape[0], n)):
         _fail(f"{op}: {name} must have shape {what}, got {_shape(t)}")
 
 
@@ -37,19 +37,19 @@ def check_inputs(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, op):
     if q_rope.dtype not in X_DTYPES:
         _fail(f"{op}: q_rope must be float16, bfloat16 or float32, got {dtype_name(q_rope.dtype)}")
     nnz, q_heads, rope_dim = q_rope.shape
-    if k_rope.dim() not in (2, 3) or k_rope.shape[0] != nnz or k_rope.shape[-1] != rope_dim:
+    if k_rope.dim() not in (2, 3) or differ(k_rope.shape[0], nnz) or k_rope.shape[-1] != rope_dim:
         _fail(f"{op}: k_rope must have shape (nnz, num_kv_heads, rope_dim) or, for MLA, (nnz, "
               f"rope_dim) with nnz = {nnz} and rope_dim = {rope_dim}, got {_shape(k_rope)}")
     if rope_dim % 2:
         _fail(f"{op}: rope_dim = q_rope.size(-1) must be even, got {rope_dim}")
     mla = k_rope.dim() == 2
     kv_heads = 1 if mla else k_rope.shape[1]
-    if q_nope.dim() != 3 or q_nope.shape[0] != nnz or q_nope.shape[1] != q_heads:
+    if q_nope.dim() != 3 or differ(q_nope.shape[0], nnz) or q_nope.shape[1] != q_heads:
         _fail(f"{op}: q_nope must have shape (nnz, num_qo_heads, no_rope_dim) = ({nnz}, {q_heads}, "
               f"no_rope_dim), got {_shape(q_nope)}")
     no_rope_dim = q_nope.shape[2]
     want = (nnz, no_rope_dim) if mla else (nnz, kv_heads, no_rope_dim)
-    if tuple(k_nope.shape) != want:
+    if differ(tuple(k_nope.shape), want):
         _fail(f"{op}: k_nope must have shape {list(want)} (k_rope's leading dims, q_nope's "
               f"no_rope_dim), got {_shape(k_nope)}")
     for name, t in (("k_rope", k_rope), ("q_nope", q_nope), ("k_nope", k_nope)):
@@ -79,7 +79,7 @@ def check_outputs(pairs, op, first_name):
             _fail(f"{op}: {name} must have the dtype of {first_name} ({dtype_name(first.dtype)}), "
                   f"got {dtype_name(out.dtype)}")
         _check_same_device(src, "q_rope", out, op, name)
-        if out.shape != src.shape:
+        if differ(out.shape, src.shape):
             _fail(f"{op}: {name} must have the shape of its input ({_shape(src)}), got {_shape(out)}")
     return first.dtype
 
