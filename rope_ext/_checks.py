@@ -466,6 +466,8 @@ def check_rope_and_cache(query, key, value, positions, cache, key_cache, value_c
                     check_disjoint_bytes(w, wname, s, name, op)
     elif value_written:
         check_no_internal_overlap(value, op, "value")
+    if decided(kc.shape[0] * kc.shape[1] >= 2**63, False):  # the kernels index slots in int64
+        _fail(f"{op}: key_cache has 2^63 slots or more")
     return fmt, section
 
 
@@ -488,7 +490,9 @@ def check_positions_in_range(positions, max_position, op, rows_name="cos_sin_cac
     if positions.numel() == 0:
         return
     view, steps = _footprint(positions)
-    bad = (view < 0) | (view >= max_position)
+    bad = view < 0
+    if max_position <= torch.iinfo(view.dtype).max:  # else no position reaches it (nor can wrap)
+        bad |= view >= max_position
     if bool(bad.any()):
         idx = bad.nonzero()[0].tolist()
         flat = sum(i * s for i, s in zip(idx, steps))
@@ -500,7 +504,8 @@ def check_positions_in_range(positions, max_position, op, rows_name="cos_sin_cac
 def check_slots_in_range(slot_mapping, slots, op="rope.apply_and_cache_"):
     if slot_mapping.numel() == 0:
         return
-    bad = slot_mapping >= slots
+    bad = (slot_mapping >= slots if slots <= torch.iinfo(slot_mapping.dtype).max else
+           torch.zeros_like(slot_mapping, dtype=torch.bool))  # no slot reaches it (nor wraps)
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         _fail(f"{op}: slot_mapping must lie below num_blocks * block_size = {slots} (negative: "

@@ -193,6 +193,24 @@ def test_huge_table_size_is_an_error_not_an_overflow(impl):
         call()
 
 
+@pytest.mark.parametrize("impl", ["op", "reference"])
+@pytest.mark.parametrize("blocks, block_size", [(2**62, 2), (2**61, 5), (2**62, 3)])
+def test_cache_of_2_63_slots_or_more_is_an_error(impl, blocks, block_size):
+    # slots are indexed in int64: num_blocks * block_size must stay below 2^63 (caches with no
+    # kv heads hold no memory); int32 and int64 slot_mapping alike, nothing written
+    q, k, v = torch.randn(2, 2, 8), torch.randn(2, 0, 8), torch.randn(2, 0, 8)
+    kc, vc = torch.empty(blocks, block_size, 0, 8), torch.empty(blocks, block_size, 0, 8)
+    q0 = q.clone()
+    for slots in (torch.tensor([0, 5]), torch.tensor([3, -1], dtype=torch.int32)):
+        args = (q, k, v, torch.tensor([1, 2]), rope_ext.cos_sin_cache(4, 8), kc, vc, slots)
+        call = (torch.ops.rope.apply_and_cache_ if impl == "op" else
+                rope_ext.reference.apply_and_cache_)
+        with pytest.raises(RuntimeError, match=r"rope.apply_and_cache_: key_cache has 2\^63 "
+                                               r"slots or more"):
+            call(*args)
+        assert torch.equal(q, q0)
+
+
 @pytest.mark.parametrize("impl", ["op", "reference", "cuda_host"])
 @pytest.mark.parametrize("section", [[2**63 - 1, 2**63 - 1, 10], [-1, 5, 4], [2, 3]])
 def test_mrope_section_that_overflows_is_an_error(impl, section):

@@ -1019,7 +1019,7 @@ inline CacheGeometry check_rope_and_cache(const CacheMetas& m, const Tensor& pos
 
   int64_t slots;
   ROPE_CHECK(mul_fits(kc.sizes[0], kc.sizes[1], slots), op,
-             ": key_cache has more than 2^63 slots");
+             ": key_cache has 2^63 slots or more");
   cg.kv_heads = kv_heads;
   cg.value_dim = value_dim;
   cg.slots = slots;
