@@ -194,6 +194,25 @@ def test_huge_table_size_is_an_error_not_an_overflow(impl):
 
 
 @pytest.mark.parametrize("impl", ["op", "reference"])
+def test_int32_indices_into_tables_and_caches_past_int32(impl):
+    # a bound past int32 is compared as it is, not wrapped to int32 (expanded table rows, caches
+    # with no kv heads: no memory)
+    table = rope_ext.cos_sin_cache(8, 8)[5:6].expand(2**31 + 1, 8)
+    pos = torch.tensor([7, 0, 6], dtype=torch.int32)
+    rotate = torch.ops.rope.apply_ if impl == "op" else rope_ext.reference.apply_rope_
+    want, got = torch.randn(3, 2, 8), None
+    got = want.clone()
+    rotate(want, None, pos.long(), table)
+    rotate(got, None, pos, table)
+    assert torch.equal(got, want)
+    kc, vc = torch.empty(2**31 + 8, 1, 0, 8), torch.empty(2**31 + 8, 1, 0, 8)
+    store = (torch.ops.rope.apply_and_cache_ if impl == "op" else
+             rope_ext.reference.apply_and_cache_)
+    store(torch.randn(3, 2, 8), torch.randn(3, 0, 8), torch.randn(3, 0, 8), pos.long(),
+          rope_ext.cos_sin_cache(8, 8), kc, vc, torch.tensor([5, -1, 0], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("impl", ["op", "reference"])
 @pytest.mark.parametrize("blocks, block_size", [(2**62, 2), (2**61, 5), (2**62, 3)])
 def test_cache_of_2_63_slots_or_more_is_an_error(impl, blocks, block_size):
     # slots are indexed in int64: num_blocks * block_size must stay below 2^63 (caches with no
