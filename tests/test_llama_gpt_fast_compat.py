@@ -79,6 +79,38 @@ def test_llama_odd_shapes_are_the_references():
         check(got, want, torch.float32)
 
 
+@pytest.mark.parametrize("positions", [None, "shared", "per batch"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_torchtitan_table_rows_and_positions(positions, dtype):
+    # torchtitan passes the model's whole table (its first seqlen rows serve), or positions
+    B, S = 3, 5
+    xq, xk = torch.randn(B, S, 4, 16, dtype=dtype), torch.randn(B, S, 2, 16, dtype=dtype)
+    fc = random_cis(40, 8)
+    pos = {None: None, "shared": torch.randint(0, 40, (1, S)),
+           "per batch": torch.randint(0, 40, (B, S))}[positions]
+    got = llama.apply_rotary_emb(xq, xk, fc, positions=pos)
+    want = ref.titan_apply_rotary_emb(xq.double(), xk.double(), fc.to(torch.complex128), pos)
+    check(got[0], want[0], dtype)
+    check(got[1], want[1], dtype)
+    # gradients w.r.t. the table reach the rows the positions read
+    table = fc.clone().requires_grad_()
+    llama.apply_rotary_emb(xq.float(), xk.float(), table, pos)[0].sum().backward()
+    peer_table = fc.clone().requires_grad_()
+    ref.titan_apply_rotary_emb(xq.float(), xk.float(), peer_table, pos)[0].sum().backward()
+    torch.testing.assert_close(table.grad, peer_table.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_torchtitan_positions_are_checked():
+    xq, fc = torch.randn(2, 5, 3, 8), random_cis(10, 4)
+    for pos, fragment in ((torch.zeros(2, 4, dtype=torch.int64), "positions must have shape"),
+                          (torch.zeros(3, 5, dtype=torch.int64), "positions must have shape"),
+                          (torch.zeros(1, 5), "positions must be an int32 or int64 tensor"),
+                          (torch.tensor([[0, 1, 2, 3, 10]]), r"positions must lie in \[0, "
+                                                             r"freqs_cis.size\(0\)\) = \[0, 10\)")):
+        with pytest.raises(ValueError, match=fragment):
+            llama.apply_rotary_emb(xq, xq, fc, pos)
+
+
 def test_llama_gradients_match_reference_autograd():
     B, S, HQ, HK, D = 2, 6, 4, 2, 16
     xq, xk, fc = torch.randn(B, S, HQ, D), torch.randn(B, S, HK, D), random_cis(S, D // 2)
@@ -233,7 +265,7 @@ def _q(d=8, s=5, h=3):
 # (what, the peer, ours, arguments, fragment of our error): inputs each peer refuses too.
 REFUSED = [
     ("llama: freqs_cis of another seqlen", ref.llama_apply_rotary_emb, llama.apply_rotary_emb,
-     lambda: (_q(), _q(), ref.llama_precompute_freqs_cis(8, 6)), "freqs_cis must have shape"),
+     lambda: (_q(), _q(), ref.llama_precompute_freqs_cis(8, 4)), "freqs_cis must have shape"),
     ("llama: freqs_cis of another width", ref.llama_apply_rotary_emb, llama.apply_rotary_emb,
      lambda: (_q(), _q(), ref.llama_precompute_freqs_cis(16, 5)), "freqs_cis must have shape"),
     ("llama: odd head_dim", ref.llama_apply_rotary_emb, llama.apply_rotary_emb,

@@ -229,6 +229,29 @@ def llama_apply_rotary_emb(xq, xk, freqs_cis):
     return rotate(xq), rotate(xk)
 
 
+# ---- torchtitan (models/llama3/model/model.py): the reference's multiply, with positions -------
+
+def titan_apply_rotary_emb(xq, xk, freqs_cis, positions=None):
+    """llama_apply_rotary_emb with torchtitan's table rows: the first seqlen of a longer table, or
+    those at positions (1, seqlen) (one row per token, shared by the batch) or (batch, seqlen)."""
+    seqlen, pairs = xq.shape[1], xq.shape[-1] // 2
+    if positions is None:
+        rows = freqs_cis[:seqlen][None]
+    else:
+        if positions.dim() != 2 or positions.shape[1] != seqlen or positions.shape[0] not in (1, xq.shape[0]):
+            raise ValueError(f"positions of shape {tuple(positions.shape)} does not fit xq")
+        rows = freqs_cis[positions]
+    if tuple(rows.shape[1:]) != (seqlen, pairs):
+        raise ValueError(f"freqs_cis of shape {tuple(freqs_cis.shape)} does not fit xq")
+
+    def rotate(x):
+        pairs_ = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        table = rows.reshape(rows.shape[0], seqlen, *[1] * (x.dim() - 3), pairs)
+        return torch.view_as_real(pairs_ * table).flatten(3).type_as(x)
+
+    return rotate(xq), rotate(xk)
+
+
 # ---- gpt-fast (model.py) -----------------------------------------------------------------------
 
 def gpt_fast_apply_rope_scaling(freqs, rope_scaling=None):
