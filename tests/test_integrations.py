@@ -939,6 +939,15 @@ def test_qk_norm_tables_of_every_layer():
     integration.unpatch(model)
 
 
+def test_a_forward_leaves_no_table_alive():
+    # the tables shared by the layers of one forward are let go with it (a long prefill's would
+    # otherwise stay until the next forward)
+    model = integration.patch(build("qwen3"))
+    with torch.no_grad():
+        model(**inputs("qwen3")[0])
+    assert _qk_norm._last_tables is None
+
+
 def test_olmo2_norms_over_all_heads_are_not_fused():
     model = build("olmo2")
     integration.patch(model)

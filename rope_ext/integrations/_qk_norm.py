@@ -26,6 +26,7 @@ import ast
 import inspect
 import textwrap
 import types
+import weakref
 
 import torch
 from torch.nn.modules import module as _module_hooks
@@ -485,26 +486,37 @@ def fusable_norms(module, one_tensor=False, norms=_NORMS):
     return one_tensor or forms[0] == forms[1]
 
 
-# The half-width tables of the last cos/sin converted: (cos, sin, unsqueeze_dim, half cos,
-# half sin). See _tables.
+# The half-width tables of the last cos/sin converted: (weak references to cos and sin,
+# unsqueeze_dim, half cos, half sin). See _tables.
 _last_tables = None
 
 
 def _tables(cos, sin, unsqueeze_dim):
-    """The op's half-width tables of transformers' cos/sin (which need no grad) for 4-dim q and
-    k (views: qk_norm.half_tables). transformers computes cos/sin once per forward and hands the
-    same two tensors to every layer, so the views made for the first layer are kept and reused
-    while the next ones get the same tensors (compared by identity; views read what the tables
-    hold now). Not while torch.compile traces."""
+    """The op's half-width tables of transformers' cos/sin for 4-dim q and k (views:
+    qk_norm.half_tables). transformers computes cos/sin once per forward and hands the same two
+    tensors to every layer, so the views made for the first layer are kept and reused while the
+    next ones get the same tensors (compared by identity; views read what the tables hold now).
+    The views are of detached aliases, and are let go when cos is freed (after the forward):
+    nothing keeps a forward's tables alive. Not while torch.compile traces, nor for tables that
+    require grad."""
     global _last_tables
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or cos.requires_grad or sin.requires_grad:
         return _api.half_tables(cos, sin, head_first=unsqueeze_dim == 1, ndim=4)
     last = _last_tables
-    if last is not None and last[0] is cos and last[1] is sin and last[2] == unsqueeze_dim:
+    if last is not None and last[0]() is cos and last[1]() is sin and last[2] == unsqueeze_dim:
         return last[3], last[4]
-    half_cos, half_sin = _api.half_tables(cos, sin, head_first=unsqueeze_dim == 1, ndim=4)
-    _last_tables = (cos, sin, unsqueeze_dim, half_cos, half_sin)
+    half_cos, half_sin = _api.half_tables(cos.detach(), sin.detach(),
+                                          head_first=unsqueeze_dim == 1, ndim=4)
+    _last_tables = (weakref.ref(cos), weakref.ref(sin), unsqueeze_dim, half_cos, half_sin)
+    weakref.finalize(cos, _forget_freed_tables)
     return half_cos, half_sin
+
+
+def _forget_freed_tables():
+    global _last_tables
+    last = _last_tables
+    if last is not None and last[0]() is None:
+        _last_tables = None
 
 
 def _submodule(module, name):
