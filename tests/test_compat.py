@@ -711,3 +711,25 @@ def test_sglang_errors_change_nothing():
         sglang.apply_rope_with_cos_sin_cache_inplace(torch.arange(4), query, key, 16, cos_sin_cache(8, 16),
                                                      True, arg)
     assert torch.equal(query, q0) and torch.equal(buf, torch.zeros(6, 16))
+    # the fused store's arguments named as SGLang names them
+    value, loc = torch.randn(4, 16), torch.tensor([0, 5, 2, -1])
+    for k_buffer, v_buffer, cache_loc, error, fragment in (
+            (buf, buf.clone(), torch.tensor([0, 1, 7, -1]), RuntimeError,
+             r"cache_loc must lie below k_buffer.size\(0\) = 6 \(negative: padding, skipped\), got 7"),
+            (buf, buf.clone(), torch.tensor([0, 1, 0, -1]), RuntimeError,
+             "cache_loc must not repeat a slot"),
+            (buf, buf.clone(), loc.float(), ValueError, "cache_loc must be an int32 or int64 tensor"),
+            (buf, buf.clone(), loc[:3], ValueError, r"cache_loc must have shape \[4\]"),
+            (torch.zeros(6, 32), torch.zeros(6, 32), loc, ValueError,
+             r"k_buffer must have shape .* with num_kv_heads = 1 \(key's\) and head_size = 16, "
+             r"got \[6, 32\]"),
+            (buf.bfloat16(), buf.bfloat16(), loc, ValueError,
+             r"k_buffer and v_buffer must have key's dtype \(torch.float32\) or a float8 one"),
+            (buf, torch.zeros(5, 16), loc, ValueError, "v_buffer must have k_buffer's num_slots = 6")):
+        arg = sglang.FusedSetKVBufferArg(value, k_buffer, v_buffer, None, None, cache_loc)
+        before = (k_buffer.clone(), v_buffer.clone())
+        with pytest.raises(error, match=fragment):
+            sglang.apply_rope_with_cos_sin_cache_inplace(torch.arange(4), query, key, 16,
+                                                         cos_sin_cache(8, 16), True, arg)
+        assert torch.equal(query, q0) and torch.equal(k_buffer, before[0])
+        assert torch.equal(v_buffer, before[1])

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from ..ops import apply_rope_, apply_rope_and_cache_
-from ._layout import check_cache_views, float32_scalar, heads
+from ._layout import check_cache_views, check_index_tensor, float32_scalar, heads
 
 _FP8 = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
@@ -30,18 +30,23 @@ class FusedSetKVBufferArg:
     cache_loc: torch.Tensor
 
 
-def _slots(buffer, head_size, name):
+def _slots(buffer, head_size, name, kv_heads):
     # SGLang's token-slot pool is a paged cache with one token per block: (num_slots, 1, H, D).
-    if buffer.dim() not in (2, 3):
+    pool = heads(buffer, head_size, name, 1) if buffer.dim() in (2, 3) else None
+    if pool is None or pool.shape[1] != kv_heads:
         raise ValueError(f"{name} must have shape (num_slots, num_kv_heads * head_size) or "
-                         f"(num_slots, num_kv_heads, head_size), got {list(buffer.shape)}")
-    return heads(buffer, head_size, name, 1).unsqueeze(1)
+                         f"(num_slots, num_kv_heads, head_size) with num_kv_heads = {kv_heads} (key's) "
+                         f"and head_size = {head_size}, got {list(buffer.shape)}")
+    return pool.unsqueeze(1)
 
 
 def _cache_format(arg, key):
     k_dtype, v_dtype = arg.k_buffer.dtype, arg.v_buffer.dtype
     if k_dtype != v_dtype:
         raise ValueError(f"k_buffer and v_buffer must have one dtype, got {k_dtype} and {v_dtype}")
+    if k_dtype != key.dtype and k_dtype not in _FP8:
+        raise ValueError(f"k_buffer and v_buffer must have key's dtype ({key.dtype}) or a float8 "
+                         f"one, got {k_dtype}")
     if k_dtype in _FP8:
         scale = lambda s: float32_scalar(1.0 if s is None else s, key.device)  # noqa: E731
         return _FP8[k_dtype], scale(arg.k_scale), scale(arg.v_scale)
@@ -73,11 +78,21 @@ def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_
         raise ValueError("fused_set_kv_buffer_arg needs key: the rotated key is what is stored")
     fmt, k_scale, v_scale = _cache_format(arg, key)
     value = heads(arg.value, head_size, "value", 1)
-    apply_rope_and_cache_(q, k, value, positions, cos_sin_cache,
-                          _slots(arg.k_buffer, head_size, "k_buffer"),
-                          _slots(arg.v_buffer, head_size, "v_buffer"), arg.cache_loc,
-                          interleaved=not is_neox, kv_cache_dtype=fmt, k_scale=k_scale,
-                          v_scale=v_scale)
+    check_index_tensor(arg.cache_loc, "cache_loc", (q.shape[0],))
+    k_pool = _slots(arg.k_buffer, head_size, "k_buffer", k.shape[1])
+    v_pool = _slots(arg.v_buffer, value.shape[-1], "v_buffer", k.shape[1])
+    if v_pool.shape[0] != k_pool.shape[0]:
+        raise ValueError(f"v_buffer must have k_buffer's num_slots = {k_pool.shape[0]}, got "
+                         f"{list(arg.v_buffer.shape)}")
+    try:
+        apply_rope_and_cache_(q, k, value, positions, cos_sin_cache, k_pool, v_pool,
+                              arg.cache_loc, interleaved=not is_neox, kv_cache_dtype=fmt,
+                              k_scale=k_scale, v_scale=v_scale)
+    except RuntimeError as e:  # the checks of cache_loc's values, in SGLang's names
+        if "slot_mapping" not in str(e):
+            raise
+        raise RuntimeError(str(e).replace("slot_mapping", "cache_loc").replace(
+            "num_blocks * block_size", "k_buffer.size(0)")) from None
 
 
 # fused QK-RMSNorm + RoPE (`sgl_kernel.fused_qk_norm_rope`: angles from base and YaRN)
