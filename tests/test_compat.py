@@ -393,8 +393,11 @@ def test_fa_errors_change_nothing():
     cos, sin = tables(8, 8)
     with pytest.raises(ValueError, match="seqlen_offsets \\+ seqlen = 3 \\+ 6 must lie within"):
         flash_attn.apply_rotary_emb(x, cos, sin, inplace=True, seqlen_offsets=3)
-    with pytest.raises(RuntimeError, match="positions must lie in \\[0, 8\\)"):
-        flash_attn.apply_rotary_emb(x, cos, sin, inplace=True, seqlen_offsets=torch.tensor([0, 5]))
+    for offsets in (torch.tensor([0, 5]), torch.tensor([-1, 0], dtype=torch.int32)):
+        with pytest.raises(ValueError, match=r"seqlen_offsets \+ seqlen must lie within the table's "
+                                             r"seqlen_ro = cos.size\(0\) = 8 for every sequence, "
+                                             r"with seqlen = 6"):
+            flash_attn.apply_rotary_emb(x, cos, sin, inplace=True, seqlen_offsets=offsets)
     with pytest.raises(ValueError, match="max_seqlen must be passed"):
         flash_attn.apply_rotary_emb(x[0], cos, sin, inplace=True, cu_seqlens=torch.tensor([0, 6]))
     with pytest.raises(RuntimeError, match="got -1 at flat index 4"):  # tokens past cu_seqlens[-1]

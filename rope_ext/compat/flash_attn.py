@@ -19,7 +19,7 @@ import torch
 from .._checks import FLOAT_DTYPES
 from .._registrations import check_not_inference
 from ..ops import sequence_positions
-from ._layout import check_int, float32_table, rotate_pairs
+from ._layout import check_int, check_values, float32_table, rotate_pairs
 
 from .._call import ops  # noqa: E402  (torch.ops.rope, without autograd where none is needed)
 
@@ -81,6 +81,9 @@ def _rotated(x, cos, sin, interleaved, seqlen_offsets, name="cos"):
         rows = _table_rows(cos, offsets, seqlen, name)
         return ops.apply(x, _rows_view(cos, rows, len(heads)), _rows_view(sin, rows, len(heads)),
                          interleaved)
+    check_values((offsets >= 0) & (offsets <= cos.shape[0] - seqlen),
+                 f"seqlen_offsets + seqlen must lie within the table's seqlen_ro = {name}.size(0) "
+                 f"= {cos.shape[0]} for every sequence, with seqlen = {seqlen}")
     positions = torch.arange(seqlen, device=x.device) + offsets.to(torch.int64)[:, None]
     positions = positions[(Ellipsis,) + heads[1:]].expand(x.shape[:-2])
     return ops.apply_positions(x, positions, cos, sin, interleaved, False, None, False)
