@@ -4,6 +4,7 @@
 import torch
 
 from ._args import check_int
+from ._checks import FLOAT_DTYPES
 from .scaling import rope_parameters
 
 
@@ -31,11 +32,8 @@ def table_rows(length, inv_freq, attention=1.0, dtype=torch.float32, device=None
     return out
 
 
-TABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what the ops read
-
-
 def _check_table_dtype(dtype, fn):
-    if dtype not in TABLE_DTYPES:
+    if dtype not in FLOAT_DTYPES:  # what the ops read
         raise ValueError(f"{fn}: dtype must be torch.float16, torch.bfloat16, torch.float32 or "
                          f"torch.float64, got {dtype}")
 

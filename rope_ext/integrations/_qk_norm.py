@@ -252,7 +252,7 @@ def _flows_unchanged(scan, name, lines, end):
                for n, line in scan.reads if n == name and start < line < end)
 
 
-def _definition(fn):
+def definition(fn):
     """fn's definition (ast.FunctionDef), or None where its source cannot be read."""
     try:
         source = textwrap.dedent(inspect.getsource(fn))
@@ -281,7 +281,7 @@ def norm_names(fn, rope_name, kind=True):
     k_layernorm): (q's, k's) for a two-tensor RoPE call, else the norm of each one-tensor call
     in order. What they are (an RMSNorm per head, or a projection) is for fusable_norms to
     tell. None when the forward is not of a shape that could be fused."""
-    fdef = _definition(fn)
+    fdef = definition(fn)
     if fdef is None:
         return None
     if kind == ONE_TENSOR:
@@ -311,7 +311,7 @@ def rewritten_forward(fn, rope_name, kind=True, norms=_NORMS):
     of the shape described above. kind (see ONE_TENSOR, VISION): the fused call made;
     ONE_TENSOR: the RoPE function takes one tensor, and each norm is fused into its own call of
     it."""
-    fdef = _definition(fn)
+    fdef = definition(fn)
     if fdef is None:
         return None
     if kind == ONE_TENSOR:

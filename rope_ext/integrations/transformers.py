@@ -28,7 +28,6 @@ import ast
 import dis
 import importlib
 import inspect
-import textwrap
 import threading
 import types
 
@@ -342,11 +341,8 @@ def _given_a_slice_of_the_table(fn, names):
     """Those of `names` that fn's source calls with a slice of cos or sin, such as MiniMax-M3-VL's
     indexer (`cos[..., :self.head_dim]`): the slice's two halves differ, where the replacements
     read one half of a table that holds each angle twice. transformers' own code serves them."""
-    if not names:
-        return set()
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError):
+    tree = _qk_norm.definition(fn) if names else None
+    if tree is None:
         return set()
     sliced = set()
     for call in ast.walk(tree):
