@@ -21,6 +21,8 @@ is rounded once to the input dtype. Values (V) are never touched.
 
 import numbers
 
+import torch
+
 from ._args import mrope_section_arg
 from ._call import ops  # torch.ops.rope, without autograd where none is needed
 from .ops import heads
@@ -216,9 +218,22 @@ def qk_norm_rope_and_cache(query, key, value, positions, cos_sin_cache, q_weight
                      kv_cache_dtype, k_scale, v_scale)
 
 
+def _readable_value(tensors):
+    """The ten leading arguments with `value` copied where elements overlap (expanded from one
+    head): the op's schema marks value written (for v_norm), and torch's functionalization
+    refuses a written tensor that overlaps itself, though without v_norm the op only reads it
+    and eager mode takes it. Under torch.compile only; nothing of value is written back."""
+    value = tensors[2]
+    if any(st == 0 and n > 1 for n, st in zip(value.shape, value.stride())):
+        return tensors[:2] + (value.contiguous(),) + tensors[3:]
+    return tensors
+
+
 def _prologue(name, tensors, eps, unit_offset, interleaved, mrope_section, mrope_interleaved,
               v_norm, kv_cache_dtype, k_scale, v_scale):
     """The op call of both prologue functions (op `name`, its ten leading arguments)."""
+    if name.endswith("_") and v_norm is False and torch.compiler.is_compiling():
+        tensors = _readable_value(tensors)
     if (unit_offset is False and interleaved is False and mrope_section is None and
             mrope_interleaved is False and v_norm is False):
         # The common serving calls, with no keyword to pass on but the caches' format (torch

@@ -428,6 +428,26 @@ def test_compile_fullgraph_is_one_op_call(form):
     assert len(rope_calls) == 1, calls
 
 
+def test_compile_reads_an_expanded_value_as_eager_does():
+    """Without v_norm the in-place prologue only reads value, and eager mode takes one expanded
+    from a single head; compiled, the schema's write annotation on value (for v_norm) met
+    functionalization's overlap check, an error naming neither the op nor value. The compiled
+    call now gives eager's bits; with v_norm both refuse."""
+    torch._dynamo.reset()
+    a = make_case(T=6, D=64, dtype=torch.float32, packed=False)
+    a["value"] = torch.randn(6, 1, 64).expand(6, 2, 64)
+    b = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in a.items()}
+    b["value"] = a["value"]  # read by both calls
+    before = {n: a[n].clone() for n in ("query", "key", "value")}
+    call(torch.compile(rope_ext.qk_norm_rope_and_cache_, fullgraph=True), a, eps=EPS)
+    check_against_oracle(a, before, torch.float32)
+    call(rope_ext.qk_norm_rope_and_cache_, b, eps=EPS)
+    for n in ("query", "key", "key_cache", "value_cache"):
+        assert torch.equal(bits(a[n]), bits(b[n])), n
+    with pytest.raises(RuntimeError, match="value: unsupported operation: more than one element"):
+        call(rope_ext.qk_norm_rope_and_cache_, b, eps=EPS, v_norm=True)
+
+
 # ---- vLLM's fused_qknorm_rope_cache (rope_ext.compat.vllm) ----
 
 def vllm_prologue_case(dtype, fmt, rotary_dim, width=128, T=7, hq=4, hk=2, D=128):
