@@ -390,6 +390,8 @@ BAD = {
                      "k_scale must be finite and > 0 .*, got 0$"),
     "k_scale nan": (dict(kv_cache_dtype="fp8", key_cache=fp8_cache, k_scale=torch.tensor([math.nan])),
                     "k_scale must be finite and > 0 .*, got nan$"),
+    "k_scale -nan": (dict(kv_cache_dtype="fp8", key_cache=fp8_cache, k_scale=-torch.tensor([math.nan])),
+                     "k_scale must be finite and > 0 .*, got nan$"),
     "k_scale inf": (dict(kv_cache_dtype="fp8", key_cache=fp8_cache, k_scale=torch.tensor([math.inf])),
                     "k_scale must be finite and > 0 .*, got inf$"),
     "k_scale huge": (dict(kv_cache_dtype="fp8", key_cache=fp8_cache, k_scale=torch.tensor([1e36])),

@@ -313,6 +313,8 @@ PACKED_CASES = [
     ("pos_dtype", dict(pos=torch.zeros(5)), r"positions must be int32 or int64, got Float"),
     ("eps_negative", dict(eps=-1.0), r"eps must be a finite number >= 0, got -1"),
     ("eps_nan", dict(eps=float("nan")), r"eps must be a finite number >= 0, got nan"),
+    # x86's 0/0 sets a NaN's sign bit: both paths word it "nan", as Python does
+    ("eps_negative_nan", dict(eps=-float("nan")), r"eps must be a finite number >= 0, got nan$"),
 ]
 
 

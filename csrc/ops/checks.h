@@ -8,6 +8,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -30,10 +31,17 @@ using torch::stable::Tensor;
 
 // ---- errors: the message alone (no function name or source path, unlike STD_TORCH_CHECK) ----
 
+// A number as the Python side words it: a NaN unsigned ("nan": Python's format drops the sign
+// that x86 gives 0/0, "-nan" here), everything else as it is.
+template <typename T>
+inline const T& shown(const T& a) { return a; }
+inline double shown(double a) { return std::isnan(a) ? std::fabs(a) : a; }
+inline float shown(float a) { return std::isnan(a) ? std::fabs(a) : a; }
+
 template <typename... Args>
 [[noreturn]] inline void fail(const Args&... args) {
   std::ostringstream s;
-  (s << ... << args);
+  (s << ... << shown(args));
   throw std::runtime_error(s.str());
 }
 
