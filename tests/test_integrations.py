@@ -14,6 +14,7 @@ once), within bf16 tolerance."""
 import gc
 import inspect
 import types
+import weakref
 
 import pytest
 import torch
@@ -946,6 +947,25 @@ def test_a_forward_leaves_no_table_alive():
     with torch.no_grad():
         model(**inputs("qwen3")[0])
     assert _qk_norm._last_tables is None
+
+
+def test_alternating_long_lived_tables_hold_no_growing_state():
+    # two (cos, sin) pairs a caller keeps and alternates: each switch once registered a
+    # finalizer on the table that lived as long as it did (unbounded growth)
+    model = integration.patch(build("qwen3"))
+    attn = model.model.layers[0].self_attn
+    h = torch.randn(1, 5, 64)
+    pairs = [model.model.rotary_emb(h, torch.arange(5)[None] + i) for i in range(2)]
+    with torch.no_grad():
+        before = len(weakref.finalize._registry)
+        for i in range(50):
+            attn(h, pairs[i % 2], None)
+        assert len(weakref.finalize._registry) <= before
+        assert _qk_norm._last_tables is not None
+    del pairs
+    gc.collect()
+    assert _qk_norm._last_tables is None
+    integration.unpatch(model)
 
 
 def test_olmo2_norms_over_all_heads_are_not_fused():

@@ -507,15 +507,17 @@ def _tables(cos, sin, unsqueeze_dim):
         return last[3], last[4]
     half_cos, half_sin = _api.half_tables(cos.detach(), sin.detach(),
                                           head_first=unsqueeze_dim == 1, ndim=4)
-    _last_tables = (weakref.ref(cos), weakref.ref(sin), unsqueeze_dim, half_cos, half_sin)
-    weakref.finalize(cos, _forget_freed_tables)
+    # The callback rides on the reference itself, so replacing the entry drops it with it (a
+    # finalizer per table would pile up while alternating tables live on).
+    _last_tables = (weakref.ref(cos, _forget_freed_tables), weakref.ref(sin), unsqueeze_dim,
+                    half_cos, half_sin)
     return half_cos, half_sin
 
 
-def _forget_freed_tables():
+def _forget_freed_tables(ref):
     global _last_tables
     last = _last_tables
-    if last is not None and last[0]() is None:
+    if last is not None and last[0] is ref:
         _last_tables = None
 
 
