@@ -13,6 +13,7 @@ once), within bf16 tolerance."""
 
 import gc
 import inspect
+import textwrap
 import types
 import weakref
 
@@ -392,7 +393,7 @@ def test_patch_inside_init_empty_weights(family, monkeypatch):
     accelerate = pytest.importorskip("transformers.integrations.accelerate")
     if not hasattr(accelerate, "init_empty_weights"):
         pytest.skip("this transformers has no init_empty_weights")
-    monkeypatch.setattr(integration, "_verified", set())
+    monkeypatch.setattr(integration, "_verified", {})
     monkeypatch.setattr(_qk_norm, "_norm_forms", {})  # the norm class probed afresh, inside
     reference = build(family)
     batches = inputs(family)
@@ -417,7 +418,7 @@ def test_patch_whatever_torch_defaults_are(family, default, monkeypatch):
     """A float32 CPU model patched while torch's default dtype or device is another: the
     probes of transformers' functions and norm classes run on the CPU in float32, so the patch
     is made, the QK-norm fused, and the logits are transformers'."""
-    monkeypatch.setattr(integration, "_verified", set())  # probed afresh, under these defaults
+    monkeypatch.setattr(integration, "_verified", {})  # probed afresh, under these defaults
     monkeypatch.setattr(_qk_norm, "_norm_forms", {})
     model = build(family)
     batches = inputs(family)
@@ -592,6 +593,65 @@ def test_a_changed_transformers_function_is_refused(monkeypatch):
     with pytest.raises(RuntimeError, match="does not compute what its rope_ext replacement does"):
         integration.patch(model)
     assert not integration.is_patched(model) and modeling.apply_rotary_pos_emb is changed
+
+
+def test_a_changed_function_at_a_verified_ones_address_is_refused(monkeypatch):
+    # a function that passed the probe, freed; a different one that CPython puts at its address
+    # (an id() key once took it for the verified one and patched it silently)
+    modeling = transformers.models.llama.modeling_llama
+    original = modeling.apply_rotary_pos_emb
+
+    def make(scale):
+        def apply_rotary_pos_emb(*args, **kwargs):
+            q, k = original(*args, **kwargs)
+            return q * scale, k * scale
+        return apply_rotary_pos_emb
+
+    same = make(1.0)
+    try:  # (monkeypatch would keep `same` alive)
+        modeling.apply_rotary_pos_emb = same
+        integration.unpatch(integration.patch(build("llama")))
+    finally:
+        modeling.apply_rotary_pos_emb = original
+    address = id(same)
+    del same
+    gc.collect()
+    misses = []
+    for _ in range(1000):  # usually the first one lands there
+        changed = make(2.0)
+        if id(changed) == address:
+            break
+        misses.append(changed)
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", changed)
+    model = build("llama")
+    with pytest.raises(RuntimeError, match="does not compute what its rope_ext replacement does"):
+        integration.patch(model)
+    assert not integration.is_patched(model)
+
+
+def test_a_forward_replaced_after_a_patch_is_the_one_patched_next(monkeypatch):
+    # the patched class is transformers' forward as it is when patch() runs: a forward installed
+    # on the attention class later (still calling apply_rotary_pos_emb) serves the next patch
+    modeling = transformers.models.llama.modeling_llama
+    integration.unpatch(integration.patch(build("llama")))
+    source = textwrap.dedent(inspect.getsource(inspect.unwrap(modeling.LlamaAttention.forward)))
+    line = "input_shape = hidden_states.shape[:-1]"
+    assert line in source
+    source = source.replace(line, "_CALLS.append(1)\n    " + line, 1)
+    scope = {}
+    exec(compile(source, modeling.__file__, "exec"), modeling.__dict__, scope)
+    monkeypatch.setattr(modeling, "_CALLS", [], raising=False)
+    monkeypatch.setattr(modeling.LlamaAttention, "forward", scope["forward"])
+    model, batch = build("llama"), inputs("llama")[0]
+    with torch.no_grad():
+        want = model(**batch).logits
+    del modeling._CALLS[:]
+    integration.patch(model)
+    with torch.no_grad():
+        got = model(**batch).logits
+    assert len(modeling._CALLS) == model.config.num_hidden_layers
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    integration.unpatch(model)
 
 
 def test_not_a_transformers_model_is_an_error():

@@ -208,13 +208,15 @@ FAMILIES = {
 
 
 _lock = threading.Lock()
-_verified = set()  # (module name, function name, id(function)) whose probe passed
+# (module name, function name) -> the function whose probe passed there, held (an id() could
+# name a later function at a freed one's address)
+_verified = {}
 
 
 def _verify(modeling, name, replacement, probe):
     original = getattr(modeling, name)
-    key = (modeling.__name__, name, id(original))
-    if key in _verified:
+    key = (modeling.__name__, name)
+    if _verified.get(key) is original:
         return
     # On the CPU whatever torch's defaults are (a model built under set_default_device).
     with torch.no_grad(), torch.device("cpu"):
@@ -226,7 +228,7 @@ def _verify(modeling, name, replacement, probe):
             f"rope_ext.integrations.transformers.patch: {modeling.__name__}.{name} of transformers "
             f"{transformers.__version__} does not compute what its rope_ext replacement does; "
             "refusing to patch (please report it)")
-    _verified.add(key)
+    _verified[key] = original
 
 
 # ---- the patched forward: transformers' code with its RoPE call resolved to rope_ext ----
@@ -370,11 +372,13 @@ class _PatchedAttention:
         return (_new_patched, self._rope_ext_spec) + tuple(reduced[2:])
 
 
-_classes = {}  # (original class, names, fused) -> patched class, or None: cannot be fused
+# (original class, names, fused) -> (the class's forward it was made from, the patched class or
+# None: cannot be fused); a forward replaced since then makes it anew
+_classes = {}
 
 
 def _patched_class(original, names, fused=False):
-    """The patched subclass of `original` (made once), after checking that the functions `names`
+    """The patched subclass of `original` (made once per forward it has), after checking that the functions `names`
     of its modeling module, as they are now, compute what their replacements do. fused: q_norm
     and k_norm fused into the RoPE call (True, or the kind of fusion: _qk_norm.ONE_TENSOR,
     VISION); None if the forward is not of a shape that allows it."""
@@ -385,25 +389,27 @@ def _patched_class(original, names, fused=False):
         replacement, probe = functions[name]
         _verify(modeling, name, replacement, probe)
     with _lock:
-        if key in _classes:
-            return _classes[key]
+        source = original.forward
+        made = _classes.get(key)
+        if made is not None and made[0] is source:
+            return made[1]
         if fused:
             (rope_name,) = names
             try:
-                forward = _rebuilt(original.forward, _fusing(rope_name, fused))
+                forward = _rebuilt(source, _fusing(rope_name, fused))
             except _NotFusable:
-                _classes[key] = None
+                _classes[key] = (source, None)
                 return None
             setattr(modeling, *_qk_norm.FUSED_CALLS[fused])
         else:
             for name in names:
                 setattr(modeling, _PREFIX + name, functions[name][0])
-            forward = _rebuilt(original.forward, _renaming({n: _PREFIX + n for n in names}))
+            forward = _rebuilt(source, _renaming({n: _PREFIX + n for n in names}))
         namespace = {"__slots__": (), "__module__": original.__module__,
                      "__qualname__": original.__qualname__, "__doc__": original.__doc__,
                      "forward": forward, "_rope_ext_spec": key}
         patched = type(original)(original.__name__, (original, _PatchedAttention), namespace)
-        _classes[key] = patched
+        _classes[key] = (source, patched)
     return patched
 
 
