@@ -84,7 +84,25 @@ def table_grads(x, grad, cos, sin, interleaved, inverse=False):
     """Gradients w.r.t. cos and sin of apply (inverse=False) or apply_backward (True), summed
     over the dims along which the tables were broadcast."""
     d_cos, d_sin = _pair_grads(x, grad, cos.shape[-1], interleaved, inverse)
-    return d_cos.sum_to_size(cos.shape).to(cos.dtype), d_sin.sum_to_size(sin.shape).to(sin.dtype)
+    return _sum_to(d_cos, cos.shape).to(cos.dtype), _sum_to(d_sin, sin.shape).to(sin.dtype)
+
+
+def _sum_to(t, shape):
+    """t.sum_to_size(shape), deciding as torch's broadcasting does where a size depends on data
+    (a traced token count from nonzero() or mark_unbacked): a table dim not known to be 1 is
+    taken to match x's and recorded so, not summed over."""
+    lead = t.dim() - len(shape)
+    broadcast = []
+    for i, n in enumerate(shape):
+        size = t.shape[lead + i]
+        if _checks.decided(n == 1, False):
+            if not _checks.decided(size == 1, False):
+                broadcast.append(lead + i)
+        elif not isinstance(n, int) or not isinstance(size, int):
+            torch._check(size == n)
+    if broadcast:  # (an empty dim list would sum over every dim)
+        t = t.sum(broadcast, keepdim=True)
+    return t.sum(list(range(lead))) if lead else t
 
 
 def gather_tables(positions, cos, sin, mrope_section=None, mrope_interleaved=False):

@@ -226,6 +226,36 @@ def test_compile_with_a_data_dependent_token_count(name):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("fn", ["apply_rope", "qk_norm_rope"])
+def test_table_gradients_with_a_data_dependent_token_count(fn):
+    """Gradients w.r.t. per-token tables (and x) whose token count the trace cannot know: the
+    backward sums a table over the dims it was broadcast along, and decides those as torch's
+    broadcasting does (a size not known to be 1 matches x's) instead of guarding on data."""
+    w = torch.randn(16)
+    call = {"apply_rope": lambda x, c, s: rope_ext.apply_rope(x, c, s),
+            "qk_norm_rope": lambda x, c, s: rope_ext.qk_norm_rope(x, x[:, :2], w, w, c, s,
+                                                                 table_width="half")[0]}[fn]
+
+    def loss(x, c, s):
+        return call(x, c, s).square().sum()
+
+    def inputs():
+        g = torch.Generator().manual_seed(1)
+        ang = torch.randn(5, 1, 8, generator=g)
+        return [torch.randn(5, 4, 16, generator=g).requires_grad_(),
+                ang.cos().requires_grad_(), ang.sin().requires_grad_()]
+
+    a = inputs()
+    want = torch.autograd.grad(loss(*a), a)
+    torch._dynamo.reset()
+    b = inputs()
+    for t in b:
+        torch._dynamo.decorators.mark_unbacked(t, 0)
+    got = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend="aot_eager")(*b), b)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
+
+
 def test_export_of_tokens_picked_by_nonzero():
     cache = rope_ext.cos_sin_cache(64, 16)
 
