@@ -87,7 +87,10 @@ def eager_norm_rope(q, k, wq, wk, positions, cache):
 def rows_for(case, with_compile):
     rows = {"fused": case.fused, "floor": case.floor, "unfused": case.unfused}
     if with_compile:
-        compiled = torch.compile(eager_norm_rope, dynamic=False)
+        # each case is timed before the next is made: a fresh cache per case keeps every case
+        # within torch's limit of 8 graphs per function (past it the row would run eager)
+        torch._dynamo.reset()
+        compiled = torch.compile(eager_norm_rope, dynamic=False, fullgraph=True)
         rows["compiled"] = lambda: compiled(case.q, case.k, case.wq, case.wk, case.pos,
                                             case.cache)
     return rows
@@ -162,7 +165,7 @@ def main(argv=None):
             "torch": torch.__version__, "python": platform.python_version(),
             "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
             "repeat": args.repeat, "min_block_ms": args.min_block_s * 1e3,
-            "clock": args.clock,
+            "clock": clock_for(args.device, args.clock).name,  # what timed it (cuda: events)
             "rows": {"fused": "rope_ext.qkv_norm_rope_ (packed qkv, in place)",
                      "floor": "q.mul_(c); k.mul_(c): an in-place pass over the same bytes",
                      "unfused": "torch rms_norm of q and k, then rope_ext.apply_rope_",
