@@ -194,6 +194,8 @@ def qk_norm_rope_and_cache_(query, key, value, positions, cos_sin_cache, q_weigh
     projection output included). Serving only: not differentiable. A rejected call (bad
     shapes, dtypes, positions or slots out of range, a repeated slot, a missing scale) writes
     nothing. Returns (query, key)."""
+    if v_norm is False and _is_compiling():
+        value = _readable_value(value)
     _prologue("qk_norm_rope_and_cache_", (query, key, value, positions, cos_sin_cache, q_weight,
                                           k_weight, key_cache, value_cache, slot_mapping),
               eps, unit_offset, interleaved, mrope_section, mrope_interleaved, v_norm,
@@ -218,22 +220,22 @@ def qk_norm_rope_and_cache(query, key, value, positions, cos_sin_cache, q_weight
                      kv_cache_dtype, k_scale, v_scale)
 
 
-def _readable_value(tensors):
-    """The ten leading arguments with `value` copied where elements overlap (expanded from one
-    head): the op's schema marks value written (for v_norm), and torch's functionalization
-    refuses a written tensor that overlaps itself, though without v_norm the op only reads it
-    and eager mode takes it. Under torch.compile only; nothing of value is written back."""
-    value = tensors[2]
+_is_compiling = torch.compiler.is_compiling
+
+
+def _readable_value(value):
+    """value, copied where elements overlap (expanded from one head): the in-place prologue's
+    schema marks value written (for v_norm), and torch's functionalization refuses a written
+    tensor that overlaps itself, though without v_norm the op only reads it and eager mode
+    takes it. Under torch.compile only; nothing of value is written back."""
     if any(st == 0 and n > 1 for n, st in zip(value.shape, value.stride())):
-        return tensors[:2] + (value.contiguous(),) + tensors[3:]
-    return tensors
+        return value.contiguous()
+    return value
 
 
 def _prologue(name, tensors, eps, unit_offset, interleaved, mrope_section, mrope_interleaved,
               v_norm, kv_cache_dtype, k_scale, v_scale):
     """The op call of both prologue functions (op `name`, its ten leading arguments)."""
-    if name.endswith("_") and v_norm is False and torch.compiler.is_compiling():
-        tensors = _readable_value(tensors)
     if (unit_offset is False and interleaved is False and mrope_section is None and
             mrope_interleaved is False and v_norm is False):
         # The common serving calls, with no keyword to pass on but the caches' format (torch
