@@ -38,11 +38,18 @@ _TEXT_MODEL_TYPES = {
     "gemma4": "gemma4_text",
 }
 _SUB_CONFIGS = ("text_config", "vision_config", "audio_config")
-# Other spellings of the standard keys (transformers' attribute_map).
+# Other spellings of the standard keys (transformers' attribute_map: a config object's class
+# map is read too, a config.json dict has only this).
+_GPT2_NAMES = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "max_position_embeddings": "n_positions"}
 _KEY_ALIASES = {
-    "gptj": {"hidden_size": "n_embd", "num_attention_heads": "n_head", "max_position_embeddings": "n_positions"},
-    "codegen": {"hidden_size": "n_embd", "num_attention_heads": "n_head", "max_position_embeddings": "n_positions"},
+    "gptj": _GPT2_NAMES, "codegen": _GPT2_NAMES,
+    "dbrx": {"hidden_size": "d_model", "num_attention_heads": "n_heads", "max_position_embeddings": "max_seq_len"},
+    "jetmoe": {"head_dim": "kv_channels"},
+    "zamba": {"head_dim": "attention_head_dim"}, "zamba2": {"head_dim": "attention_head_dim"},
+    "bailing_hybrid": {"max_position_embeddings": "model_max_length"},
+    "kimi_linear": {"max_position_embeddings": "model_max_length"},
 }
+_ALIASED_KEYS = ("hidden_size", "num_attention_heads", "max_position_embeddings", "head_dim")
 # Qwen3-VL's model code always lays MRoPE out interleaved, with these sections unless told.
 _QWEN3_VL_TYPES = frozenset({"qwen3_vl", "qwen3_vl_text", "qwen3_vl_moe", "qwen3_vl_moe_text"})
 _QWEN3_VL_SECTION = [24, 20, 20]
@@ -98,7 +105,12 @@ class _Config:
             model_type = top.get("model_type")
             self.own, self.fallback = top, {}
         self.model_type = str(model_type).lower() if model_type is not None else ""
-        for std, alt in _KEY_ALIASES.get(self.model_type, {}).items():
+        aliases = dict(_KEY_ALIASES.get(self.model_type, {}))
+        for obj in (config, getattr(config, "text_config", None)):
+            mapped = getattr(type(obj), "attribute_map", None)
+            if obj is not None and not isinstance(obj, Mapping) and isinstance(mapped, Mapping):
+                aliases.update({k: v for k, v in mapped.items() if k in _ALIASED_KEYS})
+        for std, alt in aliases.items():
             for d in (self.own, self.fallback):
                 if std not in d and alt in d:
                     d[std] = d[alt]
@@ -170,6 +182,19 @@ def _rope_dict(cfg, layer_type):
         if src.get(layer_type) is None:
             _fail(f"layer_type {layer_type!r} has no RoPE parameters in this config (it has: {', '.join(names)})")
         return dict(src[layer_type]), "v5_layer"
+    bases = {"full_attention": cfg.get("global_rope_theta"),
+             "sliding_attention": cfg.get("local_rope_theta")}
+    if any(v is not None for v in bases.values()):  # ModernBERT in transformers 4, and its files
+        if layer_type is None:
+            _fail("the config gives global and local attention layers their own bases "
+                  f"(global_rope_theta, local_rope_theta); pass layer_type= one of "
+                  f"{', '.join(_LOCAL_LAYER_TYPES)}")
+        if layer_type not in _LOCAL_LAYER_TYPES:
+            _fail(f"layer_type {layer_type!r} is not one of {', '.join(_LOCAL_LAYER_TYPES)}")
+        theta = bases[layer_type] if bases[layer_type] is not None else bases["full_attention"]
+        if layer_type == "sliding_attention":
+            return {"rope_type": "default", "rope_theta": theta}, "local"
+        return dict(src, rope_theta=theta), "local"
     if cfg.get("rope_local_base_freq") is not None:  # Gemma 3 in transformers 4
         if layer_type is None:
             _fail(f"the config gives sliding-window layers their own base (rope_local_base_freq); pass "
@@ -306,15 +331,38 @@ def _resolve(kind, params, cfg, form, max_pos):
         if original is None and form == "legacy":
             original = top
     elif kind == "longrope":
-        original = top if form in ("legacy", "v5") and top is not None else own
-        if form == "legacy" and top is not None:  # transformers 4 takes the ratio, not the dict's factor
-            params["factor"] = _need_max_pos(max_pos, kind) / top
+        if form == "legacy":  # transformers 4 reads the top level only, not the dict's length
+            original = top
+            if top is not None:  # and takes the ratio, not the dict's factor
+                params["factor"] = _need_max_pos(max_pos, kind) / top
+        else:
+            original = top if form == "v5" and top is not None else own
     else:
         return params
     params[key] = original if original is not None else _need_max_pos(max_pos, kind)
     if kind in ("yarn", "deepseek_yarn", "longrope") and params.get("factor") is None:
         params["factor"] = _need_max_pos(max_pos, kind) / params[key]
     return params
+
+
+def _per_layer_settings(cfg, base, kind):
+    """The base, after the keys that set RoPE per layer index (not per layer type): one table
+    serves where they agree across the layers; elsewhere an error naming the key."""
+    thetas = cfg.file("layer_rope_theta")  # GraniteMoE-SWA: a base per layer
+    if thetas is not None:
+        if not isinstance(thetas, (list, tuple)) or not thetas:
+            _fail(f"layer_rope_theta must be a list of bases, one per layer, got {thetas!r}")
+        if any(float(t) != float(thetas[0]) for t in thetas):
+            _fail("layer_rope_theta gives the layers different bases; from_config builds one "
+                  "table: build RotaryEmbedding(..., base=layer_rope_theta[i]) for layer i")
+        base = _positive(thetas[0], "layer_rope_theta")
+    scaled = cfg.file("rope_scaling_layers")  # Molmo2: the scaling only in the listed layers
+    layers = cfg.get("num_hidden_layers")
+    if scaled is not None and kind != "default" and sorted(scaled) != list(range(layers or 0)):
+        _fail(f"rope_scaling_layers applies the {kind} scaling to layers {list(scaled)} only; "
+              "from_config builds one table (the scaled one for those layers: drop the key, "
+              "or build the others without the scaling)")
+    return base
 
 
 def rope_kwargs_from_config(config, *, layer_type=None, interleaved=None, max_position=None):
@@ -338,6 +386,8 @@ def rope_kwargs_from_config(config, *, layer_type=None, interleaved=None, max_po
         kind = scaling_type(params)
     except ValueError as e:
         _fail(str(e).removeprefix("cos_sin_cache: "))
+
+    base = _per_layer_settings(cfg, base, kind)
 
     max_pos = cfg.get("max_position_embeddings")
     if max_pos is not None:

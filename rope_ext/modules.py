@@ -256,8 +256,17 @@ class RotaryEmbedding(torch.nn.Module):
             return self.mrope_section
         return None
 
+    def _check_heads(self, query, key):
+        """Heads of the module's head_dim (a table for other heads would rotate some of their
+        dims by the wrong frequencies, or only a part of them)."""
+        for name, t in (("query", query), ("key", key)):
+            if t is not None and (t.dim() == 0 or t.shape[-1] != self.head_dim):
+                raise ValueError(f"RotaryEmbedding: {name} of shape {list(t.shape)} must have the "
+                                 f"module's head_dim = {self.head_dim} as its last dim")
+
     def forward(self, query, key, positions):
         """Rotated copies of query and key (None stays None); differentiable w.r.t. both."""
+        self._check_heads(query, key)
         section = self._section(query, positions)
         table, index, length = self._table_and_index(positions)
 
@@ -278,6 +287,7 @@ class RotaryEmbedding(torch.nn.Module):
 
     def forward_(self, query, key, positions):
         """In place, the inference path (rope.apply_ or rope.mrope_); returns (query, key)."""
+        self._check_heads(query, key)
         section = self._section(query, positions)
         table, index, length = self._table_and_index(positions)
         if section is not None:

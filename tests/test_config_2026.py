@@ -82,3 +82,89 @@ def test_module_rope_dim_offset(interleaved):
     torch.testing.assert_close(k2, rk, rtol=0, atol=0)
     with pytest.raises(ValueError, match="rope_dim_offset must be an int in \\[0, head_dim - rotary_dim\\]"):
         rope_ext.RotaryEmbedding(48, rotary_dim=16, rope_dim_offset=33)
+
+
+# ---- keys that set RoPE by layer, and other spellings of the sizes ----
+
+def test_modernbert_global_and_local_bases():
+    # ModernBERT's files (and its transformers 4 config) give global and local attention layers
+    # their own base: the file's, per layer type, never the 10000 default
+    file = {"model_type": "modernbert", "hidden_size": 768, "num_attention_heads": 12,
+            "max_position_embeddings": 8192, "global_rope_theta": 160000.0,
+            "local_rope_theta": 10000.0}
+    with pytest.raises(ValueError, match="global_rope_theta, local_rope_theta\\); pass layer_type="):
+        rope_kwargs_from_config(file)
+    with pytest.raises(ValueError, match="layer_type 'chunked' is not one of"):
+        rope_kwargs_from_config(file, layer_type="chunked")
+    assert rope_kwargs_from_config(file, layer_type="full_attention")["base"] == 160000.0
+    assert rope_kwargs_from_config(file, layer_type="sliding_attention")["base"] == 10000.0
+    del file["local_rope_theta"]  # the local layers then take the global base
+    assert rope_kwargs_from_config(file, layer_type="sliding_attention")["base"] == 160000.0
+
+
+def test_longrope_in_the_rope_scaling_spelling_reads_the_top_level_length():
+    # transformers 4 reads original_max_position_embeddings from the top level only (else
+    # max_position_embeddings), whatever the dict holds; rope_parameters take the dict's
+    n = 4
+    scaling = {"short_factor": [1.0] * n, "long_factor": [4.0] * n, "factor": 2.0,
+               "original_max_position_embeddings": 128}
+    file = {"model_type": "llama", "head_dim": 2 * n, "max_position_embeddings": 256,
+            "rope_scaling": dict(scaling, rope_type="longrope")}
+    got = rope_kwargs_from_config(file)["scaling"]
+    assert got["original_max_position_embeddings"] == 256 and got["factor"] == 2.0
+    file = dict(file, original_max_position_embeddings=64)
+    got = rope_kwargs_from_config(file)["scaling"]
+    assert got["original_max_position_embeddings"] == 64 and got["factor"] == 4.0
+    v5 = {"model_type": "llama", "head_dim": 2 * n, "max_position_embeddings": 256,
+          "rope_parameters": dict(scaling, rope_type="longrope")}
+    assert rope_kwargs_from_config(v5)["scaling"]["original_max_position_embeddings"] == 128
+
+
+@pytest.mark.parametrize("model_type,key", [("zamba2", "attention_head_dim"), ("zamba", "attention_head_dim"),
+                                            ("jetmoe", "kv_channels")])
+def test_head_dim_under_another_name(model_type, key):
+    file = {"model_type": model_type, "hidden_size": 2560, "num_attention_heads": 32, key: 160,
+            "max_position_embeddings": 4096}
+    assert rope_kwargs_from_config(file)["head_dim"] == 160
+
+
+def test_a_config_objects_attribute_map_is_read():
+    class Config:  # as transformers' config classes: an alias the dict form does not carry
+        attribute_map = {"head_dim": "my_head_size"}
+
+        def to_dict(self):
+            return {"model_type": "some_new_model", "hidden_size": 256, "num_attention_heads": 4,
+                    "my_head_size": 96, "max_position_embeddings": 64}
+
+    assert rope_kwargs_from_config(Config())["head_dim"] == 96
+
+
+def test_bases_per_layer_index():
+    file = {"model_type": "granitemoe_swa", "head_dim": 64, "max_position_embeddings": 64,
+            "rope_theta": 1e4, "layer_rope_theta": [1e6, 1e6, 1e6]}
+    assert rope_kwargs_from_config(file)["base"] == 1e6  # every layer's base
+    file["layer_rope_theta"] = [1e6, 1e4, 1e6]
+    with pytest.raises(ValueError, match="layer_rope_theta gives the layers different bases"):
+        rope_kwargs_from_config(file)
+
+
+def test_scaling_in_some_layers_only():
+    file = {"model_type": "molmo2", "head_dim": 64, "max_position_embeddings": 64,
+            "num_hidden_layers": 3, "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+            "rope_scaling_layers": [0, 1, 2]}
+    assert rope_kwargs_from_config(file)["scaling"]["factor"] == 4.0  # every layer scaled
+    file["rope_scaling_layers"] = [0]
+    with pytest.raises(ValueError, match="rope_scaling_layers applies the linear scaling to layers \\[0\\] only"):
+        rope_kwargs_from_config(file)
+    del file["rope_scaling"]  # no scaling: every layer's table is the same
+    assert rope_kwargs_from_config(file)["scaling"] is None
+
+
+@pytest.mark.parametrize("method", ["forward", "forward_"])
+def test_module_refuses_heads_of_another_size(method):
+    m = rope_ext.RotaryEmbedding(80, max_position=16)
+    q, k, pos = torch.randn(3, 2, 160), torch.randn(3, 1, 80), torch.arange(3)
+    with pytest.raises(ValueError, match="query of shape \\[3, 2, 160\\] must have the module's head_dim = 80"):
+        getattr(m, method)(q, k, pos)
+    with pytest.raises(ValueError, match="key of shape \\[3, 1, 160\\]"):
+        getattr(m, method)(k.new_zeros(3, 2, 80), q[:, :1], pos)
