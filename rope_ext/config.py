@@ -64,6 +64,10 @@ _EXTENDING = ("dynamic", "yarn", "deepseek_yarn")
 # rotary_dim dims of each head (rope_dim_offset = head_dim - rotary_dim).
 _DEEPSEEK_V4_LABELS = ("main", "compress")
 _GEMMA4_TYPES = frozenset({"gemma4", "gemma4_text"})
+# Keys of a RoPE dict that do not shape the table, which transformers skips when it checks the
+# dict: Ministral 3's and Mistral 4's query scaling by position (applied by their attention, after
+# RoPE) and their copy of max_position_embeddings (the top-level one is read).
+_NOT_THE_TABLE = ("llama_4_scaling_beta", "max_position_embeddings")
 
 
 def _fail(msg):
@@ -277,6 +281,14 @@ def _dims(cfg, params, layer_type=None):
         partial = _positive(partial, "partial_rotary_factor")
         if partial > 1:
             _fail(f"partial_rotary_factor must be in (0, 1], got {partial}")
+        full = cfg.get("head_dim")
+        if qk_rope is not None and layer_dim is None and full is not None and full != head_dim:
+            # MLA (Mistral 4): the factor is of the whole head, and names its rotated part
+            rotated = int(_positive(full, "head_dim", integer=True) * partial)
+            if rotated != head_dim:
+                _fail(f"partial_rotary_factor {partial} of head_dim {full} rotates {rotated} dims, "
+                      f"but qk_rope_head_dim is {head_dim}")
+            return head_dim, head_dim
         return head_dim, int(head_dim * partial)
     if cfg.get("rotary_dim") is not None:  # GPT-J, CodeGen: a count of dims
         return head_dim, _positive(cfg.get("rotary_dim"), "rotary_dim", integer=True)
@@ -373,6 +385,8 @@ def rope_kwargs_from_config(config, *, layer_type=None, interleaved=None, max_po
     if cfg.file("alibi") is True:
         _fail("the config uses ALiBi position biases, not RoPE")
     params, form = _rope_dict(cfg, layer_type)
+    for key in _NOT_THE_TABLE:
+        params.pop(key, None)
     if "rope_type" not in params and "type" not in params:
         params["rope_type"] = "default"  # transformers 5: rope_parameters without a type
     for k in ("rope_type", "type"):  # Phi-3's config maps its older names onto longrope

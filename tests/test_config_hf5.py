@@ -86,6 +86,28 @@ def test_llama_tables_of_every_rope_type(rope_type, as_object):
         close_tables(s, hf_half(sin[0]), positions, hf.inv_freq, hf.attention_scaling)
 
 
+@pytest.mark.parametrize("model_type", ["ministral3", "mistral4"])
+@pytest.mark.parametrize("as_object", [True, False])
+def test_mistral_yarn_with_a_query_scaling(model_type, as_object):
+    # Their YaRN dicts carry llama_4_scaling_beta (a query scaling their attention applies after
+    # RoPE) and a copy of max_position_embeddings, which transformers skips when it checks the
+    # dict; Mistral 4 (MLA) gives partial_rotary_factor of its whole head: qk_rope_head_dim
+    from transformers import CONFIG_MAPPING
+    import importlib
+
+    config = CONFIG_MAPPING[model_type](num_hidden_layers=1)
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    rotary = next(getattr(modeling, n) for n in dir(modeling) if n.endswith("RotaryEmbedding"))
+    hf = rotary(config)
+    ours = rope_ext.RotaryEmbedding.from_config(config if as_object else config.to_dict())
+    positions = torch.tensor([0, 1, 7, 1000, 20000, 100000])
+    cos, sin = hf(torch.zeros(1, dtype=torch.float32), positions[None])
+    c, s = ours.cos_sin(positions)
+    assert 2 * c.shape[-1] == cos.shape[-1]
+    close_tables(c, hf_half(cos[0]), positions, hf.inv_freq, hf.attention_scaling)
+    close_tables(s, hf_half(sin[0]), positions, hf.inv_freq, hf.attention_scaling)
+
+
 def test_proportional_tail_pairs_pass_through():
     config = LlamaConfig(**LLAMA, rope_parameters=copy.deepcopy(ROPE_PARAMETERS["proportional"]))
     ours = rope_ext.RotaryEmbedding.from_config(config)
