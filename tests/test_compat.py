@@ -61,6 +61,30 @@ def test_hf_apply_rotary_pos_emb(dtype, unsqueeze_dim, rot_frac, one_call, monke
     assert torch.equal(got[0][..., rot:], q[..., rot:])  # partial rotary: the rest passes through
 
 
+@pytest.mark.parametrize("one_call", [True, False])
+@pytest.mark.parametrize("single", [False, True])
+def test_hf_results_keep_the_projections_memory_order(one_call, single, monkeypatch):
+    """transformers' q and k are (batch, seq, heads, head_dim) projections seen as (batch, heads,
+    seq, head_dim); its elementwise RoPE keeps that memory order, and so must the drop-in (SDPA's
+    CPU output follows q's, and a contiguous q_embed made the transpose after attention a copy,
+    saved for backward in training)."""
+    monkeypatch.setattr(hf, "ONE_CALL_NUMEL", 1 << 30 if one_call else 0)
+    B, S, Hq, Hk, D = 2, 9, 4, 2, 32
+    cos, sin = peers.hf_cos_sin(torch.randint(0, 200, (B, S)), D)
+    q = torch.randn(B, S, Hq, D).transpose(1, 2)
+    k = torch.randn(B, S, Hk, D).transpose(1, 2)
+    if single:
+        got = (hf.apply_rotary_pos_emb_single(q, cos, sin), hf.apply_rotary_pos_emb_single(k, cos, sin))
+    else:
+        got = hf.apply_rotary_pos_emb(q, k, cos, sin)
+    want = peers.hf_apply_rotary_pos_emb(*f64(q, k, cos, sin))
+    for g, w, x in zip(got, want, (q, k)):
+        check(g, w, torch.float32)
+        # the same order of dims in memory (one call for q and k: views of one buffer of both)
+        order = [sorted(range(4), key=lambda i: -t.stride(i)) for t in (g, x)]
+        assert order[0] == order[1] == [0, 2, 1, 3], (g.stride(), x.stride())
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("unsqueeze_dim", [1, 2])
 @pytest.mark.parametrize("rot_frac", [1.0, 0.5])
