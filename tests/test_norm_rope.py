@@ -347,3 +347,20 @@ def test_head_first_across_heads_errors_say_the_dims_are_swapped():
                                            r"and sin with dims -3 and -2 swapped\)$"):
         norm_rope(q, k, None, None, per_head, per_head, norm="rms_across_heads", head_first=True,
                   table_width="half")
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer", "rms_across_heads"])
+def test_double_backward(norm):
+    # the backward reuses its temporaries in place, except when it is itself recorded
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 3, 8, dtype=torch.float64, generator=g).requires_grad_()
+    k = torch.randn(2, 3, 8, dtype=torch.float64, generator=g).requires_grad_()
+    shape = (24,) if norm == "rms_across_heads" else (8,)
+    w = torch.randn(shape, dtype=torch.float64, generator=g).requires_grad_()
+    ang = torch.randn(2, 1, 4, dtype=torch.float64, generator=g)
+    cos, sin = ang.cos(), ang.sin()
+
+    def fn(q, k, w):
+        return rope_ext.norm_rope(q, k, w, w, cos, sin, norm=norm, table_width="half")
+
+    assert torch.autograd.gradgradcheck(fn, (q, k, w), fast_mode=True)

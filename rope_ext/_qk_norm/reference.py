@@ -41,19 +41,29 @@ def norm_forms(x, weight, bias, eps, norm, unit_offset=False):
     n = (x - mean) * r normalized (mean 0 unless norm == "layer"), r = rsqrt(mean of the squares
     + eps) over each head (over all heads of a token for "rms_across_heads"), and
     z = n * w + bias, w = weight (1 + weight with unit_offset; 1 where None; bias 0 where None)."""
+    n, r = _normalized(x, eps, norm)
+    return _scaled(n, x, weight, bias, norm, unit_offset), n, r
+
+
+def _normalized(x, eps, norm):
+    """(n, r) of norm_forms."""
     xf = x.to(_acc_dtype(x.dtype))
     dims = (-2, -1) if norm == "rms_across_heads" else (-1,)
     if norm == "layer":
         xf = xf - xf.mean(dims, keepdim=True)
     r = torch.rsqrt(xf.square().mean(dims, keepdim=True) + eps)
-    n = xf * r
+    return xf * r, r
+
+
+def _scaled(n, x, weight, bias, norm, unit_offset):
+    """z = n * w + bias of norm_forms."""
     z = n
     w, b = _affine(weight, x, norm, unit_offset), _affine(bias, x, norm)
     if w is not None:
         z = z * w
     if b is not None:
         z = z + b
-    return z, n, r
+    return z
 
 
 def norm_rope(query, key, q_weight, k_weight, q_bias, k_bias, cos, sin, eps, norm="rms",
@@ -71,11 +81,13 @@ def norm_forms_rope_backward(x, weight, bias, grad, cos, sin, eps, norm, interle
                              unit_offset=False):
     """Gradients (x, weight, bias, cos, sin) of x's norm_forms then rotation; need: which of
     (x, weight, bias, tables) are wanted (None for the others). The inverse rotation of grad,
-    then the norm's backward, in the arithmetic type (docs/qk_norm.md "Backward")."""
+    then the norm's backward, in the arithmetic type (docs/qk_norm.md "Backward"). It runs at the
+    start of a training step's backward, where memory peaks: temporaries of x's size in the
+    arithmetic type are made only where needed and reused in place."""
     need_x, need_w, need_b, need_tables = need
     acc = _acc_dtype(x.dtype)
     g = torch.ops.rope.apply_backward(grad.to(acc), cos, sin, interleaved)
-    z, n, r = norm_forms(x, weight, bias, eps, norm, unit_offset)
+    n, r = _normalized(x, eps, norm)
     across = norm == "rms_across_heads"
     dims = (-2, -1) if across else (-1,)
     width = x.shape[-2] * x.shape[-1] if across else x.shape[-1]
@@ -84,15 +96,21 @@ def norm_forms_rope_backward(x, weight, bias, grad, cos, sin, eps, norm, interle
         gw = (g * n).reshape(-1, width).sum(0).to(weight.dtype)
     if need_b and bias is not None:
         gb = g.reshape(-1, width).sum(0).to(bias.dtype)
+    if need_tables:  # the rotation's input: its only reader
+        gc, gs = reference.table_grads(_scaled(n, x, weight, bias, norm, unit_offset), grad, cos,
+                                       sin, interleaved)
     if need_x:
         w = _affine(weight, x, norm, unit_offset)
-        gn = g if w is None else g * w
-        proj = n * (gn * n).mean(dims, keepdim=True)
-        if norm == "layer":
-            proj = proj + gn.mean(dims, keepdim=True)
-        gx = (r * (gn - proj)).to(x.dtype)
-    if need_tables:
-        gc, gs = reference.table_grads(z, grad, cos, sin, interleaved)
+        # In place (g, then n, are not read after their last use here), unless this backward is
+        # itself recorded (double backward: autograd keeps what these ops read).
+        inplace = not torch.is_grad_enabled()
+        gn = g if w is None else (g.mul_(w) if inplace else g * w)
+        m = (gn * n).mean(dims, keepdim=True)
+        centre = gn.mean(dims, keepdim=True) if norm == "layer" else None
+        gn = gn.sub_(n.mul_(m)) if inplace else gn - n * m
+        if centre is not None:
+            gn = gn.sub_(centre) if inplace else gn - centre
+        gx = (gn.mul_(r) if inplace else gn * r).to(x.dtype)
     return gx, gw, gb, gc, gs
 
 
