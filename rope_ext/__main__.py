@@ -91,7 +91,6 @@ def _fused_errors(dtype, device, interleaved):
     from rope_ext._qk_norm import reference as norm_ref
 
     T, hq, hk, D, rot, blocks, bs = 9, 4, 2, 128, 96, 4, 4
-    f64 = torch.float64
 
     def rand(*shape, dt=dtype):
         return torch.randn(shape, device=device).to(dt)
@@ -106,8 +105,8 @@ def _fused_errors(dtype, device, interleaved):
     cos, sin = (t[pos].unsqueeze(-2) for t in reference.cache_halves(cache))
     c64, s64 = cos.double(), sin.double()
     cache64 = cache.double()
-    x64 = [t.double() for t in (q, k, v, wq, wk, bq, bk, kc, vc)]
-    q64, k64, v64, wq64, wk64, bq64, bk64, kc64, vc64 = x64
+    q64, k64, v64, wq64, wk64, bq64, bk64, kc64, vc64 = (
+        t.double() for t in (q, k, v, wq, wk, bq, bk, kc, vc))
     errs = []
 
     def clones(*ts):

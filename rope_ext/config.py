@@ -40,10 +40,12 @@ _TEXT_MODEL_TYPES = {
 _SUB_CONFIGS = ("text_config", "vision_config", "audio_config")
 # Other spellings of the standard keys (transformers' attribute_map: a config object's class
 # map is read too, a config.json dict has only this).
-_GPT2_NAMES = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "max_position_embeddings": "n_positions"}
+_GPT2_NAMES = {"hidden_size": "n_embd", "num_attention_heads": "n_head",
+               "max_position_embeddings": "n_positions"}
 _KEY_ALIASES = {
     "gptj": _GPT2_NAMES, "codegen": _GPT2_NAMES,
-    "dbrx": {"hidden_size": "d_model", "num_attention_heads": "n_heads", "max_position_embeddings": "max_seq_len"},
+    "dbrx": {"hidden_size": "d_model", "num_attention_heads": "n_heads",
+             "max_position_embeddings": "max_seq_len"},
     "jetmoe": {"head_dim": "kv_channels"},
     "zamba": {"head_dim": "attention_head_dim"}, "zamba2": {"head_dim": "attention_head_dim"},
     "bailing_hybrid": {"max_position_embeddings": "model_max_length"},
@@ -161,6 +163,14 @@ def _deepseek_v4_rope(cfg, src):
             "compress": compress}
 
 
+def _check_local_layer_type(layer_type, what):
+    """layer_type given, and full or sliding, for a config that gives `what`."""
+    if layer_type is None:
+        _fail(f"the config gives {what}; pass layer_type= one of {', '.join(_LOCAL_LAYER_TYPES)}")
+    if layer_type not in _LOCAL_LAYER_TYPES:
+        _fail(f"layer_type {layer_type!r} is not one of {', '.join(_LOCAL_LAYER_TYPES)}")
+
+
 def _rope_dict(cfg, layer_type):
     """(params, form): a fresh copy of the RoPE settings that serve `layer_type`, and how the
     config spells them: "legacy" (rope_scaling, transformers 4), "v5" (rope_parameters),
@@ -189,22 +199,15 @@ def _rope_dict(cfg, layer_type):
     bases = {"full_attention": cfg.get("global_rope_theta"),
              "sliding_attention": cfg.get("local_rope_theta")}
     if any(v is not None for v in bases.values()):  # ModernBERT in transformers 4, and its files
-        if layer_type is None:
-            _fail("the config gives global and local attention layers their own bases "
-                  f"(global_rope_theta, local_rope_theta); pass layer_type= one of "
-                  f"{', '.join(_LOCAL_LAYER_TYPES)}")
-        if layer_type not in _LOCAL_LAYER_TYPES:
-            _fail(f"layer_type {layer_type!r} is not one of {', '.join(_LOCAL_LAYER_TYPES)}")
+        _check_local_layer_type(layer_type, "global and local attention layers their own bases "
+                                            "(global_rope_theta, local_rope_theta)")
         theta = bases[layer_type] if bases[layer_type] is not None else bases["full_attention"]
         if layer_type == "sliding_attention":
             return {"rope_type": "default", "rope_theta": theta}, "local"
         return dict(src, rope_theta=theta), "local"
     if cfg.get("rope_local_base_freq") is not None:  # Gemma 3 in transformers 4
-        if layer_type is None:
-            _fail(f"the config gives sliding-window layers their own base (rope_local_base_freq); pass "
-                  f"layer_type= one of {', '.join(_LOCAL_LAYER_TYPES)}")
-        if layer_type not in _LOCAL_LAYER_TYPES:
-            _fail(f"layer_type {layer_type!r} is not one of {', '.join(_LOCAL_LAYER_TYPES)}")
+        _check_local_layer_type(layer_type, "sliding-window layers their own base "
+                                            "(rope_local_base_freq)")
         if layer_type == "sliding_attention":  # default RoPE at the local base, no scaling
             return {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq")}, "local"
         return src, form

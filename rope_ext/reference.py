@@ -91,6 +91,8 @@ def _sum_to(t, shape):
     """t.sum_to_size(shape), deciding as torch's broadcasting does where a size depends on data
     (a traced token count from nonzero() or mark_unbacked): a table dim not known to be 1 is
     taken to match x's and recorded so, not summed over."""
+    if all(type(n) is int for n in (*t.shape, *shape)):  # eager, and every size known
+        return t.sum_to_size(shape)
     lead = t.dim() - len(shape)
     broadcast = []
     for i, n in enumerate(shape):

@@ -378,10 +378,10 @@ _classes = {}
 
 
 def _patched_class(original, names, fused=False):
-    """The patched subclass of `original` (made once per forward it has), after checking that the functions `names`
-    of its modeling module, as they are now, compute what their replacements do. fused: q_norm
-    and k_norm fused into the RoPE call (True, or the kind of fusion: _qk_norm.ONE_TENSOR,
-    VISION); None if the forward is not of a shape that allows it."""
+    """The patched subclass of `original` (made once per forward the class has), after checking
+    that the functions `names` of its modeling module, as they are now, compute what their
+    replacements do. fused: q_norm and k_norm fused into the RoPE call (True, or the kind of
+    fusion: _qk_norm.ONE_TENSOR, VISION); None if the forward is not of a shape that allows it."""
     key = (original, tuple(names), fused)
     modeling = importlib.import_module(inspect.unwrap(original.forward).__module__)
     functions = _functions_of(modeling)
