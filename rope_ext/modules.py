@@ -1,5 +1,6 @@
 """nn.Module wrapper: holds the cos/sin table and rotates query/key by positions."""
 
+import copy
 import sys
 
 import torch
@@ -10,7 +11,7 @@ from .config import rope_kwargs_from_config
 from .ops import apply_mrope_, apply_rope_, apply_rope_at
 from .scaling import (default_inv_freq, dynamic_base, dynamic_parameters, original_length, rotated_dims,
                       rope_parameters, scaling_type)
-from .tables import cos_sin_rows, table_rows
+from .tables import check_base, cos_sin_rows, table_rows
 
 
 def _dtensor_module(t):
@@ -66,7 +67,11 @@ class RotaryEmbedding(torch.nn.Module):
 
     The table is a non-persistent float32 buffer; it follows the module across devices but keeps
     its float32 precision when the module is cast to a lower precision (RoPE tables in bf16/fp16
-    cost model quality).
+    cost model quality). It is rebuilt, not copied, wherever a cast, a move or to_empty() gives
+    the module new memory, and the dynamic-NTK length is kept (a module that was on "meta" starts
+    from the original length). Under DistributedDataParallel, which broadcasts every buffer
+    before each forward by default, see docs/distributed.md. A dynamic-NTK module's length is
+    state: calls from several threads at once need a module each (as transformers' do).
     """
 
     def __init__(self, head_dim, *, rotary_dim=None, max_position=8192, base=10000.0,
@@ -92,13 +97,17 @@ class RotaryEmbedding(torch.nn.Module):
                     f"RotaryEmbedding: mrope_section must be 3 ints >= 0 summing to rotary_dim/2 = "
                     f"{rotary_dim // 2}, got {mrope_section}"
                 )
+        check_base(base, "RotaryEmbedding")
+        if seq_len is not None:
+            seq_len = check_int(seq_len, "RotaryEmbedding: seq_len", 1)
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim  # the dims rotated: the table's width
         self._freq_dim = freq_dim  # the d of the frequencies base^(-2i/d)
         self.max_position = max_position
         self.base = base
         self.interleaved = interleaved
-        self.scaling = None if scaling is None else dict(scaling)
+        # a copy of its own: a config edited later must not change the tables it rebuilds
+        self.scaling = None if scaling is None else copy.deepcopy(dict(scaling))
         self.seq_len = seq_len
         self.mrope_section = mrope_section
         self.mrope_interleaved = bool(mrope_interleaved)
@@ -106,17 +115,20 @@ class RotaryEmbedding(torch.nn.Module):
         # "static": one table; "longrope": short rows then long rows; "dynamic": growing base.
         self.mode, self._original = "static", None
         kind = scaling_type(self.scaling)
-        if seq_len is None and kind == "longrope":
-            original = original_length(self.scaling)
-            if max_position > original:  # otherwise every call reads the short rows
-                self.mode, self._original = "longrope", original
-        elif seq_len is None and kind == "dynamic":
-            self._factor, original = dynamic_parameters(self.scaling, freq_dim)
-            if max_position > original:  # otherwise no call can grow it: the plain table is exact
-                self.mode, self._original = "dynamic", original
-                self.register_buffer("dynamic_len", torch.tensor(original, dtype=torch.int64),
-                                     persistent=False)
-        self.register_buffer("_tables", self._build(None), persistent=False)
+        # The module's state is made outside inference mode even when built in it: an inference
+        # tensor could not be updated (dynamic_len) or saved for backward (the table) outside.
+        with torch.inference_mode(False):
+            if seq_len is None and kind == "longrope":
+                original = original_length(self.scaling)
+                if max_position > original:  # otherwise every call reads the short rows
+                    self.mode, self._original = "longrope", original
+            elif seq_len is None and kind == "dynamic":
+                self._factor, original = dynamic_parameters(self.scaling, freq_dim)
+                if max_position > original:  # otherwise no call can grow it: the plain table is exact
+                    self.mode, self._original = "dynamic", original
+                    self.register_buffer("dynamic_len", torch.tensor(original, dtype=torch.int64),
+                                         persistent=False)
+            self.register_buffer("_tables", self._build(None), persistent=False)
 
     @classmethod
     def from_config(cls, config, *, layer_type=None, interleaved=None, max_position=None, seq_len=None):
@@ -153,14 +165,21 @@ class RotaryEmbedding(torch.nn.Module):
         return self._tables if self.mode != "longrope" else self._tables[self._original:]
 
     def _apply(self, fn, recurse=True):
-        was_meta = self._tables.is_meta
+        # fn may cast (.half(), .type()), move (.to(device)) or hand back memory with no values
+        # in it (to_empty(), also of a module whose tables are real): the state is rebuilt, not
+        # taken from fn, wherever fn made a new tensor of it.
+        tables, length = self._tables, getattr(self, "dynamic_len", None)
         super()._apply(fn, recurse)
-        materialized = was_meta and not self._tables.is_meta  # to_empty() of a meta-built module
-        if self._tables.dtype != torch.float32 or materialized:
-            # a dtype cast, or memory with no values yet: rebuild exactly in float32
-            self._tables = self._build(self._tables.device)
-        if materialized and self.mode == "dynamic":
-            self.dynamic_len.fill_(self._original)
+        with torch.inference_mode(False):
+            if type(self._tables) is torch.Tensor and self._tables is not tables:
+                self._tables = self._build(self._tables.device)  # exact, float32
+            if length is not None and type(self.dynamic_len) is torch.Tensor and \
+                    self.dynamic_len is not length:
+                device = self.dynamic_len.device
+                if length.is_meta or device.type == "meta":  # no value to keep
+                    self.dynamic_len = torch.tensor(self._original, dtype=torch.int64, device=device)
+                else:  # kept exactly, as an int64 (.type() would cast it)
+                    self.dynamic_len = length.to(device=device, dtype=torch.int64, copy=True)
         return self
 
     def extra_repr(self):
@@ -221,6 +240,9 @@ class RotaryEmbedding(torch.nn.Module):
     def _table_and_index(self, positions):
         """(table, index, length): the op rotates by table[index]; `length` is the dynamic-NTK
         length to keep once the call has succeeded (None when there is none)."""
+        if not isinstance(positions, torch.Tensor):
+            raise TypeError(f"RotaryEmbedding: positions must be a tensor of int32 or int64, got "
+                            f"{type(positions).__name__}")
         if self.mode == "static" or positions.numel() == 0:
             return self._tables, positions, None
         largest = self._check_positions(positions)
@@ -242,9 +264,9 @@ class RotaryEmbedding(torch.nn.Module):
         included): what forward rotates by at these positions. Advances the dynamic-NTK length
         as forward does. With mrope_section, positions (3, ...) give each component's rows, every
         pair of them; a call takes pair i from the component of its section."""
+        table, index, length = self._table_and_index(positions)
         if self.mode == "static" and positions.numel():
             self._check_positions(positions)
-        table, index, length = self._table_and_index(positions)
         rows = table[index.long()]
         self._keep(length)
         half = self.rotary_dim // 2

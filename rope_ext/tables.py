@@ -1,6 +1,8 @@
 """The cos/sin table a model's positions index: row p = [cos(p * w_i) | sin(p * w_i)], i < rotary_dim/2
 (docs/math.md "The cos/sin table")."""
 
+import math
+
 import torch
 
 from ._args import check_int
@@ -38,11 +40,20 @@ def _check_table_dtype(dtype, fn):
                          f"torch.float64, got {dtype}")
 
 
+def check_base(base, fn):
+    """The RoPE base: a finite number > 0 (0, a negative or an infinite one gives no table)."""
+    try:
+        ok = not isinstance(base, bool) and 0 < float(base) < math.inf
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{fn}: base must be > 0 and finite, got {base!r}")
+
+
 def _check_table_args(max_position, rotary_dim, base):
     check_int(max_position, "cos_sin_cache: max_position", 1)
     check_int(rotary_dim, "cos_sin_cache: rotary_dim", 1)
-    if not float(base) > 0:
-        raise ValueError(f"cos_sin_cache: base must be > 0, got {base!r}")
+    check_base(base, "cos_sin_cache")
 
 
 def cos_sin_cache(max_position, rotary_dim, *, base=10000.0, scaling=None, dtype=torch.float32,

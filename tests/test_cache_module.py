@@ -82,6 +82,70 @@ def test_rotary_embedding_built_on_meta_then_materialized_has_its_table(scaling)
     assert torch.equal(m(q, None, pos)[0], fresh(q, None, pos)[0])
 
 
+@pytest.mark.parametrize("how", ["to_empty", "type", "meta and back"])
+def test_rotary_embedding_state_survives_what_apply_does(how):
+    """A module with real tables given new memory (to_empty(), as after init_empty_weights() of
+    parameters only), cast by .type() (which casts int64 buffers too) or moved: the table is
+    rebuilt and the dynamic-NTK length kept exactly."""
+    m = rope_ext.RotaryEmbedding(8, max_position=140_000, scaling=DYNAMIC)
+    fresh = rope_ext.RotaryEmbedding(8, max_position=140_000, scaling=DYNAMIC)
+    q, pos = torch.randn(3, 2, 8), torch.tensor([5, 70_000, 2])
+    want = fresh(q, None, pos)[0]
+    m(q, None, pos)
+    m._tables.fill_(float("nan"))  # what to_empty() may hand back
+    if how == "to_empty":
+        m.to_empty(device="cpu")
+    elif how == "type":
+        m.type(torch.float16)  # 70001 is not a float16
+    else:
+        m.to("meta").to_empty(device="cpu")
+    assert m._tables.dtype == torch.float32 and torch.equal(m._tables, fresh._tables)
+    assert m.dynamic_len.dtype == torch.int64
+    assert int(m.dynamic_len) == (64 if how == "meta and back" else 70_001)
+    if how != "meta and back":
+        assert torch.equal(m(q.to(m._tables.dtype), None, pos)[0], want)
+
+
+def test_rotary_embedding_built_in_inference_mode_serves_outside_it():
+    """Built under inference_mode, a dynamic-NTK module's length is still updated by calls under
+    no_grad (transformers' generate) and in grad mode, and its table can be saved for backward."""
+    with torch.inference_mode():
+        m = rope_ext.RotaryEmbedding(8, max_position=300, scaling=DYNAMIC)
+        s = rope_ext.RotaryEmbedding(8, max_position=300)
+    fresh = rope_ext.RotaryEmbedding(8, max_position=300, scaling=DYNAMIC)
+    q = torch.randn(2, 1, 8)
+    for pos in (torch.tensor([3, 99]), torch.tensor([1, 250])):
+        with torch.no_grad():
+            got = m.forward_(q.clone(), None, pos)[0]
+        assert torch.equal(got, fresh(q, None, pos)[0]) and int(m.dynamic_len) == int(fresh.dynamic_len)
+    x = torch.randn(2, 1, 8, requires_grad=True)
+    s(x, None, torch.tensor([1, 2]))[0].sum().backward()
+    assert x.grad is not None
+
+
+def test_rotary_embedding_checks_base_seq_len_positions_and_copies_scaling():
+    for kw, match in ((dict(base=0), "base must be > 0 and finite, got 0"),
+                      (dict(base=float("nan")), "base must be > 0 and finite"),
+                      (dict(base=-1e4), "base must be > 0 and finite"),
+                      (dict(seq_len=0), "seq_len must be a positive int, got 0"),
+                      (dict(seq_len=2.5), "seq_len must be a positive int"),
+                      (dict(seq_len=True), "seq_len must be a positive int")):
+        with pytest.raises(ValueError, match="RotaryEmbedding: " + match):
+            rope_ext.RotaryEmbedding(8, **kw)
+    with pytest.raises(ValueError, match="cos_sin_cache: base must be > 0 and finite, got inf"):
+        rope_ext.cos_sin_cache(8, 8, base=float("inf"))
+    m = rope_ext.RotaryEmbedding(8)
+    for call in (m.cos_sin, lambda p: m(torch.randn(2, 1, 8), None, p)):
+        with pytest.raises(TypeError, match="RotaryEmbedding: positions must be a tensor of int32 or int64, got list"):
+            call([0, 1])
+    scaling = {k: list(v) if isinstance(v, list) else v for k, v in LONGROPE.items()}
+    m = rope_ext.RotaryEmbedding(8, max_position=300, scaling=scaling)
+    before = m._tables.clone()
+    scaling["long_factor"][0] = 100.0  # the caller's config edited afterwards
+    m.half()
+    assert torch.equal(m._tables, before)
+
+
 def test_rotary_embedding_rejects_out_of_range_positions():
     m = rope_ext.RotaryEmbedding(16, max_position=8)
     with pytest.raises(RuntimeError, match=r"positions must lie in \[0, 8\)"):
