@@ -21,6 +21,7 @@ NORM_FORMS = ("rms", "rms_across_heads", "layer")
 # The norm forms other than a weighted per-head RMSNorm run each row through the kernels' stack
 # buffer (csrc/ops/cpu/kernel_api.h kQkNormStackHeadDim).
 MAX_GENERAL_HEAD_DIM = 1024
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _eps_str(eps):
@@ -33,6 +34,8 @@ def _eps_str(eps):
 def check_eps(eps, op):
     if not (isinstance(eps, numbers.Real) and not isinstance(eps, bool)) or not math.isfinite(eps) or eps < 0:
         _fail(f"{op}: eps must be a finite number >= 0, got {_eps_str(eps)}")
+    if eps > FLOAT32_MAX:  # the norm adds it in float32, where it would be inf
+        _fail(f"{op}: eps must be at most 3.40282e+38 (float32's largest), got {_eps_str(eps)}")
 
 
 def check_weights(q_weight, k_weight, head_dim, ref, ref_name, op):

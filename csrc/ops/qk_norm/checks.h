@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <limits>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -32,6 +33,9 @@ constexpr int64_t kMaxGeneralHeadDim = 1024;
 // Spelled as Python's format(eps, "g") (a stream's default), so messages match the Python paths.
 inline void check_eps(double eps, const char* op) {
   ROPE_CHECK(std::isfinite(eps) && eps >= 0, op, ": eps must be a finite number >= 0, got ", eps);
+  // The norm adds it in float32, where a larger one is inf (every output 0).
+  ROPE_CHECK(eps <= std::numeric_limits<float>::max(), op,
+             ": eps must be at most 3.40282e+38 (float32's largest), got ", eps);
 }
 
 inline void check_norm_weights(const Tensor& q_weight, const Tensor& k_weight, int64_t head_dim,
