@@ -206,7 +206,8 @@ def cpu_isas():
 def set_cpu_isa(name):
     """Serves the CPU ops with variant `name` ("auto" for the best this CPU supports; a variant it
     lacks is an error); returns the name of the variant now serving. For tests and comparisons:
-    every variant gives the same bits."""
+    every variant gives the same bits, but for NaN payloads and avx512_bf16's bfloat16 results
+    below 1.2e-38, stored as zeros (docs/math.md)."""
     if not has_kernel("cpu"):
         raise RuntimeError("rope_ext.set_cpu_isa: no native CPU library is loaded")
     if name != "auto" and name not in CPU_ISA_NAMES:

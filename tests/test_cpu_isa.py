@@ -186,6 +186,62 @@ def test_every_variant_writes_torchs_nan_codes(variant, interleaved):
                 assert torch.equal(t.view(torch.int16), expected.view(torch.int16)), (isa, stream_all)
 
 
+def _flushed(got, want):
+    """avx512_bf16's one exception (docs/math.md): where its bfloat16 words differ from `want`,
+    `want` is a bfloat16 subnormal or the smallest normal (a float32 result below 2^-126 that
+    torch rounds) and the word is a zero of the same sign. Returns how many words differ."""
+    got, want = got.view(torch.int16).int() & 0xFFFF, want.view(torch.int16).int() & 0xFFFF
+    diff = got != want
+    assert ((got[diff] & 0x7FFF) == 0).all(), "only zeros"
+    assert ((got[diff] & 0x8000) == (want[diff] & 0x8000)).all(), "of the result's sign"
+    assert ((want[diff] & 0x7FFF) <= 0x0080).all(), "only where torch's word is below 2^-126"
+    return int(diff.sum())
+
+
+@native
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_every_variant_rounds_float_denormals_as_documented(variant, interleaved):
+    """bfloat16 results below float32's smallest normal (1.2e-38): every variant rounds them as
+    torch does, but avx512_bf16, whose conversion instruction takes them as zero (docs/math.md:
+    the one exception besides NaN payloads, and bounded here to exactly those words). The
+    rotations (vector bodies and tails), the fused QK-norm's fixed and general rows, the K-shift."""
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    x = (torch.randn(9, 3, 160, generator=g) * 1e-39).to(torch.bfloat16)  # 80 pairs
+    x[:, :, 150:] = 0  # zeros stay zeros, beside the denormals
+    cache = rope_ext.cos_sin_cache(64, 160)
+    pos = torch.randint(0, 64, (9,), generator=g)
+    rows = cache[pos].unsqueeze(1)
+    cos, sin = rows[..., :80], rows[..., 80:]
+    expected = rope_ext.reference.apply_rope(x, cos, sin, interleaved=interleaved)
+    assert (expected != 0).float().mean() > 0.7
+    w = torch.full((128,), 1e-39).to(torch.bfloat16)  # RMS-normalized rows scaled to denormals
+    n = torch.randn(9, 5, 128, generator=g).to(torch.bfloat16)
+    general = torch.randn(9, 5, 96, generator=g).to(torch.bfloat16)
+    outs = {}
+    for isa in runnable():
+        variant(isa, False)
+        got = torch.ops.rope.apply(x, cos, sin, interleaved)
+        q = x.clone()
+        torch.ops.rope.apply_(q, None, pos, cache, interleaved)
+        fixed, gen = n.clone(), general.clone()
+        torch.ops.rope.qk_norm_rope_(fixed[:, :3], fixed[:, 3:], w, w, pos,
+                                     rope_ext.cos_sin_cache(64, 128), 1e-6, False, interleaved)
+        torch.ops.rope.qk_norm_rope_(gen[:, :3], gen[:, 3:], w[:96], w[:96], pos,
+                                     rope_ext.cos_sin_cache(64, 96), 1e-6, False, interleaved)
+        shifted = x.clone().view(9, 1, 3, 160)
+        rope_ext.shift_kv_cache_(shifted, torch.arange(9), pos - 32, cache, interleaved=interleaved)
+        outs[isa] = [got, q, fixed, gen, shifted]
+    base = outs["baseline"]
+    for t in base[:2]:
+        assert torch.equal(t.view(torch.int16), expected.view(torch.int16))
+    assert all((t != 0).float().mean() > 0.7 for t in base)
+    for isa, ts in outs.items():
+        if isa == "avx512_bf16":
+            assert sum(_flushed(t, b) for t, b in zip(ts, base)) > 0  # the case is exercised
+        else:
+            assert all(torch.equal(t.view(torch.int16), b.view(torch.int16)) for t, b in zip(ts, base)), isa
+
+
 @native
 def test_every_variant_gives_the_same_bits(variant):
     """No FMA anywhere (csrc/build.json): each vectorized variant must give exactly the bits of

@@ -229,7 +229,7 @@ inline void norm_tail(const x_t* src, int64_t sl, x_t* dst, int64_t dl, const ac
 // - AVX512_BF16 (ROPE_AVX512_BF16, defined by that variant's file): a row of float results, one
 //   instruction rounding 32 values to nearest even, then NaN lanes made torch's 0xFFFF. Like the
 //   rotation kernels' variant, it treats float denormals (below 1.2e-38) as zero, unlike torch's
-//   conversion (docs/cpu-performance.md).
+//   conversion (docs/math.md).
 // - AVX2 (ROPE_AVX2_BF16, isa_avx2.cpp): rows in even/odd order, each 16 elements of a converted
 //   row held as their 8 even elements, then their 8 odd ones (the tables likewise). One load
 //   widens 16 values (a shift and a mask) and one word blend puts two vectors rounded as the
