@@ -174,9 +174,13 @@ if HF5:
         "laguna": causal_lm(T.LagunaConfig(**BASE, head_dim=16)),
         "mellum": causal_lm(T.MellumConfig(**BASE, head_dim=16)),
         # a sparse layer's indexer rotates by a slice of the layer's table (index_head_dim <
-        # head_dim: the slice's halves differ), which transformers' code keeps serving
+        # head_dim: the slice's halves differ), which transformers' code keeps serving. Every
+        # token takes all 4 experts: a router choosing among them flips its choice for a token
+        # on a last-bit difference, and the logits then differ by far more than the rounding
+        # (test_bf16_model_patched_runs_as_accurately_as_unpatched measures the rounding).
         "minimax_m3_vl_text": causal_lm(T.MiniMaxM3VLTextConfig(
             **BASE, head_dim=16, layer_types=["minimax_m3_sparse", "full_attention"],
+            num_local_experts=4, num_experts_per_tok=4,
             index_n_heads=2, index_head_dim=8, index_block_size=2, index_topk_blocks=2,
             index_local_blocks=1)),
         "lfm3": causal_lm(T.Lfm3Config(**BASE, head_dim=16, pad_token_id=0,
@@ -197,7 +201,8 @@ if HF5:
                            temporal_patch_size=1)))
     FAMILIES["minimax_m3_vl"] = lambda: T.MiniMaxM3SparseForConditionalGeneration(
         T.MiniMaxM3VLConfig(
-            text_config=dict(BASE, head_dim=16), projector_hidden_size=32, image_token_index=5,
+            text_config=dict(BASE, head_dim=16, num_local_experts=4, num_experts_per_tok=4),
+            projector_hidden_size=32, image_token_index=5,
             video_token_index=6, vision_config=dict(
                 hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                 patch_size=2, image_size=8, temporal_patch_size=1)))
