@@ -38,6 +38,24 @@ def _global_extremes(dtensor, positions):
     return -ext[0], ext[1]
 
 
+def _local(t):
+    return t.to_local() if _dtensor_module(t) is not None else t
+
+
+def _restored(new, old, dtype, build):
+    """What Module._apply made of a state tensor (`new`, from `old`), holding old's values: copied
+    into new's memory (which keeps what fn chose: its device, pinned or shared memory, a DTensor),
+    or built again (`build(device)`) where new has another dtype, old has no values (meta), new
+    cannot hold them (meta) or could not be updated outside inference mode."""
+    with torch.inference_mode(False):
+        if new.dtype == dtype and not (old.is_meta or new.is_meta or new.is_inference()):
+            dst, src = _local(new), _local(old)
+            if dst.shape == src.shape:
+                dst.copy_(src)
+                return new
+        return build(new.device)
+
+
 class RotaryEmbedding(torch.nn.Module):
     """RoPE for attention: forward(query, key, positions) returns rotated copies of query
     (..., Hq, head_dim) and key (..., Hk, head_dim) (key may be None), differentiable.
@@ -67,9 +85,9 @@ class RotaryEmbedding(torch.nn.Module):
 
     The table is a non-persistent float32 buffer; it follows the module across devices but keeps
     its float32 precision when the module is cast to a lower precision (RoPE tables in bf16/fp16
-    cost model quality). It is rebuilt, not copied, wherever a cast, a move or to_empty() gives
-    the module new memory, and the dynamic-NTK length is kept (a module that was on "meta" starts
-    from the original length). Under DistributedDataParallel, which broadcasts every buffer
+    cost model quality). A move or to_empty() keeps its values (copied into the new memory), as
+    it keeps the dynamic-NTK length's; a cast, or memory that had none ("meta"), builds them
+    again (the length starting from the original). Under DistributedDataParallel, which broadcasts every buffer
     before each forward by default, see docs/distributed.md. A dynamic-NTK module's length is
     state: calls from several threads at once need a module each (as transformers' do).
     """
@@ -165,21 +183,20 @@ class RotaryEmbedding(torch.nn.Module):
         return self._tables if self.mode != "longrope" else self._tables[self._original:]
 
     def _apply(self, fn, recurse=True):
-        # fn may cast (.half(), .type()), move (.to(device)) or hand back memory with no values
-        # in it (to_empty(), also of a module whose tables are real): the state is rebuilt, not
-        # taken from fn, wherever fn made a new tensor of it.
+        # fn may cast (.half(), .type()), move (.to(device), pin or share memory) or hand back
+        # memory with no values in it (to_empty(), also of a module whose tables hold values).
+        # Wherever it made a new tensor of the state, the state keeps its values and dtype: the
+        # table float32 and exact, the dynamic-NTK length an int64.
         tables, length = self._tables, getattr(self, "dynamic_len", None)
         super()._apply(fn, recurse)
-        with torch.inference_mode(False):
-            if type(self._tables) is torch.Tensor and self._tables is not tables:
-                self._tables = self._build(self._tables.device)  # exact, float32
-            if length is not None and type(self.dynamic_len) is torch.Tensor and \
-                    self.dynamic_len is not length:
-                device = self.dynamic_len.device
-                if length.is_meta or device.type == "meta":  # no value to keep
-                    self.dynamic_len = torch.tensor(self._original, dtype=torch.int64, device=device)
-                else:  # kept exactly, as an int64 (.type() would cast it)
-                    self.dynamic_len = length.to(device=device, dtype=torch.int64, copy=True)
+        if self._tables is not tables:
+            self._tables = _restored(self._tables, tables, torch.float32,
+                                     lambda device: self._build(device))
+        if length is not None and self.dynamic_len is not length:
+            original = torch.tensor(self._original, dtype=torch.int64)
+            self.dynamic_len = _restored(
+                self.dynamic_len, length, torch.int64,
+                lambda device: (original if length.is_meta else length).to(device, torch.int64, copy=True))
         return self
 
     def extra_repr(self):

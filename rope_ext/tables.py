@@ -43,8 +43,8 @@ def _check_table_dtype(dtype, fn):
 def check_base(base, fn):
     """The RoPE base: a finite number > 0 (0, a negative or an infinite one gives no table)."""
     try:
-        ok = not isinstance(base, bool) and 0 < float(base) < math.inf
-    except (TypeError, ValueError):
+        ok = not isinstance(base, (bool, str, bytes)) and 0 < float(base) < math.inf
+    except (TypeError, ValueError, OverflowError):
         ok = False
     if not ok:
         raise ValueError(f"{fn}: base must be > 0 and finite, got {base!r}")
