@@ -210,8 +210,10 @@ def flashinfer_frequencies(rotary_dim, rope_scale=1.0, rope_theta=1e4, low_freq_
     freq = rcp_theta ** ((2 * i) / torch.tensor(float(rotary_dim), dtype=f32))
     if low_freq_factor is None:
         return freq * rcp_scale
-    smooth_a = torch.tensor(old_context_len / (2 * math.pi * high_freq_factor
-                                               - 2 * math.pi * low_freq_factor), dtype=f32)
+    # the host function takes the three as C floats, then forms smooth_a in double
+    old, high, low = (float(torch.tensor(float(v), dtype=f32))
+                      for v in (old_context_len, high_freq_factor, low_freq_factor))
+    smooth_a = torch.tensor(old / (2 * math.pi * high - 2 * math.pi * low), dtype=f32)
     smooth_b = -1.0 / (torch.tensor(high_freq_factor, dtype=f32)
                        / torch.tensor(low_freq_factor, dtype=f32) - 1.0)
     smooth = torch.clamp(freq * smooth_a + smooth_b, 0.0, 1.0)

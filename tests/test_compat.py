@@ -577,6 +577,18 @@ def test_fi_llama31(ragged, inplace):
     assert blended[0] == unscaled[0] and torch.isclose(blended[-1], unscaled[-1] / 8)
 
 
+def test_fi_llama31_factors_are_floats_first():
+    """FlashInfer's host function takes the Llama 3.1 factors as C floats: factors float32 cannot
+    hold exactly give the frequencies of their float32 roundings, to the bit."""
+    from rope_ext.compat.flashinfer import _frequencies
+
+    got = _frequencies(64, 8.0, 5e5, torch.device("cpu"), (1.1, 4.3, 8191.3))
+    want = peers.flashinfer_frequencies(64, 8.0, 5e5, 1.1, 4.3, 8191.3)
+    rounded = [float(torch.tensor(v, dtype=torch.float32)) for v in (1.1, 4.3, 8191.3)]
+    assert torch.equal(got, want)
+    assert torch.equal(got, peers.flashinfer_frequencies(64, 8.0, 5e5, *rounded))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("is_neox", [True, False])
 @pytest.mark.parametrize("inplace", [False, True])

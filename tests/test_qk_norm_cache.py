@@ -513,6 +513,26 @@ def test_vllm_fused_qknorm_rope_cache(dtype, fmt, bias, rotary_dim, width):
     check_cache_rows(kc, vc, a, k.unflatten(1, heads), v.unflatten(1, heads))
 
 
+def test_vllm_fused_qknorm_rope_cache_slot_mapping_shorter_than_qkv():
+    """vLLM pads qkv to a CUDA graph's size while slot_mapping covers the real tokens: the rows
+    past its end are normed and rotated as the others, and not cached."""
+    from rope_ext.compat.vllm import fused_qknorm_rope_cache
+
+    a = vllm_prologue_case(torch.bfloat16, "auto", 128)
+    full = fused_qknorm_rope_cache(**{**a, "key_cache": a["key_cache"].clone(),
+                                      "value_cache": a["value_cache"].clone(),
+                                      "slot_mapping": torch.cat((a["slot_mapping"][:5],
+                                                                 torch.tensor([-1, -1])))})
+    a["slot_mapping"] = a["slot_mapping"][:5]
+    got = fused_qknorm_rope_cache(**a)
+    for g, w in zip(got, full):
+        assert torch.equal(g, w)
+    heads = (a["num_kv_heads"], a["head_dim"])
+    padded = {**a, "slot_mapping": torch.cat((a["slot_mapping"], torch.tensor([-1, -1])))}
+    check_cache_rows(a["key_cache"], a["value_cache"], padded, got[1].unflatten(1, heads),
+                     got[2].unflatten(1, heads))
+
+
 @pytest.mark.parametrize("layout", ["rows of a wider buffer", "column-major"])
 def test_vllm_fused_qknorm_rope_cache_qkv_layouts(layout):
     """qkv of any strides: rows of a wider buffer are viewed as heads, a column-major qkv (its

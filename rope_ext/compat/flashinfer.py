@@ -58,9 +58,10 @@ def _frequencies(rotary_dim, rope_scale, rope_theta, device, llama31=None):
     if llama31 is None:
         smooth_a = smooth_b = torch.zeros((), dtype=F32, device=device)
     else:
-        low, high, old_context_len = llama31
-        # smooth_a is formed in double (M_PI) and stored as float; smooth_b in float.
-        smooth_a = torch.tensor(float(old_context_len) / (2 * math.pi * high - 2 * math.pi * low),
+        # The kernel's arguments are floats: smooth_a is formed from them in double (M_PI) and
+        # stored as float; smooth_b in float.
+        low, high, old_context_len = (float(torch.tensor(float(v), dtype=F32)) for v in llama31)
+        smooth_a = torch.tensor(old_context_len / (2 * math.pi * high - 2 * math.pi * low),
                                 dtype=F32, device=device)
         ratio = torch.tensor(float(high), dtype=F32) / torch.tensor(float(low), dtype=F32)
         smooth_b = (-1.0 / (ratio - 1.0)).to(device)
