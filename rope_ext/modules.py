@@ -87,9 +87,10 @@ class RotaryEmbedding(torch.nn.Module):
     its float32 precision when the module is cast to a lower precision (RoPE tables in bf16/fp16
     cost model quality). A move or to_empty() keeps its values (copied into the new memory), as
     it keeps the dynamic-NTK length's; a cast, or memory that had none ("meta"), builds them
-    again (the length starting from the original). Under DistributedDataParallel, which broadcasts every buffer
-    before each forward by default, see docs/distributed.md. A dynamic-NTK module's length is
-    state: calls from several threads at once need a module each (as transformers' do).
+    again (the length starting from the original). Under DistributedDataParallel, which
+    broadcasts every buffer before each forward by default, see docs/distributed.md. A
+    dynamic-NTK module's length is state: calls from several threads at once need a module
+    each (as transformers' do).
     """
 
     def __init__(self, head_dim, *, rotary_dim=None, max_position=8192, base=10000.0,

@@ -135,7 +135,8 @@ def test_rotary_embedding_checks_base_seq_len_positions_and_copies_scaling():
         rope_ext.cos_sin_cache(8, 8, base=float("inf"))
     m = rope_ext.RotaryEmbedding(8)
     for call in (m.cos_sin, lambda p: m(torch.randn(2, 1, 8), None, p)):
-        with pytest.raises(TypeError, match="RotaryEmbedding: positions must be a tensor of int32 or int64, got list"):
+        with pytest.raises(TypeError, match="RotaryEmbedding: positions must be a tensor of "
+                                            "int32 or int64, got list"):
             call([0, 1])
     scaling = {k: list(v) if isinstance(v, list) else v for k, v in LONGROPE.items()}
     m = rope_ext.RotaryEmbedding(8, max_position=300, scaling=scaling)

@@ -316,7 +316,8 @@ PACKED_CASES = [
     # x86's 0/0 sets a NaN's sign bit: both paths word it "nan", as Python does
     ("eps_negative_nan", dict(eps=-float("nan")), r"eps must be a finite number >= 0, got nan$"),
     # finite as a double, inf in the float32 the norm adds it in
-    ("eps_above_float32", dict(eps=1e39), r"eps must be at most 3.40282e\+38 \(float32's largest\), got 1e\+39$"),
+    ("eps_above_float32", dict(eps=1e39),
+     r"eps must be at most 3.40282e\+38 \(float32's largest\), got 1e\+39$"),
 ]
 
 

@@ -57,8 +57,8 @@ def fused_qknorm_rope_cache(qkv, q_weight, k_weight, cos_sin_cache, positions, s
     NeoX-style by the rows of cos_sin_cache at positions (cos and sin: the table's halves, each
     read from its start; rotary_dim 0: no rotation), v a copy; k and v also written into the
     paged caches (num_blocks, block_size, num_kv_heads, head_dim) at slot_mapping (negative,
-    or past the end of a slot_mapping shorter than qkv: not cached), float8 caches (uint8 as vLLM allocates them, or a float8 dtype) storing x /
-    scale, saturated.
+    or past the end of a slot_mapping shorter than qkv: not cached), float8 caches (uint8 as
+    vLLM allocates them, or a float8 dtype) storing x / scale, saturated.
 
     One rope.qk_norm_rope_and_cache call (one pass; qkv only read). Unlike vLLM's kernel, the
     normalized rows are rounded once, after the rotation (vLLM rounds them to qkv's dtype
@@ -104,7 +104,8 @@ def fused_qknorm_rope_cache(qkv, q_weight, k_weight, cos_sin_cache, positions, s
             slot_mapping.shape[0] < tokens:
         # vLLM pads qkv to a CUDA graph's size while slot_mapping covers the real tokens (it
         # allows slot_mapping.numel() <= num_tokens): the rows past it are rotated, not cached.
-        slot_mapping = torch.cat((slot_mapping, slot_mapping.new_full((tokens - slot_mapping.shape[0],), -1)))
+        padding = slot_mapping.new_full((tokens - slot_mapping.shape[0],), -1)
+        slot_mapping = torch.cat((slot_mapping, padding))
     # q, k, v: views of qkv's heads (one op; qkv is only read, so a layout that cannot be viewed
     # is copied by reshape)
     q, k, v = qkv.reshape(tokens, heads_q + 2 * heads_kv, dim).tensor_split(
