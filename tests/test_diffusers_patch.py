@@ -277,6 +277,32 @@ def test_a_diffusers_rope_that_differs_is_refused(monkeypatch):
     assert processor_classes(model) == classes and not rdi.is_patched(model)
 
 
+class _OtherLibrary:
+    """Another library's attention, put on diffusers' processor class before patch()."""
+
+    def __call__(self, attn, hidden_states, *args, **kwargs):
+        raise AssertionError("patch() does not call a processor")
+
+
+def fast_call(self, attn, hidden_states, *args, **kwargs):
+    raise AssertionError("patch() does not call a processor")
+
+
+def test_a_processor_call_another_library_replaced_is_refused(monkeypatch):
+    """diffusers' source of the class no longer says what __call__ does, and recompiled in
+    diffusers' module the replacement's names would resolve to diffusers' own or to nothing."""
+    model, inputs = dm.build("flux")
+    cls = type(model.transformer_blocks[0].attn.processor)
+    for replacement in (fast_call, _OtherLibrary.__call__):
+        monkeypatch.setattr(rdi, "_classes", {})
+        monkeypatch.setattr(rdi, "_verified", set())
+        monkeypatch.setattr(cls, "__call__", replacement)
+        classes = processor_classes(model)
+        with pytest.raises(rdi.UnsupportedModelError, match="its __call__ is not diffusers' own"):
+            rdi.patch(model)
+        assert processor_classes(model) == classes and not rdi.is_patched(model)
+
+
 def test_processor_classes_resolve_by_name():
     import pickle
 

@@ -216,6 +216,10 @@ def _rewritten_call(base, module, names, rewrites=()):
     fn = base.__dict__.get("__call__")
     if not isinstance(fn, types.FunctionType):
         raise _Refused("it defines no __call__ of its own")
+    if fn.__globals__ is not vars(module) or fn.__code__.co_name != "__call__":
+        # another library's __call__ put on diffusers' class: recompiled in diffusers' module,
+        # its names would resolve to diffusers' own or to nothing
+        raise _Refused(f"its __call__ is not diffusers' own (it is {fn.__module__}.{fn.__qualname__})")
     try:
         source = textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError) as e:
