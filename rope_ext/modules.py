@@ -191,13 +191,14 @@ class RotaryEmbedding(torch.nn.Module):
         tables, length = self._tables, getattr(self, "dynamic_len", None)
         super()._apply(fn, recurse)
         if self._tables is not tables:
-            self._tables = _restored(self._tables, tables, torch.float32,
-                                     lambda device: self._build(device))
+            self._tables = _restored(self._tables, tables, torch.float32, self._build)
         if length is not None and self.dynamic_len is not length:
-            original = torch.tensor(self._original, dtype=torch.int64)
-            self.dynamic_len = _restored(
-                self.dynamic_len, length, torch.int64,
-                lambda device: (original if length.is_meta else length).to(device, torch.int64, copy=True))
+            def build(device):  # the value kept, as an int64; from the original after meta
+                if length.is_meta:
+                    return torch.tensor(self._original, dtype=torch.int64, device=device)
+                return length.to(device, torch.int64, copy=True)
+
+            self.dynamic_len = _restored(self.dynamic_len, length, torch.int64, build)
         return self
 
     def extra_repr(self):
