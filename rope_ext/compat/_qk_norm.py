@@ -129,9 +129,13 @@ def _yarn_tables(positions, rotary_dim, base, factor, low, high, attention_facto
         ramp = ((i - low) / (hi - low)).clamp(0.0, 1.0)
         extrapolation = 1.0 - ramp
         freq = (freq / factor) * (1.0 - extrapolation) + freq * extrapolation
+    # one float64 temporary beside the angles, each half rounded into the float32 table as it
+    # is made (the per-token table is kept small: it is allocated on every call)
     angle = positions.to(torch.float64)[:, None] * freq
-    table = torch.cat((angle.cos(), angle.sin()), dim=1) * attention_factor
-    return table.to(torch.float32)
+    table = torch.empty(angle.shape[0], 2 * half, dtype=torch.float32, device=angle.device)
+    table[:, :half] = torch.cos(angle).mul_(attention_factor)
+    table[:, half:] = angle.sin_().mul_(attention_factor)
+    return table
 
 
 def sglang_fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps,
