@@ -541,6 +541,33 @@ def test_sglang_fused_qk_norm_rope(factor, rotary_dim):
     assert torch.equal(qkv[:, (Hq + Hk) * D :], before[:, (Hq + Hk) * D :])
 
 
+def test_sglang_fused_qk_norm_rope_cached_table_gives_the_per_token_bits(monkeypatch):
+    from rope_ext.compat import _qk_norm as impl
+    from rope_ext.compat.sglang import fused_qk_norm_rope
+
+    T, Hq, Hk, Hv, D = 7, 2, 1, 1, 64
+    qkv = torch.randn(T, (Hq + Hk + Hv) * D, dtype=torch.bfloat16)
+    wq, wk = torch.randn(D, dtype=torch.bfloat16), torch.randn(D, dtype=torch.bfloat16)
+    args = (1e6, True)
+    yarn = (4.0, 3.0, 20.0, 1.2, 48)
+    cases = [torch.randint(0, 5000, (T,), dtype=torch.int32), torch.randint(0, 300, (T,)),
+             torch.randint(0, 300, (70,)), torch.tensor([-3, 0, 5, 9, 1, 2, 3]),
+             torch.tensor([1 << 17, 0, 5, 9, 1, 2, 3])]
+    for pos in cases:
+        x = torch.randn(pos.shape[0], qkv.shape[1], dtype=torch.bfloat16)
+        got = x.clone()
+        fused_qk_norm_rope(got, Hq, Hk, Hv, D, 1e-6, wq, wk, *args, pos, *yarn)
+        cached = (48, 1e6, 4.0, 3.0, 20.0, 1.2) in impl._TABLES
+        assert cached == (int(pos.min()) >= 0 and int(pos.max()) < 1 << 17)
+        with monkeypatch.context() as m:  # the per-token rows
+            m.setattr(impl, "_cached_table", lambda positions, key: None)
+            want = x.clone()
+            fused_qk_norm_rope(want, Hq, Hk, Hv, D, 1e-6, wq, wk, *args, pos, *yarn)
+        assert torch.equal(got, want)
+        assert not torch.equal(got, x)
+        impl._TABLES.clear()
+
+
 # ---- every compiled CPU variant, and rows past the kernel's stack buffers ----
 
 @pytest.mark.parametrize("isa", rope_ext._library.CPU_ISA_NAMES)
