@@ -179,11 +179,11 @@ def sglang_fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_d
 
 
 # SGLang's kernel computes the angles in registers. A table of each call's tokens costs a dozen
-# small ops (66 us against vLLM's drop-in's 6 at decode, on one CPU thread), so on the CPU a table of positions
-# 0 .. n-1 is kept per frequency set (its rows are the per-token rows' values) and the positions
-# index it; grown to the next power of two past the largest position. Elsewhere (a host sync
-# would break CUDA graphs), under torch.compile, and for positions outside [0, 2^17) (the table
-# would pass 64 MiB at rotary_dim 128), the per-token table serves.
+# small ops (66 us against vLLM's drop-in's 6 at decode, one CPU thread), so on the CPU a table
+# of positions 0 .. n-1 is kept per frequency set (its rows are the per-token rows' values) and
+# the positions index it; grown to the next power of two past the largest position. Elsewhere
+# (a host sync would break CUDA graphs), under torch.compile, and for positions outside
+# [0, 2^17) (the table would pass 64 MiB at rotary_dim 128), the per-token table serves.
 _TABLES = {}
 _TABLES_KEPT = 8
 _CACHED_POSITIONS = 1 << 17
