@@ -131,6 +131,60 @@ def test_prologue_bad_slots_trap(slots, match):
                                     torch.ones(16), torch.ones(16), kc, vc, slot)
 
 
+@pytest.mark.parametrize("T", [1, 8])
+@pytest.mark.parametrize("in_place", [True, False])
+def test_prologue_with_empty_caches(T, in_place):
+    """Caches of 0 blocks (every slot padding) have no data pointer: the kernel still gives the
+    value heads their rows (it once took such a call for one without the store stage and
+    walked past the last token)."""
+    q, k, v = (torch.randn(T, h, 64, dtype=torch.bfloat16) for h in (4, 2, 2))
+    kc, vc = (torch.empty(0, 16, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    pos, cache, w = torch.randint(0, 32, (T,)), torch.randn(32, 64), torch.randn(64)
+    args = (pos, cache, w, w, kc, vc, torch.full((T,), -1))
+    want = [t.clone() for t in (q, k, v)]
+    torch.ops.rope.qk_norm_rope_and_cache_(*want, *args, 1e-6, v_norm=True)
+    if in_place:
+        got = [t.clone() for t in (q, k, v)]
+        sim.qk_norm_rope_and_cache_(*got, *args, eps=1e-6, v_norm=True)
+    else:
+        got, _ = sim.qk_norm_rope_and_cache(q, k, v, *args, eps=1e-6, v_norm=True)
+    for g, w_ in zip(got, want):
+        close(g, w_, torch.bfloat16)
+
+
+def test_prologue_values_only():
+    """head_dim 0: no query or key element, and still every value row normed and cached."""
+    T, Dv = 4, 8
+    q, k = torch.randn(T, 2, 0), torch.randn(T, 1, 0)
+    kc, vc = torch.zeros(2, 4, 1, 0), torch.full((2, 4, 1, Dv), float("nan"))
+    args = (torch.arange(T), torch.randn(8, 0), torch.ones(0), torch.ones(0), kc)
+    slots = torch.tensor([5, 0, -1, 2])
+    v = torch.randn(T, 1, Dv)
+    want_v, want_vc = v.clone(), vc.clone()
+    torch.ops.rope.qk_norm_rope_and_cache_(q, k, want_v, *args, want_vc, slots, 1e-6, v_norm=True)
+    got_v, got_vc = v.clone(), vc.clone()
+    sim.qk_norm_rope_and_cache_(q, k, got_v, *args, got_vc, slots, eps=1e-6, v_norm=True)
+    close(got_v, want_v, torch.float32)
+    assert torch.equal(got_vc.isnan(), want_vc.isnan()) and want_vc.isnan().sum() == Dv * 5
+    close(got_vc.nan_to_num(), want_vc.nan_to_num(), torch.float32)
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_prologue_without_kv_heads_checks_slots(in_place):
+    """No key heads: no kernel row reads a slot, so the host checks them, as the CPU op does."""
+    q, k, v = torch.randn(4, 2, 16), torch.randn(4, 0, 16), torch.randn(4, 0, 16)
+    kc, vc = torch.zeros(2, 4, 0, 16), torch.zeros(2, 4, 0, 16)
+    args = (torch.arange(4), torch.randn(8, 16), torch.ones(16), torch.ones(16), kc, vc,
+            torch.tensor([0, 1, 999, 2]))
+    before = q.clone()
+    run = sim.qk_norm_rope_and_cache_ if in_place else sim.qk_norm_rope_and_cache
+    with pytest.raises(RuntimeError, match="slot_mapping must lie below"):
+        run(q, k, v, *args, eps=1e-6)
+    assert torch.equal(q, before)
+    with pytest.raises(RuntimeError, match="slot_mapping must lie below"):
+        torch.ops.rope.qk_norm_rope_and_cache_(q, k, v, *args, 1e-6)
+
+
 # ---- rope.norm_rope: the DiT norm forms ----
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -79,6 +79,7 @@ bool run_norm_rope(const RotateGeometry& g, const NormRopeTensors& t, const Norm
     if (store != nullptr) {
       NormStore& st = a.store;
       st = *store;
+      st.on = true;
       const CacheDesc& cg = st.cg;
       st.v_vec = value_rows_vectorizable<x_t>(st.value, cg.v_token, cg.v_head, cg.v_last,
                                               cg.value_dim) &&
@@ -287,10 +288,19 @@ void qk_norm_rope_and_cache_host(
     st.v_scale = static_cast<const float*>(v_scale->const_data_ptr());
   }
   st.v_norm = v_norm;
-  if (!run_norm_rope(cg.rot, t, rms_norm(eps, unit_offset), xt, run, max_blocks, &st)) {
+  // The kernel checks a slot where a key or value row reads it. With no key heads no row does,
+  // and with no rows nothing launches: such calls check positions and slots here (a copy to
+  // the host, in degenerate calls only), before anything is written.
+  const bool host_checks = cg.kv_heads == 0;
+  auto check_on_host = [&] {
     check_data_on_host(cg.rot.tokens, positions, cg.rot.table.rows,
                        in_place ? kQkNormCacheOp : kQkNormCacheOutOp, "cos_sin_cache.size(0)",
                        &slots, cg.slots);
+  };
+  if (host_checks) check_on_host();
+  if (!run_norm_rope(cg.rot, t, rms_norm(eps, unit_offset), xt, run, max_blocks, &st) &&
+      !host_checks) {
+    check_on_host();
   }
 }
 

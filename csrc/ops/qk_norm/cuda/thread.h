@@ -37,6 +37,8 @@ struct NormStore {
   const float* k_scale;  // nullptr unless fp8
   const float* v_scale;
   bool v_norm;
+  bool on;  // the store stage runs (its value heads have rows): a cache of 0 elements has no
+            // data pointer, so the pointers cannot tell
   // value rows (and value_out's) 16-byte aligned with unit stride, value_dim % W == 0; the
   // caches take whole chunks (CacheStore::vec)
   bool v_vec, kc_vec, vc_vec;
@@ -161,7 +163,7 @@ ROPE_HD void norm_rope_thread(const NormRopeArgs<x_t, tab_t>& a, const ThreadPos
   const TargetDesc& t0 = g.target[0];
   const TargetDesc& t1 = g.target[1];
   const NormStore& st = a.store;
-  const bool storing = st.key_cache != nullptr;
+  const bool storing = st.on;
   const bool across = a.norm.form == NormForm::kRmsAcrossHeads;
   const bool layer = a.norm.form == NormForm::kLayer;
   // the heads of one unit (one thread) of each target
