@@ -26,7 +26,7 @@
 
 namespace rope::gpu {
 
-// The store stage of a call that ends in the paged caches; key_cache == nullptr: none.
+// The store stage of a call that ends in the paged caches (`on`; otherwise none).
 struct NormStore {
   CacheDesc cg;
   const void* value;     // (T, Hk, Dv) rows of x_t, read (the cg.v_* strides)
