@@ -404,6 +404,40 @@ def test_fa_inplace_above_the_one_pass_threshold():
     check(qkv, want, torch.float32)
 
 
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_fa_inplace_any_qkv_layout_and_refusals_change_nothing(monkeypatch, one_pass):
+    # qkv stored head-major ((b, 3, h, s, d) seen as (b, s, 3, h, d); GQA's (b, h, s, d)
+    # transposed): Q and K never meet, on either path; an inference tensor, or cos and sin of
+    # two dtypes, is refused on either path before anything is written.
+    if one_pass:
+        monkeypatch.setattr(flash_attn, "_ONE_PASS_MIN_ELEMENTS", 0)
+    cos, sin = tables(16, 6)
+    for qkv, hq in ((torch.randn(2, 3, 4, 5, 16).permute(0, 3, 1, 2, 4), None),
+                    (torch.randn(2, 4 + 2 * 2, 5, 16).transpose(1, 2), 4)):
+        want = peers.fa_apply_rotary_emb_qkv_(*f64(qkv, cos, sin), seqlen_offsets=3,
+                                              num_heads_q=hq)
+        assert flash_attn.apply_rotary_emb_qkv_(qkv, cos, sin, None, None, False, 3, hq) is qkv
+        check(qkv, want, torch.float32)
+    with torch.inference_mode():
+        qkv, x = torch.randn(1, 4, 3, 2, 16), torch.randn(1, 4, 2, 16)
+    calls = [lambda: flash_attn.apply_rotary_emb_qkv_(qkv, cos, sin),
+             lambda: flash_attn.apply_rotary_emb_qkv_(qkv, cos, sin, cos, sin),
+             lambda: flash_attn.apply_rotary_emb_kv_(qkv[:, :, 1:], cos, sin),
+             lambda: flash_attn.apply_rotary_emb(x, cos, sin, inplace=True),
+             lambda: flash_attn.apply_rotary_emb(x.view(4, 2, 16), cos, sin, inplace=True,
+                                                 cu_seqlens=torch.tensor([0, 4]), max_seqlen=4)]
+    before = qkv.clone(), x.clone()
+    for call in calls:
+        with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside"):
+            call()
+        assert torch.equal(qkv, before[0]) and torch.equal(x, before[1])
+    x = torch.randn(1, 4, 2, 16)
+    x0 = x.clone()
+    with pytest.raises(RuntimeError, match="cos and sin must have the same dtype"):
+        flash_attn.apply_rotary_emb(x, cos.double(), sin, inplace=True)
+    assert torch.equal(x, x0)
+
+
 def test_fa_inplace_on_a_leaf_that_requires_grad_is_refused():
     x = torch.randn(1, 3, 2, 8, requires_grad=True)
     cos, sin = tables(3, 4)

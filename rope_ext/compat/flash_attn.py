@@ -95,28 +95,28 @@ def _rotated(x, cos, sin, interleaved, seqlen_offsets, name="cos"):
 _ONE_PASS_MIN_ELEMENTS = 1 << 17
 
 
-def _rotate_(x, cos, sin, interleaved, seqlen_offsets, split=None):
-    """x (batch, seqlen, *heads, headdim) rotated in place, as _rotated rotates a copy. split:
-    x as (query, key) views of 4 dims each (qkv's Q and K), for the one-pass op."""
+def _rotate_(x, cos, sin, interleaved, seqlen_offsets):
+    """x (batch, seqlen, *heads, headdim) rotated in place, as _rotated rotates a copy."""
+    check_not_inference(x)  # torch's error, before anything is written (copy_ writes first)
     offsets = _offsets(seqlen_offsets, x.shape[0])
-    query, key = split if split is not None else (x, None)
     # The one-pass path takes large inputs both ops accept; anything else (small, gathered rows
     # per sequence, or an input one of them rejects) takes the copy path, whose errors are
     # apply_rotary_emb's.
-    if not (isinstance(offsets, int) and x.numel() >= _ONE_PASS_MIN_ELEMENTS and query.dim() == 4
-            and x.dtype in FLOAT_DTYPES and cos.dtype in FLOAT_DTYPES and cos.device == x.device
-            and 2 * cos.shape[1] <= x.shape[-1]):
+    if not (isinstance(offsets, int) and x.numel() >= _ONE_PASS_MIN_ELEMENTS
+            and x.dtype in FLOAT_DTYPES and cos.dtype in FLOAT_DTYPES and sin.dtype == cos.dtype
+            and cos.device == x.device and 2 * cos.shape[1] <= x.shape[-1]):
         # torch's copy_: autograd and version counters as for any in-place op
         x.copy_(_rotated(x, cos, sin, interleaved, offsets))
         return
     # One pass in place: the rows of this call as a cos|sin table (seqlen rows, small next to
-    # x), read at positions 0 .. seqlen - 1 of every sequence.
-    check_not_inference(query, key)  # torch's error; inference tensors skip the op's own check
+    # x), read at positions 0 .. seqlen - 1 of every sequence. x is one query whose tokens are
+    # its dims before (heads, headdim): qkv's Q and K (batch, seqlen, 2, nheads, headdim) or
+    # (batch, seqlen, nheads_q + nheads_k, headdim) in any layout, each element written once.
     seqlen = x.shape[1]
     rows = _table_rows(cos, offsets, seqlen)
     table = torch.cat((float32_table(cos[rows]), float32_table(sin[rows])), dim=-1)
-    positions = torch.arange(seqlen, device=x.device).expand(x.shape[:2])
-    ops.apply_(query, key, positions, table, interleaved)
+    positions = torch.arange(seqlen, device=x.device).view((1, seqlen) + (1,) * (x.dim() - 4))
+    ops.apply_(x, None, positions.expand(x.shape[:-2]), table, interleaved)
 
 
 def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0,
@@ -146,6 +146,8 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
             seqlen_offsets = _offsets(seqlen_offsets, cu_seqlens.shape[0] - 1)
         positions = sequence_positions(cu_seqlens, x.shape[0], seqlen_offsets,
                                        names=("cu_seqlens", "x.size(0)"))
+        if inplace:
+            check_not_inference(x)  # before anything is written (copy_ writes first)
         out = ops.apply_positions(x, positions, cos, sin, interleaved, False, None, False)
     if inplace:
         x.copy_(out)
@@ -182,10 +184,11 @@ def apply_rotary_emb_qkv_(qkv, cos, sin, cos_k=None, sin_k=None, interleaved=Fal
                          f"{list(qkv.shape)}")
     cos, sin = _tables(cos, sin)
     if cos_k is None and sin_k is None:
-        _rotate_(qk, cos, sin, interleaved, seqlen_offsets, split=(q, k))  # Q and K in one call
+        _rotate_(qk, cos, sin, interleaved, seqlen_offsets)  # Q and K in one call
     else:
         cos_k, sin_k = _tables(cos if cos_k is None else cos_k, sin if sin_k is None else sin_k)
         # Both rotated before either is written: a call rejected for K's tables changes nothing.
+        check_not_inference(qkv)
         q_rot = _rotated(q, cos, sin, interleaved, seqlen_offsets)
         k_rot = _rotated(k, cos_k, sin_k, interleaved, seqlen_offsets,
                          "cos" if cos_k is cos else "cos_k")
