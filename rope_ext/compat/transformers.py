@@ -51,6 +51,7 @@ def _rotate_half_style(tensors, cos, sin, dtypes):
     second_s = float32_table(sin[..., half : 2 * half])
     out = []
     for x, d in zip(tensors, dtypes):
+        x = x.to(d)  # once: the two passes then save one copy of x for backward, not one each
         first = rotate_pairs(x, first_c, first_s, d)
         second = rotate_pairs(x, second_c, second_s, d)
         out.append(torch.cat((first[..., :half], second[..., half:]), dim=-1))
