@@ -18,7 +18,8 @@ Differences, on inputs TE mishandles or leaves to a CUDA device:
   Checks of tensor values (cu_seqlens, start_positions) raise on CPU; on CUDA they are
   device-side asserts (no host-device sync), where TE's kernel reads past its tables.
 - start_positions holds one entry per sequence, each >= 0, with every sequence's positions
-  inside freqs.
+  inside freqs. It is also taken with cp_size > 1, where TE asserts: each token's position in
+  its full sequence plus its sequence's start.
 - The arithmetic is TE's kernel's (float32, one rounding to t's dtype), not its PyTorch path's,
   which rounds cos/sin to t's dtype first.
 - Which path a call takes (one pass or two) is one comparison of the angles it reads: on CUDA
