@@ -219,3 +219,46 @@ def test_deepseek_v4_labels():
         rope_kwargs_from_config(deepseek_v4_file())
     with pytest.raises(ValueError, match="layer_type 'sliding_attention' has no RoPE parameters"):
         rope_kwargs_from_config(deepseek_v4_file(), layer_type="sliding_attention")
+
+
+# Model types whose transformers code rotates interleaved pairs with no config key saying so
+# (the function their attention calls): the attention scores <R(m) q, R(n) k> of from_config's
+# rotation must be the model code's. Scores compare layouts whatever permutation of the dims a
+# model applies to q and k alike (DeepSeek's de-interleaving).
+INTERLEAVED_BY_CODE = {
+    "longcat_flash": "apply_rotary_pos_emb_interleave", "moonshine": "apply_rotary_pos_emb",
+    "moonshine_streaming": "apply_rotary_pos_emb",
+    "deepseek_v32": "apply_rotary_pos_emb_interleave",
+    "glm_moe_dsa": "apply_rotary_pos_emb_interleave",
+    "mistral_large4": "apply_rotary_pos_emb_interleave",
+    "bailing_hybrid": "apply_rotary_pos_emb_interleave",
+    "axk2": "apply_rotary_pos_emb_interleave", "cohere2_moe": "apply_rotary_pos_emb",
+    "ernie4_5_vl_moe": "apply_rotary_pos_emb", "glm_ocr": "apply_rotary_pos_emb",
+    "blt_global_transformer": "apply_rotary_pos_emb", "blt_patcher": "apply_rotary_pos_emb",
+    "cohere2": "apply_rotary_pos_emb", "deepseek_v3": "apply_rotary_pos_emb_interleave",
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(INTERLEAVED_BY_CODE))
+def test_layout_of_models_whose_code_interleaves(model_type):
+    import importlib
+
+    cfg = transformers.AutoConfig.for_model(model_type)
+    sub = getattr(cfg, "text_config", None) or cfg
+    mod = importlib.import_module(type(sub).__module__.replace("configuration_", "modeling_"))
+    rotary = next(c for n, c in vars(mod).items()
+                  if n.endswith("RotaryEmbedding") and "Vision" not in n)
+    T = 16
+    cos, sin = rotary(config=sub)(torch.zeros(1, T, 4), torch.arange(T)[None])[:2]
+    width = cos.shape[-1]
+    q, k = torch.randn(2, 1, 1, T, width, dtype=torch.float64)
+    qh, kh = getattr(mod, INTERLEAVED_BY_CODE[model_type])(q, k, cos.double(), sin.double())[:2]
+    want = qh[0, 0] @ kh[0, 0].T
+    rope = rope_ext.RotaryEmbedding.from_config(cfg)
+    assert rope.interleaved and rope.rotary_dim == width
+    qq = torch.zeros(T, 1, rope.head_dim)
+    kk = torch.zeros(T, 1, rope.head_dim)
+    qq[..., :width], kk[..., :width] = q[0].transpose(0, 1), k[0].transpose(0, 1)
+    qr, kr = rope(qq, kk, torch.arange(T))
+    got = qr[:, 0].double() @ kr[:, 0].double().T
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * float(want.abs().max()))
