@@ -29,6 +29,9 @@ INTERLEAVED_MODEL_TYPES = frozenset({
     "blt_local_decoder", "blt_patcher", "dots3_note", "dots3_note_text",
 })
 _LAYOUT_KEYS = ("rope_interleave", "rope_interleaved", "rotary_interleaved")
+# Configs with a `rotary_dim` that their transformers model code does not read (MiniMax-M3-VL's
+# text model rotates partial_rotary_factor * head_dim dims: the whole head by default).
+_ROTARY_DIM_UNREAD = frozenset({"minimax_m3_vl", "minimax_m3_vl_text"})
 
 # The class defaults of transformers' config classes for the keys that decide the table (data:
 # model_defaults.json beside this file).
@@ -298,7 +301,8 @@ def _dims(cfg, params, layer_type=None):
                       f"but qk_rope_head_dim is {head_dim}")
             return head_dim, head_dim
         return head_dim, int(head_dim * partial)
-    if cfg.get("rotary_dim") is not None:  # GPT-J, CodeGen: a count of dims
+    if cfg.get("rotary_dim") is not None and cfg.model_type not in _ROTARY_DIM_UNREAD:
+        # GPT-J, CodeGen: a count of dims
         return head_dim, _positive(cfg.get("rotary_dim"), "rotary_dim", integer=True)
     return head_dim, head_dim
 

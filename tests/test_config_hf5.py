@@ -262,3 +262,24 @@ def test_layout_of_models_whose_code_interleaves(model_type):
     qr, kr = rope(qq, kk, torch.arange(T))
     got = qr[:, 0].double() @ kr[:, 0].double().T
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * float(want.abs().max()))
+
+
+def test_minimax_m3_vl_rotates_what_its_model_code_rotates():
+    # Its config carries rotary_dim (64 by default), which its model code does not read: it
+    # rotates partial_rotary_factor * head_dim dims, the whole head unless told.
+    from transformers import MiniMaxM3VLTextConfig
+    from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as hf_m3
+
+    for extra in ({}, {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                          "partial_rotary_factor": 0.25}}):
+        cfg = MiniMaxM3VLTextConfig(hidden_size=256, num_attention_heads=2, head_dim=128,
+                                    num_key_value_heads=1, **extra)
+        cos, sin = hf_m3.MiniMaxM3VLRotaryEmbedding(config=cfg)(torch.zeros(1, 4, 4),
+                                                                   POSITIONS[None, :4])
+        rope = rope_ext.RotaryEmbedding.from_config(cfg)
+        assert rope.rotary_dim == cos.shape[-1] and not rope.interleaved
+        q, k = torch.randn(2, 1, 1, 4, 128)
+        want = hf_m3.apply_rotary_pos_emb(q, k, cos, sin)
+        got = rope(q[0].transpose(0, 1), k[0].transpose(0, 1), POSITIONS[:4])
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
