@@ -1,6 +1,7 @@
 """nn.Module wrapper: holds the cos/sin table and rotates query/key by positions."""
 
 import copy
+import numbers
 import sys
 
 import torch
@@ -110,6 +111,13 @@ class RotaryEmbedding(torch.nn.Module):
                              f"rotary_dim] = [0, {head_dim - rotary_dim}], got {rope_dim_offset!r}")
         self.rope_dim_offset = rope_dim_offset
         if mrope_section is not None:
+            original = mrope_section
+            mrope_section = list(mrope_section)
+            if not all(type(s) is int or (isinstance(s, numbers.Integral) and not isinstance(s, bool))
+                       for s in mrope_section):
+                raise ValueError(
+                    f"RotaryEmbedding: mrope_section must be 3 ints >= 0 summing to rotary_dim/2 = "
+                    f"{rotary_dim // 2}, got {original!r}")
             mrope_section = [int(s) for s in mrope_section]
             if len(mrope_section) != 3 or min(mrope_section) < 0 or sum(mrope_section) != rotary_dim // 2:
                 raise ValueError(

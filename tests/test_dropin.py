@@ -6,6 +6,7 @@ give the same outputs when it replaces that rotary code.
 """
 
 import math
+import re
 import types
 
 import pytest
@@ -306,6 +307,15 @@ def test_from_config_qwen2vl_mrope():
 def test_from_config_errors(cfg, match):
     with pytest.raises(ValueError, match=match):
         rope_ext.RotaryEmbedding.from_config(cfg)
+
+
+@pytest.mark.parametrize("section", [[2.9, 3, 3], ["2", 3, 3], [True, 3, 4], [2, 3.5, 2.5]])
+def test_module_mrope_section_entries_are_ints(section):
+    # never truncated to ints (2.9 -> 2) or converted ('2', True): the error shows what was passed
+    with pytest.raises(ValueError, match=re.escape(f"mrope_section must be 3 ints >= 0 summing to "
+                                                   f"rotary_dim/2 = 8, got {section!r}")):
+        rope_ext.RotaryEmbedding(16, mrope_section=section)
+    assert rope_ext.RotaryEmbedding(16, mrope_section=(2, 3, 3)).mrope_section == [2, 3, 3]
 
 
 def test_readme_examples_run():
