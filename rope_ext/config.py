@@ -285,13 +285,16 @@ def _dims(cfg, params, layer_type=None):
             params["partial_rotary_factor"] = _positive(partial, "partial_rotary_factor")
         return head_dim, head_dim
     # The top level wins over rope_parameters (transformers 5 copies it in); GPT-NeoX says rotary_pct.
-    partial = next((v for v in (cfg.file("partial_rotary_factor"), params.get("partial_rotary_factor"),
-                                cfg.file("rotary_pct"), cfg.defaults.get("partial_rotary_factor"),
-                                cfg.defaults.get("rotary_pct")) if v is not None), None)
+    key, partial = next(((k, v) for k, v in (
+        ("partial_rotary_factor", cfg.file("partial_rotary_factor")),
+        ("partial_rotary_factor", params.get("partial_rotary_factor")),
+        ("rotary_pct", cfg.file("rotary_pct")),
+        ("partial_rotary_factor", cfg.defaults.get("partial_rotary_factor")),
+        ("rotary_pct", cfg.defaults.get("rotary_pct"))) if v is not None), (None, None))
     if partial is not None:
-        partial = _positive(partial, "partial_rotary_factor")
+        partial = _positive(partial, key)  # named as the config spells it
         if partial > 1:
-            _fail(f"partial_rotary_factor must be in (0, 1], got {partial}")
+            _fail(f"{key} must be in (0, 1], got {partial}")
         full = cfg.get("head_dim")
         if qk_rope is not None and layer_dim is None and full is not None and full != head_dim:
             # MLA (Mistral 4): the factor is of the whole head, and names its rotated part

@@ -727,6 +727,8 @@ def test_phimoe_mscale_per_set():
                                                             "mrope_section": [24, 20, 20]})),
          r"Qwen3-VL lays MRoPE out interleaved"),
         (dict(model_type="falcon", hidden_size=64, num_attention_heads=2, alibi=True), r"ALiBi"),
+        (dict(pythia_410m(), rotary_pct=0.0), r"rotary_pct must be a positive number, got 0.0"),
+        (dict(pythia_410m(), rotary_pct=1.5), r"rotary_pct must be in \(0, 1\], got 1.5"),
         (dict(model_type="my_model", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4},
               head_dim=64), r"'yarn' needs the config's max_position_embeddings"),
     ],
