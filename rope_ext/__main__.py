@@ -85,8 +85,9 @@ def _rotation_errors(x, pos, cache, interleaved):
 
 def _fused_errors(dtype, device, interleaved):
     """The same for the fused ops on (tokens, heads, head_dim) query and key: QK-RMSNorm + RoPE
-    in place and out of place, LayerNorm + RoPE, RoPE + the paged cache write, the whole
-    prologue, and the K-shift of a cache; each against its reference run in float64."""
+    in place, out of place and on a packed qkv, the DiT norm forms + RoPE, RoPE + the paged
+    cache write, the whole prologue in place and out of place, and the K-shift of a cache; each
+    against its reference run in float64."""
     from rope_ext._kv_shift import reference as shift_ref
     from rope_ext._qk_norm import reference as norm_ref
 
@@ -120,11 +121,23 @@ def _fused_errors(dtype, device, interleaved):
     errs += [_rel_err(x, y) for x, y in zip(
         rope_ext.qk_norm_rope(q, k, wq, wk, cos, sin, eps=1e-6, interleaved=interleaved,
                               table_width="half"), b)]
-    errs += [_rel_err(x, y) for x, y in zip(  # LayerNorm with bias (CogVideoX)
-        rope_ext.norm_rope(q, k, wq, wk, cos, sin, q_bias=bq, k_bias=bk, norm="layer",
-                           interleaved=interleaved, table_width="half"),
-        norm_ref.norm_rope(q64, k64, wq64, wk64, bq64, bk64, c64, s64, 1e-6, "layer",
-                           interleaved=interleaved))]
+    qkv = torch.cat((q, k, v), 1)  # the packed projection (T, (hq + 2 hk) * D), in place
+    rope_ext.qkv_norm_rope_(qkv.view(T, -1), hq, hk, hk, D, wq, wk, pos, cache, eps=1e-6,
+                            interleaved=interleaved)
+    errs += [_rel_err(x, y) for x, y in zip((qkv[:, :hq], qkv[:, hq : hq + hk]), b)]
+    errs.append(_rel_err(qkv[:, hq + hk :], v64))
+    # the DiT norm forms: per head (FLUX), over all heads of a token (Wan), LayerNorm with
+    # bias (CogVideoX)
+    across = [t.repeat(h) for t, h in ((wq, hq), (wk, hk))]
+    for form, weights, biases in (("rms", (wq, wk), (None, None)),
+                                  ("rms_across_heads", across, (None, None)),
+                                  ("layer", (wq, wk), (bq, bk))):
+        errs += [_rel_err(x, y) for x, y in zip(
+            rope_ext.norm_rope(q, k, *weights, cos, sin, q_bias=biases[0], k_bias=biases[1],
+                               norm=form, interleaved=interleaved, table_width="half"),
+            norm_ref.norm_rope(q64, k64, *(t.double() for t in weights),
+                               *(None if t is None else t.double() for t in biases), c64, s64,
+                               1e-6, form, interleaved=interleaved))]
     a = clones(q, k, kc, vc)  # RoPE + the paged cache write
     rope_ext.apply_rope_and_cache_(a[0], a[1], v, pos, cache, a[2], a[3], slots,
                                    interleaved=interleaved)
@@ -139,6 +152,10 @@ def _fused_errors(dtype, device, interleaved):
     norm_ref.qk_norm_rope_and_cache_(b[0], b[1], b[2], pos, cache64, wq64, wk64, b[3], b[4],
                                      slots, interleaved=interleaved, v_norm=True)
     errs += [_rel_err(x, y) for x, y in zip(a, b)]
+    kc_out, vc_out = kc.clone(), vc.clone()  # the same, out of place
+    out = rope_ext.qk_norm_rope_and_cache(q, k, v, pos, cache, wq, wk, kc_out, vc_out, slots,
+                                          interleaved=interleaved, v_norm=True)
+    errs += [_rel_err(x, y) for x, y in zip(list(out) + [kc_out, vc_out], b)]
     delta = torch.randint(-63, 64, (T,), device=device)  # the K-shift of the cached keys
     a, b = kc.clone(), kc64.clone()
     rope_ext.shift_kv_cache_(a, slots, delta, cache, interleaved=interleaved)
