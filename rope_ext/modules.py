@@ -39,6 +39,16 @@ def _global_extremes(dtensor, positions):
     return -ext[0], ext[1]
 
 
+def _largest(positions):
+    """positions' largest value, or -1 where there are none: a traced call (torch.compile,
+    export) takes this path for every token count, 0 included, and amax of nothing is an
+    error. (Eager calls with no positions return before it.)"""
+    if not torch.compiler.is_compiling():
+        return positions.amax()
+    flat = positions.reshape(-1)
+    return torch.cat((flat, flat.new_full((1,), -1))).amax()
+
+
 def _local(t):
     return t.to_local() if _dtensor_module(t) is not None else t
 
@@ -255,10 +265,12 @@ class RotaryEmbedding(torch.nn.Module):
         original = self._original
         # DTensor positions: the call's length over every rank, as a plain tensor (the state
         # buffer is one, and the rows below follow positions).
-        length = (positions.amax() if largest is None else largest).to(torch.int64) + 1
+        length = (_largest(positions) if largest is None else largest).to(torch.int64) + 1
         cached = self.dynamic_len
-        # transformers: grow to a longer call; back to the original after a shorter one.
+        # transformers: grow to a longer call; back to the original after a shorter one; a call
+        # with no tokens (length 0) leaves it.
         new = torch.where(length > cached, length, torch.where(length < original, original, cached))
+        new = torch.where(length == 0, cached, new)
         grown = dynamic_base(float(self.base), self._factor, original, new.to(torch.float64), self._freq_dim)
         base = torch.where(new > original, grown, float(self.base))
         inv_freq = default_inv_freq(self._freq_dim, base, positions.device)
@@ -270,11 +282,14 @@ class RotaryEmbedding(torch.nn.Module):
         if not isinstance(positions, torch.Tensor):
             raise TypeError(f"RotaryEmbedding: positions must be a tensor of int32 or int64, got "
                             f"{type(positions).__name__}")
-        if self.mode == "static" or positions.numel() == 0:
+        # No tokens: nothing to rotate, no state to move. A traced call does not branch on its
+        # token count (it may be data-dependent, or 0 at run time only): its path below takes
+        # none as well.
+        if self.mode == "static" or (not torch.compiler.is_compiling() and positions.numel() == 0):
             return self._tables, positions, None
         largest = self._check_positions(positions)
         if self.mode == "longrope":
-            is_long = ((positions.amax() if largest is None else largest) >= self._original).to(positions.dtype)
+            is_long = ((_largest(positions) if largest is None else largest) >= self._original).to(positions.dtype)
             # Negative positions stay negative, so the op still rejects them.
             index = torch.where(positions >= 0, positions + is_long * self._original, positions)
             return self._tables, index, None

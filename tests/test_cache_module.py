@@ -289,3 +289,46 @@ def test_dynamic_module_call_rejected_by_the_op_keeps_its_length():
         with pytest.raises(RuntimeError, match=r"positions must have shape"):
             call(q.clone(), None, torch.tensor([5, 250]))
         assert int(m.dynamic_len) == 64
+
+
+LENGTH_DEPENDENT = {
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16},
+    "longrope": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                 "original_max_position_embeddings": 16},
+}
+
+
+@pytest.mark.parametrize("mode", sorted(LENGTH_DEPENDENT))
+def test_length_dependent_module_traces_any_token_count(mode):
+    # A traced call takes one path for every token count: data-dependent (unbacked) counts
+    # trace, and an exported module called with no tokens leaves the dynamic-NTK length as
+    # eager does (40 -> 0 -> 20 tokens: the length stays 40).
+    D = 16
+    traced = rope_ext.RotaryEmbedding(D, max_position=64, scaling=LENGTH_DEPENDENT[mode])
+    eager = rope_ext.RotaryEmbedding(D, max_position=64, scaling=LENGTH_DEPENDENT[mode])
+    q, k, pos = torch.randn(20, 4, D), torch.randn(20, 2, D), torch.randperm(20)
+    for t in (q, k, pos):
+        torch._dynamo.decorators.mark_unbacked(t, 0)
+    torch._dynamo.reset()
+    got = torch.compile(traced, fullgraph=True, backend="aot_eager")(q, k, pos)
+    for g, w in zip(got, eager(q, k, pos)):
+        assert torch.equal(g, w)
+
+    class Rotate(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rope = rope_ext.RotaryEmbedding(D, max_position=64, scaling=LENGTH_DEPENDENT[mode])
+
+        def forward(self, x, positions):
+            return self.rope(x, None, positions)[0]
+
+    tokens = torch.export.Dim("tokens", min=0, max=64)
+    exported = torch.export.export(Rotate(), (torch.randn(8, 4, D), torch.arange(8)),
+                                   dynamic_shapes=({0: tokens}, {0: tokens})).module()
+    reference = Rotate()
+    for n in (40, 0, 20):
+        x, positions = torch.randn(n, 4, D), torch.randperm(n)
+        want = reference(x, positions)
+        assert torch.equal(exported(x, positions), want) and want.shape == (n, 4, D)
+    if mode == "dynamic":
+        assert int(reference.rope.dynamic_len) == 40
