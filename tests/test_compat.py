@@ -827,3 +827,40 @@ def test_sglang_errors_change_nothing():
                                                          cos_sin_cache(8, 16), True, arg)
         assert torch.equal(query, q0) and torch.equal(k_buffer, before[0])
         assert torch.equal(v_buffer, before[1])
+
+
+@pytest.mark.parametrize("how", ["fake_mode", "make_fx"])
+def test_compat_caches_keep_no_traced_tensors(how):
+    # The drop-ins' caches (FlashInfer's frequencies, float32 scalars, SGLang's kept table) skip
+    # traces: a fake trace then an eager call, and an eager call then a fake trace, both run.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from rope_ext.compat import _layout, _qk_norm
+
+    q, k, pos = torch.randn(5, 4, 16), torch.randn(5, 2, 16), torch.arange(5)
+    qkv = torch.randn(5, 4 * 16)
+    w = torch.randn(16)
+    theta = 1000.0 + torch.rand(()).item()  # keys no earlier call cached
+
+    def calls(q, k, pos, qkv, w):
+        flashinfer.apply_rope_pos_ids(q, k, pos, rope_theta=theta)
+        sglang.fused_qk_norm_rope(qkv, 2, 1, 1, 16, 1e-6, w, w, theta, True, pos, 1.0, 0.0,
+                                  0.0, 1.0)
+        return q, k, qkv
+
+    for first_eager in (False, True):
+        if first_eager:
+            calls(q.clone(), k.clone(), pos, qkv.clone(), w)
+        if how == "fake_mode":
+            with FakeTensorMode() as mode:
+                calls(*(mode.from_tensor(t) for t in (q, k, pos, qkv, w)))
+                _layout.float32_scalar(theta, torch.device("cpu"))
+        else:
+            make_fx(calls, tracing_mode="fake")(q, k, pos, qkv, w)
+        a = calls(q.clone(), k.clone(), pos, qkv.clone(), w)
+        assert type(_layout.float32_scalar(theta, torch.device("cpu"))) is torch.Tensor
+        assert all(type(t) is torch.Tensor for t in _qk_norm._TABLES.values())
+        b = calls(q.clone(), k.clone(), pos, qkv.clone(), w)
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+        theta += 1.0

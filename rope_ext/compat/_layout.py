@@ -49,10 +49,17 @@ def check_cache_views(positions, query, key, head_size, cos_sin_cache, key_requi
     return heads(query, head_size, "query", 1), heads(key, head_size, "key", 1)
 
 
+def tracing():
+    """Whether tensors made now belong to a trace, not to eager code: torch.compile or export,
+    or a dispatch mode (FakeTensorMode, make_fx). A cache must neither keep them nor hand a
+    kept real tensor to the trace."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+
+
 def uncached_when_compiling(cached):
-    """`cached` (an lru_cache'd function), or its uncached body while torch.compile traces: the
-    cache spares eager calls their host-to-device copies; a traced graph builds its own tensors."""
-    return cached.__wrapped__ if torch.compiler.is_compiling() else cached
+    """`cached` (an lru_cache'd function), or its uncached body while tracing(): the cache
+    spares eager calls their host-to-device copies; a traced graph builds its own tensors."""
+    return cached.__wrapped__ if tracing() else cached
 
 
 @functools.lru_cache(maxsize=64)

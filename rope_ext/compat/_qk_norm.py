@@ -8,6 +8,7 @@ import numbers
 import torch
 
 from ..qk_norm import qk_norm_rope_and_cache, qkv_norm_rope_
+from ._layout import tracing
 
 
 def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight,
@@ -182,7 +183,7 @@ def sglang_fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_d
 # small ops (66 us against vLLM's drop-in's 6 at decode, one CPU thread), so on the CPU a table
 # of positions 0 .. n-1 is kept per frequency set (its rows are the per-token rows' values) and
 # the positions index it; grown to the next power of two past the largest position. Elsewhere
-# (a host sync would break CUDA graphs), under torch.compile, and for positions outside
+# (a host sync would break CUDA graphs), while tracing, and for positions outside
 # [0, 2^17) (the table would pass 64 MiB at rotary_dim 128), the per-token table serves.
 _TABLES = {}
 _TABLES_KEPT = 8
@@ -191,7 +192,7 @@ _CACHED_POSITIONS = 1 << 17
 
 def _cached_table(positions, key):
     if (type(positions) is not torch.Tensor or positions.device.type != "cpu"
-            or positions.numel() == 0 or torch.compiler.is_compiling()):
+            or positions.numel() == 0 or tracing()):
         return None
     if positions.numel() <= 64:  # decode: cheaper than a reduction
         values = positions.tolist()
