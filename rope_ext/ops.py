@@ -184,10 +184,13 @@ def _check_bounds(starts, total_tokens, names):
     """Sequences laid end to end inside the batch: 0 <= cu_seqlens[0] <= ... <= cu_seqlens[-1] <=
     total_tokens (else positions of overlapping sequences, or of tokens the batch lacks)."""
     cu, total = names
-    rule = f"{cu} must be non-decreasing, from >= 0 up to <= {total} = {total_tokens}"
+    rule = f"{cu} must be non-decreasing, from >= 0 up to <= {total}"
     if starts.device.type != "cpu" or torch.compiler.is_compiling():  # no sync: a device assert
-        torch._assert_async(_bounds_hold(starts, total_tokens), rule)
+        # (a traced total_tokens is not formatted: that would specialize the graph to its value)
+        torch._assert_async(_bounds_hold(starts, total_tokens),
+                            rule if torch.compiler.is_compiling() else f"{rule} = {total_tokens}")
         return
+    rule += f" = {total_tokens}"
     if starts.numel() <= 64:  # the usual few sequences: a list is ten times quicker than tensor ops
         v = starts.tolist()
         ok = v[0] >= 0 and v[-1] <= total_tokens and v == sorted(v)

@@ -335,3 +335,42 @@ def test_export_of_a_module_with_parameters_and_an_in_place_rotation():
     block, x, pos = Block(), torch.randn(6, 16), torch.randint(0, 32, (6,))
     exported = torch.export.export(block, (x, pos))
     torch.testing.assert_close(exported.module()(x, pos), block(x, pos), rtol=0, atol=0)
+
+
+def test_token_count_stays_symbolic_in_varlen_and_drop_in_paths():
+    # Packed sequences (varlen_positions, flash-attn's cu_seqlens, TE's thd and start_positions):
+    # one graph serves every token count (formatting a traced size into a check's message, or
+    # refusing a SymInt as an int, specialized the graph to each count), and export takes a Dim.
+    from torch._dynamo.testing import CompileCounter
+
+    from rope_ext.compat import flash_attn, transformer_engine as te
+
+    D = 16
+    cache = rope_ext.cos_sin_cache(64, D)
+    cos, sin = rope_ext.reference.cache_halves(cache)
+    freqs = torch.rand(64, 1, 1, D) * 10
+    calls = [
+        lambda x, cu: rope_ext.apply_rope_at(x, rope_ext.varlen_positions(cu, x.shape[0]), cache),
+        lambda x, cu: flash_attn.apply_rotary_emb(x, cos, sin, cu_seqlens=cu, max_seqlen=32),
+        lambda x, cu: te.apply_rotary_pos_emb(x, freqs, "thd", cu_seqlens=cu),
+        lambda x, cu: te.apply_rotary_pos_emb(x[:, None], freqs, "sbhd",
+                                              start_positions=cu[:1]),
+    ]
+    for f in calls:
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        compiled = torch.compile(f, fullgraph=True, dynamic=True, backend=counter)
+        for T in range(10, 15):
+            x, cu = torch.randn(T, 2, D), torch.tensor([0, 3, T])
+            assert torch.equal(compiled(x, cu), f(x, cu))
+        assert counter.frame_count == 1
+
+    class Varlen(torch.nn.Module):
+        def forward(self, x, cu):
+            return calls[0](x, cu)
+
+    tokens = torch.export.Dim("tokens", min=4, max=64)
+    ep = torch.export.export(Varlen(), (torch.randn(10, 2, D), torch.tensor([0, 3, 10])),
+                             dynamic_shapes=({0: tokens}, None))
+    x, cu = torch.randn(17, 2, D), torch.tensor([0, 5, 17])
+    assert torch.equal(ep.module()(x, cu), calls[0](x, cu))

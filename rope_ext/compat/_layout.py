@@ -126,14 +126,19 @@ def join_members(first, second, interleaved, width):
     return torch.cat((pairs, second[..., width:]), dim=-1)
 
 
-def check_values(ok, message):
+def check_values(ok, message, **sizes):
     """A check of tensor values (a bool tensor, every element true) without a host-device sync
     where one would cost: on CPU outside torch.compile a ValueError(message), elsewhere a
-    device-side assert with the same message."""
+    device-side assert with the same message. With `sizes`, message is a str.format template of
+    them; while torch.compile traces, each size is written as its name (formatting a symbolic
+    size would specialize the graph to its value)."""
     if ok.device.type == "cpu" and not torch.compiler.is_compiling():
         if not bool(ok.all()):
-            raise ValueError(message)
+            raise ValueError(message.format(**sizes) if sizes else message)
     else:
+        if sizes:
+            traced = torch.compiler.is_compiling()
+            message = message.format(**{k: k if traced else v for k, v in sizes.items()})
         torch._assert_async(ok.all(), message)
 
 

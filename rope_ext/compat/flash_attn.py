@@ -82,8 +82,9 @@ def _rotated(x, cos, sin, interleaved, seqlen_offsets, name="cos"):
         return ops.apply(x, _rows_view(cos, rows, len(heads)), _rows_view(sin, rows, len(heads)),
                          interleaved)
     check_values((offsets >= 0) & (offsets <= cos.shape[0] - seqlen),
-                 f"seqlen_offsets + seqlen must lie within the table's seqlen_ro = {name}.size(0) "
-                 f"= {cos.shape[0]} for every sequence, with seqlen = {seqlen}")
+                 "seqlen_offsets + seqlen must lie within the table's seqlen_ro = " + name +
+                 ".size(0) = {seqlen_ro} for every sequence, with seqlen = {seqlen}",
+                 seqlen_ro=cos.shape[0], seqlen=seqlen)
     positions = torch.arange(seqlen, device=x.device) + offsets.to(torch.int64)[:, None]
     positions = positions[(Ellipsis,) + heads[1:]].expand(x.shape[:-2])
     return ops.apply_positions(x, positions, cos, sin, interleaved, False, None, False)

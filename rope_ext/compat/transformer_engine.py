@@ -147,8 +147,9 @@ def _dense_angles(t, freqs, seq_dim, start_positions, cp_size, cp_rank):
         return rows_of_t[:, None, None] if seq_dim == 0 else rows_of_t[None, :, None]
     start = _check_starts(start_positions, batch, t.device)
     check_values(start <= rows - seqlen * cp_size,  # not start + ...: a huge start would wrap
-                 f"start_positions + cp_size * seqlen must be <= freqs.size(0) = {rows} (every "
-                 f"sequence's positions inside freqs), with seqlen = {seqlen}, cp_size = {cp_size}")
+                 "start_positions + cp_size * seqlen must be <= freqs.size(0) = {rows} (every "
+                 "sequence's positions inside freqs), with seqlen = {seqlen}, cp_size = {cp_size}",
+                 rows=rows, seqlen=seqlen, cp_size=cp_size)
     local = torch.arange(seqlen, device=t.device)
     pos = _rank_positions(local, seqlen, cp_size, cp_rank)[:, None] + start  # (s, b)
     return freqs[pos if seq_dim == 0 else pos.T][:, :, None]
@@ -166,8 +167,8 @@ def _packed_angles(t, freqs, cu_seqlens, start_positions, cp_size, cp_rank):
     starts = bounds - bounds[:1]
     lengths = starts[1:] - starts[:-1]
     check_values((lengths >= 0) & (starts[-1] == total),
-                 f"cu_seqlens // cp_size must be non-decreasing and span t.size(0) = {total} "
-                 "tokens (cu_seqlens[-1] - cu_seqlens[0], over cp_size)")
+                 "cu_seqlens // cp_size must be non-decreasing and span t.size(0) = {total} "
+                 "tokens (cu_seqlens[-1] - cu_seqlens[0], over cp_size)", total=total)
     if cp_size > 1:
         check_values(lengths % 2 == 0, "with cp_size > 1, every sequence's length over cp_size "
                      "(from cu_seqlens) must be even: the two chunks this rank holds")
