@@ -268,9 +268,9 @@ class RotaryEmbedding(torch.nn.Module):
         length = (_largest(positions) if largest is None else largest).to(torch.int64) + 1
         cached = self.dynamic_len
         # transformers: grow to a longer call; back to the original after a shorter one; a call
-        # with no tokens (length 0) leaves it.
+        # with no tokens (length <= 0: DTensor extremes of nothing lie far below 0) leaves it.
         new = torch.where(length > cached, length, torch.where(length < original, original, cached))
-        new = torch.where(length == 0, cached, new)
+        new = torch.where(length <= 0, cached, new)
         grown = dynamic_base(float(self.base), self._factor, original, new.to(torch.float64), self._freq_dim)
         base = torch.where(new > original, grown, float(self.base))
         inv_freq = default_inv_freq(self._freq_dim, base, positions.device)
@@ -282,10 +282,13 @@ class RotaryEmbedding(torch.nn.Module):
         if not isinstance(positions, torch.Tensor):
             raise TypeError(f"RotaryEmbedding: positions must be a tensor of int32 or int64, got "
                             f"{type(positions).__name__}")
-        # No tokens: nothing to rotate, no state to move. A traced call does not branch on its
-        # token count (it may be data-dependent, or 0 at run time only): its path below takes
-        # none as well.
-        if self.mode == "static" or (not torch.compiler.is_compiling() and positions.numel() == 0):
+        # No tokens: nothing to rotate, no state to move. A traced call on plain positions does
+        # not branch on its token count (it may be data-dependent, or 0 at run time only): its
+        # path below takes none as well. (DTensor positions keep the branch: their shards and
+        # all-reduce take no empty path.)
+        if self.mode == "static" or (
+                (not torch.compiler.is_compiling() or _dtensor_module(positions) is not None)
+                and positions.numel() == 0):
             return self._tables, positions, None
         largest = self._check_positions(positions)
         if self.mode == "longrope":

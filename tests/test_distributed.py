@@ -575,6 +575,29 @@ def case_dynamic_ntk_module(run):
 
 
 @case
+def case_dynamic_ntk_module_compiled_with_no_tokens(run):
+    """Compiled (dynamic shapes), a call with no tokens keeps the length: 40 -> 0 -> 20 tokens
+    rotate as on one process, positions Replicate or sharded with the tokens."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    S, R = run.S, run.R
+    scaling = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16}
+    for p, pp in ((S(1), R), (S(0), S(0))):
+        torch._dynamo.reset()
+        single = rope_ext.RotaryEmbedding(D, rotary_dim=ROT, max_position=MAXPOS, scaling=scaling)
+        rope = rope_ext.RotaryEmbedding(D, rotary_dim=ROT, max_position=MAXPOS, scaling=scaling)
+        compiled = torch.compile(rope, backend="aot_eager", dynamic=True)
+        for n in (40, 0, 20):
+            q, k, pos = torch.randn(n, HQ, D), torch.randn(n, HK, D), torch.randperm(n)
+            wq, wk = single(q, k, pos)
+            with implicit_replication():
+                gq, gk = compiled(run.d(q, p), run.d(k, p), run.d(pos, pp))
+            assert int(rope.dynamic_len) == int(single.dynamic_len) == 40
+            run.expect(gq, wq, [p])
+            run.expect(gk, wk, [p])
+
+
+@case
 def case_in_place_partial_sum(run):
     """A Partial('sum') query stays partial (the rotation is linear)."""
     R = run.R
