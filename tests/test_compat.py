@@ -830,7 +830,7 @@ def test_sglang_errors_change_nothing():
 
 
 @pytest.mark.parametrize("how", ["fake_mode", "make_fx"])
-def test_compat_caches_keep_no_traced_tensors(how):
+def test_compat_caches_keep_no_traced_tensors(how, monkeypatch):
     # The drop-ins' caches (FlashInfer's frequencies, float32 scalars, SGLang's kept table) skip
     # traces: a fake trace then an eager call, and an eager call then a fake trace, both run.
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -838,6 +838,7 @@ def test_compat_caches_keep_no_traced_tensors(how):
 
     from rope_ext.compat import _layout, _qk_norm
 
+    monkeypatch.setattr(_qk_norm, "_TABLES", {})  # room for this test's sets
     q, k, pos = torch.randn(5, 4, 16), torch.randn(5, 2, 16), torch.arange(5)
     qkv = torch.randn(5, 4 * 16)
     w = torch.randn(16)

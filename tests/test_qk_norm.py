@@ -545,6 +545,7 @@ def test_sglang_fused_qk_norm_rope_cached_table_gives_the_per_token_bits(monkeyp
     from rope_ext.compat import _qk_norm as impl
     from rope_ext.compat.sglang import fused_qk_norm_rope
 
+    monkeypatch.setattr(impl, "_TABLES", {})  # none kept by earlier tests
     T, Hq, Hk, Hv, D = 7, 2, 1, 1, 64
     qkv = torch.randn(T, (Hq + Hk + Hv) * D, dtype=torch.bfloat16)
     wq, wk = torch.randn(D, dtype=torch.bfloat16), torch.randn(D, dtype=torch.bfloat16)
@@ -552,13 +553,13 @@ def test_sglang_fused_qk_norm_rope_cached_table_gives_the_per_token_bits(monkeyp
     yarn = (4.0, 3.0, 20.0, 1.2, 48)
     cases = [torch.randint(0, 5000, (T,), dtype=torch.int32), torch.randint(0, 300, (T,)),
              torch.randint(0, 300, (70,)), torch.tensor([-3, 0, 5, 9, 1, 2, 3]),
-             torch.tensor([1 << 17, 0, 5, 9, 1, 2, 3])]
+             torch.tensor([1 << 19, 0, 5, 9, 1, 2, 3])]  # a table past 64 MiB: not kept
     for pos in cases:
         x = torch.randn(pos.shape[0], qkv.shape[1], dtype=torch.bfloat16)
         got = x.clone()
         fused_qk_norm_rope(got, Hq, Hk, Hv, D, 1e-6, wq, wk, *args, pos, *yarn)
         cached = (48, 1e6, 4.0, 3.0, 20.0, 1.2) in impl._TABLES
-        assert cached == (int(pos.min()) >= 0 and int(pos.max()) < 1 << 17)
+        assert cached == (int(pos.min()) >= 0 and int(pos.max()) < 1 << 19)
         with monkeypatch.context() as m:  # the per-token rows
             m.setattr(impl, "_cached_table", lambda positions, key: None)
             want = x.clone()
@@ -566,6 +567,17 @@ def test_sglang_fused_qk_norm_rope_cached_table_gives_the_per_token_bits(monkeyp
         assert torch.equal(got, want)
         assert not torch.equal(got, x)
         impl._TABLES.clear()
+    # a table grows by the rows past its end; past _TABLES_KEPT sets, calls build their own rows
+    for pos in (torch.tensor([3, 100]), torch.tensor([9000, 2])):
+        impl._cached_table(pos, (48, 1e6, 4.0, 3.0, 20.0, 1.2))
+    kept = impl._TABLES[(48, 1e6, 4.0, 3.0, 20.0, 1.2)]
+    assert kept.shape[0] == 16384
+    assert torch.equal(kept, impl._yarn_tables(torch.arange(16384), 48, 1e6, 4.0, 3.0, 20.0, 1.2))
+    for base in range(impl._TABLES_KEPT + 2):
+        table = impl._cached_table(torch.tensor([7]), (48, 10.0 + base, 1.0, 0.0, 0.0, 1.0))
+        assert (table is None) == (base >= impl._TABLES_KEPT - 1)
+    assert len(impl._TABLES) == impl._TABLES_KEPT
+    impl._TABLES.clear()
 
 
 # ---- every compiled CPU variant, and rows past the kernel's stack buffers ----

@@ -4,6 +4,7 @@ by rope_ext.compat.vllm and rope_ext.compat.sglang."""
 
 import math
 import numbers
+import threading
 
 import torch
 
@@ -147,8 +148,8 @@ def sglang_fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_d
     (factor 1.0: plain RoPE), the rotated dims scaled by attention_factor; rotary_dim defaults
     to head_dim. Returns None. Unlike SGLang's kernel: any head_dim and float dtype, int32 or
     int64 positions, errors before anything is written; on the CPU a table of positions
-    0 .. n-1 (n up to 2^17) is kept for each set of base, factor, low, high, attention_factor
-    and rotary_dim (see _cached_table)."""
+    0 .. n-1 is kept for each of up to 4 sets of base, factor, low, high, attention_factor and
+    rotary_dim, each at most 64 MiB (see _cached_table)."""
     if rotary_dim is None:
         rotary_dim = head_dim
     for name, v in (("base", base), ("factor", factor), ("low", low), ("high", high),
@@ -182,12 +183,14 @@ def sglang_fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_d
 # SGLang's kernel computes the angles in registers. A table of each call's tokens costs a dozen
 # small ops (66 us against vLLM's drop-in's 6 at decode, one CPU thread), so on the CPU a table
 # of positions 0 .. n-1 is kept per frequency set (its rows are the per-token rows' values) and
-# the positions index it; grown to the next power of two past the largest position. Elsewhere
-# (a host sync would break CUDA graphs), while tracing, and for positions outside
-# [0, 2^17) (the table would pass 64 MiB at rotary_dim 128), the per-token table serves.
+# the positions index it, grown (by the rows past its end) to the next power of two past the
+# largest position. At most _TABLES_KEPT sets are kept, each at most _TABLE_BYTES: a call past
+# either (another set, a later position), on another device (a host sync would break CUDA
+# graphs) or while tracing builds the per-token table, as a call did before the cache.
 _TABLES = {}
-_TABLES_KEPT = 8
-_CACHED_POSITIONS = 1 << 17
+_TABLES_KEPT = 4
+_TABLE_BYTES = 64 << 20  # 131072 positions at rotary_dim 128
+_TABLES_LOCK = threading.Lock()
 
 
 def _cached_table(positions, key):
@@ -199,14 +202,20 @@ def _cached_table(positions, key):
         low, high = min(values), max(values)
     else:
         low, high = (int(v) for v in positions.aminmax())
-    if low < 0 or high >= _CACHED_POSITIONS:
-        return None
     table = _TABLES.get(key)
-    if table is None or table.shape[0] <= high:
-        size = max(4096, 1 << high.bit_length())
-        with torch.inference_mode(False), torch.no_grad():  # usable in any mode later
-            table = _yarn_tables(torch.arange(size), *key)
-        if key not in _TABLES and len(_TABLES) >= _TABLES_KEPT:
-            _TABLES.pop(next(iter(_TABLES)))
-        _TABLES[key] = table
-    return table
+    if table is not None and 0 <= low and high < table.shape[0]:
+        return table
+    size = max(4096, 1 << high.bit_length())
+    if low < 0 or size * 4 * max(key[0], 2) > _TABLE_BYTES:
+        return None
+    with _TABLES_LOCK:
+        table = _TABLES.get(key)
+        if table is None and len(_TABLES) >= _TABLES_KEPT:
+            return None
+        start = 0 if table is None else table.shape[0]
+        if start < size:
+            with torch.inference_mode(False), torch.no_grad():  # usable in any mode later
+                rows = _yarn_tables(torch.arange(start, size), *key)
+                table = rows if table is None else torch.cat((table, rows))
+            _TABLES[key] = table
+        return table
