@@ -24,7 +24,8 @@ INTERLEAVED_MODEL_TYPES = frozenset({
     "deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "kimi_k2", "llama4",
     "llama4_text", "ernie4_5", "ernie4_5_moe", "ernie4_5_vl_moe", "ernie4_5_vl_moe_text",
     "helium", "longcat_flash", "moonshine", "moonshine_streaming", "moonshine_streaming_encoder",
-    "glm_moe_dsa", "glm_ocr", "glm_ocr_text", "mistral_large4", "mistral_large4_text",
+    "glm_moe_dsa", "glm_ocr", "glm_ocr_text", "glm4v", "glm4v_text", "glm46v",
+    "openai_privacy_filter", "mistral_large4", "mistral_large4_text",
     "bailing_hybrid", "axk2", "blt", "blt_global_transformer", "blt_local_encoder",
     "blt_local_decoder", "blt_patcher", "dots3_note", "dots3_note_text",
 })

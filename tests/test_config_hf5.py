@@ -234,32 +234,39 @@ INTERLEAVED_BY_CODE = {
     "bailing_hybrid": "apply_rotary_pos_emb_interleave",
     "axk2": "apply_rotary_pos_emb_interleave", "cohere2_moe": "apply_rotary_pos_emb",
     "ernie4_5_vl_moe": "apply_rotary_pos_emb", "glm_ocr": "apply_rotary_pos_emb",
+    "glm4v": "apply_rotary_pos_emb", "glm46v": "apply_rotary_pos_emb",
+    "openai_privacy_filter": "apply_rotary_pos_emb",
     "blt_global_transformer": "apply_rotary_pos_emb", "blt_patcher": "apply_rotary_pos_emb",
     "cohere2": "apply_rotary_pos_emb", "deepseek_v3": "apply_rotary_pos_emb_interleave",
 }
+
+
+def _config_of(model_type):
+    if model_type in ("glm4v", "glm46v"):  # their text model: MRoPE sections of its rotary dims
+        return transformers.Glm4vTextConfig(
+            hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                             "partial_rotary_factor": 0.5, "mrope_section": [8, 12, 12]})
+    return transformers.AutoConfig.for_model(model_type)
 
 
 @pytest.mark.parametrize("model_type", sorted(INTERLEAVED_BY_CODE))
 def test_layout_of_models_whose_code_interleaves(model_type):
     import importlib
 
-    cfg = transformers.AutoConfig.for_model(model_type)
+    cfg = _config_of(model_type)
     sub = getattr(cfg, "text_config", None) or cfg
     mod = importlib.import_module(type(sub).__module__.replace("configuration_", "modeling_"))
     rotary = next(c for n, c in vars(mod).items()
                   if n.endswith("RotaryEmbedding") and "Vision" not in n)
     T = 16
     cos, sin = rotary(config=sub)(torch.zeros(1, T, 4), torch.arange(T)[None])[:2]
-    width = cos.shape[-1]
-    q, k = torch.randn(2, 1, 1, T, width, dtype=torch.float64)
+    rope = rope_ext.RotaryEmbedding.from_config(cfg)
+    assert rope.interleaved
+    q, k = torch.randn(2, 1, 1, T, rope.head_dim, dtype=torch.float64)
     qh, kh = getattr(mod, INTERLEAVED_BY_CODE[model_type])(q, k, cos.double(), sin.double())[:2]
     want = qh[0, 0] @ kh[0, 0].T
-    rope = rope_ext.RotaryEmbedding.from_config(cfg)
-    assert rope.interleaved and rope.rotary_dim == width
-    qq = torch.zeros(T, 1, rope.head_dim)
-    kk = torch.zeros(T, 1, rope.head_dim)
-    qq[..., :width], kk[..., :width] = q[0].transpose(0, 1), k[0].transpose(0, 1)
-    qr, kr = rope(qq, kk, torch.arange(T))
+    qr, kr = rope(q[0].transpose(0, 1).float(), k[0].transpose(0, 1).float(), torch.arange(T))
     got = qr[:, 0].double() @ kr[:, 0].double().T
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * float(want.abs().max()))
 
