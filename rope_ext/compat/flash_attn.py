@@ -116,7 +116,9 @@ def _rotate_(x, cos, sin, interleaved, seqlen_offsets):
     seqlen = x.shape[1]
     rows = _table_rows(cos, offsets, seqlen)
     table = torch.cat((float32_table(cos[rows]), float32_table(sin[rows])), dim=-1)
-    positions = torch.arange(seqlen, device=x.device).view((1, seqlen) + (1,) * (x.dim() - 4))
+    positions = torch.arange(seqlen, device=x.device)
+    if x.dim() > 4:  # (seqlen, 1, ...) against the token dims past seqlen
+        positions = positions.view((seqlen,) + (1,) * (x.dim() - 4))
     ops.apply_(x, None, positions.expand(x.shape[:-2]), table, interleaved)
 
 
