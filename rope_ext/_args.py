@@ -8,11 +8,12 @@ import torch
 def check_int(value, name, minimum=None):
     """value as an int, or a ValueError naming it. A bool is not an int here, nor is a float,
     even an integral one (1.7 would otherwise become 1). minimum=1 reads "a positive int"."""
-    if isinstance(value, torch.SymInt):  # a traced size (torch.compile, export): kept symbolic
+    if type(value) is not int and isinstance(value, torch.SymInt):
+        # a traced size (torch.compile, export): kept symbolic
         if minimum is not None:
             torch._check(value >= minimum, lambda: f"{name} must be >= {minimum}")
         return value
-    ok = not isinstance(value, bool) and isinstance(value, numbers.Integral)
+    ok = type(value) is int or (not isinstance(value, bool) and isinstance(value, numbers.Integral))
     if minimum == 1 and not (ok and value >= 1):
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     if not ok:
