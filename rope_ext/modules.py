@@ -123,7 +123,8 @@ class RotaryEmbedding(torch.nn.Module):
         if mrope_section is not None:
             original = mrope_section
             mrope_section = list(mrope_section)
-            if not all(type(s) is int or (isinstance(s, numbers.Integral) and not isinstance(s, bool))
+            if not all(type(s) is int
+                       or (isinstance(s, numbers.Integral) and not isinstance(s, bool))
                        for s in mrope_section):
                 raise ValueError(
                     f"RotaryEmbedding: mrope_section must be 3 ints >= 0 summing to rotary_dim/2 = "
@@ -292,7 +293,8 @@ class RotaryEmbedding(torch.nn.Module):
             return self._tables, positions, None
         largest = self._check_positions(positions)
         if self.mode == "longrope":
-            is_long = ((_largest(positions) if largest is None else largest) >= self._original).to(positions.dtype)
+            top = _largest(positions) if largest is None else largest
+            is_long = (top >= self._original).to(positions.dtype)
             # Negative positions stay negative, so the op still rejects them.
             index = torch.where(positions >= 0, positions + is_long * self._original, positions)
             return self._tables, index, None

@@ -51,8 +51,8 @@ def check_cache_views(positions, query, key, head_size, cos_sin_cache, key_requi
 
 def tracing():
     """Whether tensors made now belong to a trace, not to eager code: torch.compile or export,
-    a dispatch mode (FakeTensorMode, make_fx), or torch.jit.trace. A cache must neither keep them nor hand a
-    kept real tensor to the trace."""
+    a dispatch mode (FakeTensorMode, make_fx), or torch.jit.trace. A cache must neither keep
+    them nor hand a kept real tensor to the trace."""
     return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
             or torch.jit.is_tracing())
 
