@@ -306,3 +306,26 @@ def test_rotary_position_embedding_is_tes(args):
         assert got.dtype == want.dtype == torch.float32
         assert torch.equal(got, want), (max_seq_len, offset)
         assert torch.equal(ours.forward(max_seq_len, offset=offset), want)
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+@pytest.mark.parametrize("cp_size", [1, 2])
+def test_per_sequence_freqs(fmt, cp_size):
+    # freqs [s2, b, 1, d2] (TE's PyTorch path): sequence i turns by freqs[:, i], as a call of
+    # that sequence alone with [s2, 1, 1, d2] does; differentiable w.r.t. freqs too.
+    s, b = 6, 3
+    freqs = torch.rand(cp_size * s + 2, b, 1, D - 4, dtype=torch.float64) * 10
+    t = torch.randn((s, b, H, D) if fmt == "sbhd" else (b, s, H, D), dtype=torch.float64)
+    seq_dim = 0 if fmt == "sbhd" else 1
+    for rank in range(cp_size):
+        got = te.apply_rotary_pos_emb(t, freqs, fmt, cp_size=cp_size, cp_rank=rank)
+        for i in range(b):
+            one = t.narrow(1 - seq_dim, i, 1)
+            want = te.apply_rotary_pos_emb(one, freqs[:, i : i + 1], fmt, cp_size=cp_size,
+                                           cp_rank=rank)
+            assert torch.equal(got.narrow(1 - seq_dim, i, 1), want)
+    f = freqs[: s + 1].clone().requires_grad_()
+    x = t.clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda x, f: te.apply_rotary_pos_emb(x, f, fmt), (x, f))
+    with pytest.raises(ValueError, match=re.escape("[s2, 1, 1, d2] (one angle")):
+        te.apply_rotary_pos_emb(t, freqs, fmt, start_positions=torch.zeros(b, dtype=torch.long))

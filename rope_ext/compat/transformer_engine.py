@@ -93,21 +93,24 @@ def _check_t(t, tensor_format):
                          f"{tensor_format!r}, got {got}")
 
 
-def _check_freqs(freqs, t):
-    """freqs as (max_seq_len, rotary_dim) float angles, checked against t."""
+def _check_freqs(freqs, t, batch=None):
+    """freqs as (max_seq_len, rotary_dim) float angles, checked against t; with `batch` (t's
+    batch size, sbhd or bshd without start_positions) also [s2, b, 1, d2], each sequence's own
+    angles (TE's PyTorch path), as (max_seq_len, b, rotary_dim)."""
     if not isinstance(freqs, torch.Tensor) or freqs.is_complex():
         got = freqs.dtype if isinstance(freqs, torch.Tensor) else type(freqs).__name__
         raise ValueError(f"freqs must be a real tensor of angles [s2, 1, 1, d2], got {got}")
-    if freqs.dim() != 4 or freqs.shape[1] != 1 or freqs.shape[2] != 1:
-        raise ValueError(f"freqs must have shape [s2, 1, 1, d2] (one angle per element of the "
-                         f"rotary dims), got {list(freqs.shape)}")
+    if freqs.dim() != 4 or freqs.shape[1] not in (1, batch) or freqs.shape[2] != 1:
+        also = "" if batch is None else f" or [s2, b, 1, d2] with b = {batch}"
+        raise ValueError(f"freqs must have shape [s2, 1, 1, d2]{also} (one angle per element "
+                         f"of the rotary dims), got {list(freqs.shape)}")
     d2, d = freqs.shape[3], t.shape[-1]
     if d2 % 2 or not 2 <= d2 <= d:
         raise ValueError(f"freqs.size(-1) = {d2} (the rotary dims) must be even and in [2, d = "
                          f"t.size(-1) = {d}]")
     if freqs.device != t.device:
         raise ValueError(f"freqs must be on t's device ({t.device}), got {freqs.device}")
-    freqs = freqs[:, 0, 0]
+    freqs = freqs[:, 0, 0] if freqs.shape[1] == 1 else freqs[:, :, 0]
     return freqs if freqs.is_floating_point() else freqs.float()  # TE takes integer angles too
 
 
@@ -144,6 +147,8 @@ def _dense_angles(t, freqs, seq_dim, start_positions, cp_size, cp_rank):
         else:
             local = torch.arange(seqlen, device=t.device)
             rows_of_t = freqs[_rank_positions(local, seqlen, cp_size, cp_rank)]
+        if rows_of_t.dim() == 3:  # (s, b, d2): each sequence's own angles
+            return (rows_of_t if seq_dim == 0 else rows_of_t.transpose(0, 1))[:, :, None]
         return rows_of_t[:, None, None] if seq_dim == 0 else rows_of_t[None, :, None]
     start = _check_starts(start_positions, batch, t.device)
     check_values(start <= rows - seqlen * cp_size,  # not start + ...: a huge start would wrap
@@ -205,7 +210,8 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
                          fused=False, cu_seqlens=None, cp_size=1, cp_rank=0):
     """TE's apply_rotary_pos_emb: t [s, b, h, d] (sbhd), [b, s, h, d] (bshd) or [t, h, d] (thd,
     with cu_seqlens [b + 1], padded to the full sequences when cp_size > 1); freqs [s2, 1, 1, d2]
-    angles (RotaryPositionEmbedding's output), d2 <= d. Token i of a local sequence takes the
+    angles (RotaryPositionEmbedding's output), d2 <= d, or in sbhd / bshd without
+    start_positions [s2, b, 1, d2], each sequence's own (TE's PyTorch path). Token i of a local sequence takes the
     angles of row start_positions[b] + (its position in the full sequence). Returns a new tensor
     of t's shape and dtype."""
     if tensor_format not in FORMATS:
@@ -224,7 +230,9 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
         return on_local_shards(apply_rotary_pos_emb, t, freqs, tensor_format, start_positions,
                                interleaved, fused, cu_seqlens, cp_size, cp_rank, names=_ARGS)
     _check_t(t, tensor_format)
-    freqs = _check_freqs(freqs, t)
+    per_sequence = tensor_format != "thd" and start_positions is None  # [s2, b, 1, d2] allowed
+    freqs = _check_freqs(freqs, t, t.shape[1 - FORMATS.index(tensor_format)] if per_sequence
+                         else None)
     if fused:
         freqs = freqs.detach()  # TE's kernel returns no gradient for freqs
     if tensor_format == "thd":
