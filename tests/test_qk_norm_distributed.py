@@ -228,6 +228,31 @@ def case_norm_forms(run):
               norm="rms_across_heads", table_width="half")
 
 
+@case
+def case_weight_gradients_with_uneven_token_shards(run):
+    """qk_norm_rope and norm_rope (LayerNorm with a bias) with 3 tokens on 2 ranks: the weight
+    and bias gradients are one process's (the backward once flattened an unevenly sharded
+    DTensor, which DTensor refuses)."""
+    Sh, R = run.S, run.R
+    q, k = torch.randn(3, HQ, D), torch.randn(3, HK, D)
+    cos, sin = torch.randn(3, 1, ROT // 2), torch.randn(3, 1, ROT // 2)
+    params = (torch.randn(D), torch.randn(D), torch.randn(D))  # q_weight, k_weight, q_bias
+    for fn, kw, n in ((qk_norm_rope, {}, 2), (norm_rope, {"norm": "layer"}, 3)):
+        def loss(q, k, cos, sin, wq, wk, *bias):
+            extra = {"q_bias": bias[0]} if bias else {}
+            out = fn(q, k, wq, wk, cos, sin, table_width="half", **kw, **extra)
+            return out[0].square().sum() + out[1].sum()
+
+        plain = [t.clone().requires_grad_() for t in params[:n]]
+        loss(q, k, cos, sin, *plain).backward()
+        spread = [run.d(t, R).requires_grad_() for t in params[:n]]
+        loss(run.d(q, Sh(0)), run.d(k, Sh(0)), run.d(cos, Sh(0)), run.d(sin, Sh(0)),
+             *spread).backward()
+        for leaf, dleaf in zip(plain, spread):
+            torch.testing.assert_close(dleaf.grad.full_tensor(), leaf.grad, rtol=1e-5,
+                                       atol=1e-5)
+
+
 def _main_worker(out_dir, seed):
     import datetime
     import json

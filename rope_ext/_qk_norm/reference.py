@@ -77,6 +77,13 @@ def norm_rope(query, key, q_weight, k_weight, q_bias, k_bias, cos, sin, eps, nor
     return tuple(out)
 
 
+def _sum_leading(t, kept):
+    """t summed over all but its last `kept` dims. (Not a reshape to (-1, width) first: a
+    DTensor sharded unevenly over a leading dim cannot be flattened.)"""
+    lead = tuple(range(t.dim() - kept))
+    return t.sum(dim=lead) if lead else t
+
+
 def norm_forms_rope_backward(x, weight, bias, grad, cos, sin, eps, norm, interleaved, need,
                              unit_offset=False):
     """Gradients (x, weight, bias, cos, sin) of x's norm_forms then rotation; need: which of
@@ -93,9 +100,9 @@ def norm_forms_rope_backward(x, weight, bias, grad, cos, sin, eps, norm, interle
     width = x.shape[-2] * x.shape[-1] if across else x.shape[-1]
     gx = gw = gb = gc = gs = None
     if need_w and weight is not None:
-        gw = (g * n).reshape(-1, width).sum(0).to(weight.dtype)
+        gw = _sum_leading(g * n, len(dims)).reshape(width).to(weight.dtype)
     if need_b and bias is not None:
-        gb = g.reshape(-1, width).sum(0).to(bias.dtype)
+        gb = _sum_leading(g, len(dims)).reshape(width).to(bias.dtype)
     if need_tables:  # the rotation's input: its only reader
         gc, gs = reference.table_grads(_scaled(n, x, weight, bias, norm, unit_offset), grad, cos,
                                        sin, interleaved)
