@@ -1,9 +1,11 @@
-"""DTensor support: sharding rules for every rope op, registered with torch.distributed.tensor.
+"""DTensor support: sharding rules for the rope ops, registered with torch.distributed.tensor.
 
-With them each torch.ops.rope op, and so each public function, takes DTensors and runs on every
-rank's local shards, with no communication when the tensors are sharded over heads (tensor
-parallelism) or over tokens (context / sequence parallelism, positions sharded alike) and the
-tables are replicated. docs/distributed.md lists the layouts and the errors.
+With them each torch.ops.rope op but the RoPE + FP8 quantization ops (rope.quantize_fp8 and
+rope.quantize_fp8_append_paged_kv_cache, which have no rule yet), and so each public function,
+takes DTensors and runs on every rank's local shards, with no communication when the tensors are
+sharded over heads (tensor parallelism) or over tokens (context / sequence parallelism,
+positions sharded alike) and the tables are replicated. docs/distributed.md lists the layouts
+and the errors.
 
 Importing this module is cheap and safe: it registers at once when torch.distributed.tensor is
 already loaded, otherwise right after it loads (an import hook), so importing rope_ext never pays
