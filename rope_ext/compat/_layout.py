@@ -57,7 +57,7 @@ def tracing():
             or torch.jit.is_tracing())
 
 
-def uncached_when_compiling(cached):
+def uncached_when_tracing(cached):
     """`cached` (an lru_cache'd function), or its uncached body while tracing(): the cache
     spares eager calls their host-to-device copies; a traced graph builds its own tensors."""
     return cached.__wrapped__ if tracing() else cached
@@ -75,7 +75,7 @@ def float32_scalar(value, device):
     same few values every layer and step, and the cache spares a host-to-device copy each
     (read-only: callers never write it)."""
     value = float(value)
-    return uncached_when_compiling(_float32_scalar)(value, math.copysign(1.0, value), device)
+    return uncached_when_tracing(_float32_scalar)(value, math.copysign(1.0, value), device)
 
 
 def float32_table(table):

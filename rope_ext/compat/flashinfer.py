@@ -24,7 +24,7 @@ import torch
 from ..ops import apply_rope as _rotated, apply_rope_at, sequence_positions  # FlashInfer has its own apply_rope
 from .._call import ops
 from ..ops import apply_rope_
-from ._layout import check_cache_views, check_index_tensor, uncached_when_compiling
+from ._layout import check_cache_views, check_index_tensor, uncached_when_tracing
 
 F32 = torch.float32
 
@@ -73,7 +73,7 @@ def _table(positions, valid, rotary_dim, rope_scale, rope_theta, llama31=None):
     """(nnz, rotary_dim) float32: cos | sin of each token's angles; rows where `valid` is False
     rotate by 0 (left unchanged)."""
     llama31 = None if llama31 is None else tuple(float(v) for v in llama31)
-    frequencies = uncached_when_compiling(_frequencies)
+    frequencies = uncached_when_tracing(_frequencies)
     freq = frequencies(rotary_dim, float(rope_scale), float(rope_theta), positions.device, llama31)
     angles = positions.to(F32)[:, None] * freq
     if valid is not None:
