@@ -1,11 +1,9 @@
 """DTensor support: sharding rules for the rope ops, registered with torch.distributed.tensor.
 
-With them each torch.ops.rope op but the RoPE + FP8 quantization ops (rope.quantize_fp8 and
-rope.quantize_fp8_append_paged_kv_cache, which have no rule yet), and so each public function,
-takes DTensors and runs on every rank's local shards, with no communication when the tensors are
-sharded over heads (tensor parallelism) or over tokens (context / sequence parallelism,
-positions sharded alike) and the tables are replicated. docs/distributed.md lists the layouts
-and the errors.
+With them each torch.ops.rope op, and so each public function, takes DTensors and runs on every
+rank's local shards, with no communication when the tensors are sharded over heads (tensor
+parallelism) or over tokens (context / sequence parallelism, positions sharded alike) and the
+tables are replicated. docs/distributed.md lists the layouts and the errors.
 
 Importing this module is cheap and safe: it registers at once when torch.distributed.tensor is
 already loaded, otherwise right after it loads (an import hook), so importing rope_ext never pays
@@ -554,6 +552,78 @@ _RULES.update({
     "norm_rope": (_rule_norm_rope, 8),
     "qk_norm_rope_": (_rule_qk_norm_rope_in_place, 6),
     "qkv_norm_rope_": (_rule_qkv_norm_rope, 1),
+})
+
+
+# ---- RoPE + FP8 quantization: the rotation, then a scale and a saturation per element, so heads
+# and tokens shard freely; saturation is not linear, so a Partial input is reduced first. ----
+
+def _tokens_only(d):
+    return 0 if d == 0 else None
+
+
+def _rule_quantize_fp8(op, a):
+    """quantize_fp8: q_rope (nnz, Hq, R) and k_rope (nnz, Hk, R) or, MLA, (nnz, R) each
+    Replicate or sharded over its heads or tokens (never over R), the tokens alike for both
+    since they share pos_ids (sharded like them); q_nope and k_nope read in q_rope's and
+    k_rope's layouts; each output written in place in its input's layout; the table Replicate."""
+    q, k = a["q_rope"], a["k_rope"]
+    _check_rotated(op, "q_rope", q, written=False)
+    _check_rotated(op, "k_rope", k, written=False)
+    q, k = _whole(q), _whole(k)
+    positions = _aligned(q, _tokens_only)
+    if _layout(_aligned(k, _tokens_only)) != _layout(positions):
+        _fail(op, f"q_rope {_names(q)} and k_rope {_names(k)} must be sharded alike over the "
+                  "tokens (dim 0), since they share pos_ids (each may be sharded over its own "
+                  "heads, or replicated, independently)")
+    for out, src, x in (("q_rope_out", "q_rope", q), ("k_rope_out", "k_rope", k),
+                        ("q_nope_out", "q_nope", q), ("k_nope_out", "k_nope", k)):
+        _check_written(op, out, a[out], x, f"it holds {src}'s values, laid out like "
+                       f"{'q_rope' if x is q else 'k_rope'}")
+    return None, {"q_rope": q, "k_rope": k, "q_nope": q, "k_nope": k, "pos_ids": positions,
+                  "cos_sin_cache": _replicated(q.mesh), "q_rope_out": a["q_rope_out"],
+                  "k_rope_out": a["k_rope_out"], "q_nope_out": a["q_nope_out"],
+                  "k_nope_out": a["k_nope_out"]}
+
+
+def _rule_quantize_fp8_paged(op, a):
+    """quantize_fp8_append_paged_kv_cache, under tensor parallelism: q_rope, q_nope and their
+    outputs Replicate or sharded over the query heads; k_rope, k_nope, v and the paged caches
+    Replicate or sharded over the kv heads (the caches' dim 2 for NHD, 1 for HND); MLA's
+    compressed k and its caches Replicate; never the tokens (each rank would write only its own
+    tokens into the caches); the indices and the table Replicate."""
+    q, k = a["q_rope"], a["k_rope"]
+    for name, t in (("q_rope", q), ("k_rope", k)):
+        for m, p in enumerate(t.placements):
+            if _shard_dim(p, _ndim(t)) == 0:
+                _fail(op, f"{name} is sharded over the tokens (Shard(0)) on mesh dim {m}; an op "
+                          "that writes the paged caches cannot shard the tokens: each rank would "
+                          "write only its own tokens into them. Shard the heads, or call the op "
+                          "on the local tensors (DTensor.to_local()) with per-rank caches")
+        _check_rotated(op, name, t, written=False)
+    q, k = _whole(q), _whole(k)
+    mla = a["v"] is None
+    names = ("ckv_cache", "kpe_cache") if mla else ("k_cache", "v_cache")
+    head_dim = 2 if a["kv_layout"] == "NHD" else 1
+    heads = _aligned(k, lambda d: head_dim if d == 1 else None)
+    why = ("it holds k_rope's heads (sharded over its kv heads where k_rope is Shard(1), "
+           "Replicate where k_rope is Replicate)" if not mla else
+           "MLA's compressed cache has no heads to shard")
+    for name, cache in zip(names, (a["k_cache"], a["v_cache"])):
+        _check_written(op, name, cache, heads, why)
+    for out, src in (("q_rope_out", "q_rope"), ("q_nope_out", "q_nope")):
+        _check_written(op, out, a[out], q, f"it holds {src}'s values, laid out like q_rope")
+    r = _replicated(q.mesh)
+    need = {"q_rope": q, "k_rope": k, "q_nope": q, "k_nope": k, "v": k, "cos_sin_cache": r,
+            "pos_ids": r, "q_rope_out": a["q_rope_out"], "q_nope_out": a["q_nope_out"],
+            "k_cache": a["k_cache"], "v_cache": a["v_cache"]}
+    need.update(dict.fromkeys(("kv_indices", "kv_indptr", "batch_indices", "positions"), r))
+    return None, need
+
+
+_RULES.update({
+    "quantize_fp8": (_rule_quantize_fp8, 10),
+    "quantize_fp8_append_paged_kv_cache": (_rule_quantize_fp8_paged, 15),
 })
 
 

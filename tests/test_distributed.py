@@ -852,6 +852,164 @@ def case_cache_value_pair_unlike_key_pair_one_kv_head(run):
         run.unchanged(dt, t)
 
 
+def _quant_inputs(hq, hk, mla=False, dtype=torch.bfloat16):
+    """quantize_fp8's inputs: rope parts of 8 dims, nope parts of 4 (MLA: 2-D keys)."""
+    lead = (T,) if mla else (T, hk)
+    return dict(q_rope=torch.randn(T, hq, 8, dtype=dtype), k_rope=torch.randn(*lead, 8, dtype=dtype),
+                q_nope=torch.randn(T, hq, 4, dtype=dtype), k_nope=torch.randn(*lead, 4, dtype=dtype),
+                cos_sin_cache=rope_ext.cos_sin_cache(MAXPOS, 8), pos_ids=torch.randint(0, MAXPOS, (T,)))
+
+
+def _quant_outs(x, fmt=torch.float8_e4m3fn):
+    return {n + "_out": torch.full_like(t, float("nan"), dtype=fmt)
+            for n, t in x.items() if n.endswith(("rope", "nope"))}
+
+
+def _quant(**kw):
+    torch.ops.rope.quantize_fp8(*kw.values(), 0.5, 2.0, True)  # in schema order
+
+
+def _codes(t):
+    return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
+
+
+@case
+def case_quantize_fp8(run):
+    """rope.quantize_fp8 on DTensors: the query and key parts sharded over heads or tokens (pos_ids
+    alike), GQA keys or MLA's 2-D keys replicated, a Partial query reduced first; each rank
+    quantizes its shards, bit for bit the single-process codes."""
+    S, R = run.S, run.R
+    layouts = [(HQ, HK, False, S(1), S(1), R), (HQ, HK, False, S(0), S(0), S(0)),
+               (3, 1, False, S(1), R, R), (HQ, 1, True, S(1), R, R), (HQ, 1, True, S(0), S(0), S(0))]
+    for hq, hk, mla, qp, kp, pp in layouts:
+        x = _quant_inputs(hq, hk, mla)
+        want = _quant_outs(x)
+        _quant(**x, **want)
+        place = dict(q_rope=qp, q_nope=qp, k_rope=kp, k_nope=kp, pos_ids=pp, cos_sin_cache=R)
+        dx = {n: run.d(t, place[n]) for n, t in x.items()}
+        douts = {n: run.d(t, place[n.removesuffix("_out")]) for n, t in _quant_outs(x).items()}
+        run.no_comm(_quant, **dx, **douts)
+        for n, got in douts.items():
+            p = place[n.removesuffix("_out")]
+            assert tuple(got.placements) == (p,), (n, got.placements)
+            assert torch.equal(_codes(got.to_local()), _codes(run.d(want[n], p).to_local())), n
+    x = _quant_inputs(HQ, HK)
+    want = _quant_outs(x)
+    _quant(**x, **want)
+    dx = {n: run.d(t, R) for n, t in x.items()}
+    dx["q_rope"] = run.partial(x["q_rope"])  # reduced first: saturation is not linear
+    douts = {n: run.d(t, R) for n, t in _quant_outs(x).items()}
+    _quant(**dx, **douts)
+    got = douts["q_rope_out"].to_local().float()
+    torch.testing.assert_close(got, want["q_rope_out"].float(), rtol=0.125, atol=2e-3)
+
+
+@case
+def case_quantize_fp8_dropin(run):
+    """FlashInfer's rope_quantize_fp8 drop-in on DTensors, nope parts None (size-0 views of the
+    rope parts, in their layouts) and outputs allocated like the inputs."""
+    from rope_ext.compat import flashinfer as fi
+
+    S, R = run.S, run.R
+    x = _quant_inputs(HQ, HK)
+    want = fi.rope_quantize_fp8(x["q_rope"], x["k_rope"], None, None, x["cos_sin_cache"],
+                                x["pos_ids"])
+    got = run.no_comm(fi.rope_quantize_fp8, run.d(x["q_rope"], S(1)), run.d(x["k_rope"], S(1)),
+                      None, None, run.d(x["cos_sin_cache"], R), run.d(x["pos_ids"], R))
+    for g, w in zip(got, want):
+        assert tuple(g.placements) == (S(1),)
+        assert torch.equal(_codes(g.to_local()), _codes(run.d(w, S(1)).to_local()))
+
+
+@case
+def case_quantize_fp8_rejected(run):
+    """Layouts quantize_fp8 refuses on every rank, nothing written: query and key tokens sharded
+    unlike each other, an output laid out unlike its input, a rope part sharded over its last
+    dim."""
+    S, R = run.S, run.R
+    x = _quant_inputs(HQ, HK)
+
+    def attempt(place, fragments):
+        dx = {n: run.d(t, place.get(n, R)) for n, t in x.items()}
+        outs = _quant_outs(x)
+        douts = {n: run.d(t, place.get(n, place.get(n.removesuffix("_out"), R)))
+                 for n, t in outs.items()}
+        run.fails(("rope.quantize_fp8:",) + fragments, _quant, **dx, **douts)
+        for n, t in outs.items():
+            assert torch.equal(_codes(douts[n].to_local()),
+                               _codes(run.d(t, douts[n].placements[0]).to_local())), n
+
+    attempt(dict(q_rope=S(0), q_nope=S(0), pos_ids=S(0)), ("must be sharded alike over the tokens",))
+    attempt(dict(q_rope=S(1), q_nope=S(1), q_nope_out=R), ("q_nope_out is written in place",
+                                                           "must be [Shard(1)], got [Replicate()]"))
+    attempt(dict(k_rope=S(2)), ("k_rope is", HEAD_DIM_SHARDED))
+
+
+def _paged_inputs(mla, layout, hk=HK, dtype=torch.bfloat16):
+    """quantize_fp8_append_paged_kv_cache's inputs: 2 requests of 3 tokens on pages of 2 (one
+    token padding), GQA HQ/hk heads or MLA, float8 caches poisoned with NaN."""
+    hk = 1 if mla else hk
+    x = _quant_inputs(HQ, hk, mla, dtype)
+    x["v"] = None if mla else torch.randn(T, hk, 12, dtype=dtype)
+    pages, page_size, fmt = 6, 2, torch.float8_e4m3fn
+    if mla:
+        caches = (torch.full((pages, page_size, 4), float("nan")), torch.full((pages, page_size, 8), float("nan")))
+    else:
+        shape = (pages, page_size, hk, 12) if layout == "NHD" else (pages, hk, page_size, 12)
+        caches = (torch.full(shape, float("nan")), torch.full(shape, float("nan")))
+    outs = dict(q_rope_out=torch.full((T, HQ, 8), float("nan")).to(fmt),
+                q_nope_out=torch.full((T, HQ, 4), float("nan")).to(fmt),
+                k_cache=caches[0].to(fmt), v_cache=caches[1].to(fmt))
+    index = dict(kv_indices=torch.tensor([4, 0, 5, 2]), kv_indptr=torch.tensor([0, 2, 4]),
+                 batch_indices=torch.tensor([0, 0, -1, 1, 1, 1]),
+                 positions=torch.tensor([0, 3, 0, 0, 1, 2]))
+    return x, outs, index
+
+
+def _paged(x, outs, index, layout):
+    torch.ops.rope.quantize_fp8_append_paged_kv_cache(
+        x["q_rope"], x["k_rope"], x["q_nope"], x["k_nope"], x["v"], x["cos_sin_cache"],
+        x["pos_ids"], outs["q_rope_out"], outs["q_nope_out"], outs["k_cache"], outs["v_cache"],
+        *index.values(), 2, layout, 0.5, 2.0, False)
+
+
+@case
+def case_quantize_fp8_paged(run):
+    """rope.quantize_fp8_append_paged_kv_cache under tensor parallelism: query heads sharded;
+    key, value and the caches sharded over the kv heads (NHD's dim 2, HND's dim 1) or
+    replicated (one kv head over two ranks: the second has none); MLA's compressed caches
+    replicated. Bit for bit the single-process result;
+    tokens sharded, caches laid out unlike the keys: refused, nothing written."""
+    S, R = run.S, run.R
+    for mla, layout, kp, hk in ((False, "NHD", S(1), HK), (False, "HND", S(1), HK),
+                                (False, "NHD", R, HK), (False, "HND", S(1), 1), (True, "NHD", R, 1)):
+        x, outs, index = _paged_inputs(mla, layout, hk)
+        want = {n: t.clone() for n, t in outs.items()}
+        _paged(x, want, index, layout)
+        cp = kp if kp == R else S(2 if layout == "NHD" else 1)
+        place = dict(q_rope=S(1), q_nope=S(1), k_rope=kp, k_nope=kp, v=kp, q_rope_out=S(1),
+                     q_nope_out=S(1), k_cache=cp, v_cache=cp)
+        dx = {n: None if t is None else run.d(t, place.get(n, R)) for n, t in x.items()}
+        douts = {n: run.d(t, place[n]) for n, t in outs.items()}
+        run.no_comm(_paged, dx, douts, {n: run.d(t, R) for n, t in index.items()}, layout)
+        for n, got in douts.items():
+            w = run.d(want[n], place[n]).to_local()  # unwritten cache entries: NaN codes
+            assert torch.equal(_codes(got.to_local()), _codes(w)), (n, layout, kp)
+    x, outs, index = _paged_inputs(False, "NHD")
+    for place, fragments in ((dict(q_rope=S(0), q_nope=S(0), k_rope=S(0), k_nope=S(0), v=S(0)),
+                              ("q_rope is sharded over the tokens",)),
+                             (dict(q_rope=S(1), q_nope=S(1), k_rope=S(1), k_nope=S(1), v=S(1),
+                                   q_rope_out=S(1), q_nope_out=S(1), k_cache=S(2)),
+                              ("v_cache is written in place", "must be [Shard(2)], got [Replicate()]"))):
+        dx = {n: run.d(t, place.get(n, R)) for n, t in x.items()}
+        douts = {n: run.d(t, place.get(n, R)) for n, t in outs.items()}
+        run.fails(("rope.quantize_fp8_append_paged_kv_cache:",) + fragments, _paged, dx, douts,
+                  {n: run.d(t, R) for n, t in index.items()}, "NHD")
+        for n, t in outs.items():
+            assert torch.equal(_codes(douts[n].to_local()),
+                               _codes(run.d(t, douts[n].placements[0]).to_local())), n
+
+
 @case
 def case_mesh_2d(run):
     """2-D meshes (2, 1) and (1, 2): tokens over one mesh dim and heads over the other, or the
@@ -959,7 +1117,8 @@ ops = torch.ops.rope
 funcs = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
 for op in (ops.apply.default, ops.apply.out, ops.apply_backward.default, ops.apply_.default,
            ops.mrope_.default, ops.apply_positions.default, ops.apply_and_cache_.default,
-           ops.shift_kv_cache_.default):
+           ops.shift_kv_cache_.default, ops.quantize_fp8.default,
+           ops.quantize_fp8_append_paged_kv_cache.default):
     assert op in funcs, op
 assert ops.apply.out in DTensor._op_dispatcher._custom_op_handlers
 assert not any(type(f).__module__ == "rope_ext.distributed" for f in sys.meta_path), "hook left"

@@ -217,13 +217,12 @@ _FP8_DEFAULT = torch.float8_e4m3fn
 
 
 def _nope_parts(q_rope, k_rope, q_nope, k_nope):
-    """FlashInfer's None nope parts: size-0 tensors of the right leading dims."""
-    nnz, heads = q_rope.shape[0], q_rope.shape[1]
+    """FlashInfer's None nope parts: size-0 views of the rope parts (their leading dims, and
+    for DTensors their layouts)."""
     if q_nope is None:
-        q_nope = torch.empty(nnz, heads, 0, dtype=q_rope.dtype, device=q_rope.device)
+        q_nope = q_rope[..., :0]
     if k_nope is None:
-        lead = (nnz,) if k_rope.dim() == 2 else (nnz, k_rope.shape[1])
-        k_nope = torch.empty(*lead, 0, dtype=k_rope.dtype, device=k_rope.device)
+        k_nope = k_rope[..., :0]
     return q_nope, k_nope
 
 
