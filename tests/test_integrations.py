@@ -869,13 +869,37 @@ def first_fused_norm(model):
     raise AssertionError("no fused attention")
 
 
+def _biased(norm):
+    """A norm of a subclass of norm's class adding a bias (zero when constructed: its class
+    passes the probe of the norm form) that is not zero."""
+    class BiasedNorm(type(norm)):
+        def __init__(self, dim, eps=1e-6, **kwargs):
+            super().__init__(dim, eps=eps, **kwargs)
+            self.bias = torch.nn.Parameter(torch.zeros(dim))
+
+        def forward(self, x):
+            return super().forward(x) + self.bias.to(x.dtype)
+
+    dim = norm.weight.shape[0]
+    eps = next(getattr(norm, a) for a in ("variance_epsilon", "eps") if hasattr(norm, a))
+    new = BiasedNorm(dim, eps=eps)
+    with torch.no_grad():
+        new.weight.copy_(norm.weight)
+        new.bias.normal_(0, 0.5)
+    return new
+
+
 @pytest.mark.parametrize("family", HOOK_FAMILIES)
 @pytest.mark.parametrize("how", ["module hook", "global hook", "pre hook", "identity",
-                                 "layer norm", "instance forward"])
-def test_norms_with_hooks_or_replaced_after_patch_run_as_transformers_runs_them(family, how):
-    """A q norm with a hook (its own or a global one), an instance forward, or replaced after
-    patch by a module of another form is not fused: the patched model computes what the
-    unpatched one does with it, and the hooks fire as often."""
+                                 "layer norm", "instance forward", "class forward", "biased norm",
+                                 "rms norm of eps None"])
+def test_norms_with_hooks_or_replaced_after_patch_run_as_transformers_runs_them(family, how,
+                                                                                monkeypatch):
+    """A q norm with a hook (its own or a global one), an instance forward, its class's forward
+    replaced after a patch, or replaced after patch by a module of another form (one holding
+    more than its weight, a bias say; torch's RMSNorm with eps None, the dtype's epsilon) is not
+    fused: the patched model computes what the unpatched one does with it, and the hooks fire as
+    often."""
     model = perturbed(build(family), 8)
     batches = [text_batch(model, torch.randint(10, 128, (2, 9)))]
     integration.patch(model)
@@ -894,6 +918,17 @@ def test_norms_with_hooks_or_replaced_after_patch_run_as_transformers_runs_them(
         setattr(attention, name, torch.nn.Identity())
     elif how == "layer norm":
         setattr(attention, name, torch.nn.LayerNorm(norm.weight.shape[0]))
+    elif how == "class forward":  # its class probed by the patch above, then changed
+        forward = type(norm).forward
+        monkeypatch.setattr(type(norm), "forward", lambda self, x: forward(self, x) * 2)
+    elif how == "biased norm":
+        setattr(attention, name, _biased(norm))
+    elif how == "rms norm of eps None":
+        _qk_norm._norm_form(torch.nn.RMSNorm(8, eps=1e-6))  # the class known as fusable
+        rms = torch.nn.RMSNorm(norm.weight.shape[0], eps=None)
+        with torch.no_grad():
+            rms.weight.copy_(norm.weight)
+        setattr(attention, name, rms)
     else:
         norm.forward = lambda x: x * 2
     try:
@@ -1107,6 +1142,40 @@ def test_norm_names_are_found_by_what_the_forward_does():
     assert _qk_norm.norm_names(namespace["forward"], "_rope") == ("q_layernorm", "key_ln")
     assert _qk_norm.rewritten_forward(namespace["forward"], "_rope",
                                       norms=("q_layernorm", "key_ln")) is not None
+
+
+def test_one_tensor_rewrite_refuses_a_read_between_norm_and_rope():
+    """Norm and RoPE one tensor at a time (Gemma 3n, 4): a statement reading the normed tensor
+    before its RoPE call would see it unnormed once the norm moves into that call, so the forward
+    is not rewritten; its own relayout in between is fine."""
+    import linecache
+
+    def forward_of(lines):
+        source = ("def forward(self, k, cos, sin):\n    k = self.k_norm(k)\n" + lines
+                  + "    k = _rope(k, cos, sin)\n    return k, v\n")
+        filename = f"<rope_ext one tensor {abs(hash(lines))}>"
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        namespace = {}
+        exec(compile(source, filename, "exec"), namespace)
+        return namespace["forward"]
+
+    kind = _qk_norm.ONE_TENSOR
+    for lines in ("    v = k * 1.0\n", "    v = k.transpose(1, 2)\n", "    k = k.transpose(1, 2) + k\n"):
+        assert _qk_norm.rewritten_forward(forward_of(lines), "_rope", kind, ("k_norm",)) is None, lines
+    fine = forward_of("    k = k.transpose(1, 2)\n    v = 0\n")
+    assert _qk_norm.rewritten_forward(fine, "_rope", kind, ("k_norm",)) is not None
+
+
+def test_a_norm_without_its_weight_is_not_stood_in_for():
+    """A norm of a class probed as fusable but holding no weight (Gemma 3n's with_scale=False
+    form, say) is left to itself, not read for a weight it lacks."""
+    norm = torch.nn.RMSNorm(8, eps=1e-6)
+    assert _qk_norm._stand_in(norm, torch.randn(2, 8)) is not None
+    for weightless in (torch.nn.RMSNorm(8, eps=1e-6, elementwise_affine=False),
+                       torch.nn.RMSNorm(8, eps=1e-6)):
+        if weightless.weight is not None:
+            del weightless.weight  # no such attribute at all
+        assert _qk_norm._stand_in(weightless, torch.randn(2, 8)) is None
 
 
 @pytest.mark.parametrize("shape", sorted(UNFUSED_SHAPES))

@@ -50,7 +50,9 @@ _NORMS = ("q_norm", "k_norm")  # the usual names; a forward's own are found by n
 _EPS_ATTRS = ("variance_epsilon", "eps")
 _METADATA = {"shape", "dtype", "device", "ndim"}
 
-_norm_forms = {}  # norm class -> (unit_offset, eps attribute name), or None: not an RMSNorm
+# norm class -> (its forward when probed, (unit_offset, eps attribute name) or None: not an
+# RMSNorm the op computes); a forward replaced on the class since is probed afresh
+_norm_forms = {}
 
 
 def qk_norm_api():
@@ -166,7 +168,8 @@ def _one_tensor_sites(fdef, rope_name, norms):
     """For a forward that norms and rotates q and k in separate calls (Gemma 3n and 4:
     `x = self.q_norm(x)`, then `x = rope(x, cos, sin, ...)` in the same block, x reassigned in
     between in layout only): {rope call: norm call}, covering every RoPE call and every norm
-    call of the forward; None when the forward is not of that shape."""
+    call of the forward; None when the forward is not of that shape, or reads a normed tensor
+    before its RoPE call (the reader would see it unnormed: the norm moves into that call)."""
     sites = {}
     for stmts in _statement_lists(fdef):
         pending = {}  # name -> the norm call last assigned to it in this block
@@ -174,15 +177,24 @@ def _one_tensor_sites(fdef, rope_name, norms):
             if not isinstance(stmt, _SIMPLE_STATEMENTS):
                 pending.clear()  # a nested block or control flow: nothing carried past it
                 continue
-            for node in ast.walk(stmt):
-                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                        and node.func.id == rope_name and node.args
-                        and isinstance(node.args[0], ast.Name) and node.args[0].id in pending):
-                    sites[node] = pending.pop(node.args[0].id)
+            relayout = (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+                        and isinstance(stmt.targets[0], ast.Name)
+                        and _layout_of(stmt.value) == stmt.targets[0].id)
+            calls = [node for node in ast.walk(stmt)
+                     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                     and node.func.id == rope_name and node.args
+                     and isinstance(node.args[0], ast.Name) and node.args[0].id in pending]
+            allowed = {id(call.args[0]) for call in calls}  # a normed name read by its RoPE call,
+            for node in ast.walk(stmt) if norms else ():     # or its own relayout: nothing else
+                if (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)
+                        and node.id in pending and id(node) not in allowed
+                        and not (relayout and node.id == stmt.targets[0].id)):
+                    return None
+            for call in calls:
+                if call.args[0].id in pending:
+                    sites[call] = pending.pop(call.args[0].id)
             if isinstance(stmt, ast.Assign):
                 norm = _norm_inside(stmt.value, norms)
-                relayout = (len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
-                            and _layout_of(stmt.value) == stmt.targets[0].id)
                 for target in stmt.targets:
                     for name in _assigned_names(target):
                         if norm is not None and isinstance(target, ast.Name):
@@ -426,10 +438,26 @@ def _norm_form(norm):
     """(unit_offset, eps attribute) of norm's class, probed once per class on a fresh instance
     of it; None when the class is not an RMSNorm the op computes."""
     cls = type(norm)
-    if cls in _norm_forms:
-        return _norm_forms[cls]
-    _norm_forms[cls] = form = _probe_norm(norm)
+    known = _norm_forms.get(cls)
+    if known is not None and known[0] is cls.forward:
+        return known[1]
+    form = _probe_norm(norm)
+    _norm_forms[cls] = (cls.forward, form)
     return form
+
+
+def _holds_only_weight(norm):
+    """norm's own state is its weight alone (a parameter, or a parametrized one): its class was
+    probed with just the weight set, so the op would drop anything else an instance holds (a
+    bias, say)."""
+    params, modules = norm._parameters, norm._modules
+    if any(t is not None for t in norm._buffers.values()) or any(
+            t is not None for name, t in params.items() if name != "weight"):
+        return False
+    if not modules:
+        return params.get("weight") is not None
+    parametrized = modules.get("parametrizations")
+    return len(modules) == 1 and parametrized is not None and list(parametrized.keys()) == ["weight"]
 
 
 def _probe_norm(norm):
@@ -477,7 +505,8 @@ def fusable_norms(module, one_tensor=False, norms=_NORMS):
         if one_tensor and norm is None and i > 0:
             continue
         if (not isinstance(norm, torch.nn.Module) or not isinstance(head_dim, int)
-                or getattr(getattr(norm, "weight", None), "shape", None) != (head_dim,)):
+                or getattr(getattr(norm, "weight", None), "shape", None) != (head_dim,)
+                or not _holds_only_weight(norm)):
             return False
         form = _norm_form(norm)
         if form is None:
@@ -531,7 +560,7 @@ def _submodule(module, name):
 def _weight(norm):
     """norm.weight: the registered parameter, else (a parametrized norm) the attribute."""
     weight = norm._parameters.get("weight")
-    return norm.weight if weight is None else weight
+    return getattr(norm, "weight", None) if weight is None else weight
 
 
 _global_hooks = (_module_hooks._global_forward_hooks, _module_hooks._global_forward_pre_hooks,
@@ -548,17 +577,19 @@ def plain_call(module):
 def _stand_in(norm, x):
     """(weight, eps, unit_offset) when the op can stand in for calling `norm` on x, else None:
     a module whose call runs just its class's forward (plain_call), of an RMSNorm form the op
-    computes (one replaced after patch by another kind of module, an Identity say, is not), its
-    weight over x's last dim."""
+    computes (one replaced after patch by another kind of module, an Identity say, is not),
+    holding its weight alone, over x's last dim, and a float eps (torch.nn.RMSNorm's None means
+    the dtype's epsilon: left to the norm)."""
     if not isinstance(norm, torch.nn.Module) or not plain_call(norm):
         return None
-    form = _norm_forms.get(type(norm)) or _norm_form(norm)  # a class first seen here: probed
-    if form is None:
+    form = _norm_form(norm)  # a class first seen here (or changed since): probed
+    if form is None or not _holds_only_weight(norm):
         return None
     weight = _weight(norm)
-    if not isinstance(weight, torch.Tensor) or weight.shape != x.shape[-1:]:
+    eps = getattr(norm, form[1], None)
+    if not isinstance(weight, torch.Tensor) or weight.shape != x.shape[-1:] or not isinstance(eps, float):
         return None
-    return weight, getattr(norm, form[1]), form[0]
+    return weight, eps, form[0]
 
 
 def _fused_norms(module, q, k, cos, sin, norms):
