@@ -23,6 +23,14 @@ def check_int(value, name, minimum=None):
     return int(value)
 
 
+def check_float(value, name):
+    """value as a float, or a ValueError naming it: a real number or a one-element tensor, not a
+    bool or a string (float("2") and float(True) would otherwise pass)."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)):
+        raise ValueError(f"{name} must be a float, got {value!r}")
+    return float(value)
+
+
 def mrope_section_arg(mrope_section, mrope_interleaved=False):
     """mrope_section as a list of ints (None stays None), or a ValueError: an entry that is not
     an int (16.7 would otherwise become 16), or mrope_interleaved without a section (it would be

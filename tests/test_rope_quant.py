@@ -312,6 +312,18 @@ def test_paged_dropin_flashinfer_layouts_and_errors():
         fi.rope_quantize_fp8_append_paged_kv_cache(*parts, v, table, pos, caches, *index,
                                                    quantize_dtype=torch.float8_e5m2,
                                                    page_size=page_size, kv_layout=layout)
+    # scalars as given, not converted (2.5 would be written as pages of 2)
+    before = tuple(c.clone() for c in caches)
+    for bad, message in ((dict(page_size=2.5), "page_size must be an int, got 2.5"),
+                         (dict(page_size="4"), "page_size must be an int, got '4'"),
+                         (dict(quant_scale_q="2"), "quant_scale_q must be a float, got '2'"),
+                         (dict(quant_scale_kv=True), "quant_scale_kv must be a float, got True")):
+        kw = {"page_size": page_size, "kv_layout": layout, **bad}
+        with pytest.raises(ValueError, match=message):
+            fi.rope_quantize_fp8_append_paged_kv_cache(*parts, v, table, pos, caches, *index, **kw)
+        assert all(torch.equal(c.view(torch.uint8), b.view(torch.uint8)) for c, b in zip(caches, before))
+    with pytest.raises(ValueError, match="quant_scale_kv must be a float, got None"):
+        fi.rope_quantize_fp8(*parts, table, pos, quant_scale_kv=None)
 
 
 # ---- bad input: an error naming the argument, nothing written ----

@@ -22,6 +22,7 @@ import math
 import torch
 
 from ..ops import apply_rope as _rotated, apply_rope_at, sequence_positions  # FlashInfer has its own apply_rope
+from .._args import check_float, check_int
 from .._call import ops
 from ..ops import apply_rope_
 from ._layout import check_cache_views, check_index_tensor, uncached_when_tracing
@@ -255,7 +256,8 @@ def rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is
             for o, x in ((q_rope_out, q_rope), (k_rope_out, k_rope), (q_nope_out, q_nope),
                          (k_nope_out, k_nope))]
     ops.quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, *outs,
-                                float(quant_scale_q), float(quant_scale_kv), not is_neox)
+                     check_float(quant_scale_q, "quant_scale_q"),
+                     check_float(quant_scale_kv, "quant_scale_kv"), not is_neox)
     return tuple(outs)
 
 
@@ -322,6 +324,7 @@ def rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, c
             raise ValueError(f"GQA/MHA cache must be 4D, got k={cache_0.ndim}D, v={cache_1.ndim}D")
     ops.quantize_fp8_append_paged_kv_cache(
         q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, q_rope_out, q_nope_out,
-        cache_0, cache_1, kv_indices, kv_indptr, batch_indices, positions, int(page_size),
-        kv_layout, float(quant_scale_q), float(quant_scale_kv), not is_neox)
+        cache_0, cache_1, kv_indices, kv_indptr, batch_indices, positions,
+        check_int(page_size, "page_size"), kv_layout, check_float(quant_scale_q, "quant_scale_q"),
+        check_float(quant_scale_kv, "quant_scale_kv"), not is_neox)
     return q_rope_out, q_nope_out
