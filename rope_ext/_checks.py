@@ -484,15 +484,22 @@ def _footprint(t):
     return t[index], [steps[d] for d in keep]
 
 
+def below(t, bound):
+    """t < bound for an integer tensor t and an int bound, which torch would cast to t's dtype
+    first: an int32 tensor compared with 2^31 wraps it, and every element fails."""
+    info = torch.iinfo(t.dtype)
+    if bound > info.max or bound <= info.min:
+        return torch.full_like(t, bound > info.max, dtype=torch.bool)
+    return t < bound
+
+
 def check_positions_in_range(positions, max_position, op, rows_name="cos_sin_cache.size(0)"):
     """Data check (reads the positions; a device sync on accelerators). Reports the first bad
     position in flat order, as the native kernels do."""
     if positions.numel() == 0:
         return
     view, steps = _footprint(positions)
-    bad = view < 0
-    if max_position <= torch.iinfo(view.dtype).max:  # else no position reaches it (nor can wrap)
-        bad |= view >= max_position
+    bad = (view < 0) | ~below(view, max_position)
     if bool(bad.any()):
         idx = bad.nonzero()[0].tolist()
         flat = sum(i * s for i, s in zip(idx, steps))
@@ -504,8 +511,7 @@ def check_positions_in_range(positions, max_position, op, rows_name="cos_sin_cac
 def check_slots_in_range(slot_mapping, slots, op="rope.apply_and_cache_"):
     if slot_mapping.numel() == 0:
         return
-    bad = (slot_mapping >= slots if slots <= torch.iinfo(slot_mapping.dtype).max else
-           torch.zeros_like(slot_mapping, dtype=torch.bool))  # no slot reaches it (nor wraps)
+    bad = ~below(slot_mapping, slots)
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         _fail(f"{op}: slot_mapping must lie below num_blocks * block_size = {slots} (negative: "

@@ -160,11 +160,16 @@ def sequence_positions(cu_seqlens, total_tokens, seqlen_offsets, dtype=torch.int
     _check_bounds(starts, total_tokens, names)
     token, seq = token_sequences(starts, total_tokens)
     pos = token - starts[seq]
+    inside = (token >= starts[0]) & (token < starts[-1])
     if isinstance(seqlen_offsets, torch.Tensor):
-        pos = pos + seqlen_offsets.long()[seq]
+        offset = seqlen_offsets.long()[seq]
+        pos = pos + offset
+        _check_int64(pos, offset, inside, seqlen_offsets, total_tokens)
     else:
         pos = pos + seqlen_offsets
-    pos = torch.where((token >= starts[0]) & (token < starts[-1]), pos, -1)
+        if seqlen_offsets > 2**63 - 1 - total_tokens:  # (rare: the exact check only then)
+            _check_int64(pos, seqlen_offsets, inside, None, total_tokens)
+    pos = torch.where(inside, pos, -1)
     if dtype == torch.int32 and pos.numel():
         _check_int32(pos)
     return pos.to(dtype)
@@ -206,6 +211,24 @@ def _check_bounds(starts, total_tokens, names):
 
 def _bounds_hold(starts, total_tokens):
     return (starts[0] >= 0) & (starts[-1] <= total_tokens) & (starts[1:] >= starts[:-1]).all()
+
+
+def _check_int64(pos, offset, inside, offsets, total_tokens):
+    """A position of a token inside a sequence is its offset plus a count >= 0: below the offset
+    it wrapped past int64."""
+    eager_cpu = pos.device.type == "cpu" and not torch.compiler.is_compiling()
+    if offsets is not None and eager_cpu and (
+            offsets.numel() == 0 or int(offsets.max()) <= 2**63 - 1 - total_tokens):
+        return  # the usual offsets: no position can wrap
+    wrapped = inside & (pos < offset)
+    if eager_cpu:
+        if bool(wrapped.any()):
+            i = int(wrapped.nonzero()[0, 0])
+            raise ValueError(f"varlen_positions: the position of token {i} (its offset plus "
+                             f"{int(pos[i] - offset if offsets is None else pos[i] - offset[i])}) "
+                             "does not fit int64")
+    else:  # no sync: an assert on the device
+        torch._assert_async(~wrapped.any(), "varlen_positions: a position does not fit int64")
 
 
 def _check_int32(pos):

@@ -46,9 +46,11 @@ def _rotate(x, cos, sin, interleaved, inverse):
     acc = _acc_dtype(x.dtype)
     a, b = _split_pairs(x.to(acc), half, interleaved)
     c, s = cos.to(acc), sin.to(acc)
-    if inverse:
-        s = -s
-    rotated = _join_pairs(a * c - b * s, b * c + a * s, interleaved).to(x.dtype)
+    if inverse:  # by -angle; (not s = -s: that would materialize a broadcast table)
+        rotated = _join_pairs(a * c + b * s, b * c - a * s, interleaved)
+    else:
+        rotated = _join_pairs(a * c - b * s, b * c + a * s, interleaved)
+    rotated = rotated.to(x.dtype)
     return torch.cat((rotated, x[..., 2 * half :]), dim=-1)
 
 

@@ -307,3 +307,129 @@ def test_nan_codes_match_the_reference_bit_for_bit(dtype):
     ref = rope_ext.reference.apply_rope(x, cos, sin)
     assert native.isnan().any()
     assert torch.equal(native.view(torch.int16), ref.view(torch.int16))
+
+
+# ---- sizes past int64 and int32 in the other families, on every path ----
+
+def _empty(*sizes, dtype=torch.float32):
+    """A tensor of these sizes holding no element (a 0 dim among them): no memory, any size."""
+    return torch.empty(0, dtype=dtype).as_strided(sizes, (1,) * len(sizes))
+
+
+def _on(impl, op, reference):
+    """op on impl's path: the native op, the reference, or the fake kernel (FakeTensorMode)."""
+    if impl != "fake":
+        return op if impl == "op" else reference
+
+    def call(*args):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            return op(*args)
+    return call
+
+
+@pytest.mark.parametrize("impl", ["op", "reference", "fake"])
+def test_shift_of_a_cache_of_2_63_slots_is_an_error(impl):
+    shift = _on(impl, torch.ops.rope.shift_kv_cache_, rope_ext._kv_shift.reference.shift_kv_cache_)
+    kc = _empty(2**62, 2, 0, 8)
+    for slots in (torch.tensor([0, 5]), torch.empty(0, dtype=torch.long)):
+        with pytest.raises(RuntimeError, match=r"rope.shift_kv_cache_: key_cache has 2\^63 slots or more"):
+            shift(kc, slots, torch.tensor(1), torch.randn(16, 8))
+
+
+@pytest.mark.parametrize("impl", ["op", "reference", "fake"])
+def test_paged_quantize_sizes_past_int64_are_errors(impl):
+    from rope_ext._quant import registrations as quant
+
+    paged = _on(impl, torch.ops.rope.quantize_fp8_append_paged_kv_cache,
+                lambda *a: quant.quantize_fp8_append_paged_kv_cache(*a, 1.0, 1.0, False))
+    f8, long = torch.float8_e4m3fn, torch.long
+    # rope_dim + no_rope_dim past int64 (only empty inputs can have such widths)
+    r = 2**62
+    with pytest.raises(RuntimeError, match=r"v must have shape \(nnz, num_kv_heads, rope_dim \+ no_rope_dim\) "
+                                           r"= \(0, 1, 2\^63 or more\)"):
+        paged(_empty(0, 1, r), _empty(0, 1, r), _empty(0, 1, r), _empty(0, 1, r), _empty(0, 1, 2**63 - 1),
+              _empty(0, r), torch.empty(0, dtype=long), _empty(0, 1, r, dtype=f8), _empty(0, 1, r, dtype=f8),
+              _empty(0, 1, 1, 2**63 - 1, dtype=f8), _empty(0, 1, 1, 2**63 - 1, dtype=f8),
+              torch.empty(0, dtype=long), torch.tensor([0]), torch.empty(0, dtype=long),
+              torch.empty(0, dtype=long), 1, "NHD")
+    # max_pages * page_size entries past int64, refused from the shapes (no kv heads: no memory)
+    q, qn = torch.randn(1, 1, 4), torch.randn(1, 1, 4)
+    k, kn, v = torch.randn(1, 0, 4), torch.randn(1, 0, 4), torch.randn(1, 0, 8)
+    outs = (torch.empty(1, 1, 4, dtype=f8), torch.empty(1, 1, 4, dtype=f8))
+    with pytest.raises(RuntimeError, match=r"the caches have 2\^63 entries or more"):
+        paged(q, k, qn, kn, v, torch.randn(8, 4), torch.tensor([1]), *outs, _empty(2**62, 2, 0, 8, dtype=f8),
+              _empty(2**62, 2, 0, 8, dtype=f8), torch.tensor([0]), torch.tensor([0, 1]), torch.tensor([0]),
+              torch.tensor([0]), 2, "NHD")
+    if impl == "fake":
+        return  # (the positions are data)
+    # a request's page count times page_size past int64, shown as such
+    with pytest.raises(RuntimeError, match=r"\(kv_indptr\[b \+ 1\] - kv_indptr\[b\]\) \* page_size\) = "
+                                           r"\[0, 2\^63 or more\) for request b = 0, got -1 at index 0"):
+        paged(q, k, qn, kn, v, torch.randn(8, 4), torch.tensor([1]), *outs, _empty(1, 2**62, 0, 8, dtype=f8),
+              _empty(1, 2**62, 0, 8, dtype=f8), torch.zeros(1, dtype=long).expand(4), torch.tensor([0, 4]),
+              torch.tensor([0]), torch.tensor([-1]), 2**62, "NHD")
+
+
+@pytest.mark.parametrize("impl", ["op", "reference"])
+def test_fresh_outputs_of_empty_inputs_with_strides_past_int64_are_torchs_error(impl):
+    # x has no element, but its contiguous strides would pass int64: torch.empty_like's error
+    from rope_ext._qk_norm import reference as qk_reference
+
+    ref, ops = impl == "reference", torch.ops.rope
+    x, c = _empty(0, 2**62, 4, 8), torch.zeros(1).expand(4)
+    pos, table = _empty(0, 2**62, dtype=torch.long), torch.zeros(4, 4)
+    calls = [lambda: (rope_ext.reference.apply_rope if ref else ops.apply)(x, c, c),
+             lambda: (rope_ext.reference.apply_rope_backward if ref else ops.apply_backward)(x, c, c),
+             lambda: (rope_ext.reference.apply_positions(x, pos, table, table) if ref else
+                      ops.apply_positions(x, pos, table, table, False, False, None, False)),
+             lambda: (qk_reference.qk_norm_rope if ref else ops.qk_norm_rope)(
+                 x, x, torch.ones(8), torch.ones(8), c, c, 1e-6)]
+    for call in calls:
+        with pytest.raises(RuntimeError, match="Stride calculation overflowed"):
+            call()
+
+
+@pytest.mark.parametrize("impl", ["op", "reference"])
+def test_backward_of_an_empty_gradient_reads_a_broadcast_table_as_it_is(impl):
+    # the inverse rotation must not materialize cos/sin's 2^61 broadcast rows
+    grad, c = _empty(0, 2**62), torch.zeros(1).expand(2**61)
+    call = rope_ext.reference.apply_rope_backward if impl == "reference" else torch.ops.rope.apply_backward
+    assert call(grad, c, c).shape == (0, 2**62)
+
+
+@pytest.mark.parametrize("impl", ["op", "reference"])
+def test_outputs_of_more_than_64_dims(impl):
+    x, c, s = torch.randn(*([1] * 63), 3, 8), torch.randn(4), torch.randn(4)
+    call = rope_ext.reference.apply_rope if impl == "reference" else torch.ops.rope.apply
+    want = rope_ext.reference.apply_rope(x.reshape(3, 8).double(), c.double(), s.double())
+    assert_close(call(x, c, s).reshape(3, 8), want, torch.float32)
+
+
+def test_int32_indices_against_tables_past_int32_rows_in_the_other_families():
+    """int32 positions compared with a bound past 2^31 (expanded tables): the bound is not
+    wrapped to int32, which refused every position."""
+    from rope_ext._quant import registrations as quant
+    from rope_ext.compat import flash_attn, llama
+
+    f8, pos = torch.float8_e4m3fn, torch.tensor([7, 1], dtype=torch.int32)
+    qr, kr, qn, kn = (torch.randn(2, 1, 4) for _ in range(4))
+    for rows in (2**31, 2**32 + 5):
+        table = rope_ext.cos_sin_cache(8, 4)[3:4].expand(rows, 4)
+        for quantize in (torch.ops.rope.quantize_fp8, quant.quantize_fp8):
+            outs = [torch.empty(2, 1, 4, dtype=f8) for _ in range(4)]
+            quantize(qr, kr, qn, kn, table, pos, *outs, 1.0, 1.0, False)
+            with pytest.raises(RuntimeError, match=r"pos_ids must lie in \[0, max_position = "
+                                                   r"cos_sin_cache.size\(0\) = 5\), got 7 at index 0"):
+                quantize(qr, kr, qn, kn, table[:5], pos, *outs, 1.0, 1.0, False)
+    freqs = torch.polar(torch.ones(1, 4), torch.full((1, 4), 0.3)).expand(2**31, 4)
+    xq, xk = torch.randn(1, 2, 2, 8), torch.randn(1, 2, 1, 8)
+    got = llama.apply_rotary_emb(xq, xk, freqs, positions=torch.tensor([[1, 5]], dtype=torch.int32))
+    want = llama.apply_rotary_emb(xq, xk, freqs, positions=torch.tensor([[1, 5]]))
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    cos = sin = torch.randn(1, 4).expand(2**31 + 10, 4)
+    x = torch.randn(2, 3, 2, 8)
+    got = flash_attn.apply_rotary_emb(x, cos, sin, seqlen_offsets=torch.tensor([0, 5], dtype=torch.int32))
+    assert torch.equal(got, flash_attn.apply_rotary_emb(x, cos, sin, seqlen_offsets=torch.tensor([0, 5])))
+    with pytest.raises(ValueError, match="seqlen_offsets \\+ seqlen must lie within"):
+        flash_attn.apply_rotary_emb(x, cos[:6], sin[:6], seqlen_offsets=torch.tensor([0, 5], dtype=torch.int32))

@@ -386,6 +386,8 @@ BAD = {
                    "k_scale is required for kv_cache_dtype 'fp8'"),
     "k_scale dtype": (dict(kv_cache_dtype="fp8", key_cache=fp8_cache, k_scale=torch.tensor([1.0, 2.0])),
                       "k_scale must be a float32 tensor of one element, got Float of shape \\[2\\]"),
+    "k_scale of an auto cache": (dict(k_scale=torch.tensor([1.0, 2.0], dtype=torch.float64)),
+                                 "k_scale must be a float32 tensor of one element, got Double of shape \\[2\\]"),
     "k_scale zero": (dict(kv_cache_dtype="fp8", key_cache=fp8_cache, k_scale=torch.tensor([0.0])),
                      "k_scale must be finite and > 0 .*, got 0$"),
     "k_scale nan": (dict(kv_cache_dtype="fp8", key_cache=fp8_cache, k_scale=torch.tensor([math.nan])),

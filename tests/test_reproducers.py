@@ -246,6 +246,20 @@ def test_varlen_positions_int32_refuses_positions_that_wrap():
     assert rope_ext.varlen_positions(cu, 3, 2**32 + 3).tolist() == [2**32 + 3, 2**32 + 4, 2**32 + 5]
 
 
+def test_varlen_positions_refuses_positions_past_int64():
+    """Offset plus the token's place in its sequence past 2^63 - 1 wrapped to -2^63 (once)."""
+    cu = torch.tensor([0, 3])
+    for offsets in (2**63 - 2, torch.tensor([2**63 - 2])):
+        with pytest.raises(ValueError, match=r"the position of token 2 \(its offset plus 2\) does not fit int64"):
+            rope_ext.varlen_positions(cu, 3, offsets)
+    top = [2**63 - 3, 2**63 - 2, 2**63 - 1]
+    assert rope_ext.varlen_positions(cu, 3, 2**63 - 3).tolist() == top
+    assert rope_ext.varlen_positions(cu, 3, torch.tensor([2**63 - 3])).tolist() == top
+    # a token outside every sequence is -1, whatever its offset would give
+    assert rope_ext.varlen_positions(torch.tensor([1, 3]), 4, 2**63 - 2).tolist() == [-1, 2**63 - 2, 2**63 - 1, -1]
+    assert rope_ext.varlen_positions(cu, 3, -2**63).tolist() == [-2**63, -2**63 + 1, -2**63 + 2]
+
+
 # ---- FlashInfer's pos_ids entry points under torch.compile(fullgraph=True) ----
 
 @pytest.mark.parametrize("name", ["apply_rope_pos_ids", "apply_llama31_rope_pos_ids",

@@ -6,31 +6,39 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
+#include <vector>
 
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/tensor.h>
 
 namespace rope {
 
-// A contiguous tensor of `sizes` (at most 64 dims: every op's tensors are checked to far fewer)
-// with like's device and dtype.
+// A contiguous tensor of `sizes` with like's device and dtype. Its strides are computed as
+// torch computes them, and refused as torch refuses them: an empty input's other dims may
+// multiply past int64 (its numel, 0, bounds nothing), and the reference path's torch.empty_like
+// raises this same message.
 inline torch::stable::Tensor new_contiguous(const torch::stable::Tensor& like,
                                             torch::headeronly::IntHeaderOnlyArrayRef sizes) {
-  constexpr int64_t kMaxDims = 64;
-  const int64_t nd = static_cast<int64_t>(sizes.size());
-  STD_TORCH_CHECK(nd <= kMaxDims, "rope: an output of ", nd, " dims (at most ", kMaxDims, ")");
-  int64_t strides[kMaxDims];
+  constexpr size_t kInline = 16;  // every op's usual rank; more dims take the heap
+  const size_t nd = sizes.size();
+  int64_t inline_strides[kInline];
+  std::vector<int64_t> heap_strides(nd > kInline ? nd : 0);
+  int64_t* strides = nd > kInline ? heap_strides.data() : inline_strides;
   int64_t step = 1;
-  for (int64_t d = nd - 1; d >= 0; --d) {
+  for (size_t d = nd; d-- > 0;) {
     strides[d] = step;
-    step *= sizes[d] > 1 ? sizes[d] : 1;  // the input's numel fits: so does every partial product
+    if (d > 0 && __builtin_mul_overflow(step, sizes[d] > 1 ? sizes[d] : int64_t{1}, &step)) {
+      throw std::runtime_error("Stride calculation overflowed");
+    }
   }
   int32_t device_type = 0, device_index = 0, dt = 0;
   STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(like.get(), &device_type));
   STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(like.get(), &device_index));
   STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(like.get(), &dt));
   AtenTensorHandle out = nullptr;
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(nd, sizes.data(), strides, dt,
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(nd), sizes.data(),
+                                                         strides, dt,
                                                          device_type, device_index, &out));
   return torch::stable::Tensor(out);
 }

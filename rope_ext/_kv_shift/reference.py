@@ -53,10 +53,10 @@ def check_shift_kv_cache(key_cache, slot_mapping, delta, cos_sin_cache, kv_cache
         _fail(f"{op}: delta must be int32 or int64, got {dtype_name(delta.dtype)}")
     if not (delta.dim() == 0 or (delta.dim() == 1 and delta.shape[0] == n)):
         _fail(f"{op}: delta must have shape () or slot_mapping's ({n},), got {_shape(delta)}")
-    if fmt is not None:
-        if k_scale is None:
-            _fail(f"{op}: k_scale is required for kv_cache_dtype '{kv_cache_dtype}' (a float32 tensor "
-                  "of one element)")
+    if fmt is not None and k_scale is None:
+        _fail(f"{op}: k_scale is required for kv_cache_dtype '{kv_cache_dtype}' (a float32 tensor "
+              "of one element)")
+    if k_scale is not None:  # checked whenever given, as apply_and_cache_ checks its scales
         _check_same_device(key_cache, "key_cache", k_scale, op, "k_scale")
         if k_scale.dtype != torch.float32 or k_scale.numel() != 1:
             _fail(f"{op}: k_scale must be a float32 tensor of one element, got "
@@ -64,9 +64,11 @@ def check_shift_kv_cache(key_cache, slot_mapping, delta, cos_sin_cache, kv_cache
     _checks.check_no_internal_overlap(key_cache, op, "key_cache")
     if memory:
         for name, t in (("slot_mapping", slot_mapping), ("delta", delta),
-                        ("cos_sin_cache", table), ("k_scale", k_scale if fmt is not None else None)):
+                        ("cos_sin_cache", table), ("k_scale", k_scale)):
             if t is not None:
                 _checks.check_disjoint_bytes(key_cache, "key_cache", t, name, op)
+    if _checks.decided(key_cache.shape[0] * key_cache.shape[1] >= 2**63, False):  # int64 slots
+        _fail(f"{op}: key_cache has 2^63 slots or more")
     return fmt
 
 

@@ -108,7 +108,7 @@ def check_norm_rope(query, key, q_weight, k_weight, q_bias, k_bias, cos, sin, ep
         n = x.shape[-2] * head_dim if across else head_dim
         if t.dim() != 1 or t.shape[0] != n:
             what = "num_heads * head_dim" if across else "head_dim"
-            shown = n if n < 2**63 else "more than 2^63"
+            shown = n if n < 2**63 else "2^63 or more"
             _fail(f"{op}: {name} must have shape ({what},) = ({shown},), got {_shape(t)}")
     if across:
         for x, name in ((query, "query"), (key, "key")):
@@ -183,7 +183,7 @@ def packed_views(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, op=OP_PAC
               f"head_dim), got {_shape(qkv)}")
     width = (hq + hk + hv) * d
     if qkv.shape[1] != width:
-        shown = width if width < 2**63 else "more than 2^63"
+        shown = width if width < 2**63 else "2^63 or more"
         _fail(f"{op}: qkv.size(1) = {qkv.shape[1]} must be (num_heads_q + num_heads_k + "
               f"num_heads_v) * head_dim = ({hq} + {hk} + {hv}) * {d} = {shown}")
     if qkv.shape[1] > 1 and qkv.stride(1) != 1:

@@ -7,9 +7,9 @@ messages. `memory=False` skips the byte-range overlap checks (fake tensors have 
 
 import torch
 
-from .._checks import (PARTIAL_OVERLAP, _check_same_device, _fail, _rows_disjoint, _shape,
+from .._checks import (PARTIAL_OVERLAP, _check_same_device, _fail, _rows_disjoint, _shape, below,
                       check_disjoint_bytes, check_elements_disjoint, check_no_internal_overlap,
-                      differ, dtype_name)
+                      decided, differ, dtype_name)
 
 OP = "rope.quantize_fp8"
 PAGED_OP = "rope.quantize_fp8_append_paged_kv_cache"
@@ -130,6 +130,7 @@ def check_paged(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, q_rop
     geo = check_inputs(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, op)
     nnz, q_heads, kv_heads, rope_dim, no_rope_dim, mla = geo
     head_dim = rope_dim + no_rope_dim
+    head_dim_str = head_dim if head_dim < 2**63 else "2^63 or more"  # (only empty inputs)
     if mla:
         if v is not None:
             _fail(f"{op}: v must be None for MLA (2-D k_rope): the compressed KV is k_nope")
@@ -143,7 +144,7 @@ def check_paged(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, q_rop
                   f"{dtype_name(v.dtype)}")
         if tuple(v.shape) != (nnz, kv_heads, head_dim):
             _fail(f"{op}: v must have shape (nnz, num_kv_heads, rope_dim + no_rope_dim) = ({nnz}, "
-                  f"{kv_heads}, {head_dim}), got {_shape(v)}")
+                  f"{kv_heads}, {head_dim_str}), got {_shape(v)}")
     outs = (("q_rope_out", q_rope_out, q_rope), ("q_nope_out", q_nope_out, q_nope))
     fmt = check_outputs(outs, op, "q_rope_out")
     if kv_layout not in KV_LAYOUTS:
@@ -170,7 +171,9 @@ def check_paged(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, q_rop
         for name, c in ((c0, k_cache), (c1, v_cache)):
             if c.dim() != 4 or tuple(c.shape[1:]) != (*inner, head_dim) or c.shape[0] != k_cache.shape[0]:
                 _fail(f"{op}: {name} must have shape (max_pages, {dims}, head_dim) = ({pages}, "
-                      f"{inner[0]}, {inner[1]}, {head_dim}) for kv_layout '{kv_layout}', got {_shape(c)}")
+                      f"{inner[0]}, {inner[1]}, {head_dim_str}) for kv_layout '{kv_layout}', got {_shape(c)}")
+    if decided(k_cache.shape[0] * page_size >= 2**63, False):  # the kernels index entries in int64
+        _fail(f"{op}: the caches have 2^63 entries or more")
     _check_index(kv_indices, op, "kv_indices", q_rope)
     _check_1d(kv_indices, op, "kv_indices", None, "(total_pages,)")
     _check_index(kv_indptr, op, "kv_indptr", q_rope)
@@ -202,7 +205,7 @@ def check_paged(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, q_rop
 # ---- data checks (read the index tensors; run before anything is written) ----
 
 def check_pos_ids(pos_ids, rows, op):
-    bad = (pos_ids < 0) | (pos_ids >= rows)
+    bad = (pos_ids < 0) | ~below(pos_ids, rows)
     if pos_ids.numel() and bool(bad.any()):
         t = int(bad.nonzero()[0, 0])
         _fail(f"{op}: pos_ids must lie in [0, max_position = cos_sin_cache.size(0) = {rows}), got "
@@ -233,8 +236,10 @@ def paged_slots(kv_indices, kv_indptr, batch_indices, positions, page_size, max_
             _fail(f"{op}: kv_indptr must be non-decreasing within [0, kv_indices.size(0) = {total}], "
                   f"got kv_indptr[{b}] = {start} and kv_indptr[{b + 1}] = {end} (token {t})")
         if p < 0 or p // page_size >= end - start:
+            bound = (end - start) * page_size
             _fail(f"{op}: positions must lie in [0, (kv_indptr[b + 1] - kv_indptr[b]) * page_size) = "
-                  f"[0, {(end - start) * page_size}) for request b = {b}, got {p} at index {t}")
+                  f"[0, {bound if bound < 2**63 else '2^63 or more'}) for request b = {b}, got {p} "
+                  f"at index {t}")
         page = indices[start + p // page_size]
         if not 0 <= page < max_pages:
             _fail(f"{op}: kv_indices must lie in [0, max_pages = {max_pages}), got {page} at index "

@@ -16,7 +16,7 @@ import numbers
 
 import torch
 
-from .._checks import FLOAT_DTYPES
+from .._checks import FLOAT_DTYPES, below
 from .._registrations import check_not_inference
 from ..ops import sequence_positions
 from ._layout import check_int, check_values, float32_table, rotate_pairs
@@ -81,7 +81,7 @@ def _rotated(x, cos, sin, interleaved, seqlen_offsets, name="cos"):
         rows = _table_rows(cos, offsets, seqlen, name)
         return ops.apply(x, _rows_view(cos, rows, len(heads)), _rows_view(sin, rows, len(heads)),
                          interleaved)
-    check_values((offsets >= 0) & (offsets <= cos.shape[0] - seqlen),
+    check_values((offsets >= 0) & below(offsets, cos.shape[0] - seqlen + 1),
                  "seqlen_offsets + seqlen must lie within the table's seqlen_ro = " + name +
                  ".size(0) = {seqlen_ro} for every sequence, with seqlen = {seqlen}",
                  seqlen_ro=cos.shape[0], seqlen=seqlen)

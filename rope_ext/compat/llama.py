@@ -16,6 +16,7 @@ longer than seqlen is torchtitan's call, whose first seqlen rows serve.
 
 import torch
 
+from .._checks import below
 from ._layout import check_index_tensor, check_values, float32_table, rotate_pairs
 
 
@@ -77,7 +78,7 @@ def _rows(freqs_cis, positions, xq):
     if positions.device != freqs_cis.device:
         raise ValueError(f"positions must be on freqs_cis's device ({freqs_cis.device}), got "
                          f"{positions.device}")
-    check_values((positions >= 0) & (positions < freqs_cis.shape[0]),
+    check_values((positions >= 0) & below(positions, freqs_cis.shape[0]),
                  f"positions must lie in [0, freqs_cis.size(0)) = [0, {freqs_cis.shape[0]})")
     return freqs_cis[positions]
 

@@ -70,9 +70,10 @@ inline ShiftDesc check_shift_kv_cache(const Tensor& key_cache_t, const Tensor& s
              ": delta must be int32 or int64, got ", dtype_str(dl.dtype));
   ROPE_CHECK(dl.dim == 0 || (dl.dim == 1 && dl.sizes[0] == d.n), op,
              ": delta must have shape () or slot_mapping's (", d.n, ",), got ", shape_str(dl));
-  if (d.format != CacheFormat::kSame) {
-    ROPE_CHECK(k_scale_t.has_value(), op, ": k_scale is required for kv_cache_dtype '",
-               kv_cache_dtype, "' (a float32 tensor of one element)");
+  ROPE_CHECK(d.format == CacheFormat::kSame || k_scale_t.has_value(), op,
+             ": k_scale is required for kv_cache_dtype '", kv_cache_dtype,
+             "' (a float32 tensor of one element)");
+  if (k_scale_t.has_value()) {  // checked whenever given, as apply_and_cache_ checks its scales
     const Meta s(*k_scale_t);
     check_same_device(kc, "key_cache", s, op, "k_scale");
     ROPE_CHECK(s.dtype == ScalarType::Float && s.numel == 1, op,
@@ -85,12 +86,10 @@ inline ShiftDesc check_shift_kv_cache(const Tensor& key_cache_t, const Tensor& s
   check_disjoint_bytes(kc, "key_cache", sl, "slot_mapping", op);
   check_disjoint_bytes(kc, "key_cache", dl, "delta", op);
   check_disjoint_bytes(kc, "key_cache", tab, "cos_sin_cache", op);
-  if (d.format != CacheFormat::kSame) {
-    check_disjoint_bytes(kc, "key_cache", Meta(*k_scale_t), "k_scale", op);
-  }
+  if (k_scale_t.has_value()) check_disjoint_bytes(kc, "key_cache", Meta(*k_scale_t), "k_scale", op);
 
   ROPE_CHECK(mul_fits(kc.sizes[0], kc.sizes[1], d.slots), op,
-             ": key_cache has more than 2^63 slots");
+             ": key_cache has 2^63 slots or more");
   d.block_size = kc.sizes[1];
   d.interleaved = interleaved;
   d.kc = CacheStrides{kc.strides[0], kc.strides[1], kc.strides[2], kc.strides[3]};

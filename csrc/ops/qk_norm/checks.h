@@ -136,7 +136,7 @@ inline NormRopeCheck check_norm_rope(const Tensor& query, const Tensor& key,
     const bool fits = !across || mul_fits(x->size(-2), head_dim, n);  // (an empty tensor's)
     ROPE_CHECK(fits && m.dim == 1 && m.sizes[0] == n, op, ": ", name, " must have shape (",
                across ? "num_heads * head_dim" : "head_dim", ",) = (",
-               fits ? std::to_string(n) : std::string("more than 2^63"), ",), got ",
+               fits ? std::to_string(n) : std::string("2^63 or more"), ",), got ",
                shape_str(m));
   }
   if (across) {
@@ -235,7 +235,7 @@ struct QkvViews {
     ROPE_CHECK(fits && width == m.sizes[1], op, ": qkv.size(1) = ", m.sizes[1],
                " must be (num_heads_q + num_heads_k + num_heads_v) * head_dim = (", hq, " + ", hk,
                " + ", hv, ") * ", head_dim, " = ",
-               fits ? std::to_string(width) : std::string("more than 2^63"));
+               fits ? std::to_string(width) : std::string("2^63 or more"));
     ROPE_CHECK(m.sizes[1] <= 1 || m.strides[1] == 1, op,
                ": qkv must have unit stride along its columns (qkv.stride(1) == 1), got strides ",
                list_str(m.strides, m.dim));

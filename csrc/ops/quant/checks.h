@@ -210,7 +210,11 @@ inline QuantGeometry check_paged(const Tensor& q_rope, const Tensor& k_rope, con
   QuantGeometry g;
   check_inputs(qr, kr, qn, kn, tab, pos, interleaved, op, g);
   g.paged = true;
-  const int64_t nnz = g.tokens, rope_dim = 2 * g.half, head_dim = rope_dim + g.nope;
+  const int64_t nnz = g.tokens, rope_dim = 2 * g.half;
+  // Only empty inputs can make rope_dim + no_rope_dim overflow: no tensor then has that width.
+  int64_t head_dim = -1;
+  const bool head_dim_fits = add_fits(rope_dim, g.nope, head_dim);
+  const std::string head_dim_str = head_dim_fits ? std::to_string(head_dim) : "2^63 or more";
   std::optional<Meta> vm;
   if (g.mla) {
     ROPE_CHECK(!v_t.has_value(), op,
@@ -226,7 +230,7 @@ inline QuantGeometry check_paged(const Tensor& q_rope, const Tensor& k_rope, con
                "), got ", dtype_str(v.dtype));
     ROPE_CHECK(v.dim == 3 && v.sizes[0] == nnz && v.sizes[1] == g.kv_heads && v.sizes[2] == head_dim,
                op, ": v must have shape (nnz, num_kv_heads, rope_dim + no_rope_dim) = (", nnz, ", ",
-               g.kv_heads, ", ", head_dim, "), got ", shape_str(v));
+               g.kv_heads, ", ", head_dim_str, "), got ", shape_str(v));
     g.v = rows_of(v);
   }
   const Meta qro(q_rope_out), qno(q_nope_out);
@@ -267,7 +271,7 @@ inline QuantGeometry check_paged(const Tensor& q_rope, const Tensor& k_rope, con
       ROPE_CHECK(m->dim == 4 && m->sizes[1] == in0 && m->sizes[2] == in1 &&
                      m->sizes[3] == head_dim && m->sizes[0] == kc.sizes[0],
                  op, ": ", name, " must have shape (max_pages, ", dims, ", head_dim) = (", pages,
-                 ", ", in0, ", ", in1, ", ", head_dim, ") for kv_layout '", kv_layout, "', got ",
+                 ", ", in0, ", ", in1, ", ", head_dim_str, ") for kv_layout '", kv_layout, "', got ",
                  shape_str(*m));
     }
     // (page, entry, head, last): NHD is (pages, page_size, heads, dim), HND swaps the middle two.
@@ -275,6 +279,9 @@ inline QuantGeometry check_paged(const Tensor& q_rope, const Tensor& k_rope, con
     g.kc = QuantCache{kc.strides[0], kc.strides[e], kc.strides[h], kc.strides[3]};
     g.vc = QuantCache{vc.strides[0], vc.strides[e], vc.strides[h], vc.strides[3]};
   }
+  int64_t entries = 0;  // (the kernels index cache entries in int64)
+  ROPE_CHECK(mul_fits(kc.sizes[0], page_size, entries), op,
+             ": the caches have 2^63 entries or more");
   const Meta ind(kv_indices), ptr(kv_indptr), bat(batch_indices), ps(positions);
   check_index(qr, ind, op, "kv_indices");
   check_1d(ind, -1, op, "kv_indices", "(total_pages,)");

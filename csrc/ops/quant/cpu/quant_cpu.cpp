@@ -66,7 +66,7 @@ void check_data(const gpu::QuantArgs<x_t>& a, const Tensor& like, const char* op
     if (pos < 0 || pos / g.page_size >= end - start) {
       int64_t bound;
       const std::string shown = mul_fits(end - start, g.page_size, bound) ? std::to_string(bound)
-                                                                          : "more than 2^63";
+                                                                          : "2^63 or more";
       fail(op, ": positions must lie in [0, (kv_indptr[b + 1] - kv_indptr[b]) * page_size) = [0, ",
            shown, ") for request b = ", b, ", got ", pos, " at index ", t);
     }
@@ -76,8 +76,7 @@ void check_data(const gpu::QuantArgs<x_t>& a, const Tensor& like, const char* op
                g.max_pages, "), got ", page, " at index ", j, " (token ", t, ")");
     ++used;
   }
-  int64_t entries = 0;
-  ROPE_CHECK(mul_fits(g.max_pages, g.page_size, entries), op, ": the caches have more than 2^63 entries");
+  const int64_t entries = g.max_pages * g.page_size;  // checked to fit by check_paged
   auto entry_of = [&](int64_t t) { return paged_entry(a, t); };
   const auto [first, repeat] = find_repeated_slot(entry_of, g.tokens, used, entries, like);
   if (repeat >= 0) {
