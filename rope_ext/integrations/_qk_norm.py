@@ -450,8 +450,10 @@ def _holds_only_weight(norm):
     """norm's own state is its weight alone (a parameter, or a parametrized one): its class was
     probed with just the weight set, so the op would drop anything else an instance holds (a
     bias, say)."""
-    params, modules = norm._parameters, norm._modules
-    if any(t is not None for t in norm._buffers.values()) or any(
+    params, modules, buffers = norm._parameters, norm._modules, norm._buffers
+    if len(params) == 1 and not buffers and not modules:  # the usual norm: a weight, no more
+        return params.get("weight") is not None
+    if any(t is not None for t in buffers.values()) or any(
             t is not None for name, t in params.items() if name != "weight"):
         return False
     if not modules:
