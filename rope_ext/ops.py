@@ -216,6 +216,8 @@ def _bounds_hold(starts, total_tokens):
 def _check_int64(pos, offset, inside, offsets, total_tokens):
     """A position of a token inside a sequence is its offset plus a count >= 0: below the offset
     it wrapped past int64."""
+    if offsets is not None and offsets.dtype == torch.int32:
+        return  # (below 2^31 + total_tokens: no position can wrap)
     eager_cpu = pos.device.type == "cpu" and not torch.compiler.is_compiling()
     if offsets is not None and eager_cpu and (
             offsets.numel() == 0 or int(offsets.max()) <= 2**63 - 1 - total_tokens):
