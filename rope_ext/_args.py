@@ -26,6 +26,8 @@ def check_int(value, name, minimum=None):
 def check_float(value, name):
     """value as a float, or a ValueError naming it: a real number or a one-element tensor, not a
     bool or a string (float("2") and float(True) would otherwise pass)."""
+    if type(value) is float:
+        return value
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)):
         raise ValueError(f"{name} must be a float, got {value!r}")
     return float(value)

@@ -484,12 +484,16 @@ def _footprint(t):
     return t[index], [steps[d] for d in keep]
 
 
+_INT_RANGES = {dt: (torch.iinfo(dt).min, torch.iinfo(dt).max)
+               for dt in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)}
+
+
 def below(t, bound):
     """t < bound for an integer tensor t and an int bound, which torch would cast to t's dtype
     first: an int32 tensor compared with 2^31 wraps it, and every element fails."""
-    info = torch.iinfo(t.dtype)
-    if bound > info.max or bound <= info.min:
-        return torch.full_like(t, bound > info.max, dtype=torch.bool)
+    low, high = _INT_RANGES.get(t.dtype) or (torch.iinfo(t.dtype).min, torch.iinfo(t.dtype).max)
+    if bound > high or bound <= low:
+        return torch.full_like(t, bound > high, dtype=torch.bool)
     return t < bound
 
 

@@ -1144,26 +1144,33 @@ def test_norm_names_are_found_by_what_the_forward_does():
                                       norms=("q_layernorm", "key_ln")) is not None
 
 
-def test_one_tensor_rewrite_refuses_a_read_between_norm_and_rope():
+def test_one_tensor_rewrite_refuses_a_read_of_the_normed_tensor():
     """Norm and RoPE one tensor at a time (Gemma 3n, 4): a statement reading the normed tensor
-    before its RoPE call would see it unnormed once the norm moves into that call, so the forward
-    is not rewritten; its own relayout in between is fine."""
+    before its RoPE call, or after it when the RoPE result went to another name, would see it
+    unnormed once the norm moves into that call, so the forward is not rewritten; its own
+    relayout in between and reads of its metadata are fine."""
     import linecache
 
-    def forward_of(lines):
-        source = ("def forward(self, k, cos, sin):\n    k = self.k_norm(k)\n" + lines
-                  + "    k = _rope(k, cos, sin)\n    return k, v\n")
-        filename = f"<rope_ext one tensor {abs(hash(lines))}>"
+    def forward_of(body):
+        source = ("def forward(self, k, cos, sin):\n    k = self.k_norm(k)\n" + body
+                  + "    return k, v\n")
+        filename = f"<rope_ext one tensor {abs(hash(body))}>"
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         namespace = {}
         exec(compile(source, filename, "exec"), namespace)
         return namespace["forward"]
 
-    kind = _qk_norm.ONE_TENSOR
-    for lines in ("    v = k * 1.0\n", "    v = k.transpose(1, 2)\n", "    k = k.transpose(1, 2) + k\n"):
-        assert _qk_norm.rewritten_forward(forward_of(lines), "_rope", kind, ("k_norm",)) is None, lines
-    fine = forward_of("    k = k.transpose(1, 2)\n    v = 0\n")
-    assert _qk_norm.rewritten_forward(fine, "_rope", kind, ("k_norm",)) is not None
+    def rewritten(body):
+        return _qk_norm.rewritten_forward(forward_of(body), "_rope", _qk_norm.ONE_TENSOR, ("k_norm",))
+
+    rope = "    k = _rope(k, cos, sin)\n"
+    for body in ("    v = k * 1.0\n" + rope, "    v = k.transpose(1, 2)\n" + rope,
+                 "    k = k.transpose(1, 2) + k\n" + rope, "    v = _rope(k, cos, sin)\n",
+                 "    v, k = _rope(k, cos, sin), 0\n"):
+        assert rewritten(body) is None, body
+    for body in ("    k = k.transpose(1, 2)\n    v = 0\n" + rope, "    v = k.shape[0]\n" + rope,
+                 "    v = 0\n    k = _rope(k, cos, k.dtype)\n"):
+        assert rewritten(body) is not None, body
 
 
 def test_a_norm_without_its_weight_is_not_stood_in_for():

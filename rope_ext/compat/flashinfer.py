@@ -25,7 +25,7 @@ from ..ops import apply_rope as _rotated, apply_rope_at, sequence_positions  # F
 from .._args import check_float, check_int
 from .._call import ops
 from ..ops import apply_rope_
-from ._layout import check_cache_views, check_index_tensor, uncached_when_tracing
+from ._layout import check_cache_views, check_index_tensor, is_dtensor, uncached_when_tracing
 
 F32 = torch.float32
 
@@ -218,12 +218,14 @@ _FP8_DEFAULT = torch.float8_e4m3fn
 
 
 def _nope_parts(q_rope, k_rope, q_nope, k_nope):
-    """FlashInfer's None nope parts: size-0 views of the rope parts (their leading dims, and
-    for DTensors their layouts)."""
+    """FlashInfer's None nope parts: size-0 tensors of the rope parts' leading dims (for DTensors
+    size-0 views, in the rope parts' layouts)."""
     if q_nope is None:
-        q_nope = q_rope[..., :0]
+        q_nope = (q_rope[..., :0] if is_dtensor(q_rope) else
+                  torch.empty(*q_rope.shape[:-1], 0, dtype=q_rope.dtype, device=q_rope.device))
     if k_nope is None:
-        k_nope = k_rope[..., :0]
+        k_nope = (k_rope[..., :0] if is_dtensor(k_rope) else
+                  torch.empty(*k_rope.shape[:-1], 0, dtype=k_rope.dtype, device=k_rope.device))
     return q_nope, k_nope
 
 

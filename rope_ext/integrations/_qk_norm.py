@@ -184,8 +184,18 @@ def _one_tensor_sites(fdef, rope_name, norms):
                      if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                      and node.func.id == rope_name and node.args
                      and isinstance(node.args[0], ast.Name) and node.args[0].id in pending]
-            allowed = {id(call.args[0]) for call in calls}  # a normed name read by its RoPE call,
-            for node in ast.walk(stmt) if norms else ():     # or its own relayout: nothing else
+            # A normed name is read by its RoPE call, which assigns the result back to it (else
+            # the name would go on holding the tensor unnormed), by its own relayout, and for
+            # its metadata (k.shape): by nothing else.
+            if norms and any(not (isinstance(stmt, ast.Assign) and stmt.value is call
+                                  and len(stmt.targets) == 1
+                                  and isinstance(stmt.targets[0], ast.Name)
+                                  and stmt.targets[0].id == call.args[0].id) for call in calls):
+                return None
+            allowed = {id(call.args[0]) for call in calls}
+            allowed.update(id(n.value) for n in ast.walk(stmt)
+                           if isinstance(n, ast.Attribute) and n.attr in _METADATA)
+            for node in ast.walk(stmt) if norms else ():
                 if (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)
                         and node.id in pending and id(node) not in allowed
                         and not (relayout and node.id == stmt.targets[0].id)):
