@@ -110,6 +110,23 @@ def test_apply_rotary_emb_gradients(unbind, duplicated):
     close(x.grad, x2.grad, torch.float32)
 
 
+def test_float64_x_and_tables_computed_in_float64():
+    """diffusers computes x.float() * cos ...: with float64 tables, in float64 from x rounded to
+    float32. Here x is not rounded: the float64 rotation itself (diffusers' result is within
+    x's float32 rounding of it)."""
+    from diffusers.models.embeddings import apply_rotary_emb as peer
+
+    x = torch.randn(1, 5, 2, 8, dtype=torch.float64)
+    angles = torch.rand(5, 4, dtype=torch.float64) * 10
+    cos_sin = (angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1))
+    freqs = torch.polar(torch.ones(1, 5, 4, dtype=torch.float64), angles[None])
+    exact = torch.view_as_real(torch.view_as_complex(x.reshape(1, 5, 2, 4, 2)) * freqs[:, :, None]).flatten(-2)
+    for got, want in ((rd.apply_rotary_emb(x, cos_sin, sequence_dim=1), peer(x, cos_sin, sequence_dim=1)),
+                      (rd.apply_rotary_emb(x, freqs, use_real=False), peer(x, freqs, use_real=False))):
+        torch.testing.assert_close(got, exact, rtol=1e-14, atol=1e-14)
+        torch.testing.assert_close(got, want, rtol=0, atol=4 * 2**-24 * x.abs().max().item())
+
+
 def test_gradcheck_float64_tables():
     # float64 tables make the math float64: gradcheck applies.
     x = torch.randn(1, 2, 3, 8, dtype=torch.float64, requires_grad=True)
@@ -251,7 +268,8 @@ def test_compiled_drop_in(unbind):
 @pytest.mark.parametrize("call, match", [
     (lambda x, cs: rd.apply_rotary_emb(x, cs, use_real_unbind_dim=0), "use_real_unbind_dim=0"),
     (lambda x, cs: rd.apply_rotary_emb(x, cs, sequence_dim=3), "sequence_dim=3"),
-    (lambda x, cs: rd.apply_rotary_emb(x[0], cs), "4-D"),
+    (lambda x, cs: rd.apply_rotary_emb(x[0, 0, 0], cs), "4-D"),
+    (lambda x, cs: rd.apply_rotary_emb(x[0], cs[0], use_real=False), "4-D"),
     (lambda x, cs: rd.apply_rotary_emb(x, (cs[0][:, :4], cs[1][:, :4])), "head dim"),
     (lambda x, cs: rd.apply_rotary_emb(x, (cs[0][:3], cs[1][:3])), "do not broadcast"),
     (lambda x, cs: rd.apply_rotary_emb(x, cs[0]), "pair of tensors"),

@@ -53,13 +53,16 @@ UNROTATED = {"hunyuan_video": "text", "cogvideox": "text", "cogview4": "text", "
 @pytest.fixture
 def norm_calls(monkeypatch):
     """[(norm module, input shape)] of every call of a norm class the patch fuses, recorded by
-    wrapping the classes' forward (a hook on a module would stop its fusion)."""
+    wrapping the classes' forward (a hook on a module would stop its fusion), the wrapper made
+    known to the patch as computing what the class's own forward does (a forward replaced on
+    the class stops the fusion too)."""
     calls = []
     for cls in prologue.NORM_CLASSES:
         def forward(self, x, _forward=cls.forward):
             calls.append((self, tuple(x.shape)))
             return _forward(self, x)
         monkeypatch.setattr(cls, "forward", forward)
+        monkeypatch.setitem(prologue._FORWARDS, cls, forward)
     return calls
 
 
@@ -361,6 +364,85 @@ def test_a_hooked_norm_runs_as_diffusers_runs_it(how):
         assert ("rope::norm_rope" in rope_ops(model, inputs)) == (how == "module hook")
     finally:
         handle.remove()
+
+
+def test_a_hooked_norm_over_text_and_image_tokens_sees_them_at_once():
+    """CogVideoX norms text and image tokens in one call and rotates the image tokens: a hooked
+    norm (here one scaling each token differently) runs once over all of them, as in
+    diffusers, not over each part."""
+    model, inputs = dm.build("cogvideox")
+    norm = model.transformer_blocks[0].attn1.norm_q
+    seen = []
+
+    def hook(module, args, out):
+        seen.append(tuple(args[0].shape))
+        return out * torch.linspace(0.5, 1.5, out.shape[2])[None, None, :, None]
+
+    handle = norm.register_forward_hook(hook)
+    try:
+        want, calls = run(model, inputs), list(seen)
+        seen.clear()
+        rdi.patch(model)
+        got = run(model, inputs)
+        rdi.unpatch(model)
+    finally:
+        handle.remove()
+    assert seen == calls and len(calls) == 1
+    torch.testing.assert_close(got, want, **TOLS[torch.float32])
+
+
+def test_a_norm_class_whose_forward_was_replaced_is_not_fused(monkeypatch):
+    """A forward replaced on a norm class (by a library, say) computes otherwise: not fused."""
+    model, inputs = dm.build("flux")
+    forward = torch.nn.RMSNorm.forward
+    monkeypatch.setattr(torch.nn.RMSNorm, "forward", lambda self, x: forward(self, x) * 1.5)
+    want = run(model, inputs)
+    rdi.patch(model)
+    got, ops = run(model, inputs), rope_ops(model, inputs)
+    rdi.unpatch(model)
+    torch.testing.assert_close(got, want, **TOLS[torch.float32])
+    assert "rope::norm_rope" not in ops
+
+
+def test_diffusers_layer_skip_hooks_find_the_patched_processors():
+    """diffusers' layer skip (the guiders' SkipLayerGuidance and others) looks processors up by
+    class: the patched ones are registered as their bases are."""
+    from diffusers.hooks import LayerSkipConfig, apply_layer_skip
+
+    outputs = []
+    for patched in (False, True):
+        torch.manual_seed(0)  # the same model and inputs twice
+        model, inputs = dm.build("cogview4")
+        if patched:
+            rdi.patch(model)
+        apply_layer_skip(model, LayerSkipConfig(indices=[0], fqn="transformer_blocks", skip_attention=False,
+                                                skip_attention_scores=True, skip_ff=False))
+        outputs.append(run(model, inputs))
+    torch.testing.assert_close(outputs[1], outputs[0], **TOLS[torch.float32])
+
+
+def test_cogview4_training_processor_packed_batches():
+    """CogView4's training processor with batch_flag rotates (heads, tokens, head_dim) slices of
+    packed samples, which diffusers' apply_rotary_emb broadcasts to 4 dims."""
+    from diffusers.models.transformers.transformer_cogview4 import CogView4TrainingAttnProcessor
+
+    model, _ = dm.build("cogview4")
+    attn = model.transformer_blocks[0].attn1
+    attn.set_processor(CogView4TrainingAttnProcessor())
+    width, head_dim = attn.to_q.in_features, attn.to_q.out_features // attn.heads
+    hs, ehs = torch.randn(2, 4, width), torch.randn(2, 3, width)
+    angles = torch.rand(4, head_dim // 2) * 10
+    tables = [(torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1))] * 2
+    kw = dict(latent_attn_mask=torch.ones(2, 4, dtype=torch.int32),
+              text_attn_mask=torch.ones(2, 3, dtype=torch.int32), batch_flag=torch.tensor([0, 0]),
+              image_rotary_emb=tables)
+    with torch.no_grad():
+        want = attn.processor(attn, hs, ehs, **kw)
+        rdi.patch(model)
+        got = attn.processor(attn, hs, ehs, **kw)
+    assert type(attn.processor).__module__ == rdi.__name__
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOLS[torch.float32])
 
 
 class DoubledRMSNorm(torch.nn.RMSNorm):  # an RMSNorm's weight and eps, another forward

@@ -74,8 +74,9 @@ def _check_tables(x, cos, sin):
 
 def _float_math(x, c, s, interleaved):
     """rotate_pairs as diffusers computes `x.float() * cos + ...`: in float32 (float64 x too,
-    which diffusers rounds to float32 first), in float64 when a table is float64; returned in
-    x's dtype. Half-precision x needs no copy: the op computes in float32 and rounds once."""
+    which diffusers rounds to float32 first), in float64 when a table is float64 (a float64 x
+    then unrounded: more accurate than diffusers by x's float32 rounding, and differentiable
+    as float64 math is, which gradcheck needs); returned in x's dtype. Half-precision x needs no copy: the op computes in float32 and rounds once."""
     if torch.float64 in (c.dtype, s.dtype):
         dtype = torch.float64
     else:
@@ -114,7 +115,7 @@ def _paired_pred(cos, sin, interleaved):
 
 def _real(x, cos, sin, interleaved, place=lambda t: t):
     """x * cos + rotated(x) * sin for full-width tables, placed against x by `place` (diffusers'
-    indexing), computed in float32 (float64 for float64 x) and returned in x's dtype. The check
+    indexing), computed as _float_math does and returned in x's dtype. The check
     for one entry per pair looks at cos and sin themselves, the objects a model passes to every
     layer, at each call."""
     _check_float_tables(cos, sin)
@@ -223,6 +224,10 @@ def apply_rotary_emb(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequen
     freqs_cis.unsqueeze(2) (Lumina: freqs_cis (B, S, D/2) against x (B, S, H, D)); sequence_dim
     is not read, as in diffusers.
     Differentiable w.r.t. x and the tables."""
+    if use_real and isinstance(x, torch.Tensor) and 2 <= x.dim() < 4:
+        # (CogView4's training processor rotates (H, S, D) slices of packed batches): diffusers'
+        # cos[None, None] broadcasts such an x to 4 dims, the result's
+        x = x.reshape((1,) * (4 - x.dim()) + tuple(x.shape))
     _check_x(x)
     if not use_real:
         return _complex(x, freqs_cis, 2)

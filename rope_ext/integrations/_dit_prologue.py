@@ -44,6 +44,9 @@ NORM_CLASSES = {
     torch.nn.LayerNorm: ("layer", True),  # CogVideoX, CogView4 (elementwise_affine=False)
     _dn.FP32LayerNorm: ("layer", False),  # diffusers' Attention(qk_norm="fp32_layer_norm")
 }
+# Each class's own forward: one replaced on the class (by a library or a user) computes otherwise.
+_FORWARDS = {cls: cls.forward for cls in NORM_CLASSES
+             if cls.forward.__qualname__ == f"{cls.__qualname__}.forward"}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # torch.nn.RMSNorm(eps=None) adds the epsilon of the type it computes in: float32 for these
 _DEFAULT_EPS = torch.finfo(torch.float32).eps
@@ -72,20 +75,26 @@ def norm_rope_across_heads(norms, query, key, rope, *args, **kwargs):
 
 def norm_rope_span(norms, query, key, dim, start, stop, rope, *args, **kwargs):
     """norm_rope of the tokens [start:stop] along dim; the tokens before or after them (text
-    tokens, which diffusers norms but does not rotate) normed only, all in their order."""
+    tokens, which diffusers norms but does not rotate) normed only, all in their order. Where
+    the op does not stand in for the norms, each runs once over all tokens, as in diffusers (a
+    hooked norm sees what it sees there)."""
     def part(x, begin, end):
         return x[(slice(None),) * dim + (slice(begin, end),)]
 
-    rotated = norm_rope(norms, part(query, start, stop), part(key, start, stop), rope, *args, **kwargs)
-    out = []
-    for module, x, middle in zip(norms, (query, key), rotated):
+    def joined(x, middle, module=None):
         parts = [middle]
         if start:
             parts.insert(0, norm(module, part(x, None, start)))
         if stop is not None:
             parts.append(norm(module, part(x, stop, None)))
-        out.append(torch.cat(parts, dim) if len(parts) > 1 else middle)
-    return tuple(out)
+        return torch.cat(parts, dim) if len(parts) > 1 else middle
+
+    rotated = _fused(norms, part(query, start, stop), part(key, start, stop), False, rope, args,
+                     kwargs)
+    if rotated is None:
+        normed = (norm(norms[0], query), norm(norms[1], key))
+        return tuple(joined(x, rope(part(x, start, stop), *args, **kwargs)) for x in normed)
+    return tuple(joined(x, middle, module) for module, x, middle in zip(norms, (query, key), rotated))
 
 
 def rows(freqs, start, stop):
@@ -146,8 +155,10 @@ def _form(module, x, across):
     """(weight, bias, eps, the op's norm form) with which rope.norm_rope normalizes x
     (..., H, D) as calling `module` does (over each head; with across, over the H * D values of a
     token, the module being diffusers' norm of the flat projection); None where it does not."""
-    spec = NORM_CLASSES.get(type(module))
-    if spec is None or x.dtype not in _DTYPES or not plain_call(module):
+    cls = type(module)
+    spec = NORM_CLASSES.get(cls)
+    if (spec is None or cls.forward is not _FORWARDS.get(cls) or x.dtype not in _DTYPES
+            or not plain_call(module)):
         return None
     form, in_x_dtype = spec
     if across:

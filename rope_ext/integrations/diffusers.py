@@ -284,8 +284,24 @@ def _processor_class(name):
             "_rope_ext_base": base,
             "_rope_ext_fused": fused,
         })
+        _register_hook_metadata(cls, base)
         _classes[name] = cls
         return cls
+
+
+def _register_hook_metadata(cls, base):
+    """diffusers' hooks (layer skip, used by the SkipLayerGuidance, PerturbedAttentionGuidance
+    and AutoGuidance guiders) look a processor up by its exact class: the subclass takes its
+    base's entry."""
+    try:
+        from diffusers.hooks._helpers import AttentionProcessorRegistry
+    except ImportError:  # a diffusers without these hooks
+        return
+    try:
+        metadata = AttentionProcessorRegistry.get(base)
+    except ValueError:  # (a processor diffusers' hooks do not know)
+        return
+    AttentionProcessorRegistry.register(cls, metadata)
 
 
 def __getattr__(name):
