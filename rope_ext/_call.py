@@ -57,11 +57,27 @@ def without_autograd_if_unneeded(op):
                 return op(*args, **kwargs)
             finally:
                 _set_grad_enabled(True)
-        return op(*args, **kwargs)
+        try:
+            return op(*args, **kwargs)
+        except RuntimeError as e:
+            _reraise_stop_recomputation(e)
+            raise
 
     call.__name__ = call.__qualname__ = f"rope.{op.__name__}"
     call.op = op
     return call
+
+
+def _reraise_stop_recomputation(error):
+    """Activation checkpointing (use_reentrant=False, early stop) ends a recomputation by raising
+    its _StopRecomputationError from the hook that saves the last tensor it needs, to be caught
+    by torch.utils.checkpoint. Saved by a routed op's autograd path, which the C++ router calls
+    through the stable ABI, it comes back as a RuntimeError carrying its name: raised again as
+    itself here, so checkpointing sees the exception it raised."""
+    if str(error).startswith("_StopRecomputationError"):
+        from torch.utils.checkpoint import _StopRecomputationError
+
+        raise _StopRecomputationError() from None
 
 
 class _Ops:

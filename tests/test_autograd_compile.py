@@ -374,3 +374,38 @@ def test_token_count_stays_symbolic_in_varlen_and_drop_in_paths():
                              dynamic_shapes=({0: tokens}, None))
     x, cu = torch.randn(17, 2, D), torch.tensor([0, 5, 17])
     assert torch.equal(ep.module()(x, cu), calls[0](x, cu))
+
+
+def _checkpointed_functions():
+    from rope_ext.compat.transformers import apply_rotary_pos_emb
+
+    pos, cache = torch.tensor([3, 0, 3, 1, 6]), torch.randn(7, 8)
+    cos, sin = cache[:5, None, :4], cache[:5, None, 4:]
+    return {
+        "apply_rope_at": lambda x: rope_ext.apply_rope_at(x, pos, cache),
+        "apply_rope": lambda x: rope_ext.apply_rope(x, cos, sin),
+        "apply_rope_": lambda x: rope_ext.apply_rope_(x * 1.0, None, pos, cache)[0],
+        "qk_norm_rope": lambda x: rope_ext.qk_norm_rope(x, x, torch.ones(8), torch.ones(8), cos, sin,
+                                                        table_width="half")[0],
+        "transformers drop-in": lambda x: apply_rotary_pos_emb(x[None], x[None], cache[None, :2],
+                                                               cache[None, :2])[0],
+    }
+
+
+@pytest.mark.parametrize("name", list(_checkpointed_functions()))
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_activation_checkpointing_ending_in_a_rope_op(name, use_reentrant):
+    """torch.utils.checkpoint around a function whose last saved tensors are a rope op's: the
+    non-reentrant mode stops the recomputation by raising its own exception from the hook that
+    saves them, which must reach checkpoint as itself (the op's autograd path is called through
+    the C++ router). Gradients equal the uncheckpointed ones."""
+    from torch.utils.checkpoint import checkpoint
+
+    fn = _checkpointed_functions()[name]
+    x0 = torch.randn(5, 2, 8)
+    x = x0.clone().requires_grad_()
+    fn(x).square().sum().backward()
+    want = x.grad
+    x = x0.clone().requires_grad_()
+    checkpoint(fn, x, use_reentrant=use_reentrant).square().sum().backward()
+    assert torch.equal(x.grad, want)

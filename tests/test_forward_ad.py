@@ -177,8 +177,8 @@ def drop_in_cases():
         "transformers, tables": (
             lambda c, s: transformers.apply_rotary_pos_emb(q, k, c, s), (full.cos(), full.sin()),
             lambda c, s: peers.hf_apply_rotary_pos_emb(q, k, c, s)),
-        "flash_attn": (lambda a, c, s: flash_attn.apply_rotary_emb(a, c, s),
-                       (x, ang[0].cos(), ang[0].sin()), None),
+        # (flash-attn's tables take no gradient, and no tangent: test_flash_attn_tables_carry_no_tangent)
+        "flash_attn": (lambda a: flash_attn.apply_rotary_emb(a, ang[0].cos(), ang[0].sin()), (x,), None),
         "transformer_engine": (lambda t, f: transformer_engine.apply_rotary_pos_emb(t, f),
                                (x.transpose(0, 1), torch.randn(5, 1, 1, 8, dtype=F64)), None),
         # TE's own table holds each angle twice; a tangent on it need not (one pass would drop
@@ -218,3 +218,17 @@ def test_forward_ad_through_a_drop_in_keeps_the_tangent(grad_mode):
         out = f(fwAD.make_dual(q, tq), fwAD.make_dual(k, tk))
         for got, w in zip(out, want):
             torch.testing.assert_close(fwAD.unpack_dual(got).tangent, w, rtol=1e-6, atol=1e-6)
+
+
+def test_flash_attn_tables_carry_no_tangent():
+    """flash-attn's Functions give cos and sin no gradient: no tangent either (one on x is kept)."""
+    from rope_ext.compat import flash_attn
+
+    x, cos, sin = torch.randn(1, 4, 2, 8, dtype=F64), torch.randn(4, 4, dtype=F64), torch.randn(4, 4, dtype=F64)
+    with fwAD.dual_level():
+        out = flash_attn.apply_rotary_emb(x, fwAD.make_dual(cos, torch.randn_like(cos)), sin)
+        assert fwAD.unpack_dual(out).tangent is None
+        tx = torch.randn_like(x)
+        out = flash_attn.apply_rotary_emb(fwAD.make_dual(x, tx), fwAD.make_dual(cos, torch.randn_like(cos)), sin)
+        want = central_difference(lambda x: flash_attn.apply_rotary_emb(x, cos, sin), (x,), (tx,))[0]
+        torch.testing.assert_close(fwAD.unpack_dual(out).tangent, want, rtol=1e-6, atol=1e-6)

@@ -15,6 +15,7 @@ position: -1), not left unwritten.
 import numbers
 
 import torch
+from torch.autograd import forward_ad
 
 from .._checks import FLOAT_DTYPES, below
 from .._registrations import check_not_inference
@@ -28,8 +29,9 @@ def _tables(cos, sin):
     if cos.dim() != 2 or sin.shape != cos.shape:
         raise ValueError(f"cos and sin must be tables of one shape (seqlen_ro, rotary_dim / 2), got "
                          f"cos {list(cos.shape)} and sin {list(sin.shape)}")
-    # flash-attn's Functions return no gradient for the tables.
-    if cos.requires_grad or sin.requires_grad:
+    # flash-attn's Functions return no gradient for the tables (nor, in forward mode, carry
+    # their tangents: detach drops both).
+    if cos.requires_grad or sin.requires_grad or forward_ad._current_level >= 0:
         return cos.detach(), sin.detach()
     return cos, sin
 
