@@ -171,7 +171,8 @@ def check_paged(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, q_rop
         for name, c in ((c0, k_cache), (c1, v_cache)):
             if c.dim() != 4 or tuple(c.shape[1:]) != (*inner, head_dim) or c.shape[0] != k_cache.shape[0]:
                 _fail(f"{op}: {name} must have shape (max_pages, {dims}, head_dim) = ({pages}, "
-                      f"{inner[0]}, {inner[1]}, {head_dim_str}) for kv_layout '{kv_layout}', got {_shape(c)}")
+                      f"{inner[0]}, {inner[1]}, {head_dim_str}) for kv_layout '{kv_layout}', got "
+                      f"{_shape(c)}")
     if decided(k_cache.shape[0] * page_size >= 2**63, False):  # the kernels index entries in int64
         _fail(f"{op}: the caches have 2^63 entries or more")
     _check_index(kv_indices, op, "kv_indices", q_rope)

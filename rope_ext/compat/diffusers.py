@@ -76,7 +76,8 @@ def _float_math(x, c, s, interleaved):
     """rotate_pairs as diffusers computes `x.float() * cos + ...`: in float32 (float64 x too,
     which diffusers rounds to float32 first), in float64 when a table is float64 (a float64 x
     then unrounded: more accurate than diffusers by x's float32 rounding, and differentiable
-    as float64 math is, which gradcheck needs); returned in x's dtype. Half-precision x needs no copy: the op computes in float32 and rounds once."""
+    as float64 math is, which gradcheck needs); returned in x's dtype. Half-precision x needs
+    no copy: the op computes in float32 and rounds once."""
     if torch.float64 in (c.dtype, s.dtype):
         dtype = torch.float64
     else:
@@ -226,7 +227,7 @@ def apply_rotary_emb(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequen
     Differentiable w.r.t. x and the tables."""
     if use_real and isinstance(x, torch.Tensor) and 2 <= x.dim() < 4:
         # (CogView4's training processor rotates (H, S, D) slices of packed batches): diffusers'
-        # cos[None, None] broadcasts such an x to 4 dims, the result's
+        # cos[None, None] broadcasts such an x to 4 dims, and so its result
         x = x.reshape((1,) * (4 - x.dim()) + tuple(x.shape))
     _check_x(x)
     if not use_real:

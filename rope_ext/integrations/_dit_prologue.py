@@ -94,7 +94,8 @@ def norm_rope_span(norms, query, key, dim, start, stop, rope, *args, **kwargs):
     if rotated is None:
         normed = (norm(norms[0], query), norm(norms[1], key))
         return tuple(joined(x, rope(part(x, start, stop), *args, **kwargs)) for x in normed)
-    return tuple(joined(x, middle, module) for module, x, middle in zip(norms, (query, key), rotated))
+    return tuple(joined(x, middle, module)
+                 for module, x, middle in zip(norms, (query, key), rotated))
 
 
 def rows(freqs, start, stop):

@@ -469,7 +469,8 @@ def _holds_only_weight(norm):
     if not modules:
         return params.get("weight") is not None
     parametrized = modules.get("parametrizations")
-    return len(modules) == 1 and parametrized is not None and list(parametrized.keys()) == ["weight"]
+    return (len(modules) == 1 and parametrized is not None
+            and list(parametrized.keys()) == ["weight"])
 
 
 def _probe_norm(norm):
@@ -599,7 +600,8 @@ def _stand_in(norm, x):
         return None
     weight = _weight(norm)
     eps = getattr(norm, form[1], None)
-    if not isinstance(weight, torch.Tensor) or weight.shape != x.shape[-1:] or not isinstance(eps, float):
+    if (not isinstance(weight, torch.Tensor) or weight.shape != x.shape[-1:]
+            or not isinstance(eps, float)):
         return None
     return weight, eps, form[0]
 

@@ -271,8 +271,8 @@ inline QuantGeometry check_paged(const Tensor& q_rope, const Tensor& k_rope, con
       ROPE_CHECK(m->dim == 4 && m->sizes[1] == in0 && m->sizes[2] == in1 &&
                      m->sizes[3] == head_dim && m->sizes[0] == kc.sizes[0],
                  op, ": ", name, " must have shape (max_pages, ", dims, ", head_dim) = (", pages,
-                 ", ", in0, ", ", in1, ", ", head_dim_str, ") for kv_layout '", kv_layout, "', got ",
-                 shape_str(*m));
+                 ", ", in0, ", ", in1, ", ", head_dim_str, ") for kv_layout '", kv_layout,
+                 "', got ", shape_str(*m));
     }
     // (page, entry, head, last): NHD is (pages, page_size, heads, dim), HND swaps the middle two.
     const int e = nhd ? 1 : 2, h = nhd ? 2 : 1;
