@@ -211,9 +211,9 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
     """TE's apply_rotary_pos_emb: t [s, b, h, d] (sbhd), [b, s, h, d] (bshd) or [t, h, d] (thd,
     with cu_seqlens [b + 1], padded to the full sequences when cp_size > 1); freqs [s2, 1, 1, d2]
     angles (RotaryPositionEmbedding's output), d2 <= d, or in sbhd / bshd without
-    start_positions [s2, b, 1, d2], each sequence's own (TE's PyTorch path). Token i of a local sequence takes the
-    angles of row start_positions[b] + (its position in the full sequence). Returns a new tensor
-    of t's shape and dtype."""
+    start_positions [s2, b, 1, d2], each sequence's own (TE's PyTorch path). Token i of a local
+    sequence takes the angles of row start_positions[b] + (its position in the full sequence).
+    Returns a new tensor of t's shape and dtype."""
     if tensor_format not in FORMATS:
         raise ValueError(f"Unsupported tensor_format: {tensor_format!r} (tensor_format must be one "
                          f"of {', '.join(map(repr, FORMATS))})")
