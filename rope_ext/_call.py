@@ -23,6 +23,7 @@ _grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 _any_requires_grad = torch._C._any_requires_grad  # tensors, and tensors in lists, at C speed
 _compiling = torch.compiler.is_compiling
+_transforming = torch._C._functorch.peek_interpreter_stack  # None outside torch.func transforms
 
 
 def _keyword_defaults(op):
@@ -51,7 +52,10 @@ def without_autograd_if_unneeded(op):
             kwargs = given
         if forward_ad._current_level >= 0 and differentiable:  # a dual level is open
             return tangent_aware(name, *args, **kwargs)
-        if _grad_enabled() and not _compiling() and not _any_requires_grad(*args, **kwargs):
+        # (vmap's and functionalize's wrappers report no requires_grad of the tensors they wrap:
+        # inside a torch.func transform grad mode stays as it is.)
+        if _grad_enabled() and not _compiling() and not _any_requires_grad(*args, **kwargs) \
+                and _transforming() is None:
             _set_grad_enabled(False)
             try:
                 return op(*args, **kwargs)

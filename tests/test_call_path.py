@@ -14,6 +14,7 @@ from rope_ext.compat import flash_attn, flashinfer, sglang, vllm
 
 CACHE = rope_ext.cos_sin_cache(64, 16)
 OPS = torch.ops.rope
+F64 = torch.float64
 
 
 def python_frames(fn):
@@ -270,6 +271,44 @@ def test_public_functions_in_grad_mode_skip_autograd_when_nothing_requires_grad(
     xg = x.clone().requires_grad_()
     out = rope_ext.apply_rope(xg, cos, sin)
     assert out.requires_grad and out.grad_fn is not None
+
+
+def _vmapped_functions():
+    """Public functions over one sample (S, H, D) of float64 x: {name: f}."""
+    from rope_ext.compat import transformers as hf
+
+    cos, sin = torch.randn(5, 1, 4, dtype=F64), torch.randn(5, 1, 4, dtype=F64)
+    full = (torch.cat([cos, cos], -1)[None, :, 0], torch.cat([sin, sin], -1)[None, :, 0])
+    pos, w = torch.randint(0, 64, (5,)), torch.randn(8, dtype=F64)
+    rope = rope_ext.RotaryEmbedding(8, max_position=64).double()
+    per_head = lambda x: x.transpose(0, 1)[None]  # noqa: E731  (1, H, S, D)
+    return {
+        "apply_rope": lambda x: rope_ext.apply_rope(x, cos, sin),
+        "apply_rope_at": lambda x: rope_ext.apply_rope_at(x, pos, CACHE.double()[:, :8]),
+        "qk_norm_rope": lambda x: rope_ext.qk_norm_rope(x[None], x[None], w, w, *full)[0][0],
+        "RotaryEmbedding": lambda x: rope(x, None, pos)[0],
+        "transformers": lambda x: hf.apply_rotary_pos_emb(per_head(x), per_head(x), *full)[0],
+    }
+
+
+@pytest.mark.parametrize("name", list(_vmapped_functions()))
+@pytest.mark.parametrize("transform", ["vmap", "functionalize"])
+def test_torch_func_transforms_keep_the_history_of_inputs_that_require_grad(name, transform):
+    # vmap's and functionalize's wrappers show no requires_grad of the tensors they wrap: the
+    # public call must not take that for "nothing to record" (it switched grad mode off and
+    # returned an output without history: the loss below lost the term, with no error).
+    f = _vmapped_functions()[name]
+    x = torch.randn(3, 5, 2, 8, dtype=F64, requires_grad=True)
+    weight = torch.randn_like(x)
+    each = torch.stack([f(x[i]) for i in range(3)]).reshape(x.shape)
+    want, = torch.autograd.grad((each * weight).sum() + x.sum(), x)
+    if transform == "vmap":
+        out = torch.vmap(f)(x)
+    else:
+        out = torch.func.functionalize(lambda x: torch.stack([f(x[i]) for i in range(3)]))(x)
+    assert out.requires_grad
+    got, = torch.autograd.grad((out.reshape(x.shape) * weight).sum() + x.sum(), x)
+    assert torch.equal(got, want)
 
 
 def _routed_calls():
