@@ -285,7 +285,7 @@ def check_savable(*saved):
     """torch's error for an inference tensor saved for backward, before anything is recorded."""
     for t in saved:
         if t.is_inference() and not torch.is_inference_mode_enabled():
-            torch.zeros((), requires_grad=True) * t  # raises torch's own error
+            torch.zeros((), device=t.device, requires_grad=True) * t  # torch's own error
 
 
 def _rotate_each(op, keyset, query, key, positions, cos_sin_cache, interleaved, section, mi,

@@ -865,3 +865,27 @@ def test_compat_caches_keep_no_traced_tensors(how, monkeypatch):
         b = calls(q.clone(), k.clone(), pos, qkv.clone(), w)
         assert all(torch.equal(x, y) for x, y in zip(a, b))
         theta += 1.0
+
+
+def test_compat_tables_follow_the_inputs_not_the_default_device(monkeypatch):
+    # A call under `with torch.device("meta")` (or set_default_device) with CPU tensors: the
+    # drop-ins' own tables (SGLang's cached per-position set, FlashInfer's Llama 3.1 blend) are
+    # made on the inputs' device, and a cached table stays usable after the context.
+    from rope_ext.compat import _qk_norm
+
+    monkeypatch.setattr(_qk_norm, "_TABLES", {})
+    qkv, w, pos = torch.randn(4, 4 * 8), torch.randn(8), torch.arange(4)
+    q, k = torch.randn(4, 2, 64), torch.randn(4, 1, 64)
+    kw = dict(rope_scale=8, rope_theta=5e5, low_freq_factor=1, high_freq_factor=4,
+              old_context_len=64)
+
+    def calls():
+        x = qkv.clone()
+        sglang.fused_qk_norm_rope(x, 2, 1, 1, 8, 1e-6, w, w, 1e4, True, pos, 1.0, 0.0, 0.0, 1.0)
+        return (x, *flashinfer.apply_llama31_rope_pos_ids(q, k, pos, **kw))
+
+    with torch.device("meta"):
+        inside = calls()
+    outside = calls()
+    assert all(t.device.type == "cpu" for t in _qk_norm._TABLES.values())
+    assert all(a.device.type == "cpu" and torch.equal(a, b) for a, b in zip(inside, outside))

@@ -215,7 +215,7 @@ def _cached_table(positions, key):
         start = 0 if table is None else table.shape[0]
         if start < size:
             with torch.inference_mode(False), torch.no_grad():  # usable in any mode later
-                rows = _yarn_tables(torch.arange(start, size), *key)
+                rows = _yarn_tables(torch.arange(start, size, device="cpu"), *key)
                 table = rows if table is None else torch.cat((table, rows))
             _TABLES[key] = table
         return table

@@ -61,10 +61,12 @@ def _frequencies(rotary_dim, rope_scale, rope_theta, device, llama31=None):
     else:
         # The kernel's arguments are floats: smooth_a is formed from them in double (M_PI) and
         # stored as float; smooth_b in float.
-        low, high, old_context_len = (float(torch.tensor(float(v), dtype=F32)) for v in llama31)
+        low, high, old_context_len = (float(torch.tensor(float(v), dtype=F32, device="cpu"))
+                                     for v in llama31)  # (any default device)
         smooth_a = torch.tensor(old_context_len / (2 * math.pi * high - 2 * math.pi * low),
                                 dtype=F32, device=device)
-        ratio = torch.tensor(float(high), dtype=F32) / torch.tensor(float(low), dtype=F32)
+        ratio = (torch.tensor(float(high), dtype=F32, device="cpu")
+                 / torch.tensor(float(low), dtype=F32, device="cpu"))
         smooth_b = (-1.0 / (ratio - 1.0)).to(device)
     smooth = (freq * smooth_a + smooth_b).clamp(0.0, 1.0)
     return (1 - smooth) * (freq * rcp_scale) + smooth * freq

@@ -322,10 +322,10 @@ def _duplicated(angles, interleaved):
 def _probe_calls(target, g):
     """(args, kwargs) to call both functions with: every layout the replacement serves."""
     def randn(*shape):  # float32 whatever torch's default dtype is
-        return torch.randn(*shape, generator=g, dtype=torch.float32)
+        return torch.randn(*shape, generator=g, dtype=torch.float32, device="cpu")
 
     def ones(*shape):
-        return torch.ones(*shape, dtype=torch.float32)
+        return torch.ones(*shape, dtype=torch.float32, device="cpu")
 
     if target == "apply_rotary_emb":
         calls = []
