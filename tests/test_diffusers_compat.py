@@ -147,6 +147,9 @@ def test_apply_rotary_emb_complex(dtype):
     ang = freqs.angle().double()[:, :, None]
     cos, sin = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
     close(got.double(), oracle(x, cos, sin, True), dtype, scale=2.0)
+    # A conjugate view (the inverse rotation), which diffusers multiplies by as it is.
+    close(rd.apply_rotary_emb(x, freqs.conj(), use_real=False),
+          emb.apply_rotary_emb(x, freqs.conj(), use_real=False), dtype)
     # Gradients w.r.t. x and the complex table.
     outs = []
     for fn in (rd.apply_rotary_emb, emb.apply_rotary_emb):

@@ -51,7 +51,7 @@ def test_llama_table_is_the_references(dim, end, theta):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("table", ["precomputed", "any"])
+@pytest.mark.parametrize("table", ["precomputed", "any", "conjugate"])
 @pytest.mark.parametrize("contiguous", [True, False])
 def test_llama_values(dtype, head_dim, table, contiguous):
     B, S, HQ, HK = 2, 7, 4, 2  # GQA: fewer key heads
@@ -59,6 +59,8 @@ def test_llama_values(dtype, head_dim, table, contiguous):
     xk = layout((B, S, HK, head_dim), dtype, contiguous)
     fc = (ref.llama_precompute_freqs_cis(head_dim, 40)[9 : 9 + S] if table == "precomputed"
           else random_cis(S, head_dim // 2))
+    if table == "conjugate":  # the inverse rotation, a lazy view the reference multiplies by
+        fc = fc.conj()
     xq0, xk0 = xq.clone(), xk.clone()
     got = llama.apply_rotary_emb(xq, xk, fc)
     want = ref.llama_apply_rotary_emb(xq.double(), xk.double(), fc.to(torch.complex128))

@@ -173,8 +173,8 @@ _INTERLEAVED = {-1: True, -2: False}
 
 def _complex_members(freqs_cis, unsqueeze_dim, device):
     """The real and imaginary parts of freqs_cis.unsqueeze(unsqueeze_dim) on `device`: the cos
-    and sin of each (2i, 2i+1) pair."""
-    ri = torch.view_as_real(freqs_cis.unsqueeze(unsqueeze_dim).to(device))
+    and sin of each (2i, 2i+1) pair (a conjugate view, which view_as_real refuses, resolved)."""
+    ri = torch.view_as_real(freqs_cis.unsqueeze(unsqueeze_dim).to(device).resolve_conj())
     return ri[..., 0], ri[..., 1]
 
 

@@ -46,9 +46,10 @@ def _check_x(x, name):
 
 def cos_sin(freqs_cis):
     """(cos, sin): the real and imaginary parts of a complex table (views), or a real table and
-    zeros (the reference multiplies by a real table too)."""
+    zeros (the reference multiplies by a real table too). A conjugate view (`freqs_cis.conj()`,
+    the inverse rotation) is resolved first: view_as_real refuses it."""
     if freqs_cis.is_complex():
-        parts = torch.view_as_real(freqs_cis)
+        parts = torch.view_as_real(freqs_cis.resolve_conj())
         return parts[..., 0], parts[..., 1]
     return freqs_cis, torch.zeros_like(freqs_cis)
 
