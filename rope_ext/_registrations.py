@@ -265,14 +265,20 @@ _creation_meta = getattr(torch._C._autograd, "_get_creation_meta", None)
 _META_SOURCE = torch.empty((), device="meta")
 
 
+def inplace_rules_may_apply(t):
+    """Whether one of torch's in-place rules under autograd could refuse t (from its autograd
+    metadata alone: any tensor, a subclass's too)."""
+    return (t.is_leaf and t.requires_grad) or (t._is_view() and (
+        _creation_meta is None or _creation_meta(t) != torch._C._autograd.CreationMeta.DEFAULT
+        or (t.requires_grad and t._base.is_leaf)))
+
+
 def check_inplace_rules(t, table_grad):
     """torch's in-place rules for t under autograd (a leaf that requires grad, a view of one, a
     view from split/unbind, no_grad or inference mode), raised with torch's own errors, recording
     and writing nothing. Where a rule may apply, a copy_ into t from a meta tensor runs torch's
     check (check_inplace) and then fails in its kernel, before anything is written."""
-    if not (t.is_leaf and t.requires_grad) and not (t._is_view() and (
-            _creation_meta is None or _creation_meta(t) != torch._C._autograd.CreationMeta.DEFAULT
-            or (t.requires_grad and t._base.is_leaf))):
+    if not inplace_rules_may_apply(t):
         return  # the common case: none applies (and a try/except costs microseconds)
     source = _META_SOURCE.expand(t.shape)
     try:
@@ -317,17 +323,21 @@ def _rotate_each(op, keyset, query, key, positions, cos_sin_cache, interleaved, 
             _RotateInPlace.apply(t, t_input, positions, cos_sin_cache, interleaved, section, mi,
                                  offset, inverse)
 
+    # A tensor subclass whose rules may apply has them checked as it is recorded, before the
+    # write (a refusal by the kernel's own checks, which run on its data, would then leave the
+    # record); otherwise the record follows the write, as for plain tensors.
+    record_first = not memory and any(inplace_rules_may_apply(t) for t in written)
     if memory:
         for t in written:
             check_inplace_rules(t, table_grad)
         check_savable(positions, cos_sin_cache)
-    else:  # a tensor subclass: its rules are checked as it is recorded, before the write
+    elif record_first:
         record()
     args = (query, key, positions, cos_sin_cache)
     args += (interleaved,) if section is None else (section, interleaved, mi)
     with torch._C._AutoDispatchBelowAutograd():
         op.redispatch(keyset & _AFTER_AD_INPLACE, *args, offset, inverse)
-    if memory:
+    if not record_first:
         record()
 
 

@@ -182,6 +182,36 @@ def test_refused_call_under_autograd_leaves_history_and_gradient(entry, fault):
     assert torch.equal(w.grad, grad)  # q = w * 1: the identity, not a rotation
 
 
+@pytest.mark.parametrize("subclass", ["TwoTensor", "torch_function"])
+@pytest.mark.parametrize("fault", ["query is key", "position out of range", None])
+def test_tensor_subclass_under_autograd_refused_by_the_kernel_keeps_its_history(subclass, fault):
+    # A tensor subclass skips the Python memory checks (its data is the subclass's own); the
+    # kernel refuses on its data. The rotation must not have been recorded by then: a caught
+    # error used to leave a rotated gradient behind (q is k) or a backward that failed.
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    class FunctionSubclass(torch.Tensor):
+        pass
+
+    a = torch.randn(4, 2, 16)
+    w = (TwoTensor(a, a.clone()) if subclass == "TwoTensor" else a).requires_grad_()
+    q = w * 1.0
+    q = q.as_subclass(FunctionSubclass) if subclass == "torch_function" else q
+    k = q if fault == "query is key" else None
+    pos = torch.tensor([3, 0, 64 if fault == "position out of range" else 9, 1])
+    before = _state(q)
+    if fault is None:
+        rope_ext.apply_rope_(q, k, pos, CACHE)
+        assert q._version == 1 and q.grad_fn is not before[0][2]
+        return
+    with pytest.raises(RuntimeError, match="query and key|positions must lie in"):
+        rope_ext.apply_rope_(q, k, pos, CACHE)
+    assert _same_state(before, q)
+    q.sum().backward()
+    grad = w.grad.a if subclass == "TwoTensor" else w.grad
+    assert torch.equal(grad, torch.ones_like(a))
+
+
 @pytest.mark.parametrize("entry", ["apply_rope_", "apply_mrope_"])
 def test_versions_move_once_under_autograd_and_not_for_a_refused_call(entry):
     q = torch.randn(4, 2, 16, requires_grad=True) * 1.0
