@@ -564,8 +564,8 @@ def test_vllm_fused_qknorm_rope_cache_rejects_and_changes_nothing():
         return a
 
     bad = [
-        (case(rotary_dim=60), ValueError, "rotary_dim must be a multiple of 8"),
-        (case(rotary_dim=136), ValueError, "rotary_dim must be a multiple of 8"),
+        (case(rotary_dim=60), ValueError, r"multiple of 8 in \[0, head_dim=128\], got 60"),
+        (case(rotary_dim=136), ValueError, r"multiple of 8 in \[0, head_dim=128\], got 136"),
         (case(num_kv_heads=3), ValueError, "qkv must have shape"),
         (case(norm_weight_bias=float("nan")), ValueError, "norm_weight_bias must be a finite"),
         (case(cos_sin_cache=torch.randn(64, 127)), ValueError, "cos_sin_cache must have shape"),

@@ -72,7 +72,7 @@ def fused_qknorm_rope_cache(qkv, q_weight, k_weight, cos_sin_cache, positions, s
     dim = _int_arg("head_dim", head_dim, 1)
     rot = _int_arg("rotary_dim", rotary_dim)
     if rot > dim or rot % 8:
-        raise ValueError("rotary_dim must be a multiple of 8 in [0, head_dim]")
+        raise ValueError(f"rotary_dim must be a multiple of 8 in [0, head_dim={dim}], got {rot}")
     if type(norm_weight_bias) is not float and (
             isinstance(norm_weight_bias, bool) or not isinstance(norm_weight_bias, numbers.Real)) \
             or not math.isfinite(norm_weight_bias):
