@@ -436,6 +436,8 @@ def check_rope_and_cache(query, key, value, positions, cache, key_cache, value_c
                   f"of shape {_shape(s)}")
     check_no_internal_overlap(kc, op, "key_cache")
     check_no_internal_overlap(vc, op, "value_cache")
+    if value_written:  # before its rows are compared with query's and key's
+        check_no_internal_overlap(value, op, "value")
     if memory:
         check_elements_disjoint(kc, "key_cache", vc, "value_cache", op)
         caches = (("key_cache", kc), ("value_cache", vc))
@@ -449,8 +451,6 @@ def check_rope_and_cache(query, key, value, positions, cache, key_cache, value_c
             check_rows_disjoint(key, value, 1, op, "key", "value")
         check_disjoint_bytes(kc, "key_cache", value, "value", op)
         check_disjoint_bytes(vc, "value_cache", value, "value", op)
-        if value_written:
-            check_no_internal_overlap(value, op, "value")
         for cname, c in caches:
             check_disjoint_bytes(c, cname, cache, "cos_sin_cache", op)
         if value_written:
@@ -464,8 +464,6 @@ def check_rope_and_cache(query, key, value, positions, cache, key_cache, value_c
             if s is not None:
                 for wname, w in written:
                     check_disjoint_bytes(w, wname, s, name, op)
-    elif value_written:
-        check_no_internal_overlap(value, op, "value")
     if decided(kc.shape[0] * kc.shape[1] >= 2**63, False):  # the kernels index slots in int64
         _fail(f"{op}: key_cache has 2^63 slots or more")
     return fmt, section

@@ -448,6 +448,26 @@ def test_compile_reads_an_expanded_value_as_eager_does():
         call(rope_ext.qk_norm_rope_and_cache_, b, eps=EPS, v_norm=True)
 
 
+def test_an_expanded_value_of_one_qkv_buffer_is_refused_for_itself():
+    """v_norm writes value: one expanded over the kv heads from a column block of the qkv buffer
+    that query and key are views of is refused for its own overlap, naming value alone (its
+    rows were compared with query's first: "query and value ... share elements", which they
+    do not)."""
+    T, hq, hk, D = 6, 4, 2, 64
+    qkv = torch.randn(T, (hq + 2 * hk) * D)
+    q = qkv[:, :hq * D].unflatten(1, (hq, D))
+    k = qkv[:, hq * D:(hq + hk) * D].unflatten(1, (hk, D))
+    v = qkv[:, (hq + hk) * D:(hq + hk + 1) * D].unflatten(1, (1, D)).expand(T, hk, D)
+    kc, vc = torch.zeros(4, 4, hk, D), torch.zeros(4, 4, hk, D)
+    before = [t.clone() for t in (qkv, kc, vc)]
+    with pytest.raises(RuntimeError, match=r"rope.qk_norm_rope_and_cache_: value: unsupported "
+                                           r"operation: more than one element"):
+        rope_ext.qk_norm_rope_and_cache_(q, k, v, torch.arange(T), rope_ext.cos_sin_cache(16, D),
+                                         torch.ones(D), torch.ones(D), kc, vc, torch.arange(T),
+                                         v_norm=True)
+    assert all(torch.equal(a, b) for a, b in zip((qkv, kc, vc), before))
+
+
 # ---- vLLM's fused_qknorm_rope_cache (rope_ext.compat.vllm) ----
 
 def vllm_prologue_case(dtype, fmt, rotary_dim, width=128, T=7, hq=4, hk=2, D=128):

@@ -997,6 +997,7 @@ inline CacheGeometry check_rope_and_cache(const CacheMetas& m, const Tensor& pos
   // value, and may share memory with each other). Nothing else may share the written memory.
   check_no_internal_overlap(kc, op, "key_cache");
   check_no_internal_overlap(vc, op, "value_cache");
+  if (value_written) check_no_internal_overlap(v, op, "value");  // before its rows are compared
   check_elements_disjoint(kc, "key_cache", vc, "value_cache", op);
   const std::pair<const char*, const Meta*> rotated[] = {{"query", &q}, {"key", &k}};
   for (const auto& [wname, w] : rotated) {
@@ -1009,7 +1010,6 @@ inline CacheGeometry check_rope_and_cache(const CacheMetas& m, const Tensor& pos
   }
   check_disjoint_bytes(kc, "key_cache", v, "value", op);
   check_disjoint_bytes(vc, "value_cache", v, "value", op);
-  if (value_written) check_no_internal_overlap(v, op, "value");
   const Meta table(*tables.cache);
   for (const auto& [cname, c] : caches) check_disjoint_bytes(*c, cname, table, "cos_sin_cache", op);
   if (value_written) check_disjoint_bytes(v, "value", table, "cos_sin_cache", op);
