@@ -341,6 +341,26 @@ def test_torch_func_transforms_keep_the_history_of_inputs_that_require_grad(name
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("paired", [True, False])
+def test_vmap_over_the_tables_of_drop_ins_that_compare_pair_members(paired):
+    # diffusers' and TE's drop-ins compare the two members of each pair's table entries to take
+    # one pass; a vmapped table has no data to compare there (torch.equal has no batching rule):
+    # they take the general path, equal to the per-sample loop.
+    from rope_ext.compat import diffusers, transformer_engine
+
+    x = torch.randn(1, 2, 5, 8, dtype=F64)
+    half = torch.randn(3, 5, 4, dtype=F64)
+    angles = half.repeat_interleave(2, -1) if paired else torch.randn(3, 5, 8, dtype=F64)
+    calls = {
+        "diffusers": lambda a: diffusers.apply_rotary_emb(x, (a.cos(), a.sin())),
+        "transformer_engine": lambda a: transformer_engine.apply_rotary_pos_emb(
+            x[0].transpose(0, 1)[:, None], a[:, None, None], interleaved=True),
+    }
+    for name, f in calls.items():
+        got = torch.vmap(f)(angles)
+        assert torch.equal(got, torch.stack([f(a) for a in angles])), name
+
+
 def _routed_calls():
     """A valid call of every op that writes an argument, each argument a tensor of its own (so
     each has its own version counter): {name: (op, args, kwargs)}."""

@@ -50,8 +50,10 @@ def _two_passes_false(x, angles):
 
 
 def _plain(t):
-    """A tensor whose values can be compared here (not fake, meta or a subclass)."""
-    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type != "meta"
+    """A tensor whose values can be compared here (not fake, meta, a subclass or a torch.func
+    transform's wrapper)."""
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type != "meta"
+            and not torch._C._functorch.is_functorch_wrapped_tensor(t))
 
 
 def rotate(x, angles, interleaved):

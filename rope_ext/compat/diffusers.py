@@ -25,6 +25,9 @@ from ._layout import (broadcasts_within, derivative_wanted, float32_table, join_
                       pair_members, rotate_pairs)
 
 
+_wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # vmap's, grad's, functionalize's
+
+
 def _one_per_pair(table, interleaved, compact):
     """The (..., D/2) table of one entry per pair when both members of every pair hold the same
     value, else None. Compared at every call: a table's values can change without a version
@@ -36,8 +39,8 @@ def _one_per_pair(table, interleaved, compact):
     and the copy would be a third pass over it."""
     if torch.compiler.is_compiling() or table.device.type == "meta":
         return None
-    if type(table) not in (torch.Tensor, torch.nn.Parameter):
-        return None  # fake, functional, distributed tensors: no data to compare here
+    if type(table) not in (torch.Tensor, torch.nn.Parameter) or _wrapped(table):
+        return None  # fake, functional, distributed, vmapped tensors: no data to compare here
     first, second = pair_members(table, interleaved)
     if not torch.equal(first, second):
         return None
