@@ -11,6 +11,7 @@ transformers' q*cos + rotate_half(q)*sin, so the logits agree to ~1 ulp (we allo
 bfloat16 logits differ by transformers' extra roundings of its intermediates (rope_ext rounds
 once), within bf16 tolerance."""
 
+import copy
 import gc
 import inspect
 import textwrap
@@ -1183,6 +1184,85 @@ def test_a_norm_without_its_weight_is_not_stood_in_for():
         if weightless.weight is not None:
             del weightless.weight  # no such attribute at all
         assert _qk_norm._stand_in(weightless, torch.randn(2, 8)) is None
+
+
+class _OffsetNorm(torch.nn.Module):
+    """An RMSNorm whose form its constructor chooses, as Liger-Kernel's LigerRMSNorm(offset=)."""
+
+    def __init__(self, dim, eps=1e-6, offset=0.0):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(dim) * 0.3)
+        self.variance_epsilon, self.offset = eps, offset
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (xf * (self.offset + self.weight.float())).to(x.dtype)
+
+
+class _CudaOnlyNorm(_OffsetNorm):
+    """A norm that cannot run on the CPU tensors a probe would give it (a Triton kernel's)."""
+
+    def forward(self, x):
+        if not x.is_cuda:
+            raise RuntimeError("expected a CUDA tensor")
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("when", ["before patch", "after patch"])
+@pytest.mark.parametrize("norm", ["offset 1", "cuda only"])
+def test_norms_the_probe_cannot_vouch_for_run_as_themselves(norm, when, monkeypatch):
+    """A norm instance whose settings are not those of the fresh instance its class was probed
+    with (offset=1.0: the (1 + w) form, where the probe saw w) is left to itself, as is a norm
+    class whose forward cannot run on the probe's CPU rows (patch() raised its error)."""
+    monkeypatch.setattr(_qk_norm, "_norm_forms", {})
+    model = build("qwen3")
+    batches = inputs("qwen3")
+
+    def swap(m):
+        torch.manual_seed(1)
+        for layer in m.model.layers:
+            for name in ("q_norm", "k_norm"):
+                setattr(layer.self_attn, name, _OffsetNorm(16, offset=1.0))
+
+    if when == "before patch":
+        swap(model)
+    if norm == "cuda only":  # the class met first at patch time: probed then
+        monkeypatch.setattr(_qk_norm, "_norm_forms", {})
+        layer = model.model.layers[0].self_attn
+        layer.q_norm = layer.k_norm = _CudaOnlyNorm(16)
+        assert _qk_norm._stand_in(layer.q_norm, torch.randn(2, 16)) is None
+        layer.q_norm, layer.k_norm = _OffsetNorm(16, offset=1.0), _OffsetNorm(16, offset=1.0)
+    want, _ = logits(copy.deepcopy(model), batches)
+    integration.patch(model)
+    if when == "after patch":
+        swap(model)
+        reference = copy.deepcopy(model)
+        integration.unpatch(reference)
+        want, _ = logits(reference, batches)
+    got, _ = logits(model, batches)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_a_fused_norm_keeps_the_dtype_its_module_returns_under_autocast():
+    """Under autocast (bfloat16 rows, float32 norm weights) Qwen3's norm returns float32 rows,
+    which the op, writing the rows' dtype, would not: that call runs unfused; Gemma 3's norm
+    returns the rows' dtype, and stays fused."""
+    for family, fused in (("qwen3", False), ("gemma3_text", True)):
+        if family not in FAMILIES or isinstance(build(family), Missing):
+            continue
+        model = build(family)
+        batches = inputs(family)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want, _ = logits(model, batches)
+            integration.patch(model)
+            got, _, calls = patched_calls(model, batches)
+        assert (calls["fused"] > 0) == fused, family
+        tol = 2e-2 if fused else 1e-5  # fused: bfloat16 rows rounded once, not twice
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype
+            torch.testing.assert_close(g, w, rtol=tol, atol=tol, msg=family)
 
 
 @pytest.mark.parametrize("shape", sorted(UNFUSED_SHAPES))

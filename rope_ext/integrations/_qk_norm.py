@@ -26,6 +26,7 @@ import ast
 import inspect
 import textwrap
 import types
+import warnings
 import weakref
 
 import torch
@@ -50,9 +51,12 @@ _NORMS = ("q_norm", "k_norm")  # the usual names; a forward's own are found by n
 _EPS_ATTRS = ("variance_epsilon", "eps")
 _METADATA = {"shape", "dtype", "device", "ndim"}
 
-# norm class -> (its forward when probed, (unit_offset, eps attribute name) or None: not an
-# RMSNorm the op computes); a forward replaced on the class since is probed afresh
+# norm class -> (its forward when probed, its form: (unit_offset, eps attribute name, whether
+# the output's dtype is the promotion of x's and the weight's) or None: not an RMSNorm the op
+# computes, the probe instance's settings); a forward replaced on the class since is probed
+# afresh
 _norm_forms = {}
+_MISSING = object()
 
 
 def qk_norm_api():
@@ -445,15 +449,19 @@ def _compiled_like(fn, fdef):
 # ---- the norm modules ----
 
 def _norm_form(norm):
-    """(unit_offset, eps attribute) of norm's class, probed once per class on a fresh instance
-    of it; None when the class is not an RMSNorm the op computes."""
+    """(unit_offset, eps attribute, promotes) of norm's class, probed once per class on a fresh
+    instance of it; None when the class is not an RMSNorm the op computes, or when norm's
+    settings are not the probe's (a class whose constructor chooses the form, as Liger-Kernel's
+    `LigerRMSNorm(offset=...)` does: such an instance is left to itself)."""
     cls = type(norm)
     known = _norm_forms.get(cls)
-    if known is not None and known[0] is cls.forward:
-        return known[1]
-    form = _probe_norm(norm)
-    _norm_forms[cls] = (cls.forward, form)
-    return form
+    if known is None or known[0] is not cls.forward:
+        known = (cls.forward, *_probe_norm(norm))
+        _norm_forms[cls] = known
+    for name, value in known[2]:  # usually none: a weight and an eps
+        if getattr(norm, name, _MISSING) != value:
+            return None
+    return known[1]
 
 
 def _holds_only_weight(norm):
@@ -473,11 +481,21 @@ def _holds_only_weight(norm):
             and list(parametrized.keys()) == ["weight"])
 
 
+def _settings(probe, eps_attr, width):
+    """The plain settings a probe instance holds (numbers, flags, strings), but its eps, its
+    training flag and the width it was made with: ((name, value), ...)."""
+    return tuple((name, value) for name, value in vars(probe).items()
+                 if not name.startswith("_") and name not in ("training", eps_attr)
+                 and type(value) in (bool, int, float, str)
+                 and not (type(value) is int and value == width))
+
+
 def _probe_norm(norm):
+    """(form, settings) of norm's class (_norm_forms), from a fresh instance's outputs."""
     weight = getattr(norm, "weight", None)
     attr = next((a for a in _EPS_ATTRS if isinstance(getattr(norm, a, None), float)), None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or attr is None:
-        return None
+        return None, ()
     try:
         # On the CPU in float32 whatever torch's defaults are (set_default_device/_dtype).
         with torch.device("cpu"):
@@ -488,22 +506,30 @@ def _probe_norm(norm):
             # constructor sets other values then fails the probe and is not fused)
             probe = probe.to_empty(device="cpu")
     except Exception:  # noqa: BLE001 - a constructor of another shape: not a norm we know
-        return None
+        return None, ()
     if getattr(probe, attr, None) != 0.25 or getattr(probe, "weight", None) is None:
-        return None
+        return None, ()
     g = torch.Generator().manual_seed(0)
-    with torch.no_grad(), torch.device("cpu"):
-        x = torch.randn(3, 2, 8, generator=g, dtype=torch.float32)
-        w = torch.randn(8, generator=g, dtype=torch.float32)
-        probe.weight.copy_(w)
-        got = probe(x).double()
+    try:
+        with torch.no_grad(), torch.device("cpu"):
+            x = torch.randn(3, 2, 8, generator=g, dtype=torch.float32)
+            w = torch.randn(8, generator=g, dtype=torch.float32)
+            probe.weight.copy_(w)
+            got = probe(x).double()
+            # bfloat16 rows, a float32 weight (autocast, or a model that keeps its norms in
+            # float32): transformers' Qwen3 norm returns float32, Gemma 3's the rows' dtype
+            with warnings.catch_warnings():  # torch.nn.RMSNorm's note on the mixed dtypes
+                warnings.simplefilter("ignore")
+                promotes = probe(x.bfloat16()).dtype != torch.bfloat16
+    except Exception:  # noqa: BLE001 - a norm that cannot run here (CUDA only, other widths)
+        return None, ()
     x, w = x.double(), w.double()
     normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 0.25)
     for unit_offset in (False, True):
         want = normed * ((1 + w) if unit_offset else w)
         if got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5):
-            return unit_offset, attr
-    return None
+            return (unit_offset, attr, promotes), _settings(probe, attr, 8)
+    return None, ()
 
 
 def fusable_norms(module, one_tensor=False, norms=_NORMS):
@@ -603,6 +629,9 @@ def _stand_in(norm, x):
     if (not isinstance(weight, torch.Tensor) or weight.shape != x.shape[-1:]
             or not isinstance(eps, float)):
         return None
+    if form[2] and weight.dtype is not x.dtype and \
+            torch.promote_types(x.dtype, weight.dtype) != x.dtype:
+        return None  # the norm's output would be of another dtype than x (the op writes x's)
     return weight, eps, form[0]
 
 
