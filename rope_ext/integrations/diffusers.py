@@ -366,7 +366,9 @@ def _verify(target, original, processor):
                 raise UnsupportedModelError(
                     f"rope_ext.integrations.diffusers: the RoPE function {processor} calls in "
                     f"diffusers {diffusers.__version__} does not compute what "
-                    f"rope_ext.compat.diffusers.{target} does; refusing to patch (please report it)")
+                    f"rope_ext.compat.diffusers.{target} does; refusing to patch. Either it was "
+                    f"replaced or wrapped after diffusers defined it, or this release computes "
+                    f"otherwise (please report that)")
     _verified.add(key)
 
 

@@ -225,9 +225,10 @@ def _verify(modeling, name, replacement, probe):
         import transformers
 
         raise RuntimeError(
-            f"rope_ext.integrations.transformers.patch: {modeling.__name__}.{name} of transformers "
-            f"{transformers.__version__} does not compute what its rope_ext replacement does; "
-            "refusing to patch (please report it)")
+            f"rope_ext.integrations.transformers.patch: {modeling.__name__}.{name} (transformers "
+            f"{transformers.__version__}) does not compute what its rope_ext replacement does; "
+            "refusing to patch. Either it was replaced or wrapped after transformers defined it, "
+            "or this release computes otherwise (please report that)")
     _verified[key] = original
 
 
