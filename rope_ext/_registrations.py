@@ -333,6 +333,8 @@ def _rotate_each(op, keyset, query, key, positions, cos_sin_cache, interleaved, 
         check_savable(positions, cos_sin_cache)
     elif record_first:
         record()
+    else:  # recorded after the write: what recording refuses is checked before it
+        check_savable(positions, cos_sin_cache)
     args = (query, key, positions, cos_sin_cache)
     args += (interleaved,) if section is None else (section, interleaved, mi)
     with torch._C._AutoDispatchBelowAutograd():

@@ -183,7 +183,7 @@ def test_refused_call_under_autograd_leaves_history_and_gradient(entry, fault):
 
 
 @pytest.mark.parametrize("subclass", ["TwoTensor", "torch_function"])
-@pytest.mark.parametrize("fault", ["query is key", "position out of range", None])
+@pytest.mark.parametrize("fault", ["query is key", "position out of range", "inference table", None])
 def test_tensor_subclass_under_autograd_refused_by_the_kernel_keeps_its_history(subclass, fault):
     # A tensor subclass skips the Python memory checks (its data is the subclass's own); the
     # kernel refuses on its data. The rotation must not have been recorded by then: a caught
@@ -199,13 +199,17 @@ def test_tensor_subclass_under_autograd_refused_by_the_kernel_keeps_its_history(
     q = q.as_subclass(FunctionSubclass) if subclass == "torch_function" else q
     k = q if fault == "query is key" else None
     pos = torch.tensor([3, 0, 64 if fault == "position out of range" else 9, 1])
+    table = CACHE
+    if fault == "inference table":  # refused by autograd (cannot be saved), after the kernel
+        with torch.inference_mode():
+            table = CACHE.clone()
     before = _state(q)
     if fault is None:
-        rope_ext.apply_rope_(q, k, pos, CACHE)
+        rope_ext.apply_rope_(q, k, pos, table)
         assert q._version == 1 and q.grad_fn is not before[0][2]
         return
-    with pytest.raises(RuntimeError, match="query and key|positions must lie in"):
-        rope_ext.apply_rope_(q, k, pos, CACHE)
+    with pytest.raises(RuntimeError, match="query and key|positions must lie in|Inference"):
+        rope_ext.apply_rope_(q, k, pos, table)
     assert _same_state(before, q)
     q.sum().backward()
     grad = w.grad.a if subclass == "TwoTensor" else w.grad

@@ -1211,10 +1211,11 @@ class _CudaOnlyNorm(_OffsetNorm):
 
 @pytest.mark.parametrize("when", ["before patch", "after patch"])
 @pytest.mark.parametrize("norm", ["offset 1", "cuda only"])
-def test_norms_the_probe_cannot_vouch_for_run_as_themselves(norm, when, monkeypatch):
+def test_norms_the_class_probe_does_not_cover_compute_their_own_form(norm, when, monkeypatch):
     """A norm instance whose settings are not those of the fresh instance its class was probed
-    with (offset=1.0: the (1 + w) form, where the probe saw w) is left to itself, as is a norm
-    class whose forward cannot run on the probe's CPU rows (patch() raised its error)."""
+    with (offset=1.0: the (1 + w) form, where the probe saw w) is probed on a copy of itself (it
+    was fused as w), and a norm class whose forward cannot run on the probe's CPU rows is left
+    to itself (patch() raised its error)."""
     monkeypatch.setattr(_qk_norm, "_norm_forms", {})
     model = build("qwen3")
     batches = inputs("qwen3")
@@ -1232,6 +1233,8 @@ def test_norms_the_probe_cannot_vouch_for_run_as_themselves(norm, when, monkeypa
         layer = model.model.layers[0].self_attn
         layer.q_norm = layer.k_norm = _CudaOnlyNorm(16)
         assert _qk_norm._stand_in(layer.q_norm, torch.randn(2, 16)) is None
+        offset = _OffsetNorm(16, offset=1.0)
+        assert _qk_norm._stand_in(offset, torch.randn(2, 16))[2] is True  # unit_offset
         layer.q_norm, layer.k_norm = _OffsetNorm(16, offset=1.0), _OffsetNorm(16, offset=1.0)
     want, _ = logits(copy.deepcopy(model), batches)
     integration.patch(model)

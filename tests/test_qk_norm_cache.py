@@ -448,7 +448,8 @@ def test_compile_reads_an_expanded_value_as_eager_does():
         call(rope_ext.qk_norm_rope_and_cache_, b, eps=EPS, v_norm=True)
 
 
-def test_an_expanded_value_of_one_qkv_buffer_is_refused_for_itself():
+@pytest.mark.parametrize("path", ["op", "reference"])
+def test_an_expanded_value_of_one_qkv_buffer_is_refused_for_itself(path):
     """v_norm writes value: one expanded over the kv heads from a column block of the qkv buffer
     that query and key are views of is refused for its own overlap, naming value alone (its
     rows were compared with query's first: "query and value ... share elements", which they
@@ -462,9 +463,9 @@ def test_an_expanded_value_of_one_qkv_buffer_is_refused_for_itself():
     before = [t.clone() for t in (qkv, kc, vc)]
     with pytest.raises(RuntimeError, match=r"rope.qk_norm_rope_and_cache_: value: unsupported "
                                            r"operation: more than one element"):
-        rope_ext.qk_norm_rope_and_cache_(q, k, v, torch.arange(T), rope_ext.cos_sin_cache(16, D),
-                                         torch.ones(D), torch.ones(D), kc, vc, torch.arange(T),
-                                         v_norm=True)
+        fn = rope_ext.qk_norm_rope_and_cache_ if path == "op" else reference.qk_norm_rope_and_cache_
+        fn(q, k, v, torch.arange(T), rope_ext.cos_sin_cache(16, D), torch.ones(D), torch.ones(D),
+           kc, vc, torch.arange(T), v_norm=True)
     assert all(torch.equal(a, b) for a, b in zip((qkv, kc, vc), before))
 
 

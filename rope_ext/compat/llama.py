@@ -49,7 +49,7 @@ def cos_sin(freqs_cis):
     zeros (the reference multiplies by a real table too). A conjugate view (`freqs_cis.conj()`,
     the inverse rotation) is resolved first: view_as_real refuses it."""
     if freqs_cis.is_complex():
-        parts = torch.view_as_real(freqs_cis.resolve_conj())
+        parts = torch.view_as_real(freqs_cis.resolve_conj())  # (dynamo cannot trace is_conj)
         return parts[..., 0], parts[..., 1]
     return freqs_cis, torch.zeros_like(freqs_cis)
 

@@ -23,6 +23,7 @@ x * (1 + w)), per norm class.
 """
 
 import ast
+import copy
 import inspect
 import textwrap
 import types
@@ -56,6 +57,7 @@ _METADATA = {"shape", "dtype", "device", "ndim"}
 # computes, the probe instance's settings); a forward replaced on the class since is probed
 # afresh
 _norm_forms = {}
+_instance_forms = {}  # (class, its forward, an instance's settings) -> that instance's form
 _MISSING = object()
 
 
@@ -449,18 +451,22 @@ def _compiled_like(fn, fdef):
 # ---- the norm modules ----
 
 def _norm_form(norm):
-    """(unit_offset, eps attribute, promotes) of norm's class, probed once per class on a fresh
-    instance of it; None when the class is not an RMSNorm the op computes, or when norm's
-    settings are not the probe's (a class whose constructor chooses the form, as Liger-Kernel's
-    `LigerRMSNorm(offset=...)` does: such an instance is left to itself)."""
+    """(unit_offset, eps attribute, promotes) of norm, probed once per class on a fresh instance
+    of it; None when it is not an RMSNorm the op computes. An instance whose settings are not
+    the fresh instance's (a class whose constructor chooses the form, as Liger-Kernel's
+    `LigerRMSNorm(offset=...)` does) is probed on a copy of it, once per class and settings."""
     cls = type(norm)
     known = _norm_forms.get(cls)
     if known is None or known[0] is not cls.forward:
         known = (cls.forward, *_probe_norm(norm))
         _norm_forms[cls] = known
-    for name, value in known[2]:  # usually none: a weight and an eps
-        if getattr(norm, name, _MISSING) != value:
-            return None
+    if known[2]:  # usually none: a weight and an eps
+        values = tuple(getattr(norm, name, _MISSING) for name, _ in known[2])
+        if values != tuple(value for _, value in known[2]):
+            key = (cls, cls.forward, values)
+            if key not in _instance_forms:
+                _instance_forms[key] = _probe_norm(norm, instance=True)[0]
+            return _instance_forms[key]
     return known[1]
 
 
@@ -482,53 +488,64 @@ def _holds_only_weight(norm):
 
 
 def _settings(probe, eps_attr, width):
-    """The plain settings a probe instance holds (numbers, flags, strings), but its eps, its
-    training flag and the width it was made with: ((name, value), ...)."""
+    """The plain settings a probe instance holds (numbers, flags, strings), but its eps (and
+    copies of it), its training flag and the width it was made with: ((name, value), ...)."""
     return tuple((name, value) for name, value in vars(probe).items()
                  if not name.startswith("_") and name not in ("training", eps_attr)
                  and type(value) in (bool, int, float, str)
-                 and not (type(value) is int and value == width))
+                 and not (type(value) is int and value == width) and value != 0.25)
 
 
-def _probe_norm(norm):
-    """(form, settings) of norm's class (_norm_forms), from a fresh instance's outputs."""
+def _probe_norm(norm, instance=False):
+    """(form, settings) of norm's class (_norm_forms), from the outputs of a fresh instance of
+    it, or (instance) of a copy of norm."""
     weight = getattr(norm, "weight", None)
     attr = next((a for a in _EPS_ATTRS if isinstance(getattr(norm, a, None), float)), None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or attr is None:
         return None, ()
+    width = weight.shape[0] if instance else 8
     try:
         # On the CPU in float32 whatever torch's defaults are (set_default_device/_dtype).
         with torch.device("cpu"):
-            probe = type(norm)(8, eps=0.25).float()
+            if instance:
+                probe = copy.deepcopy(norm)
+                setattr(probe, attr, 0.25)
+            else:
+                probe = type(norm)(width, eps=0.25)
         if any(t.is_meta for t in (*probe.parameters(), *probe.buffers())):
             # made inside init_empty_weights (accelerate's, transformers'), which puts new
             # parameters on meta: given CPU memory (the weight is set below; a norm whose
             # constructor sets other values then fails the probe and is not fused)
             probe = probe.to_empty(device="cpu")
+        probe = probe.to("cpu", torch.float32)
     except Exception:  # noqa: BLE001 - a constructor of another shape: not a norm we know
         return None, ()
     if getattr(probe, attr, None) != 0.25 or getattr(probe, "weight", None) is None:
         return None, ()
     g = torch.Generator().manual_seed(0)
+    call = type(probe).forward  # without the copied module's hooks
     try:
         with torch.no_grad(), torch.device("cpu"):
-            x = torch.randn(3, 2, 8, generator=g, dtype=torch.float32)
-            w = torch.randn(8, generator=g, dtype=torch.float32)
+            x = torch.randn(3, 2, width, generator=g, dtype=torch.float32)
+            w = torch.randn(width, generator=g, dtype=torch.float32)
             probe.weight.copy_(w)
-            got = probe(x).double()
-            # bfloat16 rows, a float32 weight (autocast, or a model that keeps its norms in
-            # float32): transformers' Qwen3 norm returns float32, Gemma 3's the rows' dtype
-            with warnings.catch_warnings():  # torch.nn.RMSNorm's note on the mixed dtypes
-                warnings.simplefilter("ignore")
-                promotes = probe(x.bfloat16()).dtype != torch.bfloat16
+            got = call(probe, x).double()
     except Exception:  # noqa: BLE001 - a norm that cannot run here (CUDA only, other widths)
         return None, ()
+    try:
+        # bfloat16 rows, a float32 weight (autocast, or a model that keeps its norms in
+        # float32): transformers' Qwen3 norm returns float32, Gemma 3's the rows' dtype
+        with torch.no_grad(), torch.device("cpu"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.nn.RMSNorm's note on the mixed dtypes
+            promotes = call(probe, x.bfloat16()).dtype != torch.bfloat16
+    except Exception:  # noqa: BLE001 - refuses mixed dtypes: fused only where they agree
+        promotes = True
     x, w = x.double(), w.double()
     normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 0.25)
     for unit_offset in (False, True):
         want = normed * ((1 + w) if unit_offset else w)
         if got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5):
-            return (unit_offset, attr, promotes), _settings(probe, attr, 8)
+            return (unit_offset, attr, promotes), _settings(probe, attr, width)
     return None, ()
 
 
