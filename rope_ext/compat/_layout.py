@@ -105,6 +105,16 @@ def rotate_pairs(x, cos, sin, dtype, interleaved=False):
     return ops.apply(x, cos[pad], sin[pad], interleaved)
 
 
+_wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # vmap's, grad's, functionalize's
+
+
+def comparable(t):
+    """A tensor whose values can be read here (not fake, meta, functional or distributed, nor a
+    torch.func transform's wrapper): the drop-ins compare a table's pair members on it."""
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type != "meta"
+            and not _wrapped(t))
+
+
 def pair_members(table, interleaved):
     """The two (..., width/2) views of a table with one entry per element of the rotary dims (its
     last dim, `width`): each pair's first member's entries, and its second's. Pairs are (2i, 2i+1)

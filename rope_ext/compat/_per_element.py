@@ -12,7 +12,7 @@ is remembered. Under torch.compile the comparison runs in the graph and torch.co
 
 import torch
 
-from ._layout import derivative_wanted, float32_table, join_members, pair_members
+from ._layout import comparable, derivative_wanted, float32_table, join_members, pair_members
 
 from .._call import ops  # noqa: E402  (torch.ops.rope, without autograd where none is needed)
 
@@ -49,13 +49,6 @@ def _two_passes_false(x, angles):
     return _two_passes(x, angles, False)
 
 
-def _plain(t):
-    """A tensor whose values can be compared here (not fake, meta, a subclass or a torch.func
-    transform's wrapper)."""
-    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type != "meta"
-            and not torch._C._functorch.is_functorch_wrapped_tensor(t))
-
-
 def rotate(x, angles, interleaved):
     """x rotated by `angles` (..., rotary_dim), placed against x (x's number of dims, each x's size
     or 1): element j < rotary_dim of a head turns by angles[..., j] with its pair's other member
@@ -69,6 +62,6 @@ def rotate(x, angles, interleaved):
         return torch.cond((first == second).all(),
                           _one_pass_true if interleaved else _one_pass_false,
                           _two_passes_true if interleaved else _two_passes_false, (x, angles))
-    if _plain(angles) and torch.equal(*pair_members(angles, interleaved)):
+    if comparable(angles) and torch.equal(*pair_members(angles, interleaved)):
         return _one_pass(x, angles, interleaved)
     return _two_passes(x, angles, interleaved)

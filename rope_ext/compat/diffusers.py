@@ -21,11 +21,8 @@ docs/diffusers.md.
 
 import torch
 
-from ._layout import (broadcasts_within, derivative_wanted, float32_table, join_members,
-                      pair_members, rotate_pairs)
-
-
-_wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # vmap's, grad's, functionalize's
+from ._layout import (broadcasts_within, comparable, derivative_wanted, float32_table,
+                      join_members, pair_members, rotate_pairs)
 
 
 def _one_per_pair(table, interleaved, compact):
@@ -37,10 +34,8 @@ def _one_per_pair(table, interleaved, compact):
     compact: the entries copied into a contiguous table, which the kernel reads fastest when
     each table row serves several of x's rows; a table as large as x is read once either way,
     and the copy would be a third pass over it."""
-    if torch.compiler.is_compiling() or table.device.type == "meta":
-        return None
-    if type(table) not in (torch.Tensor, torch.nn.Parameter) or _wrapped(table):
-        return None  # fake, functional, distributed, vmapped tensors: no data to compare here
+    if torch.compiler.is_compiling() or not comparable(table):
+        return None  # no data to compare here
     first, second = pair_members(table, interleaved)
     if not torch.equal(first, second):
         return None

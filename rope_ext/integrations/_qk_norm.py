@@ -54,8 +54,8 @@ _METADATA = {"shape", "dtype", "device", "ndim"}
 
 # norm class -> (its forward when probed, its form: (unit_offset, eps attribute name, whether
 # the output's dtype is the promotion of x's and the weight's) or None: not an RMSNorm the op
-# computes, the probe instance's settings); a forward replaced on the class since is probed
-# afresh
+# computes, the names and the values of the probe instance's settings); a forward replaced on
+# the class since is probed afresh
 _norm_forms = {}
 _instance_forms = {}  # (class, its forward, an instance's settings) -> that instance's form
 _MISSING = object()
@@ -458,11 +458,12 @@ def _norm_form(norm):
     cls = type(norm)
     known = _norm_forms.get(cls)
     if known is None or known[0] is not cls.forward:
-        known = (cls.forward, *_probe_norm(norm))
+        form, settings = _probe_norm(norm)
+        known = (cls.forward, form, tuple(n for n, _ in settings), tuple(v for _, v in settings))
         _norm_forms[cls] = known
     if known[2]:  # usually none: a weight and an eps
-        values = tuple(getattr(norm, name, _MISSING) for name, _ in known[2])
-        if values != tuple(value for _, value in known[2]):
+        values = tuple(getattr(norm, name, _MISSING) for name in known[2])
+        if values != known[3]:
             key = (cls, cls.forward, values)
             if key not in _instance_forms:
                 _instance_forms[key] = _probe_norm(norm, instance=True)[0]
