@@ -507,18 +507,27 @@ def _autograd_kernel(name, op):
 
 
 def _given(name, kernel, with_keyset=False):
-    """`kernel` of op `name` after the check that its `Tensor` arguments were given: Python's None
-    for one reaches the kernels, which would fail on it later (after writing, in place) or with
-    no word of which argument it was. Mirrors csrc/ops/routes.h check_tensors_given."""
+    """`kernel` of op `name` after the check that its tensor arguments were given as the kernels
+    need them: a `Tensor` one not None (None would reach the kernels, which would fail on it
+    later, after writing, in place, or with no word of which argument it was), and each one
+    dense (strided): a sparse, mkldnn or jagged tensor would fail inside torch's ops with no
+    word of which argument it was. Mirrors csrc/ops/routes.h check_tensors_given."""
     base, _, overload = name.partition(".")
     schema = getattr(getattr(ops, base), overload or "default")._schema
-    required = [(i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments)
-                if isinstance(a.type, torch._C.TensorType)]
+    tensors = [(i, a.name, a.kwarg_only, isinstance(a.type, torch._C.OptionalType))
+               for i, a in enumerate(schema.arguments)
+               if a.type.isSubtypeOf(torch._C.OptionalType.ofTensor())]
 
     def check(args, kwargs):
-        for i, arg, kwarg_only in required:
-            if (kwargs.get(arg) if kwarg_only or i >= len(args) else args[i]) is None:
+        for i, arg, kwarg_only, optional in tensors:
+            t = kwargs.get(arg) if kwarg_only or i >= len(args) else args[i]
+            if t is None:
+                if optional:
+                    continue
                 raise RuntimeError(f"rope.{name}: {arg} must be a tensor, got None")
+            if t.layout != torch.strided:
+                raise RuntimeError(f"rope.{name}: {arg} must be a dense (strided) tensor, got "
+                                   f"layout {t.layout}")
 
     if with_keyset:
         def given(keyset, *args, **kwargs):

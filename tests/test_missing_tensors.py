@@ -1,7 +1,8 @@
 """None where an op requires a tensor (`key=None` to an op whose key is not optional, say): every
 op, for each of its `Tensor` arguments, raises `rope.<op>: <name> must be a tensor, got None` on
 the native path (device kernels and the C++ call path, in every grad mode) and on the reference
-path alike, before anything is written."""
+path alike, before anything is written. Likewise a sparse or mkldnn tensor in any tensor
+argument, `Tensor?` ones included: `<name> must be a dense (strided) tensor, got layout ...`."""
 
 import json
 import os
@@ -24,48 +25,68 @@ def overload(name):
     return getattr(getattr(torch.ops.rope, base), over or "default")
 
 
-def cases():
-    """(op name, required tensor's name, keyword args): every required tensor None in turn, the
-    others tensors, every other argument its default or a plain value."""
+# What each kind of bad tensor argument is, which arguments it is tried in, and the message.
+BAD = {
+    "none": (lambda: None, False, "must be a tensor, got None"),
+    "sparse": (lambda: torch.full((2, 2), 0.5).to_sparse(), True,
+               "must be a dense (strided) tensor, got layout torch.sparse_coo"),
+    "mkldnn": (lambda: torch.full((2, 2), 0.5).to_mkldnn(), True,
+               "must be a dense (strided) tensor, got layout torch._mkldnn"),
+}
+if not torch.backends.mkldnn.is_available():
+    del BAD["mkldnn"]
+
+
+def cases(kind):
+    """(op name, bad tensor's name, keyword args): each required tensor (and, for a bad tensor
+    rather than None, each optional one) bad in turn, the others tensors, every other argument
+    its default or a plain value."""
+    make_bad, optional_too, _ = BAD[kind]
     plain = {"int": 1, "float": 1.0, "bool": False, "str": "auto", "List[int]": [1, 1, 1],
              "Optional[Tensor]": None}
     out = []
     for name in sorted(SCHEMAS):
         args = overload(name)._schema.arguments
-        required = [a.name for a in args if isinstance(a.type, torch._C.TensorType)]
-        for missing in required:
+        tensors = [a.name for a in args if isinstance(a.type, torch._C.TensorType)
+                   or (optional_too and str(a.type) == "Optional[Tensor]")]
+        for bad in tensors:
             kw = {}
             for a in args:
-                if isinstance(a.type, torch._C.TensorType):
-                    kw[a.name] = None if a.name == missing else torch.full((2, 2), 0.5)
+                if a.name == bad:
+                    kw[a.name] = make_bad()
+                elif isinstance(a.type, torch._C.TensorType):
+                    kw[a.name] = torch.full((2, 2), 0.5)
                 elif not a.has_default_value():
                     kw[a.name] = plain[str(a.type)]
-            out.append((name, missing, kw))
+            out.append((name, bad, kw))
     return out
 
 
 def messages(modes=("grad", "no_grad", "inference")):
-    """{(op, missing, mode): (message, whether every tensor argument kept its values)}."""
+    """{(kind, op, bad argument, mode): (message, whether every dense tensor argument kept its
+    values)}."""
     got = {}
     contexts = {"grad": torch.enable_grad, "no_grad": torch.no_grad,
                 "inference": torch.inference_mode}
-    for mode in modes:
-        for name, missing, kw in cases():
-            tensors = [t for t in kw.values() if isinstance(t, torch.Tensor)]
-            before = [t.clone() for t in tensors]
-            with contexts[mode]():
-                try:
-                    overload(name)(**kw)
-                    message = None
-                except RuntimeError as e:
-                    message = str(e).splitlines()[0]
-            unchanged = all(torch.equal(t, b) for t, b in zip(tensors, before))
-            got[f"{name} {missing} {mode}"] = (message, unchanged)
+    for kind in BAD:
+        for mode in modes:
+            for name, bad, kw in cases(kind):
+                tensors = [t for t in kw.values()
+                           if isinstance(t, torch.Tensor) and t.layout == torch.strided]
+                before = [t.clone() for t in tensors]
+                with contexts[mode]():
+                    try:
+                        overload(name)(**kw)
+                        message = None
+                    except RuntimeError as e:
+                        message = str(e).splitlines()[0]
+                unchanged = all(torch.equal(t, b) for t, b in zip(tensors, before))
+                got[f"{kind} {name} {bad} {mode}"] = (message, unchanged)
     return got
 
 
-def test_every_op_names_a_missing_tensor_on_every_path():
-    assert len(cases()) > 60
+def test_every_op_names_a_missing_or_non_dense_tensor_on_every_path():
+    assert len(cases("none")) > 60 and len(cases("sparse")) > len(cases("none")) + 10
     paths = {}
     if native_cpu():
         paths["native"] = messages()
@@ -76,10 +97,19 @@ def test_every_op_names_a_missing_tensor_on_every_path():
     assert out.returncode == 0, out.stderr
     paths["reference"] = {k: tuple(v) for k, v in json.loads(out.stdout.splitlines()[-1]).items()}
     for path, got in paths.items():
+        assert len(got) == 3 * sum(len(cases(kind)) for kind in BAD)
         for key, (message, unchanged) in got.items():
-            name, missing, _ = key.split(" ")
-            assert message == f"rope.{name}: {missing} must be a tensor, got None", (path, key)
+            kind, name, bad, _ = key.split(" ")
+            assert message == f"rope.{name}: {bad} {BAD[kind][2]}", (path, key)
             assert unchanged, (path, key)
+
+
+def test_a_jagged_tensor_is_named():
+    x = torch.nested.nested_tensor([torch.randn(3, 8), torch.randn(2, 8)], layout=torch.jagged)
+    cos = sin = torch.ones(1, 4)
+    with pytest.raises(RuntimeError, match="rope.apply: x must be a dense \\(strided\\) tensor, "
+                                           "got layout torch.jagged"):
+        rope_ext.apply_rope(x, cos, sin)
 
 
 @pytest.mark.parametrize("fn", ["qk_norm_rope_", "apply_rope_"])

@@ -64,13 +64,8 @@ void call_twin(bool grad, StableIValue* stack) {
   call_op(twin.name.c_str(), twin.overload.c_str(), stack);
 }
 
-// A borrowed look at a written argument on the stack: (Tensor) holds the handle, (Tensor?) a
-// pointer to a StableIValue holding it, or null for None.
 AtenTensorHandle borrowed(const StableIValue* stack, const Written& w) {
-  const StableIValue v = stack[w.index];
-  if (!w.optional) return to<AtenTensorHandle>(v);
-  const auto* p = to<StableIValue*>(v);
-  return p == nullptr ? nullptr : to<AtenTensorHandle>(*p);
+  return tensor_at(stack, w.index, w.optional);
 }
 
 // A new reference to t, for a boxed call that consumes it.

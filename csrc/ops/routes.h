@@ -44,19 +44,25 @@ struct Written {
   bool optional;
 };
 
-constexpr int kMaxWritten = 5, kMaxRequired = 16;
+constexpr int kMaxWritten = 5, kMaxTensors = 20;
+
+// A tensor argument: its index on the boxed stack, and whether it is `Tensor?`.
+struct TensorArg {
+  int8_t index;
+  bool optional;
+};
 
 // One op of schemas.def: its name as the dispatcher spells it after "rope::" (overload
 // included), whether it takes the C++ call path, its signature, the arguments it writes, and
-// the stack indices of the tensors it requires (`Tensor`, not `Tensor?`).
+// its tensor arguments (`Tensor` or `Tensor?`).
 struct OpSchema {
   const char* name;
   bool routed;
   const char* signature;
   int n_written = 0;
   Written written[kMaxWritten] = {};
-  int n_required = 0;
-  int8_t required[kMaxRequired] = {};
+  int n_tensors = 0;
+  TensorArg tensors[kMaxTensors] = {};
 };
 
 // Calls fn(index, text) for each argument of a signature "(Tensor(a!) query, Tensor(b!)? key,
@@ -91,7 +97,8 @@ constexpr std::pair<std::string_view, std::string_view> type_and_name(std::strin
 }
 
 // An alias annotation with `!` marks an argument written, and a `?` after it optional; a
-// required tensor is of type `Tensor`, annotated or not, with no `?` or list after it.
+// tensor argument is of type `Tensor`, annotated or not, with no list after it; `?` makes it
+// optional.
 constexpr OpSchema parse_schema(const char* name, bool routed, const char* signature) {
   OpSchema op{name, routed, signature};
   for_each_argument(signature, [&op](int arg, std::string_view text) {
@@ -100,9 +107,11 @@ constexpr OpSchema parse_schema(const char* name, bool routed, const char* signa
       if (op.n_written == kMaxWritten) throw std::logic_error("more written arguments than fit");
       op.written[op.n_written++] = {static_cast<int8_t>(arg), type.back() == '?'};
     }
-    if (type == "Tensor" || (type.substr(0, 7) == "Tensor(" && type.back() == ')')) {
-      if (op.n_required == kMaxRequired) throw std::logic_error("more tensors than fit");
-      op.required[op.n_required++] = static_cast<int8_t>(arg);
+    const bool optional = !type.empty() && type.back() == '?';
+    const std::string_view base = optional ? type.substr(0, type.size() - 1) : type;
+    if (base == "Tensor" || (base.substr(0, 7) == "Tensor(" && base.back() == ')')) {
+      if (op.n_tensors == kMaxTensors) throw std::logic_error("more tensors than fit");
+      op.tensors[op.n_tensors++] = {static_cast<int8_t>(arg), optional};
     }
   });
   return op;
@@ -145,22 +154,53 @@ inline std::string twin_name(const char* prefix, int op) {
   return std::string(prefix) + kOps[op].name;
 }
 
-// Op `op`'s required tensors are on the stack: Python's None for one arrives as an undefined
-// tensor, which the kernels would fail on with no word of which argument it was. One copy for
-// every op (the argument's name is looked up in the signature only to raise).
+// A borrowed look at a tensor argument on the boxed stack: a `Tensor` is the handle, a
+// `Tensor?` a pointer to a StableIValue holding it, or null for None.
+inline AtenTensorHandle tensor_at(const StableIValue* stack, int index, bool optional) {
+  const StableIValue v = stack[index];
+  if (!optional) return torch::stable::detail::to<AtenTensorHandle>(v);
+  const auto* p = torch::stable::detail::to<StableIValue*>(v);
+  return p == nullptr ? nullptr : torch::stable::detail::to<AtenTensorHandle>(*p);
+}
+
+// A layout as Python prints it (torch.sparse_coo), for the message below.
+inline std::string layout_str(int32_t layout) {
+  const std::pair<int32_t (*)(), const char*> names[] = {
+      {aoti_torch_layout_sparse_coo, "sparse_coo"}, {aoti_torch_layout_sparse_csr, "sparse_csr"},
+      {aoti_torch_layout_sparse_csc, "sparse_csc"}, {aoti_torch_layout_sparse_bsr, "sparse_bsr"},
+      {aoti_torch_layout_sparse_bsc, "sparse_bsc"}, {aoti_torch_layout__mkldnn, "_mkldnn"},
+      {aoti_torch_layout_jagged, "jagged"}};
+  for (const auto& [code, name] : names) {
+    if (code() == layout) return std::string("torch.") + name;
+  }
+  return "code " + std::to_string(layout);
+}
+
+// Op `op`'s tensors as the kernels need them: a required one given (Python's None arrives as
+// an undefined tensor, which the kernels would fail on with no word of which argument it was),
+// and each one given dense (strided): a sparse or mkldnn tensor has no sizes, strides or data
+// the kernels could read, and the C++ call path reaches them without the dispatcher, which
+// would have refused them. One copy for every op (the argument's name is looked up in the
+// signature only to raise). Mirrored in rope_ext/_registrations.py `_given`.
 inline void check_tensors_given(int op, const StableIValue* stack) {
   const OpSchema& s = kOps[op];
-  for (int i = 0; i < s.n_required; ++i) {
-    const auto t = torch::stable::detail::to<AtenTensorHandle>(stack[s.required[i]]);
+  for (int i = 0; i < s.n_tensors; ++i) {
+    const TensorArg& a = s.tensors[i];
+    const AtenTensorHandle t = tensor_at(stack, a.index, a.optional);
     bool defined = false;
     if (t != nullptr) STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_is_defined(t, &defined));
-    if (defined) continue;
+    static const int32_t strided = aoti_torch_layout_strided();
+    int32_t layout = strided;
+    if (defined) STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_layout(t, &layout));
+    if (defined ? layout == strided : a.optional) continue;
     std::string name;
     for_each_argument(s.signature, [&](int arg, std::string_view text) {
-      if (arg == s.required[i]) name = type_and_name(text).second;
+      if (arg == a.index) name = type_and_name(text).second;
     });
     throw std::runtime_error("rope." + std::string(s.name) + ": " + name +
-                             " must be a tensor, got None");
+                             (defined ? " must be a dense (strided) tensor, got layout " +
+                                            layout_str(layout)
+                                      : std::string(" must be a tensor, got None")));
   }
 }
 
