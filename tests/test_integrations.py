@@ -12,6 +12,7 @@ bfloat16 logits differ by transformers' extra roundings of its intermediates (ro
 once), within bf16 tolerance."""
 
 import copy
+import os
 import gc
 import inspect
 import textwrap
@@ -1291,3 +1292,64 @@ def test_rewrite_shapes(shape):
                                       rotary=rotary)
         got, want = fused(layer, q, k, cos, None), original(layer, q, k, cos, None)
         assert all(torch.equal(g, w) for g, w in zip(got, want)), rotary
+
+
+class _Doubled(torch.nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+UNPATCH_AFTER_FSDP2 = """
+import os, sys, torch, torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, fully_shard
+import rope_ext.integrations.transformers as integration
+sys.path.insert(0, {tests!r})
+import test_integrations as t
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+model = t.build("llama")
+batches = t.inputs("llama")
+want, _ = t.logits(model, batches)
+integration.patch(model)
+attention = [layer.self_attn for layer in model.model.layers]
+for a in attention:
+    fully_shard(a)
+got, n, _ = t.patched_calls(model, batches)
+assert n > 0 and all(torch.equal(g, w) for g, w in zip(got, want))
+integration.unpatch(model)
+assert not integration.is_patched(model)
+assert all(isinstance(a, FSDPModule) and type(a).__name__ == "FSDPLlamaAttention" for a in attention)
+again, n = t.logits(model, batches)
+assert n == 0 and all(torch.equal(a, w) for a, w in zip(again, want))
+attention[0].unshard()
+attention[0].reshard()
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_unpatch_keeps_a_class_made_from_the_patched_one_since(tmp_path):
+    """A class made from a patched attention class after patch (parametrize's, FSDP2's
+    fully_shard's) stays on unpatch, made anew over transformers' class: unpatch neither drops
+    what it adds (a parametrized weight, FSDP's unshard) nor leaves rope_ext's forward."""
+    import subprocess
+    import sys
+    from torch.nn.utils import parametrize
+    model = build("llama")
+    batches = inputs("llama")
+    want, _ = logits(model, batches)
+    integration.patch(model)
+    a = model.model.layers[0].self_attn
+    a.register_parameter("extra", torch.nn.Parameter(torch.ones(3)))
+    parametrize.register_parametrization(a, "extra", _Doubled())
+    integration.unpatch(model)
+    assert not integration.is_patched(model) and parametrize.is_parametrized(a, "extra")
+    assert torch.equal(a.extra, torch.full((3,), 2.0))
+    again, n = logits(model, batches)
+    assert n == 0 and all(torch.equal(g, w) for g, w in zip(again, want))
+    if not torch.distributed.is_available():
+        return
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-c", UNPATCH_AFTER_FSDP2.format(tests=here)],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

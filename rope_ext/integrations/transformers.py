@@ -30,6 +30,7 @@ import importlib
 import inspect
 import threading
 import types
+import weakref
 
 import torch
 
@@ -518,15 +519,39 @@ def patch(model):
     return model
 
 
+# A class made from a patched one after patch() -> the same class made from the original.
+_unpatched = weakref.WeakKeyDictionary()
+
+
+def _unpatched_class(cls):
+    """The class a patched module goes back to: for a class patch() made, the original; for one
+    made from it since (FSDP2's fully_shard makes `FSDP<name>(FSDPModule, cls)`, parametrize
+    `Parametrized<name>(cls)`), that class made anew over the original, so that unpatch keeps
+    what it adds."""
+    if "_rope_ext_spec" in cls.__dict__:
+        return cls._rope_ext_spec[0]
+    made = _unpatched.get(cls)
+    if made is None:
+        bases = tuple(_unpatched_class(b) if issubclass(b, _PatchedAttention) else b
+                      for b in cls.__bases__)
+        slots = cls.__dict__.get("__slots__", ())
+        slots = (slots,) if isinstance(slots, str) else tuple(slots)
+        namespace = {k: v for k, v in cls.__dict__.items()
+                     if k not in ("__dict__", "__weakref__", *slots)}
+        made = _unpatched.setdefault(cls, type(cls)(cls.__name__, bases, namespace))
+    return made
+
+
 def unpatch(model):
-    """Undoes patch(model): its attention modules get their original classes back. Nothing else
-    is touched (hooks, instance attributes). Returns the model; a model that is not patched is
-    returned unchanged."""
+    """Undoes patch(model): its attention modules get their original classes back (or, where a
+    class was made from the patched one since, such as FSDP2's or parametrize's, that class made
+    from the original). Nothing else is touched (hooks, instance attributes). Returns the
+    model; a model that is not patched is returned unchanged."""
     for m in model.modules():
         if isinstance(m, _PatchedAttention):
-            original = m._rope_ext_spec[0]
-            _rebind(m, type(m).forward, original.forward)
-            m.__class__ = original
+            cls = _unpatched_class(type(m))
+            _rebind(m, type(m).forward, cls.forward)
+            m.__class__ = cls
     return model
 
 
