@@ -44,7 +44,9 @@ _TEXT_MODEL_TYPES = {
     "gemma3": "gemma3_text", "gemma3n": "gemma3n_text", "qwen2_vl": "qwen2_vl_text",
     "qwen2_5_vl": "qwen2_5_vl_text", "qwen3_vl": "qwen3_vl_text", "qwen3_vl_moe": "qwen3_vl_moe_text",
     "llava": "llama", "mistral3": "mistral", "llama4": "llama4_text", "paligemma": "gemma",
-    "gemma4": "gemma4_text",
+    "gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",
+    "qwen4_exp": "qwen4_exp_text", "cosmos3_edge": "cosmos3_edge_text",
+    "qwen3_omni_moe_thinker": "qwen3_omni_moe_text",
 }
 _SUB_CONFIGS = ("text_config", "vision_config", "audio_config")
 # Other spellings of the standard keys (transformers' attribute_map: a config object's class
@@ -61,9 +63,18 @@ _KEY_ALIASES = {
     "kimi_linear": {"max_position_embeddings": "model_max_length"},
 }
 _ALIASED_KEYS = ("hidden_size", "num_attention_heads", "max_position_embeddings", "head_dim")
-# Qwen3-VL's model code always lays MRoPE out interleaved, with these sections unless told.
-_QWEN3_VL_TYPES = frozenset({"qwen3_vl", "qwen3_vl_text", "qwen3_vl_moe", "qwen3_vl_moe_text"})
-_QWEN3_VL_SECTION = [24, 20, 20]
+# MRoPE as model code lays it out whatever its config says: model type -> (the sections it takes
+# where the config gives none, whether it always interleaves them, T, H, W, T, ..., ignoring
+# mrope_interleaved). The text rotary classes of transformers 5.23 (and 4.57's Qwen2/2.5/3-VL).
+_MROPE_BY_TYPE = {
+    **dict.fromkeys(("qwen2_vl", "qwen2_vl_text", "qwen2_5_vl", "qwen2_5_vl_text"),
+                    ([16, 24, 24], False)),
+    **dict.fromkeys(("qwen3_vl", "qwen3_vl_text", "qwen3_vl_moe", "qwen3_vl_moe_text",
+                     "qwen3_omni_moe_thinker", "qwen3_omni_moe_text", "qwen3_omni_moe_talker_text",
+                     "cosmos3_edge", "cosmos3_edge_text"), ([24, 20, 20], True)),
+    **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp",
+                     "qwen4_exp_text"), ([11, 11, 10], True)),
+}
 # Layer types of configs that give sliding-window layers their own base (Gemma 3, transformers 4).
 _LOCAL_LAYER_TYPES = ("full_attention", "sliding_attention")
 # Scalings whose config may keep max_position_embeddings at the trained length while the model
@@ -428,11 +439,14 @@ def rope_kwargs_from_config(config, *, layer_type=None, interleaved=None, max_po
     mrope_interleaved = params.get("mrope_interleaved")
     if mrope_interleaved is not None and not isinstance(mrope_interleaved, bool):
         _fail(f"mrope_interleaved must be true or false, got {mrope_interleaved!r}")
-    if cfg.model_type in _QWEN3_VL_TYPES:
-        if mrope_interleaved is False:
-            _fail("Qwen3-VL lays MRoPE out interleaved; the config says mrope_interleaved=false")
-        mrope_interleaved = True
-        section = list(_QWEN3_VL_SECTION) if section is None else section
+    if cfg.model_type in _MROPE_BY_TYPE:
+        default_section, always_interleaved = _MROPE_BY_TYPE[cfg.model_type]
+        if always_interleaved:
+            if mrope_interleaved is False:
+                _fail(f"{cfg.model_type} lays MRoPE out interleaved; the config says "
+                      "mrope_interleaved=false")
+            mrope_interleaved = True
+        section = list(default_section) if section is None else section
 
     if max_position is None:
         if max_pos is None:

@@ -725,7 +725,7 @@ def test_phimoe_mscale_per_set():
         (dict(qwen3_vl_8b(), text_config=dict(qwen3_vl_8b()["text_config"],
                                               rope_scaling={"rope_type": "default", "mrope_interleaved": False,
                                                             "mrope_section": [24, 20, 20]})),
-         r"Qwen3-VL lays MRoPE out interleaved"),
+         r"qwen3_vl_text lays MRoPE out interleaved; the config says mrope_interleaved=false"),
         (dict(model_type="falcon", hidden_size=64, num_attention_heads=2, alibi=True), r"ALiBi"),
         (dict(pythia_410m(), rotary_pct=0.0), r"rotary_pct must be a positive number, got 0.0"),
         (dict(pythia_410m(), rotary_pct=1.5), r"rotary_pct must be in \(0, 1\], got 1.5"),

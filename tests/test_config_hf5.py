@@ -290,3 +290,59 @@ def test_minimax_m3_vl_rotates_what_its_model_code_rotates():
         got = rope(q[0].transpose(0, 1), k[0].transpose(0, 1), POSITIONS[:4])
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+# ---- MRoPE as each model's code lays it out ----------------------------------------------------
+
+# A text config type per family whose rotary class chooses MRoPE's sections where the config
+# gives none, and (all but Qwen2/2.5-VL) interleaves them whatever mrope_interleaved says.
+MROPE_TEXT_TYPES = ["qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text",
+                    "qwen3_5_text", "qwen3_5_moe_text", "qwen4_exp_text", "cosmos3_edge_text",
+                    "qwen3_omni_moe_text"]
+# Their default sections fill the rotated dims of a head this big (Qwen3.5's rotate a quarter).
+MROPE_HEAD_DIM = {"qwen3_5_text": 256, "qwen3_5_moe_text": 256, "qwen4_exp_text": 64}
+
+
+@pytest.mark.parametrize("given", [{}, {"mrope_section": "theirs"}, {"mrope_section": "theirs",
+                                                                     "mrope_interleaved": "theirs"}])
+@pytest.mark.parametrize("model_type", MROPE_TEXT_TYPES)
+def test_mrope_of_models_whose_code_chooses_it(model_type, given):
+    """A config without mrope_section, or with it and without mrope_interleaved (Cosmos3-Edge's
+    class defaults are such a config): rope_ext rotates image-grid positions (3, T) as the model's
+    code does (rope_ext once laid these families' sections out one after another: 3-4 off)."""
+    import importlib
+
+    D = MROPE_HEAD_DIM.get(model_type, 128)
+    cfg = transformers.AutoConfig.for_model(model_type, hidden_size=256, num_attention_heads=2,
+                                            num_key_value_heads=1, head_dim=D)
+    mod = importlib.import_module(type(cfg).__module__.replace("configuration_", "modeling_"))
+    rotary = next(c for n, c in vars(mod).items()
+                  if n.endswith("RotaryEmbedding") and "Vision" not in n and "Talker" not in n)
+    theirs = rotary(config=cfg)
+    params = {k: v for k, v in cfg.rope_parameters.items()
+              if not k.startswith("mrope") or given.get(k) == "theirs"}
+    if "mrope_section" in given:
+        params["mrope_section"] = list(theirs.mrope_section)
+    if "mrope_interleaved" in given:
+        params["mrope_interleaved"] = "qwen2" not in model_type
+    cfg.rope_parameters = params
+    T = 12
+    grid = torch.stack([torch.full((T,), 3), torch.arange(T) // 4 + 3, torch.arange(T) % 4 + 3])
+    cos, sin = rotary(config=cfg)(torch.zeros(1, T, 4), grid[:, None])
+    q, k = torch.randn(1, T, 2, D), torch.randn(1, T, 1, D)
+    want = mod.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+    for form in (cfg, cfg.to_dict()):
+        got = rope_ext.RotaryEmbedding.from_config(form)(q[0], k[0], grid)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w[0], rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "cosmos3_edge_text"])
+def test_mrope_interleaved_false_is_refused_where_the_code_interleaves(model_type):
+    cfg = transformers.AutoConfig.for_model(model_type, hidden_size=256, num_attention_heads=2,
+                                            num_key_value_heads=1,
+                                            head_dim=MROPE_HEAD_DIM.get(model_type, 128))
+    cfg.rope_parameters = dict(cfg.rope_parameters, mrope_interleaved=False)
+    with pytest.raises(ValueError, match=f"{model_type} lays MRoPE out interleaved; the config "
+                                         "says mrope_interleaved=false"):
+        rope_ext.RotaryEmbedding.from_config(cfg)
