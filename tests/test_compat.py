@@ -5,6 +5,7 @@ qkv, a KV pool), so an element written wrongly or not at all shows."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import peers
 from conftest import TOL
@@ -380,27 +381,45 @@ def test_fa_apply_rotary_emb_kv_(interleaved):
     check(kv, want, torch.float32)
 
 
+class OpCounter(TorchDispatchMode):
+    """The names of the ops a call dispatches (torch's and rope's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("per_sequence", [False, True])
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fa_inplace_one_pass_path(monkeypatch, interleaved, dtype):
-    # Large enough in-place calls rotate in one pass (rope.apply_ on the call's table rows); the
-    # threshold at 0 sends these small ones there: the same values as the peer, the same bits
-    # as the out-of-place call, gradients through it, torch's in-place errors.
+def test_fa_inplace_one_pass_path(monkeypatch, interleaved, dtype, per_sequence):
+    # Large enough in-place calls rotate in one pass (rope.apply_ on the call's table rows, or
+    # on the whole table with an offset per sequence); the threshold at 0 sends these small
+    # ones there: the same values as the peer, the same bits as the out-of-place call,
+    # gradients through it, torch's in-place errors, and no copy of x.
     monkeypatch.setattr(flash_attn, "_ONE_PASS_MIN_ELEMENTS", 0)
     cos, sin = tables(16, 6, dtype)
+    offset = (lambda o: torch.tensor([o, 5 - o])) if per_sequence else (lambda o: o)  # noqa: E731
     for shape, hq in (((2, 5, 3, 4, 16), None), ((2, 5, 4 + 2 * 2, 16), 4)):
         qkv = torch.randn(shape, dtype=dtype)
         want = peers.fa_apply_rotary_emb_qkv_(*f64(qkv, cos, sin), interleaved=interleaved,
-                                              seqlen_offsets=3, num_heads_q=hq)
-        assert flash_attn.apply_rotary_emb_qkv_(qkv, cos, sin, None, None, interleaved, 3, hq) is qkv
+                                              seqlen_offsets=offset(3), num_heads_q=hq)
+        with OpCounter() as ops:
+            assert flash_attn.apply_rotary_emb_qkv_(qkv, cos, sin, None, None, interleaved,
+                                                    offset(3), hq) is qkv
+        assert "rope.apply_.default" in ops.names and "aten.copy_.default" not in ops.names
         check(qkv, want, dtype)
     kv = torch.randn(2, 5, 2, 3, 16, dtype=dtype)
-    want = peers.fa_apply_rotary_emb_kv_(*f64(kv, cos, sin), interleaved, 2)
-    assert flash_attn.apply_rotary_emb_kv_(kv, cos, sin, interleaved, 2) is kv
+    want = peers.fa_apply_rotary_emb_kv_(*f64(kv, cos, sin), interleaved, offset(2))
+    assert flash_attn.apply_rotary_emb_kv_(kv, cos, sin, interleaved, offset(2)) is kv
     check(kv, want, dtype)
     x = torch.randn(2, 7, 3, 16, dtype=dtype)
-    out_of_place = flash_attn.apply_rotary_emb(x, cos, sin, interleaved, seqlen_offsets=4)
-    assert flash_attn.apply_rotary_emb(x, cos, sin, interleaved, True, 4) is x
+    out_of_place = flash_attn.apply_rotary_emb(x, cos, sin, interleaved, seqlen_offsets=offset(4))
+    assert flash_attn.apply_rotary_emb(x, cos, sin, interleaved, True, offset(4)) is x
     assert torch.equal(x, out_of_place)
     c64, s64 = tables(8, 3, torch.float64)
     qkv = torch.randn(1, 4, 3, 2, 8, dtype=torch.float64, requires_grad=True)
@@ -413,6 +432,33 @@ def test_fa_inplace_one_pass_path(monkeypatch, interleaved, dtype):
         inf = torch.randn(1, 4, 2, 8)
     with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
         flash_attn.apply_rotary_emb(inf, c64.float(), s64.float(), inplace=True)
+
+
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_fa_varlen_inplace_in_one_pass(monkeypatch, one_pass):
+    # With cu_seqlens too, a large in-place call rotates in one pass (no copy of x): the bits of
+    # the out-of-place call, and its errors (a token outside every sequence, a position past
+    # the table) before anything is written.
+    if one_pass:
+        monkeypatch.setattr(flash_attn, "_ONE_PASS_MIN_ELEMENTS", 0)
+    cos, sin = tables(12, 6)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    for offsets in (2, torch.tensor([4, 0])):
+        x = torch.randn(8, 3, 16)
+        want = flash_attn.apply_rotary_emb(x, cos, sin, False, False, offsets, cu, 5)
+        with OpCounter() as ops:
+            assert flash_attn.apply_rotary_emb(x, cos, sin, False, True, offsets, cu, 5) is x
+        assert ("aten.copy_.default" in ops.names) != one_pass
+        assert torch.equal(x, want)
+    for cu, offsets in ((torch.tensor([0, 6]), 0), (torch.tensor([0, 8]), 5)):
+        with pytest.raises(RuntimeError) as out_of_place:
+            flash_attn.apply_rotary_emb(x, cos, sin, False, False, offsets, cu, 8)
+        x0, version = x.clone(), x._version
+        with pytest.raises(RuntimeError) as in_place:
+            flash_attn.apply_rotary_emb(x, cos, sin, False, True, offsets, cu, 8)
+        assert str(in_place.value) == str(out_of_place.value)
+        assert "rope.apply_positions: positions must lie in [0, 12)" in str(in_place.value)
+        assert torch.equal(x, x0) and x._version == version
 
 
 def test_fa_inplace_above_the_one_pass_threshold():

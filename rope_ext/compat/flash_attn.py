@@ -17,7 +17,7 @@ import numbers
 import torch
 from torch.autograd import forward_ad
 
-from .._checks import FLOAT_DTYPES, below
+from .._checks import FLOAT_DTYPES, below, check_positions_in_range
 from .._registrations import check_not_inference
 from ..ops import sequence_positions
 from ._layout import check_int, check_values, float32_table, rotate_pairs
@@ -83,13 +83,21 @@ def _rotated(x, cos, sin, interleaved, seqlen_offsets, name="cos"):
         rows = _table_rows(cos, offsets, seqlen, name)
         return ops.apply(x, _rows_view(cos, rows, len(heads)), _rows_view(sin, rows, len(heads)),
                          interleaved)
+    positions = _sequence_positions(x, offsets, cos, name)
+    return ops.apply_positions(x, positions, cos, sin, interleaved, False, None, False)
+
+
+def _sequence_positions(x, offsets, cos, name="cos"):
+    """The position of each token of x (batch, seqlen, *heads, headdim), s + offsets[b], as
+    (batch, seqlen, 1, ...) expanded to x.shape[:-2], after the check that every sequence lies
+    within cos's rows."""
+    seqlen = x.shape[1]
     check_values((offsets >= 0) & below(offsets, cos.shape[0] - seqlen + 1),
                  "seqlen_offsets + seqlen must lie within the table's seqlen_ro = " + name +
                  ".size(0) = {seqlen_ro} for every sequence, with seqlen = {seqlen}",
                  seqlen_ro=cos.shape[0], seqlen=seqlen)
     positions = torch.arange(seqlen, device=x.device) + offsets.to(torch.int64)[:, None]
-    positions = positions[(Ellipsis,) + heads[1:]].expand(x.shape[:-2])
-    return ops.apply_positions(x, positions, cos, sin, interleaved, False, None, False)
+    return positions.view(positions.shape + (1,) * (x.dim() - 4)).expand(x.shape[:-2])
 
 
 # Below this many elements a rotated copy written back costs less than building the call's
@@ -98,30 +106,43 @@ def _rotated(x, cos, sin, interleaved, seqlen_offsets, name="cos"):
 _ONE_PASS_MIN_ELEMENTS = 1 << 17
 
 
+def _one_pass(x, cos, sin, whole_table):
+    """Whether an in-place call rotates x in one pass (rope.apply_ on a cos|sin table of the
+    call's rows, or of the whole table where whole_table): large inputs both ops accept, the
+    whole table at most half x's size. Anything else (small, a table as large as x, or an
+    input one of them rejects) takes the copy path, whose errors are apply_rotary_emb's."""
+    return (x.numel() >= _ONE_PASS_MIN_ELEMENTS and (not whole_table or 2 * cos.numel() <= x.numel())
+            and x.dtype in FLOAT_DTYPES and cos.dtype in FLOAT_DTYPES and sin.dtype == cos.dtype
+            and cos.device == x.device and 2 * cos.shape[1] <= x.shape[-1])
+
+
 def _rotate_(x, cos, sin, interleaved, seqlen_offsets):
     """x (batch, seqlen, *heads, headdim) rotated in place, as _rotated rotates a copy."""
     check_not_inference(x)  # torch's error, before anything is written (copy_ writes first)
     offsets = _offsets(seqlen_offsets, x.shape[0])
-    # The one-pass path takes large inputs both ops accept; anything else (small, gathered rows
-    # per sequence, or an input one of them rejects) takes the copy path, whose errors are
-    # apply_rotary_emb's.
-    if not (isinstance(offsets, int) and x.numel() >= _ONE_PASS_MIN_ELEMENTS
-            and x.dtype in FLOAT_DTYPES and cos.dtype in FLOAT_DTYPES and sin.dtype == cos.dtype
-            and cos.device == x.device and 2 * cos.shape[1] <= x.shape[-1]):
+    gathered = not isinstance(offsets, int)
+    if not _one_pass(x, cos, sin, gathered):
         # torch's copy_: autograd and version counters as for any in-place op
         x.copy_(_rotated(x, cos, sin, interleaved, offsets))
         return
-    # One pass in place: the rows of this call as a cos|sin table (seqlen rows, small next to
-    # x), read at positions 0 .. seqlen - 1 of every sequence. x is one query whose tokens are
-    # its dims before (heads, headdim): qkv's Q and K (batch, seqlen, 2, nheads, headdim) or
-    # (batch, seqlen, nheads_q + nheads_k, headdim) in any layout, each element written once.
-    seqlen = x.shape[1]
-    rows = _table_rows(cos, offsets, seqlen)
-    table = torch.cat((float32_table(cos[rows]), float32_table(sin[rows])), dim=-1)
-    positions = torch.arange(seqlen, device=x.device)
-    if x.dim() > 4:  # (seqlen, 1, ...) against the token dims past seqlen
-        positions = positions.view((seqlen,) + (1,) * (x.dim() - 4))
-    ops.apply_(x, None, positions.expand(x.shape[:-2]), table, interleaved)
+    # One pass in place, on a cos|sin table: with one offset the rows of this call (seqlen
+    # rows, small next to x), read at positions 0 .. seqlen - 1 of every sequence; with one per
+    # sequence the whole table (at most half x's size), read at s + offsets[b]. x is one query
+    # whose tokens are its dims before (heads, headdim): qkv's Q and K (batch, seqlen, 2,
+    # nheads, headdim) or (batch, seqlen, nheads_q + nheads_k, headdim) in any layout, each
+    # element written once.
+    if gathered:
+        positions = _sequence_positions(x, offsets, cos)
+    else:
+        seqlen = x.shape[1]
+        rows = _table_rows(cos, offsets, seqlen)
+        cos, sin = cos[rows], sin[rows]
+        positions = torch.arange(seqlen, device=x.device)
+        if x.dim() > 4:  # (seqlen, 1, ...) against the token dims past seqlen
+            positions = positions.view((seqlen,) + (1,) * (x.dim() - 4))
+        positions = positions.expand(x.shape[:-2])
+    table = torch.cat((float32_table(cos), float32_table(sin)), dim=-1)
+    ops.apply_(x, None, positions, table, interleaved)
 
 
 def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0,
@@ -153,6 +174,16 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
                                        names=("cu_seqlens", "x.size(0)"))
         if inplace:
             check_not_inference(x)  # before anything is written (copy_ writes first)
+            if _one_pass(x, cos, sin, whole_table=True):
+                # The kernel checks the positions, as apply_positions's does, but its message
+                # would name the table it is given: on the CPU they are checked here first,
+                # with the message of the copy path (elsewhere that would cost a sync).
+                if x.device.type == "cpu" and not torch.compiler.is_compiling():
+                    check_positions_in_range(positions, cos.shape[0], "rope.apply_positions",
+                                             "cos.size(0)")
+                table = torch.cat((float32_table(cos), float32_table(sin)), dim=-1)
+                ops.apply_(x, None, positions, table, interleaved)
+                return x
         out = ops.apply_positions(x, positions, cos, sin, interleaved, False, None, False)
     if inplace:
         x.copy_(out)
