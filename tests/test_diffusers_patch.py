@@ -117,7 +117,7 @@ def test_patch_whatever_torch_defaults_are(family, default, monkeypatch):
     that sets them): the patch's probes of diffusers' functions and norms run on the CPU in
     float32, so the model is patched (they crashed, or Wan's was refused under float16) and
     computes what diffusers does."""
-    monkeypatch.setattr(rdi, "_verified", set())  # probed afresh, under these defaults
+    monkeypatch.setattr(rdi, "_verified", {})  # probed afresh, under these defaults
     monkeypatch.setattr(_qk_norm, "_norm_forms", {})
     model, inputs = dm.build(family)
     want = run(model, inputs)
@@ -271,7 +271,7 @@ def test_a_diffusers_rope_that_differs_is_refused(monkeypatch):
     model, inputs = dm.build("wan")
     classes = processor_classes(model)
     monkeypatch.setattr(rdi, "_classes", {})
-    monkeypatch.setattr(rdi, "_verified", set())
+    monkeypatch.setattr(rdi, "_verified", {})
     right = rdi.dfx.apply_rotary_emb_wan
     wrong = lambda x, c, s: right(x, s, c)  # noqa: E731  (cos and sin swapped)
     monkeypatch.setattr(rdi.dfx, "apply_rotary_emb_wan", wrong)
@@ -298,7 +298,7 @@ def test_a_processor_call_another_library_replaced_is_refused(monkeypatch):
     cls = type(model.transformer_blocks[0].attn.processor)
     for replacement in (fast_call, _OtherLibrary.__call__):
         monkeypatch.setattr(rdi, "_classes", {})
-        monkeypatch.setattr(rdi, "_verified", set())
+        monkeypatch.setattr(rdi, "_verified", {})
         monkeypatch.setattr(cls, "__call__", replacement)
         classes = processor_classes(model)
         with pytest.raises(rdi.UnsupportedModelError, match="its __call__ is not diffusers' own"):
@@ -507,3 +507,22 @@ def test_each_norm_class_fused_as_it_computes(name, module, across, dtype, weigh
         want = rd.apply_rotary_emb_mochi(normed, tables.cos(), tables.sin())
         assert y.dtype == want.dtype
         torch.testing.assert_close(y, want, **TOLS[dtype])
+
+
+def test_a_verified_function_is_held_not_named_by_its_address(monkeypatch):
+    """A probe that passed is recorded for the function it probed: a wrong function given
+    later the same id (a freed function's address, as the ones made from source are freed) is
+    probed, and refused, not taken for the verified one."""
+    from diffusers.models import embeddings
+
+    monkeypatch.setattr(rdi, "_verified", {})
+    monkeypatch.setattr(rdi, "id", lambda obj: 1, raising=False)  # every function one address
+    good = embeddings.apply_rotary_emb
+
+    def wrong(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequence_dim=2):
+        return good(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim) * 2
+
+    rdi._verify("apply_rotary_emb", good, "AProcessor")
+    with pytest.raises(rdi.UnsupportedModelError, match="does not compute what"):
+        rdi._verify("apply_rotary_emb", wrong, "AProcessor")
+    rdi._verify("apply_rotary_emb", good, "AProcessor")

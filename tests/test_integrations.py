@@ -1353,3 +1353,26 @@ def test_unpatch_keeps_a_class_made_from_the_patched_one_since(tmp_path):
                          capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_a_norm_class_made_per_instance_is_not_kept():
+    """parametrize gives each parametrized module a class of its own: the QK-norm probe's
+    per-class cache holds none of them past its model (it held every one, for the process)."""
+    from torch.nn.utils import parametrize
+    norm_classes = []
+    for _ in range(2):
+        model = build("qwen3")
+        batches = inputs("qwen3")
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                parametrize.register_parametrization(norm, "weight", _Doubled())
+        want, _ = logits(model, batches)
+        integration.patch(model)
+        got, _, calls = patched_calls(model, batches)
+        assert calls["fused attention"] > 0
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        norm_classes += [weakref.ref(type(layer.self_attn.q_norm)) for layer in model.model.layers]
+        del model, layer, norm
+        gc.collect()
+    assert norm_classes and all(c() is None for c in norm_classes)

@@ -55,9 +55,10 @@ _METADATA = {"shape", "dtype", "device", "ndim"}
 # norm class -> (its forward when probed, its form: (unit_offset, eps attribute name, whether
 # the output's dtype is the promotion of x's and the weight's) or None: not an RMSNorm the op
 # computes, the names and the values of the probe instance's settings); a forward replaced on
-# the class since is probed afresh
-_norm_forms = {}
-_instance_forms = {}  # (class, its forward, an instance's settings) -> that instance's form
+# the class since is probed afresh. Weak: a class made per instance (parametrize's) goes with it.
+_norm_forms = weakref.WeakKeyDictionary()
+# class -> {(its forward, an instance's settings): that instance's form}
+_instance_forms = weakref.WeakKeyDictionary()
 _MISSING = object()
 
 
@@ -464,10 +465,11 @@ def _norm_form(norm):
     if known[2]:  # usually none: a weight and an eps
         values = tuple(getattr(norm, name, _MISSING) for name in known[2])
         if values != known[3]:
-            key = (cls, cls.forward, values)
-            if key not in _instance_forms:
-                _instance_forms[key] = _probe_norm(norm, instance=True)[0]
-            return _instance_forms[key]
+            key = (cls.forward, values)
+            forms = _instance_forms.setdefault(cls, {})
+            if key not in forms:
+                forms[key] = _probe_norm(norm, instance=True)[0]
+            return forms[key]
     return known[1]
 
 

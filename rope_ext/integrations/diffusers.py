@@ -94,7 +94,10 @@ FAMILIES = {
 _GLOBAL_PREFIX = "_rope_ext_"
 _lock = threading.RLock()
 _classes = {}  # processor class name -> its rope_ext subclass
-_verified = set()  # (compat function name, id of diffusers' function) whose probe passed
+# (compat function name, id of diffusers' function) -> that function, whose probe passed (held:
+# a function freed after its probe, as the ones made from source are, would leave its id to
+# another)
+_verified = {}
 
 
 # ---- building a processor subclass from diffusers' source ----
@@ -353,7 +356,7 @@ def _probe_calls(target, g):
 
 def _verify(target, original, processor):
     key = (target, id(original))
-    if key in _verified:
+    if _verified.get(key) is original:
         return
     replacement = getattr(dfx, target)
     # On the CPU whatever torch's defaults are (a model built under set_default_device).
@@ -369,7 +372,7 @@ def _verify(target, original, processor):
                     f"rope_ext.compat.diffusers.{target} does; refusing to patch. Either it was "
                     f"replaced or wrapped after diffusers defined it, or this release computes "
                     f"otherwise (please report that)")
-    _verified.add(key)
+    _verified[key] = original
 
 
 # ---- patching a model ----
