@@ -43,12 +43,26 @@ def ext_modules():
     return mods
 
 
+class BuildExt(BuildExtension.with_options(use_ninja=True)):
+    """torch's build_ext, whose in-place build (`make build`) puts each library in place by a
+    rename rather than by writing over it: a process that loaded the old one (a test run, a
+    benchmark) keeps reading the file it mapped, where writing into that file would crash it."""
+
+    def copy_file(self, infile, outfile, *args, **kwargs):
+        if os.path.isdir(outfile):
+            return super().copy_file(infile, outfile, *args, **kwargs)
+        partial = f"{outfile}.{os.getpid()}.partial"
+        _, copied = super().copy_file(infile, partial, *args, **kwargs)
+        os.replace(partial, outfile)
+        return outfile, copied
+
+
 # The version: pyproject.toml reads it from rope_ext/_version.py (its one home).
 setup(
     name="rope_ext",
     packages=find_packages(include=["rope_ext", "rope_ext.*"]),
     package_data={"rope_ext": ["*.json", "*.def"]},  # model_defaults.json, schemas.def
     ext_modules=ext_modules(),
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExt},
     options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )
