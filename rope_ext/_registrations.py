@@ -299,9 +299,10 @@ def _rotate_each(op, keyset, query, key, positions, cos_sin_cache, interleaved, 
     """The in-place rotation under autograd: the whole call checked, torch's in-place rules
     included, one kernel call for both tensors, then each recorded. A refused call (by torch's
     rules on either tensor, or by the kernel's checks) records, writes and bumps nothing."""
-    # Memory checks only on plain tensors: a tensor subclass (DTensor) is checked where its op
-    # runs on the local shards.
-    memory = type(query) is torch.Tensor
+    # Memory checks only on plain tensors with memory: a tensor subclass (DTensor) is checked
+    # where its op runs on the local shards; meta tensors have none to compare (their data
+    # pointers all null, every two would "overlap").
+    memory = type(query) is torch.Tensor and query.device.type != "meta"
     if section is None:
         _checks.check_apply_inplace(query, key, positions, cos_sin_cache, memory=memory,
                                     rope_dim_offset=offset)

@@ -312,6 +312,9 @@ class RotaryEmbedding(torch.nn.Module):
         as forward does. With mrope_section, positions (3, ...) give each component's rows, every
         pair of them; a call takes pair i from the component of its section."""
         table, index, length = self._table_and_index(positions)
+        if index.device != table.device:  # torch would index a table by meta positions
+            raise RuntimeError(f"RotaryEmbedding.cos_sin: positions must be on the device of the "
+                               f"module's table ({table.device}), got {positions.device}")
         if self.mode == "static" and positions.numel():
             self._check_positions(positions)
         rows = table[index.long()]

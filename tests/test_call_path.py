@@ -277,6 +277,23 @@ def test_meta_tensors_take_the_shapes_path(mode):
             OPS.apply_(q, k, pos[:2], table)
 
 
+def test_meta_tensors_under_autograd_are_shapes_alone():
+    # In grad mode with a tensor requiring grad, meta tensors take the autograd path, whose
+    # memory checks (null data pointers everywhere) once refused every call as an overlap; and
+    # a module's table indexed by meta positions gave uninitialised rows.
+    for grad_on in ("query", "table"):
+        table = CACHE.to("meta").requires_grad_(grad_on == "table")
+        q = torch.empty(3, 4, 16, device="meta", requires_grad=grad_on == "query") * 1
+        k, pos = torch.empty(3, 2, 16, device="meta"), torch.arange(3, device="meta")
+        rope_ext.apply_rope_(q, k, pos, table)
+        rope_ext.apply_mrope_(q, k, torch.stack([pos] * 3), table, [2, 3, 3])
+        assert q.requires_grad and q.device.type == "meta" and q.shape == (3, 4, 16)
+    module = rope_ext.RotaryEmbedding(16, max_position=8)
+    with pytest.raises(RuntimeError, match=r"RotaryEmbedding.cos_sin: positions must be on the "
+                                           r"device of the module's table \(cpu\), got meta"):
+        module.cos_sin(torch.arange(3, device="meta"))
+
+
 @pytest.mark.skipif(not native_cpu(), reason="the native CPU library is not loaded")
 def test_public_functions_in_grad_mode_skip_autograd_when_nothing_requires_grad():
     # rope_ext/_call.py: grad mode on, no argument requiring grad -> no Python autograd kernel
