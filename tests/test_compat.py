@@ -461,6 +461,33 @@ def test_fa_varlen_inplace_in_one_pass(monkeypatch, one_pass):
         assert torch.equal(x, x0) and x._version == version
 
 
+def test_fa_one_pass_only_where_it_serves(monkeypatch):
+    # Not inside torch.func transforms (rope.apply_ has no batching or jvp rule: the copy path
+    # serves them, as out of place), and not where the whole table would cost more to build
+    # than x holds (a bfloat16 table widens to float32 for the call).
+    monkeypatch.setattr(flash_attn, "_ONE_PASS_MIN_ELEMENTS", 0)
+    cos, sin = tables(12, 6)
+    offsets = torch.tensor([4, 0])
+    x, t = torch.randn(2, 3, 2, 16), torch.randn(2, 3, 2, 16)
+
+    def rotated(y, inplace):
+        return flash_attn.apply_rotary_emb(y, cos, sin, False, inplace, offsets)
+
+    want = torch.func.jvp(lambda y: rotated(y, False), (x,), (t,))
+    got = torch.func.jvp(lambda y: rotated(y.clone(), True), (x,), (t,))
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    batch = torch.stack([x, 2 * x])
+    assert torch.equal(torch.vmap(lambda y: rotated(y.clone(), True))(batch),
+                       torch.vmap(lambda y: rotated(y, False))(batch))
+    for dtype, one_pass in ((torch.float32, True), (torch.bfloat16, False)):
+        x = torch.randn(2, 3, 2, 16, dtype=dtype)  # 192 elements; the table 12 x 6 = 72
+        c, s_ = cos.to(dtype), sin.to(dtype)
+        want = flash_attn.apply_rotary_emb(x, c, s_, False, False, offsets)
+        with OpCounter() as ops:
+            flash_attn.apply_rotary_emb(x, c, s_, False, True, offsets)
+        assert ("rope.apply_.default" in ops.names) == one_pass and torch.equal(x, want)
+
+
 def test_fa_inplace_above_the_one_pass_threshold():
     # A real size above the threshold (no patching): the peer's values.
     cos, sin = tables(300, 32)

@@ -24,6 +24,8 @@ from ._layout import check_int, check_values, float32_table, rotate_pairs
 
 from .._call import ops  # noqa: E402  (torch.ops.rope, without autograd where none is needed)
 
+_transforming = torch._C._functorch.peek_interpreter_stack  # None outside torch.func transforms
+
 
 def _tables(cos, sin):
     if cos.dim() != 2 or sin.shape != cos.shape:
@@ -107,13 +109,18 @@ _ONE_PASS_MIN_ELEMENTS = 1 << 17
 
 
 def _one_pass(x, cos, sin, whole_table):
-    """Whether an in-place call rotates x in one pass (rope.apply_ on a cos|sin table of the
-    call's rows, or of the whole table where whole_table): large inputs both ops accept, the
-    whole table at most half x's size. Anything else (small, a table as large as x, or an
-    input one of them rejects) takes the copy path, whose errors are apply_rotary_emb's."""
-    return (x.numel() >= _ONE_PASS_MIN_ELEMENTS and (not whole_table or 2 * cos.numel() <= x.numel())
+    """Whether an in-place call rotates x in one pass (rope.apply_ on a float32 cos|sin table of
+    the call's rows, or of the whole table where whole_table): large inputs both ops accept,
+    outside torch.func transforms (rope.apply_ has no batching or jvp rule), and a whole table
+    that costs at most x's bytes to build (with its float32 copies of half-precision cos and
+    sin). Anything else (small, a table as large as x, an input one of them rejects) takes the
+    copy path, whose errors are apply_rotary_emb's."""
+    table_bytes = 8 * cos.numel() * (2 if cos.dtype in (torch.float16, torch.bfloat16) else 1)
+    return (x.numel() >= _ONE_PASS_MIN_ELEMENTS
+            and (not whole_table or table_bytes <= x.numel() * x.element_size())
             and x.dtype in FLOAT_DTYPES and cos.dtype in FLOAT_DTYPES and sin.dtype == cos.dtype
-            and cos.device == x.device and 2 * cos.shape[1] <= x.shape[-1])
+            and cos.device == x.device and sin.device == x.device
+            and 2 * cos.shape[1] <= x.shape[-1] and _transforming() is None)
 
 
 def _rotate_(x, cos, sin, interleaved, seqlen_offsets):
