@@ -28,6 +28,7 @@ import ast
 import dis
 import importlib
 import inspect
+import sys
 import threading
 import types
 import weakref
@@ -519,26 +520,55 @@ def patch(model):
     return model
 
 
-# A class made from a patched one after patch() -> the same class made from the original.
+# A class made from a patched one after patch() -> the class unpatch gives its modules.
 _unpatched = weakref.WeakKeyDictionary()
+
+
+def _binds(cls, value):
+    """Whether a class attribute's code refers to cls through its `__class__` cell (super())."""
+    for f in (value, getattr(value, "__func__", None), getattr(value, "fget", None),
+              getattr(value, "fset", None)):
+        for cell in getattr(f, "__closure__", None) or ():
+            try:
+                if cell.cell_contents is cls:
+                    return True
+            except ValueError:  # an empty cell
+                pass
+    return False
+
+
+def _importable(cls):
+    """Whether cls is what its module's namespace names it (pickle finds it by that name)."""
+    found = sys.modules.get(cls.__module__)
+    for part in cls.__qualname__.split("."):
+        found = getattr(found, part, None)
+    return found is cls
 
 
 def _unpatched_class(cls):
     """The class a patched module goes back to: for a class patch() made, the original; for one
-    made from it since (FSDP2's fully_shard makes `FSDP<name>(FSDPModule, cls)`, parametrize
-    `Parametrized<name>(cls)`), that class made anew over the original, so that unpatch keeps
-    what it adds."""
+    made from it at run time since (FSDP2's fully_shard makes `FSDP<name>(FSDPModule, cls)`,
+    parametrize `Parametrized<name>(cls)`), that class made anew over the original, so that
+    unpatch keeps what it adds. A class that cannot be made again as it was (a class statement:
+    pickled by its name, its methods' super() bound to it, its __init_subclass__ asking for
+    arguments) gives the original class, as before it."""
     if "_rope_ext_spec" in cls.__dict__:
         return cls._rope_ext_spec[0]
     made = _unpatched.get(cls)
     if made is None:
-        bases = tuple(_unpatched_class(b) if issubclass(b, _PatchedAttention) else b
-                      for b in cls.__bases__)
-        slots = cls.__dict__.get("__slots__", ())
-        slots = (slots,) if isinstance(slots, str) else tuple(slots)
-        namespace = {k: v for k, v in cls.__dict__.items()
-                     if k not in ("__dict__", "__weakref__", *slots)}
-        made = _unpatched.setdefault(cls, type(cls)(cls.__name__, bases, namespace))
+        made = cls._rope_ext_spec[0]
+        if not _importable(cls) and not any(_binds(cls, v) for v in cls.__dict__.values()):
+            bases = tuple(_unpatched_class(b) if issubclass(b, _PatchedAttention) else b
+                          for b in cls.__bases__)
+            slots = cls.__dict__.get("__slots__", ())
+            slots = (slots,) if isinstance(slots, str) else tuple(slots)
+            namespace = {k: v for k, v in cls.__dict__.items()
+                         if k not in ("__dict__", "__weakref__", *slots)}
+            try:
+                made = type(cls)(cls.__name__, bases, namespace)
+            except Exception:  # a metaclass or __init_subclass__ that asks for more
+                pass
+        made = _unpatched.setdefault(cls, made)
     return made
 
 
@@ -547,11 +577,12 @@ def unpatch(model):
     class was made from the patched one since, such as FSDP2's or parametrize's, that class made
     from the original). Nothing else is touched (hooks, instance attributes). Returns the
     model; a model that is not patched is returned unchanged."""
-    for m in model.modules():
-        if isinstance(m, _PatchedAttention):
-            cls = _unpatched_class(type(m))
-            _rebind(m, type(m).forward, cls.forward)
-            m.__class__ = cls
+    # Every class is made before any module changes class.
+    targets = [(m, _unpatched_class(type(m))) for m in model.modules()
+               if isinstance(m, _PatchedAttention)]
+    for m, cls in targets:
+        _rebind(m, type(m).forward, cls.forward)
+        m.__class__ = cls
     return model
 
 
