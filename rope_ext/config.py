@@ -17,7 +17,7 @@ import json
 import os
 from collections.abc import Mapping
 
-from .scaling import scaling_type
+from .scaling import rotated_dims, scaling_type
 
 INTERLEAVED_MODEL_TYPES = frozenset({
     "gptj", "codegen", "chatglm", "glm", "glm4", "cohere", "cohere2", "cohere2_moe",
@@ -64,8 +64,9 @@ _KEY_ALIASES = {
 }
 _ALIASED_KEYS = ("hidden_size", "num_attention_heads", "max_position_embeddings", "head_dim")
 # MRoPE as model code lays it out whatever its config says: model type -> (the sections it takes
-# where the config gives none, whether it always interleaves them, T, H, W, T, ..., ignoring
-# mrope_interleaved). The text rotary classes of transformers 5.23 (and 4.57's Qwen2/2.5/3-VL).
+# where the config gives none, whether it interleaves them, T, H, W, T, ..., or lays them one
+# after another, ignoring mrope_interleaved). The text rotary classes of transformers 5.23 (and
+# 4.57's Qwen2/2.5/3-VL).
 _MROPE_BY_TYPE = {
     **dict.fromkeys(("qwen2_vl", "qwen2_vl_text", "qwen2_5_vl", "qwen2_5_vl_text"),
                     ([16, 24, 24], False)),
@@ -440,13 +441,16 @@ def rope_kwargs_from_config(config, *, layer_type=None, interleaved=None, max_po
     if mrope_interleaved is not None and not isinstance(mrope_interleaved, bool):
         _fail(f"mrope_interleaved must be true or false, got {mrope_interleaved!r}")
     if cfg.model_type in _MROPE_BY_TYPE:
-        default_section, always_interleaved = _MROPE_BY_TYPE[cfg.model_type]
-        if always_interleaved:
-            if mrope_interleaved is False:
-                _fail(f"{cfg.model_type} lays MRoPE out interleaved; the config says "
-                      "mrope_interleaved=false")
-            mrope_interleaved = True
-        section = list(default_section) if section is None else section
+        default_section, interleaved_by_code = _MROPE_BY_TYPE[cfg.model_type]
+        if mrope_interleaved is not None and mrope_interleaved != interleaved_by_code:
+            laid = "interleaved" if interleaved_by_code else "one section after another"
+            _fail(f"{cfg.model_type} lays MRoPE out {laid}; the config says "
+                  f"mrope_interleaved={str(mrope_interleaved).lower()}")
+        mrope_interleaved = interleaved_by_code
+        # The code's own sections where the config gives none and they fill the rotated dims
+        # (otherwise its text positions are plain RoPE, as rope_ext builds them).
+        if section is None and sum(default_section) == rotated_dims(rotary_dim) // 2:
+            section = list(default_section)
 
     if max_position is None:
         if max_pos is None:

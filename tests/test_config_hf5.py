@@ -337,12 +337,36 @@ def test_mrope_of_models_whose_code_chooses_it(model_type, given):
             torch.testing.assert_close(g, w[0], rtol=1e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "cosmos3_edge_text"])
-def test_mrope_interleaved_false_is_refused_where_the_code_interleaves(model_type):
+@pytest.mark.parametrize("model_type,flag", [("qwen3_5_text", False), ("cosmos3_edge_text", False),
+                                             ("qwen2_vl_text", True)])
+def test_a_layout_the_code_does_not_use_is_refused(model_type, flag):
     cfg = transformers.AutoConfig.for_model(model_type, hidden_size=256, num_attention_heads=2,
                                             num_key_value_heads=1,
                                             head_dim=MROPE_HEAD_DIM.get(model_type, 128))
-    cfg.rope_parameters = dict(cfg.rope_parameters, mrope_interleaved=False)
-    with pytest.raises(ValueError, match=f"{model_type} lays MRoPE out interleaved; the config "
-                                         "says mrope_interleaved=false"):
+    cfg.rope_parameters = dict(cfg.rope_parameters, mrope_interleaved=flag)
+    laid = "one section after another" if flag else "interleaved"
+    with pytest.raises(ValueError, match=f"{model_type} lays MRoPE out {laid}; the config says "
+                                         f"mrope_interleaved={str(flag).lower()}"):
         rope_ext.RotaryEmbedding.from_config(cfg)
+
+
+@pytest.mark.parametrize("model_type", ["qwen4_exp_text", "qwen3_5_text"])
+def test_default_sections_that_do_not_fit_leave_plain_rope(model_type):
+    """A head whose rotated dims the code's default sections do not fill (transformers' slices
+    run such a model): no sections, so text positions rotate as transformers rotates them."""
+    import importlib
+
+    D = 2 * MROPE_HEAD_DIM.get(model_type, 128)
+    cfg = transformers.AutoConfig.for_model(model_type, hidden_size=256, num_attention_heads=2,
+                                            num_key_value_heads=1, head_dim=D)
+    rope = rope_ext.RotaryEmbedding.from_config(cfg)
+    assert rope.mrope_section is None
+    mod = importlib.import_module(type(cfg).__module__.replace("configuration_", "modeling_"))
+    rotary = next(c for n, c in vars(mod).items()
+                  if n.endswith("RotaryEmbedding") and "Vision" not in n)
+    T = 12
+    cos, sin = rotary(config=cfg)(torch.zeros(1, T, 4), torch.arange(T)[None].expand(3, 1, T))
+    q, k = torch.randn(1, T, 2, D), torch.randn(1, T, 1, D)
+    want = mod.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+    for g, w in zip(rope(q[0], k[0], torch.arange(T)), want):
+        torch.testing.assert_close(g, w[0], rtol=1e-5, atol=2e-6)
