@@ -1309,25 +1309,35 @@ def test_unpatch_gives_the_original_class_where_a_later_class_cannot_be_made_aga
     """A class statement over a patched class (its methods' super() bound to it, or an
     __init_subclass__ that asks for arguments) cannot be made again over transformers' class:
     unpatch gives its modules transformers' class, every one of them, as before such classes."""
-    model = build("llama")
-    batches = inputs("llama")
-    want, _ = logits(model, batches)
-    integration.patch(model)
-    first, second = (layer.self_attn for layer in model.model.layers[:2])
+    import functools
 
-    class Wrapped(type(first)):
-        def forward(self, *args, **kwargs):
-            return super().forward(*args, **kwargs)
+    def passed_on(f):  # a decorator: the super() call sits in the function it wraps
+        @functools.wraps(f)
+        def wrapper(*args, **kwargs):
+            return f(*args, **kwargs)
+        return wrapper
 
-    class Marked(_Tagged, type(second), tag="x"):
-        pass
+    for decorate in (lambda f: f, passed_on):
+        model = build("llama")
+        batches = inputs("llama")
+        want, _ = logits(model, batches)
+        integration.patch(model)
+        first, second = (layer.self_attn for layer in model.model.layers[:2])
 
-    first.__class__, second.__class__ = Wrapped, Marked
-    integration.unpatch(model)
-    assert not integration.is_patched(model)
-    assert type(first) is type(second) is Wrapped.__mro__[2]  # transformers' class
-    again, n = logits(model, batches)
-    assert n == 0 and all(torch.equal(g, w) for g, w in zip(again, want))
+        class Wrapped(type(first)):
+            @decorate
+            def forward(self, *args, **kwargs):
+                return super().forward(*args, **kwargs)
+
+        class Marked(_Tagged, type(second), tag="x"):
+            pass
+
+        first.__class__, second.__class__ = Wrapped, Marked
+        integration.unpatch(model)
+        assert not integration.is_patched(model)
+        assert type(first) is type(second) is Wrapped.__mro__[2]  # transformers' class
+        again, n = logits(model, batches)
+        assert n == 0 and all(torch.equal(g, w) for g, w in zip(again, want))
 
 
 UNPATCH_AFTER_FSDP2 = """

@@ -525,15 +525,28 @@ _unpatched = weakref.WeakKeyDictionary()
 
 
 def _binds(cls, value):
-    """Whether a class attribute's code refers to cls through its `__class__` cell (super())."""
-    for f in (value, getattr(value, "__func__", None), getattr(value, "fget", None),
-              getattr(value, "fset", None)):
-        for cell in getattr(f, "__closure__", None) or ():
+    """Whether code reachable from a class attribute refers to cls through its `__class__` cell
+    (super()): the function itself, a method's, a property's, a cached property's, and what
+    decorators wrap (`__wrapped__`, functions in their closures), a few levels deep."""
+    todo, seen = [(value, 0)], set()
+    while todo:
+        v, depth = todo.pop()
+        if depth > 4 or id(v) in seen:
+            continue
+        seen.add(id(v))
+        for name in ("__func__", "fget", "fset", "fdel", "func", "__wrapped__"):
+            inner = getattr(v, name, None)
+            if inner is not None:
+                todo.append((inner, depth + 1))
+        for cell in getattr(v, "__closure__", None) or ():
             try:
-                if cell.cell_contents is cls:
-                    return True
+                held = cell.cell_contents
             except ValueError:  # an empty cell
-                pass
+                continue
+            if held is cls:
+                return True
+            if isinstance(held, (types.FunctionType, types.MethodType)):
+                todo.append((held, depth + 1))
     return False
 
 
