@@ -134,7 +134,7 @@ def _rotate_(x, cos, sin, interleaved, seqlen_offsets):
         return
     # One pass in place, on a cos|sin table: with one offset the rows of this call (seqlen
     # rows, small next to x), read at positions 0 .. seqlen - 1 of every sequence; with one per
-    # sequence the whole table (at most half x's size), read at s + offsets[b]. x is one query
+    # sequence the whole table (_one_pass bounds it), read at s + offsets[b]. x is one query
     # whose tokens are its dims before (heads, headdim): qkv's Q and K (batch, seqlen, 2,
     # nheads, headdim) or (batch, seqlen, nheads_q + nheads_k, headdim) in any layout, each
     # element written once.
@@ -148,8 +148,13 @@ def _rotate_(x, cos, sin, interleaved, seqlen_offsets):
         if x.dim() > 4:  # (seqlen, 1, ...) against the token dims past seqlen
             positions = positions.view((seqlen,) + (1,) * (x.dim() - 4))
         positions = positions.expand(x.shape[:-2])
-    table = torch.cat((float32_table(cos), float32_table(sin)), dim=-1)
-    ops.apply_(x, None, positions, table, interleaved)
+    _rotate_in_one_pass(x, positions, cos, sin, interleaved)
+
+
+def _rotate_in_one_pass(x, positions, cos, sin, interleaved):
+    """x rotated in place by rope.apply_ at positions of a float32 cos|sin table of cos, sin."""
+    ops.apply_(x, None, positions, torch.cat((float32_table(cos), float32_table(sin)), dim=-1),
+               interleaved)
 
 
 def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0,
@@ -188,8 +193,7 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
                 if x.device.type == "cpu" and not torch.compiler.is_compiling():
                     check_positions_in_range(positions, cos.shape[0], "rope.apply_positions",
                                              "cos.size(0)")
-                table = torch.cat((float32_table(cos), float32_table(sin)), dim=-1)
-                ops.apply_(x, None, positions, table, interleaved)
+                _rotate_in_one_pass(x, positions, cos, sin, interleaved)
                 return x
         out = ops.apply_positions(x, positions, cos, sin, interleaved, False, None, False)
     if inplace:
