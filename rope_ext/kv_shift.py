@@ -43,5 +43,6 @@ def shift_kv_cache_(key_cache, slot_mapping, delta, cos_sin_cache, *, interleave
     Every bad argument (a slot out of range or listed twice, |delta| too large) is an error
     before anything is written. Not differentiable. Returns None."""
     check_not_inference(key_cache)
-    ops.shift_kv_cache_(key_cache, slot_mapping, _delta_tensor(delta, key_cache.device),
+    device = key_cache.device if key_cache is not None else None  # None: the op names it
+    ops.shift_kv_cache_(key_cache, slot_mapping, _delta_tensor(delta, device),
                         cos_sin_cache, interleaved, kv_cache_dtype, k_scale)

@@ -44,6 +44,9 @@ def heads(t, head_size, name, lead=None):
 
 def _table_halves(cos_sin_cache):
     """The cos and sin halves of a (max_position, rotary_dim) table, checked."""
+    if not isinstance(cos_sin_cache, torch.Tensor):
+        raise RuntimeError(f"rope.apply_rope_at: cos_sin_cache must be a tensor, got "
+                           f"{type(cos_sin_cache).__name__ if cos_sin_cache is not None else None}")
     if cos_sin_cache.dim() != 2:
         raise RuntimeError("apply_rope_at: cos_sin_cache must have shape (max_position, rotary_dim), "
                            f"got {list(cos_sin_cache.shape)}")
@@ -67,7 +70,8 @@ def apply_rope(x, cos, sin, *, interleaved=False, out=None):
     """
     if out is None:
         return ops.apply(x, cos, sin, interleaved)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, cos, sin, out)):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad  # None: the op names it
+                                       for t in (x, cos, sin, out)):
         raise RuntimeError(f"apply_rope(): {OUT_NOT_DIFFERENTIABLE}")
     check_not_inference(out)
     ops.apply.out(x, cos, sin, interleaved, out=out)

@@ -91,7 +91,7 @@ def qk_norm_rope(query, key, q_weight, k_weight, cos, sin, *, eps=1e-6, unit_off
         raise ValueError(f"table_width must be 'full' or 'half', got {table_width!r}")
     if table_width == "full":
         cos, sin = half_tables(cos, sin, interleaved=interleaved, head_first=head_first,
-                               ndim=query.dim())
+                               ndim=4 if query is None else query.dim())  # None: the op names it
     return ops.qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps, unit_offset,
                             interleaved)
 
@@ -119,7 +119,7 @@ def norm_rope(query, key, q_weight, k_weight, cos, sin, *, q_bias=None, k_bias=N
         raise ValueError(f"table_width must be 'full' or 'half', got {table_width!r}")
     if table_width == "full":
         cos, sin = half_tables(cos, sin, interleaved=interleaved, head_first=head_first,
-                               ndim=query.dim())
+                               ndim=4 if query is None else query.dim())  # None: the op names it
     if head_first and norm == "rms_across_heads":
         # the heads as dim -2, where the op normalizes them together (views, no copy)
         def t(x):

@@ -122,3 +122,22 @@ def test_public_in_place_function_with_a_missing_tensor_writes_nothing(fn):
     with pytest.raises(RuntimeError, match="positions must be a tensor, got None|k_weight must be a tensor"):
         call()
     assert torch.equal(q, before)
+
+
+def test_public_functions_name_a_missing_tensor():
+    # The Python wrappers read nothing of a None tensor before the op names it (they once
+    # raised AttributeError: 'NoneType' object has no attribute 'requires_grad' / 'dim' / ...).
+    from rope_ext import qk_norm
+    q, k, pos = torch.randn(3, 2, 8), torch.randn(3, 1, 8), torch.arange(3)
+    cache, w, cos = rope_ext.cos_sin_cache(8, 8), torch.ones(8), torch.randn(3, 8)
+    calls = {
+        "rope.apply.out: x": lambda: rope_ext.apply_rope(None, cos[:, None, :4], cos[:, None, :4],
+                                                         out=torch.empty(3, 2, 8)),
+        "rope.apply_rope_at: cos_sin_cache": lambda: rope_ext.apply_rope_at(q, pos, None),
+        "rope.qk_norm_rope: query": lambda: qk_norm.qk_norm_rope(None, k, w, w, cos, cos),
+        "rope.norm_rope: query": lambda: qk_norm.norm_rope(None, k, w, w, cos, cos),
+        "rope.shift_kv_cache_: key_cache": lambda: rope_ext.shift_kv_cache_(None, pos, 1, cache),
+    }
+    for named, call in calls.items():
+        with pytest.raises(RuntimeError, match=f"^{named} must be a tensor, got None$"):
+            call()
