@@ -1,5 +1,6 @@
 """Python-level scalar arguments (sizes, counts, offsets): one check, one message, everywhere."""
 
+import math
 import numbers
 
 import torch
@@ -33,6 +34,38 @@ def check_float(value, name):
     return float(value)
 
 
+def check_flag(value, name):
+    """value if it is True or False, else a ValueError naming it: as torch's own functions take a
+    bool argument (bool("false") is True, and 2 or None would pick a layout silently)."""
+    if value is True or value is False:
+        return value
+    raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def check_flags(names, *values):
+    """check_flag of each value, named by the words of `names` in order."""
+    for name, value in zip(names.split(), values):
+        check_flag(value, name)
+
+
+def check_eps(eps):
+    """eps as a float (a bool or a string is refused; the op checks its range)."""
+    return eps if type(eps) is float else check_float(eps, "eps")
+
+
+def check_positive(value, name):
+    """value as a float > 0 and finite, or a ValueError naming it: a base, a scale or a factor (0,
+    a negative, an infinite or a NaN one gives a table of inf or NaN, which rotates silently to
+    NaN). A real number or a one-element tensor; not a bool or a string."""
+    try:
+        ok = not isinstance(value, (bool, str, bytes)) and 0 < float(value) < math.inf
+    except (TypeError, ValueError, OverflowError, RuntimeError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be > 0 and finite, got {value!r}")
+    return float(value)
+
+
 def mrope_section_arg(mrope_section, mrope_interleaved=False):
     """mrope_section as a list of ints (None stays None), or a ValueError: an entry that is not
     an int (16.7 would otherwise become 16), or mrope_interleaved without a section (it would be
@@ -42,7 +75,10 @@ def mrope_section_arg(mrope_section, mrope_interleaved=False):
             raise ValueError("mrope_interleaved=True needs mrope_section (the pairs of each of "
                              "the 3 position components)")
         return None
-    section = list(mrope_section)
+    try:
+        section = list(mrope_section)
+    except TypeError:
+        raise ValueError(f"mrope_section must be a list of ints, got {mrope_section!r}") from None
     if not all(not isinstance(s, bool) and isinstance(s, numbers.Integral) for s in section):
         raise ValueError(f"mrope_section must hold ints, got {section!r}")
     return [int(s) for s in section]

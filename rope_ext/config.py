@@ -14,9 +14,11 @@ code. What we assume, in order of precedence:
 
 import copy
 import json
+import math
 import os
 from collections.abc import Mapping
 
+from ._args import check_flag
 from .scaling import rotated_dims, scaling_type
 
 INTERLEAVED_MODEL_TYPES = frozenset({
@@ -158,7 +160,7 @@ class _Config:
 def layout_from_config(config, interleaved=None):
     """True for interleaved pairs, False for half-split (see the module docstring)."""
     if interleaved is not None:
-        return bool(interleaved)
+        return check_flag(interleaved, "RotaryEmbedding.from_config: interleaved")
     cfg = config if isinstance(config, _Config) else _Config(config)
     for key in _LAYOUT_KEYS:
         value = cfg.file(key)
@@ -239,7 +241,7 @@ def _rope_dict(cfg, layer_type):
 
 
 def _positive(value, name, integer=False):
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
     if ok and integer:
         ok = float(value) == int(value)
     if not ok:
@@ -333,7 +335,8 @@ def _theta(cfg, params, form):
         theta = inside if inside is not None else cfg.file("rope_theta")
     else:
         top = cfg.file("rope_theta")
-        if inside is not None and top is not None and float(inside) != float(top):
+        if inside is not None and top is not None and \
+                _positive(inside, "rope_scaling.rope_theta") != _positive(top, "rope_theta"):
             _fail(f"rope_theta is {top} but rope_scaling holds rope_theta {inside}; keep one")
         theta = top if top is not None else inside
     if theta is None:
@@ -392,13 +395,19 @@ def _per_layer_settings(cfg, base, kind):
     if thetas is not None:
         if not isinstance(thetas, (list, tuple)) or not thetas:
             _fail(f"layer_rope_theta must be a list of bases, one per layer, got {thetas!r}")
-        if any(float(t) != float(thetas[0]) for t in thetas):
+        if any(_positive(t, "layer_rope_theta") != _positive(thetas[0], "layer_rope_theta")
+               for t in thetas):
             _fail("layer_rope_theta gives the layers different bases; from_config builds one "
                   "table: build RotaryEmbedding(..., base=layer_rope_theta[i]) for layer i")
         base = _positive(thetas[0], "layer_rope_theta")
     scaled = cfg.file("rope_scaling_layers")  # Molmo2: the scaling only in the listed layers
+    if scaled is None or kind == "default":
+        return base
+    if not (isinstance(scaled, (list, tuple)) and all(isinstance(i, int) for i in scaled)):
+        _fail(f"rope_scaling_layers must be a list of layer indices, got {scaled!r}")
     layers = cfg.get("num_hidden_layers")
-    if scaled is not None and kind != "default" and sorted(scaled) != list(range(layers or 0)):
+    layers = _positive(layers, "num_hidden_layers", integer=True) if layers else 0
+    if sorted(scaled) != list(range(layers)):
         _fail(f"rope_scaling_layers applies the {kind} scaling to layers {list(scaled)} only; "
               "from_config builds one table (the scaled one for those layers: drop the key, "
               "or build the others without the scaling)")
@@ -473,6 +482,6 @@ def rope_kwargs_from_config(config, *, layer_type=None, interleaved=None, max_po
         interleaved=layout_from_config(cfg, interleaved),
         scaling=scaling,
         mrope_section=section,
-        mrope_interleaved=bool(mrope_interleaved),
+        mrope_interleaved=bool(mrope_interleaved) and section is not None,  # no section: plain RoPE
         rope_dim_offset=head_dim - rotary_dim if cfg.model_type == "deepseek_v4" else 0,
     )

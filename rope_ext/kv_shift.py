@@ -6,6 +6,7 @@ import numbers
 
 import torch
 
+from ._args import check_flag
 from ._registrations import check_not_inference
 
 from ._call import ops  # noqa: E402  (torch.ops.rope, without autograd where none is needed)
@@ -43,6 +44,7 @@ def shift_kv_cache_(key_cache, slot_mapping, delta, cos_sin_cache, *, interleave
     Every bad argument (a slot out of range or listed twice, |delta| too large) is an error
     before anything is written. Not differentiable. Returns None."""
     check_not_inference(key_cache)
+    check_flag(interleaved, "interleaved")
     device = key_cache.device if key_cache is not None else None  # None: the op names it
     ops.shift_kv_cache_(key_cache, slot_mapping, _delta_tensor(delta, device),
                         cos_sin_cache, interleaved, kv_cache_dtype, k_scale)

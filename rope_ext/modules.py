@@ -1,12 +1,12 @@
 """nn.Module wrapper: holds the cos/sin table and rotates query/key by positions."""
 
 import copy
-import numbers
 import sys
+from collections.abc import Mapping
 
 import torch
 
-from ._args import check_int
+from ._args import check_flag, check_int, mrope_section_arg
 from ._checks import _check_positions_dtype, check_positions_in_range
 from .config import rope_kwargs_from_config
 from .ops import apply_mrope_, apply_rope_, apply_rope_at
@@ -120,21 +120,24 @@ class RotaryEmbedding(torch.nn.Module):
             raise ValueError(f"RotaryEmbedding: rope_dim_offset must be an int in [0, head_dim - "
                              f"rotary_dim] = [0, {head_dim - rotary_dim}], got {rope_dim_offset!r}")
         self.rope_dim_offset = rope_dim_offset
+        interleaved = check_flag(interleaved, "RotaryEmbedding: interleaved")
+        mrope_interleaved = check_flag(mrope_interleaved, "RotaryEmbedding: mrope_interleaved")
         if mrope_section is not None:
-            original = mrope_section
-            mrope_section = list(mrope_section)
-            if not all(type(s) is int
-                       or (isinstance(s, numbers.Integral) and not isinstance(s, bool))
-                       for s in mrope_section):
+            try:
+                section = mrope_section_arg(mrope_section)
+            except ValueError:
+                section = None
+            if section is None or len(section) != 3 or min(section) < 0 or sum(section) != rotary_dim // 2:
                 raise ValueError(
                     f"RotaryEmbedding: mrope_section must be 3 ints >= 0 summing to rotary_dim/2 = "
-                    f"{rotary_dim // 2}, got {original!r}")
-            mrope_section = [int(s) for s in mrope_section]
-            if len(mrope_section) != 3 or min(mrope_section) < 0 or sum(mrope_section) != rotary_dim // 2:
-                raise ValueError(
-                    f"RotaryEmbedding: mrope_section must be 3 ints >= 0 summing to rotary_dim/2 = "
-                    f"{rotary_dim // 2}, got {mrope_section}"
-                )
+                    f"{rotary_dim // 2}, got {mrope_section!r}")
+            mrope_section = section
+        elif mrope_interleaved:
+            raise ValueError("RotaryEmbedding: mrope_interleaved=True needs mrope_section (the pairs "
+                             "of each of the 3 position components)")
+        if scaling is not None and not isinstance(scaling, Mapping):
+            raise ValueError(f"RotaryEmbedding: scaling must be a dict (a config's rope_scaling) or "
+                             f"None, got {scaling!r}")
         check_base(base, "RotaryEmbedding")
         if seq_len is not None:
             seq_len = check_int(seq_len, "RotaryEmbedding: seq_len", 1)
@@ -148,7 +151,7 @@ class RotaryEmbedding(torch.nn.Module):
         self.scaling = None if scaling is None else copy.deepcopy(dict(scaling))
         self.seq_len = seq_len
         self.mrope_section = mrope_section
-        self.mrope_interleaved = bool(mrope_interleaved)
+        self.mrope_interleaved = mrope_interleaved
 
         # "static": one table; "longrope": short rows then long rows; "dynamic": growing base.
         self.mode, self._original = "static", None

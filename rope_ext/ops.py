@@ -4,7 +4,7 @@ for the tensors' device, or the reference where none is registered (see `backend
 import torch
 
 from . import _library, reference
-from ._args import check_int, mrope_section_arg
+from ._args import check_flag, check_flags, check_int, mrope_section_arg
 from ._registrations import OUT_NOT_DIFFERENTIABLE, check_not_inference
 
 from ._call import ops  # noqa: E402  (torch.ops.rope, without autograd where none is needed)
@@ -68,6 +68,8 @@ def apply_rope(x, cos, sin, *, interleaved=False, out=None):
     sin; overwritten and returned (rope.apply.out). Like torch's out= arguments, not
     differentiable.
     """
+    if interleaved is not False and interleaved is not True:
+        check_flag(interleaved, "interleaved")
     if out is None:
         return ops.apply(x, cos, sin, interleaved)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad  # None: the op names it
@@ -76,6 +78,14 @@ def apply_rope(x, cos, sin, *, interleaved=False, out=None):
     check_not_inference(out)
     ops.apply.out(x, cos, sin, interleaved, out=out)
     return out
+
+
+def _rotation_args(interleaved, rope_dim_offset, inverse):
+    """The flags and offset of a rotation, checked where torch would take 2, None or "false"
+    for a bool and True for an int (before any write)."""
+    check_flags("interleaved inverse", interleaved, inverse)
+    if type(rope_dim_offset) is not int:
+        check_int(rope_dim_offset, "rope_dim_offset")
 
 
 def apply_rope_(query, key, positions, cos_sin_cache, *, interleaved=False, head_size=None,
@@ -93,8 +103,10 @@ def apply_rope_(query, key, positions, cos_sin_cache, *, interleaved=False, head
                 rope_dim_offset == 0:  # the defaults, left to torch (each argument given
             ops.apply_(query, key, positions, cos_sin_cache)  # costs 0.15 us to convert)
         else:
+            _rotation_args(interleaved, rope_dim_offset, inverse)
             ops.apply_(query, key, positions, cos_sin_cache, interleaved, rope_dim_offset, inverse)
     else:
+        _rotation_args(interleaved, rope_dim_offset, inverse)
         ops.apply_(heads(query, head_size, "query"), heads(key, head_size, "key"), positions,
                    cos_sin_cache, interleaved, rope_dim_offset, inverse)
     return query, key
@@ -109,6 +121,8 @@ def apply_mrope_(query, key, positions, cos_sin_cache, mrope_section, *, interle
     apply_rope_. rope_dim_offset and inverse as for apply_rope_. Differentiable like apply_rope_.
     Returns (query, key)."""
     check_not_inference(query, key)
+    _rotation_args(interleaved, rope_dim_offset, inverse)
+    check_flag(mrope_interleaved, "mrope_interleaved")
     ops.mrope_(heads(query, head_size, "query"), heads(key, head_size, "key"), positions,
                cos_sin_cache, mrope_section_arg(mrope_section), interleaved, mrope_interleaved,
                rope_dim_offset, inverse)
@@ -120,6 +134,7 @@ def apply_rope_at(x, positions, cos_sin_cache, *, interleaved=False, mrope_secti
     """Rotated copy of x (..., H, D) by the rows of cos_sin_cache (max_position, rotary_dim) at
     positions (x.shape[:-2]; (3,) + x.shape[:-2] with mrope_section): the out-of-place,
     differentiable twin of apply_rope_ (gradients w.r.t. x and the table)."""
+    check_flags("interleaved mrope_interleaved", interleaved, mrope_interleaved)
     cos, sin = _table_halves(cos_sin_cache)
     xv = heads(x, head_size, "x")
     section = mrope_section_arg(mrope_section, mrope_interleaved)
@@ -265,6 +280,7 @@ def apply_rope_and_cache_(query, key, value, positions, cos_sin_cache, key_cache
         ops.apply_and_cache_(query, key, value, positions, cos_sin_cache, key_cache, value_cache,
                              slot_mapping)  # the defaults, left to torch (0.6 us at decode)
     else:
+        check_flag(interleaved, "interleaved")
         ops.apply_and_cache_(query, key, value, positions, cos_sin_cache, key_cache, value_cache,
                              slot_mapping, interleaved, kv_cache_dtype, k_scale, v_scale)
     return query, key

@@ -19,11 +19,9 @@ is rounded once to the input dtype. Values (V) are never touched.
   qk_norm_rope_and_cache: the same returning new query, key and value, the inputs only read.
 """
 
-import numbers
-
 import torch
 
-from ._args import mrope_section_arg
+from ._args import check_eps, check_flags, mrope_section_arg
 from ._call import ops  # torch.ops.rope, without autograd where none is needed
 from .ops import heads
 
@@ -89,10 +87,11 @@ def qk_norm_rope(query, key, q_weight, k_weight, cos, sin, *, eps=1e-6, unit_off
     """
     if table_width not in TABLE_WIDTHS:
         raise ValueError(f"table_width must be 'full' or 'half', got {table_width!r}")
+    check_flags("unit_offset interleaved head_first", unit_offset, interleaved, head_first)
     if table_width == "full":
         cos, sin = half_tables(cos, sin, interleaved=interleaved, head_first=head_first,
                                ndim=4 if query is None else query.dim())  # None: the op names it
-    return ops.qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps, unit_offset,
+    return ops.qk_norm_rope(query, key, q_weight, k_weight, cos, sin, check_eps(eps), unit_offset,
                             interleaved)
 
 
@@ -117,6 +116,8 @@ def norm_rope(query, key, q_weight, k_weight, cos, sin, *, q_bias=None, k_bias=N
     """
     if table_width not in TABLE_WIDTHS:
         raise ValueError(f"table_width must be 'full' or 'half', got {table_width!r}")
+    check_flags("interleaved head_first", interleaved, head_first)
+    eps = check_eps(eps)
     if table_width == "full":
         cos, sin = half_tables(cos, sin, interleaved=interleaved, head_first=head_first,
                                ndim=4 if query is None else query.dim())  # None: the op names it
@@ -143,6 +144,7 @@ def _flags(unit_offset, interleaved, mrope_section, mrope_interleaved):
     if unit_offset is False and interleaved is False and mrope_section is None and \
             mrope_interleaved is False:
         return ()
+    check_flags("unit_offset interleaved mrope_interleaved", unit_offset, interleaved, mrope_interleaved)
     return unit_offset, interleaved, mrope_section_arg(mrope_section, mrope_interleaved), \
         mrope_interleaved
 
@@ -160,6 +162,8 @@ def qk_norm_rope_(query, key, q_weight, k_weight, positions, cos_sin_cache, *, e
     differentiable. A rejected call writes nothing. Returns (query, key)."""
     # The op refuses inference tensors outside inference mode itself (torch's error, before any
     # write), as every in-place op of the library does.
+    if type(eps) is not float:
+        eps = check_eps(eps)
     ops.qk_norm_rope_(heads(query, head_size, "query"), heads(key, head_size, "key"), q_weight,
                       k_weight, positions, cos_sin_cache, eps,
                       *_flags(unit_offset, interleaved, mrope_section, mrope_interleaved))
@@ -173,6 +177,8 @@ def qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weigh
     any stride): the q and k heads normalized and rotated as qk_norm_rope_ does, positions
     (num_tokens,) (or (3, num_tokens) with mrope_section); the v heads untouched. Serving only.
     Returns qkv."""
+    if type(eps) is not float:
+        eps = check_eps(eps)
     ops.qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight, k_weight,
                        positions, cos_sin_cache, eps,
                        *_flags(unit_offset, interleaved, mrope_section, mrope_interleaved))
@@ -236,6 +242,8 @@ def _readable_value(value):
 def _prologue(name, tensors, eps, unit_offset, interleaved, mrope_section, mrope_interleaved,
               v_norm, kv_cache_dtype, k_scale, v_scale):
     """The op call of both prologue functions (op `name`, its ten leading arguments)."""
+    if type(eps) is not float:
+        eps = check_eps(eps)
     if (unit_offset is False and interleaved is False and mrope_section is None and
             mrope_interleaved is False and v_norm is False):
         # The common serving calls, with no keyword to pass on but the caches' format (torch
@@ -245,6 +253,8 @@ def _prologue(name, tensors, eps, unit_offset, interleaved, mrope_section, mrope
             return getattr(ops, name)(*tensors, eps)
         return getattr(ops, name)(*tensors, eps, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
                                   v_scale=v_scale)
+    check_flags("unit_offset interleaved mrope_interleaved v_norm", unit_offset, interleaved,
+                mrope_interleaved, v_norm)
     return getattr(ops, name)(*tensors, eps, unit_offset=unit_offset, interleaved=interleaved,
                               mrope_section=mrope_section_arg(mrope_section, mrope_interleaved),
                               mrope_interleaved=mrope_interleaved, v_norm=v_norm,

@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from ._args import check_positive
+
 # Older names of a type. "mrope" (Qwen2-VL configs) does default RoPE: it only changes how
 # positions pick cache rows (rope_ext.apply_mrope_). "su" is what early Phi-3 configs call longrope.
 _ALIASES = {"su": "longrope", "mrope": "default"}
@@ -203,13 +205,25 @@ def _deepseek_yarn(scaling, rotary_dim, base, seq_len, device):
     return _yarn(scaling, rotary_dim, base, seq_len, device, kind="deepseek_yarn")
 
 
+def llama3_parameters(scaling, prefix="cos_sin_cache: rope scaling 'llama3'"):
+    """(factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) of a Llama 3
+    dict, each a finite number > 0 and high > low (the blend divides by their difference), or a
+    ValueError naming the key after `prefix`: rope_ext.scaling's, gpt-fast's and FlashInfer's."""
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    if not isinstance(scaling, dict):
+        raise ValueError(f"{prefix} must be a dict with the keys {', '.join(keys)}, got "
+                         f"{type(scaling).__name__}")
+    for key in keys:
+        if scaling.get(key) is None:
+            raise ValueError(f"{prefix} needs the key {key!r}")
+    factor, low, high, original = (check_positive(scaling[key], f"{prefix}: {key}") for key in keys)
+    if not high > low:
+        raise ValueError(f"{prefix}: high_freq_factor ({high}) must be > low_freq_factor ({low})")
+    return factor, low, high, original
+
+
 def _llama3(scaling, rotary_dim, base, seq_len, device):
-    factor = _number(scaling, "factor", "llama3")
-    low_ff = _number(scaling, "low_freq_factor", "llama3")
-    high_ff = _number(scaling, "high_freq_factor", "llama3")
-    original = _number(scaling, "original_max_position_embeddings", "llama3")
-    if not high_ff > low_ff:
-        _fail(f"rope scaling 'llama3': high_freq_factor ({high_ff}) must be > low_freq_factor ({low_ff})")
+    factor, low_ff, high_ff, original = llama3_parameters(scaling)
     inv_freq = default_inv_freq(rotary_dim, base, device)
     wavelen = 2 * math.pi / inv_freq
     smooth = (original / wavelen - low_ff) / (high_ff - low_ff)
@@ -288,6 +302,31 @@ def rope_parameters(scaling, rotary_dim, base, max_position, seq_len=None, devic
     seq_len = max_position if seq_len is None else seq_len
     if kind == "default":
         return default_inv_freq(rotary_dim, base, device), 1.0
-    if kind == "longrope":
-        return _longrope(scaling, rotary_dim, float(base), seq_len, device, max_position)
-    return _HANDLERS[kind](scaling, rotary_dim, float(base), seq_len, device)
+    try:
+        if kind == "longrope":
+            inv_freq, attention = _longrope(scaling, rotary_dim, float(base), seq_len, device, max_position)
+        else:
+            inv_freq, attention = _HANDLERS[kind](scaling, rotary_dim, float(base), seq_len, device)
+    except (ZeroDivisionError, OverflowError) as e:  # e.g. yarn's log(base) with base 1
+        _fail(f"rope scaling {kind!r} with base {float(base)!r} and {_values(scaling)} has no table "
+              f"({e})")
+    # Each value finite can still give frequencies or an attention factor that are not (a factor
+    # of 1e-320 divides them to inf): a table of NaN or inf would rotate silently to NaN.
+    if not (_F32_TINY <= attention <= _F32_MAX) or not _finite(inv_freq):
+        _fail(f"rope scaling {kind!r} with base {float(base)!r} and {_values(scaling)} gives "
+              f"non-finite frequencies or an attention factor outside float32's range ({attention!r})")
+    return inv_freq, attention
+
+
+_F32_TINY, _F32_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+
+
+def _finite(t):
+    """Whether every value of t is finite, where that can be read (not on meta, not traced)."""
+    if t.device.type == "meta" or torch.compiler.is_compiling():
+        return True
+    return bool(torch.isfinite(t).all())
+
+
+def _values(scaling):
+    return ", ".join(f"{k}={v!r}" for k, v in sorted(scaling.items()) if k not in _COMMON_KEYS)

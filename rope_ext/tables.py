@@ -1,11 +1,9 @@
 """The cos/sin table a model's positions index: row p = [cos(p * w_i) | sin(p * w_i)], i < rotary_dim/2
 (docs/math.md "The cos/sin table")."""
 
-import math
-
 import torch
 
-from ._args import check_int
+from ._args import check_int, check_positive
 from ._checks import FLOAT_DTYPES
 from .scaling import rope_parameters
 
@@ -42,12 +40,7 @@ def _check_table_dtype(dtype, fn):
 
 def check_base(base, fn):
     """The RoPE base: a finite number > 0 (0, a negative or an infinite one gives no table)."""
-    try:
-        ok = not isinstance(base, (bool, str, bytes)) and 0 < float(base) < math.inf
-    except (TypeError, ValueError, OverflowError):
-        ok = False
-    if not ok:
-        raise ValueError(f"{fn}: base must be > 0 and finite, got {base!r}")
+    return check_positive(base, f"{fn}: base")
 
 
 def _check_table_args(max_position, rotary_dim, base):
@@ -81,7 +74,7 @@ def _check_axes(positions, axes_dim, theta):
         got = f"{positions.dtype} of shape {list(positions.shape)}" if isinstance(positions, torch.Tensor) \
             else type(positions).__name__
         raise ValueError(f"multi_axis_cos_sin: positions must be a real tensor (..., n_axes), got {got}")
-    dims = list(axes_dim)
+    dims = list(axes_dim) if isinstance(axes_dim, (list, tuple)) else None
     if not dims or any(isinstance(d, bool) or not isinstance(d, int) or d < 2 or d % 2 for d in dims):
         raise ValueError(f"multi_axis_cos_sin: axes_dim must be a non-empty sequence of positive even "
                          f"ints, got {axes_dim!r}")
@@ -89,10 +82,10 @@ def _check_axes(positions, axes_dim, theta):
         raise ValueError(f"multi_axis_cos_sin: positions of shape {list(positions.shape)} must have "
                          f"len(axes_dim) = {len(dims)} axes in its last dim")
     thetas = list(theta) if isinstance(theta, (list, tuple)) else [theta] * len(dims)
-    if len(thetas) != len(dims) or not all(float(t) > 0 for t in thetas):
+    if len(thetas) != len(dims):
         raise ValueError(f"multi_axis_cos_sin: theta must be a positive number or one per axis "
                          f"({len(dims)}), got {theta!r}")
-    return dims, [float(t) for t in thetas]
+    return dims, [check_positive(t, "multi_axis_cos_sin: theta") for t in thetas]
 
 
 def multi_axis_cos_sin(positions, axes_dim, theta=10000.0, *, dtype=torch.float32):

@@ -5,16 +5,23 @@ members of full-width tables, checks of tensor values, DTensor detection)."""
 
 import functools
 import math
-import numbers
 import sys
 
 import torch
 
-from .._args import check_int  # noqa: F401  (re-exported for the drop-ins)
+from .._args import check_flag, check_int  # noqa: F401  (re-exported for the drop-ins)
 from ..ops import check_head_size, heads  # noqa: F401
 
 from .._call import ops  # noqa: E402  (torch.ops.rope, without autograd where none is needed)
 from .._registrations import has_tangent
+
+
+def interleaved_of(is_neox):
+    """The pair layout of serving engines' is_neox flag (True: rotate_half pairs), checked: a
+    string or None must not pick the GPT-J layout silently."""
+    if is_neox is True:
+        return False
+    return not check_flag(is_neox, "is_neox")
 
 
 def derivative_wanted(*tables):

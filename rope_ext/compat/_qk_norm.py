@@ -9,7 +9,7 @@ import threading
 import torch
 
 from ..qk_norm import qk_norm_rope_and_cache, qkv_norm_rope_
-from ._layout import tracing
+from ._layout import interleaved_of, tracing
 
 
 def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight,
@@ -31,7 +31,7 @@ def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps
         raise TypeError(f"forced_token_heads_per_warp must be an int, got "
                         f"{forced_token_heads_per_warp!r}")
     qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight, k_weight,
-                   position_ids, cos_sin_cache, eps=eps, interleaved=not is_neox)
+                   position_ids, cos_sin_cache, eps=eps, interleaved=interleaved_of(is_neox))
 
 
 # vLLM's float8 cache formats (its caches hold them as uint8: viewed as the format, same bytes).
@@ -177,7 +177,7 @@ def sglang_fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_d
         table = _yarn_tables(position_ids, *key)
         rows = torch.arange(position_ids.shape[0], device=position_ids.device)
     qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight, k_weight,
-                   rows, table, eps=eps, interleaved=not is_neox)
+                   rows, table, eps=eps, interleaved=interleaved_of(is_neox))
 
 
 # SGLang's kernel computes the angles in registers. A table of each call's tokens costs a dozen

@@ -17,6 +17,7 @@ import numbers
 import torch
 from torch.autograd import forward_ad
 
+from .._args import check_flag, check_flags
 from .._checks import FLOAT_DTYPES, below, check_positions_in_range
 from .._registrations import check_not_inference
 from ..ops import sequence_positions
@@ -165,6 +166,7 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
     interleaved: pairs (2i, 2i+1) (GPT-J) instead of (i, i + rotary_dim/2) (GPT-NeoX).
     seqlen_offsets: an int or a (batch_size,) tensor: token s of sequence b is at position
     s + offset_b. Returns the rotated tensor: x itself when inplace."""
+    check_flags("interleaved inplace", interleaved, inplace)
     cos, sin = _tables(cos, sin)
     if cu_seqlens is None:
         if x.dim() != 4:
@@ -210,6 +212,7 @@ def apply_rotary_emb_qkv_(qkv, cos, sin, cos_k=None, sin_k=None, interleaved=Fal
     """Rotates Q and K of qkv in place and returns qkv. qkv: (batch_size, seqlen, 3, nheads,
     headdim), or (batch_size, seqlen, num_heads_q + 2 * num_heads_k, headdim) (MQA/GQA) with
     num_heads_q given. cos_k, sin_k: K's own tables (each defaults to cos / sin)."""
+    check_flag(interleaved, "interleaved")
     if qkv.dim() == 5:
         if qkv.shape[2] != 3:
             raise ValueError(f"qkv must have shape (batch_size, seqlen, 3, nheads, headdim), got "
@@ -246,6 +249,7 @@ def apply_rotary_emb_qkv_(qkv, cos, sin, cos_k=None, sin_k=None, interleaved=Fal
 
 def apply_rotary_emb_kv_(kv, cos, sin, interleaved=False, seqlen_offsets=0):
     """Rotates K of kv (batch_size, seqlen, 2, nheads, headdim) in place; returns kv."""
+    check_flag(interleaved, "interleaved")
     if kv.dim() != 5 or kv.shape[2] != 2:
         raise ValueError(f"kv must have shape (batch_size, seqlen, 2, nheads, headdim), got "
                          f"{list(kv.shape)}")
@@ -258,6 +262,7 @@ def apply_rotary_emb_torch(x, cos, sin, interleaved=False):
     """flash-attn's pure-PyTorch reference, on the native op: x (batch_size, seqlen, nheads,
     headdim), cos/sin (seqlen, rotary_dim / 2) or (batch_size, seqlen, rotary_dim / 2).
     Out of place; differentiable w.r.t. x, cos and sin, as that reference is."""
+    check_flag(interleaved, "interleaved")
     if cos.shape != sin.shape or cos.dim() not in (2, 3):
         raise ValueError(f"cos and sin must have one shape, (seqlen, rotary_dim / 2) or (batch_size, "
                          f"seqlen, rotary_dim / 2), got cos {list(cos.shape)} and sin {list(sin.shape)}")

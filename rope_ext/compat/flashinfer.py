@@ -22,10 +22,11 @@ import math
 import torch
 
 from ..ops import apply_rope as _rotated, apply_rope_at, sequence_positions  # FlashInfer has its own apply_rope
-from .._args import check_float, check_int
+from .._args import check_flag, check_float, check_int, check_positive
 from .._call import ops
 from ..ops import apply_rope_
-from ._layout import check_cache_views, check_index_tensor, is_dtensor, uncached_when_tracing
+from ._layout import (check_cache_views, check_index_tensor, interleaved_of, is_dtensor,
+                      uncached_when_tracing)
 
 F32 = torch.float32
 
@@ -75,9 +76,14 @@ def _frequencies(rotary_dim, rope_scale, rope_theta, device, llama31=None):
 def _table(positions, valid, rotary_dim, rope_scale, rope_theta, llama31=None):
     """(nnz, rotary_dim) float32: cos | sin of each token's angles; rows where `valid` is False
     rotate by 0 (left unchanged)."""
-    llama31 = None if llama31 is None else tuple(float(v) for v in llama31)
+    if llama31 is not None:  # as Llama 3 configs are checked: each > 0, and high > low
+        llama31 = tuple(check_positive(v, name) for v, name in
+                        zip(llama31, ("low_freq_factor", "high_freq_factor", "old_context_len")))
+        if not llama31[1] > llama31[0]:
+            raise ValueError(f"high_freq_factor ({llama31[1]}) must be > low_freq_factor ({llama31[0]})")
     frequencies = uncached_when_tracing(_frequencies)
-    freq = frequencies(rotary_dim, float(rope_scale), float(rope_theta), positions.device, llama31)
+    freq = frequencies(rotary_dim, check_positive(rope_scale, "rope_scale"),
+                       check_positive(rope_theta, "rope_theta"), positions.device, llama31)
     angles = positions.to(F32)[:, None] * freq
     if valid is not None:
         angles = angles.masked_fill(~valid[:, None], 0.0)
@@ -102,6 +108,7 @@ def _pos_ids(q, pos_ids):
 
 
 def _run(q, k, table, interleave, inplace):
+    check_flag(interleave, "interleave")
     if inplace:
         rows = torch.arange(q.shape[0], device=q.device)  # row t of the table is token t's
         apply_rope_(q, k, rows, table, interleaved=interleave)
@@ -200,15 +207,16 @@ def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_
     head_size) rotated in place by the rows of cos_sin_cache (max_seq_len, rotary_dim) float32
     (cos | sin) at positions (nnz,). is_neox=False: interleaved pairs. Returns None."""
     q, k = _cache_views(positions, query, key, head_size, cos_sin_cache)
-    apply_rope_(q, k, positions, cos_sin_cache, interleaved=not is_neox)
+    apply_rope_(q, k, positions, cos_sin_cache, interleaved=interleaved_of(is_neox))
 
 
 def apply_rope_with_cos_sin_cache(positions, query, key, head_size, cos_sin_cache, is_neox=True):
     """apply_rope_with_cos_sin_cache_inplace out of place: returns (query_out, key_out) of
     query's and key's shapes."""
     q, k = _cache_views(positions, query, key, head_size, cos_sin_cache)
+    interleaved = interleaved_of(is_neox)
     rotate = lambda t, like: apply_rope_at(t, positions, cos_sin_cache,  # noqa: E731
-                                           interleaved=not is_neox).reshape(like.shape)
+                                           interleaved=interleaved).reshape(like.shape)
     return rotate(q, query), rotate(k, key)
 
 
@@ -261,7 +269,7 @@ def rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is
                          (k_nope_out, k_nope))]
     ops.quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, *outs,
                      check_float(quant_scale_q, "quant_scale_q"),
-                     check_float(quant_scale_kv, "quant_scale_kv"), not is_neox)
+                     check_float(quant_scale_kv, "quant_scale_kv"), interleaved_of(is_neox))
     return tuple(outs)
 
 
@@ -330,5 +338,5 @@ def rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, c
         q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, q_rope_out, q_nope_out,
         cache_0, cache_1, kv_indices, kv_indptr, batch_indices, positions,
         check_int(page_size, "page_size"), kv_layout, check_float(quant_scale_q, "quant_scale_q"),
-        check_float(quant_scale_kv, "quant_scale_kv"), not is_neox)
+        check_float(quant_scale_kv, "quant_scale_kv"), interleaved_of(is_neox))
     return q_rope_out, q_nope_out

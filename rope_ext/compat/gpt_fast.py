@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from .._args import check_positive
+from ..scaling import llama3_parameters
 from ._layout import float32_table, rotate_pairs
 from .llama import cis, inv_freq
 
@@ -22,6 +24,7 @@ def _llama3_scaled(freqs, rope_scaling):
     """gpt-fast's Llama 3.1 frequency scaling, element for element in float32 as its loop computes
     it (rope_ext.scaling's llama3 computes in float64: the same frequencies up to the last bit,
     but the cache is gpt-fast's own only with gpt-fast's rounding)."""
+    llama3_parameters(rope_scaling, "precompute_freqs_cis: rope_scaling")  # checked; used as given
     factor = rope_scaling["factor"]
     low_freq_factor = rope_scaling["low_freq_factor"]
     high_freq_factor = rope_scaling["high_freq_factor"]
@@ -36,6 +39,7 @@ def _llama3_scaled(freqs, rope_scaling):
 def precompute_freqs_cis(seq_len, n_elem, base=10000, dtype=torch.bfloat16, rope_scaling=None):
     """gpt-fast's cache: (seq_len, n_elem // 2, 2), [..., 0] cos and [..., 1] sin of p * w_i,
     w_i = base^(-2i/n_elem) (Llama 3.1-scaled with a rope_scaling dict), in `dtype`."""
+    check_positive(base, "base")
     freqs = inv_freq(n_elem, base)
     if rope_scaling is not None:
         freqs = _llama3_scaled(freqs, rope_scaling)

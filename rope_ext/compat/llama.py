@@ -16,6 +16,7 @@ longer than seqlen is torchtitan's call, whose first seqlen rows serve.
 
 import torch
 
+from .._args import check_positive
 from .._checks import below
 from ._layout import check_index_tensor, check_values, float32_table, rotate_pairs
 
@@ -23,6 +24,7 @@ from ._layout import check_index_tensor, check_values, float32_table, rotate_pai
 def inv_freq(dim, theta):
     """The reference's frequencies theta^(-2i/dim), i < dim/2, float32, with its arithmetic (the
     tables are the models' own, bit for bit)."""
+    check_positive(theta, "theta")
     return 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
 
 

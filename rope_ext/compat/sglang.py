@@ -11,7 +11,8 @@ from typing import Optional
 import torch
 
 from ..ops import apply_rope_, apply_rope_and_cache_
-from ._layout import check_cache_views, check_index_tensor, float32_scalar, heads
+from ._layout import (check_cache_views, check_index_tensor, float32_scalar, heads,
+                      interleaved_of)
 
 _FP8 = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
@@ -72,7 +73,7 @@ def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_
     head_size = q.shape[-1]  # checked, as an int
     arg = fused_set_kv_buffer_arg
     if arg is None:
-        apply_rope_(q, k, positions, cos_sin_cache, interleaved=not is_neox)
+        apply_rope_(q, k, positions, cos_sin_cache, interleaved=interleaved_of(is_neox))
         return
     if key is None:
         raise ValueError("fused_set_kv_buffer_arg needs key: the rotated key is what is stored")
@@ -86,7 +87,8 @@ def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_
                          f"{list(arg.v_buffer.shape)}")
     try:
         apply_rope_and_cache_(q, k, value, positions, cos_sin_cache, k_pool, v_pool,
-                              arg.cache_loc, interleaved=not is_neox, kv_cache_dtype=fmt,
+                              arg.cache_loc, interleaved=interleaved_of(is_neox),
+                              kv_cache_dtype=fmt,
                               k_scale=k_scale, v_scale=v_scale)
     except RuntimeError as e:  # the checks of cache_loc's values, in SGLang's names
         if "slot_mapping" not in str(e):

@@ -31,6 +31,7 @@ local shard being what TE would be given on that rank; the result is placed like
 
 import torch
 
+from .._args import check_flag, check_flags, check_positive
 from ..ops import token_sequences
 from . import _per_element
 from ._layout import check_index_tensor, check_int, check_values, is_dtensor
@@ -54,6 +55,9 @@ class RotaryPositionEmbedding(torch.nn.Module):
     def __init__(self, dim, rotary_percent=1.0, seq_len_interpolation_factor=None,
                  pretrained_max_position_embeddings=None, rotary_base=10000.0, interleaved=False):
         super().__init__()
+        dim = check_int(dim, "dim", 1)
+        check_positive(rotary_percent, "rotary_percent")
+        check_positive(rotary_base, "rotary_base")
         if rotary_percent < 1.0:
             dim = int(dim * rotary_percent)
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
@@ -62,7 +66,7 @@ class RotaryPositionEmbedding(torch.nn.Module):
         exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
         self.register_buffer("inv_freq", 1.0 / (self.rotary_base ** exponents))
         self.pretrained_max_position_embeddings = pretrained_max_position_embeddings
-        self.interleaved = interleaved
+        self.interleaved = check_flag(interleaved, "interleaved")
 
     def forward(self, max_seq_len, offset=0):
         # Mixed precision would round the angles (TE turns autocast off here too).
@@ -221,6 +225,7 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
         raise ValueError("cu_seqlens must not be None when tensor_format is 'thd'.")
     cp_size = check_int(cp_size, "cp_size", 1)
     cp_rank = check_int(cp_rank, "cp_rank", 0)
+    check_flags("interleaved fused", interleaved, fused)
     if cp_rank >= cp_size:
         raise ValueError(f"cp_rank must be < cp_size = {cp_size}, got {cp_rank}")
     if is_dtensor(t):
@@ -240,4 +245,4 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
     else:
         angles = _dense_angles(t, freqs, FORMATS.index(tensor_format), start_positions, cp_size,
                                cp_rank)
-    return _per_element.rotate(t, angles, bool(interleaved))
+    return _per_element.rotate(t, angles, interleaved)

@@ -17,6 +17,7 @@ transformers' own, half by half.
 import torch
 from torch.autograd import forward_ad
 
+from .._args import mrope_section_arg
 from ._layout import derivative_wanted, float32_table, ops, rotate_pairs
 
 
@@ -167,7 +168,7 @@ def apply_rotary_pos_emb_single(x, cos, sin, unsqueeze_dim=1):
 
 
 def _sections(mrope_section, width):
-    section = [int(s) for s in mrope_section]
+    section = mrope_section_arg(mrope_section)  # 2.9 is not an int (transformers' split refuses it)
     if len(section) != 3 or min(section) < 0 or 2 * sum(section) != width:
         raise ValueError(f"mrope_section must be 3 ints >= 0 summing to cos.size(-1) / 2 = "
                          f"{width // 2}, got {list(mrope_section)}")
