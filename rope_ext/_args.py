@@ -35,17 +35,23 @@ def check_float(value, name):
 
 
 def check_flag(value, name):
-    """value if it is True or False, else a ValueError naming it: as torch's own functions take a
-    bool argument (bool("false") is True, and 2 or None would pick a layout silently)."""
+    """value as a bool: True or False, or what torch's bool arguments and the peers' flags also
+    take for them (a NumPy bool, the ints 0 and 1); else a ValueError naming it (bool("false")
+    is True, and 2 or None would pick a layout silently)."""
     if value is True or value is False:
         return value
+    kind = type(value)
+    if (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")) or \
+            (isinstance(value, numbers.Integral) and value in (0, 1)):
+        return bool(value)
     raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def check_flags(names, *values):
     """check_flag of each value, named by the words of `names` in order."""
     for name, value in zip(names.split(), values):
-        check_flag(value, name)
+        if value is not True and value is not False:
+            check_flag(value, name)
 
 
 def check_eps(eps):

@@ -205,10 +205,11 @@ def _deepseek_yarn(scaling, rotary_dim, base, seq_len, device):
     return _yarn(scaling, rotary_dim, base, seq_len, device, kind="deepseek_yarn")
 
 
-def llama3_parameters(scaling, prefix="cos_sin_cache: rope scaling 'llama3'"):
+def llama3_parameters(scaling, prefix="cos_sin_cache: rope scaling 'llama3'", ordered=True):
     """(factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) of a Llama 3
-    dict, each a finite number > 0 and high > low (the blend divides by their difference), or a
-    ValueError naming the key after `prefix`: rope_ext.scaling's, gpt-fast's and FlashInfer's."""
+    dict, each a finite number > 0 and, if `ordered`, high > low (transformers' configs), or a
+    ValueError naming the key after `prefix`: rope_ext.scaling's and gpt-fast's (whose formula
+    gives a step function for high <= low: not `ordered`)."""
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     if not isinstance(scaling, dict):
         raise ValueError(f"{prefix} must be a dict with the keys {', '.join(keys)}, got "
@@ -217,7 +218,7 @@ def llama3_parameters(scaling, prefix="cos_sin_cache: rope scaling 'llama3'"):
         if scaling.get(key) is None:
             raise ValueError(f"{prefix} needs the key {key!r}")
     factor, low, high, original = (check_positive(scaling[key], f"{prefix}: {key}") for key in keys)
-    if not high > low:
+    if ordered and not high > low:
         raise ValueError(f"{prefix}: high_freq_factor ({high}) must be > low_freq_factor ({low})")
     return factor, low, high, original
 

@@ -37,10 +37,10 @@ FLAG_CASES = {
     "apply_rope_ rope_dim_offset=tensor": (
         lambda q, k, p, c, w: rope_ext.apply_rope_(q, k, p, c, rope_dim_offset=torch.tensor(0)),
         r"rope_dim_offset must be an int"),
-    "apply_mrope_ mrope_interleaved=1": (
+    "apply_mrope_ mrope_interleaved=2": (
         lambda q, k, p, c, w: rope_ext.apply_mrope_(q, k, torch.stack([p] * 3), c, [2, 3, 3],
-                                                   mrope_interleaved=1),
-        r"mrope_interleaved must be True or False, got 1"),
+                                                   mrope_interleaved=2),
+        r"mrope_interleaved must be True or False, got 2"),
     "apply_rope_at interleaved='false'": (
         lambda q, k, p, c, w: rope_ext.apply_rope_at(q, p, c, interleaved="false"),
         r"interleaved must be True or False, got 'false'"),
@@ -55,10 +55,10 @@ FLAG_CASES = {
     "qk_norm_rope_ unit_offset=2": (
         lambda q, k, p, c, w: rope_ext.qk_norm_rope_(q, k, w, w, p, c, unit_offset=2),
         r"unit_offset must be True or False, got 2"),
-    "qkv_norm_rope_ interleaved=1": (
+    "qkv_norm_rope_ interleaved=-1": (
         lambda q, k, p, c, w: rope_ext.qkv_norm_rope_(torch.cat((q, k, k), 1).flatten(1), 2, 1, 1, 16,
-                                                      w, w, p, c, interleaved=1),
-        r"interleaved must be True or False, got 1"),
+                                                      w, w, p, c, interleaved=-1),
+        r"interleaved must be True or False, got -1"),
     "qk_norm_rope_and_cache_ v_norm=None": (
         lambda q, k, p, c, w: rope_ext.qk_norm_rope_and_cache_(
             q, k, torch.randn(4, 1, 16), p, c, w, w, torch.zeros(2, 4, 1, 16),
@@ -100,7 +100,7 @@ FLAG_CASES = {
 
 
 @pytest.mark.parametrize("case", FLAG_CASES)
-def test_flags_and_ints_that_torch_would_convert_are_refused_before_any_write(case):
+def test_flags_and_values_that_torch_would_misread_are_refused_before_any_write(case):
     call, match = FLAG_CASES[case]
     q, k, pos, cache, w = _inputs()
     before = (q.clone(), k.clone())
@@ -111,18 +111,33 @@ def test_flags_and_ints_that_torch_would_convert_are_refused_before_any_write(ca
     assert (q._version, k._version) == versions
 
 
-def test_the_same_calls_with_bools_and_ints_run():
-    # the checks refuse only what they should: True/False and ints pass, with the results of
-    # the defaults where the values are the defaults' (bit for bit)
+def test_flags_take_what_torch_and_the_peers_take_for_a_bool():
+    # True/False, NumPy bools and the ints 0 and 1 (torch's bool arguments take them, and the
+    # peers' flags), with the results of the equal bool, bit for bit
+    np = pytest.importorskip("numpy")
     q, k, pos, cache, w = _inputs()
-    want = rope_ext.apply_rope_at(q, pos, cache)
-    for kw in (dict(interleaved=False, inverse=False, rope_dim_offset=0), {}):
+    want = {flag: rope_ext.apply_rope_at(q, pos, cache, interleaved=flag) for flag in (False, True)}
+    for value in (False, True, 0, 1, np.bool_(False), np.bool_(True)):
         got = q.clone()
-        rope_ext.apply_rope_(got, None, pos, cache, **kw)
-        assert torch.equal(got, want)
-    got = q.clone()
-    vllm.rotary_embedding(pos, got.flatten(1), None, 16, cache, True, rope_dim_offset=0, inverse=False)
-    assert torch.equal(got, want)
+        rope_ext.apply_rope_(got, None, pos, cache, interleaved=value, inverse=False, rope_dim_offset=0)
+        assert torch.equal(got, want[bool(value)])
+        got = q.clone()
+        vllm.rotary_embedding(pos, got.flatten(1), None, 16, cache, not value, inverse=0)
+        assert torch.equal(got, want[bool(value)])
+        got = q.clone()
+        fi.apply_rope_pos_ids_inplace(got, k.clone(), pos, interleave=value)
+        assert torch.equal(got, fi.apply_rope_pos_ids(q, k, pos, interleave=bool(value))[0])
+
+
+def test_llama31_values_the_peers_compute_finite_tables_for_are_taken():
+    # FlashInfer's blend with low_freq_factor 0 or high < low, gpt-fast's with high <= low (a
+    # step function): finite tables, as the peers compute them
+    q, k, pos, _, _ = _inputs()
+    for low, high in ((0, 4), (4, 2)):
+        out = fi.apply_llama31_rope_pos_ids(q, k, pos, low_freq_factor=low, high_freq_factor=high)
+        assert all(torch.isfinite(t).all() for t in out)
+    scaling = dict(factor=8.0, low_freq_factor=4.0, high_freq_factor=4.0, original_max_position_embeddings=8)
+    assert torch.isfinite(gpt_fast.precompute_freqs_cis(16, 8, rope_scaling=scaling).float()).all()
 
 
 # (call, message) of values that would give a table of NaN or inf, or fail inside arithmetic.
@@ -135,10 +150,10 @@ TABLE_CASES = {
                                   r"rope_scale must be > 0 and finite, got '2'"),
     "flashinfer llama31 low=high": (
         lambda q, k, p: fi.apply_llama31_rope_pos_ids_inplace(q, k, p, low_freq_factor=4, high_freq_factor=4),
-        r"high_freq_factor \(4.0\) must be > low_freq_factor \(4.0\)"),
-    "flashinfer llama31 low=0": (
-        lambda q, k, p: fi.apply_llama31_rope_pos_ids_inplace(q, k, p, low_freq_factor=0),
-        r"low_freq_factor must be > 0 and finite, got 0"),
+        r"high_freq_factor must differ from low_freq_factor = 4.0"),
+    "flashinfer llama31 old_context_len=inf": (
+        lambda q, k, p: fi.apply_llama31_rope_pos_ids_inplace(q, k, p, old_context_len=float("inf")),
+        r"old_context_len must be finite, got inf"),
     "llama theta=0": (lambda q, k, p: llama.precompute_freqs_cis(16, 8, theta=0),
                       r"theta must be > 0 and finite, got 0"),
     "gpt-fast base=-1": (lambda q, k, p: gpt_fast.precompute_freqs_cis(8, 16, base=-1),

@@ -73,14 +73,22 @@ def _frequencies(rotary_dim, rope_scale, rope_theta, device, llama31=None):
     return (1 - smooth) * (freq * rcp_scale) + smooth * freq
 
 
+def _finite(value, name):
+    value = check_float(value, name)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return value
+
+
 def _table(positions, valid, rotary_dim, rope_scale, rope_theta, llama31=None):
     """(nnz, rotary_dim) float32: cos | sin of each token's angles; rows where `valid` is False
     rotate by 0 (left unchanged)."""
-    if llama31 is not None:  # as Llama 3 configs are checked: each > 0, and high > low
-        llama31 = tuple(check_positive(v, name) for v, name in
+    if llama31 is not None:  # what FlashInfer's formula gives no finite table for
+        llama31 = tuple(_finite(v, name) for v, name in
                         zip(llama31, ("low_freq_factor", "high_freq_factor", "old_context_len")))
-        if not llama31[1] > llama31[0]:
-            raise ValueError(f"high_freq_factor ({llama31[1]}) must be > low_freq_factor ({llama31[0]})")
+        if llama31[1] == llama31[0]:
+            raise ValueError(f"high_freq_factor must differ from low_freq_factor = {llama31[0]} "
+                             "(FlashInfer's blend divides by their difference)")
     frequencies = uncached_when_tracing(_frequencies)
     freq = frequencies(rotary_dim, check_positive(rope_scale, "rope_scale"),
                        check_positive(rope_theta, "rope_theta"), positions.device, llama31)

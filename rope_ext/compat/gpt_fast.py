@@ -24,7 +24,7 @@ def _llama3_scaled(freqs, rope_scaling):
     """gpt-fast's Llama 3.1 frequency scaling, element for element in float32 as its loop computes
     it (rope_ext.scaling's llama3 computes in float64: the same frequencies up to the last bit,
     but the cache is gpt-fast's own only with gpt-fast's rounding)."""
-    llama3_parameters(rope_scaling, "precompute_freqs_cis: rope_scaling")  # checked; used as given
+    llama3_parameters(rope_scaling, "precompute_freqs_cis: rope_scaling", ordered=False)  # as given
     factor = rope_scaling["factor"]
     low_freq_factor = rope_scaling["low_freq_factor"]
     high_freq_factor = rope_scaling["high_freq_factor"]
