@@ -201,6 +201,40 @@ def test_hf_gradients_without_table_grads(one_call, monkeypatch):
     assert gradcheck(lambda q, k: hf.apply_rotary_pos_emb(q, k, cos, sin), (q, k))
 
 
+def test_hf_outputs_that_need_gradients_take_in_place_ops(monkeypatch):
+    # transformers returns two tensors of their own; views of one (the one-call path) would
+    # refuse `q_embed *= scale` under autograd
+    monkeypatch.setattr(hf, "ONE_CALL_NUMEL", 1 << 30)
+    q = torch.randn(2, 3, 4, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 1, 4, 8, dtype=torch.float64, requires_grad=True)
+    cos, sin = peers.hf_cos_sin(torch.randint(0, 50, (2, 4)), 8, dtype=torch.float64)
+    q_embed, k_embed = hf.apply_rotary_pos_emb(q, k, cos, sin)
+    q_embed *= 0.5
+    (q_embed.sum() + k_embed.sum()).backward()
+    want_q, _ = peers.hf_apply_rotary_pos_emb(q.detach(), k.detach(), cos, sin)
+    check(q_embed.detach(), want_q * 0.5, torch.float64)
+
+
+@pytest.mark.parametrize("single", [False, True])
+def test_hf_unsqueeze_dim_given_in_position_ids_place(single):
+    # transformers 5's (q, k, cos, sin, unsqueeze_dim=1) called positionally puts unsqueeze_dim
+    # where transformers 4 had position_ids: seq == heads here, so reading it as position_ids
+    # (unsqueeze at 1) would rotate by the wrong rows without a shape error
+    q, k = torch.randn(2, 4, 4, 8, dtype=torch.float64), torch.randn(2, 4, 4, 8, dtype=torch.float64)
+    cos, sin = peers.hf_cos_sin(torch.randint(0, 50, (2, 4)), 8, dtype=torch.float64)
+    want = peers.hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+    if single:
+        check(hf.apply_rotary_pos_emb_single(q, cos, sin, 2), want[0], torch.float64)
+        # Gemma 3n's transformers 4 signature: (x, cos, sin, position_ids=None, unsqueeze_dim=1)
+        check(hf.apply_rotary_pos_emb_single(q, cos, sin, torch.arange(4), unsqueeze_dim=2), want[0],
+              torch.float64)
+    else:
+        for got, exp in zip(hf.apply_rotary_pos_emb(q, k, cos, sin, 2), want):
+            check(got, exp, torch.float64)
+    with pytest.raises(ValueError, match="position_ids .* or the positional unsqueeze_dim of transformers 5"):
+        hf.apply_rotary_pos_emb(q, k, cos, sin, 2, unsqueeze_dim=2)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [8, 16])  # GPT-J slices rotary_dim; a wider tensor passes through
 def test_hf_gptj(dtype, width):

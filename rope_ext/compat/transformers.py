@@ -117,7 +117,10 @@ def _fast_path(q, k, cos, sin, unsqueeze_dim):
     s = sin.as_strided(size, (sb, 0, st, sd) if unsqueeze_dim == 1 else (sb, st, 0, sd))
     if k is None:
         return (ops.apply(q, float32_table(c), float32_table(s), False),)
-    if same_rest and q.numel() + k.numel() <= ONE_CALL_NUMEL:
+    # Small q and k in one call, but not where they need gradients: views of one output refuse
+    # in-place ops under autograd (q_embed *= scale would fail).
+    if same_rest and q.numel() + k.numel() <= ONE_CALL_NUMEL and \
+            not (q.requires_grad or k.requires_grad):
         both = ops.apply(torch.cat((q, k), unsqueeze_dim), c, s, False)
         return both.split_with_sizes((q_shape[unsqueeze_dim], k_shape[unsqueeze_dim]), unsqueeze_dim)
     c, s = float32_table(c), float32_table(s)
@@ -131,16 +134,30 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     2 for (batch, seq, heads, head_dim)). cos, sin: (batch, seq, rotary_dim) as transformers'
     rotary modules make them, halves equal. rotary_dim < head_dim rotates the first rotary_dim
     dims and passes the rest through, as the GPT-NeoX and Phi-3 versions do. position_ids:
-    unused, as in transformers. Differentiable w.r.t. q, k, cos and sin. At small sizes q_embed
-    and k_embed may be views of one tensor, as torch's split returns them."""
-    return _q_and_k(q, k, cos, sin, unsqueeze_dim, in_input_dtype=False)
+    unused, as in transformers 4; an int in its place is transformers 5's unsqueeze_dim, given
+    positionally. Differentiable w.r.t. q, k, cos and sin. At small sizes, when neither q nor
+    k requires grad, q_embed and k_embed may be views of one tensor, as torch's split returns
+    them."""
+    return _q_and_k(q, k, cos, sin, _unsqueeze_dim(position_ids, unsqueeze_dim), in_input_dtype=False)
 
 
 def apply_rotary_pos_emb_in_input_dtype(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """Olmo 2's and LFM3's apply_rotary_pos_emb: apply_rotary_pos_emb's rotation, each result in
     its input's dtype (float32 tables of a bfloat16 model give bfloat16 q_embed and k_embed, the
     rotation computed in float32 and rounded once)."""
-    return _q_and_k(q, k, cos, sin, unsqueeze_dim, in_input_dtype=True)
+    return _q_and_k(q, k, cos, sin, _unsqueeze_dim(position_ids, unsqueeze_dim), in_input_dtype=True)
+
+
+def _unsqueeze_dim(position_ids, unsqueeze_dim):
+    """unsqueeze_dim, also where transformers 5's signature (..., cos, sin, unsqueeze_dim=1) gave
+    it positionally, in transformers 4's place of position_ids (a tensor or None, unused)."""
+    if position_ids is None or isinstance(position_ids, torch.Tensor):
+        return unsqueeze_dim
+    if type(position_ids) is int and unsqueeze_dim == 1:
+        return position_ids
+    raise ValueError(f"position_ids (unused) must be a tensor or None, or the positional "
+                     f"unsqueeze_dim of transformers 5 (an int, without unsqueeze_dim=), got "
+                     f"{position_ids!r} and unsqueeze_dim={unsqueeze_dim!r}")
 
 
 def _q_and_k(q, k, cos, sin, unsqueeze_dim, in_input_dtype):
@@ -156,9 +173,11 @@ def _q_and_k(q, k, cos, sin, unsqueeze_dim, in_input_dtype):
     return _rotate_half_style((q, k), cos, sin, dtypes)
 
 
-def apply_rotary_pos_emb_single(x, cos, sin, unsqueeze_dim=1):
+def apply_rotary_pos_emb_single(x, cos, sin, position_ids=None, unsqueeze_dim=1):
     """transformers' one-tensor apply_rotary_pos_emb (Gemma 3n and 4, which rotate q and k in
-    separate calls): x * cos + rotate_half(x) * sin, as apply_rotary_pos_emb computes it for q."""
+    separate calls): x * cos + rotate_half(x) * sin, as apply_rotary_pos_emb computes it for q.
+    position_ids as apply_rotary_pos_emb's (Gemma 3n's in transformers 4)."""
+    unsqueeze_dim = _unsqueeze_dim(position_ids, unsqueeze_dim)
     fast = _fast_path(x, None, cos, sin, unsqueeze_dim)
     if fast is not None:
         return fast[0]
