@@ -408,6 +408,8 @@ def _routed_calls():
                                                                   *caches(), slots, 1e-6), {}),
         "qk_norm_rope_and_cache": (OPS.qk_norm_rope_and_cache, (q, k, v, pos, CACHE, wq, wk,
                                                                 *caches(), slots, 1e-6), {}),
+        "shift_kv_cache_": (OPS.shift_kv_cache_, (torch.randn(2, 4, 2, 16), torch.tensor([0, 5]),
+                                                  torch.tensor(1), CACHE), {}),
         "quantize_fp8": (OPS.quantize_fp8, (*parts, CACHE, pos, *outs), {}),
         "quantize_fp8_append_paged_kv_cache": (
             OPS.quantize_fp8_append_paged_kv_cache,

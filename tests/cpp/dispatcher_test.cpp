@@ -1,14 +1,17 @@
 // Loads the CMake-built op libraries the way a Python-less runtime does (dlopen), then calls every
 // rope op (apply, apply.out, apply_backward, apply_, mrope_, apply_positions, apply_and_cache_)
 // through c10::Dispatcher and compares with a float64 reference computed here from the formulas
-// of docs/math.md.
+// of docs/math.md; and checks torch's in-place rules of apply_ and shift_kv_cache_ without Python.
 // Usage: rope_dispatcher_test <librope_ops.so> [<librope_ops_cuda.so>]. Exit status 0 = pass.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <dlfcn.h>
 
+#include <c10/core/InferenceMode.h>
+
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <string>
@@ -230,6 +233,38 @@ void check_device(at::DeviceType device, c10::DispatchKey key) {
   }
 }
 
+// Without Python, an in-place op keeps torch's in-place rules (the C++ call path of the ops
+// marked ROUTED in schemas.def): the written tensor's version moves, and a leaf that requires
+// grad or an inference tensor outside inference mode is refused before anything is written.
+void check_inplace_rules(const char* name, const std::function<void(const at::Tensor&)>& call,
+                         const std::vector<int64_t>& shape) {
+  auto t = at::randn(shape);
+  const auto v0 = t._version();
+  {
+    at::NoGradGuard no_grad;
+    call(t);
+  }
+  expect(t._version() > v0, std::string(name) + " moves the version of the tensor it writes");
+  auto refused = [&](const at::Tensor& u, const char* what) {
+    auto before = u.detach().clone();
+    bool threw = false;
+    try {
+      call(u);
+    } catch (const std::exception&) {
+      threw = true;
+    }
+    expect(threw && at::equal(u.detach(), before), std::string(name) + " refuses " + what +
+                                                       " before writing it");
+  };
+  refused(at::randn(shape).requires_grad_(), "a leaf that requires grad (grad mode)");
+  at::Tensor inference;
+  {
+    c10::InferenceMode guard;
+    inference = at::randn(shape);
+  }
+  refused(inference, "an inference tensor outside inference mode");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -264,6 +299,20 @@ int main(int argc, char** argv) {
   mrope_op = dispatcher.findSchemaOrThrow("rope::mrope_", "").typed<MropeFn>();
 
   check_device(at::kCPU, c10::DispatchKey::CPU);
+  {
+    auto table = at::rand({16, 8});
+    auto positions = at::arange(3);
+    check_inplace_rules("rope::apply_", [&](const at::Tensor& q) {
+      at::Tensor t = q;
+      apply_inplace_op->call(t, std::nullopt, positions, table, false, 0, false);
+    }, {3, 2, 8});
+    auto shift = dispatcher.findSchemaOrThrow("rope::shift_kv_cache_", "");
+    check_inplace_rules("rope::shift_kv_cache_", [&](const at::Tensor& cache) {
+      std::vector<c10::IValue> stack{cache, at::arange(3), at::ones({}, at::kLong), table, false,
+                                     std::string("auto"), c10::IValue()};
+      shift.callBoxed(&stack);
+    }, {2, 4, 1, 8});
+  }
 #ifdef ROPE_EXT_EXPECT_CUDA
   // Built with CUDA kernels: they must be registered, and where a GPU is present, correct.
   int cuda_ops = 0;
