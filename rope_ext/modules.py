@@ -325,9 +325,12 @@ class RotaryEmbedding(torch.nn.Module):
         half = self.rotary_dim // 2
         return rows[..., :half], rows[..., half:]
 
-    def _section(self, query, positions):
-        """mrope_section when positions carry the 3 MRoPE components, else None."""
-        if self.mrope_section is not None and positions.dim() == query.dim() - 1:
+    def _section(self, query, key, positions):
+        """mrope_section when positions carry the 3 MRoPE components, else None (also for
+        positions that are no tensor: _table_and_index names them)."""
+        like = query if query is not None else key
+        if self.mrope_section is not None and like is not None and \
+                isinstance(positions, torch.Tensor) and positions.dim() == like.dim() - 1:
             return self.mrope_section
         return None
 
@@ -335,6 +338,9 @@ class RotaryEmbedding(torch.nn.Module):
         """Heads of the module's head_dim (a table for other heads would rotate some of their
         dims by the wrong frequencies, or only a part of them)."""
         for name, t in (("query", query), ("key", key)):
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise TypeError(f"RotaryEmbedding: {name} must be a tensor or None, got "
+                                f"{type(t).__name__}")
             if t is not None and (t.dim() == 0 or t.shape[-1] != self.head_dim):
                 raise ValueError(f"RotaryEmbedding: {name} of shape {list(t.shape)} must have the "
                                  f"module's head_dim = {self.head_dim} as its last dim")
@@ -342,7 +348,7 @@ class RotaryEmbedding(torch.nn.Module):
     def forward(self, query, key, positions):
         """Rotated copies of query and key (None stays None); differentiable w.r.t. both."""
         self._check_heads(query, key)
-        section = self._section(query, positions)
+        section = self._section(query, key, positions)
         table, index, length = self._table_and_index(positions)
 
         off = self.rope_dim_offset
@@ -363,7 +369,7 @@ class RotaryEmbedding(torch.nn.Module):
     def forward_(self, query, key, positions):
         """In place, the inference path (rope.apply_ or rope.mrope_); returns (query, key)."""
         self._check_heads(query, key)
-        section = self._section(query, positions)
+        section = self._section(query, key, positions)
         table, index, length = self._table_and_index(positions)
         if section is not None:
             out = apply_mrope_(query, key, index, table, section, interleaved=self.interleaved,

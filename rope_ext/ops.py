@@ -45,7 +45,7 @@ def heads(t, head_size, name, lead=None):
 def _table_halves(cos_sin_cache):
     """The cos and sin halves of a (max_position, rotary_dim) table, checked."""
     if not isinstance(cos_sin_cache, torch.Tensor):
-        raise RuntimeError(f"rope.apply_rope_at: cos_sin_cache must be a tensor, got "
+        raise RuntimeError(f"apply_rope_at: cos_sin_cache must be a tensor, got "
                            f"{type(cos_sin_cache).__name__ if cos_sin_cache is not None else None}")
     if cos_sin_cache.dim() != 2:
         raise RuntimeError("apply_rope_at: cos_sin_cache must have shape (max_position, rotary_dim), "
@@ -72,6 +72,8 @@ def apply_rope(x, cos, sin, *, interleaved=False, out=None):
         check_flag(interleaved, "interleaved")
     if out is None:
         return ops.apply(x, cos, sin, interleaved)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"apply_rope(): out must be a tensor, got {type(out).__name__}")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad  # None: the op names it
                                        for t in (x, cos, sin, out)):
         raise RuntimeError(f"apply_rope(): {OUT_NOT_DIFFERENTIABLE}")

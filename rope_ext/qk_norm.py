@@ -40,6 +40,9 @@ def half_tables(cos, sin, *, interleaved=False, head_first=False, ndim=4):
     models whose rotary module duplicates the halves and repeats entries only inside its
     apply_rotary_pos_emb (transformers' GLM and GLM-4) need cos[..., :rotary_dim // 2] with
     table_width="half" instead: their tables read here as repeated entries would be wrong."""
+    if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)):
+        raise ValueError(f"cos and sin must be tensors (..., seq, rotary_dim), got "
+                         f"{type(cos).__name__} and {type(sin).__name__}")
     if cos.dim() < 2 or cos.shape != sin.shape:
         raise ValueError(f"cos and sin must have one shape (..., seq, rotary_dim), got cos "
                          f"{list(cos.shape)} and sin {list(sin.shape)}")
@@ -90,7 +93,7 @@ def qk_norm_rope(query, key, q_weight, k_weight, cos, sin, *, eps=1e-6, unit_off
     check_flags("unit_offset interleaved head_first", unit_offset, interleaved, head_first)
     if table_width == "full":
         cos, sin = half_tables(cos, sin, interleaved=interleaved, head_first=head_first,
-                               ndim=4 if query is None else query.dim())  # None: the op names it
+                               ndim=query.dim() if isinstance(query, torch.Tensor) else 4)  # else the op names it
     return ops.qk_norm_rope(query, key, q_weight, k_weight, cos, sin, check_eps(eps), unit_offset,
                             interleaved)
 
@@ -120,8 +123,9 @@ def norm_rope(query, key, q_weight, k_weight, cos, sin, *, q_bias=None, k_bias=N
     eps = check_eps(eps)
     if table_width == "full":
         cos, sin = half_tables(cos, sin, interleaved=interleaved, head_first=head_first,
-                               ndim=4 if query is None else query.dim())  # None: the op names it
-    if head_first and norm == "rms_across_heads":
+                               ndim=query.dim() if isinstance(query, torch.Tensor) else 4)  # else the op names it
+    if head_first and norm == "rms_across_heads" and isinstance(query, torch.Tensor) and \
+            isinstance(key, torch.Tensor):  # (else the op names what is no tensor)
         # the heads as dim -2, where the op normalizes them together (views, no copy)
         def t(x):
             return x.transpose(-3, -2) if x.dim() == query.dim() else x  # (or one table row)

@@ -194,3 +194,46 @@ def test_mrope_arguments_that_would_be_truncated_or_ignored_are_refused(fn, sect
     with pytest.raises(ValueError, match=match):
         calls[fn]()
     assert torch.equal(q, before)
+
+
+def test_arguments_of_the_wrong_kind_are_named():
+    # Each once raised an incidental AttributeError / TypeError / KeyError from inside a wrapper
+    # (a list for a tensor, a dict key that cannot be hashed, a None where a tuple is read).
+    from types import SimpleNamespace
+
+    from rope_ext.compat import diffusers, flashinfer, sglang
+    from rope_ext.integrations import transformers as hf_patch
+    q, k, pos = torch.randn(3, 2, 8), torch.randn(3, 1, 8), torch.arange(3)
+    w, cos = torch.ones(8), torch.randn(3, 8)
+    module = rope_ext.RotaryEmbedding(8, max_position=16, mrope_section=[2, 1, 1])
+    f8 = torch.float8_e4m3fn
+    kv = dict(k_buffer=torch.zeros(8, 8, dtype=f8), v_buffer=torch.zeros(8, 8, dtype=f8),
+              cache_loc=torch.arange(3), value=torch.randn(3, 8), v_scale=None)
+    cases = {
+        "cos and sin must be tensors": lambda: rope_ext.qk_norm_rope(q[None], k[None], w, w, None, cos),
+        "apply_rope\\(\\): out must be a tensor, got list": lambda: rope_ext.apply_rope(
+            q, cos[:, None, :4], cos[:, None, :4], out=[1]),
+        "RotaryEmbedding: query must be a tensor or None, got list": lambda: module(q.tolist(), k, pos),
+        "rope.norm_rope: query must be a tensor": lambda: rope_ext.norm_rope(
+            None, k[None], None, None, cos, cos, norm="rms_across_heads", head_first=True),
+        "`use_real_unbind_dim=\\[1\\]` but should be -1 or -2": lambda: diffusers.apply_rotary_emb(
+            q[None], (cos, cos), use_real_unbind_dim=[1]),
+        "`sequence_dim=\\[2\\]` but should be 1 or 2": lambda: diffusers.apply_rotary_emb(
+            q[None], (cos, cos), sequence_dim=[2]),
+        "quantize_dtype must be a torch.dtype": lambda: flashinfer.rope_quantize_fp8(
+            q, k, q, k, rope_ext.cos_sin_cache(8, 8), pos, quantize_dtype="fp8"),
+        "paged_kv_cache must be a tuple of 2 tensors": lambda: flashinfer.rope_quantize_fp8_append_paged_kv_cache(
+            q, k, q, k, k, rope_ext.cos_sin_cache(8, 8), pos, None, pos, pos, pos, pos),
+        "k_scale must be a float, got 'x'": lambda: sglang.apply_rope_with_cos_sin_cache_inplace(
+            pos, q.flatten(1), k.flatten(1), 8, rope_ext.cos_sin_cache(8, 8),
+            fused_set_kv_buffer_arg=sglang.FusedSetKVBufferArg(k_scale="x", **kv)),
+        "unpatch: expected a torch.nn.Module, got NoneType": lambda: hf_patch.unpatch(None),
+        "is_patched: expected a torch.nn.Module, got NoneType": lambda: hf_patch.is_patched(None),
+        "config.model_type must be a string, got \\['llama'\\]": lambda: hf_patch.patch(
+            SimpleNamespace(config=SimpleNamespace(model_type=["llama"]))),
+    }
+    for match, call in cases.items():
+        before = (q.clone(), k.clone())
+        with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
+            call()
+        assert torch.equal(q, before[0]) and torch.equal(k, before[1]), match

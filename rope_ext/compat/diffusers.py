@@ -195,8 +195,16 @@ def _complex(x, freqs_cis, unsqueeze_dim):
     return _float_math(x, *_complex_members(freqs_cis, unsqueeze_dim, x.device), interleaved=True)
 
 
+def _among(value, table):
+    """value in table, False for an unhashable value ([1]: diffusers' == tests say no too)."""
+    try:
+        return value in table
+    except TypeError:
+        return False
+
+
 def _unbind_layout(use_real_unbind_dim):
-    if use_real_unbind_dim not in _INTERLEAVED:
+    if not _among(use_real_unbind_dim, _INTERLEAVED):
         raise ValueError(f"`use_real_unbind_dim={use_real_unbind_dim}` but should be -1 or -2.")
     return _INTERLEAVED[use_real_unbind_dim]
 
@@ -231,7 +239,7 @@ def apply_rotary_emb(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequen
     if not use_real:
         return _complex(x, freqs_cis, 2)
     interleaved = _unbind_layout(use_real_unbind_dim)
-    if sequence_dim not in _PLACES:
+    if not _among(sequence_dim, _PLACES):
         raise ValueError(f"`sequence_dim={sequence_dim}` but should be 1 or 2.")
     cos, sin = _cos_sin(freqs_cis)
     return _real(x, cos, sin, interleaved, _PLACES[sequence_dim])
@@ -352,7 +360,7 @@ def _complex_tables(x, freqs_cis, unsqueeze_dim):
 def _apply_rotary_emb_tables(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequence_dim=2):
     if not use_real:
         return _complex_tables(x, freqs_cis, 2)
-    if use_real_unbind_dim not in _INTERLEAVED or sequence_dim not in _PLACES or \
+    if not _among(use_real_unbind_dim, _INTERLEAVED) or not _among(sequence_dim, _PLACES) or \
             not isinstance(freqs_cis, (tuple, list)) or any(getattr(t, "ndim", 0) != 2 for t in freqs_cis):
         return None  # (diffusers' placing indexes (S, D) tables)
     return _real_tables(x, freqs_cis, _INTERLEAVED[use_real_unbind_dim], _PLACES[sequence_dim])

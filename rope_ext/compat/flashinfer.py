@@ -252,6 +252,12 @@ def _check_table(cos_sin_cache):
         raise ValueError("cos_sin_cache should be float32")
 
 
+def _check_dtype(quantize_dtype):
+    if not isinstance(quantize_dtype, torch.dtype):  # (the op checks that it is a float8 one)
+        raise ValueError(f"quantize_dtype must be a torch.dtype (torch.float8_e4m3fn or "
+                         f"torch.float8_e5m2), got {quantize_dtype!r}")
+
+
 def rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox=True,
                       quantize_dtype=None, quant_scale_q=1.0, quant_scale_kv=1.0, q_rope_out=None,
                       k_rope_out=None, q_nope_out=None, k_nope_out=None, enable_pdl=False,
@@ -272,6 +278,7 @@ def rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is
     if quantize_dtype is None:
         given = [o for o in (q_rope_out, k_rope_out, q_nope_out, k_nope_out) if o is not None]
         quantize_dtype = given[0].dtype if given else _FP8_DEFAULT
+    _check_dtype(quantize_dtype)
     outs = [o if o is not None else torch.empty_like(x, dtype=quantize_dtype)
             for o, x in ((q_rope_out, q_rope), (k_rope_out, k_rope), (q_nope_out, q_nope),
                          (k_nope_out, k_nope))]
@@ -317,13 +324,14 @@ def rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, c
             quantize_dtype = q_nope_out.dtype
         else:
             quantize_dtype = _FP8_DEFAULT
+    _check_dtype(quantize_dtype)
     if q_rope_out is None:
         q_rope_out = torch.empty_like(q_rope, dtype=quantize_dtype)
     if q_nope_out is None:
         q_nope_out = torch.empty_like(q_nope, dtype=quantize_dtype)
     if mla and v is not None:
         raise ValueError("MLA should not have V input (pass None)")
-    if len(paged_kv_cache) != 2:
+    if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2:
         raise ValueError("paged_kv_cache must be a tuple of 2 tensors")
     cache_0, cache_1 = paged_kv_cache
     if mla:

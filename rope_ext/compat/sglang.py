@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from .._args import check_float
 from ..ops import apply_rope_, apply_rope_and_cache_
 from ._layout import (check_cache_views, check_index_tensor, float32_scalar, heads,
                       interleaved_of)
@@ -49,8 +50,9 @@ def _cache_format(arg, key):
         raise ValueError(f"k_buffer and v_buffer must have key's dtype ({key.dtype}) or a float8 "
                          f"one, got {k_dtype}")
     if k_dtype in _FP8:
-        scale = lambda s: float32_scalar(1.0 if s is None else s, key.device)  # noqa: E731
-        return _FP8[k_dtype], scale(arg.k_scale), scale(arg.v_scale)
+        scale = lambda s, name: float32_scalar(1.0 if s is None else check_float(s, name),  # noqa: E731
+                                               key.device)
+        return _FP8[k_dtype], scale(arg.k_scale, "k_scale"), scale(arg.v_scale, "v_scale")
     if arg.k_scale is not None or arg.v_scale is not None:
         raise ValueError("fused_set_kv_buffer_arg: k_scale and v_scale must be None for buffers of "
                          "the key's dtype (SGLang's fused kernel supports no scales); they apply "

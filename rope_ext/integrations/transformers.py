@@ -464,6 +464,9 @@ def _functions_of(modeling):
 def _model_type(model):
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
+    if model_type is not None and not isinstance(model_type, str):
+        raise UnsupportedModelError(f"rope_ext.integrations.transformers.patch: config.model_type "
+                                    f"must be a string, got {model_type!r}")
     if model_type is None:
         raise UnsupportedModelError(
             f"rope_ext.integrations.transformers.patch: {type(model).__name__} has no "
@@ -591,7 +594,7 @@ def unpatch(model):
     from the original). Nothing else is touched (hooks, instance attributes). Returns the
     model; a model that is not patched is returned unchanged."""
     # Every class is made before any module changes class.
-    targets = [(m, _unpatched_class(type(m))) for m in model.modules()
+    targets = [(m, _unpatched_class(type(m))) for m in _module(model, "unpatch").modules()
                if isinstance(m, _PatchedAttention)]
     for m, cls in targets:
         _rebind(m, type(m).forward, cls.forward)
@@ -600,4 +603,11 @@ def unpatch(model):
 
 
 def is_patched(model):
-    return any(isinstance(m, _PatchedAttention) for m in model.modules())
+    return any(isinstance(m, _PatchedAttention) for m in _module(model, "is_patched").modules())
+
+
+def _module(model, caller):
+    if not isinstance(model, torch.nn.Module):
+        raise UnsupportedModelError(f"rope_ext.integrations.transformers.{caller}: expected a "
+                                    f"torch.nn.Module, got {type(model).__name__}")
+    return model
