@@ -149,20 +149,42 @@ def cuda_home_note():
     return f"{_no_nvcc(passed_over)}: {where}"
 
 
-def torch_cuda_version():
-    """torch.version.cuda of the installed torch (None for a CPU-only build), read from
-    torch/version.py so that no torch import (seconds) is needed."""
+def _torch_version_file():
+    """The names of the installed torch's torch/version.py ({} without one), read so that no
+    torch import (seconds) is needed."""
     spec = importlib.util.find_spec("torch")
     if spec is None or not spec.submodule_search_locations:
-        return None
+        return {}
     path = os.path.join(list(spec.submodule_search_locations)[0], "version.py")
     scope = {}
     try:
         with open(path) as f:
             exec(compile(f.read(), path, "exec"), scope)
     except (OSError, SyntaxError, ImportError):
-        return None
-    return scope.get("cuda")
+        return {}
+    return scope
+
+
+def torch_cuda_version():
+    """torch.version.cuda of the installed torch (None for a CPU-only build)."""
+    return _torch_version_file().get("cuda")
+
+
+def _release(version):
+    """(major, minor) of "2.14.1+cu130"."""
+    return tuple(int(p) for p in re.findall(r"\d+", version)[:2])
+
+
+def check_torch_for_build():
+    """The sources need the stable ABI headers of torch_build_min or newer (what they compile
+    against; the binaries still load in torch_target_version's torch). Older headers would fail
+    mid-compile on a missing macro: say so before."""
+    found, least = _torch_version_file().get("__version__"), DESCRIPTION["torch_build_min"]
+    if found and _release(found) < _release(least):
+        raise RuntimeError(f"rope_ext: building from source needs torch >= {least} (the stable ABI "
+                           f"headers the sources compile against), found torch {found}; what it "
+                           f"builds loads in torch >= 2.10: build the wheel with a newer torch "
+                           f"and install it here")
 
 
 def want_cuda():
@@ -192,6 +214,7 @@ def configure_environment():
     at import (it would otherwise guess /usr/local from a stray nvcc and fail to link). A CUDA_HOME
     without nvcc is replaced by the toolkit found: torch would take it as it is, and fail at the
     first CUDA compile, where want_cuda() has promised a CUDA library."""
+    check_torch_for_build()
     build, why = want_cuda()
     home, note = cuda_home(), cuda_home_note()
     if home:

@@ -3,6 +3,7 @@ Makefile's dependencies, checked with `make -q`), what the sdist holds, which CU
 build uses when CUDA_HOME names none, and the license and build requirements in the metadata.
 (The CMake option spellings are checked in tests/test_cmake_library.py.)"""
 
+import json
 import os
 import re
 import shutil
@@ -344,6 +345,27 @@ def test_license_file_is_bsd_3_clause():
         text = f.read()
     assert "BSD 3-Clause License" in text and "the rope_ext authors" in text
     assert "Neither the name of the copyright holder" in text
+
+
+def test_the_torch_a_build_requires_is_the_build_descriptions():
+    # pyproject.toml cannot read build.json: the two must agree by hand (csrc/ needs the stable
+    # ABI headers of torch_build_min; build_config.check_torch_for_build says so before compiling)
+    with open(os.path.join(ROOT, "csrc", "build.json")) as f:
+        least = json.load(f)["torch_build_min"]
+    assert f"torch>={least}" in pyproject()["build-system"]["requires"]
+    assert "torch>=2.10" in pyproject()["project"]["dependencies"]
+
+
+@pytest.mark.parametrize("version,ok", [("2.12.1+cu130", False), ("2.10.0", False), ("2.13.0", True),
+                                        ("2.14.1+cu130", True), ("2.20.0.dev20270101", True)])
+def test_a_build_with_older_torch_headers_is_refused_before_compiling(monkeypatch, version, ok):
+    monkeypatch.setattr(build_config, "_torch_version_file", lambda: {"__version__": version})
+    if ok:
+        build_config.check_torch_for_build()
+    else:
+        with pytest.raises(RuntimeError, match=rf"building from source needs torch >= 2.13 .*found "
+                                               rf"torch {re.escape(version)}"):
+            build_config.check_torch_for_build()
 
 
 def test_setuptools_floor_reads_the_license_metadata():
