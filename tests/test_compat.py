@@ -774,6 +774,23 @@ def test_fi_apply_rope_with_cos_sin_cache(dtype, is_neox, inplace):
         check(k_out, want[:, Hq * hs : (Hq + Hk) * hs], dtype)
 
 
+@pytest.mark.parametrize("fn", ["flashinfer", "sglang"])
+def test_cos_sin_cache_drop_ins_view_3d_heads_as_the_peers_do(fn):
+    # FlashInfer and SGLang view query as query.view(nnz, -1, head_size): a (nnz, 2, 2 * hs)
+    # query is 4 heads of hs
+    T, hs = 5, 16
+    qkv = torch.randn(T, 3, 2, 2 * hs)
+    query, key = qkv[:, 0], qkv[:, 1]
+    cache, positions = cos_sin_cache(40, 16), torch.randint(0, 40, (T,))
+    want = qkv.double()
+    peers.flashinfer_apply_rope_with_cos_sin_cache_inplace(
+        positions, want[:, 0].flatten(1), want[:, 1].flatten(1), hs, cache, True)
+    call = (flashinfer.apply_rope_with_cos_sin_cache_inplace if fn == "flashinfer"
+            else sglang.apply_rope_with_cos_sin_cache_inplace)
+    call(positions, query, key, hs, cache)
+    check(qkv, want, torch.float32)
+
+
 def test_fi_errors_change_nothing():
     q, k = fi_inputs(torch.float32)
     q0 = q.clone()

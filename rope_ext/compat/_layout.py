@@ -53,7 +53,15 @@ def check_cache_views(positions, query, key, head_size, cos_sin_cache, key_requi
         raise ValueError(f"positions must have shape (nnz,), got {list(positions.shape)}")
     if key is None and key_required is not None:
         raise ValueError(key_required)
-    return heads(query, head_size, "query", 1), heads(key, head_size, "key", 1)
+    return _peer_view(query, head_size, "query"), _peer_view(key, head_size, "key")
+
+
+def _peer_view(t, head_size, name):
+    """t as (nnz, num_heads, head_size): the peers view it as t.view(nnz, -1, head_size), so a
+    3-D t whose last dim is a multiple of head_size is taken too (a view: writes reach t)."""
+    if t is not None and t.dim() == 3 and t.shape[-1] != head_size and t.shape[-1] % head_size == 0:
+        return t.view(t.shape[0], -1, head_size)
+    return heads(t, head_size, name, 1)
 
 
 def tracing():
