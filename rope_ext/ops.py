@@ -173,6 +173,9 @@ def sequence_positions(cu_seqlens, total_tokens, seqlen_offsets, dtype=torch.int
         if seqlen_offsets.shape != (batch,) or seqlen_offsets.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"seqlen_offsets must be an int or an int32/int64 tensor of shape ({batch},), "
                              f"got {seqlen_offsets.dtype} of shape {list(seqlen_offsets.shape)}")
+        if seqlen_offsets.device != cu_seqlens.device:
+            raise ValueError(f"seqlen_offsets must be on cu_seqlens' device ({cu_seqlens.device}), "
+                             f"got {seqlen_offsets.device}")
     else:
         seqlen_offsets = check_int(seqlen_offsets, "seqlen_offsets")
         if not -2**63 <= seqlen_offsets < 2**63:

@@ -35,6 +35,8 @@ def test_varlen_positions_rejects_bad_arguments():
         rope_ext.varlen_positions(torch.tensor([[0, 1]]), 1)
     with pytest.raises(ValueError, match=r"seqlen_offsets must be an int or an int32/int64 tensor of shape \(2,\)"):
         rope_ext.varlen_positions(torch.tensor([0, 1, 2]), 2, torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"seqlen_offsets must be on cu_seqlens' device \(cpu\), got meta"):
+        rope_ext.varlen_positions(torch.tensor([0, 1, 2]), 2, torch.tensor([1, 2], device="meta"))
 
 
 @pytest.mark.parametrize("cu, bad", [
