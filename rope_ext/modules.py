@@ -329,10 +329,14 @@ class RotaryEmbedding(torch.nn.Module):
         """mrope_section when positions carry the 3 MRoPE components, else None (also for
         positions that are no tensor: _table_and_index names them)."""
         like = query if query is not None else key
-        if self.mrope_section is not None and like is not None and \
-                isinstance(positions, torch.Tensor) and positions.dim() == like.dim() - 1:
-            return self.mrope_section
-        return None
+        if like is None or not isinstance(positions, torch.Tensor) or positions.dim() != like.dim() - 1:
+            return None
+        if self.mrope_section is None and positions.shape[0] == 3:
+            # (from_config builds plain RoPE where a family's MRoPE sections do not fit the head)
+            raise ValueError(f"RotaryEmbedding: positions of shape {list(positions.shape)} hold 3 MRoPE "
+                             "components, but the module has no mrope_section: it takes positions "
+                             "of shape query.shape[:-2]")
+        return self.mrope_section
 
     def _check_heads(self, query, key):
         """Heads of the module's head_dim (a table for other heads would rotate some of their

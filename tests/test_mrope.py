@@ -350,3 +350,18 @@ def test_interleaved_sections_match_qwen3_vl_modeling_code(dtype, section):
     chunked = q.transpose(1, 2).to(dtype).contiguous()
     rope_ext.apply_mrope_(chunked, None, positions, cache, section)
     assert not torch.allclose(chunked.transpose(1, 2).double(), want_q, **tol)
+
+
+def test_a_module_without_sections_names_mrope_positions():
+    # from_config builds plain RoPE where a family's default sections do not fit the head: the
+    # grid positions (3, T) it is then given are named as such, not as an op's shape mismatch
+    module = rope_ext.RotaryEmbedding(16, max_position=32)
+    q = torch.randn(4, 2, 16)
+    before = q.clone()
+    for call in (module, module.forward_):
+        with pytest.raises(ValueError, match=r"RotaryEmbedding: positions of shape \[3, 4\] hold 3 MRoPE "
+                                             r"components, but the module has no mrope_section"):
+            call(q, None, torch.zeros(3, 4, dtype=torch.long))
+    assert torch.equal(q, before)
+    # (3, T) positions of a batch of 3 sequences are plain positions
+    assert module(torch.randn(3, 4, 2, 16), None, torch.zeros(3, 4, dtype=torch.long))[0].shape == (3, 4, 2, 16)
