@@ -38,8 +38,8 @@ def half_tables(cos, sin, *, interleaved=False, head_first=False, ndim=4):
     (half-split pairs: cos[..., i] == cos[..., i + rotary_dim/2]) or each entry repeated
     (interleaved pairs: cos[..., 2i] == cos[..., 2i+1]); the first copy is read. Interleaved
     models whose rotary module duplicates the halves and repeats entries only inside its
-    apply_rotary_pos_emb (transformers' GLM and GLM-4) need cos[..., :rotary_dim // 2] with
-    table_width="half" instead: their tables read here as repeated entries would be wrong."""
+    apply_rotary_pos_emb (transformers' GLM and GLM-4) need cos[..., None, :rotary_dim // 2]
+    with table_width="half" instead: their tables read here as repeated entries would be wrong."""
     if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)):
         raise ValueError(f"cos and sin must be tensors (..., seq, rotary_dim), got "
                          f"{type(cos).__name__} and {type(sin).__name__}")
@@ -84,8 +84,8 @@ def qk_norm_rope(query, key, q_weight, k_weight, cos, sin, *, eps=1e-6, unit_off
     eps: >= 0, added to mean(x^2). unit_offset: the norm scales by (1 + weight) (Gemma).
     interleaved: pairs (x[2i], x[2i+1]) (GPT-J, GLM) if True, (x[i], x[i + rotary_dim/2]) if
         False (GPT-NeoX, Llama, Qwen: transformers' rotate_half). GLM's rotary module gives its
-        tables with the halves duplicated: take table_width="half" and cos[..., :rotary_dim // 2]
-        (see half_tables).
+        tables with the halves duplicated: take table_width="half" and
+        cos[..., None, :rotary_dim // 2] (a head dim added; see half_tables).
     Returns (q, k), of query's and key's shapes and dtype, contiguous.
     """
     if table_width not in TABLE_WIDTHS:
