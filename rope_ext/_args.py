@@ -47,8 +47,17 @@ def check_flag(value, name):
     raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
+_BOOLS = frozenset((True, False))
+
+
 def check_flags(names, *values):
-    """check_flag of each value, named by the words of `names` in order."""
+    """check_flag of each value, named by the words of `names` in order. The common call (each
+    True or False, or a value equal to one) costs one set test: these run on decode-sized calls."""
+    try:
+        if _BOOLS.issuperset(values):
+            return
+    except TypeError:  # an unhashable value: named below
+        pass
     for name, value in zip(names.split(), values):
         if value is not True and value is not False:
             check_flag(value, name)

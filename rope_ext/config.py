@@ -395,8 +395,9 @@ def _per_layer_settings(cfg, base, kind):
     if thetas is not None:
         if not isinstance(thetas, (list, tuple)) or not thetas:
             _fail(f"layer_rope_theta must be a list of bases, one per layer, got {thetas!r}")
-        if any(_positive(t, "layer_rope_theta") != _positive(thetas[0], "layer_rope_theta")
-               for t in thetas):
+        if not all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in thetas):
+            _fail(f"layer_rope_theta must be a list of bases (numbers), got {thetas!r}")
+        if any(t != thetas[0] for t in thetas):  # (Muse Spark's 0: a layer without RoPE)
             _fail("layer_rope_theta gives the layers different bases; from_config builds one "
                   "table: build RotaryEmbedding(..., base=layer_rope_theta[i]) for layer i")
         base = _positive(thetas[0], "layer_rope_theta")

@@ -85,7 +85,8 @@ def apply_rope(x, cos, sin, *, interleaved=False, out=None):
 def _rotation_args(interleaved, rope_dim_offset, inverse):
     """The flags and offset of a rotation, checked where torch would take 2, None or "false"
     for a bool and True for an int (before any write)."""
-    check_flags("interleaved inverse", interleaved, inverse)
+    if not ((interleaved is True or interleaved is False) and (inverse is True or inverse is False)):
+        check_flags("interleaved inverse", interleaved, inverse)  # (the test above: 40 ns, this 250)
     if type(rope_dim_offset) is not int:
         check_int(rope_dim_offset, "rope_dim_offset")
 
@@ -136,7 +137,8 @@ def apply_rope_at(x, positions, cos_sin_cache, *, interleaved=False, mrope_secti
     """Rotated copy of x (..., H, D) by the rows of cos_sin_cache (max_position, rotary_dim) at
     positions (x.shape[:-2]; (3,) + x.shape[:-2] with mrope_section): the out-of-place,
     differentiable twin of apply_rope_ (gradients w.r.t. x and the table)."""
-    check_flags("interleaved mrope_interleaved", interleaved, mrope_interleaved)
+    if interleaved is not False or mrope_interleaved is not False:  # (the defaults cost no call)
+        check_flags("interleaved mrope_interleaved", interleaved, mrope_interleaved)
     cos, sin = _table_halves(cos_sin_cache)
     xv = heads(x, head_size, "x")
     section = mrope_section_arg(mrope_section, mrope_interleaved)

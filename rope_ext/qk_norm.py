@@ -90,12 +90,14 @@ def qk_norm_rope(query, key, q_weight, k_weight, cos, sin, *, eps=1e-6, unit_off
     """
     if table_width not in TABLE_WIDTHS:
         raise ValueError(f"table_width must be 'full' or 'half', got {table_width!r}")
-    check_flags("unit_offset interleaved head_first", unit_offset, interleaved, head_first)
+    if unit_offset is not False or interleaved is not False or head_first is not False:
+        check_flags("unit_offset interleaved head_first", unit_offset, interleaved, head_first)
     if table_width == "full":
-        cos, sin = half_tables(cos, sin, interleaved=interleaved, head_first=head_first,
-                               ndim=query.dim() if isinstance(query, torch.Tensor) else 4)  # else the op names it
-    return ops.qk_norm_rope(query, key, q_weight, k_weight, cos, sin, check_eps(eps), unit_offset,
-                            interleaved)
+        ndim = query.dim() if isinstance(query, torch.Tensor) else 4  # (else the op names it)
+        cos, sin = half_tables(cos, sin, interleaved=interleaved, head_first=head_first, ndim=ndim)
+    if type(eps) is not float:
+        eps = check_eps(eps)
+    return ops.qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps, unit_offset, interleaved)
 
 
 def norm_rope(query, key, q_weight, k_weight, cos, sin, *, q_bias=None, k_bias=None, eps=1e-6,
@@ -119,11 +121,13 @@ def norm_rope(query, key, q_weight, k_weight, cos, sin, *, q_bias=None, k_bias=N
     """
     if table_width not in TABLE_WIDTHS:
         raise ValueError(f"table_width must be 'full' or 'half', got {table_width!r}")
-    check_flags("interleaved head_first", interleaved, head_first)
-    eps = check_eps(eps)
+    if interleaved is not False or head_first is not False:
+        check_flags("interleaved head_first", interleaved, head_first)
+    if type(eps) is not float:
+        eps = check_eps(eps)
     if table_width == "full":
-        cos, sin = half_tables(cos, sin, interleaved=interleaved, head_first=head_first,
-                               ndim=query.dim() if isinstance(query, torch.Tensor) else 4)  # else the op names it
+        ndim = query.dim() if isinstance(query, torch.Tensor) else 4  # (else the op names it)
+        cos, sin = half_tables(cos, sin, interleaved=interleaved, head_first=head_first, ndim=ndim)
     if head_first and norm == "rms_across_heads" and isinstance(query, torch.Tensor) and \
             isinstance(key, torch.Tensor):  # (else the op names what is no tensor)
         # the heads as dim -2, where the op normalizes them together (views, no copy)
@@ -148,7 +152,10 @@ def _flags(unit_offset, interleaved, mrope_section, mrope_interleaved):
     if unit_offset is False and interleaved is False and mrope_section is None and \
             mrope_interleaved is False:
         return ()
-    check_flags("unit_offset interleaved mrope_interleaved", unit_offset, interleaved, mrope_interleaved)
+    if not ((unit_offset is True or unit_offset is False) and (interleaved is True or interleaved is False)
+            and (mrope_interleaved is True or mrope_interleaved is False)):  # (40 ns; the call 250)
+        check_flags("unit_offset interleaved mrope_interleaved", unit_offset, interleaved,
+                    mrope_interleaved)
     return unit_offset, interleaved, mrope_section_arg(mrope_section, mrope_interleaved), \
         mrope_interleaved
 
@@ -257,8 +264,11 @@ def _prologue(name, tensors, eps, unit_offset, interleaved, mrope_section, mrope
             return getattr(ops, name)(*tensors, eps)
         return getattr(ops, name)(*tensors, eps, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
                                   v_scale=v_scale)
-    check_flags("unit_offset interleaved mrope_interleaved v_norm", unit_offset, interleaved,
-                mrope_interleaved, v_norm)
+    if not ((unit_offset is True or unit_offset is False) and (interleaved is True or interleaved is False)
+            and (mrope_interleaved is True or mrope_interleaved is False)
+            and (v_norm is True or v_norm is False)):  # (the test: 50 ns; the call 250)
+        check_flags("unit_offset interleaved mrope_interleaved v_norm", unit_offset, interleaved,
+                    mrope_interleaved, v_norm)
     return getattr(ops, name)(*tensors, eps, unit_offset=unit_offset, interleaved=interleaved,
                               mrope_section=mrope_section_arg(mrope_section, mrope_interleaved),
                               mrope_interleaved=mrope_interleaved, v_norm=v_norm,

@@ -323,8 +323,9 @@ _F32_TINY, _F32_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32
 
 
 def _finite(t):
-    """Whether every value of t is finite, where that can be read (not on meta, not traced)."""
-    if t.device.type == "meta" or torch.compiler.is_compiling():
+    """Whether every value of t is finite, where that can be read (a plain tensor off the meta
+    device: not a FakeTensor or other subclass, not traced)."""
+    if type(t) is not torch.Tensor or t.device.type == "meta" or torch.compiler.is_compiling():
         return True
     return bool(torch.isfinite(t).all())
 

@@ -222,7 +222,9 @@ LINEAR = {"rope_type": "linear", "factor": 2.0}
     ({"max_position_embeddings": float("inf")}, {}, r"max_position_embeddings must be a positive integer, got inf"),
     ({"hidden_size": float("inf")}, {}, r"hidden_size must be a positive integer, got inf"),
     ({"rope_scaling": {**LINEAR, "rope_theta": "abc"}}, {}, r"rope_scaling.rope_theta must be a positive number"),
-    ({"layer_rope_theta": [1e4, "x"]}, {}, r"layer_rope_theta must be a positive number, got 'x'"),
+    ({"layer_rope_theta": [1e4, "x"]}, {}, r"layer_rope_theta must be a list of bases \(numbers\), got"),
+    ({"layer_rope_theta": [1e4, 0]}, {}, r"layer_rope_theta gives the layers different bases"),  # 0: NoPE
+    ({"layer_rope_theta": [0, 0]}, {}, r"layer_rope_theta must be a positive number, got 0"),
     ({"rope_scaling": LINEAR, "rope_scaling_layers": 3, "num_hidden_layers": 2}, {},
      r"rope_scaling_layers must be a list of layer indices, got 3"),
     ({"rope_scaling": LINEAR, "rope_scaling_layers": [0, 1], "num_hidden_layers": "2"}, {},
