@@ -251,3 +251,14 @@ def test_from_config_still_reads_the_good_values():
 def test_rotary_embedding_refuses_what_it_would_ignore_or_misread(kw, match):
     with pytest.raises(ValueError, match="RotaryEmbedding: " + match):
         rope_ext.RotaryEmbedding(16, **kw)
+
+
+def test_scaled_tables_build_under_fake_tensor_mode():
+    # the finiteness check of a scaling's frequencies reads values only where there are some
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 16}
+    with FakeTensorMode():
+        module = rope_ext.RotaryEmbedding(16, max_position=128, scaling=llama3)
+        table = rope_ext.cos_sin_cache(128, 16, scaling={**YARN, "original_max_position_embeddings": 16})
+    assert type(module.cos_sin_cache).__name__ == "FakeTensor" and tuple(table.shape) == (128, 16)
