@@ -99,16 +99,18 @@ FLAG_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", FLAG_CASES)
-def test_flags_and_values_that_torch_would_misread_are_refused_before_any_write(case):
-    call, match = FLAG_CASES[case]
-    q, k, pos, cache, w = _inputs()
-    before = (q.clone(), k.clone())
-    versions = (q._version, k._version)
+def refused_before_any_write(call, match, q, k, *args):
+    """call(q, k, *args) raises a ValueError matching `match`, q and k unchanged (data, versions)."""
+    before, versions = (q.clone(), k.clone()), (q._version, k._version)
     with pytest.raises(ValueError, match=match):
-        call(q, k, pos, cache, w)
+        call(q, k, *args)
     assert torch.equal(q, before[0]) and torch.equal(k, before[1])
     assert (q._version, k._version) == versions
+
+
+@pytest.mark.parametrize("case", FLAG_CASES)
+def test_flags_and_values_that_torch_would_misread_are_refused_before_any_write(case):
+    refused_before_any_write(*FLAG_CASES[case], *_inputs())
 
 
 def test_flags_take_what_torch_and_the_peers_take_for_a_bool():
@@ -179,12 +181,7 @@ TABLE_CASES = {
 
 @pytest.mark.parametrize("case", TABLE_CASES)
 def test_values_that_give_no_finite_table_are_refused_before_any_write(case):
-    call, match = TABLE_CASES[case]
-    q, k, pos, _, _ = _inputs()
-    before = (q.clone(), k.clone())
-    with pytest.raises(ValueError, match=match):
-        call(q, k, pos)
-    assert torch.equal(q, before[0]) and torch.equal(k, before[1])
+    refused_before_any_write(*TABLE_CASES[case], *_inputs()[:3])
 
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
