@@ -35,15 +35,21 @@ def check_float(value, name):
 
 
 def check_flag(value, name):
-    """value as a bool: True or False, or what torch's bool arguments and the peers' flags also
-    take for them (a NumPy bool, the ints 0 and 1); else a ValueError naming it (bool("false")
-    is True, and 2 or None would pick a layout silently)."""
-    if value is True or value is False:
+    """value as a flag: True or False, or what torch's bool arguments and the peers' flags also
+    take for them, a value equal to one (a NumPy bool, 0 or 1, 0.0 or 1.0, a one-element tensor
+    holding one) as that bool, a traced SymBool (non-strict export) as it is; else a ValueError
+    naming it (bool("false") is True, and 2 or None would pick a layout silently)."""
+    if value is True or value is False or isinstance(value, torch.SymBool):
         return value
     kind = type(value)
-    if (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")) or \
-            (isinstance(value, numbers.Integral) and value in (0, 1)):
+    if kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"):
         return bool(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        number = value.item()
+    else:
+        number = value if isinstance(value, numbers.Real) else None
+    if number is not None and number in (0, 1):
+        return bool(number)
     raise ValueError(f"{name} must be True or False, got {value!r}")
 
 

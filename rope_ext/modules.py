@@ -120,8 +120,10 @@ class RotaryEmbedding(torch.nn.Module):
             raise ValueError(f"RotaryEmbedding: rope_dim_offset must be an int in [0, head_dim - "
                              f"rotary_dim] = [0, {head_dim - rotary_dim}], got {rope_dim_offset!r}")
         self.rope_dim_offset = rope_dim_offset
-        interleaved = check_flag(interleaved, "RotaryEmbedding: interleaved")
-        mrope_interleaved = check_flag(mrope_interleaved, "RotaryEmbedding: mrope_interleaved")
+        # None: the default (a config's rope_scaling.get("mrope_interleaved"), a key Qwen2-VL lacks)
+        interleaved = interleaved is not None and check_flag(interleaved, "RotaryEmbedding: interleaved")
+        mrope_interleaved = mrope_interleaved is not None and \
+            check_flag(mrope_interleaved, "RotaryEmbedding: mrope_interleaved")
         if mrope_section is not None:
             try:
                 section = mrope_section_arg(mrope_section)

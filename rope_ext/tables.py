@@ -74,7 +74,10 @@ def _check_axes(positions, axes_dim, theta):
         got = f"{positions.dtype} of shape {list(positions.shape)}" if isinstance(positions, torch.Tensor) \
             else type(positions).__name__
         raise ValueError(f"multi_axis_cos_sin: positions must be a real tensor (..., n_axes), got {got}")
-    dims = list(axes_dim) if isinstance(axes_dim, (list, tuple)) else None
+    try:  # a list, a tuple, a range, a config's list type
+        dims = None if isinstance(axes_dim, (str, bytes)) else list(axes_dim)
+    except TypeError:
+        dims = None
     if not dims or any(isinstance(d, bool) or not isinstance(d, int) or d < 2 or d % 2 for d in dims):
         raise ValueError(f"multi_axis_cos_sin: axes_dim must be a non-empty sequence of positive even "
                          f"ints, got {axes_dim!r}")

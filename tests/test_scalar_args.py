@@ -119,7 +119,8 @@ def test_flags_take_what_torch_and_the_peers_take_for_a_bool():
     np = pytest.importorskip("numpy")
     q, k, pos, cache, w = _inputs()
     want = {flag: rope_ext.apply_rope_at(q, pos, cache, interleaved=flag) for flag in (False, True)}
-    for value in (False, True, 0, 1, np.bool_(False), np.bool_(True)):
+    for value in (False, True, 0, 1, np.bool_(False), np.bool_(True), 1.0, np.float64(0.0),
+                  torch.tensor(True), torch.tensor(0)):
         got = q.clone()
         rope_ext.apply_rope_(got, None, pos, cache, interleaved=value, inverse=False, rope_dim_offset=0)
         assert torch.equal(got, want[bool(value)])
@@ -129,6 +130,32 @@ def test_flags_take_what_torch_and_the_peers_take_for_a_bool():
         got = q.clone()
         fi.apply_rope_pos_ids_inplace(got, k.clone(), pos, interleave=value)
         assert torch.equal(got, fi.apply_rope_pos_ids(q, k, pos, interleave=bool(value))[0])
+        module = rope_ext.RotaryEmbedding(16, max_position=8, interleaved=value)
+        assert torch.equal(module(q, None, pos)[0], want[bool(value)])
+    # None: the module's default, as a config's rope_scaling.get("mrope_interleaved") gives it
+    module = rope_ext.RotaryEmbedding(16, max_position=8, mrope_section=[2, 3, 3], interleaved=None,
+                                      mrope_interleaved=None)
+    assert module.interleaved is False and module.mrope_interleaved is False
+
+
+def test_a_traced_flag_is_taken_in_non_strict_export():
+    # torch.export (non-strict) traces q.shape[0] >= 2 as a SymBool, which the op takes
+    class Rotate(torch.nn.Module):
+        def forward(self, q, pos):
+            return rope_ext.apply_rope_at(q, pos, rope_ext.cos_sin_cache(8, 16), interleaved=q.shape[0] >= 2)
+
+    q, pos = torch.randn(4, 2, 16), torch.arange(4) % 8
+    tokens = torch.export.Dim("tokens", min=2, max=8)
+    program = torch.export.export(Rotate(), (q, pos), dynamic_shapes=({0: tokens}, {0: tokens}), strict=False)
+    assert torch.equal(program.module()(q, pos), Rotate()(q, pos))
+
+
+def test_sizes_and_bases_of_the_kinds_callers_pass():
+    # a range for the axes, a float head dim for TE's module (TE computes arange(0, dim, 2) / dim)
+    pos = torch.randn(3, 2)
+    cos, _ = rope_ext.tables.multi_axis_cos_sin(pos, range(4, 8, 2))
+    assert torch.equal(cos, rope_ext.tables.multi_axis_cos_sin(pos, [4, 6])[0])
+    assert torch.equal(te.RotaryPositionEmbedding(16.0)(8), te.RotaryPositionEmbedding(16)(8))
 
 
 def test_llama31_values_the_peers_compute_finite_tables_for_are_taken():
@@ -165,7 +192,7 @@ TABLE_CASES = {
         r"precompute_freqs_cis: rope_scaling needs the key 'low_freq_factor'"),
     "TE rotary_base=0": (lambda q, k, p: te.RotaryPositionEmbedding(16, rotary_base=0),
                          r"rotary_base must be > 0 and finite, got 0"),
-    "TE dim=-8": (lambda q, k, p: te.RotaryPositionEmbedding(-8), r"dim must be a positive int, got -8"),
+    "TE dim=-8": (lambda q, k, p: te.RotaryPositionEmbedding(-8), r"dim must be > 0 and finite, got -8"),
     "multi-axis theta=inf": (
         lambda q, k, p: rope_ext.tables.multi_axis_cos_sin(torch.zeros(3, 2), [4, 4], theta=float("inf")),
         r"multi_axis_cos_sin: theta must be > 0 and finite, got inf"),
@@ -243,7 +270,7 @@ def test_from_config_still_reads_the_good_values():
     (dict(scaling="linear"), r"scaling must be a dict \(a config's rope_scaling\) or None, got 'linear'"),
     (dict(mrope_section=4), r"mrope_section must be 3 ints >= 0 summing to rotary_dim/2 = 8, got 4"),
     (dict(mrope_section=[2.9, 1, 4.1]), r"mrope_section must be 3 ints"),
-    (dict(interleaved=None), r"interleaved must be True or False, got None"),
+    (dict(interleaved="no"), r"interleaved must be True or False, got 'no'"),
 ])
 def test_rotary_embedding_refuses_what_it_would_ignore_or_misread(kw, match):
     with pytest.raises(ValueError, match="RotaryEmbedding: " + match):

@@ -55,7 +55,7 @@ class RotaryPositionEmbedding(torch.nn.Module):
     def __init__(self, dim, rotary_percent=1.0, seq_len_interpolation_factor=None,
                  pretrained_max_position_embeddings=None, rotary_base=10000.0, interleaved=False):
         super().__init__()
-        dim = check_int(dim, "dim", 1)
+        check_positive(dim, "dim")  # (TE takes a float too: torch.arange(0, dim, 2) / dim)
         check_positive(rotary_percent, "rotary_percent")
         check_positive(rotary_base, "rotary_base")
         if rotary_percent < 1.0:
