@@ -166,7 +166,8 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
     interleaved: pairs (2i, 2i+1) (GPT-J) instead of (i, i + rotary_dim/2) (GPT-NeoX).
     seqlen_offsets: an int or a (batch_size,) tensor: token s of sequence b is at position
     s + offset_b. Returns the rotated tensor: x itself when inplace."""
-    check_flags("interleaved inplace", interleaved, inplace)
+    if not ((interleaved is True or interleaved is False) and (inplace is True or inplace is False)):
+        check_flags("interleaved inplace", interleaved, inplace)  # (the test: 40 ns, the call 250)
     cos, sin = _tables(cos, sin)
     if cu_seqlens is None:
         if x.dim() != 4:

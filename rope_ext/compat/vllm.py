@@ -7,7 +7,8 @@
 """
 
 from .._call import ops
-from ._layout import check_flag, check_head_size, check_int, heads, interleaved_of
+from ..ops import _rotation_args
+from ._layout import check_head_size, heads, interleaved_of
 
 _apply_ = ops.apply_  # torch.ops.rope.apply_, without autograd where none is needed
 
@@ -47,10 +48,9 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, r
             rope_dim_offset == 0:  # the defaults, left to torch (0.5 us of a decode call)
         _apply_(q, k, positions, cos_sin_cache)
     else:
-        if type(rope_dim_offset) is not int:
-            check_int(rope_dim_offset, "rope_dim_offset")
-        check_flag(inverse, "inverse")
-        _apply_(q, k, positions, cos_sin_cache, interleaved_of(is_neox), rope_dim_offset, inverse)
+        interleaved = interleaved_of(is_neox)
+        _rotation_args(interleaved, rope_dim_offset, inverse)
+        _apply_(q, k, positions, cos_sin_cache, interleaved, rope_dim_offset, inverse)
 
 
 # fused QK-RMSNorm + RoPE (vLLM's `_custom_ops.fused_qk_norm_rope`), with the SGLang twin, and
