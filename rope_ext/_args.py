@@ -24,6 +24,16 @@ def check_int(value, name, minimum=None):
     return int(value)
 
 
+def check_tensors(optional=(), **named):
+    """A TypeError naming the first of `named` that is not a tensor (those in `optional` may be
+    None). The drop-ins' per-call paths call it after an AttributeError (a non-tensor met .dim or
+    .shape), so a good call pays nothing for it."""
+    for name, value in named.items():
+        if not isinstance(value, torch.Tensor) and not (value is None and name in optional):
+            got = "None" if value is None else type(value).__name__
+            raise TypeError(f"{name} must be a tensor, got {got}")
+
+
 def check_float(value, name):
     """value as a float, or a ValueError naming it: a real number or a one-element tensor, not a
     bool or a string (float("2") and float(True) would otherwise pass)."""

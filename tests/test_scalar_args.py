@@ -286,3 +286,36 @@ def test_scaled_tables_build_under_fake_tensor_mode():
         module = rope_ext.RotaryEmbedding(16, max_position=128, scaling=llama3)
         table = rope_ext.cos_sin_cache(128, 16, scaling={**YARN, "original_max_position_embeddings": 16})
     assert type(module.cos_sin_cache).__name__ == "FakeTensor" and tuple(table.shape) == (128, 16)
+
+
+def _drop_in_calls():
+    """(label, call(**overrides)) of the vLLM, SGLang and FlashInfer drop-ins, with good defaults."""
+    q, k, p, c, _ = _inputs()
+    flat = dict(positions=p, query=q.flatten(1), key=k.flatten(1), head_size=16, cos_sin_cache=c)
+    mla = dict(q_rope=q[..., :8], k_rope=k[..., :8], q_nope=q[..., 8:], k_nope=k[..., 8:],
+               cos_sin_cache=rope_ext.cos_sin_cache(8, 8), pos_ids=p)
+    return {
+        "vllm.rotary_embedding": (lambda **kw: vllm.rotary_embedding(**{**flat, "is_neox": True, **kw}),
+                                  ("positions", "query", "key")),
+        "sglang": (lambda **kw: sglang.apply_rope_with_cos_sin_cache_inplace(**{**flat, **kw}),
+                   ("positions", "query", "key", "cos_sin_cache")),
+        "flashinfer cos_sin_cache": (lambda **kw: fi.apply_rope_with_cos_sin_cache(**{**flat, **kw}),
+                                     ("positions", "query", "key", "cos_sin_cache")),
+        "flashinfer pos_ids": (lambda **kw: fi.apply_rope_pos_ids_inplace(**{"q": q, "k": k, "pos_ids": p, **kw}),
+                               ("q", "k")),
+        "flashinfer rope_quantize_fp8": (lambda **kw: fi.rope_quantize_fp8(**{**mla, **kw}),
+                                         ("q_rope", "k_rope", "cos_sin_cache")),
+    }
+
+
+@pytest.mark.parametrize("bad", [None, [1.0, 2.0]], ids=["None", "list"])
+@pytest.mark.parametrize("label", list(_drop_in_calls()))
+def test_drop_ins_name_a_required_tensor_given_something_else(label, bad):
+    call, names = _drop_in_calls()[label]
+    call()  # the good call runs
+    for name in names:
+        if bad is None and name == "key":
+            continue  # optional in vLLM and SGLang; FlashInfer's "key is required" (ValueError)
+        got = "None" if bad is None else "list"
+        with pytest.raises(TypeError, match=f"^{name} must be a tensor, got {got}$"):
+            call(**{name: bad})

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from .._args import check_flag, check_int  # noqa: F401  (re-exported for the drop-ins)
+from .._args import check_flag, check_int, check_tensors  # noqa: F401  (re-exported for the drop-ins)
 from ..ops import check_head_size, heads  # noqa: F401
 
 from .._call import ops  # noqa: E402  (torch.ops.rope, without autograd where none is needed)
@@ -46,14 +46,22 @@ def check_cache_views(positions, query, key, head_size, cos_sin_cache, key_requi
     apply_rope_with_cos_sin_cache*: checks the cache's dtype, head_size, positions (nnz,), key,
     then query's and key's layouts, in that order. key may be None (returned as None) unless
     key_required, the error message for a missing key, is given."""
-    if cos_sin_cache.dtype != torch.float32:
-        raise ValueError("cos_sin_cache should be float32")
-    head_size = check_head_size(head_size)
-    if positions.dim() != 1:
-        raise ValueError(f"positions must have shape (nnz,), got {list(positions.shape)}")
-    if key is None and key_required is not None:
-        raise ValueError(key_required)
-    return _peer_view(query, head_size, "query"), _peer_view(key, head_size, "key")
+    try:
+        if cos_sin_cache.dtype != torch.float32:
+            raise ValueError("cos_sin_cache should be float32")
+        head_size = check_head_size(head_size)
+        if positions.dim() != 1:
+            raise ValueError(f"positions must have shape (nnz,), got {list(positions.shape)}")
+        if key is None and key_required is not None:
+            raise ValueError(key_required)
+        q, k = _peer_view(query, head_size, "query"), _peer_view(key, head_size, "key")
+    except AttributeError:
+        check_tensors(("key",), cos_sin_cache=cos_sin_cache, positions=positions, query=query,
+                      key=key)
+        raise
+    if q is None:
+        raise TypeError("query must be a tensor, got None")
+    return q, k
 
 
 def _peer_view(t, head_size, name):

@@ -22,7 +22,7 @@ import math
 import torch
 
 from ..ops import apply_rope as _rotated, apply_rope_at, sequence_positions  # FlashInfer has its own apply_rope
-from .._args import check_flag, check_float, check_int, check_positive
+from .._args import check_flag, check_float, check_int, check_positive, check_tensors
 from .._call import ops
 from ..ops import apply_rope_
 from ._layout import (check_cache_views, check_index_tensor, interleaved_of, is_dtensor,
@@ -32,7 +32,12 @@ F32 = torch.float32
 
 
 def _check_qk(q, k):
-    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+    try:
+        bad = q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]
+    except AttributeError:
+        check_tensors(q=q, k=k)
+        raise
+    if bad:
         raise ValueError(f"q and k must have shapes (nnz, num_q_heads, head_dim) and (nnz, "
                          f"num_k_heads, head_dim), got q {list(q.shape)} and k {list(k.shape)}")
 
@@ -247,7 +252,8 @@ def _nope_parts(q_rope, k_rope, q_nope, k_nope):
     return q_nope, k_nope
 
 
-def _check_table(cos_sin_cache):
+def _check_table(cos_sin_cache, q_rope, k_rope):
+    check_tensors(q_rope=q_rope, k_rope=k_rope, cos_sin_cache=cos_sin_cache)
     if cos_sin_cache.dtype != F32:
         raise ValueError("cos_sin_cache should be float32")
 
@@ -273,7 +279,7 @@ def rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is
     if backend not in ("cuda", "cutile"):
         raise ValueError(f"Unsupported backend for rope_quantize_fp8: {backend!r}; "
                          "expected 'cuda' or 'cutile'.")
-    _check_table(cos_sin_cache)
+    _check_table(cos_sin_cache, q_rope, k_rope)
     q_nope, k_nope = _nope_parts(q_rope, k_rope, q_nope, k_nope)
     if quantize_dtype is None:
         given = [o for o in (q_rope_out, k_rope_out, q_nope_out, k_nope_out) if o is not None]
@@ -314,7 +320,7 @@ def rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, c
     batch_indices[t] (negative: padding, not stored) at in-request position positions[t] goes to
     page kv_indices[kv_indptr[b] + positions[t] // page_size], entry positions[t] % page_size.
     One fused rope_ext op (torch.ops.rope.quantize_fp8_append_paged_kv_cache)."""
-    _check_table(cos_sin_cache)
+    _check_table(cos_sin_cache, q_rope, k_rope)
     mla = k_rope.dim() == 2
     q_nope, k_nope = _nope_parts(q_rope, k_rope, q_nope, k_nope)
     if quantize_dtype is None:

@@ -6,6 +6,7 @@
     ops.fused_qk_norm_rope(...), ops.fused_qknorm_rope_cache(...)   (the fused prologues)
 """
 
+from .._args import check_tensors
 from .._call import ops
 from ..ops import _rotation_args
 from ._layout import check_head_size, heads, interleaved_of
@@ -31,11 +32,15 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, r
     """
     if type(head_size) is not int or head_size < 1:
         head_size = check_head_size(head_size)
-    lead = positions.dim()
+    try:
+        lead = positions.dim()
+        qs, ks = query.shape, None if key is None else key.shape
+    except AttributeError:
+        check_tensors(("key",), positions=positions, query=query, key=key)
+        raise
     if lead not in (1, 2):
         raise ValueError(f"positions must have shape (num_tokens,) or (batch, seq_len), got "
                          f"{list(positions.shape)}")
-    qs, ks = query.shape, None if key is None else key.shape
     if lead == 1 and len(qs) == 2 and qs[1] % head_size == 0 and (
             ks is None or (len(ks) == 2 and ks[1] % head_size == 0)):
         # vLLM's own layout, flat (num_tokens, heads * head_size): the views alone (decode calls)
