@@ -67,6 +67,9 @@ def _restored(new, old, dtype, build):
         return build(new.device)
 
 
+_STATE = ("_tables", "dynamic_len")  # RotaryEmbedding's buffers: built from its settings
+
+
 class RotaryEmbedding(torch.nn.Module):
     """RoPE for attention: forward(query, key, positions) returns rotated copies of query
     (..., Hq, head_dim) and key (..., Hk, head_dim) (key may be None), differentiable.
@@ -97,8 +100,12 @@ class RotaryEmbedding(torch.nn.Module):
     The table is a non-persistent float32 buffer; it follows the module across devices but keeps
     its float32 precision when the module is cast to a lower precision (RoPE tables in bf16/fp16
     cost model quality). A move or to_empty() keeps its values (copied into the new memory), as
-    it keeps the dynamic-NTK length's; a cast, or memory that had none ("meta"), builds them
-    again (the length starting from the original). Under DistributedDataParallel, which
+    it keeps the dynamic-NTK length's; a cast builds the table again (the length is kept), and
+    memory that had none ("meta", or a loader's placeholder for a module built on meta, as
+    transformers 5's from_pretrained sets) builds both (the length from the original). Under
+    activation checkpointing, a dynamic-NTK module recomputes a layer with the length of the
+    recomputation's time: call it outside the checkpointed layers (cos_sin, then the op), as
+    transformers' models do. Under DistributedDataParallel, which
     broadcasts every buffer before each forward by default, see docs/distributed.md. A
     dynamic-NTK module's length is state: calls from several threads at once need a module
     each (as transformers' do).
@@ -207,23 +214,43 @@ class RotaryEmbedding(torch.nn.Module):
         max_position). Calls with shorter lengths may read other rows (see the class doc)."""
         return self._tables if self.mode != "longrope" else self._tables[self._original:]
 
+    def _restore(self, name, new, old):
+        """The state tensor `name` once `new` has taken the place of `old`: holding old's values,
+        in new's memory where it can (see _restored)."""
+        if name == "_tables":
+            return _restored(new, old, torch.float32, self._build)
+
+        def build(device):  # the length kept, as an int64; from the original after meta
+            if old.is_meta:
+                return torch.tensor(self._original, dtype=torch.int64, device=device)
+            return old.to(device, torch.int64, copy=True)
+
+        return _restored(new, old, torch.int64, build)
+
     def _apply(self, fn, recurse=True):
         # fn may cast (.half(), .type()), move (.to(device), pin or share memory) or hand back
         # memory with no values in it (to_empty(), also of a module whose tables hold values).
         # Wherever it made a new tensor of the state, the state keeps its values and dtype: the
         # table float32 and exact, the dynamic-NTK length an int64.
-        tables, length = self._tables, getattr(self, "dynamic_len", None)
+        before = [(name, self._buffers[name]) for name in _STATE if name in self._buffers]
         super()._apply(fn, recurse)
-        if self._tables is not tables:
-            self._tables = _restored(self._tables, tables, torch.float32, self._build)
-        if length is not None and self.dynamic_len is not length:
-            def build(device):  # the value kept, as an int64; from the original after meta
-                if length.is_meta:
-                    return torch.tensor(self._original, dtype=torch.int64, device=device)
-                return length.to(device, torch.int64, copy=True)
-
-            self.dynamic_len = _restored(self.dynamic_len, length, torch.int64, build)
+        for name, old in before:
+            if self._buffers[name] is not old:
+                self._buffers[name] = self._restore(name, self._buffers[name], old)
         return self
+
+    def __setattr__(self, name, value):
+        # Loaders that build a model on the meta device hand each non-persistent buffer a tensor
+        # with no values by setattr (transformers 5's from_pretrained an empty one; under FSDP,
+        # a zeroed one on ranks other than 0): the state gets its values there too, as it does
+        # from _apply, instead of rotating by whatever that memory held. (Swaps by
+        # torch.func.functional_call and export write _buffers directly: not seen here.)
+        buffers = self.__dict__.get("_buffers")
+        if name in _STATE and buffers is not None and isinstance(value, torch.Tensor):
+            old = buffers.get(name)
+            if old is not None and value is not old:
+                value = self._restore(name, value, old)
+        super().__setattr__(name, value)
 
     def extra_repr(self):
         s = (f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, "

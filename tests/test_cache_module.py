@@ -82,6 +82,45 @@ def test_rotary_embedding_built_on_meta_then_materialized_has_its_table(scaling)
     assert torch.equal(m(q, None, pos)[0], fresh(q, None, pos)[0])
 
 
+def _placeholder(buf):
+    """What a loader hands a non-persistent buffer it has no checkpoint value for: memory of the
+    buffer's kind on the CPU holding no table (here NaN or a huge length, so that a rotation by it
+    shows)."""
+    return torch.full_like(buf, float("nan") if buf.is_floating_point() else 1 << 40, device="cpu")
+
+
+@pytest.mark.parametrize("scaling", [None, "dynamic", "longrope"])
+@pytest.mark.parametrize("built_on", ["meta", "cpu"])
+def test_rotary_embedding_state_placed_by_a_loader_keeps_its_values(scaling, built_on):
+    # transformers 5's from_pretrained builds the model on meta, then sets each non-persistent
+    # buffer to an empty tensor by setattr (FSDP's ranks other than 0: a zeroed one); a module
+    # with values (built on the CPU) keeps them, one built on meta builds them.
+    kw = dict(max_position=300, scaling={None: None, "dynamic": DYNAMIC, "longrope": LONGROPE}[scaling])
+    fresh = rope_ext.RotaryEmbedding(8, **kw)
+    with torch.device(built_on):
+        model = torch.nn.Sequential(rope_ext.RotaryEmbedding(8, **kw))
+    for name, buf in list(model.named_buffers()):
+        owner, attr = name.rsplit(".", 1)
+        setattr(model.get_submodule(owner), attr, _placeholder(buf))
+    m = model[0]
+    assert m._tables.device.type == "cpu" and torch.equal(m._tables, fresh._tables)
+    if scaling == "dynamic":
+        assert m.dynamic_len.dtype == torch.int64 and int(m.dynamic_len) == int(fresh.dynamic_len)
+    q, pos = torch.randn(2, 5, 3, 8), torch.randint(0, 300, (2, 5))
+    assert torch.equal(m(q, None, pos)[0], fresh(q, None, pos)[0])
+
+
+def test_rotary_embedding_state_swapped_by_functional_call_is_used_as_given():
+    # torch.func.functional_call (and export) swap buffers in for one call: not a loader's
+    # placeholder, the call rotates by what it was given.
+    m = rope_ext.RotaryEmbedding(8, max_position=16)
+    other = rope_ext.cos_sin_cache(16, 8, base=7.0)
+    q, pos = torch.randn(3, 2, 8), torch.tensor([1, 5, 9])
+    got = torch.func.functional_call(m, {"_tables": other}, (q, None, pos))[0]
+    assert torch.equal(got, rope_ext.apply_rope_at(q, pos, other))
+    assert torch.equal(m._tables, rope_ext.cos_sin_cache(16, 8))
+
+
 @pytest.mark.parametrize("how", ["to_empty", "type", "meta and back"])
 def test_rotary_embedding_state_survives_what_apply_does(how):
     """A module with real tables given new memory (to_empty(), as after init_empty_weights() of

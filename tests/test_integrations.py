@@ -24,6 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
+from rope_ext import RotaryEmbedding  # noqa: E402
 from rope_ext.integrations import _qk_norm  # noqa: E402
 from rope_ext.integrations import transformers as integration  # noqa: E402
 from conftest import torch_defaults  # noqa: E402
@@ -1417,3 +1418,34 @@ def test_a_norm_class_made_per_instance_is_not_kept():
         del model, layer, norm
         gc.collect()
     assert norm_classes and all(c() is None for c in norm_classes)
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "dynamic", "factor": 2.0,
+                                     "original_max_position_embeddings": 128}])
+def test_a_model_holding_rotary_embedding_loads_with_its_tables(tmp_path, scaling):
+    """from_pretrained of a user model that holds rope_ext.RotaryEmbedding: transformers 5 builds
+    it on the meta device and sets each non-persistent buffer to an empty tensor, which a table
+    must not be left as (transformers 4 builds it on the CPU)."""
+    class Config(transformers.PretrainedConfig):
+        model_type = "rope_ext_test_toy"
+
+    class Toy(transformers.PreTrainedModel):
+        config_class = Config
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.proj = torch.nn.Linear(16, 16)
+            kw = {} if scaling is None else dict(scaling=scaling, max_position=256)
+            self.rope = RotaryEmbedding(16, **kw)
+            self.post_init()
+
+        def forward(self, x, pos):
+            return self.rope(self.proj(x), None, pos)[0]
+
+    model = Toy(Config()).eval()
+    model.save_pretrained(tmp_path)
+    loaded = Toy.from_pretrained(tmp_path).eval()
+    assert torch.equal(loaded.rope._tables, model.rope._tables)
+    x, pos = torch.randn(1, 200, 2, 16), torch.arange(200)[None]
+    with torch.no_grad():
+        assert torch.equal(loaded(x, pos), model(x, pos))

@@ -62,7 +62,7 @@ class RotaryPositionEmbedding(torch.nn.Module):
             dim = int(dim * rotary_percent)
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
         self.rotary_base = rotary_base
-        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
         self.register_buffer("inv_freq", 1.0 / (self.rotary_base ** exponents))
         self.pretrained_max_position_embeddings = pretrained_max_position_embeddings
