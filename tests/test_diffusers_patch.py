@@ -306,6 +306,25 @@ def test_a_processor_call_another_library_replaced_is_refused(monkeypatch):
         assert processor_classes(model) == classes and not rdi.is_patched(model)
 
 
+def test_a_processor_call_replaced_after_a_first_patch_is_refused_for_the_next(monkeypatch):
+    """The patched class built for a first model is not reused once another library has replaced
+    diffusers' __call__: the next patch checks the class as it is now, as in a fresh process;
+    the first model stays patched, and unpatch still gives it diffusers' class back."""
+    first, _ = dm.build("flux")
+    second, _ = dm.build("flux")
+    original = processor_classes(first)
+    rdi.patch(first)
+    cls = original[0]
+    monkeypatch.setattr(cls, "__call__", fast_call)
+    classes = processor_classes(second)
+    with pytest.raises(rdi.UnsupportedModelError, match="its __call__ is not diffusers' own"):
+        rdi.patch(second)
+    assert processor_classes(second) == classes and not rdi.is_patched(second)
+    assert rdi.is_patched(first)
+    rdi.unpatch(first)
+    assert processor_classes(first) == original
+
+
 def test_processor_classes_resolve_by_name():
     import pickle
 

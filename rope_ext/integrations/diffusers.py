@@ -252,14 +252,16 @@ def _rewritten_call(base, module, names, rewrites=()):
 
 
 def _processor_class(name):
-    """The rope_ext subclass of diffusers' processor class `name`, built on first use."""
+    """The rope_ext subclass of diffusers' processor class `name`, built on first use, and
+    again (checked as then) where diffusers' class or its __call__ has been replaced since."""
     with _lock:
-        cls = _classes.get(name)
-        if cls is not None:
-            return cls
         modname, names = PROCESSORS[name]
         module = importlib.import_module(modname)
         base = getattr(module, name)
+        cls = _classes.get(name)
+        if cls is not None and cls._rope_ext_base is base and \
+                cls._rope_ext_call is base.__dict__.get("__call__"):
+            return cls
         from . import _dit_prologue  # (imports diffusers)
 
         rewrites = _dit_prologue.REWRITES.get(name, ())
@@ -285,6 +287,7 @@ def _processor_class(name):
             "__doc__": f"diffusers' {name} with its {what} on rope_ext's ops "
                        f"(rope_ext.integrations.diffusers.patch).",
             "_rope_ext_base": base,
+            "_rope_ext_call": base.__dict__.get("__call__"),
             "_rope_ext_fused": fused,
         })
         _register_hook_metadata(cls, base)
@@ -391,7 +394,7 @@ def _processors(model):
 
 def _is_ours(proc):
     cls = type(proc)
-    return cls.__module__ == __name__ and _classes.get(cls.__name__) is cls
+    return cls.__module__ == __name__ and "_rope_ext_base" in cls.__dict__
 
 
 def _patchable_name(proc):
