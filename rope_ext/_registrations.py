@@ -294,6 +294,9 @@ def check_savable(*saved):
             torch.zeros((), device=t.device, requires_grad=True) * t  # torch's own error
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors whose memory is their own data
+
+
 def _rotate_each(op, keyset, query, key, positions, cos_sin_cache, interleaved, section, mi,
                  offset=0, inverse=False):
     """The in-place rotation under autograd: the whole call checked, torch's in-place rules
@@ -302,7 +305,7 @@ def _rotate_each(op, keyset, query, key, positions, cos_sin_cache, interleaved, 
     # Memory checks only on plain tensors with memory: a tensor subclass (DTensor) is checked
     # where its op runs on the local shards; meta tensors have none to compare (their data
     # pointers all null, every two would "overlap").
-    memory = type(query) is torch.Tensor and query.device.type != "meta"
+    memory = type(query) in _PLAIN and query.device.type != "meta"
     if section is None:
         _checks.check_apply_inplace(query, key, positions, cos_sin_cache, memory=memory,
                                     rope_dim_offset=offset)

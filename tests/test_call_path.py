@@ -86,7 +86,7 @@ def test_version_counters_move_and_inference_tensors_are_refused_without_grad_mo
 
 # ---- under autograd: torch's in-place errors before anything is written ----
 
-LEAF = "a leaf Variable that requires grad .* in-place operation"
+LEAF = "^a leaf Variable that requires grad is being used in an in-place operation"  # torch's
 VIEW_OF_LEAF = "a view of a leaf Variable that requires grad is being used in an in-place operation"
 MULTI_VIEW = "This view is the output of a function that returns multiple views"
 
@@ -101,6 +101,7 @@ def _targets():
     return [
         ("leaf key", fine, leaf, LEAF),
         ("leaf query", leaf, fine, LEAF),
+        ("Parameter query", torch.nn.Parameter(torch.randn(4, 2, 16)), fine, LEAF),
         ("view of a leaf", fine, base[:, :2], VIEW_OF_LEAF),
         ("split view", fine, inner.split(2, dim=1)[1], MULTI_VIEW),
         ("unbind view", fine, inner.view(4, 2, 2, 16).unbind(1)[1], MULTI_VIEW),
