@@ -480,3 +480,38 @@ def test_every_keyword_at_its_default_is_the_plain_call_and_a_tensor_for_a_flag_
                                                "'interleaved'"):
             fn(q, k, v, pos, CACHE, w, w, *caches[:2], slots, 1e-6,
                **(kw | {"interleaved": torch.tensor([True, False])}))
+
+
+ZERO_CALLS = {  # op, argument given as torch's ZeroTensor (no memory: a null data pointer)
+    "apply x": lambda z: OPS.apply(z(4, 2, 16), CACHE[:4, None, :8], CACHE[:4, None, 8:]),
+    "apply cos, sin": lambda z: OPS.apply(torch.randn(4, 2, 16), z(4, 1, 8), z(4, 1, 8)),
+    "apply_positions table": lambda z: OPS.apply_positions(torch.randn(4, 2, 16), torch.arange(4),
+                                                           z(64, 8), z(64, 8)),
+    "apply_ positions": lambda z: rope_ext.apply_rope_(torch.randn(4, 2, 16), None,
+                                                      z(4, dtype=torch.int64), CACHE)[0],
+    "qk_norm_rope_ weight": lambda z: rope_ext.qk_norm_rope_(
+        torch.randn(4, 2, 16), torch.randn(4, 1, 16), z(16), torch.ones(16), torch.arange(4), CACHE)[0],
+    "apply_and_cache_ value": lambda z: _cache_write(z(4, 1, 16)),
+}
+
+
+def _cache_write(value):
+    caches = torch.zeros(2, 2, 4, 1, 16)
+    rope_ext.apply_rope_and_cache_(torch.randn(4, 2, 16), torch.randn(4, 1, 16), value,
+                                   torch.arange(4), CACHE, caches[0], caches[1], torch.arange(4))
+    return caches
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode, torch.enable_grad])
+@pytest.mark.parametrize("case", ZERO_CALLS)
+def test_a_zero_tensor_reads_as_zeros(case, mode):
+    """torch's ZeroTensor (some derivative formulas make one) has no memory: the call gives what
+    it gives on materialized zeros, on the CPU as anywhere (the dispatcher's ZeroTensor key
+    materializes it; the C++ call path, which skips that key, must not read through null)."""
+    seed = torch.seed()
+    with mode():
+        got = ZERO_CALLS[case](lambda *s, **kw: torch._efficientzerotensor(s, **kw))
+    torch.manual_seed(seed)
+    with mode():
+        want = ZERO_CALLS[case](lambda *s, **kw: torch.zeros(s, **kw))
+    assert torch.equal(got, want)

@@ -93,16 +93,16 @@ bool on_cpu(AtenTensorHandle t) {
 }
 
 // Bookkeeping, then the kernel: the CPU one directly (its errors keep their exact text on every
-// torch), any other device's through the kernel-only twin.
+// torch), any other device's (and a call with a ZeroTensor) through the kernel-only twin.
 template <int R>
 void bump_and_run(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
   constexpr const OpSchema& op = kOps[R];
-  check_tensors_given(R, stack);  // before the device of the first is read
+  const bool memory = check_tensors_given(R, stack);  // before the device of the first is read
   for (int i = 0; i < op.n_written; ++i) {
     if (AtenTensorHandle t = borrowed(stack, op.written[i])) bump_version(new_reference(t));
   }
   const BoxedKernel cpu = routed_cpu_kernel(R);
-  if (cpu != nullptr && on_cpu(to<AtenTensorHandle>(stack[0]))) {
+  if (cpu != nullptr && memory && on_cpu(to<AtenTensorHandle>(stack[0]))) {
     cpu(stack, num_args, num_outputs);
   } else {
     call_twin<R>(false, stack);
