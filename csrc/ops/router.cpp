@@ -97,12 +97,12 @@ bool on_cpu(AtenTensorHandle t) {
 template <int R>
 void bump_and_run(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
   constexpr const OpSchema& op = kOps[R];
-  const bool memory = check_tensors_given(R, stack);  // before the device of the first is read
+  check_tensors_given(R, stack);  // before the device of the first is read
   for (int i = 0; i < op.n_written; ++i) {
     if (AtenTensorHandle t = borrowed(stack, op.written[i])) bump_version(new_reference(t));
   }
   const BoxedKernel cpu = routed_cpu_kernel(R);
-  if (cpu != nullptr && memory && on_cpu(to<AtenTensorHandle>(stack[0]))) {
+  if (cpu != nullptr && on_cpu(to<AtenTensorHandle>(stack[0])) && tensors_have_memory(R, stack)) {
     cpu(stack, num_args, num_outputs);
   } else {
     call_twin<R>(false, stack);

@@ -182,12 +182,8 @@ inline std::string layout_str(int32_t layout) {
 // the kernels could read, and the C++ call path reaches them without the dispatcher, which
 // would have refused them. One copy for every op (the argument's name is looked up in the
 // signature only to raise). Mirrored in rope_ext/_registrations.py `_given`.
-// Returns whether each tensor given has memory: torch's ZeroTensor (an efficient zero, as some
-// of torch's derivative formulas make) has a null data pointer, which the dispatcher's ZeroTensor
-// key materializes before a kernel; the router, which calls the CPU kernel without it, must not.
-inline bool check_tensors_given(int op, const StableIValue* stack) {
+inline void check_tensors_given(int op, const StableIValue* stack) {
   const OpSchema& s = kOps[op];
-  bool memory = true;
   for (int i = 0; i < s.n_tensors; ++i) {
     const TensorArg& a = s.tensors[i];
     const AtenTensorHandle t = tensor_at(stack, a.index, a.optional);
@@ -196,15 +192,7 @@ inline bool check_tensors_given(int op, const StableIValue* stack) {
     static const int32_t strided = aoti_torch_layout_strided();
     int32_t layout = strided;
     if (defined) STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_layout(t, &layout));
-    if (defined && layout == strided) {
-      void* data = nullptr;
-      STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(t, &data));
-      int64_t numel = 0;
-      if (data == nullptr) STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_numel(t, &numel));
-      memory = memory && (data != nullptr || numel == 0);
-      continue;
-    }
-    if (!defined && a.optional) continue;
+    if (defined ? layout == strided : a.optional) continue;
     std::string name;
     for_each_argument(s.signature, [&](int arg, std::string_view text) {
       if (arg == a.index) name = type_and_name(text).second;
@@ -214,7 +202,28 @@ inline bool check_tensors_given(int op, const StableIValue* stack) {
                                             layout_str(layout)
                                       : std::string(" must be a tensor, got None")));
   }
-  return memory;
+}
+
+// Whether each tensor of op `op`'s call (checked given) has memory, for the router's direct call
+// of a CPU kernel: torch's ZeroTensor (an efficient zero, as some of torch's derivative formulas
+// make) has a null data pointer, which the dispatcher's ZeroTensor key materializes before a
+// kernel; the direct call skips that key. (Only tensors on their way to a kernel's data reads are
+// asked: a tensor with no storage at all, such as functorch's wrappers, cannot be.)
+inline bool tensors_have_memory(int op, const StableIValue* stack) {
+  const OpSchema& s = kOps[op];
+  for (int i = 0; i < s.n_tensors; ++i) {
+    const TensorArg& a = s.tensors[i];
+    const AtenTensorHandle t = tensor_at(stack, a.index, a.optional);
+    bool defined = false;
+    if (t != nullptr) STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_is_defined(t, &defined));
+    if (!defined) continue;
+    void* data = nullptr;
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(t, &data));
+    int64_t numel = 0;
+    if (data == nullptr) STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_numel(t, &numel));
+    if (data == nullptr && numel != 0) return false;
+  }
+  return true;
 }
 
 // The CPU kernels, as the router calls them for CPU tensors (set by the CPU registrations).
