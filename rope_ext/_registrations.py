@@ -499,6 +499,11 @@ def tangent_aware(name, *args, **kwargs):
     reference (or the refusal of a non-differentiable op) serves here."""
     if not torch.is_grad_enabled() and has_tangent(args, kwargs):
         return _forward_ad_aware(name, None)(None, *args, **kwargs)
+    if not torch.is_grad_enabled() and torch._C._functorch.peek_interpreter_stack() is not None:
+        # Inside torch.func.jvp the tensors are functorch's wrappers, which have no storage and
+        # reach the Autograd key as they are: with grad mode off the native call path would hand
+        # them to the kernel. The reference's torch ops unwrap them.
+        return OPS[name].reference(*args, **kwargs)
     packet, _, overload = name.partition(".")
     return getattr(getattr(ops, packet), overload or "default")(*args, **kwargs)
 

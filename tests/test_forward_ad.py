@@ -232,3 +232,25 @@ def test_flash_attn_tables_carry_no_tangent():
         out = flash_attn.apply_rotary_emb(fwAD.make_dual(x, tx), fwAD.make_dual(cos, torch.randn_like(cos)), sin)
         want = central_difference(lambda x: flash_attn.apply_rotary_emb(x, cos, sin), (x,), (tx,))[0]
         torch.testing.assert_close(fwAD.unpack_dual(out).tangent, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("grad_mode", [True, False])
+def test_jvp_where_some_calls_carry_no_tangent(grad_mode):
+    """Inside torch.func.jvp a call none of whose inputs carries a tangent (the key beside a
+    query that has one; a captured tensor) still runs, with grad mode on or off: functorch's
+    wrappers, which have no storage, must not reach the native kernel, and the output is the
+    same."""
+    from rope_ext.compat import transformers
+
+    q, k = torch.randn(1, 2, 5, 8, dtype=F64), torch.randn(1, 1, 5, 8, dtype=F64)
+    ang = torch.randn(1, 5, 4, dtype=F64)
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+    x, (c, s) = torch.randn(5, 3, 8, dtype=F64), tables(5, 4)
+
+    def both(a):
+        q_embed, k_embed = transformers.apply_rotary_pos_emb(a, k, cos, sin)
+        return q_embed + k_embed.sum()
+
+    with torch.set_grad_enabled(grad_mode):
+        check_jvp(both, (q,), (torch.randn_like(q),))
+        check_jvp(lambda a: rope_ext.apply_rope(x, c, s) * a, (x,), (torch.randn_like(x),))
