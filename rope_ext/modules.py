@@ -101,8 +101,8 @@ class RotaryEmbedding(torch.nn.Module):
     its float32 precision when the module is cast to a lower precision (RoPE tables in bf16/fp16
     cost model quality). A move or to_empty() keeps its values (copied into the new memory), as
     it keeps the dynamic-NTK length's; a cast builds the table again (the length is kept), and
-    memory that had none ("meta", or a loader's placeholder for a module built on meta, as
-    transformers 5's from_pretrained sets) builds both (the length from the original). Under
+    memory that had none ("meta"; also a loader's placeholder tensor set on a module built on
+    meta, as transformers 5's from_pretrained sets) builds both (the length from the original). Under
     activation checkpointing, a dynamic-NTK module recomputes a layer with the length of the
     recomputation's time: call it outside the checkpointed layers (cos_sin, then the op), as
     transformers' models do. Under DistributedDataParallel, which
@@ -242,13 +242,14 @@ class RotaryEmbedding(torch.nn.Module):
     def __setattr__(self, name, value):
         # Loaders that build a model on the meta device hand each non-persistent buffer a tensor
         # with no values by setattr (transformers 5's from_pretrained an empty one; under FSDP,
-        # a zeroed one on ranks other than 0): the state gets its values there too, as it does
-        # from _apply, instead of rotating by whatever that memory held. (Swaps by
+        # a zeroed one on ranks other than 0): state that had no values (meta) is built on the
+        # new tensor's device, as by to_empty(), instead of rotating by whatever that memory held.
+        # State with values takes what is assigned, as any buffer does. (Swaps by
         # torch.func.functional_call and export write _buffers directly: not seen here.)
         buffers = self.__dict__.get("_buffers")
         if name in _STATE and buffers is not None and isinstance(value, torch.Tensor):
             old = buffers.get(name)
-            if old is not None and value is not old:
+            if old is not None and old.is_meta and not value.is_meta:
                 value = self._restore(name, value, old)
         super().__setattr__(name, value)
 
@@ -319,17 +320,24 @@ class RotaryEmbedding(torch.nn.Module):
         # not branch on its token count (it may be data-dependent, or 0 at run time only): its
         # path below takes none as well. (DTensor positions keep the branch: their shards and
         # all-reduce take no empty path.)
+        table = self._tables
+        if table.is_meta and not positions.is_meta:
+            raise RuntimeError(
+                "RotaryEmbedding: its table is on the meta device (the module was built under "
+                "torch.device('meta') and its state never given memory, which load_state_dict "
+                "does not do: the table is not in a state_dict); call .to_empty(device=...) on "
+                "the module, which builds it")
         if self.mode == "static" or (
                 (not torch.compiler.is_compiling() or _dtensor_module(positions) is not None)
                 and positions.numel() == 0):
-            return self._tables, positions, None
+            return table, positions, None
         largest = self._check_positions(positions)
         if self.mode == "longrope":
             top = _largest(positions) if largest is None else largest
             is_long = (top >= self._original).to(positions.dtype)
             # Negative positions stay negative, so the op still rejects them.
             index = torch.where(positions >= 0, positions + is_long * self._original, positions)
-            return self._tables, index, None
+            return table, index, None
         rows, length = self._dynamic_rows(positions, largest)
         index = torch.arange(positions.numel(), device=positions.device).view(positions.shape)
         return rows, index, length

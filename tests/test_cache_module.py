@@ -90,14 +90,13 @@ def _placeholder(buf):
 
 
 @pytest.mark.parametrize("scaling", [None, "dynamic", "longrope"])
-@pytest.mark.parametrize("built_on", ["meta", "cpu"])
-def test_rotary_embedding_state_placed_by_a_loader_keeps_its_values(scaling, built_on):
+def test_rotary_embedding_state_placed_by_a_loader_gets_its_values(scaling):
     # transformers 5's from_pretrained builds the model on meta, then sets each non-persistent
-    # buffer to an empty tensor by setattr (FSDP's ranks other than 0: a zeroed one); a module
-    # with values (built on the CPU) keeps them, one built on meta builds them.
+    # buffer to an empty tensor by setattr (FSDP's ranks other than 0: a zeroed one): the module
+    # builds its state there.
     kw = dict(max_position=300, scaling={None: None, "dynamic": DYNAMIC, "longrope": LONGROPE}[scaling])
     fresh = rope_ext.RotaryEmbedding(8, **kw)
-    with torch.device(built_on):
+    with torch.device("meta"):
         model = torch.nn.Sequential(rope_ext.RotaryEmbedding(8, **kw))
     for name, buf in list(model.named_buffers()):
         owner, attr = name.rsplit(".", 1)
@@ -108,6 +107,36 @@ def test_rotary_embedding_state_placed_by_a_loader_keeps_its_values(scaling, bui
         assert m.dynamic_len.dtype == torch.int64 and int(m.dynamic_len) == int(fresh.dynamic_len)
     q, pos = torch.randn(2, 5, 3, 8), torch.randint(0, 300, (2, 5))
     assert torch.equal(m(q, None, pos)[0], fresh(q, None, pos)[0])
+
+
+def test_rotary_embedding_state_assigned_to_a_module_with_values_is_taken():
+    # An assignment to state that holds values is the caller's: taken as it is, and the tensor
+    # assigned (here another module's table, then shared) is not written.
+    a = rope_ext.RotaryEmbedding(8, max_position=300)
+    b = rope_ext.RotaryEmbedding(8, max_position=300, base=5e5)
+    want = a._tables.clone()
+    b._tables = a._tables
+    assert b._tables is a._tables and torch.equal(a._tables, want)
+    d = rope_ext.RotaryEmbedding(8, max_position=300, scaling=DYNAMIC)
+    d(torch.randn(1, 2, 8), None, torch.tensor([250]))
+    d.dynamic_len = torch.tensor(70)
+    assert int(d.dynamic_len) == 70
+
+
+@pytest.mark.parametrize("scaling", [None, "dynamic", "longrope"])
+def test_rotary_embedding_whose_state_stayed_on_meta_says_so(scaling):
+    # Built on meta, parameters loaded with assign=True: the table, not in a state_dict, is
+    # still on meta; the call names it and what gives it memory, changing nothing.
+    kw = dict(max_position=300, scaling={None: None, "dynamic": DYNAMIC, "longrope": LONGROPE}[scaling])
+    with torch.device("meta"):
+        m = rope_ext.RotaryEmbedding(8, **kw)
+    q, pos = torch.randn(2, 3, 8), torch.tensor([1, 2])
+    for call in (lambda: m(q, q, pos), lambda: m.forward_(q.clone(), None, pos), lambda: m.cos_sin(pos)):
+        with pytest.raises(RuntimeError, match=r"RotaryEmbedding: its table is on the meta device .* "
+                                               r"call \.to_empty\(device=\.\.\.\)"):
+            call()
+    m.to_empty(device="cpu")
+    assert torch.equal(m(q, None, pos)[0], rope_ext.RotaryEmbedding(8, **kw)(q, None, pos)[0])
 
 
 def test_rotary_embedding_state_swapped_by_functional_call_is_used_as_given():
