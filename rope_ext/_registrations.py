@@ -339,10 +339,22 @@ def _rotate_each(op, keyset, query, key, positions, cos_sin_cache, interleaved, 
         record()
     else:  # recorded after the write: what recording refuses is checked before it
         check_savable(positions, cos_sin_cache)
-    args = (query, key, positions, cos_sin_cache)
-    args += (interleaved,) if section is None else (section, interleaved, mi)
     with torch._C._AutoDispatchBelowAutograd():
-        op.redispatch(keyset & _AFTER_AD_INPLACE, *args, offset, inverse)
+        if table_grad and not memory:
+            # Traced (torch.compile), the copies saved for the table's gradient and the in-place
+            # kernel's write can be reordered by Inductor: the copies then read the rotated rows
+            # (a wrong gradient, no error). As the out-of-place rotation of each copy, written
+            # with copy_, the write follows the copies in the graph.
+            cos, sin = reference.cache_halves(cos_sin_cache)
+            rotated = [ops.apply_positions(t_input[..., offset:], positions, cos, sin,
+                                           interleaved, inverse, section, mi)
+                       for t_input in inputs]
+            for t, r in zip(written, rotated):
+                t[..., offset:].copy_(r)
+        else:
+            args = (query, key, positions, cos_sin_cache)
+            args += (interleaved,) if section is None else (section, interleaved, mi)
+            op.redispatch(keyset & _AFTER_AD_INPLACE, *args, offset, inverse)
     if not record_first:
         record()
 
