@@ -596,6 +596,21 @@ def register():
     register_routes()
 
 
+def _run_under_selective_checkpointing():
+    """Selective activation checkpointing replays an op its policy saves from what the op
+    returned: an op that writes its arguments and returns nothing would be replayed as nothing,
+    and the recomputation would read unwritten tensors. Such ops (and their twins) join torch's
+    SAC_IGNORED_OPS, which run each time whatever the policy says."""
+    from torch.utils import checkpoint
+
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if qualified.startswith("rope::"):
+            name, _, overload = qualified[len("rope::"):].partition(".")
+            op = getattr(getattr(ops, name), overload or "default")
+            if op._schema.is_mutable and not op._schema.returns:
+                checkpoint.SAC_IGNORED_OPS.add(op)
+
+
 def register_routes():
     """For the ops the native library routes (ROUTED in schemas.def): its C++ kernels serve their
     Autograd and ADInplaceOrView keys (registered after the Python ones above, they win), so
@@ -618,6 +633,7 @@ def register_routes():
             autograd = _snapshot_kernel(name, autograd)
         lib.impl(name, _given(name, autograd, True), "PythonTLSSnapshot", with_keyset=True)
         _routes_registered.add(name)
+    _run_under_selective_checkpointing()  # (the native library's twins too)
 
 
 _routes_registered = set()

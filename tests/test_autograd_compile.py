@@ -419,3 +419,40 @@ def test_activation_checkpointing_ending_in_a_rope_op(name, use_reentrant):
     x = x0.clone().requires_grad_()
     checkpoint(fn, x, use_reentrant=use_reentrant).square().sum().backward()
     assert torch.equal(x.grad, want)
+
+
+@pytest.mark.parametrize("name", ["apply_rope_", "apply_mrope_", "forward_"])
+def test_selective_checkpointing_whose_policy_saves_the_rope_ops_still_rotates(name):
+    """Selective activation checkpointing replays a saved op from what it returned: the in-place
+    ops return nothing, so they run again whatever the policy says (else the recomputation reads
+    unrotated q and k, and the gradient is wrong with no error)."""
+    import functools
+
+    from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                        create_selective_checkpoint_contexts)
+
+    pos, cache = torch.tensor([3, 0, 3, 1, 6]), torch.randn(7, 8, dtype=torch.float64)
+    rotate = {
+        "apply_rope_": lambda q: rope_ext.apply_rope_(q, None, pos, cache),
+        "apply_mrope_": lambda q: rope_ext.apply_mrope_(q, None, torch.stack((pos, pos.flip(0), pos)),
+                                                        cache, [2, 1, 1]),
+        "forward_": lambda q: rope_ext.RotaryEmbedding(8, max_position=7).double().forward_(q, None, pos),
+    }[name]
+
+    def block(x):
+        q = x * 1.0
+        rotate(q)
+        return (q * q).sum()  # mul saves the rotated q
+
+    def saves_rope_ops(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if str(op).startswith("rope.") else \
+            CheckpointPolicy.PREFER_RECOMPUTE
+
+    x0 = torch.randn(5, 2, 8, dtype=torch.float64)
+    x = x0.clone().requires_grad_()
+    block(x).backward()
+    want = x.grad
+    x = x0.clone().requires_grad_()
+    context = functools.partial(create_selective_checkpoint_contexts, saves_rope_ops)
+    checkpoint(block, x, use_reentrant=False, context_fn=context).backward()
+    assert torch.equal(x.grad, want)
