@@ -497,8 +497,9 @@ def patch(model):
     if model_type not in FAMILIES:
         raise UnsupportedModelError(
             f"rope_ext.integrations.transformers.patch: cannot patch {type(model).__name__} "
-            f"(model_type {model_type!r}): its RoPE code is not one rope_ext reproduces. Supported "
-            f"model types: {', '.join(sorted(FAMILIES))}")
+            f"(model_type {model_type!r}): not among the families rope_ext's patch covers (each one "
+            f"is checked against its modeling code). Supported model types: "
+            f"{', '.join(sorted(FAMILIES))}")
     path, functions = FAMILIES[model_type]
     modeling = importlib.import_module(f"transformers.models.{path}")
     targets, already = [], False
