@@ -325,6 +325,25 @@ def test_a_processor_call_replaced_after_a_first_patch_is_refused_for_the_next(m
     assert processor_classes(first) == original
 
 
+def test_a_rope_function_replaced_after_a_first_patch_is_refused_for_the_next(monkeypatch):
+    """As with __call__: the RoPE function a processor's __call__ calls, replaced by another
+    library after a first patch, is checked again for the next (its replacement would never
+    run there), and a model patched before still pickles (its class is kept for that)."""
+    import pickle
+
+    first, _ = dm.build("flux")
+    second, _ = dm.build("flux")
+    rdi.patch(first)
+    base = type(first.transformer_blocks[0].attn.processor)._rope_ext_base
+    monkeypatch.setattr(sys.modules[base.__module__], "apply_rotary_emb",
+                        lambda *args, **kwargs: args[0])
+    with pytest.raises(rdi.UnsupportedModelError, match="does not compute what"):
+        rdi.patch(second)
+    assert not rdi.is_patched(second)
+    monkeypatch.setattr(base, "__call__", fast_call)
+    assert rdi.is_patched(pickle.loads(pickle.dumps(first)))
+
+
 def test_processor_classes_resolve_by_name():
     import pickle
 

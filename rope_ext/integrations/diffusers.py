@@ -215,7 +215,7 @@ def _original_function(origin, module, name):
 def _rewritten_call(base, module, names, rewrites=()):
     """base.__call__ recompiled from diffusers' source with `rewrites` made (where the source
     holds them all: see _fused_definition) and its RoPE names redirected; returns (function,
-    {RoPE name: diffusers' function}, whether the rewrites were made)."""
+    {RoPE name: where it comes from, for _original_function}, whether the rewrites were made)."""
     fn = base.__dict__.get("__call__")
     if not isinstance(fn, types.FunctionType):
         raise _Refused("it defines no __call__ of its own")
@@ -247,13 +247,15 @@ def _rewritten_call(base, module, names, rewrites=()):
     new.__kwdefaults__ = fn.__kwdefaults__
     new.__annotations__ = dict(fn.__annotations__)
     new.__qualname__, new.__module__, new.__doc__ = fn.__qualname__, __name__, fn.__doc__
-    originals = {name: _original_function(redirect.origins.get(name), module, name) for name in names}
-    return new, originals, fused is not None
+    origins = {name: redirect.origins.get(name) for name in names}
+    return new, origins, fused is not None
 
 
 def _processor_class(name):
     """The rope_ext subclass of diffusers' processor class `name`, built on first use, and
-    again (checked as then) where diffusers' class or its __call__ has been replaced since."""
+    again (checked as then) where diffusers' class or its __call__ has been replaced since; the
+    RoPE functions its __call__ uses are checked on every use (another library may have replaced
+    one since)."""
     with _lock:
         modname, names = PROCESSORS[name]
         module = importlib.import_module(modname)
@@ -261,12 +263,15 @@ def _processor_class(name):
         cls = _classes.get(name)
         if cls is not None and cls._rope_ext_base is base and \
                 cls._rope_ext_call is base.__dict__.get("__call__"):
+            for rope_name, target in names.items():
+                origin = cls._rope_ext_origins[rope_name]
+                _verify(target, _original_function(origin, module, rope_name), name)
             return cls
         from . import _dit_prologue  # (imports diffusers)
 
         rewrites = _dit_prologue.REWRITES.get(name, ())
         try:
-            call, originals, fused = _rewritten_call(base, module, names, rewrites)
+            call, origins, fused = _rewritten_call(base, module, names, rewrites)
         except _Refused as e:
             import diffusers
 
@@ -274,7 +279,7 @@ def _processor_class(name):
                 f"rope_ext.integrations.diffusers: cannot patch {name} of diffusers "
                 f"{diffusers.__version__}: {e}") from None
         for rope_name, target in names.items():
-            _verify(target, originals[rope_name], name)
+            _verify(target, _original_function(origins[rope_name], module, rope_name), name)
         # the globals the rewritten __call__ reads
         helpers = _dit_prologue.HELPERS if fused else {}
         for global_name, value in [*((t, getattr(dfx, t)) for t in names.values()), *helpers.items()]:
@@ -288,6 +293,7 @@ def _processor_class(name):
                        f"(rope_ext.integrations.diffusers.patch).",
             "_rope_ext_base": base,
             "_rope_ext_call": base.__dict__.get("__call__"),
+            "_rope_ext_origins": origins,
             "_rope_ext_fused": fused,
         })
         _register_hook_metadata(cls, base)
@@ -312,8 +318,9 @@ def _register_hook_metadata(cls, base):
 
 def __getattr__(name):
     # Pickled patched models name their processors' classes here; they are built on demand.
+    # (pickle needs the class its objects have, unchecked: patch checks it.)
     if name in PROCESSORS:
-        return _processor_class(name)
+        return _classes.get(name) or _processor_class(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
