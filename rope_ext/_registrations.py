@@ -340,7 +340,7 @@ def _rotate_each(op, keyset, query, key, positions, cos_sin_cache, interleaved, 
     else:  # recorded after the write: what recording refuses is checked before it
         check_savable(positions, cos_sin_cache)
     with torch._C._AutoDispatchBelowAutograd():
-        if table_grad and not memory:
+        if table_grad and torch.compiler.is_compiling():
             # Traced (torch.compile), the copies saved for the table's gradient and the in-place
             # kernel's write can be reordered by Inductor: the copies then read the rotated rows
             # (a wrong gradient, no error). As the out-of-place rotation of each copy, written
@@ -598,16 +598,20 @@ def register():
 
 def _run_under_selective_checkpointing():
     """Selective activation checkpointing replays an op its policy saves from what the op
-    returned: an op that writes its arguments and returns nothing would be replayed as nothing,
-    and the recomputation would read unwritten tensors. Such ops (and their twins) join torch's
-    SAC_IGNORED_OPS, which run each time whatever the policy says."""
+    returned: an op that writes activations (q and k in place, `out=`) and returns nothing would
+    be replayed as nothing, and the recomputation would read unwritten tensors. Such ops (and
+    their twins) join torch's SAC_IGNORED_OPS, which run each time whatever the policy says
+    (torch.compile's SAC recomputes them then). An op that writes a cache is left to the policy:
+    replaying a saved cache write as nothing is what it asks for."""
     from torch.utils import checkpoint
 
     for qualified in torch._C._dispatch_get_all_op_names():
         if qualified.startswith("rope::"):
             name, _, overload = qualified[len("rope::"):].partition(".")
             op = getattr(getattr(ops, name), overload or "default")
-            if op._schema.is_mutable and not op._schema.returns:
+            written = [a.name for a in op._schema.arguments
+                       if a.alias_info is not None and a.alias_info.is_write]
+            if written and not op._schema.returns and not any("cache" in w for w in written):
                 checkpoint.SAC_IGNORED_OPS.add(op)
 
 
