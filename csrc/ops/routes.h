@@ -208,7 +208,8 @@ inline void check_tensors_given(int op, const StableIValue* stack) {
 // of a CPU kernel: torch's ZeroTensor (an efficient zero, as some of torch's derivative formulas
 // make) has a null data pointer, which the dispatcher's ZeroTensor key materializes before a
 // kernel; the direct call skips that key. (Only tensors on their way to a kernel's data reads are
-// asked: a tensor with no storage at all, such as functorch's wrappers, cannot be.)
+// asked: a tensor with no storage at all, such as functorch's wrappers, fails here as it would in
+// the kernel; the Python call layer keeps them off this path.)
 inline bool tensors_have_memory(int op, const StableIValue* stack) {
   const OpSchema& s = kOps[op];
   for (int i = 0; i < s.n_tensors; ++i) {

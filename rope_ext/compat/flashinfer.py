@@ -253,8 +253,13 @@ def _nope_parts(q_rope, k_rope, q_nope, k_nope):
 
 
 def _check_table(cos_sin_cache, q_rope, k_rope):
-    check_tensors(q_rope=q_rope, k_rope=k_rope, cos_sin_cache=cos_sin_cache)
-    if cos_sin_cache.dtype != F32:
+    try:
+        q_rope.shape, k_rope.shape  # (a non-tensor named below, not by empty_like)
+        bad = cos_sin_cache.dtype != F32
+    except AttributeError:
+        check_tensors(q_rope=q_rope, k_rope=k_rope, cos_sin_cache=cos_sin_cache)
+        raise
+    if bad:
         raise ValueError("cos_sin_cache should be float32")
 
 
