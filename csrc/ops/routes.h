@@ -176,6 +176,14 @@ inline std::string layout_str(int32_t layout) {
   return "code " + std::to_string(layout);
 }
 
+// Tensor argument `a` of a call on the boxed stack, or null where it is None or undefined.
+inline AtenTensorHandle given_tensor(const StableIValue* stack, const TensorArg& a) {
+  const AtenTensorHandle t = tensor_at(stack, a.index, a.optional);
+  bool defined = false;
+  if (t != nullptr) STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_is_defined(t, &defined));
+  return defined ? t : nullptr;
+}
+
 // Op `op`'s tensors as the kernels need them: a required one given (Python's None arrives as
 // an undefined tensor, which the kernels would fail on with no word of which argument it was),
 // and each one given dense (strided): a sparse or mkldnn tensor has no sizes, strides or data
@@ -186,9 +194,8 @@ inline void check_tensors_given(int op, const StableIValue* stack) {
   const OpSchema& s = kOps[op];
   for (int i = 0; i < s.n_tensors; ++i) {
     const TensorArg& a = s.tensors[i];
-    const AtenTensorHandle t = tensor_at(stack, a.index, a.optional);
-    bool defined = false;
-    if (t != nullptr) STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_is_defined(t, &defined));
+    const AtenTensorHandle t = given_tensor(stack, a);
+    const bool defined = t != nullptr;
     static const int32_t strided = aoti_torch_layout_strided();
     int32_t layout = strided;
     if (defined) STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_layout(t, &layout));
@@ -213,11 +220,8 @@ inline void check_tensors_given(int op, const StableIValue* stack) {
 inline bool tensors_have_memory(int op, const StableIValue* stack) {
   const OpSchema& s = kOps[op];
   for (int i = 0; i < s.n_tensors; ++i) {
-    const TensorArg& a = s.tensors[i];
-    const AtenTensorHandle t = tensor_at(stack, a.index, a.optional);
-    bool defined = false;
-    if (t != nullptr) STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_is_defined(t, &defined));
-    if (!defined) continue;
+    const AtenTensorHandle t = given_tensor(stack, s.tensors[i]);
+    if (t == nullptr) continue;
     void* data = nullptr;
     STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(t, &data));
     int64_t numel = 0;
