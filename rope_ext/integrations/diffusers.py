@@ -265,7 +265,8 @@ def _processor_class(name):
                 cls._rope_ext_call is base.__dict__.get("__call__"):
             for rope_name, target in names.items():
                 origin = cls._rope_ext_origins[rope_name]
-                _verify(target, _original_function(origin, module, rope_name), name)
+                if origin is None or origin[0] == "import":  # (one defined in __call__ is its own)
+                    _verify(target, _original_function(origin, module, rope_name), name)
             return cls
         from . import _dit_prologue  # (imports diffusers)
 
