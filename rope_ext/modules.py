@@ -102,9 +102,9 @@ class RotaryEmbedding(torch.nn.Module):
     cost model quality). A move or to_empty() keeps its values (copied into the new memory), as
     it keeps the dynamic-NTK length's; a cast builds the table again (the length is kept), and
     memory that had none ("meta"; also a loader's placeholder tensor set on a module built on
-    meta, as transformers 5's from_pretrained sets) builds both (the length from the original). Under
-    activation checkpointing, a dynamic-NTK module recomputes a layer with the length of the
-    recomputation's time: call it outside the checkpointed layers (cos_sin, then the op), as
+    meta, as transformers 5's from_pretrained sets) builds both (the length from the original).
+    Under activation checkpointing, a dynamic-NTK module recomputes a layer with the length of
+    the recomputation's time: call it outside the checkpointed layers (cos_sin, then the op), as
     transformers' models do. Under DistributedDataParallel, which
     broadcasts every buffer before each forward by default, see docs/distributed.md. A
     dynamic-NTK module's length is state: calls from several threads at once need a module
