@@ -185,8 +185,7 @@ def test_ltx(dtype):
 
 def originals(processor_module, processor, names):
     base = getattr(processor_module, processor)
-    origin = rdi._rewritten_call(base, processor_module, names)[1]["apply_rotary_emb"]
-    return rdi._original_function(origin, processor_module, "apply_rotary_emb")
+    return rdi._diffusers_functions(base, processor_module, names)["apply_rotary_emb"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

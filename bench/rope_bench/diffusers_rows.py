@@ -245,8 +245,8 @@ def _build(family, dtype, scale):
     if family == "mochi":
         S = n(9540)
         a = _angles(S, 24 * 64).view(S, 24, 64)
-        mochi = rdi._rewritten_call(attention_processor.MochiAttnProcessor2_0, attention_processor,
-                                    {"apply_rotary_emb": "apply_rotary_emb_mochi"})[1]["apply_rotary_emb"]
+        mochi = rdi._diffusers_functions(attention_processor.MochiAttnProcessor2_0, attention_processor,
+                                         {"apply_rotary_emb": "apply_rotary_emb_mochi"})["apply_rotary_emb"]
         return (_pair(rd.apply_rotary_emb_mochi), _pair(mochi),
                 (x(1, S, 24, 128), x(1, S, 24, 128), a.cos().float(), a.sin().float()))
     raise KeyError(family)
@@ -254,8 +254,8 @@ def _build(family, dtype, scale):
 
 def _wan_rope(transformer_wan, rdi):
     """diffusers' Wan RoPE: the function WanAttnProcessor.__call__ defines."""
-    return rdi._rewritten_call(transformer_wan.WanAttnProcessor, transformer_wan,
-                               {"apply_rotary_emb": "apply_rotary_emb_wan"})[1]["apply_rotary_emb"]
+    return rdi._diffusers_functions(transformer_wan.WanAttnProcessor, transformer_wan,
+                                    {"apply_rotary_emb": "apply_rotary_emb_wan"})["apply_rotary_emb"]
 
 
 def _same(ours, theirs, args, dtype):

@@ -251,6 +251,13 @@ def _rewritten_call(base, module, names, rewrites=()):
     return new, origins, fused is not None
 
 
+def _diffusers_functions(base, module, names):
+    """{RoPE name: diffusers' own function} that base.__call__ calls (what the benchmarks and
+    tests compare the replacements with)."""
+    _, origins, _ = _rewritten_call(base, module, names)
+    return {name: _original_function(origins[name], module, name) for name in names}
+
+
 def _processor_class(name):
     """The rope_ext subclass of diffusers' processor class `name`, built on first use, and
     again (checked as then) where diffusers' class or its __call__ has been replaced since; the
