@@ -509,13 +509,14 @@ def tangent_aware(name, *args, **kwargs):
     open. With grad mode on the op's autograd kernel sees the tangents (_forward_ad_aware); with
     it off the native call path goes straight to the kernel, which would drop them, so the
     reference (or the refusal of a non-differentiable op) serves here."""
-    if not torch.is_grad_enabled() and has_tangent(args, kwargs):
-        return _forward_ad_aware(name, None)(None, *args, **kwargs)
-    if not torch.is_grad_enabled() and torch._C._functorch.peek_interpreter_stack() is not None:
-        # Inside torch.func.jvp the tensors are functorch's wrappers, which have no storage and
-        # reach the Autograd key as they are: with grad mode off the native call path would hand
-        # them to the kernel. The reference's torch ops unwrap them.
-        return OPS[name].reference(*args, **kwargs)
+    if not torch.is_grad_enabled():
+        if has_tangent(args, kwargs):
+            return _forward_ad_aware(name, None)(None, *args, **kwargs)
+        if torch._C._functorch.peek_interpreter_stack() is not None:
+            # Inside torch.func.jvp the tensors are functorch's wrappers, which have no storage
+            # and reach the Autograd key as they are: with grad mode off the native call path
+            # would hand them to the kernel. The reference's torch ops unwrap them.
+            return OPS[name].reference(*args, **kwargs)
     packet, _, overload = name.partition(".")
     return getattr(getattr(ops, packet), overload or "default")(*args, **kwargs)
 
@@ -605,10 +606,13 @@ def _run_under_selective_checkpointing():
     replaying a saved cache write as nothing is what it asks for."""
     from torch.utils import checkpoint
 
-    for qualified in torch._C._dispatch_get_all_op_names():
-        if qualified.startswith("rope::"):
-            name, _, overload = qualified[len("rope::"):].partition(".")
-            op = getattr(getattr(ops, name), overload or "default")
+    for name in OPS:
+        base, _, overload = name.partition(".")
+        for twin in (base, f"_impl_{base}", f"_grad_{base}"):  # (the twins: routed ops only)
+            packet = getattr(ops, twin, None)
+            if packet is None:
+                continue
+            op = getattr(packet, overload or "default")
             written = [a.name for a in op._schema.arguments
                        if a.alias_info is not None and a.alias_info.is_write]
             if written and not op._schema.returns and not any("cache" in w for w in written):

@@ -60,7 +60,7 @@ def check_cache_views(positions, query, key, head_size, cos_sin_cache, key_requi
                       key=key)
         raise
     if q is None:
-        raise TypeError("query must be a tensor, got None")
+        check_tensors(query=query)
     return q, k
 
 
