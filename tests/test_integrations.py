@@ -145,6 +145,36 @@ FAMILIES = {
             image_token_id=5, video_token_id=6, vision_start_token_id=7, audio_token_id=9,
             audio_start_token_id=4)),
 }
+MOE2 = dict(num_local_experts=2, num_experts_per_tok=1)
+FAMILIES.update({  # the rotate-half RoPE of Llama, each family's attention around it
+    "smollm3": causal_lm(T.SmolLM3Config(**BASE, pad_token_id=0)),
+    "seed_oss": causal_lm(T.SeedOssConfig(**BASE, head_dim=16)),
+    "arcee": causal_lm(T.ArceeConfig(**BASE)),
+    "ministral": causal_lm(T.MinistralConfig(**BASE, head_dim=16, sliding_window=8,
+                                             layer_types=["sliding_attention", "full_attention"])),
+    "vaultgemma": causal_lm(T.VaultGemmaConfig(**BASE, head_dim=16)),
+    "diffllama": causal_lm(T.DiffLlamaConfig(**BASE)),
+    "bitnet": causal_lm(T.BitNetConfig(**BASE)),
+    "falcon": causal_lm(T.FalconConfig(**BASE, new_decoder_architecture=True, num_kv_heads=2)),
+    "nemotron": causal_lm(T.NemotronConfig(**BASE, partial_rotary_factor=0.5)),
+    "persimmon": causal_lm(T.PersimmonConfig(**BASE, partial_rotary_factor=0.5,
+                                             qk_layernorm=True)),  # LayerNorms: not fused
+    "granitemoe": causal_lm(T.GraniteMoeConfig(**BASE, **MOE2)),
+    "granitemoeshared": causal_lm(T.GraniteMoeSharedConfig(**BASE, **MOE2,
+                                                           shared_intermediate_size=32)),
+    "granitemoehybrid": causal_lm(T.GraniteMoeHybridConfig(
+        **BASE, **MOE2, position_embedding_type="rope", layer_types=["mamba", "attention"],
+        mamba_n_heads=4, mamba_d_head=32, mamba_d_state=8, mamba_n_groups=1)),
+    "jetmoe": causal_lm(T.JetMoeConfig(**BASE)),
+    "minimax": causal_lm(T.MiniMaxConfig(**BASE, head_dim=16, **MOE2,
+                                         layer_types=["linear_attention", "full_attention"])),
+    "hunyuan_v1_dense": causal_lm(T.HunYuanDenseV1Config(**BASE, head_dim=16)),
+    "hunyuan_v1_moe": causal_lm(T.HunYuanMoEV1Config(**BASE, head_dim=16, num_experts=2,
+                                                     moe_topk=1)),
+    "olmo": causal_lm(T.OlmoConfig(**BASE)),
+    "olmo3": causal_lm(T.Olmo3Config(**BASE, sliding_window=8)),
+    "olmoe": causal_lm(T.OlmoeConfig(**BASE, num_experts=2, num_experts_per_tok=1)),
+})
 if HF5:
     QWEN3_5_TEXT = dict(BASE, head_dim=16, layer_types=["linear_attention", "full_attention"],
                         linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
@@ -588,6 +618,19 @@ def test_unsupported_family_is_an_error(config):
     assert isinstance(error.value, ValueError) and isinstance(error.value, NotImplementedError)
     assert not integration.is_patched(model)
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_every_listed_family_is_built_here():
+    """Each family patch() accepts runs the tests above on a tiny model of it, or shares its
+    modeling module with one that does (a vision-language model's text model type), or is one
+    this transformers version does not have."""
+    import importlib.util
+
+    built = {integration.FAMILIES[f][0] for f in FAMILIES}
+    for family, (path, _) in integration.FAMILIES.items():
+        package = f"transformers.models.{path.split('.')[0]}"
+        assert family in FAMILIES or path in built or importlib.util.find_spec(package) is None, \
+            f"{family}: no tiny model in FAMILIES"
 
 
 def test_a_changed_transformers_function_is_refused(monkeypatch):

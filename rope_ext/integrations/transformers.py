@@ -170,6 +170,29 @@ FAMILIES = {
     "olmo2": ("olmo2.modeling_olmo2", _ROTATE_HALF_IN_INPUT_DTYPE),
     "granite": ("granite.modeling_granite", _ROTATE_HALF),
     "starcoder2": ("starcoder2.modeling_starcoder2", _ROTATE_HALF),
+    "smollm3": ("smollm3.modeling_smollm3", _ROTATE_HALF),  # RoPE on some layers only
+    "seed_oss": ("seed_oss.modeling_seed_oss", _ROTATE_HALF),
+    "arcee": ("arcee.modeling_arcee", _ROTATE_HALF),
+    "ministral": ("ministral.modeling_ministral", _ROTATE_HALF),
+    "vaultgemma": ("vaultgemma.modeling_vaultgemma", _ROTATE_HALF),
+    "diffllama": ("diffllama.modeling_diffllama", _ROTATE_HALF),
+    "bitnet": ("bitnet.modeling_bitnet", _ROTATE_HALF),
+    "falcon": ("falcon.modeling_falcon", _ROTATE_HALF),  # its rotary configs (not ALiBi)
+    "nemotron": ("nemotron.modeling_nemotron", _ROTATE_HALF),  # partial rotary
+    "persimmon": ("persimmon.modeling_persimmon", _ROTATE_HALF),  # partial; LayerNorm on q, k
+    "granitemoe": ("granitemoe.modeling_granitemoe", _ROTATE_HALF),
+    "granitemoeshared": ("granitemoeshared.modeling_granitemoeshared", _ROTATE_HALF),
+    "granitemoehybrid": ("granitemoehybrid.modeling_granitemoehybrid", _ROTATE_HALF),  # if "rope"
+    "jetmoe": ("jetmoe.modeling_jetmoe", _ROTATE_HALF),
+    "minimax": ("minimax.modeling_minimax", _ROTATE_HALF),  # its full-attention layers
+    # q and k normed after the rotation: not fused
+    "hunyuan_v1_dense": ("hunyuan_v1_dense.modeling_hunyuan_v1_dense", _ROTATE_HALF),
+    "hunyuan_v1_moe": ("hunyuan_v1_moe.modeling_hunyuan_v1_moe", _ROTATE_HALF),
+    # results cast back to q's and k's dtypes (OLMo, OLMo 3); OLMo 3's and OLMoE's norms span
+    # all heads, as OLMo 2's: not fused
+    "olmo": ("olmo.modeling_olmo", _ROTATE_HALF_IN_INPUT_DTYPE),
+    "olmo3": ("olmo3.modeling_olmo3", _ROTATE_HALF_IN_INPUT_DTYPE),
+    "olmoe": ("olmoe.modeling_olmoe", _ROTATE_HALF),
     "gptj": ("gptj.modeling_gptj", _GPTJ),
     "qwen2_vl": ("qwen2_vl.modeling_qwen2_vl", _QWEN_VL),
     "qwen2_vl_text": ("qwen2_vl.modeling_qwen2_vl", _QWEN_VL),
