@@ -81,6 +81,31 @@ def hf_gptj_apply_rotary_pos_emb(tensor, sin, cos):
     return (tensor * cos) + (hf_rotate_every_two(tensor) * sin)
 
 
+def hf_glm_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """GLM / GLM-4 / Helium: interleaved pairs of the first cos.size(-1) dims, rotated by the
+    tables' first half repeated per pair; the rest passed through."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    rot = cos.shape[-1]
+    return tuple(torch.cat((t[..., :rot] * cos + hf_rotate_every_two(t[..., :rot]) * sin,
+                            t[..., rot:]), dim=-1) for t in (q, k))
+
+
+def hf_ernie_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """ERNIE 4.5: GLM's rotation of the whole head from q.float() and k.float(), in q's dtype."""
+    out = hf_glm_apply_rotary_pos_emb(q.float(), k.float(), cos, sin, unsqueeze_dim)
+    return tuple(t.to(q.dtype) for t in out)
+
+
+def hf_cohere_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """Cohere: interleaved pairs of the whole head, the tables read at each element's own place
+    (each angle twice, side by side); from q.float() and k.float(), in q's dtype."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return tuple((t.float() * cos + hf_rotate_every_two(t.float()) * sin).to(q.dtype)
+                 for t in (q, k))
+
+
 def hf_apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
     """Qwen2-VL: cos/sin (3, batch, seq, head_dim); chunk i of the doubled sections takes
     component i % 3."""

@@ -251,6 +251,63 @@ def test_hf_gptj(dtype, width):
     assert gradcheck(hf.apply_rotary_pos_emb_gptj, (x, s, c))
 
 
+INTERLEAVED_FAMILIES = {  # compat function, its transformers peer, the peer's table layout
+    "glm": (hf.apply_rotary_pos_emb_glm, peers.hf_glm_apply_rotary_pos_emb, "halves"),
+    "ernie": (hf.apply_rotary_pos_emb_ernie, peers.hf_ernie_apply_rotary_pos_emb, "halves"),
+    "cohere": (hf.apply_rotary_pos_emb_cohere, peers.hf_cohere_apply_rotary_pos_emb, "pairs"),
+}
+
+
+def family_tables(layout, B, S, rot, dtype):
+    """cos, sin (B, S, rot) as the family's rotary module makes them (each angle twice)."""
+    angles = torch.rand(B, S, rot // 2, dtype=torch.float64) * 20
+    emb = torch.cat((angles, angles), -1) if layout == "halves" else angles.repeat_interleave(2, -1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@pytest.mark.parametrize("family", INTERLEAVED_FAMILIES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_hf_interleaved_families(family, dtype, unsqueeze_dim):
+    fn, peer, layout = INTERLEAVED_FAMILIES[family]
+    B, S, H, D = 2, 5, 3, 32
+    rot = D // 2 if family == "glm" else D  # GLM rotates a prefix; the others the whole head
+    cos, sin = family_tables(layout, B, S, rot, dtype)
+    q = torch.randn((B, H, S, D) if unsqueeze_dim == 1 else (B, S, H, D), dtype=dtype)
+    k = torch.randn((B, 1, S, D) if unsqueeze_dim == 1 else (B, S, 1, D), dtype=dtype)
+    q0, k0 = q.clone(), k.clone()
+    got = fn(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    want = peer(*f64(q, k, cos, sin), unsqueeze_dim=unsqueeze_dim)
+    for g, w, x in zip(got, want, (q, k)):
+        check(g, w, dtype)
+        assert g.shape == x.shape and torch.equal(g[..., rot:], x[..., rot:])
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+    # bfloat16 q and k with float32 tables: the peer's dtypes (GLM promotes, the others give q's)
+    mixed = (q.bfloat16(), k.bfloat16(), cos.float(), sin.float())
+    assert [t.dtype for t in fn(*mixed, unsqueeze_dim=unsqueeze_dim)] == \
+        [t.dtype for t in peer(*mixed, unsqueeze_dim=unsqueeze_dim)]
+
+
+@pytest.mark.parametrize("family", INTERLEAVED_FAMILIES)
+def test_hf_interleaved_families_gradients(family):
+    # Any tables (GLM's second half unread; Cohere's pair members differing): values and
+    # gradients of q, k and both tables are the peer's in float64, and finite differences'.
+    # (ERNIE and Cohere compute from q.float(): float64 q and k are rounded to float32 there, and
+    # so are their gradients, each term on its own: float32's tolerance for those)
+    fn, peer, _ = INTERLEAVED_FAMILIES[family]
+    args = [torch.randn(shape, dtype=torch.float64, requires_grad=True)
+            for shape in ((2, 3, 4, 8), (2, 1, 4, 8), (2, 4, 8), (2, 4, 8))]
+    got, want = fn(*args), peer(*args)
+    w = [torch.randn_like(t) for t in want]
+    g_got = torch.autograd.grad(sum((a * b).sum() for a, b in zip(got, w)), args)
+    g_want = torch.autograd.grad(sum((a * b).sum() for a, b in zip(want, w)), args)
+    tol = 1e-12 if family == "glm" else 1e-5
+    for a, b in zip(list(got) + list(g_got), list(want) + list(g_want)):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    if family == "glm":
+        assert gradcheck(fn, args)
+
+
 def mrope_tables(B, S, D, dtype):
     angles = torch.rand(3, B, S, D // 2, dtype=torch.float64) * 20  # distinct t, h, w components
     emb = torch.cat((angles, angles), dim=-1)

@@ -18,7 +18,8 @@ import torch
 from torch.autograd import forward_ad
 
 from .._args import mrope_section_arg
-from ._layout import derivative_wanted, float32_table, ops, rotate_pairs
+from ._layout import (derivative_wanted, float32_table, join_members, ops, pair_members,
+                      rotate_pairs)
 
 
 def _check_width(x, cos, sin, what, name):
@@ -40,22 +41,23 @@ def _seq_major(x):
     return x.transpose(1, 2).is_contiguous()
 
 
-def _rotate_half_style(tensors, cos, sin, dtypes):
+def _rotate_half_style(tensors, cos, sin, dtypes, interleaved=False):
     """Each x of `tensors`: x * cos + rotate_half(x) * sin on its first cos.size(-1) dims, the
-    rest passed through, in its dtype of `dtypes`."""
-    half = cos.shape[-1] // 2
-    first_c, first_s = float32_table(cos[..., :half]), float32_table(sin[..., :half])
+    rest passed through, in its dtype of `dtypes`. rotate_half pairs dims (i, i + width/2), or
+    (2i, 2i+1) if interleaved (Cohere's), and the tables hold each angle at both members."""
+    first_c, second_c = pair_members(cos, interleaved)
+    first_s, second_s = pair_members(sin, interleaved)
+    first_c, first_s = float32_table(first_c), float32_table(first_s)
     if not derivative_wanted(cos, sin):
-        return tuple(rotate_pairs(x, first_c, first_s, d) for x, d in zip(tensors, dtypes))
-    # The first half of the outputs reads the tables' first half, the second half their second.
-    second_c = float32_table(cos[..., half : 2 * half])
-    second_s = float32_table(sin[..., half : 2 * half])
+        return tuple(rotate_pairs(x, first_c, first_s, d, interleaved) for x, d in zip(tensors, dtypes))
+    # Each pair's first member reads the tables' entry at its place, the second member its own.
+    second_c, second_s = float32_table(second_c), float32_table(second_s)
     out = []
     for x, d in zip(tensors, dtypes):
         x = x.to(d)  # once: the two passes then save one copy of x for backward, not one each
-        first = rotate_pairs(x, first_c, first_s, d)
-        second = rotate_pairs(x, second_c, second_s, d)
-        out.append(torch.cat((first[..., :half], second[..., half:]), dim=-1))
+        first = rotate_pairs(x, first_c, first_s, d, interleaved)
+        second = rotate_pairs(x, second_c, second_s, d, interleaved)
+        out.append(join_members(first, second, interleaved, cos.shape[-1]))
     return tuple(out)
 
 
@@ -184,6 +186,55 @@ def apply_rotary_pos_emb_single(x, cos, sin, position_ids=None, unsqueeze_dim=1)
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     _check_width(x, cos, sin, "rotary_dim", "x")
     return _rotate_half_style((x,), cos, sin, (_promoted(x, cos, sin),))[0]
+
+
+def _upcast_like_transformers(x):
+    """x.float() where it changes the values (float64 rounded to float32, as `q.float()` does in
+    the functions that compute "in full precision"); lower precisions are computed in float32
+    by the op anyway, without a float32 copy."""
+    return x.float() if x.dtype == torch.float64 else x
+
+
+def apply_rotary_pos_emb_glm(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """GLM's, GLM-4's and Helium's apply_rotary_pos_emb: pairs (2i, 2i+1) of the first
+    cos.size(-1) dims rotated by entry i of the tables' first half (transformers repeats each
+    entry for both members of its pair, `cos[..., :width // 2].repeat_interleave(2)`; the second
+    half is never read, so any tables are exact, their gradients too), the rest passed through;
+    torch's promotion of q (k) with the tables. Arguments as apply_rotary_pos_emb's."""
+    unsqueeze_dim = _unsqueeze_dim(position_ids, unsqueeze_dim)
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    _check_width(q, cos, sin, "rotary_dim", "q")
+    _check_width(k, cos, sin, "rotary_dim", "k")
+    half = cos.shape[-1] // 2
+    c, s = float32_table(cos[..., :half]), float32_table(sin[..., :half])
+    return (rotate_pairs(q, c, s, _promoted(q, cos, sin), interleaved=True),
+            rotate_pairs(k, c, s, _promoted(k, cos, sin), interleaved=True))
+
+
+def apply_rotary_pos_emb_ernie(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """ERNIE 4.5's apply_rotary_pos_emb: GLM's rotation of the whole head, computed from
+    `q.float()` and `k.float()` and both results cast to q's dtype."""
+    dtype = q.dtype
+    q_embed, k_embed = apply_rotary_pos_emb_glm(_upcast_like_transformers(q),
+                                                _upcast_like_transformers(k), cos, sin,
+                                                position_ids, unsqueeze_dim)
+    return q_embed.to(dtype), k_embed.to(dtype)
+
+
+def apply_rotary_pos_emb_cohere(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """Cohere's (Command R, Cohere2) apply_rotary_pos_emb: pairs (2i, 2i+1) of the whole head, the
+    tables holding each angle at both members of its pair (its rotary module repeats each
+    frequency twice, `repeat_interleave(freqs, 2)`); computed from `q.float()` and `k.float()`,
+    both results in q's dtype. Tables whose pair members differ, as in apply_rotary_pos_emb: one
+    pass reads the first members; two where the tables need gradients."""
+    unsqueeze_dim = _unsqueeze_dim(position_ids, unsqueeze_dim)
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    _check_width(q, cos, sin, "head_dim", "q")
+    _check_width(k, cos, sin, "head_dim", "k")
+    q, k, dtype = _upcast_like_transformers(q), _upcast_like_transformers(k), q.dtype
+    out = _rotate_half_style((q, k), cos, sin, (_promoted(q, cos, sin), _promoted(k, cos, sin)),
+                             interleaved=True)
+    return tuple(t.to(dtype) for t in out)
 
 
 def _sections(mrope_section, width):

@@ -26,6 +26,7 @@ NotImplementedError).
 
 import ast
 import dis
+import functools
 import importlib
 import inspect
 import sys
@@ -53,16 +54,20 @@ def _duplicated(angles):
     return torch.cat((angles, angles), dim=-1)
 
 
+def _repeated(angles):  # Cohere's tables: each angle at both members of its pair (2i, 2i+1)
+    return angles.repeat_interleave(2, dim=-1)
+
+
 def _same(a, b):
     return all(torch.allclose(x, y, rtol=1e-10, atol=1e-10) for x, y in zip(a, b))
 
 
-def _probe_rotate_half(original, replacement):
+def _probe_rotate_half(original, replacement, tables=_duplicated):
     g = _generator()
     q = torch.randn(2, 3, 4, 8, generator=g, dtype=torch.float64)
     k = torch.randn(2, 1, 4, 8, generator=g, dtype=torch.float64)
     for rot in (8, 4):  # full and partial rotary (versions without partial rotary raise)
-        emb = _duplicated(torch.randn(2, 4, rot // 2, generator=g, dtype=torch.float64) * 3)
+        emb = tables(torch.randn(2, 4, rot // 2, generator=g, dtype=torch.float64) * 3)
         try:
             want = original(q, k, emb.cos(), emb.sin())
         except RuntimeError:
@@ -73,7 +78,7 @@ def _probe_rotate_half(original, replacement):
             return False
     # A bfloat16 model's float32 tables: most families return torch's promotion (float32), Olmo 2
     # and LFM3 cast the results back to q's and k's dtypes, which their attention relies on.
-    emb = _duplicated(torch.randn(2, 4, 4, generator=g, dtype=torch.float32) * 3)
+    emb = tables(torch.randn(2, 4, 4, generator=g, dtype=torch.float32) * 3)
     mixed = (q.to(torch.bfloat16), k.to(torch.bfloat16), emb.cos(), emb.sin())
     return [t.dtype for t in replacement(*mixed)] == [t.dtype for t in original(*mixed)]
 
@@ -116,6 +121,12 @@ _ROTATE_HALF = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb, _probe_rotate_
 _ROTATE_HALF_IN_INPUT_DTYPE = {
     "apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_in_input_dtype, _probe_rotate_half)}
 _GPTJ = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_gptj, _probe_gptj)}
+# GLM's interleaved pairs, rotated by the first half of rotate_half-style tables (GLM, GLM-4,
+# Helium; ERNIE 4.5 in q's dtype); Cohere's by tables holding each angle at both members
+_GLM = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_glm, _probe_rotate_half)}
+_ERNIE = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_ernie, _probe_rotate_half)}
+_COHERE = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_cohere,
+                                    functools.partial(_probe_rotate_half, tables=_repeated))}
 # Gemma 3n's and Gemma 4's apply_rotary_pos_emb rotates one tensor; their attention calls it for q
 # and for k.
 _ONE_TENSOR = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_single, _probe_one_tensor)}
@@ -194,6 +205,13 @@ FAMILIES = {
     "olmo3": ("olmo3.modeling_olmo3", _ROTATE_HALF_IN_INPUT_DTYPE),
     "olmoe": ("olmoe.modeling_olmoe", _ROTATE_HALF),
     "gptj": ("gptj.modeling_gptj", _GPTJ),
+    "glm": ("glm.modeling_glm", _GLM),  # partial rotary
+    "glm4": ("glm4.modeling_glm4", _GLM),
+    "helium": ("helium.modeling_helium", _GLM),
+    "ernie4_5": ("ernie4_5.modeling_ernie4_5", _ERNIE),
+    "ernie4_5_moe": ("ernie4_5_moe.modeling_ernie4_5_moe", _ERNIE),
+    "cohere": ("cohere.modeling_cohere", _COHERE),  # LayerNorms on q and k (optional): not fused
+    "cohere2": ("cohere2.modeling_cohere2", _COHERE),  # RoPE on sliding-window layers only
     "qwen2_vl": ("qwen2_vl.modeling_qwen2_vl", _QWEN_VL),
     "qwen2_vl_text": ("qwen2_vl.modeling_qwen2_vl", _QWEN_VL),
     "qwen2_5_vl": ("qwen2_5_vl.modeling_qwen2_5_vl", _QWEN_VL),
