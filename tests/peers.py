@@ -106,6 +106,17 @@ def hf_cohere_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
                  for t in (q, k))
 
 
+def hf_deepseek_apply_rotary_pos_emb_interleave(q, k, cos, sin, unsqueeze_dim=1):
+    """DeepSeek-V3 (transformers 4): q and k de-interleaved (pairs (2i, 2i+1) to halves), then
+    Llama's rotate_half RoPE of the whole head."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    out = []
+    for t in (q, k):
+        t = t.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+        out.append(t * cos + hf_rotate_half(t) * sin)
+    return tuple(out)
+
+
 def hf_apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
     """Qwen2-VL: cos/sin (3, batch, seq, head_dim); chunk i of the doubled sections takes
     component i % 3."""

@@ -255,6 +255,8 @@ INTERLEAVED_FAMILIES = {  # compat function, its transformers peer, the peer's t
     "glm": (hf.apply_rotary_pos_emb_glm, peers.hf_glm_apply_rotary_pos_emb, "halves"),
     "ernie": (hf.apply_rotary_pos_emb_ernie, peers.hf_ernie_apply_rotary_pos_emb, "halves"),
     "cohere": (hf.apply_rotary_pos_emb_cohere, peers.hf_cohere_apply_rotary_pos_emb, "pairs"),
+    "deepseek": (hf.apply_rotary_pos_emb_interleave,
+                 peers.hf_deepseek_apply_rotary_pos_emb_interleave, "halves"),
 }
 
 
@@ -290,8 +292,9 @@ def test_hf_interleaved_families(family, dtype, unsqueeze_dim):
 
 @pytest.mark.parametrize("family", INTERLEAVED_FAMILIES)
 def test_hf_interleaved_families_gradients(family):
-    # Any tables (GLM's second half unread; Cohere's pair members differing): values and
-    # gradients of q, k and both tables are the peer's in float64, and finite differences'.
+    # Any tables (GLM's second half unread; Cohere's pair members and DeepSeek's halves
+    # differing): values and gradients of q, k and both tables are the peer's in float64, and
+    # finite differences'.
     # (ERNIE and Cohere compute from q.float(): float64 q and k are rounded to float32 there, and
     # so are their gradients, each term on its own: float32's tolerance for those)
     fn, peer, _ = INTERLEAVED_FAMILIES[family]
@@ -301,10 +304,10 @@ def test_hf_interleaved_families_gradients(family):
     w = [torch.randn_like(t) for t in want]
     g_got = torch.autograd.grad(sum((a * b).sum() for a, b in zip(got, w)), args)
     g_want = torch.autograd.grad(sum((a * b).sum() for a, b in zip(want, w)), args)
-    tol = 1e-12 if family == "glm" else 1e-5
+    exact = family in ("glm", "deepseek")
     for a, b in zip(list(got) + list(g_got), list(want) + list(g_want)):
-        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
-    if family == "glm":
+        torch.testing.assert_close(a, b, rtol=1e-12 if exact else 1e-5, atol=1e-12 if exact else 1e-5)
+    if exact:
         assert gradcheck(fn, args)
 
 

@@ -146,6 +146,8 @@ FAMILIES = {
             audio_start_token_id=4)),
 }
 MOE2 = dict(num_local_experts=2, num_experts_per_tok=1)
+MLA = dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+           moe_intermediate_size=32)
 FAMILIES.update({  # the rotate-half RoPE of Llama, each family's attention around it
     "smollm3": causal_lm(T.SmolLM3Config(**BASE, pad_token_id=0)),
     "seed_oss": causal_lm(T.SeedOssConfig(**BASE, head_dim=16)),
@@ -181,6 +183,14 @@ FAMILIES.update({  # the rotate-half RoPE of Llama, each family's attention arou
     "ernie4_5": causal_lm(T.Ernie4_5Config(**BASE, head_dim=16)),
     "ernie4_5_moe": causal_lm(T.Ernie4_5_MoeConfig(**BASE, head_dim=16, moe_num_experts=2, moe_k=1,
                                                    moe_intermediate_size=32)),
+    # DeepSeek-V3's MLA (latent q and kv, a rotated part of each head): pairs rotated and laid
+    # out as halves (rope_interleave), or Llama's RoPE
+    "deepseek_v3": causal_lm(T.DeepseekV3Config(**BASE, **MLA, n_routed_experts=2,
+                                                num_experts_per_tok=1, first_k_dense_replace=1,
+                                                n_group=1, topk_group=1)),
+    "longcat_flash": causal_lm(T.LongcatFlashConfig(
+        **BASE, **MLA, head_dim=8, num_layers=1, ffn_hidden_size=64, expert_ffn_hidden_size=32,
+        n_routed_experts=2, moe_topk=2, zero_expert_num=1)),
     "cohere": causal_lm(T.CohereConfig(**BASE, use_qk_norm=True)),  # LayerNorms: not fused
     "cohere2": causal_lm(T.Cohere2Config(**BASE, sliding_window=8,
                                          layer_types=["sliding_attention", "full_attention"])),
@@ -278,6 +288,14 @@ if HF5:
     FAMILIES["lfm2_moe"] = causal_lm(T.Lfm2MoeConfig(
         **BASE, layer_types=["conv", "full_attention"], num_dense_layers=1, num_experts=2,
         num_experts_per_tok=1, moe_intermediate_size=32))
+    FAMILIES.update({  # DeepSeek-V3's MLA and its RoPE (transformers 5 only)
+        "glm4_moe_lite": causal_lm(T.Glm4MoeLiteConfig(
+            **BASE, **MLA, n_routed_experts=2, num_experts_per_tok=1,
+            mlp_layer_types=["dense", "sparse"])),
+        "mistral4": lambda: T.Mistral4ForCausalLM(T.Mistral4Config(
+            **BASE, **MLA, n_routed_experts=2, num_experts_per_tok=1)),
+        "youtu": causal_lm(T.YoutuConfig(**BASE, **MLA)),
+    })
     FAMILIES.update({  # RoPE on some layers only, as EXAONE 4
         "exaone_moe": causal_lm(T.ExaoneMoeConfig(**BASE, head_dim=16, **NOPE_GLOBAL)),
         "afmoe": causal_lm(T.AfmoeConfig(**BASE, head_dim=16, **NOPE_GLOBAL)),

@@ -211,6 +211,27 @@ def apply_rotary_pos_emb_glm(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)
             rotate_pairs(k, c, s, _promoted(k, cos, sin), interleaved=True))
 
 
+def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """DeepSeek-V3's apply_rotary_pos_emb_interleave (its MLA's `rope_interleave` weights, also
+    LongCat-Flash's, GLM-4 MoE Lite's, Mistral 4's): pairs (2i, 2i+1) of the whole head rotated,
+    and each result laid out de-interleaved, pair i's members at i and i + head_dim/2, as its
+    attention reads them. The tables as apply_rotary_pos_emb's (halves equal; read where
+    transformers 4 reads them when they need gradients); arguments as its."""
+    unsqueeze_dim = _unsqueeze_dim(position_ids, unsqueeze_dim)
+    width = cos.shape[-1]
+    for x, name in ((q, "q"), (k, "k")):
+        if x.shape[-1] != width or width % 2:  # transformers' arithmetic would fail too
+            raise ValueError(f"cos of shape {list(cos.shape)}: its last dim must be "
+                             f"{name}.size(-1) = {x.shape[-1]}, even (the whole head rotates)")
+    return _q_and_k(_deinterleaved(q), _deinterleaved(k), cos, sin, unsqueeze_dim,
+                    in_input_dtype=False)
+
+
+def _deinterleaved(x):
+    """x's last dim reordered from pairs (2i, 2i+1) to halves (i, i + width/2): a copy."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
 def apply_rotary_pos_emb_ernie(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """ERNIE 4.5's apply_rotary_pos_emb: GLM's rotation of the whole head, computed from
     `q.float()` and `k.float()` and both results cast to q's dtype."""

@@ -125,6 +125,12 @@ _GPTJ = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_gptj, _probe_gptj)}
 # Helium; ERNIE 4.5 in q's dtype); Cohere's by tables holding each angle at both members
 _GLM = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_glm, _probe_rotate_half)}
 _ERNIE = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_ernie, _probe_rotate_half)}
+# DeepSeek-V3's MLA: pairs (2i, 2i+1) rotated, then laid out as halves (`rope_interleave`, its
+# default), or Llama's RoPE
+_DEEPSEEK = {
+    "apply_rotary_pos_emb": (hf.apply_rotary_pos_emb, _probe_rotate_half),
+    "apply_rotary_pos_emb_interleave": (hf.apply_rotary_pos_emb_interleave, _probe_rotate_half),
+}
 _COHERE = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_cohere,
                                     functools.partial(_probe_rotate_half, tables=_repeated))}
 # Gemma 3n's and Gemma 4's apply_rotary_pos_emb rotates one tensor; their attention calls it for q
@@ -210,6 +216,11 @@ FAMILIES = {
     "helium": ("helium.modeling_helium", _GLM),
     "ernie4_5": ("ernie4_5.modeling_ernie4_5", _ERNIE),
     "ernie4_5_moe": ("ernie4_5_moe.modeling_ernie4_5_moe", _ERNIE),
+    "deepseek_v3": ("deepseek_v3.modeling_deepseek_v3", _DEEPSEEK),
+    "longcat_flash": ("longcat_flash.modeling_longcat_flash", _DEEPSEEK),
+    "glm4_moe_lite": ("glm4_moe_lite.modeling_glm4_moe_lite", _DEEPSEEK),  # transformers >= 5
+    "mistral4": ("mistral4.modeling_mistral4", _DEEPSEEK),  # transformers >= 5
+    "youtu": ("youtu.modeling_youtu", _DEEPSEEK),  # transformers >= 5
     "cohere": ("cohere.modeling_cohere", _COHERE),  # LayerNorms on q and k (optional): not fused
     "cohere2": ("cohere2.modeling_cohere2", _COHERE),  # RoPE on sliding-window layers only
     "qwen2_vl": ("qwen2_vl.modeling_qwen2_vl", _QWEN_VL),
