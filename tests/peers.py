@@ -117,6 +117,16 @@ def hf_deepseek_apply_rotary_pos_emb_interleave(q, k, cos, sin, unsqueeze_dim=1)
     return tuple(out)
 
 
+def hf_gpt_oss_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """GPT-OSS: rotate_half pairs, cos and sin of one entry per pair (head_dim / 2 wide)."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    out = []
+    for t in (q, k):
+        a, b = torch.chunk(t, 2, dim=-1)
+        out.append(torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1))
+    return tuple(out)
+
+
 def hf_apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
     """Qwen2-VL: cos/sin (3, batch, seq, head_dim); chunk i of the doubled sections takes
     component i % 3."""

@@ -257,13 +257,16 @@ INTERLEAVED_FAMILIES = {  # compat function, its transformers peer, the peer's t
     "cohere": (hf.apply_rotary_pos_emb_cohere, peers.hf_cohere_apply_rotary_pos_emb, "pairs"),
     "deepseek": (hf.apply_rotary_pos_emb_interleave,
                  peers.hf_deepseek_apply_rotary_pos_emb_interleave, "halves"),
+    "gpt_oss": (hf.apply_rotary_pos_emb_half_tables, peers.hf_gpt_oss_apply_rotary_pos_emb, "one"),
 }
 
 
 def family_tables(layout, B, S, rot, dtype):
-    """cos, sin (B, S, rot) as the family's rotary module makes them (each angle twice)."""
+    """cos, sin as the family's rotary module makes them: (B, S, rot), each angle twice, or
+    (B, S, rot / 2), once ("one")."""
     angles = torch.rand(B, S, rot // 2, dtype=torch.float64) * 20
-    emb = torch.cat((angles, angles), -1) if layout == "halves" else angles.repeat_interleave(2, -1)
+    emb = {"halves": lambda: torch.cat((angles, angles), -1), "one": lambda: angles,
+           "pairs": lambda: angles.repeat_interleave(2, -1)}[layout]()
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -291,6 +294,29 @@ def test_hf_interleaved_families(family, dtype, unsqueeze_dim):
 
 
 @pytest.mark.parametrize("family", INTERLEAVED_FAMILIES)
+@pytest.mark.parametrize("q_dtype, k_dtype, table_dtype", [
+    (torch.float32, torch.float16, torch.float16), (torch.float16, torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.bfloat16, torch.float64)])
+def test_hf_interleaved_families_projection_views_and_mixed_dtypes(family, q_dtype, k_dtype,
+                                                                   table_dtype):
+    # q and k as transformers' attention makes them, (batch, seq, heads, head_dim) projections
+    # seen as (batch, heads, seq, head_dim), of dtypes of their own: each result is the peer's
+    # (its dtype, its values within that dtype's tolerance: rounded once) in the projection's
+    # order of dims in memory, as the Llama drop-in keeps it.
+    fn, peer, layout = INTERLEAVED_FAMILIES[family]
+    B, S, D = 2, 5, 32
+    cos, sin = family_tables(layout, B, S, D // 2 if family == "glm" else D, table_dtype)
+    q = torch.randn(B, S, 3 * D, dtype=q_dtype).view(B, S, 3, D).transpose(1, 2)
+    k = torch.randn(B, S, 2 * D, dtype=k_dtype).view(B, S, 2, D).transpose(1, 2)
+    got = fn(q, k, cos, sin)
+    dtypes = [t.dtype for t in peer(q, k, cos, sin)]
+    want = peer(*f64(q, k, cos, sin))
+    for g, w, d in zip(got, want, dtypes):
+        check(g, w, d, scale=2)
+        assert sorted(range(4), key=lambda i: -g.stride(i)) == [0, 2, 1, 3], g.stride()
+
+
+@pytest.mark.parametrize("family", INTERLEAVED_FAMILIES)
 def test_hf_interleaved_families_gradients(family):
     # Any tables (GLM's second half unread; Cohere's pair members and DeepSeek's halves
     # differing): values and gradients of q, k and both tables are the peer's in float64, and
@@ -298,13 +324,14 @@ def test_hf_interleaved_families_gradients(family):
     # (ERNIE and Cohere compute from q.float(): float64 q and k are rounded to float32 there, and
     # so are their gradients, each term on its own: float32's tolerance for those)
     fn, peer, _ = INTERLEAVED_FAMILIES[family]
+    width = 4 if family == "gpt_oss" else 8  # tables of one entry per pair
     args = [torch.randn(shape, dtype=torch.float64, requires_grad=True)
-            for shape in ((2, 3, 4, 8), (2, 1, 4, 8), (2, 4, 8), (2, 4, 8))]
+            for shape in ((2, 3, 4, 8), (2, 1, 4, 8), (2, 4, width), (2, 4, width))]
     got, want = fn(*args), peer(*args)
     w = [torch.randn_like(t) for t in want]
     g_got = torch.autograd.grad(sum((a * b).sum() for a, b in zip(got, w)), args)
     g_want = torch.autograd.grad(sum((a * b).sum() for a, b in zip(want, w)), args)
-    exact = family in ("glm", "deepseek")
+    exact = family in ("glm", "deepseek", "gpt_oss")
     for a, b in zip(list(got) + list(g_got), list(want) + list(g_want)):
         torch.testing.assert_close(a, b, rtol=1e-12 if exact else 1e-5, atol=1e-12 if exact else 1e-5)
     if exact:

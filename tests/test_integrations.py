@@ -183,6 +183,8 @@ FAMILIES.update({  # the rotate-half RoPE of Llama, each family's attention arou
     "ernie4_5": causal_lm(T.Ernie4_5Config(**BASE, head_dim=16)),
     "ernie4_5_moe": causal_lm(T.Ernie4_5_MoeConfig(**BASE, head_dim=16, moe_num_experts=2, moe_k=1,
                                                    moe_intermediate_size=32)),
+    "gpt_oss": causal_lm(T.GptOssConfig(**BASE, head_dim=16, **MOE2, sliding_window=8,
+                                        layer_types=["sliding_attention", "full_attention"])),
     # DeepSeek-V3's MLA (latent q and kv, a rotated part of each head): pairs rotated and laid
     # out as halves (rope_interleave), or Llama's RoPE
     "deepseek_v3": causal_lm(T.DeepseekV3Config(**BASE, **MLA, n_routed_experts=2,

@@ -188,11 +188,67 @@ def apply_rotary_pos_emb_single(x, cos, sin, position_ids=None, unsqueeze_dim=1)
     return _rotate_half_style((x,), cos, sin, (_promoted(x, cos, sin),))[0]
 
 
-def _upcast_like_transformers(x):
-    """x.float() where it changes the values (float64 rounded to float32, as `q.float()` does in
-    the functions that compute "in full precision"); lower precisions are computed in float32
-    by the op anyway, without a float32 copy."""
-    return x.float() if x.dtype == torch.float64 else x
+def _pairs_rotated(rotate, q, k, cos, sin, position_ids, unsqueeze_dim, full_precision=False):
+    """(q_embed, k_embed) of rotate(q, k, cos, sin, dtypes), the tables unsqueezed at
+    unsqueeze_dim, each result in torch's promotion of its input with the tables; or, with
+    full_precision, transformers' `(q.float() * cos + ...).to(q.dtype)` for both. q and k that
+    are (batch, heads, seq, head_dim) views of (batch, seq, heads, head_dim) projections are
+    rotated in the projections' order, which the results keep (see _fast_path)."""
+    unsqueeze_dim = _unsqueeze_dim(position_ids, unsqueeze_dim)
+    if (unsqueeze_dim == 1 and cos.dim() == 3 and q.dim() == 4 and k.dim() == 4
+            and not q.is_contiguous() and _seq_major(q) and _seq_major(k)):
+        out = _pairs_rotated(rotate, q.transpose(1, 2), k.transpose(1, 2), cos, sin, None, 2,
+                             full_precision)
+        return tuple(t.transpose(1, 2) for t in out)
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    if not full_precision:
+        return rotate(q, k, cos, sin, (_promoted(q, cos, sin), _promoted(k, cos, sin)))
+    # .float() rounds float64 q and k to float32; the arithmetic is then float32's, or float64's
+    # for float64 tables, rounded to q's dtype. The op computes in float32 (for any dtype it
+    # writes but float64) and rounds once: a float32 computation writes q's dtype directly.
+    dtype = q.dtype
+    compute = torch.promote_types(torch.float32, _promoted(cos, sin))
+    out = dtype if compute == torch.float32 and dtype != torch.float64 else compute
+    q, k = (x.float() if x.dtype == torch.float64 else x for x in (q, k))
+    # (k of a wider dtype than q's, float32 for bfloat16 q, say: computed in its own, then rounded)
+    got = rotate(q, k, cos, sin, (torch.promote_types(q.dtype, out), torch.promote_types(k.dtype, out)))
+    return tuple(t.to(dtype) for t in got)
+
+
+def _glm_pairs(q, k, cos, sin, dtypes):
+    _check_width(q, cos, sin, "rotary_dim", "q")
+    _check_width(k, cos, sin, "rotary_dim", "k")
+    half = cos.shape[-1] // 2
+    c, s = float32_table(cos[..., :half]), float32_table(sin[..., :half])
+    return tuple(rotate_pairs(x, c, s, d, interleaved=True) for x, d in zip((q, k), dtypes))
+
+
+def _cohere_pairs(q, k, cos, sin, dtypes):
+    _check_width(q, cos, sin, "head_dim", "q")
+    _check_width(k, cos, sin, "head_dim", "k")
+    return _rotate_half_style((q, k), cos, sin, dtypes, interleaved=True)
+
+
+def _one_entry_per_pair(q, k, cos, sin, dtypes):
+    for x, name in ((q, "q"), (k, "k")):
+        if sin.shape[-1] != cos.shape[-1] or 2 * cos.shape[-1] != x.shape[-1]:
+            raise ValueError(f"cos and sin of shapes {list(cos.shape)} and {list(sin.shape)}: "
+                             f"their last dim must be {name}.size(-1) / 2 = {x.shape[-1] / 2:g}")
+    c, s = float32_table(cos), float32_table(sin)
+    return tuple(rotate_pairs(x, c, s, d) for x, d in zip((q, k), dtypes))
+
+
+def _deinterleaved_pairs(q, k, cos, sin, dtypes):
+    width = cos.shape[-1]
+    for x, name in ((q, "q"), (k, "k")):
+        if x.shape[-1] != width or width % 2 or sin.shape[-1] != width:
+            raise ValueError(f"cos and sin of shapes {list(cos.shape)} and {list(sin.shape)}: "
+                             f"their last dim must be {name}.size(-1) = {x.shape[-1]}, even (the "
+                             "whole head rotates)")
+    # x's last dim reordered from pairs (2i, 2i+1) to halves (i, i + width/2): a copy, as
+    # transformers makes it, then Llama's rotation
+    halves = [x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2) for x in (q, k)]
+    return _rotate_half_style(halves, cos, sin, dtypes)
 
 
 def apply_rotary_pos_emb_glm(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
@@ -201,45 +257,14 @@ def apply_rotary_pos_emb_glm(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)
     entry for both members of its pair, `cos[..., :width // 2].repeat_interleave(2)`; the second
     half is never read, so any tables are exact, their gradients too), the rest passed through;
     torch's promotion of q (k) with the tables. Arguments as apply_rotary_pos_emb's."""
-    unsqueeze_dim = _unsqueeze_dim(position_ids, unsqueeze_dim)
-    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    _check_width(q, cos, sin, "rotary_dim", "q")
-    _check_width(k, cos, sin, "rotary_dim", "k")
-    half = cos.shape[-1] // 2
-    c, s = float32_table(cos[..., :half]), float32_table(sin[..., :half])
-    return (rotate_pairs(q, c, s, _promoted(q, cos, sin), interleaved=True),
-            rotate_pairs(k, c, s, _promoted(k, cos, sin), interleaved=True))
-
-
-def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-    """DeepSeek-V3's apply_rotary_pos_emb_interleave (its MLA's `rope_interleave` weights, also
-    LongCat-Flash's, GLM-4 MoE Lite's, Mistral 4's): pairs (2i, 2i+1) of the whole head rotated,
-    and each result laid out de-interleaved, pair i's members at i and i + head_dim/2, as its
-    attention reads them. The tables as apply_rotary_pos_emb's (halves equal; read where
-    transformers 4 reads them when they need gradients); arguments as its."""
-    unsqueeze_dim = _unsqueeze_dim(position_ids, unsqueeze_dim)
-    width = cos.shape[-1]
-    for x, name in ((q, "q"), (k, "k")):
-        if x.shape[-1] != width or width % 2:  # transformers' arithmetic would fail too
-            raise ValueError(f"cos of shape {list(cos.shape)}: its last dim must be "
-                             f"{name}.size(-1) = {x.shape[-1]}, even (the whole head rotates)")
-    return _q_and_k(_deinterleaved(q), _deinterleaved(k), cos, sin, unsqueeze_dim,
-                    in_input_dtype=False)
-
-
-def _deinterleaved(x):
-    """x's last dim reordered from pairs (2i, 2i+1) to halves (i, i + width/2): a copy."""
-    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+    return _pairs_rotated(_glm_pairs, q, k, cos, sin, position_ids, unsqueeze_dim)
 
 
 def apply_rotary_pos_emb_ernie(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """ERNIE 4.5's apply_rotary_pos_emb: GLM's rotation of the whole head, computed from
-    `q.float()` and `k.float()` and both results cast to q's dtype."""
-    dtype = q.dtype
-    q_embed, k_embed = apply_rotary_pos_emb_glm(_upcast_like_transformers(q),
-                                                _upcast_like_transformers(k), cos, sin,
-                                                position_ids, unsqueeze_dim)
-    return q_embed.to(dtype), k_embed.to(dtype)
+    `q.float()` and `k.float()` and both results in q's dtype."""
+    return _pairs_rotated(_glm_pairs, q, k, cos, sin, position_ids, unsqueeze_dim,
+                          full_precision=True)
 
 
 def apply_rotary_pos_emb_cohere(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
@@ -248,14 +273,25 @@ def apply_rotary_pos_emb_cohere(q, k, cos, sin, position_ids=None, unsqueeze_dim
     frequency twice, `repeat_interleave(freqs, 2)`); computed from `q.float()` and `k.float()`,
     both results in q's dtype. Tables whose pair members differ, as in apply_rotary_pos_emb: one
     pass reads the first members; two where the tables need gradients."""
-    unsqueeze_dim = _unsqueeze_dim(position_ids, unsqueeze_dim)
-    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    _check_width(q, cos, sin, "head_dim", "q")
-    _check_width(k, cos, sin, "head_dim", "k")
-    q, k, dtype = _upcast_like_transformers(q), _upcast_like_transformers(k), q.dtype
-    out = _rotate_half_style((q, k), cos, sin, (_promoted(q, cos, sin), _promoted(k, cos, sin)),
-                             interleaved=True)
-    return tuple(t.to(dtype) for t in out)
+    return _pairs_rotated(_cohere_pairs, q, k, cos, sin, position_ids, unsqueeze_dim,
+                          full_precision=True)
+
+
+def apply_rotary_pos_emb_half_tables(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """GPT-OSS's apply_rotary_pos_emb: pairs (i, i + head_dim/2) rotated by tables of one entry
+    per pair, cos and sin (batch, seq, head_dim / 2) as its rotary module makes them (no
+    duplicated halves, so any tables are exact); torch's promotion of q (k) with the tables.
+    Arguments as apply_rotary_pos_emb's."""
+    return _pairs_rotated(_one_entry_per_pair, q, k, cos, sin, position_ids, unsqueeze_dim)
+
+
+def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """DeepSeek-V3's apply_rotary_pos_emb_interleave (its MLA's `rope_interleave` weights, also
+    LongCat-Flash's, GLM-4 MoE Lite's, Mistral 4's): pairs (2i, 2i+1) of the whole head rotated,
+    and each result laid out de-interleaved, pair i's members at i and i + head_dim/2, as its
+    attention reads them. The tables as apply_rotary_pos_emb's (halves equal; read where
+    transformers 4 reads them when they need gradients); arguments as its."""
+    return _pairs_rotated(_deinterleaved_pairs, q, k, cos, sin, position_ids, unsqueeze_dim)
 
 
 def _sections(mrope_section, width):

@@ -54,6 +54,10 @@ def _duplicated(angles):
     return torch.cat((angles, angles), dim=-1)
 
 
+def _as_they_are(angles):  # GPT-OSS's tables: one angle per pair
+    return angles
+
+
 def _repeated(angles):  # Cohere's tables: each angle at both members of its pair (2i, 2i+1)
     return angles.repeat_interleave(2, dim=-1)
 
@@ -125,6 +129,9 @@ _GPTJ = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_gptj, _probe_gptj)}
 # Helium; ERNIE 4.5 in q's dtype); Cohere's by tables holding each angle at both members
 _GLM = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_glm, _probe_rotate_half)}
 _ERNIE = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_ernie, _probe_rotate_half)}
+# GPT-OSS's: rotate_half pairs, tables of one entry per pair
+_HALF_TABLES = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_half_tables,
+                                         functools.partial(_probe_rotate_half, tables=_as_they_are))}
 # DeepSeek-V3's MLA: pairs (2i, 2i+1) rotated, then laid out as halves (`rope_interleave`, its
 # default), or Llama's RoPE
 _DEEPSEEK = {
@@ -216,6 +223,7 @@ FAMILIES = {
     "helium": ("helium.modeling_helium", _GLM),
     "ernie4_5": ("ernie4_5.modeling_ernie4_5", _ERNIE),
     "ernie4_5_moe": ("ernie4_5_moe.modeling_ernie4_5_moe", _ERNIE),
+    "gpt_oss": ("gpt_oss.modeling_gpt_oss", _HALF_TABLES),
     "deepseek_v3": ("deepseek_v3.modeling_deepseek_v3", _DEEPSEEK),
     "longcat_flash": ("longcat_flash.modeling_longcat_flash", _DEEPSEEK),
     "glm4_moe_lite": ("glm4_moe_lite.modeling_glm4_moe_lite", _DEEPSEEK),  # transformers >= 5
