@@ -167,6 +167,8 @@ FAMILIES.update({  # the rotate-half RoPE of Llama, each family's attention arou
     "granitemoehybrid": causal_lm(T.GraniteMoeHybridConfig(
         **BASE, **MOE2, position_embedding_type="rope", layer_types=["mamba", "attention"],
         mamba_n_heads=4, mamba_d_head=32, mamba_d_state=8, mamba_n_groups=1)),
+    "bamba": causal_lm(T.BambaConfig(**BASE, attn_layer_indices=[1], mamba_n_heads=4,
+                                     mamba_d_head=32, mamba_d_state=8, mamba_n_groups=1)),
     "jetmoe": causal_lm(T.JetMoeConfig(**BASE)),
     "minimax": causal_lm(T.MiniMaxConfig(**BASE, head_dim=16, **MOE2,
                                          layer_types=["linear_attention", "full_attention"])),

@@ -207,6 +207,7 @@ FAMILIES = {
     "granitemoe": ("granitemoe.modeling_granitemoe", _ROTATE_HALF),
     "granitemoeshared": ("granitemoeshared.modeling_granitemoeshared", _ROTATE_HALF),
     "granitemoehybrid": ("granitemoehybrid.modeling_granitemoehybrid", _ROTATE_HALF),  # if "rope"
+    "bamba": ("bamba.modeling_bamba", _ROTATE_HALF),  # Mamba 2 layers and attention ones
     "jetmoe": ("jetmoe.modeling_jetmoe", _ROTATE_HALF),
     "minimax": ("minimax.modeling_minimax", _ROTATE_HALF),  # its full-attention layers
     # q and k normed after the rotation: not fused
