@@ -53,6 +53,23 @@ def _hf(i, peers, compat):
             "hf_apply_rotary_pos_emb", lambda: peers.hf_apply_rotary_pos_emb(q, k, cos, sin))
 
 
+def _hf_family(fn_name, peer_name, table):
+    """Another transformers family's apply_rotary_pos_emb (q, k as _hf's), its cos/sin made from
+    the case's angles as that family's rotary module lays them out (`table`)."""
+    def make(i, peers, compat):
+        q, k = i.q.unsqueeze(0).transpose(1, 2), i.k.unsqueeze(0).transpose(1, 2)
+        cos, sin = (table(t[:, 0]).unsqueeze(0).to(i.dtype) for t in (i.cos, i.sin))
+        ours, theirs = getattr(compat.transformers, fn_name), getattr(peers, peer_name)
+        return (f"transformers.{fn_name}", "clone", rw_bytes(i, i.q, i.k) + 2 * i.nbytes(cos),
+                lambda: ours(q, k, cos, sin), peer_name, lambda: theirs(q, k, cos, sin))
+    make.__name__ = "_" + fn_name
+    return make
+
+
+def _halves(t):
+    return torch.cat((t, t), -1)
+
+
 def _flash_attn(i, peers, compat):
     """flash-attn's apply_rotary_emb: x (batch, seqlen, heads, head_dim), cos/sin (seqlen,
     rotary_dim/2) float32, positions 0.. (no offsets); its eager path is apply_rotary_emb_torch."""
@@ -117,7 +134,15 @@ def _sglang(i, peers, compat):
                 i.positions, q, k, d, i.cache, True, fused_set_kv_buffer_arg=arg))
 
 
-PAIRS = (_hf, _flash_attn, _flash_attn_qkv, _vllm, _flashinfer, _sglang)
+PAIRS = (_hf,
+         _hf_family("apply_rotary_pos_emb_glm", "hf_glm_apply_rotary_pos_emb", _halves),
+         _hf_family("apply_rotary_pos_emb_cohere", "hf_cohere_apply_rotary_pos_emb",
+                    lambda t: t.repeat_interleave(2, -1)),
+         _hf_family("apply_rotary_pos_emb_interleave", "hf_deepseek_apply_rotary_pos_emb_interleave",
+                    _halves),
+         _hf_family("apply_rotary_pos_emb_half_tables", "hf_gpt_oss_apply_rotary_pos_emb",
+                    lambda t: t),
+         _flash_attn, _flash_attn_qkv, _vllm, _flashinfer, _sglang)
 
 
 def rows(loaded, inputs):
