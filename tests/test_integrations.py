@@ -455,6 +455,30 @@ def test_patched_model_same_logits(family):
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
+@pytest.mark.parametrize("family", ["qwen2_moe", "stablelm", "nemotron", "jetmoe", "olmoe"])
+def test_a_forward_handing_its_call_to_its_parent_class_runs_rope_ext_there(family):
+    """transformers 4's SDPA attention of these families hands a call with output_attentions=True
+    to its eager parent class (super().forward): that forward is patched too, so the call runs
+    rope_ext's ops, with transformers' logits and attention weights; a deepcopy does the same,
+    and unpatch leaves no patched class (under transformers 5, one attention class serves)."""
+    model = build(family)
+    ids = torch.randint(10, 128, (2, 12))
+    with torch.no_grad():
+        want = model(input_ids=ids, output_attentions=True)
+    integration.patch(model)
+    for m in (model, copy.deepcopy(model)):
+        counter = RopeOps()
+        with torch.no_grad(), counter:
+            got = m(input_ids=ids, output_attentions=True)
+        assert counter.count > 0
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+        for g, w in zip(got.attentions, want.attentions):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    integration.unpatch(model)
+    assert not any(isinstance(m, integration._PatchedAttention) for m in model.modules())
+    assert logits(model, [dict(input_ids=ids)])[1] == 0
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_patch_inside_init_empty_weights(family, monkeypatch):
     """Big-model loading builds the model with its parameters on meta (accelerate's and

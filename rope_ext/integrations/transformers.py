@@ -452,10 +452,17 @@ def _patched_class(original, names, fused=False):
     for name in names:
         replacement, probe = functions[name]
         _verify(modeling, name, replacement, probe)
+    # The class a super().forward(...) in the forward reaches, patched too where it calls the
+    # functions (transformers 4's SDPA attention of Qwen2-MoE, StableLM, Nemotron, JetMoE,
+    # OLMoE hands output_attentions=True to its eager parent): the patched class's bases
+    # (original, parent patched) put it right after the original in the instance's MRO.
+    parent = None if fused else _super_target(original)
+    parent_names = _rope_calls(parent, modeling, functions) if parent is not None else ()
+    base = _patched_class(parent, parent_names) if parent_names else _PatchedAttention
     with _lock:
         source = original.forward
         made = _classes.get(key)
-        if made is not None and made[0] is source:
+        if made is not None and made[0] is source and base in made[1].__bases__:
             return made[1]
         if fused:
             (rope_name,) = names
@@ -472,9 +479,18 @@ def _patched_class(original, names, fused=False):
         namespace = {"__slots__": (), "__module__": original.__module__,
                      "__qualname__": original.__qualname__, "__doc__": original.__doc__,
                      "forward": forward, "_rope_ext_spec": key}
-        patched = type(original)(original.__name__, (original, _PatchedAttention), namespace)
+        patched = type(original)(original.__name__, (original, base), namespace)
         _classes[key] = (source, patched)
     return patched
+
+
+def _super_target(cls):
+    """The class whose forward a zero-argument super().forward in cls.forward calls (the next
+    in cls's MRO that defines one), or None if cls.forward has no super()."""
+    fn = inspect.unwrap(cls.forward)
+    if "__class__" not in getattr(getattr(fn, "__code__", None), "co_freevars", ()):
+        return None
+    return next((c for c in cls.__mro__[1:] if "forward" in c.__dict__), None)
 
 
 def _new_patched(original, names, fused=False):
