@@ -94,8 +94,11 @@ def hf_glm_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
 
 def hf_ernie_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     """ERNIE 4.5: GLM's rotation of the whole head from q.float() and k.float(), in q's dtype."""
-    out = hf_glm_apply_rotary_pos_emb(q.float(), k.float(), cos, sin, unsqueeze_dim)
-    return tuple(t.to(q.dtype) for t in out)
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    return tuple((t.float() * cos + hf_rotate_every_two(t).float() * sin).to(q.dtype)
+                 for t in (q, k))
 
 
 def hf_cohere_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):

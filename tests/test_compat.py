@@ -316,6 +316,37 @@ def test_hf_interleaved_families_projection_views_and_mixed_dtypes(family, q_dty
         assert sorted(range(4), key=lambda i: -g.stride(i)) == [0, 2, 1, 3], g.stride()
 
 
+@pytest.mark.parametrize("family", [f for f in INTERLEAVED_FAMILIES if f != "glm"])
+@pytest.mark.parametrize("q_shape", [(1, 4, 5, 16), (2, 4, 1, 16)])
+def test_hf_interleaved_families_tables_broadcast_q_and_k_as_torch_does(family, q_shape):
+    # Tables of more rows than q and k (batch 2 for batch 1, 5 positions for one): the results
+    # take torch's broadcast shape, as the peer's arithmetic does (small sizes included, where
+    # DeepSeek's form rotates q and k in one call). (GLM's cat of the rotated and passed dims
+    # refuses such tables in transformers; rope_ext's GLM form broadcasts them.)
+    fn, peer, layout = INTERLEAVED_FAMILIES[family]
+    cos, sin = family_tables(layout, 2, 5, 16, torch.float32)
+    q = torch.randn(q_shape)
+    k = torch.randn(q_shape[0], 1, *q_shape[2:])
+    for g, w in zip(fn(q, k, cos, sin), peer(*f64(q, k, cos, sin))):
+        assert g.shape == w.shape
+        check(g, w, torch.float32)
+
+
+@pytest.mark.parametrize("family", INTERLEAVED_FAMILIES)
+def test_hf_interleaved_families_forward_ad(family):
+    # A tangent on q only: q_embed's is the peer's, k_embed has none (as the peer's)
+    import torch.autograd.forward_ad as fwAD
+
+    fn, peer, layout = INTERLEAVED_FAMILIES[family]
+    cos, sin = family_tables(layout, 1, 3, 8, torch.float64)
+    q, k, tq = (torch.randn(1, 2, 3, 8, dtype=torch.float64) for _ in range(3))
+    with fwAD.dual_level():
+        got = [fwAD.unpack_dual(t) for t in fn(fwAD.make_dual(q, tq), k, cos, sin)]
+        want = [fwAD.unpack_dual(t) for t in peer(fwAD.make_dual(q, tq), k, cos, sin)]
+    assert got[1].tangent is None and want[1].tangent is None
+    torch.testing.assert_close(got[0].tangent, want[0].tangent, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", INTERLEAVED_FAMILIES)
 def test_hf_interleaved_families_gradients(family):
     # Any tables (GLM's second half unread; Cohere's pair members and DeepSeek's halves

@@ -148,6 +148,10 @@ FAMILIES = {
 MOE2 = dict(num_local_experts=2, num_experts_per_tok=1)
 MLA = dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
            moe_intermediate_size=32)
+MOE_DS = dict(n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=1, n_group=1,
+              topk_group=1)  # DeepSeek's experts
+KV4 = dict(BASE, num_key_value_heads=4)
+INDEXER = dict(index_n_heads=2, index_head_dim=16, index_topk=4)
 FAMILIES.update({  # the rotate-half RoPE of Llama, each family's attention around it
     "smollm3": causal_lm(T.SmolLM3Config(**BASE, pad_token_id=0)),
     "seed_oss": causal_lm(T.SeedOssConfig(**BASE, head_dim=16)),
@@ -198,6 +202,46 @@ FAMILIES.update({  # the rotate-half RoPE of Llama, each family's attention arou
     "cohere": causal_lm(T.CohereConfig(**BASE, use_qk_norm=True)),  # LayerNorms: not fused
     "cohere2": causal_lm(T.Cohere2Config(**BASE, sliding_window=8,
                                          layer_types=["sliding_attention", "full_attention"])),
+    "codegen": causal_lm(T.CodeGenConfig(vocab_size=128, n_embd=64, n_layer=2, n_head=4,
+                                         rotary_dim=8, n_positions=128, n_ctx=128)),
+    # Mamba 2 / recurrent layers beside attention ones
+    "falcon_h1": causal_lm(T.FalconH1Config(
+        **BASE, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+        mamba_n_groups=1, mamba_chunk_size=16)),
+    "zamba2": causal_lm(T.Zamba2Config(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=128, mamba_d_state=8, n_mamba_heads=4, use_mem_rope=True,
+        layers_block_type=["mamba", "hybrid"], use_mamba_kernels=False)),
+    "recurrent_gemma": causal_lm(T.RecurrentGemmaConfig(**BASE, head_dim=16, lru_width=64,
+                                                        block_types=["recurrent", "attention"])),
+    "dbrx": causal_lm(T.DbrxConfig(
+        d_model=64, n_heads=4, n_layers=2, max_seq_len=128, vocab_size=128,
+        attn_config=dict(kv_n_heads=2, clip_qkv=8.0, rope_theta=1e4),
+        ffn_config=dict(ffn_hidden_size=32, moe_num_experts=2, moe_top_k=1))),
+    "gpt_neox_japanese": causal_lm(T.GPTNeoXJapaneseConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_multiple_size=2, rotary_pct=0.5, max_position_embeddings=128)),
+    "moshi": causal_lm(T.MoshiConfig(**BASE, audio_vocab_size=16, num_codebooks=2,
+                                     depth_decoder_config=dict(
+                                         hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                         audio_vocab_size=16, num_codebooks=2, vocab_size=128,
+                                         input_size=64))),
+    "chameleon": lambda: T.ChameleonForConditionalGeneration(T.ChameleonConfig(
+        **BASE, vocabulary_map={"<image>": 5}, vq_config=dict(
+            embed_dim=8, num_embeddings=16, base_channels=32, channel_multiplier=[1],
+            num_res_blocks=1))),
+    "phi4_multimodal": lambda: T.Phi4MultimodalForCausalLM(T.Phi4MultimodalConfig(
+        **BASE, partial_rotary_factor=0.5, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=8, patch_size=2, crop_size=8,
+                           image_token_id=5),
+        audio_config=dict(hidden_size=32, intermediate_size=64, num_blocks=1, num_attention_heads=2,
+                          ext_pw_out_channel=32, depthwise_separable_out_channel=32,
+                          nemo_conv_channels=32, input_size=16, audio_token_id=6))),
+    "t5gemma": lambda: T.T5GemmaForConditionalGeneration(T.T5GemmaConfig(
+        encoder=dict(BASE, head_dim=16, sliding_window=8),
+        decoder=dict(BASE, head_dim=16, sliding_window=8), vocab_size=128)),
+    "flex_olmo": causal_lm(T.FlexOlmoConfig(**BASE, **MOE, pad_token_id=0)),
 })
 if HF5:
     QWEN3_5_TEXT = dict(BASE, head_dim=16, layer_types=["linear_attention", "full_attention"],
@@ -299,6 +343,35 @@ if HF5:
         "mistral4": lambda: T.Mistral4ForCausalLM(T.Mistral4Config(
             **BASE, **MLA, n_routed_experts=2, num_experts_per_tok=1)),
         "youtu": causal_lm(T.YoutuConfig(**BASE, **MLA)),
+        # with an indexer (as many kv heads as heads)
+        "deepseek_v32": causal_lm(T.DeepseekV32Config(**KV4, **MLA, **MOE_DS, **INDEXER)),
+        "glm_moe_dsa": causal_lm(T.GlmMoeDsaConfig(**KV4, **MLA, **MOE_DS, **INDEXER)),
+        "axk2": causal_lm(T.AXK2Config(**KV4, **MLA, **MOE_DS, **INDEXER)),
+        "dots3_note_text": causal_lm(T.Dots3NoteTextConfig(**KV4, **MLA, **MOE_DS, pad_token_id=0)),
+        "bailing_hybrid": causal_lm(T.BailingHybridConfig(**BASE, **MLA, **MOE_DS,
+                                                          layer_group_size=2, pad_token_id=0)),
+        "axk1": causal_lm(T.AXK1Config(**BASE, **MLA, **MOE_DS)),
+        "minicpm3": causal_lm(T.MiniCPM3Config(**BASE, **MLA)),  # MLA, Llama's RoPE
+    })
+    FAMILIES.update({  # Llama's RoPE (OLMo's in the inputs' dtypes, Cohere's pairs), transformers 5
+        "minimax_m2": causal_lm(T.MiniMaxM2Config(**BASE, head_dim=16, **MOE)),
+        "mimo_v2_flash": causal_lm(T.MiMoV2FlashConfig(**BASE, head_dim=16, **MOE)),
+        "ministral3": causal_lm(T.Ministral3Config(**BASE, head_dim=16)),
+        "cwm": causal_lm(T.CwmConfig(**BASE, head_dim=16)),
+        "hyperclovax": causal_lm(T.HyperCLOVAXConfig(**BASE, head_dim=16)),
+        "jais2": causal_lm(T.Jais2Config(**BASE)),
+        "solar_open": causal_lm(T.SolarOpenConfig(**BASE, head_dim=16, **MOE)),
+        "hy_v4": causal_lm(T.HYV4Config(**BASE, head_dim=16, **MOE, pad_token_id=0)),
+        "zaya": causal_lm(T.ZayaConfig(**BASE, head_dim=16, **MOE)),
+        "hrm_text": causal_lm(T.HrmTextConfig(**BASE, head_dim=16)),
+        "granite_swa": causal_lm(T.GraniteSWAConfig(**BASE, sliding_window=8)),
+        # every token takes both experts: a router choosing between them flips its choice for a
+        # token on a last-bit difference of bfloat16 rounding
+        "granitemoe_swa": causal_lm(T.GraniteMoeSWAConfig(**BASE, num_local_experts=2,
+                                                          num_experts_per_tok=2, sliding_window=8)),
+        "olmo_hybrid": causal_lm(T.OlmoHybridConfig(**BASE, pad_token_id=0)),
+        "beam": causal_lm(T.BeamConfig(**BASE, head_dim=16, **NOPE_GLOBAL)),  # QK-norm, as EXAONE 4
+        "cohere2_moe": causal_lm(T.Cohere2MoeConfig(**BASE, **MOE)),
     })
     FAMILIES.update({  # RoPE on some layers only, as EXAONE 4
         "exaone_moe": causal_lm(T.ExaoneMoeConfig(**BASE, head_dim=16, **NOPE_GLOBAL)),
@@ -306,7 +379,7 @@ if HF5:
         "flint": causal_lm(T.FlintConfig(**BASE, head_dim=16, **NOPE_GLOBAL)),
         "kolibri1": causal_lm(T.Kolibri1Config(**BASE, head_dim=16, **NOPE_GLOBAL)),
     })
-ENCODER_DECODER = {"t5gemma2"}
+ENCODER_DECODER = {"t5gemma2", "t5gemma"}
 VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm_ocr")
 # The families that normalize q and k per head right before RoPE: patched onto the fused op.
 QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "qwen3_next", "glm4_moe", "qwen3_5_text",
@@ -315,13 +388,13 @@ QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "qwen3_next", "glm4_moe", "qwen3
            "minimax_m3_vl_text", "lfm3", "qwen3_omni_moe_thinker", "t5gemma2", "step3p7", "exaone4_5",
            "minimax_m3_vl", "gemma3", "gemma4", "qwen3_5", "qwen3_5_moe",
            "molmo2", "glm_ocr", "exaone_moe", "afmoe", "flint", "kolibri1", "lfm2", "lfm2_moe",
-           "lfm2_vl"}
+           "lfm2_vl", "beam"}
 # Of those, the families whose attention norms and rotates q and k in separate calls: the fused
 # op runs once for each (q only in Gemma 4's layers that reuse another layer's keys).
 ONE_TENSOR = {"gemma4_text", "gemma4", "gemma3n_text", "gemma4_unified_text"}
 # And those whose attention rotates on some layers only (it norms on all): the fused op runs on
 # those, the norms alone on the others.
-SOME_LAYERS = {"exaone4", "exaone4_5", "exaone_moe", "afmoe", "flint", "kolibri1"}
+SOME_LAYERS = {"exaone4", "exaone4_5", "exaone_moe", "afmoe", "flint", "kolibri1", "beam"}
 
 
 def fused_per_attention(family, calls):
@@ -455,7 +528,8 @@ def test_patched_model_same_logits(family):
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "stablelm", "nemotron", "jetmoe", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "stablelm", "nemotron", "jetmoe", "olmoe", "dbrx",
+                                    "moshi"])
 def test_a_forward_handing_its_call_to_its_parent_class_runs_rope_ext_there(family):
     """transformers 4's SDPA attention of these families hands a call with output_attentions=True
     to its eager parent class (super().forward): that forward is patched too, so the call runs

@@ -250,7 +250,9 @@ def _deinterleaved_pairs(q, k, cos, sin, dtypes):
     c, s = cos[..., : width // 2], sin[..., : width // 2]
     if (q.dim() == k.dim() == cos.dim() == 4 and cos.shape[1] == 1 and q.dtype == k.dtype
             == dtypes[0] == dtypes[1] and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2]
-            and q.numel() + k.numel() <= ONE_CALL_NUMEL and not (q.requires_grad or k.requires_grad)):
+            and cos.shape[0] in (1, q.shape[0]) and cos.shape[2] in (1, q.shape[2])
+            and q.numel() + k.numel() <= ONE_CALL_NUMEL and not (q.requires_grad or k.requires_grad)
+            and forward_ad._current_level < 0):
         # Small (batch, heads, seq, width) q and k, as DeepSeek's attention has them at decode:
         # one copy and one rotation for both (such calls cost about what their Python does),
         # then views of it, as apply_rotary_pos_emb's one call
@@ -306,7 +308,8 @@ def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze
     LongCat-Flash's, GLM-4 MoE Lite's, Mistral 4's): pairs (2i, 2i+1) of the whole head rotated,
     and each result laid out de-interleaved, pair i's members at i and i + head_dim/2, as its
     attention reads them. The tables as apply_rotary_pos_emb's (halves equal; read where
-    transformers 4 reads them when they need gradients); arguments as its."""
+    transformers 4 reads them when they need gradients); arguments as its. At small sizes, when
+    neither q nor k requires grad, q_embed and k_embed may be views of one tensor, as there."""
     return _pairs_rotated(_deinterleaved_pairs, q, k, cos, sin, position_ids, unsqueeze_dim)
 
 

@@ -208,6 +208,32 @@ FAMILIES = {
     "granitemoeshared": ("granitemoeshared.modeling_granitemoeshared", _ROTATE_HALF),
     "granitemoehybrid": ("granitemoehybrid.modeling_granitemoehybrid", _ROTATE_HALF),  # if "rope"
     "bamba": ("bamba.modeling_bamba", _ROTATE_HALF),  # Mamba 2 layers and attention ones
+    "falcon_h1": ("falcon_h1.modeling_falcon_h1", _ROTATE_HALF),  # Mamba 2 and attention
+    "zamba2": ("zamba2.modeling_zamba2", _ROTATE_HALF),  # its shared attention blocks' RoPE
+    "recurrent_gemma": ("recurrent_gemma.modeling_recurrent_gemma", _ROTATE_HALF),
+    "dbrx": ("dbrx.modeling_dbrx", _ROTATE_HALF),
+    "gpt_neox_japanese": ("gpt_neox_japanese.modeling_gpt_neox_japanese", _ROTATE_HALF),
+    "moshi": ("moshi.modeling_moshi", _ROTATE_HALF),  # its text transformer
+    "chameleon": ("chameleon.modeling_chameleon", _ROTATE_HALF),  # LayerNorms on q, k: not fused
+    "phi4_multimodal": ("phi4_multimodal.modeling_phi4_multimodal", _ROTATE_HALF),  # its text model
+    "t5gemma": ("t5gemma.modeling_t5gemma", _ROTATE_HALF),  # encoder and decoder self-attention
+    "flex_olmo": ("flex_olmo.modeling_flex_olmo", _ROTATE_HALF_IN_INPUT_DTYPE),
+    # transformers >= 5
+    "minimax_m2": ("minimax_m2.modeling_minimax_m2", _ROTATE_HALF),
+    "mimo_v2_flash": ("mimo_v2_flash.modeling_mimo_v2_flash", _ROTATE_HALF),
+    "ministral3": ("ministral3.modeling_ministral3", _ROTATE_HALF),
+    "minicpm3": ("minicpm3.modeling_minicpm3", _ROTATE_HALF),  # MLA, Llama's RoPE
+    "cwm": ("cwm.modeling_cwm", _ROTATE_HALF),
+    "hyperclovax": ("hyperclovax.modeling_hyperclovax", _ROTATE_HALF),
+    "jais2": ("jais2.modeling_jais2", _ROTATE_HALF),
+    "solar_open": ("solar_open.modeling_solar_open", _ROTATE_HALF),
+    "hy_v4": ("hy_v4.modeling_hy_v4", _ROTATE_HALF),
+    "zaya": ("zaya.modeling_zaya", _ROTATE_HALF),
+    "hrm_text": ("hrm_text.modeling_hrm_text", _ROTATE_HALF),
+    "granite_swa": ("granite_swa.modeling_granite_swa", _ROTATE_HALF),
+    "granitemoe_swa": ("granitemoe_swa.modeling_granitemoe_swa", _ROTATE_HALF),
+    "olmo_hybrid": ("olmo_hybrid.modeling_olmo_hybrid", _ROTATE_HALF_IN_INPUT_DTYPE),
+    "beam": ("beam.modeling_beam", _ROTATE_HALF_IN_INPUT_DTYPE),  # QK-norm fused, NoPE global layers
     "jetmoe": ("jetmoe.modeling_jetmoe", _ROTATE_HALF),
     "minimax": ("minimax.modeling_minimax", _ROTATE_HALF),  # its full-attention layers
     # q and k normed after the rotation: not fused
@@ -224,14 +250,22 @@ FAMILIES = {
     "helium": ("helium.modeling_helium", _GLM),
     "ernie4_5": ("ernie4_5.modeling_ernie4_5", _ERNIE),
     "ernie4_5_moe": ("ernie4_5_moe.modeling_ernie4_5_moe", _ERNIE),
+    "codegen": ("codegen.modeling_codegen", _GPTJ),
     "gpt_oss": ("gpt_oss.modeling_gpt_oss", _HALF_TABLES),
     "deepseek_v3": ("deepseek_v3.modeling_deepseek_v3", _DEEPSEEK),
     "longcat_flash": ("longcat_flash.modeling_longcat_flash", _DEEPSEEK),
     "glm4_moe_lite": ("glm4_moe_lite.modeling_glm4_moe_lite", _DEEPSEEK),  # transformers >= 5
     "mistral4": ("mistral4.modeling_mistral4", _DEEPSEEK),  # transformers >= 5
     "youtu": ("youtu.modeling_youtu", _DEEPSEEK),  # transformers >= 5
+    "deepseek_v32": ("deepseek_v32.modeling_deepseek_v32", _DEEPSEEK),  # >= 5; its indexer's too
+    "glm_moe_dsa": ("glm_moe_dsa.modeling_glm_moe_dsa", _DEEPSEEK),  # transformers >= 5
+    "dots3_note_text": ("dots3_note.modeling_dots3_note", _DEEPSEEK),  # transformers >= 5
+    "bailing_hybrid": ("bailing_hybrid.modeling_bailing_hybrid", _DEEPSEEK),  # >= 5
+    "axk1": ("axk1.modeling_axk1", _DEEPSEEK),  # transformers >= 5
+    "axk2": ("axk2.modeling_axk2", _DEEPSEEK),  # transformers >= 5
     "cohere": ("cohere.modeling_cohere", _COHERE),  # LayerNorms on q and k (optional): not fused
     "cohere2": ("cohere2.modeling_cohere2", _COHERE),  # RoPE on sliding-window layers only
+    "cohere2_moe": ("cohere2_moe.modeling_cohere2_moe", _COHERE),  # transformers >= 5
     "qwen2_vl": ("qwen2_vl.modeling_qwen2_vl", _QWEN_VL),
     "qwen2_vl_text": ("qwen2_vl.modeling_qwen2_vl", _QWEN_VL),
     "qwen2_5_vl": ("qwen2_5_vl.modeling_qwen2_5_vl", _QWEN_VL),
@@ -453,8 +487,8 @@ def _patched_class(original, names, fused=False):
         replacement, probe = functions[name]
         _verify(modeling, name, replacement, probe)
     # The class a super().forward(...) in the forward reaches, patched too where it calls the
-    # functions (transformers 4's SDPA attention of Qwen2-MoE, StableLM, Nemotron, JetMoE,
-    # OLMoE hands output_attentions=True to its eager parent): the patched class's bases
+    # functions (transformers 4's SDPA attention classes hand output_attentions=True to their
+    # eager parents: Qwen2-MoE's, StableLM's, DBRX's, ...): the patched class's bases
     # (original, parent patched) put it right after the original in the instance's MRO.
     parent = None if fused else _super_target(original)
     parent_names = _rope_calls(parent, modeling, functions) if parent is not None else ()
