@@ -332,6 +332,19 @@ def test_hf_interleaved_families_tables_broadcast_q_and_k_as_torch_does(family, 
         check(g, w, torch.float32)
 
 
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_hf_interleave_of_q_alone(unsqueeze_dim):
+    # Mistral Large 4's form: k None rotates q alone, as with any k
+    cos, sin = family_tables("halves", 2, 5, 16, torch.float32)
+    q = torch.randn((2, 3, 5, 16) if unsqueeze_dim == 1 else (2, 5, 3, 16))
+    k = q[:, :1] if unsqueeze_dim == 1 else q[:, :, :1]
+    got, none = hf.apply_rotary_pos_emb_interleave(q, None, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    want, _ = hf.apply_rotary_pos_emb_interleave(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    assert none is None and torch.equal(got, want)
+    check(got, peers.hf_deepseek_apply_rotary_pos_emb_interleave(
+        *f64(q, k, cos, sin), unsqueeze_dim=unsqueeze_dim)[0], torch.float32)
+
+
 @pytest.mark.parametrize("family", INTERLEAVED_FAMILIES)
 def test_hf_interleaved_families_forward_ad(family):
     # A tangent on q only: q_embed's is the peer's, k_embed has none (as the peer's)

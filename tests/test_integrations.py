@@ -352,6 +352,12 @@ if HF5:
                                                           layer_group_size=2, pad_token_id=0)),
         "axk1": causal_lm(T.AXK1Config(**BASE, **MLA, **MOE_DS)),
         "minicpm3": causal_lm(T.MiniCPM3Config(**BASE, **MLA)),  # MLA, Llama's RoPE
+        # the second layer reuses the first's keys: its attention rotates q alone
+        "mistral_large4": lambda: T.MistralLarge4ForConditionalGeneration(T.MistralLarge4Config(
+            text_config=dict(KV4, **MLA, **MOE_DS, **INDEXER, pad_token_id=0,
+                             kv_source_layers=[0, 0]),
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=2, image_size=8, patch_size=2, head_dim=16))),
     })
     FAMILIES.update({  # Llama's RoPE (OLMo's in the inputs' dtypes, Cohere's pairs), transformers 5
         "minimax_m2": causal_lm(T.MiniMaxM2Config(**BASE, head_dim=16, **MOE)),

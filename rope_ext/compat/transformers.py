@@ -309,7 +309,12 @@ def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze
     and each result laid out de-interleaved, pair i's members at i and i + head_dim/2, as its
     attention reads them. The tables as apply_rotary_pos_emb's (halves equal; read where
     transformers 4 reads them when they need gradients); arguments as its. At small sizes, when
-    neither q nor k requires grad, q_embed and k_embed may be views of one tensor, as there."""
+    neither q nor k requires grad, q_embed and k_embed may be views of one tensor, as there.
+    k None: q alone, (q_embed, None) (Mistral Large 4's layers that reuse another's keys)."""
+    if k is None:  # an empty k beside q: no heads along the dim the tables are unsqueezed at
+        dim = _unsqueeze_dim(position_ids, unsqueeze_dim)
+        return _pairs_rotated(_deinterleaved_pairs, q, q.narrow(dim, 0, 0), cos, sin, None,
+                              dim)[0], None
     return _pairs_rotated(_deinterleaved_pairs, q, k, cos, sin, position_ids, unsqueeze_dim)
 
 

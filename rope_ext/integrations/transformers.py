@@ -263,6 +263,9 @@ FAMILIES = {
     "bailing_hybrid": ("bailing_hybrid.modeling_bailing_hybrid", _DEEPSEEK),  # >= 5
     "axk1": ("axk1.modeling_axk1", _DEEPSEEK),  # transformers >= 5
     "axk2": ("axk2.modeling_axk2", _DEEPSEEK),  # transformers >= 5
+    # >= 5; layers that reuse another layer's keys rotate q alone
+    "mistral_large4": ("mistral_large4.modeling_mistral_large4", _DEEPSEEK),
+    "mistral_large4_text": ("mistral_large4.modeling_mistral_large4", _DEEPSEEK),
     "cohere": ("cohere.modeling_cohere", _COHERE),  # LayerNorms on q and k (optional): not fused
     "cohere2": ("cohere2.modeling_cohere2", _COHERE),  # RoPE on sliding-window layers only
     "cohere2_moe": ("cohere2_moe.modeling_cohere2_moe", _COHERE),  # transformers >= 5
