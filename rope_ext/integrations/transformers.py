@@ -218,7 +218,17 @@ FAMILIES = {
     "phi4_multimodal": ("phi4_multimodal.modeling_phi4_multimodal", _ROTATE_HALF),  # its text model
     "t5gemma": ("t5gemma.modeling_t5gemma", _ROTATE_HALF),  # encoder and decoder self-attention
     "flex_olmo": ("flex_olmo.modeling_flex_olmo", _ROTATE_HALF_IN_INPUT_DTYPE),
-    # transformers >= 5
+    "jetmoe": ("jetmoe.modeling_jetmoe", _ROTATE_HALF),
+    "minimax": ("minimax.modeling_minimax", _ROTATE_HALF),  # its full-attention layers
+    # q and k normed after the rotation: not fused
+    "hunyuan_v1_dense": ("hunyuan_v1_dense.modeling_hunyuan_v1_dense", _ROTATE_HALF),
+    "hunyuan_v1_moe": ("hunyuan_v1_moe.modeling_hunyuan_v1_moe", _ROTATE_HALF),
+    # results cast back to q's and k's dtypes (OLMo, OLMo 3); OLMo 3's and OLMoE's norms span
+    # all heads, as OLMo 2's: not fused
+    "olmo": ("olmo.modeling_olmo", _ROTATE_HALF_IN_INPUT_DTYPE),
+    "olmo3": ("olmo3.modeling_olmo3", _ROTATE_HALF_IN_INPUT_DTYPE),
+    "olmoe": ("olmoe.modeling_olmoe", _ROTATE_HALF),
+    # transformers >= 5 (Llama's RoPE; OLMo hybrid's and Beam's in the inputs' dtypes)
     "minimax_m2": ("minimax_m2.modeling_minimax_m2", _ROTATE_HALF),
     "mimo_v2_flash": ("mimo_v2_flash.modeling_mimo_v2_flash", _ROTATE_HALF),
     "ministral3": ("ministral3.modeling_ministral3", _ROTATE_HALF),
@@ -234,16 +244,6 @@ FAMILIES = {
     "granitemoe_swa": ("granitemoe_swa.modeling_granitemoe_swa", _ROTATE_HALF),
     "olmo_hybrid": ("olmo_hybrid.modeling_olmo_hybrid", _ROTATE_HALF_IN_INPUT_DTYPE),
     "beam": ("beam.modeling_beam", _ROTATE_HALF_IN_INPUT_DTYPE),  # QK-norm fused, NoPE global layers
-    "jetmoe": ("jetmoe.modeling_jetmoe", _ROTATE_HALF),
-    "minimax": ("minimax.modeling_minimax", _ROTATE_HALF),  # its full-attention layers
-    # q and k normed after the rotation: not fused
-    "hunyuan_v1_dense": ("hunyuan_v1_dense.modeling_hunyuan_v1_dense", _ROTATE_HALF),
-    "hunyuan_v1_moe": ("hunyuan_v1_moe.modeling_hunyuan_v1_moe", _ROTATE_HALF),
-    # results cast back to q's and k's dtypes (OLMo, OLMo 3); OLMo 3's and OLMoE's norms span
-    # all heads, as OLMo 2's: not fused
-    "olmo": ("olmo.modeling_olmo", _ROTATE_HALF_IN_INPUT_DTYPE),
-    "olmo3": ("olmo3.modeling_olmo3", _ROTATE_HALF_IN_INPUT_DTYPE),
-    "olmoe": ("olmoe.modeling_olmoe", _ROTATE_HALF),
     "gptj": ("gptj.modeling_gptj", _GPTJ),
     "glm": ("glm.modeling_glm", _GLM),  # partial rotary
     "glm4": ("glm4.modeling_glm4", _GLM),
