@@ -182,10 +182,11 @@ def drop_in_cases():
         "transformer_engine": (lambda t, f: transformer_engine.apply_rotary_pos_emb(t, f),
                                (x.transpose(0, 1), torch.randn(5, 1, 1, 8, dtype=F64)), None),
         # TE's own table holds each angle twice; a tangent on it need not (one pass would drop
-        # the second member's)
+        # the second member's). TE makes it on the GPU where there is one: moved to x's device.
         "transformer_engine, its table": (
             lambda t, f: transformer_engine.apply_rotary_pos_emb(t, f),
-            (x.transpose(0, 1), transformer_engine.RotaryPositionEmbedding(8)(5).to(F64)), None),
+            (x.transpose(0, 1), transformer_engine.RotaryPositionEmbedding(8)(5).to("cpu", F64)),
+            None),
         "llama": (lambda a, b: llama.apply_rotary_emb(a, b, freqs_cis), (x, x.flip(1)), None),
         "diffusers": (lambda a, c, s: diffusers.apply_rotary_emb(a, (c, s)),
                       (q, pairs.cos(), pairs.sin()),
