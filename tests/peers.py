@@ -120,6 +120,14 @@ def hf_deepseek_apply_rotary_pos_emb_interleave(q, k, cos, sin, unsqueeze_dim=1)
     return tuple(out)
 
 
+def hf_phimoe4_apply_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim=1):
+    """transformers 4's PhiMoE: the (positions, head_dim) tables gathered at position_ids."""
+    cos, sin = cos[position_ids].unsqueeze(unsqueeze_dim), sin[position_ids].unsqueeze(unsqueeze_dim)
+    half = q.shape[-1] // 2
+    rotate_half = lambda x: torch.cat((-x[..., half:], x[..., :half]), -1)  # noqa: E731
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
 def hf_gpt_oss_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     """GPT-OSS: rotate_half pairs, cos and sin of one entry per pair (head_dim / 2 wide)."""
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)

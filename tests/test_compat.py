@@ -251,6 +251,29 @@ def test_hf_gptj(dtype, width):
     assert gradcheck(hf.apply_rotary_pos_emb_gptj, (x, s, c))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_hf_indexed_tables(dtype, unsqueeze_dim):
+    """transformers 4's PhiMoE: (positions, head_dim) tables gathered at position_ids; values,
+    every gradient, and position_ids None (transformers 5's gathered tables) as the plain form."""
+    B, S, H, D, P = 2, 4, 2, 8, 9
+    angles = torch.rand(P, D // 2, dtype=torch.float64) * 20
+    emb = torch.cat((angles, angles), -1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    pos = torch.randint(0, P, (B, S))
+    q = torch.randn((B, H, S, D) if unsqueeze_dim == 1 else (B, S, H, D), dtype=dtype)
+    k = torch.randn((B, 1, S, D) if unsqueeze_dim == 1 else (B, S, 1, D), dtype=dtype)
+    got = hf.apply_rotary_pos_emb_indexed(q, k, cos, sin, pos, unsqueeze_dim)
+    want = peers.hf_phimoe4_apply_rotary_pos_emb(*f64(q, k, cos, sin), pos, unsqueeze_dim)
+    for g, w in zip(got, want):
+        check(g, w, dtype)
+    plain = hf.apply_rotary_pos_emb(q, k, cos[pos], sin[pos], unsqueeze_dim=unsqueeze_dim)
+    gathered = hf.apply_rotary_pos_emb_indexed(q, k, cos[pos], sin[pos], unsqueeze_dim=unsqueeze_dim)
+    assert all(torch.equal(a, b) for a, b in zip(plain, gathered))
+    args = [t.double().requires_grad_() for t in (q, k, cos, sin)]
+    assert gradcheck(lambda *a: hf.apply_rotary_pos_emb_indexed(*a, pos, unsqueeze_dim), args)
+
+
 INTERLEAVED_FAMILIES = {  # compat function, its transformers peer, the peer's table layout
     "glm": (hf.apply_rotary_pos_emb_glm, peers.hf_glm_apply_rotary_pos_emb, "halves"),
     "ernie": (hf.apply_rotary_pos_emb_ernie, peers.hf_ernie_apply_rotary_pos_emb, "halves"),

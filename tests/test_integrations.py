@@ -111,6 +111,7 @@ FAMILIES = {
         sliding_window=8)),
     "phi3": causal_lm(T.Phi3Config(**BASE, partial_rotary_factor=0.5, pad_token_id=0)),  # partial
     "phi": causal_lm(T.PhiConfig(**BASE, partial_rotary_factor=0.5)),
+    "phimoe": causal_lm(T.PhimoeConfig(**BASE, num_local_experts=2, num_experts_per_tok=1)),  # (transformers 4: position_ids required)
     "gpt_neox": causal_lm(T.GPTNeoXConfig(**BASE, rotary_pct=0.25)),  # partial rotary
     "stablelm": causal_lm(T.StableLmConfig(**BASE, partial_rotary_factor=0.25)),
     "olmo2": causal_lm(T.Olmo2Config(**BASE)),
@@ -745,7 +746,8 @@ def test_patch_replaces_no_transformers_function():
 
 
 @pytest.mark.parametrize("config", [
-    T.PhimoeConfig(**BASE, num_local_experts=2, num_experts_per_tok=1),  # a family not listed
+    T.ModernBertDecoderConfig(vocab_size=128, hidden_size=64, intermediate_size=128,  # not listed
+                              num_hidden_layers=1, num_attention_heads=4, pad_token_id=0),
     T.GPT2Config(vocab_size=128, n_embd=64, n_layer=1, n_head=4),  # no RoPE at all
 ])
 def test_unsupported_family_is_an_error(config):

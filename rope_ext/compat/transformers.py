@@ -175,6 +175,16 @@ def _q_and_k(q, k, cos, sin, unsqueeze_dim, in_input_dtype):
     return _rotate_half_style((q, k), cos, sin, dtypes)
 
 
+def apply_rotary_pos_emb_indexed(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """transformers 4's PhiMoE apply_rotary_pos_emb: cos and sin (positions, rotary_dim) are
+    gathered at position_ids (batch, seq) first (`cos[position_ids]`), then rotated as
+    apply_rotary_pos_emb does. position_ids None or an int: apply_rotary_pos_emb itself
+    (transformers 5's PhiMoE, which passes the gathered tables)."""
+    if isinstance(position_ids, torch.Tensor):
+        cos, sin, position_ids = cos[position_ids], sin[position_ids], None
+    return apply_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim)
+
+
 def apply_rotary_pos_emb_single(x, cos, sin, position_ids=None, unsqueeze_dim=1):
     """transformers' one-tensor apply_rotary_pos_emb (Gemma 3n and 4, which rotate q and k in
     separate calls): x * cos + rotate_half(x) * sin, as apply_rotary_pos_emb computes it for q.

@@ -87,6 +87,20 @@ def _probe_rotate_half(original, replacement, tables=_duplicated):
     return [t.dtype for t in replacement(*mixed)] == [t.dtype for t in original(*mixed)]
 
 
+def _probe_indexed(original, replacement):
+    """transformers 4's PhiMoE: (positions, rotary_dim) tables gathered at position_ids, which
+    its signature requires; transformers 5's takes the gathered tables (_probe_rotate_half)."""
+    if inspect.signature(original).parameters["position_ids"].default is not inspect.Parameter.empty:
+        return _probe_rotate_half(original, replacement)
+    g = _generator()
+    q = torch.randn(2, 3, 4, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 1, 4, 8, generator=g, dtype=torch.float64)
+    emb = _duplicated(torch.randn(9, 4, generator=g, dtype=torch.float64) * 3)
+    positions = torch.randint(0, 9, (2, 4), generator=g)
+    return _same(replacement(q, k, emb.cos(), emb.sin(), positions),
+                 original(q, k, emb.cos(), emb.sin(), positions))
+
+
 def _probe_one_tensor(original, replacement):
     g = _generator()
     x = torch.randn(2, 4, 3, 8, generator=g, dtype=torch.float64)  # (batch, seq, heads, dim)
@@ -142,6 +156,7 @@ _COHERE = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_cohere,
                                     functools.partial(_probe_rotate_half, tables=_repeated))}
 # Gemma 3n's and Gemma 4's apply_rotary_pos_emb rotates one tensor; their attention calls it for q
 # and for k.
+_INDEXED = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_indexed, _probe_indexed)}
 _ONE_TENSOR = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_single, _probe_one_tensor)}
 # Transformers 5 dropped apply_multimodal_rotary_pos_emb: its Qwen2-VL rotary module mixes the
 # MRoPE sections itself and the attention calls the plain apply_rotary_pos_emb.
@@ -189,6 +204,7 @@ FAMILIES = {
     "apertus": ("apertus.modeling_apertus", _ROTATE_HALF),
     "phi3": ("phi3.modeling_phi3", _ROTATE_HALF),
     "phi": ("phi.modeling_phi", _ROTATE_HALF),
+    "phimoe": ("phimoe.modeling_phimoe", _INDEXED),
     "gpt_neox": ("gpt_neox.modeling_gpt_neox", _ROTATE_HALF),
     "stablelm": ("stablelm.modeling_stablelm", _ROTATE_HALF),
     "olmo2": ("olmo2.modeling_olmo2", _ROTATE_HALF_IN_INPUT_DTYPE),
