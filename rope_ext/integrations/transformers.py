@@ -90,7 +90,8 @@ def _probe_rotate_half(original, replacement, tables=_duplicated):
 def _probe_indexed(original, replacement):
     """transformers 4's PhiMoE: (positions, rotary_dim) tables gathered at position_ids, which
     its signature requires; transformers 5's takes the gathered tables (_probe_rotate_half)."""
-    if inspect.signature(original).parameters["position_ids"].default is not inspect.Parameter.empty:
+    position_ids = inspect.signature(original).parameters.get("position_ids")
+    if position_ids is None or position_ids.default is not inspect.Parameter.empty:
         return _probe_rotate_half(original, replacement)
     g = _generator()
     q = torch.randn(2, 3, 4, 8, generator=g, dtype=torch.float64)
