@@ -8,8 +8,8 @@ serving prologue (QK-norm + RoPE + paged KV write) in place and out of place aga
 kernels; and a tensor past 2^31 elements (64-bit indexing) where memory allows.
 
 Where torch sees no GPU, the tests that need none (the comparisons with the reference and with
-the CPU kernels) run on the CPU: a GPU is lent to few runs, and a test
-that fell out of step with the API would otherwise first fail there.
+the CPU kernels) run on the CPU: few runs have a GPU, and a test that fell out of step with the
+API would otherwise first fail there.
 """
 
 import os

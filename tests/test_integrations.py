@@ -111,7 +111,8 @@ FAMILIES = {
         sliding_window=8)),
     "phi3": causal_lm(T.Phi3Config(**BASE, partial_rotary_factor=0.5, pad_token_id=0)),  # partial
     "phi": causal_lm(T.PhiConfig(**BASE, partial_rotary_factor=0.5)),
-    "phimoe": causal_lm(T.PhimoeConfig(**BASE, num_local_experts=2, num_experts_per_tok=1)),  # (transformers 4: position_ids required)
+    # (transformers 4's gathers its tables at position_ids)
+    "phimoe": causal_lm(T.PhimoeConfig(**BASE, num_local_experts=2, num_experts_per_tok=1)),
     "gpt_neox": causal_lm(T.GPTNeoXConfig(**BASE, rotary_pct=0.25)),  # partial rotary
     "stablelm": causal_lm(T.StableLmConfig(**BASE, partial_rotary_factor=0.25)),
     "olmo2": causal_lm(T.Olmo2Config(**BASE)),

@@ -155,9 +155,10 @@ _DEEPSEEK = {
 }
 _COHERE = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_cohere,
                                     functools.partial(_probe_rotate_half, tables=_repeated))}
+# transformers 4's PhiMoE gathers its tables at position_ids inside apply_rotary_pos_emb.
+_INDEXED = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_indexed, _probe_indexed)}
 # Gemma 3n's and Gemma 4's apply_rotary_pos_emb rotates one tensor; their attention calls it for q
 # and for k.
-_INDEXED = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_indexed, _probe_indexed)}
 _ONE_TENSOR = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_single, _probe_one_tensor)}
 # Transformers 5 dropped apply_multimodal_rotary_pos_emb: its Qwen2-VL rotary module mixes the
 # MRoPE sections itself and the attention calls the plain apply_rotary_pos_emb.
