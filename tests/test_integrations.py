@@ -48,8 +48,30 @@ class Missing:
 class Classes:
     """transformers' classes by name, a Missing for one this version lacks."""
 
+    def __init__(self, modules=(transformers,)):
+        self.modules = modules
+
+    @classmethod
+    def of(cls, *module_names):
+        """The classes of transformers' modules by name (none where the version lacks them)."""
+        import importlib
+
+        def find(name):
+            try:
+                return importlib.import_module(name)
+            except ImportError:
+                return None
+
+        return cls([m for m in map(find, module_names) if m is not None])
+
     def __getattr__(self, name):
-        return getattr(transformers, name, None) or Missing(name)
+        if name == "modules":
+            raise AttributeError(name)
+        for module in self.modules:
+            found = getattr(module, name, None)
+            if found is not None:
+                return found
+        return Missing(name)
 
 
 def causal_lm(config):
@@ -76,6 +98,12 @@ SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_att
               image_size=8, patch_size=2)
 NOPE_GLOBAL = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
 HF5 = int(transformers.__version__.split(".")[0]) >= 5
+# (text configs the top-level namespace does not export)
+MLLAMA = Classes.of("transformers.models.mllama.configuration_mllama", "transformers.models.mllama")
+EMU3 = Classes.of("transformers.models.emu3")
+MLLAMA_TEXT = dict(BASE, pad_token_id=0, cross_attention_layers=[1], rope_scaling=dict(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+    original_max_position_embeddings=32))
 FAMILIES = {
     "llama": causal_lm(T.LlamaConfig(**BASE)),
     "mistral": causal_lm(T.MistralConfig(**BASE)),
@@ -138,6 +166,21 @@ FAMILIES = {
     "gemma3": lambda: T.Gemma3ForConditionalGeneration(T.Gemma3Config(  # text inputs
         text_config=dict(BASE, head_dim=16), vision_config=SIGLIP, mm_tokens_per_image=4,
         image_token_index=5, boi_token_index=6, eoi_token_index=7)),
+    # Llama 3.2 Vision: its language model's self-attention layers (Llama 3's RoPE), a
+    # cross-attention layer (no RoPE); text inputs
+    "mllama_text_model": lambda: MLLAMA.MllamaForCausalLM(MLLAMA.MllamaTextConfig(**MLLAMA_TEXT)),
+    "mllama": lambda: T.MllamaForConditionalGeneration(T.MllamaConfig(
+        text_config=MLLAMA_TEXT, image_token_index=5, vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_global_layers=1,
+            attention_heads=2, image_size=8, patch_size=2, vision_output_dim=64,
+            intermediate_layers_indices=[0]))),
+    # Emu3: a Llama-form language model over text and VQ image tokens; text inputs
+    "emu3_text_model": lambda: EMU3.Emu3ForCausalLM(EMU3.Emu3TextConfig(**BASE, pad_token_id=0)),
+    "emu3": lambda: T.Emu3ForConditionalGeneration(T.Emu3Config(
+        text_config=dict(BASE, pad_token_id=0), vocabulary_map={"<image>": 5, "<|extra_200|>": 6},
+        vq_config=dict(embed_dim=4, codebook_size=16, latent_channels=4, base_channels=32,
+                       channel_multiplier=[1, 1], num_res_blocks=1, attn_resolutions=[],
+                       temporal_downsample_factor=1))),
     "qwen3_omni_moe_thinker": lambda: T.Qwen3OmniMoeThinkerForConditionalGeneration(
         T.Qwen3OmniMoeThinkerConfig(
             text_config=dict(QWEN3_VL_TEXT, **MOE), vision_config=QWEN3_VL_VISION,

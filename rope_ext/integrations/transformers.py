@@ -207,6 +207,11 @@ FAMILIES = {
     "phi3": ("phi3.modeling_phi3", _ROTATE_HALF),
     "phi": ("phi.modeling_phi", _ROTATE_HALF),
     "phimoe": ("phimoe.modeling_phimoe", _INDEXED),
+    # Llama 3.2 Vision's and Emu3's language models (and the text-only models): Llama's RoPE
+    "mllama": ("mllama.modeling_mllama", _ROTATE_HALF),  # (cross-attention layers: none)
+    "mllama_text_model": ("mllama.modeling_mllama", _ROTATE_HALF),
+    "emu3": ("emu3.modeling_emu3", _ROTATE_HALF),
+    "emu3_text_model": ("emu3.modeling_emu3", _ROTATE_HALF),
     "gpt_neox": ("gpt_neox.modeling_gpt_neox", _ROTATE_HALF),
     "stablelm": ("stablelm.modeling_stablelm", _ROTATE_HALF),
     "olmo2": ("olmo2.modeling_olmo2", _ROTATE_HALF_IN_INPUT_DTYPE),
