@@ -175,6 +175,10 @@ FAMILIES = {
             attention_heads=2, image_size=8, patch_size=2, vision_output_dim=64,
             intermediate_layers_indices=[0]))),
     # Emu3: a Llama-form language model over text and VQ image tokens; text inputs
+    # ModernBERT's decoder: a global and a sliding-window layer, each with its own table
+    "modernbert-decoder": causal_lm(T.ModernBertDecoderConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, pad_token_id=0, local_attention=8, global_attn_every_n_layers=2)),
     "emu3_text_model": lambda: EMU3.Emu3ForCausalLM(EMU3.Emu3TextConfig(**BASE, pad_token_id=0)),
     "emu3": lambda: T.Emu3ForConditionalGeneration(T.Emu3Config(
         text_config=dict(BASE, pad_token_id=0), vocabulary_map={"<image>": 5, "<|extra_200|>": 6},
@@ -790,8 +794,8 @@ def test_patch_replaces_no_transformers_function():
 
 
 @pytest.mark.parametrize("config", [
-    T.ModernBertDecoderConfig(vocab_size=128, hidden_size=64, intermediate_size=128,  # not listed
-                              num_hidden_layers=1, num_attention_heads=4, pad_token_id=0),
+    T.RoFormerConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                     num_attention_heads=4, is_decoder=True),  # RoPE of its own code: not listed
     T.GPT2Config(vocab_size=128, n_embd=64, n_layer=1, n_head=4),  # no RoPE at all
 ])
 def test_unsupported_family_is_an_error(config):

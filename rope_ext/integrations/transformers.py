@@ -28,6 +28,7 @@ import ast
 import dis
 import functools
 import importlib
+import importlib.metadata
 import inspect
 import sys
 import threading
@@ -62,23 +63,26 @@ def _repeated(angles):  # Cohere's tables: each angle at both members of its pai
     return angles.repeat_interleave(2, dim=-1)
 
 
-def _same(a, b):
-    return all(torch.allclose(x, y, rtol=1e-10, atol=1e-10) for x, y in zip(a, b))
+def _same(a, b, tol=1e-10):
+    return all(torch.allclose(x, y, rtol=tol, atol=tol) for x, y in zip(a, b))
 
 
-def _probe_rotate_half(original, replacement, tables=_duplicated):
+def _probe_rotate_half(original, replacement, tables=_duplicated, dtype=torch.float64):
+    """dtype: of the inputs compared; float32 for a function that computes in float32 whatever
+    its inputs' dtype (rope_ext's twin computes float64 inputs in float64)."""
     g = _generator()
-    q = torch.randn(2, 3, 4, 8, generator=g, dtype=torch.float64)
-    k = torch.randn(2, 1, 4, 8, generator=g, dtype=torch.float64)
+    q = torch.randn(2, 3, 4, 8, generator=g, dtype=dtype)
+    k = torch.randn(2, 1, 4, 8, generator=g, dtype=dtype)
     for rot in (8, 4):  # full and partial rotary (versions without partial rotary raise)
-        emb = tables(torch.randn(2, 4, rot // 2, generator=g, dtype=torch.float64) * 3)
+        emb = tables(torch.randn(2, 4, rot // 2, generator=g, dtype=dtype) * 3)
         try:
             want = original(q, k, emb.cos(), emb.sin())
         except RuntimeError:
             if rot == 8:
                 raise
             continue
-        if not _same(replacement(q, k, emb.cos(), emb.sin()), want):
+        if not _same(replacement(q, k, emb.cos(), emb.sin()), want,
+                     1e-10 if dtype == torch.float64 else 1e-5):
             return False
     # A bfloat16 model's float32 tables: most families return torch's promotion (float32), Olmo 2
     # and LFM3 cast the results back to q's and k's dtypes, which their attention relies on.
@@ -136,9 +140,21 @@ def _probe_vision(original, replacement):
     return all(torch.allclose(x, y, rtol=1e-5, atol=1e-5) for x, y in zip(got, want))
 
 
+# Where a family's function differs between transformers 4 and 5, its form is chosen by the
+# installed major version (read from the package's metadata: transformers is not imported here);
+# the probe holds whichever is chosen to the code it replaces.
+try:
+    _TRANSFORMERS_5 = int(importlib.metadata.version("transformers").split(".")[0]) >= 5
+except (importlib.metadata.PackageNotFoundError, ValueError):
+    _TRANSFORMERS_5 = False
+
 _ROTATE_HALF = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb, _probe_rotate_half)}
 _ROTATE_HALF_IN_INPUT_DTYPE = {
     "apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_in_input_dtype, _probe_rotate_half)}
+# ModernBERT decoder's under transformers 5: in float32, the results cast back to q's and k's
+# dtypes (float64 models aside, where rope_ext computes in float64, the same)
+_IN_FLOAT32 = {"apply_rotary_pos_emb": (
+    hf.apply_rotary_pos_emb_in_input_dtype, functools.partial(_probe_rotate_half, dtype=torch.float32))}
 _GPTJ = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_gptj, _probe_gptj)}
 # GLM's interleaved pairs, rotated by the first half of rotate_half-style tables (GLM, GLM-4,
 # Helium; ERNIE 4.5 in q's dtype); Cohere's by tables holding each angle at both members
@@ -212,6 +228,10 @@ FAMILIES = {
     "mllama_text_model": ("mllama.modeling_mllama", _ROTATE_HALF),
     "emu3": ("emu3.modeling_emu3", _ROTATE_HALF),
     "emu3_text_model": ("emu3.modeling_emu3", _ROTATE_HALF),
+    # ModernBERT's decoder: global and sliding-window layers, each kind with its own base;
+    # transformers 5's computes in float32
+    "modernbert-decoder": ("modernbert_decoder.modeling_modernbert_decoder",
+                           _IN_FLOAT32 if _TRANSFORMERS_5 else _ROTATE_HALF),
     "gpt_neox": ("gpt_neox.modeling_gpt_neox", _ROTATE_HALF),
     "stablelm": ("stablelm.modeling_stablelm", _ROTATE_HALF),
     "olmo2": ("olmo2.modeling_olmo2", _ROTATE_HALF_IN_INPUT_DTYPE),
