@@ -128,6 +128,14 @@ def hf_phimoe4_apply_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim=
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+def hf_nanochat_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """NanoChat (transformers 5): rotate_half with flipped signs (x2, -x1)."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    half = q.shape[-1] // 2
+    rotate_half = lambda x: torch.cat((x[..., half:], -x[..., :half]), -1)  # noqa: E731
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
 def hf_gpt_oss_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     """GPT-OSS: rotate_half pairs, cos and sin of one entry per pair (head_dim / 2 wide)."""
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)

@@ -274,6 +274,24 @@ def test_hf_indexed_tables(dtype, unsqueeze_dim):
     assert gradcheck(lambda *a: hf.apply_rotary_pos_emb_indexed(*a, pos, unsqueeze_dim), args)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_hf_negative_angle(dtype, unsqueeze_dim):
+    """NanoChat's flipped rotate_half: values against its code in float64, every gradient."""
+    B, S, H, D = 2, 4, 2, 8
+    angles = torch.rand(B, S, D // 2, dtype=torch.float64) * 20
+    emb = torch.cat((angles, angles), -1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    q = torch.randn((B, H, S, D) if unsqueeze_dim == 1 else (B, S, H, D), dtype=dtype)
+    k = torch.randn((B, 1, S, D) if unsqueeze_dim == 1 else (B, S, 1, D), dtype=dtype)
+    got = hf.apply_rotary_pos_emb_negative(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    want = peers.hf_nanochat_apply_rotary_pos_emb(*f64(q, k, cos, sin), unsqueeze_dim)
+    for g, w in zip(got, want):
+        check(g, w, dtype)
+    args = [t.double().requires_grad_() for t in (q, k, cos, sin)]
+    assert gradcheck(lambda *a: hf.apply_rotary_pos_emb_negative(*a, unsqueeze_dim=unsqueeze_dim), args)
+
+
 INTERLEAVED_FAMILIES = {  # compat function, its transformers peer, the peer's table layout
     "glm": (hf.apply_rotary_pos_emb_glm, peers.hf_glm_apply_rotary_pos_emb, "halves"),
     "ernie": (hf.apply_rotary_pos_emb_ernie, peers.hf_ernie_apply_rotary_pos_emb, "halves"),

@@ -175,6 +175,11 @@ FAMILIES = {
             attention_heads=2, image_size=8, patch_size=2, vision_output_dim=64,
             intermediate_layers_indices=[0]))),
     # Emu3: a Llama-form language model over text and VQ image tokens; text inputs
+    "aria_text": lambda: T.AriaTextForCausalLM(T.AriaTextConfig(  # (MoE)
+        **BASE, pad_token_id=0, moe_num_experts=2, moe_topk=1, moe_intermediate_size=32)),
+    "csm": lambda: T.CsmForConditionalGeneration(T.CsmConfig(**BASE)),  # backbone, depth decoder
+    "eurobert": lambda: T.EuroBertForMaskedLM(T.EuroBertConfig(**BASE, pad_token_id=0)),  # encoder
+    "nanochat": causal_lm(T.NanoChatConfig(**BASE)),  # rotate_half with flipped signs
     # ModernBERT's decoder: a global and a sliding-window layer, each with its own table
     "modernbert-decoder": causal_lm(T.ModernBertDecoderConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -185,6 +185,12 @@ def apply_rotary_pos_emb_indexed(q, k, cos, sin, position_ids=None, unsqueeze_di
     return apply_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim)
 
 
+def apply_rotary_pos_emb_negative(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """NanoChat's apply_rotary_pos_emb: its rotate_half flips the signs (x2, -x1), so each pair
+    turns by the negative angle; apply_rotary_pos_emb with sin negated (exactly: a sign)."""
+    return apply_rotary_pos_emb(q, k, cos, -sin, position_ids, unsqueeze_dim)
+
+
 def apply_rotary_pos_emb_single(x, cos, sin, position_ids=None, unsqueeze_dim=1):
     """transformers' one-tensor apply_rotary_pos_emb (Gemma 3n and 4, which rotate q and k in
     separate calls): x * cos + rotate_half(x) * sin, as apply_rotary_pos_emb computes it for q.

@@ -151,6 +151,8 @@ except (importlib.metadata.PackageNotFoundError, ValueError):
 _ROTATE_HALF = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb, _probe_rotate_half)}
 _ROTATE_HALF_IN_INPUT_DTYPE = {
     "apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_in_input_dtype, _probe_rotate_half)}
+# NanoChat's: rotate_half with flipped signs, the rotation by the negative angle
+_NEGATIVE = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_negative, _probe_rotate_half)}
 # ModernBERT decoder's under transformers 5: in float32, the results cast back to q's and k's
 # dtypes (float64 models aside, where rope_ext computes in float64, the same)
 _IN_FLOAT32 = {"apply_rotary_pos_emb": (
@@ -228,6 +230,13 @@ FAMILIES = {
     "mllama_text_model": ("mllama.modeling_mllama", _ROTATE_HALF),
     "emu3": ("emu3.modeling_emu3", _ROTATE_HALF),
     "emu3_text_model": ("emu3.modeling_emu3", _ROTATE_HALF),
+    # Aria's language model (MoE; and its text-only model), Sesame CSM's backbone and depth
+    # decoder, EuroBERT (an encoder; transformers >= 5): Llama's RoPE
+    "aria": ("aria.modeling_aria", _ROTATE_HALF),
+    "aria_text": ("aria.modeling_aria", _ROTATE_HALF),
+    "csm": ("csm.modeling_csm", _ROTATE_HALF),
+    "eurobert": ("eurobert.modeling_eurobert", _ROTATE_HALF),
+    "nanochat": ("nanochat.modeling_nanochat", _NEGATIVE),  # transformers >= 5
     # ModernBERT's decoder: global and sliding-window layers, each kind with its own base;
     # transformers 5's computes in float32
     "modernbert-decoder": ("modernbert_decoder.modeling_modernbert_decoder",
