@@ -293,9 +293,10 @@ packaging-test: torch213-test cmake-test wheel-test
 # Everything CI checks after `make test` (.ci/run runs it with -j2: the jobs are independent, and
 # most of their time is single-threaded Python, so two at a time halves it on a 2-core machine).
 # Longest first (make starts them in this order), so the short ones fill the gaps at the end:
-# on the 2-core AVX2 machine the sanitizer's build and run take 7-8 minutes, the transformers 5 /
-# diffusers venv and tests 3-7, the three ways in about 6 together; isa-test about a minute per CPU
-# variant it repeats (none on an AVX2-only machine: baseline and avx2 are run elsewhere).
+# on the 2-core AVX2 machine the sanitizer's build and run take about 7 minutes, the transformers 5
+# / diffusers venv and tests about 7, the three ways in about 6 together (11 minutes in all, two at
+# a time); isa-test about a minute per CPU variant it repeats (none on an AVX2-only machine:
+# baseline and avx2 are run elsewhere).
 .PHONY: ci-checks
 ci-checks: sanitize hf5-test packaging-test isa-test
 
