@@ -289,7 +289,8 @@ def test_hf_negative_angle(dtype, unsqueeze_dim):
     for g, w in zip(got, want):
         check(g, w, dtype)
     args = [t.double().requires_grad_() for t in (q, k, cos, sin)]
-    assert gradcheck(lambda *a: hf.apply_rotary_pos_emb_negative(*a, unsqueeze_dim=unsqueeze_dim), args)
+    negative = hf.apply_rotary_pos_emb_negative
+    assert gradcheck(lambda *a: negative(*a, unsqueeze_dim=unsqueeze_dim), args)
 
 
 INTERLEAVED_FAMILIES = {  # compat function, its transformers peer, the peer's table layout

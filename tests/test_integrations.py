@@ -46,7 +46,8 @@ class Missing:
 
 
 class Classes:
-    """transformers' classes by name, a Missing for one this version lacks."""
+    """transformers' classes by name (or those of the modules given), a Missing for one this
+    version lacks."""
 
     def __init__(self, modules=(transformers,)):
         self.modules = modules
@@ -65,8 +66,6 @@ class Classes:
         return cls([m for m in map(find, module_names) if m is not None])
 
     def __getattr__(self, name):
-        if name == "modules":
-            raise AttributeError(name)
         for module in self.modules:
             found = getattr(module, name, None)
             if found is not None:
@@ -174,7 +173,6 @@ FAMILIES = {
             hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_global_layers=1,
             attention_heads=2, image_size=8, patch_size=2, vision_output_dim=64,
             intermediate_layers_indices=[0]))),
-    # Emu3: a Llama-form language model over text and VQ image tokens; text inputs
     "aria_text": lambda: T.AriaTextForCausalLM(T.AriaTextConfig(  # (MoE)
         **BASE, pad_token_id=0, moe_num_experts=2, moe_topk=1, moe_intermediate_size=32)),
     "csm": lambda: T.CsmForConditionalGeneration(T.CsmConfig(**BASE)),  # backbone, depth decoder
@@ -184,6 +182,7 @@ FAMILIES = {
     "modernbert-decoder": causal_lm(T.ModernBertDecoderConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, pad_token_id=0, local_attention=8, global_attn_every_n_layers=2)),
+    # Emu3: a Llama-form language model over text and VQ image tokens; text inputs
     "emu3_text_model": lambda: EMU3.Emu3ForCausalLM(EMU3.Emu3TextConfig(**BASE, pad_token_id=0)),
     "emu3": lambda: T.Emu3ForConditionalGeneration(T.Emu3Config(
         text_config=dict(BASE, pad_token_id=0), vocabulary_map={"<image>": 5, "<|extra_200|>": 6},

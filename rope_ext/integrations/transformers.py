@@ -155,8 +155,8 @@ _ROTATE_HALF_IN_INPUT_DTYPE = {
 _NEGATIVE = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_negative, _probe_rotate_half)}
 # ModernBERT decoder's under transformers 5: in float32, the results cast back to q's and k's
 # dtypes (float64 models aside, where rope_ext computes in float64, the same)
-_IN_FLOAT32 = {"apply_rotary_pos_emb": (
-    hf.apply_rotary_pos_emb_in_input_dtype, functools.partial(_probe_rotate_half, dtype=torch.float32))}
+_IN_FLOAT32 = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_in_input_dtype,
+                                        functools.partial(_probe_rotate_half, dtype=torch.float32))}
 _GPTJ = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_gptj, _probe_gptj)}
 # GLM's interleaved pairs, rotated by the first half of rotate_half-style tables (GLM, GLM-4,
 # Helium; ERNIE 4.5 in q's dtype); Cohere's by tables holding each angle at both members
@@ -226,7 +226,7 @@ FAMILIES = {
     "phi": ("phi.modeling_phi", _ROTATE_HALF),
     "phimoe": ("phimoe.modeling_phimoe", _INDEXED),
     # Llama 3.2 Vision's and Emu3's language models (and the text-only models): Llama's RoPE
-    "mllama": ("mllama.modeling_mllama", _ROTATE_HALF),  # (cross-attention layers: none)
+    "mllama": ("mllama.modeling_mllama", _ROTATE_HALF),  # (its cross-attention layers: no RoPE)
     "mllama_text_model": ("mllama.modeling_mllama", _ROTATE_HALF),
     "emu3": ("emu3.modeling_emu3", _ROTATE_HALF),
     "emu3_text_model": ("emu3.modeling_emu3", _ROTATE_HALF),
