@@ -241,6 +241,20 @@ FAMILIES = {
     # transformers 5's computes in float32
     "modernbert-decoder": ("modernbert_decoder.modeling_modernbert_decoder",
                            _IN_FLOAT32 if _TRANSFORMERS_5 else _ROTATE_HALF),
+    # Encoders of transformers >= 5 (text embeddings, masked LMs, protein LMs): Llama's RoPE;
+    # ModernBERT's computes in float32 (transformers 4's calls RoPE from functions outside its
+    # attention module: not listed there)
+    **({"modernbert": ("modernbert.modeling_modernbert", _IN_FLOAT32)} if _TRANSFORMERS_5 else {}),
+    "gte": ("gte.modeling_gte", _ROTATE_HALF),
+    "nomic_bert": ("nomic_bert.modeling_nomic_bert", _ROTATE_HALF),
+    "jina_embeddings_v3": ("jina_embeddings_v3.modeling_jina_embeddings_v3", _ROTATE_HALF),
+    "esmc": ("esmc.modeling_esmc", _ROTATE_HALF),
+    "ultrabert": ("ultrabert.modeling_ultrabert", _ROTATE_HALF),
+    "neomme": ("neomme.modeling_neomme", _ROTATE_HALF),
+    # the language models of Cosmos 3 Edge and Granite-Docling (transformers >= 5; their vision
+    # towers run transformers' code)
+    "cosmos3_edge": ("cosmos3_edge.modeling_cosmos3_edge", _ROTATE_HALF),
+    "granite_docling": ("granite_docling.modeling_granite_docling", _ROTATE_HALF),
     "gpt_neox": ("gpt_neox.modeling_gpt_neox", _ROTATE_HALF),
     "stablelm": ("stablelm.modeling_stablelm", _ROTATE_HALF),
     "olmo2": ("olmo2.modeling_olmo2", _ROTATE_HALF_IN_INPUT_DTYPE),
