@@ -1053,15 +1053,16 @@ def _backends():
     return ["reference"] + (["native"] if rope_ext.backend("cpu") == "native" else [])
 
 
-def _spawn(seed, backend):
-    """Runs the worker pair once: ({case: [outcome on rank 0, on rank 1]}, the workers' logs)."""
+def _spawn(seed, backend, script, cases):
+    """Runs `script --worker` on each rank once (its cases `cases`): ({case: [outcome on rank 0,
+    on rank 1]}, the workers' logs)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.pathsep.join(p for p in (ROOT, HERE, os.environ.get("PYTHONPATH")) if p)
         env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", ROPE_EXT_BACKEND=backend)
         procs = []
         for rank in range(WORLD):
             log = open(os.path.join(tmp, f"rank{rank}.log"), "w")
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", tmp, str(seed)]
+            cmd = [sys.executable, os.path.abspath(script), "--worker", tmp, str(seed)]
             procs.append((subprocess.Popen(cmd, env=dict(env, RANK=str(rank)), cwd=ROOT,
                                            stdout=log, stderr=subprocess.STDOUT), log))
         deadline = time.monotonic() + WORKER_TIMEOUT_S
@@ -1081,31 +1082,42 @@ def _spawn(seed, backend):
             if os.path.exists(os.path.join(tmp, f"rank{rank}.json")):
                 with open(os.path.join(tmp, f"rank{rank}.json")) as f:
                     results = json.load(f)
-            for name in list(CASES) + ["backend"]:
+            for name in list(cases) + ["backend"]:
                 outcomes.setdefault(name, []).append(results.get(name, "no result"))
         return outcomes, "\n".join(logs)
 
 
-@pytest.fixture(scope="module", params=_backends() if __name__ != "__main__" else [])
-def outcomes(request):
-    seed = int(os.environ.get("ROPE_TEST_SEED", torch.seed() % (2**31)))
-    print(f"ROPE_TEST_SEED={seed}")
-    results, logs = _spawn(seed, request.param)
-    return request.param, results, logs, seed
+def case_tests(script, cases, pending=None):
+    """The pytest fixture `outcomes` (the workers of `script` run once per backend) and the test
+    `test_case` (one per case; those in `pending`, name -> reason, expected to fail) of a test
+    file whose cases run on WORLD ranks; the file runs `_main_worker` under `--worker`."""
+    pending = pending or {}
+
+    @pytest.fixture(scope="module", params=[] if sys.argv[1:2] == ["--worker"] else _backends())
+    def outcomes(request):
+        seed = int(os.environ.get("ROPE_TEST_SEED", torch.seed() % (2**31)))
+        print(f"ROPE_TEST_SEED={seed}")
+        results, logs = _spawn(seed, request.param, script, cases)
+        return request.param, results, logs, seed
+
+    @pytest.mark.parametrize("name", [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=pending[n])) if n in pending
+        else n for n in cases
+    ])
+    def test_case(outcomes, name):
+        backend, results, logs, seed = outcomes
+        got = results[name]
+        if got != ["ok"] * WORLD:
+            detail = "\n".join(f"rank {r}: {o}" for r, o in enumerate(got))
+            if "no result" in got:
+                detail += "\n" + logs
+            pytest.fail(f"{name}, {backend} backend (ROPE_TEST_SEED={seed}):\n{detail}",
+                        pytrace=False)
+
+    return outcomes, test_case
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=PENDING[n])) if n in PENDING
-    else n for n in CASES
-])
-def test_case(outcomes, name):
-    backend, results, logs, seed = outcomes
-    got = results[name]
-    if got != ["ok"] * WORLD:
-        detail = "\n".join(f"rank {r}: {o}" for r, o in enumerate(got))
-        if "no result" in got:
-            detail += "\n" + logs
-        pytest.fail(f"{name}, {backend} backend (ROPE_TEST_SEED={seed}):\n{detail}", pytrace=False)
+outcomes, test_case = case_tests(__file__, CASES, PENDING)
 
 
 def test_workers_ran_the_backend(outcomes):

@@ -5,9 +5,7 @@ worker machinery of test_distributed.py."""
 
 import os
 import sys
-import traceback
 
-import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -253,64 +251,8 @@ def case_weight_gradients_with_uneven_token_shards(run):
                                        atol=1e-5)
 
 
-def _main_worker(out_dir, seed):
-    import datetime
-    import json
-
-    import torch.distributed as dist
-
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
-                            world_size=td.WORLD, timeout=datetime.timedelta(seconds=60))
-    import rope_ext
-    import rope_ext.distributed  # noqa: F401
-    from torch.distributed.tensor import init_device_mesh
-
-    torch.set_num_threads(1)
-    run = td.Run(init_device_mesh("cpu", (td.WORLD,)))
-    results = {"backend": rope_ext.backend("cpu")}
-    for i, name in enumerate(CASES):
-        torch.manual_seed(seed + i)
-        try:
-            CASES[name](run)
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc(limit=-4)
-        dist.barrier()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
-
-
-def _spawn(seed, backend):
-    saved = td.CASES, td.__file__
-    td.CASES = CASES
-    try:
-        # td._spawn runs this file as the worker script: point it here
-        td.__file__ = os.path.abspath(__file__)
-        return td._spawn(seed, backend)
-    finally:
-        td.CASES, td.__file__ = saved
-
-
-@pytest.fixture(scope="module", params=td._backends() if __name__ != "__main__" else [])
-def outcomes(request):
-    seed = int(os.environ.get("ROPE_TEST_SEED", torch.seed() % (2**31)))
-    print(f"ROPE_TEST_SEED={seed}")
-    results, logs = _spawn(seed, request.param)
-    return request.param, results, logs, seed
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_case(outcomes, name):
-    backend, results, logs, seed = outcomes
-    got = results[name]
-    if got != ["ok"] * td.WORLD:
-        detail = "\n".join(f"rank {r}: {o}" for r, o in enumerate(got))
-        if "no result" in got:
-            detail += "\n" + logs
-        pytest.fail(f"{name}, {backend} backend (ROPE_TEST_SEED={seed}):\n{detail}", pytrace=False)
+outcomes, test_case = td.case_tests(__file__, CASES)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    _main_worker(sys.argv[2], int(sys.argv[3]))
+    td._main_worker(sys.argv[2], int(sys.argv[3]), CASES)

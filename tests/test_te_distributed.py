@@ -13,7 +13,6 @@ import subprocess
 import sys
 import tempfile
 
-import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -136,33 +135,7 @@ def case_refused(run):
             raise AssertionError(f"no error; expected one mentioning {fragment!r}")
 
 
-def _spawn(seed, backend):
-    saved = td.CASES, td.__file__
-    td.CASES = CASES
-    try:
-        td.__file__ = os.path.abspath(__file__)  # td._spawn runs this file as the worker script
-        return td._spawn(seed, backend)
-    finally:
-        td.CASES, td.__file__ = saved
-
-
-@pytest.fixture(scope="module", params=td._backends() if __name__ != "__main__" else [])
-def outcomes(request):
-    seed = int(os.environ.get("ROPE_TEST_SEED", torch.seed() % (2**31)))
-    print(f"ROPE_TEST_SEED={seed}")
-    results, logs = _spawn(seed, request.param)
-    return request.param, results, logs, seed
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_case(outcomes, name):
-    backend, results, logs, seed = outcomes
-    got = results[name]
-    if got != ["ok"] * td.WORLD:
-        detail = "\n".join(f"rank {r}: {o}" for r, o in enumerate(got))
-        if "no result" in got:
-            detail += "\n" + logs
-        pytest.fail(f"{name}, {backend} backend (ROPE_TEST_SEED={seed}):\n{detail}", pytrace=False)
+outcomes, test_case = td.case_tests(__file__, CASES)
 
 
 # ---- docs/distributed.md's example, as written ------------------------------------------------
