@@ -196,6 +196,11 @@ def test_mrope_arguments_that_would_be_truncated_or_ignored_are_refused(fn, sect
     assert torch.equal(q, before)
 
 
+def _with_config(module, config):
+    module.config = config
+    return module
+
+
 def test_arguments_of_the_wrong_kind_are_named():
     # Each once raised an incidental AttributeError / TypeError / KeyError from inside a wrapper
     # (a list for a tensor, a dict key that cannot be hashed, a None where a tuple is read).
@@ -229,8 +234,10 @@ def test_arguments_of_the_wrong_kind_are_named():
             fused_set_kv_buffer_arg=sglang.FusedSetKVBufferArg(k_scale="x", **kv)),
         "unpatch: expected a torch.nn.Module, got NoneType": lambda: hf_patch.unpatch(None),
         "is_patched: expected a torch.nn.Module, got NoneType": lambda: hf_patch.is_patched(None),
+        "patch: expected a torch.nn.Module, got SimpleNamespace": lambda: hf_patch.patch(
+            SimpleNamespace(config=SimpleNamespace(model_type="llama"))),
         "config.model_type must be a string, got \\['llama'\\]": lambda: hf_patch.patch(
-            SimpleNamespace(config=SimpleNamespace(model_type=["llama"]))),
+            _with_config(torch.nn.Linear(2, 2), SimpleNamespace(model_type=["llama"]))),
     }
     for match, call in cases.items():
         before = (q.clone(), k.clone())

@@ -816,6 +816,62 @@ def test_patch_replaces_no_transformers_function():
     assert logits(build("gemma"), inputs("gemma"))[1] == 0  # another model of the family
 
 
+# Models whose own model_type is not listed, built around a language model whose is (their
+# vision towers: CLIP's, SigLIP's, InternVL's have no RoPE; Pixtral's has its own, not listed).
+COMPOSITE = {
+    "llava": lambda: T.LlavaForConditionalGeneration(T.LlavaConfig(
+        text_config=dict(BASE, model_type="llama"), image_token_index=5,
+        vision_config=dict(SIGLIP, model_type="clip_vision_model"))),
+    "mistral3": lambda: T.Mistral3ForConditionalGeneration(T.Mistral3Config(
+        text_config=dict(BASE, model_type="mistral"), image_token_index=5,
+        vision_config=dict(SIGLIP, head_dim=16, model_type="pixtral"))),
+    "paligemma": lambda: T.PaliGemmaForConditionalGeneration(T.PaliGemmaConfig(
+        text_config=dict(BASE, model_type="gemma", head_dim=16), image_token_index=5,
+        vision_config=dict(SIGLIP, model_type="siglip_vision_model"), projection_dim=64)),
+    "internvl": lambda: T.InternVLForConditionalGeneration(T.InternVLConfig(
+        text_config=dict(BASE, model_type="qwen2"), image_token_id=5, vision_config=dict(
+            SIGLIP, image_size=[8, 8], patch_size=[2, 2]))),
+}
+
+
+@pytest.mark.parametrize("name", COMPOSITE)
+def test_a_model_built_around_a_listed_language_model_patches_that(name):
+    torch.manual_seed(0)
+    model = COMPOSITE[name]().eval()
+    assert model.config.model_type == name and name not in integration.FAMILIES
+    language_model = model.get_decoder()
+    ids = torch.randint(10, 128, (2, 12))
+    want, n_before = logits(model, [dict(input_ids=ids)])
+    assert n_before == 0
+    integration.patch(model)
+    patched = {m for m in model.modules() if isinstance(m, integration._PatchedAttention)}
+    assert patched and patched <= set(language_model.modules())  # the language model's alone
+    got, n = logits(model, [dict(input_ids=ids)])
+    assert n >= language_model.config.num_hidden_layers  # each layer's q and k, in one op or two
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    integration.patch(model)  # again: nothing changes
+    assert {m for m in model.modules() if isinstance(m, integration._PatchedAttention)} == patched
+    integration.unpatch(model)
+    assert not integration.is_patched(model)
+    again, n_after = logits(model, [dict(input_ids=ids)])
+    assert n_after == 0 and torch.equal(again[0], want[0])
+
+
+def test_a_module_holding_models_patches_them():
+    class Pair(torch.nn.Module):  # no config: a caller's module around two models
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = build("llama"), build("qwen2")
+
+    pair = Pair()
+    integration.patch(pair)
+    assert integration.is_patched(pair.a) and integration.is_patched(pair.b)
+    integration.unpatch(pair)
+    assert not integration.is_patched(pair)
+    with pytest.raises(integration.UnsupportedModelError, match="has no config.model_type"):
+        integration.patch(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
 @pytest.mark.parametrize("config", [
     T.RoFormerConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                      num_attention_heads=4, is_decoder=True),  # RoPE of its own code: not listed

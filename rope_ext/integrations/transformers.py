@@ -20,8 +20,9 @@ or instance `forward`s installed after `patch` (accelerate's) are left as they a
 
 Before the first patch of a family, the replacement is checked against transformers' function on
 random inputs, so a transformers release that changes the function is refused, not silently
-patched. A family not listed in FAMILIES raises UnsupportedModelError (a ValueError, and a
-NotImplementedError).
+patched. A model whose own family is not listed has the parts patched whose family is (a LLaVA
+or PaliGemma model's language model); one with no such part raises UnsupportedModelError (a
+ValueError, and a NotImplementedError).
 """
 
 import ast
@@ -669,36 +670,49 @@ def _rebind(module, old, new):
             module.__dict__[name] = types.MethodType(new, module)
 
 
+def _listed_parts(module):
+    """(model_type, module) for `module` when its config's model_type is listed, else for each
+    outermost submodule whose is: a vision-language or speech model's language model, say."""
+    model_type = getattr(getattr(module, "config", None), "model_type", None)
+    if isinstance(model_type, str) and model_type in FAMILIES:
+        return [(model_type, module)]
+    return [part for child in module.children() for part in _listed_parts(child)]
+
+
 def patch(model):
     """Routes `model`'s RoPE through rope_ext's ops; returns the model. Other models, patched or
-    not, are unaffected. Patching a patched model does nothing. Raises UnsupportedModelError (a
-    ValueError) for a family rope_ext cannot patch (see FAMILIES)."""
-    model_type = _model_type(model)
-    if model_type not in FAMILIES:
+    not, are unaffected. Patching a patched model does nothing. A model whose own model_type is
+    not listed has the parts patched whose model_type is (a LLaVA model's Llama, say, or the
+    models held by a module of the caller's; the other parts run transformers' code). Raises UnsupportedModelError (a ValueError) for a model with
+    no part rope_ext can patch (see FAMILIES)."""
+    parts = _listed_parts(_module(model, "patch"))
+    if not parts:
+        model_type = _model_type(model)
         raise UnsupportedModelError(
             f"rope_ext.integrations.transformers.patch: cannot patch {type(model).__name__} "
-            f"(model_type {model_type!r}): not among the families rope_ext's patch covers (each one "
-            f"is checked against its modeling code). Supported model types: "
-            f"{', '.join(sorted(FAMILIES))}")
-    path, functions = FAMILIES[model_type]
-    modeling = importlib.import_module(f"transformers.models.{path}")
-    targets, already = [], False
-    for m in model.modules():
-        if isinstance(m, _PatchedAttention):
-            already = True
-            continue
-        names = _rope_calls(type(m), modeling, functions)
-        if names:
-            targets.append((m, names))
+            f"(model_type {model_type!r}): neither it nor any of its parts is among the families "
+            f"rope_ext's patch covers (each one is checked against its modeling code). Supported "
+            f"model types: {', '.join(sorted(FAMILIES))}")
+    targets, already, looked_for = [], False, []
+    for part_type, part in parts:
+        path, functions = FAMILIES[part_type]
+        modeling = importlib.import_module(f"transformers.models.{path}")
+        looked_for.append(f"{' or '.join(functions)} of {modeling.__name__}")
+        for m in part.modules():
+            if isinstance(m, _PatchedAttention):
+                already = True
+                continue
+            names = _rope_calls(type(m), modeling, functions)
+            if names:
+                targets.append((m, names, functions))
     if not targets and not already:
         raise UnsupportedModelError(
             f"rope_ext.integrations.transformers.patch: found no attention module of "
-            f"{type(model).__name__} calling {' or '.join(functions)} of {modeling.__name__}; "
-            "nothing to patch")
+            f"{type(model).__name__} calling {'; '.join(looked_for)}; nothing to patch")
     # Every class is built (and its functions checked) before any module changes class.
     classes = [_fused_class(m, names, functions) or _patched_class(type(m), names)
-               for m, names in targets]
-    for (m, _), cls in zip(targets, classes):
+               for m, names, functions in targets]
+    for (m, _, _), cls in zip(targets, classes):
         _rebind(m, cls.__bases__[0].forward, cls.forward)
         m.__class__ = cls
     return model
