@@ -817,44 +817,74 @@ def test_patch_replaces_no_transformers_function():
 
 
 # Models whose own model_type is not listed, built around a language model whose is (their
-# vision towers: CLIP's, SigLIP's, InternVL's have no RoPE; Pixtral's has its own, not listed).
+# vision towers: CLIP's, SigLIP's, InternVL's have no RoPE; Mistral 3's Pixtral is listed too):
+# the model and the attention classes patch() patches in it.
+PIXTRAL = dict(SIGLIP, head_dim=16, model_type="pixtral")
 COMPOSITE = {
-    "llava": lambda: T.LlavaForConditionalGeneration(T.LlavaConfig(
+    "llava": (lambda: T.LlavaForConditionalGeneration(T.LlavaConfig(
         text_config=dict(BASE, model_type="llama"), image_token_index=5,
-        vision_config=dict(SIGLIP, model_type="clip_vision_model"))),
-    "mistral3": lambda: T.Mistral3ForConditionalGeneration(T.Mistral3Config(
+        vision_config=dict(SIGLIP, model_type="clip_vision_model"))), {"LlamaAttention"}),
+    "mistral3": (lambda: T.Mistral3ForConditionalGeneration(T.Mistral3Config(
         text_config=dict(BASE, model_type="mistral"), image_token_index=5,
-        vision_config=dict(SIGLIP, head_dim=16, model_type="pixtral"))),
-    "paligemma": lambda: T.PaliGemmaForConditionalGeneration(T.PaliGemmaConfig(
+        vision_config=PIXTRAL)), {"MistralAttention", "PixtralAttention"}),
+    "paligemma": (lambda: T.PaliGemmaForConditionalGeneration(T.PaliGemmaConfig(
         text_config=dict(BASE, model_type="gemma", head_dim=16), image_token_index=5,
         vision_config=dict(SIGLIP, model_type="siglip_vision_model"), projection_dim=64)),
-    "internvl": lambda: T.InternVLForConditionalGeneration(T.InternVLConfig(
+        {"GemmaAttention"}),
+    "internvl": (lambda: T.InternVLForConditionalGeneration(T.InternVLConfig(
         text_config=dict(BASE, model_type="qwen2"), image_token_id=5, vision_config=dict(
-            SIGLIP, image_size=[8, 8], patch_size=[2, 2]))),
+            SIGLIP, image_size=[8, 8], patch_size=[2, 2]))), {"Qwen2Attention"}),
 }
+
+
+TOWERS = {"pixtral"}  # listed vision towers, tested inside a COMPOSITE model on images (below)
+
+
+def patched_classes(model):
+    """The transformers classes of the modules patch() changed."""
+    return {type(m).__mro__[1].__name__ for m in model.modules()
+            if isinstance(m, integration._PatchedAttention)}
 
 
 @pytest.mark.parametrize("name", COMPOSITE)
 def test_a_model_built_around_a_listed_language_model_patches_that(name):
+    make, classes = COMPOSITE[name]
     torch.manual_seed(0)
-    model = COMPOSITE[name]().eval()
+    model = make().eval()
     assert model.config.model_type == name and name not in integration.FAMILIES
     language_model = model.get_decoder()
     ids = torch.randint(10, 128, (2, 12))
     want, n_before = logits(model, [dict(input_ids=ids)])
     assert n_before == 0
     integration.patch(model)
-    patched = {m for m in model.modules() if isinstance(m, integration._PatchedAttention)}
-    assert patched and patched <= set(language_model.modules())  # the language model's alone
+    assert patched_classes(model) == classes
     got, n = logits(model, [dict(input_ids=ids)])
     assert n >= language_model.config.num_hidden_layers  # each layer's q and k, in one op or two
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    patched = {m for m in model.modules() if isinstance(m, integration._PatchedAttention)}
     integration.patch(model)  # again: nothing changes
     assert {m for m in model.modules() if isinstance(m, integration._PatchedAttention)} == patched
     integration.unpatch(model)
     assert not integration.is_patched(model)
     again, n_after = logits(model, [dict(input_ids=ids)])
     assert n_after == 0 and torch.equal(again[0], want[0])
+
+
+def test_pixtral_vision_tower_patched():
+    """Mistral 3 on an image: its Pixtral encoder's RoPE (a 2-D table of patch rows and columns)
+    runs on rope_ext too, and the logits are transformers'."""
+    torch.manual_seed(0)
+    model = COMPOSITE["mistral3"][0]().eval()
+    ids = torch.randint(10, 128, (2, 12))
+    ids[:, 2:6] = 5  # the 2x2 merged patches of one 8x8 image each
+    image = dict(input_ids=ids, pixel_values=torch.randn(2, 3, 8, 8),
+                 image_sizes=torch.tensor([[8, 8], [8, 8]]))
+    want, _ = logits(model, [image])
+    text_ops = logits(integration.patch(model), [dict(input_ids=ids)])[1]
+    got, n = logits(model, [image])
+    assert n > text_ops  # the vision tower's too
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    integration.unpatch(model)
 
 
 def test_a_module_holding_models_patches_them():
@@ -896,8 +926,8 @@ def test_every_listed_family_is_built_here():
     built = {integration.FAMILIES[f][0] for f in FAMILIES if f in integration.FAMILIES}
     for family, (path, _) in integration.FAMILIES.items():
         package = f"transformers.models.{path.split('.')[0]}"
-        assert family in FAMILIES or path in built or importlib.util.find_spec(package) is None, \
-            f"{family}: no tiny model in FAMILIES"
+        assert (family in FAMILIES or path in built or family in TOWERS
+                or importlib.util.find_spec(package) is None), f"{family}: no tiny model in FAMILIES"
 
 
 def test_a_changed_transformers_function_is_refused(monkeypatch):

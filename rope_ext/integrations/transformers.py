@@ -252,6 +252,9 @@ FAMILIES = {
     "esmc": ("esmc.modeling_esmc", _ROTATE_HALF),
     "ultrabert": ("ultrabert.modeling_ultrabert", _ROTATE_HALF),
     "neomme": ("neomme.modeling_neomme", _ROTATE_HALF),
+    # Pixtral's vision encoder (Mistral 3's, Pixtral's vision tower): Llama's RoPE over a 2-D
+    # table of patch rows and columns
+    "pixtral": ("pixtral.modeling_pixtral", _ROTATE_HALF),
     # the language models of Cosmos 3 Edge and Granite-Docling (transformers >= 5; their vision
     # towers run transformers' code)
     "cosmos3_edge": ("cosmos3_edge.modeling_cosmos3_edge", _ROTATE_HALF),
