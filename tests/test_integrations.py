@@ -217,6 +217,25 @@ FAMILIES = {
             image_token_id=5, video_token_id=6, vision_start_token_id=7, audio_token_id=9,
             audio_start_token_id=4)),
 }
+# GLM-4.1V and GLM-4.5V: their vision towers' RoPE (and GLM-4.5V's language model's under
+# transformers 5). Their language models rotate the first half of each head (transformers 4's
+# GLM-4.1V: the whole head), split into MRoPE sections.
+def glm4v(config, model, partial=True, **text):
+    sections = [1, 1, 2] if partial or HF5 else [2, 3, 3]
+    rope = ({"rope_parameters": dict(rope_type="default", rope_theta=1e4, mrope_section=sections,
+                                     partial_rotary_factor=0.5)} if HF5
+            else {"rope_scaling": dict(type="default", mrope_section=sections)})
+    return lambda: model(config(
+        text_config=dict(BASE, **rope, **text), image_token_id=5, video_token_id=6,
+        image_start_token_id=7, image_end_token_id=8, vision_config=dict(
+            depth=1, hidden_size=32, num_heads=2, patch_size=2, spatial_merge_size=2,
+            temporal_patch_size=1, out_hidden_size=64, intermediate_size=64, image_size=8)))
+
+
+FAMILIES["glm4v"] = glm4v(T.Glm4vConfig, T.Glm4vForConditionalGeneration, partial=False)
+FAMILIES["glm4v_moe"] = glm4v(T.Glm4vMoeConfig, T.Glm4vMoeForConditionalGeneration,
+                              n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=1,
+                              n_group=1, topk_group=1, moe_intermediate_size=32)
 MOE2 = dict(num_local_experts=2, num_experts_per_tok=1)
 MLA = dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
            moe_intermediate_size=32)
@@ -458,7 +477,7 @@ if HF5:
         "kolibri1": causal_lm(T.Kolibri1Config(**BASE, head_dim=16, **NOPE_GLOBAL)),
     })
 ENCODER_DECODER = {"t5gemma2", "t5gemma"}
-VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm_ocr")
+VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm_ocr", "glm4v", "glm4v_moe")
 # The families that normalize q and k per head right before RoPE: patched onto the fused op.
 QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "qwen3_next", "glm4_moe", "qwen3_5_text",
            "qwen3_vl", "qwen3_vl_moe", "gemma4_text", "gemma3n_text", "dots1", "apertus",

@@ -368,6 +368,12 @@ FAMILIES = {
     "step3p7": ("step3p7.modeling_step3p7", _ROTATE_HALF),  # >= 5; its language model's RoPE
     "molmo2": ("molmo2.modeling_molmo2", _ROTATE_HALF),  # >= 5; its language model's RoPE
     "glm_ocr": ("glm_ocr.modeling_glm_ocr", _VISION),  # >= 5; its vision tower's
+    # GLM-4.1V's and GLM-4.5V's vision towers; GLM-4.5V's language model under transformers 5
+    # (Llama's RoPE there; its MRoPE sections are chosen in its rotary module). GLM-4.1V's
+    # language model rotates interleaved pairs of MRoPE tables: transformers' code.
+    "glm4v": ("glm4v.modeling_glm4v", _VISION),
+    "glm4v_moe": ("glm4v_moe.modeling_glm4v_moe", {**_ROTATE_HALF, **_VISION} if _TRANSFORMERS_5
+                  else _VISION),
     # Liquid's LFM2 family (hybrid conv + attention, made for CPUs): per-head norms named
     # q_layernorm / k_layernorm, found and fused like any other (norm_names)
     "lfm2": ("lfm2.modeling_lfm2", _ROTATE_HALF),
