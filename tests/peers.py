@@ -92,6 +92,26 @@ def hf_glm_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
                             t[..., rot:]), dim=-1) for t in (q, k))
 
 
+def hf_glm4v_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """GLM-4.1V (transformers 5): interleaved pairs of the first cos.size(-1) dims, the tables
+    read at each element's own place (each angle twice, side by side); the rest passed through."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    rot = cos.shape[-1]
+    return tuple(torch.cat((t[..., :rot] * cos + hf_rotate_every_two(t[..., :rot]) * sin,
+                            t[..., rot:]), dim=-1) for t in (q, k))
+
+
+def hf_glm4v_apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
+    """GLM-4.1V (transformers 4): Qwen2-VL's choice of sections of cos/sin (3, batch, seq,
+    rotary_dim), then GLM's rotation of the first rotary_dim dims."""
+    chunks = list(mrope_section) * 2
+
+    def pick(t):
+        return torch.cat([m[i % 3] for i, m in enumerate(t.split(chunks, dim=-1))], dim=-1)
+
+    return hf_glm_apply_rotary_pos_emb(q, k, pick(cos), pick(sin), unsqueeze_dim)
+
+
 def hf_ernie_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     """ERNIE 4.5: GLM's rotation of the whole head from q.float() and k.float(), in q's dtype."""
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)

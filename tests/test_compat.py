@@ -300,7 +300,9 @@ INTERLEAVED_FAMILIES = {  # compat function, its transformers peer, the peer's t
     "deepseek": (hf.apply_rotary_pos_emb_interleave,
                  peers.hf_deepseek_apply_rotary_pos_emb_interleave, "halves"),
     "gpt_oss": (hf.apply_rotary_pos_emb_half_tables, peers.hf_gpt_oss_apply_rotary_pos_emb, "one"),
+    "glm4v": (hf.apply_rotary_pos_emb_glm4v, peers.hf_glm4v_apply_rotary_pos_emb, "pairs"),
 }
+PREFIX = {"glm", "glm4v"}  # rotate the first half of the head; the others the whole head
 
 
 def family_tables(layout, B, S, rot, dtype):
@@ -318,7 +320,7 @@ def family_tables(layout, B, S, rot, dtype):
 def test_hf_interleaved_families(family, dtype, unsqueeze_dim):
     fn, peer, layout = INTERLEAVED_FAMILIES[family]
     B, S, H, D = 2, 5, 3, 32
-    rot = D // 2 if family == "glm" else D  # GLM rotates a prefix; the others the whole head
+    rot = D // 2 if family in PREFIX else D
     cos, sin = family_tables(layout, B, S, rot, dtype)
     q = torch.randn((B, H, S, D) if unsqueeze_dim == 1 else (B, S, H, D), dtype=dtype)
     k = torch.randn((B, 1, S, D) if unsqueeze_dim == 1 else (B, S, 1, D), dtype=dtype)
@@ -347,7 +349,7 @@ def test_hf_interleaved_families_projection_views_and_mixed_dtypes(family, q_dty
     # order of dims in memory, as the Llama drop-in keeps it.
     fn, peer, layout = INTERLEAVED_FAMILIES[family]
     B, S, D = 2, 5, 32
-    cos, sin = family_tables(layout, B, S, D // 2 if family == "glm" else D, table_dtype)
+    cos, sin = family_tables(layout, B, S, D // 2 if family in PREFIX else D, table_dtype)
     q = torch.randn(B, S, 3 * D, dtype=q_dtype).view(B, S, 3, D).transpose(1, 2)
     k = torch.randn(B, S, 2 * D, dtype=k_dtype).view(B, S, 2, D).transpose(1, 2)
     got = fn(q, k, cos, sin)
@@ -358,13 +360,13 @@ def test_hf_interleaved_families_projection_views_and_mixed_dtypes(family, q_dty
         assert sorted(range(4), key=lambda i: -g.stride(i)) == [0, 2, 1, 3], g.stride()
 
 
-@pytest.mark.parametrize("family", [f for f in INTERLEAVED_FAMILIES if f != "glm"])
+@pytest.mark.parametrize("family", [f for f in INTERLEAVED_FAMILIES if f not in PREFIX])
 @pytest.mark.parametrize("q_shape", [(1, 4, 5, 16), (2, 4, 1, 16)])
 def test_hf_interleaved_families_tables_broadcast_q_and_k_as_torch_does(family, q_shape):
     # Tables of more rows than q and k (batch 2 for batch 1, 5 positions for one): the results
     # take torch's broadcast shape, as the peer's arithmetic does (small sizes included, where
-    # DeepSeek's form rotates q and k in one call). (GLM's cat of the rotated and passed dims
-    # refuses such tables in transformers; rope_ext's GLM form broadcasts them.)
+    # DeepSeek's form rotates q and k in one call). (GLM's and GLM-4.1V's cat of the rotated and
+    # passed dims refuses such tables in transformers; rope_ext's forms broadcast them.)
     fn, peer, layout = INTERLEAVED_FAMILIES[family]
     cos, sin = family_tables(layout, 2, 5, 16, torch.float32)
     q = torch.randn(q_shape)
@@ -439,6 +441,27 @@ def test_hf_multimodal_rotary_pos_emb(dtype):
     want = peers.hf_apply_multimodal_rotary_pos_emb(*f64(q, k, cos, sin), section)
     for g, w in zip(got, want):
         check(g, w, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("section", [[2, 3, 3], [1, 1, 2]])  # whole head, first half
+def test_hf_glm4v_multimodal_rotary_pos_emb(dtype, section):
+    """transformers 4's GLM-4.1V: its code's values in float64 (the dims past rotary_dim passed
+    through), every gradient (tables whose halves differ included)."""
+    B, S, D, rot = 2, 5, 16, 2 * sum(section)
+    q, k = torch.randn(B, 4, S, D, dtype=dtype), torch.randn(B, 2, S, D, dtype=dtype)
+    cos, sin = mrope_tables(B, S, rot, dtype)
+    got = hf.apply_multimodal_rotary_pos_emb_glm4v(q, k, cos, sin, section)
+    want = peers.hf_glm4v_apply_multimodal_rotary_pos_emb(*f64(q, k, cos, sin), section)
+    for g, w, x in zip(got, want, (q, k)):
+        check(g, w, dtype)
+        assert torch.equal(g[..., rot:], x[..., rot:])
+    args = [torch.randn(*t.shape, dtype=torch.float64, requires_grad=True)
+            for t in (q[:1, :2, :3], k[:1, :1, :3], cos[:, :1, :3], sin[:, :1, :3])]
+    fn = lambda *a: hf.apply_multimodal_rotary_pos_emb_glm4v(*a, section)  # noqa: E731
+    assert gradcheck(fn, args)
+    for g, w in zip(fn(*args), peers.hf_glm4v_apply_multimodal_rotary_pos_emb(*args, section)):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
 def test_hf_multimodal_gradients():

@@ -853,6 +853,9 @@ COMPOSITE = {
     "internvl": (lambda: T.InternVLForConditionalGeneration(T.InternVLConfig(
         text_config=dict(BASE, model_type="qwen2"), image_token_id=5, vision_config=dict(
             SIGLIP, image_size=[8, 8], patch_size=[2, 2]))), {"Qwen2Attention"}),
+    # GLM-4.6V: GLM-4.1V's parts (transformers 5)
+    "glm46v": (glm4v(T.Glm46VConfig, T.Glm46VForConditionalGeneration),
+               {"Glm4vTextAttention", "Glm4vVisionAttention"}),
 }
 
 
@@ -869,7 +872,10 @@ def patched_classes(model):
 def test_a_model_built_around_a_listed_language_model_patches_that(name):
     make, classes = COMPOSITE[name]
     torch.manual_seed(0)
-    model = make().eval()
+    model = make()
+    if isinstance(model, Missing):
+        pytest.skip(f"transformers {transformers.__version__} has no {model.name}")
+    model.eval()
     assert model.config.model_type == name and name not in integration.FAMILIES
     language_model = model.get_decoder()
     ids = torch.randint(10, 128, (2, 12))

@@ -239,10 +239,14 @@ def _glm_pairs(q, k, cos, sin, dtypes):
     return tuple(rotate_pairs(x, c, s, d, interleaved=True) for x, d in zip((q, k), dtypes))
 
 
-def _cohere_pairs(q, k, cos, sin, dtypes):
-    _check_width(q, cos, sin, "head_dim", "q")
-    _check_width(k, cos, sin, "head_dim", "k")
+def _cohere_pairs(q, k, cos, sin, dtypes, what="head_dim"):
+    _check_width(q, cos, sin, what, "q")
+    _check_width(k, cos, sin, what, "k")
     return _rotate_half_style((q, k), cos, sin, dtypes, interleaved=True)
+
+
+def _glm4v_pairs(q, k, cos, sin, dtypes):
+    return _cohere_pairs(q, k, cos, sin, dtypes, what="rotary_dim")
 
 
 def _one_entry_per_pair(q, k, cos, sin, dtypes):
@@ -311,6 +315,14 @@ def apply_rotary_pos_emb_cohere(q, k, cos, sin, position_ids=None, unsqueeze_dim
                           full_precision=True)
 
 
+def apply_rotary_pos_emb_glm4v(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """GLM-4.1V's apply_rotary_pos_emb (transformers 5): pairs (2i, 2i+1) of the first
+    cos.size(-1) dims (the rest passed through), the tables holding each angle at both members
+    of its pair, as its rotary module makes them; torch's promotion of q (k) with the tables.
+    Tables whose pair members differ, as apply_rotary_pos_emb_cohere's."""
+    return _pairs_rotated(_glm4v_pairs, q, k, cos, sin, position_ids, unsqueeze_dim)
+
+
 def apply_rotary_pos_emb_half_tables(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """GPT-OSS's apply_rotary_pos_emb: pairs (i, i + head_dim/2) rotated by tables of one entry
     per pair, cos and sin (batch, seq, head_dim / 2) as its rotary module makes them (no
@@ -374,6 +386,18 @@ def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim
         return _rotate_half_style((q, k), cos, sin, dtypes)
     cos, sin = float32_table(cos), float32_table(sin)
     return rotate_pairs(q, cos, sin, dtypes[0]), rotate_pairs(k, cos, sin, dtypes[1])
+
+
+def apply_multimodal_rotary_pos_emb_glm4v(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
+    """transformers 4's GLM-4.1V apply_multimodal_rotary_pos_emb: the sections of cos, sin (3,
+    batch, seq, rotary_dim) chosen as Qwen2-VL's are, then GLM's rotation of the first rotary_dim
+    dims (apply_rotary_pos_emb_glm: pairs (2i, 2i+1) by the chosen tables' first half)."""
+    if cos.dim() < 2 or cos.shape[0] != 3 or sin.shape != cos.shape:
+        raise ValueError(f"cos and sin must have one shape (3, batch, seq, rotary_dim), got "
+                         f"{list(cos.shape)} and {list(sin.shape)}")
+    section = _sections(mrope_section, cos.shape[-1])
+    return apply_rotary_pos_emb_glm(q, k, _mixed(cos, section, 2), _mixed(sin, section, 2),
+                                    unsqueeze_dim=unsqueeze_dim)
 
 
 def apply_rotary_pos_emb_vision(q, k, cos, sin):

@@ -126,10 +126,17 @@ def _probe_mrope(original, replacement):
     g = _generator()
     q = torch.randn(2, 3, 4, 16, generator=g, dtype=torch.float64)
     k = torch.randn(2, 1, 4, 16, generator=g, dtype=torch.float64)
-    emb = _duplicated(torch.randn(3, 2, 4, 8, generator=g, dtype=torch.float64) * 3)
-    section = [2, 3, 3]
-    return _same(replacement(q, k, emb.cos(), emb.sin(), section),
-                 original(q, k, emb.cos(), emb.sin(), section))
+    for section in ([2, 3, 3], [1, 1, 2]):  # full and partial rotary (Qwen2-VL's raises)
+        emb = _duplicated(torch.randn(3, 2, 4, sum(section), generator=g, dtype=torch.float64) * 3)
+        try:
+            want = original(q, k, emb.cos(), emb.sin(), section)
+        except RuntimeError:
+            if section == [2, 3, 3]:
+                raise
+            continue
+        if not _same(replacement(q, k, emb.cos(), emb.sin(), section), want):
+            return False
+    return True
 
 
 def _probe_vision(original, replacement):
@@ -181,14 +188,18 @@ _INDEXED = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_indexed, _probe_ind
 _ONE_TENSOR = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_single, _probe_one_tensor)}
 # Transformers 5 dropped apply_multimodal_rotary_pos_emb: its Qwen2-VL rotary module mixes the
 # MRoPE sections itself and the attention calls the plain apply_rotary_pos_emb.
-_QWEN_VL = {
-    "apply_rotary_pos_emb": (hf.apply_rotary_pos_emb, _probe_rotate_half),
-    "apply_multimodal_rotary_pos_emb": (hf.apply_multimodal_rotary_pos_emb, _probe_mrope),
-    "apply_rotary_pos_emb_vision": (hf.apply_rotary_pos_emb_vision, _probe_vision),
-}
-# Vision towers that norm q and k per head before their RoPE (GLM-OCR): the language model's
-# RoPE (GLM's interleaved form) runs transformers' code.
+_MROPE = {"apply_multimodal_rotary_pos_emb": (hf.apply_multimodal_rotary_pos_emb, _probe_mrope)}
+# Vision towers' RoPE in Qwen2-VL's form (also GLM-OCR's, whose attention norms q and k per head
+# first, and GLM-4.1V's and GLM-4.5V's)
 _VISION = {"apply_rotary_pos_emb_vision": (hf.apply_rotary_pos_emb_vision, _probe_vision)}
+_QWEN_VL = {**_ROTATE_HALF, **_MROPE, **_VISION}
+# GLM-4.1V's language model: interleaved pairs of the first half of each head, rotated by MRoPE
+# tables whose sections transformers 5 chooses in its rotary module, 4 in the function
+_GLM4V = ({"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_glm4v,
+                                    functools.partial(_probe_rotate_half, tables=_repeated))}
+          if _TRANSFORMERS_5 else
+          {"apply_multimodal_rotary_pos_emb": (hf.apply_multimodal_rotary_pos_emb_glm4v,
+                                               _probe_mrope)})
 # Qwen3-VL's rotary module lays the MRoPE sections out interleaved (T,H,W,...) itself; its
 # attention then applies the resulting full-width tables like any rotate_half model.
 _QWEN3_VL = {
@@ -368,12 +379,11 @@ FAMILIES = {
     "step3p7": ("step3p7.modeling_step3p7", _ROTATE_HALF),  # >= 5; its language model's RoPE
     "molmo2": ("molmo2.modeling_molmo2", _ROTATE_HALF),  # >= 5; its language model's RoPE
     "glm_ocr": ("glm_ocr.modeling_glm_ocr", _VISION),  # >= 5; its vision tower's
-    # GLM-4.1V's and GLM-4.5V's vision towers; GLM-4.5V's language model under transformers 5
-    # (Llama's RoPE there; its MRoPE sections are chosen in its rotary module). GLM-4.1V's
-    # language model rotates interleaved pairs of MRoPE tables: transformers' code.
-    "glm4v": ("glm4v.modeling_glm4v", _VISION),
+    # GLM-4.1V and GLM-4.5V: vision towers and language models (GLM-4.5V's: Qwen2-VL's MRoPE on
+    # the first half of each head, its sections chosen in its rotary module under transformers 5)
+    "glm4v": ("glm4v.modeling_glm4v", {**_GLM4V, **_VISION}),
     "glm4v_moe": ("glm4v_moe.modeling_glm4v_moe", {**_ROTATE_HALF, **_VISION} if _TRANSFORMERS_5
-                  else _VISION),
+                  else {**_MROPE, **_VISION}),
     # Liquid's LFM2 family (hybrid conv + attention, made for CPUs): per-head norms named
     # q_layernorm / k_layernorm, found and fused like any other (norm_names)
     "lfm2": ("lfm2.modeling_lfm2", _ROTATE_HALF),
@@ -381,6 +391,10 @@ FAMILIES = {
     "lfm2_vl": ("lfm2.modeling_lfm2", _ROTATE_HALF),  # transformers >= 5; its language model
     "lfm2_moe": ("lfm2_moe.modeling_lfm2_moe", _ROTATE_HALF),  # transformers >= 5
 }
+# The model types of GLM-4.1V's and GLM-4.5V's parts, as models built around them hold them
+# (GLM-4.6V: GLM-4.1V's)
+FAMILIES.update({f"{family}_{part}": FAMILIES[family] for family in ("glm4v", "glm4v_moe")
+                 for part in ("text", "vision")})
 
 
 _lock = threading.Lock()
