@@ -232,6 +232,11 @@ def glm4v(config, model, partial=True, **text):
             temporal_patch_size=1, out_hidden_size=64, intermediate_size=64, image_size=8)))
 
 
+FAMILIES["paddleocr_vl"] = lambda: T.PaddleOCRVLForConditionalGeneration(T.PaddleOCRVLConfig(
+    text_config=dict(BASE, head_dim=16, rope_parameters=dict(
+        rope_type="default", rope_theta=1e4, mrope_section=[2, 3, 3])),
+    vision_config=SIGLIP, image_token_id=5, video_token_id=6,
+    vision_start_token_id=7, vision_end_token_id=8))
 FAMILIES["glm4v"] = glm4v(T.Glm4vConfig, T.Glm4vForConditionalGeneration, partial=False)
 FAMILIES["glm4v_moe"] = glm4v(T.Glm4vMoeConfig, T.Glm4vMoeForConditionalGeneration,
                               n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=1,
@@ -477,7 +482,9 @@ if HF5:
         "kolibri1": causal_lm(T.Kolibri1Config(**BASE, head_dim=16, **NOPE_GLOBAL)),
     })
 ENCODER_DECODER = {"t5gemma2", "t5gemma"}
-VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm_ocr", "glm4v", "glm4v_moe")
+VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm_ocr", "glm4v", "glm4v_moe",
+      "paddleocr_vl")
+PATCHES = {"paddleocr_vl": (16, 3, 2, 2)}  # pixel_values' shape where not (patches, 12)
 # The families that normalize q and k per head right before RoPE: patched onto the fused op.
 QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "qwen3_next", "glm4_moe", "qwen3_5_text",
            "qwen3_vl", "qwen3_vl_moe", "gemma4_text", "gemma3n_text", "dots1", "apertus",
@@ -536,7 +543,7 @@ def inputs(family):
     # that runs the vision tower's RoPE too.
     image_ids = torch.randint(10, 128, (1, 12))
     image_ids[0, 2], image_ids[0, 3:7], image_ids[0, 7] = 7, 5, 8
-    image = dict(input_ids=image_ids, pixel_values=torch.randn(16, 12),
+    image = dict(input_ids=image_ids, pixel_values=torch.randn(PATCHES.get(family, (16, 12))),
                  image_grid_thw=torch.tensor([[1, 4, 4]]))
     if HF5:  # transformers 5 takes the image tokens' places from the processor's token types
         image["mm_token_type_ids"] = (image_ids == 5).int()

@@ -379,6 +379,7 @@ FAMILIES = {
     "step3p7": ("step3p7.modeling_step3p7", _ROTATE_HALF),  # >= 5; its language model's RoPE
     "molmo2": ("molmo2.modeling_molmo2", _ROTATE_HALF),  # >= 5; its language model's RoPE
     "glm_ocr": ("glm_ocr.modeling_glm_ocr", _VISION),  # >= 5; its vision tower's
+    "paddleocr_vl": ("paddleocr_vl.modeling_paddleocr_vl", _QWEN3_VL),  # >= 5; LM and tower
     # GLM-4.1V and GLM-4.5V: vision towers and language models (GLM-4.5V's: Qwen2-VL's MRoPE on
     # the first half of each head, its sections chosen in its rotary module under transformers 5)
     "glm4v": ("glm4v.modeling_glm4v", {**_GLM4V, **_VISION}),
