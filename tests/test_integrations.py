@@ -237,6 +237,14 @@ FAMILIES["paddleocr_vl"] = lambda: T.PaddleOCRVLForConditionalGeneration(T.Paddl
         rope_type="default", rope_theta=1e4, mrope_section=[2, 3, 3])),
     vision_config=SIGLIP, image_token_id=5, video_token_id=6,
     vision_start_token_id=7, vision_end_token_id=8))
+FAMILIES["ernie4_5_vl_moe"] = lambda: T.Ernie4_5_VLMoeForConditionalGeneration(
+    T.Ernie4_5_VLMoeConfig(
+        text_config=dict(BASE, head_dim=16, rope_parameters=dict(
+            rope_type="default", rope_theta=1e4, mrope_section=[3, 3, 2]), moe_num_experts=2,
+            moe_k=1, moe_intermediate_size=[32, 32], moe_num_shared_experts=0),
+        vision_config=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64,
+                           patch_size=2, spatial_merge_size=2),
+        image_token_id=5, video_token_id=6, image_start_token_id=7, image_end_token_id=8))
 FAMILIES["glm4v"] = glm4v(T.Glm4vConfig, T.Glm4vForConditionalGeneration, partial=False)
 FAMILIES["glm4v_moe"] = glm4v(T.Glm4vMoeConfig, T.Glm4vMoeForConditionalGeneration,
                               n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=1,
@@ -483,7 +491,7 @@ if HF5:
     })
 ENCODER_DECODER = {"t5gemma2", "t5gemma"}
 VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm_ocr", "glm4v", "glm4v_moe",
-      "paddleocr_vl")
+      "paddleocr_vl", "ernie4_5_vl_moe")
 PATCHES = {"paddleocr_vl": (16, 3, 2, 2)}  # pixel_values' shape where not (patches, 12)
 # The families that normalize q and k per head right before RoPE: patched onto the fused op.
 QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "qwen3_next", "glm4_moe", "qwen3_5_text",

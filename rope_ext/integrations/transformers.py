@@ -380,6 +380,10 @@ FAMILIES = {
     "molmo2": ("molmo2.modeling_molmo2", _ROTATE_HALF),  # >= 5; its language model's RoPE
     "glm_ocr": ("glm_ocr.modeling_glm_ocr", _VISION),  # >= 5; its vision tower's
     "paddleocr_vl": ("paddleocr_vl.modeling_paddleocr_vl", _QWEN3_VL),  # >= 5; LM and tower
+    # ERNIE 4.5 VL (>= 5): Cohere's interleaved pairs in its language model (MRoPE tables made
+    # so by its rotary module), Qwen2-VL's vision RoPE in its tower
+    "ernie4_5_vl_moe": ("ernie4_5_vl_moe.modeling_ernie4_5_vl_moe", {**_COHERE, **_VISION}),
+    "ernie4_5_vl_moe_text": ("ernie4_5_vl_moe.modeling_ernie4_5_vl_moe", _COHERE),
     # GLM-4.1V and GLM-4.5V: vision towers and language models (GLM-4.5V's: Qwen2-VL's MRoPE on
     # the first half of each head, its sections chosen in its rotary module under transformers 5)
     "glm4v": ("glm4v.modeling_glm4v", {**_GLM4V, **_VISION}),
