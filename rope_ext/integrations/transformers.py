@@ -698,45 +698,53 @@ def _rebind(module, old, new):
             module.__dict__[name] = types.MethodType(new, module)
 
 
-def _listed_parts(module):
-    """(model_type, module) for `module` when its config's model_type is listed, else for each
-    outermost submodule whose is: a vision-language or speech model's language model, say."""
-    model_type = getattr(getattr(module, "config", None), "model_type", None)
-    if isinstance(model_type, str) and model_type in FAMILIES:
-        return [(model_type, module)]
-    return [part for child in module.children() for part in _listed_parts(child)]
+def _listed_families(model):
+    """{modeling module path: functions} of the listed model types of `model` and its parts (a
+    module whose `config.model_type` is listed: a vision-language model's language model or
+    vision tower, say), in the order met."""
+    found = {}
+    for m in model.modules():
+        model_type = getattr(getattr(m, "config", None), "model_type", None)
+        if isinstance(model_type, str) and model_type in FAMILIES:
+            path, functions = FAMILIES[model_type]
+            found.setdefault(path, functions)
+    return found
 
 
 def patch(model):
     """Routes `model`'s RoPE through rope_ext's ops; returns the model. Other models, patched or
-    not, are unaffected. Patching a patched model does nothing. A model whose own model_type is
-    not listed has the parts patched whose model_type is (a LLaVA model's Llama, say, or the
-    models held by a module of the caller's; the other parts run transformers' code). Raises UnsupportedModelError (a ValueError) for a model with
-    no part rope_ext can patch (see FAMILIES)."""
-    parts = _listed_parts(_module(model, "patch"))
-    if not parts:
+    not, are unaffected. Patching a patched model does nothing. The model's own model type and
+    those of its parts (each module's `config.model_type`) say which modeling code is patched: a
+    LLaVA model's Llama, say, or the models held by a module of the caller's; parts of no listed
+    type run transformers' code. Raises UnsupportedModelError (a ValueError) for a model with
+    nothing rope_ext can patch (see FAMILIES)."""
+    families = _listed_families(_module(model, "patch"))
+    if not families:
         model_type = _model_type(model)
         raise UnsupportedModelError(
             f"rope_ext.integrations.transformers.patch: cannot patch {type(model).__name__} "
             f"(model_type {model_type!r}): neither it nor any of its parts is among the families "
             f"rope_ext's patch covers (each one is checked against its modeling code). Supported "
             f"model types: {', '.join(sorted(FAMILIES))}")
-    targets, already, looked_for = [], False, []
-    for part_type, part in parts:
-        path, functions = FAMILIES[part_type]
-        modeling = importlib.import_module(f"transformers.models.{path}")
-        looked_for.append(f"{' or '.join(functions)} of {modeling.__name__}")
-        for m in part.modules():
-            if isinstance(m, _PatchedAttention):
-                already = True
-                continue
-            names = _rope_calls(type(m), modeling, functions)
-            if names:
-                targets.append((m, names, functions))
+    modelings = [(importlib.import_module(f"transformers.models.{path}"), functions)
+                 for path, functions in families.items()]
+    targets, already, calls = [], False, {}
+    for m in model.modules():
+        if isinstance(m, _PatchedAttention):
+            already = True
+            continue
+        cls = type(m)
+        if cls not in calls:  # the same for every layer of a class
+            calls[cls] = next(((names, functions) for modeling, functions in modelings
+                               if (names := _rope_calls(cls, modeling, functions))), None)
+        if calls[cls] is not None:
+            targets.append((m, *calls[cls]))
     if not targets and not already:
+        looked_for = "; ".join(f"{' or '.join(functions)} of {modeling.__name__}"
+                               for modeling, functions in modelings)
         raise UnsupportedModelError(
             f"rope_ext.integrations.transformers.patch: found no attention module of "
-            f"{type(model).__name__} calling {'; '.join(looked_for)}; nothing to patch")
+            f"{type(model).__name__} calling {looked_for}; nothing to patch")
     # Every class is built (and its functions checked) before any module changes class.
     classes = [_fused_class(m, names, functions) or _patched_class(type(m), names)
                for m, names, functions in targets]
