@@ -245,6 +245,11 @@ FAMILIES["ernie4_5_vl_moe"] = lambda: T.Ernie4_5_VLMoeForConditionalGeneration(
         vision_config=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64,
                            patch_size=2, spatial_merge_size=2),
         image_token_id=5, video_token_id=6, image_start_token_id=7, image_end_token_id=8))
+# Moonshine: speech in, text out (its encoder's and decoder's self-attention rotate)
+FAMILIES["moonshine"] = lambda: T.MoonshineForConditionalGeneration(T.MoonshineConfig(
+    vocab_size=128, hidden_size=32, intermediate_size=64, encoder_num_hidden_layers=1,
+    decoder_num_hidden_layers=1, encoder_num_attention_heads=2, decoder_num_attention_heads=2,
+    pad_token_id=0, decoder_start_token_id=1))
 FAMILIES["glm4v"] = glm4v(T.Glm4vConfig, T.Glm4vForConditionalGeneration, partial=False)
 FAMILIES["glm4v_moe"] = glm4v(T.Glm4vMoeConfig, T.Glm4vMoeForConditionalGeneration,
                               n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=1,
@@ -490,6 +495,7 @@ if HF5:
         "kolibri1": causal_lm(T.Kolibri1Config(**BASE, head_dim=16, **NOPE_GLOBAL)),
     })
 ENCODER_DECODER = {"t5gemma2", "t5gemma"}
+SPEECH = {"moonshine"}
 VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm_ocr", "glm4v", "glm4v_moe",
       "paddleocr_vl", "ernie4_5_vl_moe")
 PATCHES = {"paddleocr_vl": (16, 3, 2, 2)}  # pixel_values' shape where not (patches, 12)
@@ -545,6 +551,8 @@ def inputs(family):
     ids = torch.randint(10, 128, (2, 12))
     if family in ENCODER_DECODER:
         return [dict(input_ids=ids, decoder_input_ids=ids.flip(1))]
+    if family in SPEECH:  # 1/8 s of 16 kHz audio
+        return [dict(input_values=torch.randn(2, 2000), decoder_input_ids=ids)]
     if family not in VL:
         return [dict(input_ids=ids)]
     # Text with distinct temporal/height/width positions, and a 4x4-patch image (4 merged tokens)
@@ -733,6 +741,9 @@ def test_bf16_model_patched_runs_as_accurately_as_unpatched(family):
     batches = inputs(family)
     exact, _ = logits(model, batches)
     model.to(torch.bfloat16)
+    if family in SPEECH:  # audio goes in as the model's dtype (its first layer is a convolution)
+        batches = [{k: v.bfloat16() if v.is_floating_point() else v for k, v in b.items()}
+                   for b in batches]
     want, _ = logits(model, batches)
     integration.patch(model)
     try:
