@@ -938,6 +938,15 @@ def test_pixtral_vision_tower_patched():
     integration.unpatch(model)
 
 
+def test_types_sharing_modeling_code_replace_its_functions_alike():
+    # patch() merges the functions of the listed types it meets that share a modeling module
+    seen = {}
+    for model_type, (path, functions) in integration.FAMILIES.items():
+        for name, spec in functions.items():
+            assert seen.setdefault((path, name), (model_type, spec))[1] == spec, (
+                f"{model_type} and {seen[(path, name)][0]} replace {path}.{name} differently")
+
+
 def test_a_module_holding_models_patches_them():
     class Pair(torch.nn.Module):  # no config: a caller's module around two models
         def __init__(self):

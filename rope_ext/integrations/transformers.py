@@ -703,13 +703,14 @@ def _rebind(module, old, new):
 def _listed_families(model):
     """{modeling module path: functions} of the listed model types of `model` and its parts (a
     module whose `config.model_type` is listed: a vision-language model's language model or
-    vision tower, say), in the order met."""
+    vision tower, say). Types sharing a modeling module list the same replacement for a function
+    they both list (a test holds FAMILIES to that), so their functions are merged."""
     found = {}
     for m in model.modules():
         model_type = getattr(getattr(m, "config", None), "model_type", None)
         if isinstance(model_type, str) and model_type in FAMILIES:
             path, functions = FAMILIES[model_type]
-            found.setdefault(path, functions)
+            found.setdefault(path, {}).update(functions)
     return found
 
 
