@@ -885,7 +885,7 @@ COMPOSITE = {
 }
 
 
-TOWERS = {"pixtral"}  # listed vision towers, tested inside a COMPOSITE model on images (below)
+TOWERS = {"pixtral", "lfm3_vl_vision"}  # listed vision towers, tested in models on images
 
 
 def patched_classes(model):
@@ -921,17 +921,50 @@ def test_a_model_built_around_a_listed_language_model_patches_that(name):
     assert n_after == 0 and torch.equal(again[0], want[0])
 
 
-def test_pixtral_vision_tower_patched():
-    """Mistral 3 on an image: its Pixtral encoder's RoPE (a 2-D table of patch rows and columns)
-    runs on rope_ext too, and the logits are transformers'."""
-    torch.manual_seed(0)
-    model = COMPOSITE["mistral3"][0]().eval()
+def mistral3_on_images():
     ids = torch.randint(10, 128, (2, 12))
     ids[:, 2:6] = 5  # the 2x2 merged patches of one 8x8 image each
-    image = dict(input_ids=ids, pixel_values=torch.randn(2, 3, 8, 8),
-                 image_sizes=torch.tensor([[8, 8], [8, 8]]))
+    return COMPOSITE["mistral3"][0](), dict(input_ids=ids, pixel_values=torch.randn(2, 3, 8, 8),
+                                            image_sizes=torch.tensor([[8, 8], [8, 8]]))
+
+
+def lfm3_vl_on_an_image():
+    model = T.Lfm3VlForConditionalGeneration(T.Lfm3VlConfig(
+        text_config=dict(BASE, model_type="lfm3", head_dim=16, pad_token_id=0,
+                         layer_types=["sliding_attention", "full_attention"]),
+        vision_config=dict(hidden_size=32, intermediate_size=64, patch_size=2,
+                           spatial_merge_size=2, temporal_patch_size=1, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=2,
+                           layer_types=["conv", "full_attention"]),
+        image_token_id=5, video_token_id=6, vision_start_token_id=7, vision_end_token_id=8,
+        projector_hidden_size=32))
+    if isinstance(model, Missing):
+        return model, None
+    ids = torch.randint(10, 128, (1, 12))
+    ids[0, 2], ids[0, 3:7], ids[0, 7] = 7, 5, 8  # a 4x4-patch image: 4 merged tokens
+    return model, dict(input_ids=ids, pixel_values=torch.randn(16, 12),
+                       image_grid_thw=torch.tensor([[1, 4, 4]]), mm_token_type_ids=(ids == 5).int())
+
+
+# Listed vision towers, each in a model of an image: (model, image batch), the tower's attention
+ON_IMAGES = {"pixtral": (mistral3_on_images, "PixtralAttention"),  # a 2-D table of patches
+             "lfm3_vl_vision": (lfm3_vl_on_an_image, "Lfm3VlVisionAttention")}  # transformers 5
+assert TOWERS == set(ON_IMAGES)
+
+
+@pytest.mark.parametrize("tower", ON_IMAGES)
+def test_a_vision_tower_patched(tower):
+    """The tower's RoPE runs on rope_ext too, the model's logits are transformers'."""
+    make, attention = ON_IMAGES[tower]
+    torch.manual_seed(0)
+    model, image = make()
+    if isinstance(model, Missing):
+        pytest.skip(f"transformers {transformers.__version__} has no {model.name}")
+    model.eval()
     want, _ = logits(model, [image])
-    text_ops = logits(integration.patch(model), [dict(input_ids=ids)])[1]
+    text = {k: v for k, v in image.items() if k in ("input_ids", "mm_token_type_ids")}
+    text_ops = logits(integration.patch(model), [text])[1]
+    assert attention in patched_classes(model)
     got, n = logits(model, [image])
     assert n > text_ops  # the vision tower's too
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
