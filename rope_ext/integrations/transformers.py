@@ -263,6 +263,8 @@ FAMILIES = {
     "esmc": ("esmc.modeling_esmc", _ROTATE_HALF),
     "ultrabert": ("ultrabert.modeling_ultrabert", _ROTATE_HALF),
     "neomme": ("neomme.modeling_neomme", _ROTATE_HALF),
+    # EmbeddingGemma 2's text encoder (>= 5; QK norms fused), also inside its multimodal model
+    "embedding_gemma2_text": ("embedding_gemma2.modeling_embedding_gemma2", _ROTATE_HALF),
     # Pixtral's vision encoder (Mistral 3's, Pixtral's vision tower): Llama's RoPE over a 2-D
     # table of patch rows and columns
     "pixtral": ("pixtral.modeling_pixtral", _ROTATE_HALF),
