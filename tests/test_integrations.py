@@ -220,9 +220,9 @@ FAMILIES = {
             image_token_id=5, video_token_id=6, vision_start_token_id=7, audio_token_id=9,
             audio_start_token_id=4)),
 }
-# GLM-4.1V and GLM-4.5V: their vision towers' RoPE (and GLM-4.5V's language model's under
-# transformers 5). Their language models rotate the first half of each head (transformers 4's
-# GLM-4.1V: the whole head), split into MRoPE sections.
+# GLM-4.1V and GLM-4.5V: their vision towers' and language models' RoPE. The language models
+# rotate the first half of each head (transformers 4's GLM-4.1V: the whole head), split into
+# MRoPE sections.
 def glm4v(config, model, partial=True, **text):
     sections = [1, 1, 2] if partial or HF5 else [2, 3, 3]
     rope = ({"rope_parameters": dict(rope_type="default", rope_theta=1e4, mrope_section=sections,
