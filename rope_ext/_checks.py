@@ -355,12 +355,14 @@ def check_mrope(query, key, positions, cache, mrope_section, memory=True, rope_d
     return section
 
 
-def check_apply_positions(x, positions, cos, sin, mrope_section=None):
-    op = "rope.apply_positions"
-    half = check_positions_op(x, None, positions, 0 if mrope_section is None else 1, cos=cos,
-                              sin=sin, in_place=False, op=op, q_name="x")
+def check_apply_positions(x, positions, cos, sin, mrope_section=None, cache=None):
+    """rope.apply_positions with tables cos and sin, or (its .cache overload) one cos_sin_cache."""
+    op = "rope.apply_positions" if cache is None else "rope.apply_positions.cache"
+    half = check_positions_op(x, None, positions, 0 if mrope_section is None else 1, cache=cache,
+                              cos=cos, sin=sin, in_place=False, op=op, q_name="x")
     if mrope_section is not None:
-        check_mrope_sections(mrope_section, half, op, "cos.size(1)")
+        check_mrope_sections(mrope_section, half, op,
+                             "cos.size(1)" if cache is None else "cos_sin_cache.size(1)/2")
     return half
 
 

@@ -57,6 +57,13 @@ def _ref_apply_positions(x, positions, cos, sin, interleaved=False, inverse=Fals
                                      mrope_interleaved=mrope_interleaved)
 
 
+def _ref_apply_positions_cache(x, positions, cos_sin_cache, interleaved=False, inverse=False,
+                               mrope_section=None, mrope_interleaved=False):
+    return reference.apply_positions_cache(x, positions, cos_sin_cache, interleaved=interleaved,
+                                           inverse=inverse, mrope_section=mrope_section,
+                                           mrope_interleaved=mrope_interleaved)
+
+
 def _ref_apply_and_cache_(query, key, value, positions, cos_sin_cache, key_cache, value_cache,
                           slot_mapping, interleaved=False, kv_cache_dtype="auto", k_scale=None,
                           v_scale=None):
@@ -99,6 +106,12 @@ def _fake_apply_positions(x, positions, cos, sin, interleaved=False, inverse=Fal
     return x.new_empty(x.shape)
 
 
+def _fake_apply_positions_cache(x, positions, cos_sin_cache, interleaved=False, inverse=False,
+                                mrope_section=None, mrope_interleaved=False):
+    _checks.check_apply_positions(x, positions, None, None, mrope_section, cache=cos_sin_cache)
+    return x.new_empty(x.shape)
+
+
 def _fake_apply_and_cache_(query, key, value, positions, cos_sin_cache, key_cache, value_cache,
                            slot_mapping, interleaved=False, kv_cache_dtype="auto", k_scale=None,
                            v_scale=None):
@@ -136,24 +149,30 @@ def _backward_rotation(inverse):
     return backward
 
 
-def _setup_positions(ctx, inputs, output):
-    x, positions, cos, sin, interleaved, inverse, section, mi = _with_defaults(
-        inputs, (None, None, None, None, False, False, None, False))
-    ctx.args = (interleaved, inverse, section, mi)
-    tables_need_grad = cos.requires_grad or sin.requires_grad
-    ctx.save_for_backward(x if tables_need_grad else None, positions, cos, sin)
+def _positions_autograd(tables):
+    """(backward, setup_context) of rope.apply_positions: its tables as cos and sin (tables=2)
+    or, the .cache overload, as one cos_sin_cache (tables=1)."""
+    def setup(ctx, inputs, output):
+        x, positions, *tabs = inputs[:2 + tables]
+        ctx.args = _with_defaults(inputs[2 + tables:], (False, False, None, False))
+        ctx.save_for_backward(x if any(t.requires_grad for t in tabs) else None, positions, *tabs)
 
+    def backward(ctx, grad):
+        x, positions, *tabs = ctx.saved_tensors
+        interleaved, inverse, section, mi = ctx.args
+        grad_x, grad_tabs = None, [None] * tables
+        if ctx.needs_input_grad[0]:
+            op = ops.apply_positions.default if tables == 2 else ops.apply_positions.cache
+            grad_x = op(grad, positions, *tabs, interleaved, not inverse, section, mi)
+        if any(ctx.needs_input_grad[2:2 + tables]):
+            cos, sin = tabs if tables == 2 else reference.cache_halves(tabs[0])
+            grad_tabs = reference.positions_table_grads(x, grad, positions, cos, sin, interleaved,
+                                                        inverse, section, mi)
+            if tables == 1:
+                grad_tabs = [torch.cat(grad_tabs, dim=1)]
+        return grad_x, None, *grad_tabs, None, None, None, None
 
-def _backward_positions(ctx, grad):
-    x, positions, cos, sin = ctx.saved_tensors
-    interleaved, inverse, section, mi = ctx.args
-    grad_x = grad_cos = grad_sin = None
-    if ctx.needs_input_grad[0]:
-        grad_x = ops.apply_positions(grad, positions, cos, sin, interleaved, not inverse, section, mi)
-    if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
-        grad_cos, grad_sin = reference.positions_table_grads(x, grad, positions, cos, sin,
-                                                             interleaved, inverse, section, mi)
-    return grad_x, None, grad_cos, grad_sin, None, None, None, None
+    return backward, setup
 
 
 # ---- the in-place ops: torch's in-place semantics, and autograd through them ----
@@ -182,16 +201,15 @@ class _RotateInPlace(torch.autograd.Function):
     def backward(ctx, grad):
         positions, cache, t_input = ctx.saved_tensors
         interleaved, section, mi, offset, inverse = ctx.args
-        cos, sin = reference.cache_halves(cache)
         grad_cache = None
         if ctx.needs_input_grad[3]:
             g_cos, g_sin = reference.positions_table_grads(
-                t_input[..., offset:], grad[..., offset:], positions, cos, sin, interleaved,
-                inverse, section, mi)
+                t_input[..., offset:], grad[..., offset:], positions,
+                *reference.cache_halves(cache), interleaved, inverse, section, mi)
             grad_cache = torch.cat((g_cos, g_sin), dim=1)
         # dims from the offset on, the rotary ones first among them
-        tail = ops.apply_positions(grad[..., offset:], positions, cos, sin, interleaved,
-                                   not inverse, section, mi)
+        tail = ops.apply_positions.cache(grad[..., offset:], positions, cache, interleaved,
+                                         not inverse, section, mi)
         grad_t = torch.cat((grad[..., :offset], tail), dim=-1) if offset else tail
         return grad_t, None, None, grad_cache, None, None, None, None, None
 
@@ -345,9 +363,8 @@ def _rotate_each(op, keyset, query, key, positions, cos_sin_cache, interleaved, 
             # kernel's write can be reordered by Inductor: the copies then read the rotated rows
             # (a wrong gradient, no error). As the out-of-place rotation of each copy, written
             # with copy_, the write follows the copies in the graph.
-            cos, sin = reference.cache_halves(cos_sin_cache)
-            rotated = [ops.apply_positions(t_input[..., offset:], positions, cos, sin,
-                                           interleaved, inverse, section, mi)
+            rotated = [ops.apply_positions.cache(t_input[..., offset:], positions, cos_sin_cache,
+                                                 interleaved, inverse, section, mi)
                        for t_input in inputs]
             for t, r in zip(written, rotated):
                 t[..., offset:].copy_(r)
@@ -422,8 +439,9 @@ OPS = {
                          (_backward_rotation(True), _setup_apply)),
     "apply_": Op(_ref_apply_, _fake_apply_, mutable_autograd=_autograd_apply_),
     "mrope_": Op(_ref_mrope_, _fake_mrope_, mutable_autograd=_autograd_mrope_),
-    "apply_positions": Op(_ref_apply_positions, _fake_apply_positions,
-                          (_backward_positions, _setup_positions)),
+    "apply_positions": Op(_ref_apply_positions, _fake_apply_positions, _positions_autograd(2)),
+    "apply_positions.cache": Op(_ref_apply_positions_cache, _fake_apply_positions_cache,
+                                _positions_autograd(1)),
     "apply_and_cache_": Op(_ref_apply_and_cache_, _fake_apply_and_cache_,
                            mutable_autograd=serving_autograd("apply_and_cache_"),
                            differentiable=False),
@@ -470,7 +488,8 @@ def _functional_autograd_kernel(name, backward, setup_context):
     made to serve its `_grad_` twin (and its PythonTLSSnapshot key): it redispatches to `name`."""
     from torch._library import autograd as library_autograd
 
-    op = getattr(ops, name).default
+    base, _, overload = name.partition(".")
+    op = getattr(getattr(ops, base), overload or "default")
     return library_autograd.make_autograd_impl(op, library_autograd.Info(backward, setup_context))
 
 

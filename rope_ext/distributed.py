@@ -295,14 +295,16 @@ def _rule_apply_backward(op, a):
 
 def _rule_apply_positions(op, a):
     """x (..., H, D) sharded over tokens (a leading dim; positions sharded alike) or heads
-    (positions Replicate); tables (max_position, rotary_dim/2) Replicate."""
+    (positions Replicate); the tables (cos and sin, or the .cache overload's cos_sin_cache)
+    Replicate."""
     x = a["x"]
     _check_rotated(op, "x", x, written=False)
     x = _reduced(x)
     nd, off = _ndim(x), 0 if a["mrope_section"] is None else 1
     positions = _aligned(x, lambda d: d + off if d < nd - 2 else None)
     table = _replicated(x.mesh)
-    return x, {"x": x, "positions": positions, "cos": table, "sin": table}
+    tables = {"cos_sin_cache": table} if "cos_sin_cache" in a else {"cos": table, "sin": table}
+    return x, {"x": x, "positions": positions, **tables}
 
 
 def _rule_rotate_in_place(op, a):
@@ -401,6 +403,7 @@ _RULES = {
     "apply.out": (_rule_apply, 3),
     "apply_backward": (_rule_apply_backward, 3),
     "apply_positions": (_rule_apply_positions, 4),
+    "apply_positions.cache": (_rule_apply_positions, 3),
     "apply_": (_rule_rotate_in_place, 4),
     "mrope_": (_rule_rotate_in_place, 4),
     "apply_and_cache_": (_rule_apply_and_cache, 8),

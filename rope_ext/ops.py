@@ -42,20 +42,6 @@ def heads(t, head_size, name, lead=None):
     return t.view(*shape[:-1], shape[-1] // head_size, head_size)  # ints: the cheapest view call
 
 
-def _table_halves(cos_sin_cache):
-    """The cos and sin halves of a (max_position, rotary_dim) table, checked."""
-    if not isinstance(cos_sin_cache, torch.Tensor):
-        raise RuntimeError(f"apply_rope_at: cos_sin_cache must be a tensor, got "
-                           f"{type(cos_sin_cache).__name__ if cos_sin_cache is not None else None}")
-    if cos_sin_cache.dim() != 2:
-        raise RuntimeError("apply_rope_at: cos_sin_cache must have shape (max_position, rotary_dim), "
-                           f"got {list(cos_sin_cache.shape)}")
-    if cos_sin_cache.shape[1] % 2:
-        raise RuntimeError(f"apply_rope_at: rotary_dim = cos_sin_cache.size(1) = "
-                           f"{cos_sin_cache.shape[1]} must be even")
-    return reference.cache_halves(cos_sin_cache)
-
-
 def apply_rope(x, cos, sin, *, interleaved=False, out=None):
     """RoPE of x, returned as a new tensor of x's shape and dtype, or written into `out`.
 
@@ -139,11 +125,14 @@ def apply_rope_at(x, positions, cos_sin_cache, *, interleaved=False, mrope_secti
     differentiable twin of apply_rope_ (gradients w.r.t. x and the table)."""
     if interleaved is not False or mrope_interleaved is not False:  # (the defaults cost no call)
         check_flags("interleaved mrope_interleaved", interleaved, mrope_interleaved)
-    cos, sin = _table_halves(cos_sin_cache)
     xv = heads(x, head_size, "x")
-    section = mrope_section_arg(mrope_section, mrope_interleaved)
-    out = ops.apply_positions(xv, positions, cos, sin, interleaved, False, section,
-                              mrope_interleaved)
+    if mrope_section is None and interleaved is False and mrope_interleaved is False:
+        # torch fills in the defaults for less than they cost given
+        out = ops.apply_positions.cache(xv, positions, cos_sin_cache)
+    else:
+        section = mrope_section_arg(mrope_section, mrope_interleaved)
+        out = ops.apply_positions.cache(xv, positions, cos_sin_cache, interleaved, False, section,
+                                        mrope_interleaved)
     return out if head_size is None else out.flatten(-2)
 
 

@@ -9,9 +9,9 @@ import torch
 from . import _checks
 
 __all__ = [
-    "apply_and_cache_", "apply_mrope_", "apply_positions", "apply_rope", "apply_rope_",
-    "apply_rope_backward", "apply_rope_out", "cache_halves", "gather_tables", "positions_table_grads",
-    "table_grads", "TOLERANCES",
+    "apply_and_cache_", "apply_mrope_", "apply_positions", "apply_positions_cache", "apply_rope",
+    "apply_rope_", "apply_rope_backward", "apply_rope_out", "cache_halves", "gather_tables",
+    "positions_table_grads", "table_grads", "TOLERANCES",
 ]
 
 # How far a kernel's result may be from the float64 reference, per dtype of x: (rtol, atol), the
@@ -143,6 +143,18 @@ def apply_positions(x, positions, cos, sin, *, interleaved=False, inverse=False,
     positions; inverse=True rotates by the negative angle."""
     _checks.check_apply_positions(x, positions, cos, sin, mrope_section)
     _checks.check_positions_in_range(positions, cos.shape[0], "rope.apply_positions", "cos.size(0)")
+    c, s = gather_tables(positions, cos, sin, mrope_section, mrope_interleaved)
+    return _rotate(x, c, s, interleaved, inverse)
+
+
+def apply_positions_cache(x, positions, cos_sin_cache, *, interleaved=False, inverse=False,
+                          mrope_section=None, mrope_interleaved=False):
+    """apply_positions with the tables as one cos_sin_cache (max_position, rotary_dim), cos in
+    the first half of each row."""
+    _checks.check_apply_positions(x, positions, None, None, mrope_section, cache=cos_sin_cache)
+    _checks.check_positions_in_range(positions, cos_sin_cache.shape[0],
+                                     "rope.apply_positions.cache", "cos_sin_cache.size(0)")
+    cos, sin = cache_halves(cos_sin_cache)
     c, s = gather_tables(positions, cos, sin, mrope_section, mrope_interleaved)
     return _rotate(x, c, s, interleaved, inverse)
 

@@ -72,7 +72,8 @@ def mrope_(query, key, positions, cache, section, interleaved=False, mrope_inter
 
 def apply_positions(x, positions, cos, sin, interleaved=False, inverse=False, mrope_section=None,
                     mrope_interleaved=False, **kw):
-    """The simulated rope.apply_positions: (out, Plan)."""
+    """The simulated rope.apply_positions: (out, Plan); sin None: cos is a cos_sin_cache
+    (rope.apply_positions.cache)."""
     return _run("apply_positions", x, positions, cos, sin, interleaved, inverse,
                 mrope_section, mrope_interleaved, **kw)
 

@@ -123,11 +123,13 @@ def _opcheck_samples():
         (torch.ops.rope.mrope_.default, (q.clone(), k.clone(), mpos, cache, [2, 2, 2], False, True)),
         (torch.ops.rope.apply_positions.default, (q, pos, c_tab, s_tab, True, False, None, False)),
         (torch.ops.rope.apply_positions.default, (q.double().requires_grad_(), mpos, c_tab.double(), s_tab.double(), False, True, [1, 3, 2], False)),
+        (torch.ops.rope.apply_positions.cache, (q, pos, cache, True)),
+        (torch.ops.rope.apply_positions.cache, (q.double().requires_grad_(), mpos, cache.double().requires_grad_(), False, True, [1, 3, 2], True)),
         (torch.ops.rope.apply_and_cache_.default, (q.clone(), k.clone(), v, pos, cache, kc, vc, slots)),
     ]
 
 
-@pytest.mark.parametrize("i", range(12))
+@pytest.mark.parametrize("i", range(14))
 def test_opcheck(i):
     op, args = _opcheck_samples()[i]
     torch.library.opcheck(op, args)

@@ -258,13 +258,18 @@ def test_apply_out_into_aligned_and_misaligned_buffers(dtype, interleaved):
 
 
 def check_positions_op(x, positions, cos, sin, interleaved, inverse=False, section=None, mi=False):
+    """rope.apply_positions on cos and sin, or (sin None) its .cache overload on cos_sin_cache cos."""
     out, plan = cuda_sim.apply_positions(x, positions, cos, sin, interleaved, inverse, section, mi)
-    want = rope_ext.reference.apply_positions(x.double(), positions, cos.double(), sin.double(),
+    tables = rope_ext.reference.cache_halves(cos) if sin is None else (cos, sin)
+    want = rope_ext.reference.apply_positions(x.double(), positions, *(t.double() for t in tables),
                                               interleaved=interleaved, inverse=inverse,
                                               mrope_section=section, mrope_interleaved=mi)
     assert_close(out, want, x.dtype)
     if native_cpu():
-        cpu = torch.ops.rope.apply_positions(x, positions, cos, sin, interleaved, inverse, section, mi)
+        op = torch.ops.rope.apply_positions
+        args = (cos,) if sin is None else (cos, sin)
+        cpu = (op.cache if sin is None else op.default)(x, positions, *args, interleaved, inverse,
+                                                        section, mi)
         torch.testing.assert_close(out, cpu, rtol=0, atol=0)
     return plan
 
@@ -281,10 +286,12 @@ def test_positions_op_and_mrope(dtype, interleaved):
             pos = torch.randint(0, 40, (2, 5), dtype=torch.int32)
             for inverse in (False, True):
                 check_positions_op(x, pos, cos, sin, interleaved, inverse)
+                check_positions_op(x, pos, cache, None, interleaved, inverse)
             sec = [half - 2 * (half // 3), half // 3, half // 3]
             mpos = torch.randint(0, 40, (3, 2, 5))
             for mi in (False, True):
                 check_positions_op(x, mpos, cos, sin, interleaved, False, sec, mi)
+                check_positions_op(x, mpos, cache, None, interleaved, False, sec, mi)
                 q, k = fused_qkv(5, 4, 2, head_dim, dtype, lead=(2,))
                 q0, k0 = q.double(), k.double()
                 cuda_sim.mrope_(q, k, mpos, cache, sec, interleaved, mi)

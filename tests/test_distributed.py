@@ -340,13 +340,13 @@ def case_head_dim_sharded(run):
     run.fails(("rope.apply_:", "query is", HEAD_DIM_SHARDED), rope_ext.apply_rope_, q, None, pos,
               table)
     run.unchanged(q, x)
-    run.fails(("rope.apply_positions:", HEAD_DIM_SHARDED), rope_ext.apply_rope_at,
+    run.fails(("rope.apply_positions.cache:", HEAD_DIM_SHARDED), rope_ext.apply_rope_at,
               run.d(x, S(2)), pos, table)
 
 
 @case
 def case_at_tokens_and_heads(run):
-    """apply_rope_at (rope.apply_positions): tokens sharded with positions sharded alike (or
+    """apply_rope_at (rope.apply_positions.cache): tokens sharded with positions sharded alike (or
     given Replicate: each rank takes its own), heads sharded with positions Replicate."""
     S, R = run.S, run.R
     table = _table()
@@ -1129,7 +1129,8 @@ REGISTERED = r"""
 ops = torch.ops.rope
 funcs = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
 for op in (ops.apply.default, ops.apply.out, ops.apply_backward.default, ops.apply_.default,
-           ops.mrope_.default, ops.apply_positions.default, ops.apply_and_cache_.default,
+           ops.mrope_.default, ops.apply_positions.default, ops.apply_positions.cache,
+           ops.apply_and_cache_.default,
            ops.shift_kv_cache_.default, ops.quantize_fp8.default,
            ops.quantize_fp8_append_paged_kv_cache.default):
     assert op in funcs, op

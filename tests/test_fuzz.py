@@ -124,7 +124,10 @@ class SimOps:
             call = self._op("apply", "apply", inverse=name == "apply_backward")
             call.out = self._op("apply_out", "apply")
             return call
-        return self._op(name, name)
+        call = self._op(name, name)
+        if name == "apply_positions":  # .cache: the simulated op with sin None
+            call.cache = lambda x, positions, cache, *rest: call(x, positions, cache, None, *rest)
+        return call
 
     def _op(self, sim_name, native_name, **fixed):
         op = getattr(torch.ops.rope_sim, sim_name)
@@ -342,9 +345,16 @@ def case_positions(rng):
     else:
         pos = positions(rng, lead, rows)
     il, inv, mi = rng.random() < 0.5, rng.random() < 0.5, rng.random() < 0.5
-    res = run_paths(lambda o: lambda w: o.apply_positions(x, pos, cos, sin, il, inv, sec, mi),
-                    lambda w: ref.apply_positions(x, pos, cos, sin, interleaved=il, inverse=inv,
-                                                  mrope_section=sec, mrope_interleaved=mi), [])
+    if rng.random() < 0.5:  # the .cache overload: one table, sometimes of odd width
+        cache = rand_view(rng, [rows, 2 * half + (rng.random() < 0.1)], tdtype)
+        res = run_paths(
+            lambda o: lambda w: o.apply_positions.cache(x, pos, cache, il, inv, sec, mi),
+            lambda w: ref.apply_positions_cache(x, pos, cache, interleaved=il, inverse=inv,
+                                                mrope_section=sec, mrope_interleaved=mi), [])
+    else:
+        res = run_paths(lambda o: lambda w: o.apply_positions(x, pos, cos, sin, il, inv, sec, mi),
+                        lambda w: ref.apply_positions(x, pos, cos, sin, interleaved=il, inverse=inv,
+                                                      mrope_section=sec, mrope_interleaved=mi), [])
     if res:
         close(res[0][0], res[1][0], dtype)
 

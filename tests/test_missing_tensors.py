@@ -133,7 +133,7 @@ def test_public_functions_name_a_missing_tensor():
     calls = {
         "rope.apply.out: x": lambda: rope_ext.apply_rope(None, cos[:, None, :4], cos[:, None, :4],
                                                          out=torch.empty(3, 2, 8)),
-        "apply_rope_at: cos_sin_cache": lambda: rope_ext.apply_rope_at(q, pos, None),
+        "rope.apply_positions.cache: cos_sin_cache": lambda: rope_ext.apply_rope_at(q, pos, None),
         "rope.qk_norm_rope: query": lambda: qk_norm.qk_norm_rope(None, k, w, w, cos, cos),
         "rope.norm_rope: query": lambda: qk_norm.norm_rope(None, k, w, w, cos, cos),
         "rope.shift_kv_cache_: key_cache": lambda: rope_ext.shift_kv_cache_(None, pos, 1, cache),

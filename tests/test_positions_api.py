@@ -134,7 +134,7 @@ def test_flat_width_not_a_multiple_of_head_size_is_refused():
 def test_odd_width_table_is_refused_like_apply_():
     cache = torch.randn(8, 9)
     x = torch.randn(3, 2, 16)
-    with pytest.raises(RuntimeError, match=r"apply_rope_at: rotary_dim = cos_sin_cache.size\(1\) = 9 must be even"):
+    with pytest.raises(RuntimeError, match=r"rope.apply_positions.cache: rotary_dim = cos_sin_cache.size\(1\) = 9 must be even"):
         rope_ext.apply_rope_at(x, torch.arange(3), cache)
     with pytest.raises(RuntimeError, match=r"rotary_dim = cos_sin_cache.size\(1\) = 9 must be even"):
         rope_ext.apply_rope_(x, None, torch.arange(3), cache)

@@ -233,12 +233,13 @@ void mrope_sim(Tensor query, std::optional<Tensor> key, Tensor positions, Tensor
                            SimRunner{"rope_sim.mrope_", force_idx64, &info}, max_blocks);
 }
 
-Tensor apply_positions_sim(Tensor x, Tensor positions, Tensor cos, Tensor sin, bool interleaved,
-                           bool inverse, std::optional<std::vector<int64_t>> section,
-                           bool mrope_interleaved, int64_t max_blocks, bool force_idx64,
-                           Tensor info) {
-  return gpu::apply_positions_host(x, positions, cos, sin, interleaved, inverse, section,
-                                   mrope_interleaved,
+// sin None: cos is a cos_sin_cache (rope.apply_positions.cache).
+Tensor apply_positions_sim(Tensor x, Tensor positions, Tensor cos, std::optional<Tensor> sin,
+                           bool interleaved, bool inverse,
+                           std::optional<std::vector<int64_t>> section, bool mrope_interleaved,
+                           int64_t max_blocks, bool force_idx64, Tensor info) {
+  return gpu::apply_positions_host(x, positions, cos, sin ? &*sin : nullptr, interleaved, inverse,
+                                   section, mrope_interleaved,
                                    SimRunner{"rope_sim.apply_positions", force_idx64, &info},
                                    max_blocks);
 }
@@ -282,7 +283,7 @@ STABLE_TORCH_LIBRARY(rope_sim, m) {
   m.def("mrope_(Tensor(a!) query, Tensor(b!)? key, Tensor positions, Tensor cos_sin_cache, "
         "int[] mrope_section, bool interleaved, bool mrope_interleaved, int rope_dim_offset, "
         "bool inverse, int max_blocks, bool force_idx64, Tensor info) -> ()");
-  m.def("apply_positions(Tensor x, Tensor positions, Tensor cos, Tensor sin, bool interleaved, "
+  m.def("apply_positions(Tensor x, Tensor positions, Tensor cos, Tensor? sin, bool interleaved, "
         "bool inverse, int[]? mrope_section, bool mrope_interleaved, int max_blocks, "
         "bool force_idx64, Tensor info) -> Tensor");
   m.def("apply_and_cache_(Tensor(a!) query, Tensor(b!) key, Tensor value, Tensor positions, "

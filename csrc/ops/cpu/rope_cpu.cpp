@@ -150,20 +150,38 @@ void mrope_inplace_cpu(Tensor query, std::optional<Tensor> key, Tensor positions
   rotate_inplace(g, query, key, positions, cos_sin_cache);
 }
 
-Tensor apply_positions_cpu(Tensor x, Tensor positions, Tensor cos, Tensor sin, bool interleaved,
-                           bool inverse, std::optional<std::vector<int64_t>> mrope_section,
-                           bool mrope_interleaved) {
-  const char* op = "rope.apply_positions";
-  const TableArgs tables{nullptr, &cos, &sin, mrope_section ? &*mrope_section : nullptr,
-                         mrope_interleaved};
+// rope.apply_positions: the tables as cos and sin, or as one cos_sin_cache (tables.cache).
+Tensor positions_out(const Tensor& x, const Tensor& positions, const TableArgs& tables,
+                     bool interleaved, bool inverse) {
+  const char* op = tables.cache != nullptr ? "rope.apply_positions.cache" : "rope.apply_positions";
   const RotateGeometry g =
       check_positions_op(x, std::nullopt, positions, tables, interleaved, inverse, false, op, "x");
-  check_positions_in_range(positions, g.table.rows, op, "cos.size(0)");
+  const Tensor& cos = tables.cache != nullptr ? *tables.cache : *tables.cos;
+  check_positions_in_range(positions, g.table.rows, op,
+                           tables.cache != nullptr ? "cos_sin_cache.size(0)" : "cos.size(0)");
   Tensor out = new_contiguous(x, x.sizes());
-  RotateJob job = job_for(g, x, out.mutable_data_ptr(), cos, sin, nbytes(out));
+  RotateJob job = job_for(g, x, out.mutable_data_ptr(), cos, cos, nbytes(out));
+  job.sin = tables.cache != nullptr ? sin_of_cache(cos, g) : tables.sin->const_data_ptr();
   job.positions = positions.const_data_ptr();
   run_rotate_new(job, out, dtype_of(x));
   return out;
+}
+
+Tensor apply_positions_cpu(Tensor x, Tensor positions, Tensor cos, Tensor sin, bool interleaved,
+                           bool inverse, std::optional<std::vector<int64_t>> mrope_section,
+                           bool mrope_interleaved) {
+  const TableArgs tables{nullptr, &cos, &sin, mrope_section ? &*mrope_section : nullptr,
+                         mrope_interleaved};
+  return positions_out(x, positions, tables, interleaved, inverse);
+}
+
+Tensor apply_positions_cache_cpu(Tensor x, Tensor positions, Tensor cos_sin_cache,
+                                 bool interleaved, bool inverse,
+                                 std::optional<std::vector<int64_t>> mrope_section,
+                                 bool mrope_interleaved) {
+  const TableArgs tables{&cos_sin_cache, nullptr, nullptr,
+                         mrope_section ? &*mrope_section : nullptr, mrope_interleaved};
+  return positions_out(x, positions, tables, interleaved, inverse);
 }
 
 void apply_and_cache_cpu(Tensor query, Tensor key, Tensor value, Tensor positions,
@@ -204,5 +222,6 @@ STABLE_TORCH_LIBRARY_IMPL(rope, CPU, m) {
   ROPE_IMPL_CPU(m, "apply_", &rope::apply_inplace_cpu);
   ROPE_IMPL_CPU(m, "mrope_", &rope::mrope_inplace_cpu);
   ROPE_IMPL_CPU(m, "apply_positions", &rope::apply_positions_cpu);
+  ROPE_IMPL_CPU(m, "apply_positions.cache", &rope::apply_positions_cache_cpu);
   ROPE_IMPL_CPU(m, "apply_and_cache_", &rope::apply_and_cache_cpu);
 }

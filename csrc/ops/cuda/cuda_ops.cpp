@@ -88,8 +88,17 @@ void mrope_inplace_cuda(Tensor query, std::optional<Tensor> key, Tensor position
 Tensor apply_positions_cuda(Tensor x, Tensor positions, Tensor cos, Tensor sin, bool interleaved,
                             bool inverse, std::optional<std::vector<int64_t>> mrope_section,
                             bool mrope_interleaved) {
-  return apply_positions_host(x, positions, cos, sin, interleaved, inverse, mrope_section,
+  return apply_positions_host(x, positions, cos, &sin, interleaved, inverse, mrope_section,
                               mrope_interleaved, CudaLaunch(x, "rope.apply_positions"));
+}
+
+Tensor apply_positions_cache_cuda(Tensor x, Tensor positions, Tensor cos_sin_cache,
+                                  bool interleaved, bool inverse,
+                                  std::optional<std::vector<int64_t>> mrope_section,
+                                  bool mrope_interleaved) {
+  return apply_positions_host(x, positions, cos_sin_cache, nullptr, interleaved, inverse,
+                              mrope_section, mrope_interleaved,
+                              CudaLaunch(x, "rope.apply_positions"));
 }
 
 void apply_and_cache_cuda(Tensor query, Tensor key, Tensor value, Tensor positions,
@@ -194,6 +203,7 @@ STABLE_TORCH_LIBRARY_IMPL(rope, CUDA, m) {
   ROPE_IMPL(m, "apply_", &rope::gpu::apply_inplace_cuda);
   ROPE_IMPL(m, "mrope_", &rope::gpu::mrope_inplace_cuda);
   ROPE_IMPL(m, "apply_positions", &rope::gpu::apply_positions_cuda);
+  ROPE_IMPL(m, "apply_positions.cache", &rope::gpu::apply_positions_cache_cuda);
   ROPE_IMPL(m, "apply_and_cache_", &rope::gpu::apply_and_cache_cuda);
   ROPE_IMPL(m, "qk_norm_rope", &rope::gpu::qk_norm_rope_cuda);
   ROPE_IMPL(m, "norm_rope", &rope::gpu::norm_rope_cuda);

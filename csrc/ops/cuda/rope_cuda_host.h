@@ -243,6 +243,18 @@ RotateGeometry bind_tables(const Tensor& cos_in, const Tensor& sin_in, ScalarTyp
   return g;
 }
 
+// One cos_sin_cache (cos in the first half of each row), cast like bind_tables' tables: `g` is
+// the geometry of the table as given, `check(cache)` that of a cast.
+template <class Check>
+RotateGeometry bind_cache(const Tensor& cache_in, RotateGeometry g, ScalarType x_type,
+                          RotateTensors& t, Check&& check) {
+  t.cos_table = table_for(cache_in, x_type);
+  if (t.cos_table.get() != cache_in.get()) g = check(t.cos_table);
+  t.cos = t.cos_table.const_data_ptr();
+  t.sin = sin_of_cache(t.cos_table, g);
+  return g;
+}
+
 // rope.apply (inverse = false), rope.apply_backward (true) and rope.apply.out (out given).
 template <class Runner>
 Tensor apply_host(const Tensor& x, const Tensor& cos_in, const Tensor& sin_in, bool interleaved,
@@ -279,40 +291,48 @@ void rotate_inplace_host(const Tensor& query, const std::optional<Tensor>& key,
     set_rope_dim_offset(g, rope_dim_offset, op);
     return g;
   };
-  RotateGeometry g = check_read_once([&] { return check(cache_in); }, {&positions},
-                                     {&query, key ? &*key : nullptr});
   RotateTensors t;
-  t.cos_table = table_for(cache_in, dtype_of(query));
-  if (t.cos_table.get() != cache_in.get()) g = check(t.cos_table);
+  const RotateGeometry g =
+      bind_cache(cache_in,
+                 check_read_once([&] { return check(cache_in); }, {&positions},
+                                 {&query, key ? &*key : nullptr}),
+                 dtype_of(query), t, check);
   t.src[0] = t.dst[0] = &query;
   if (key) t.src[1] = t.dst[1] = &*key;
-  t.cos = t.cos_table.const_data_ptr();
-  t.sin = sin_of_cache(t.cos_table, g);
   t.positions = &positions;
   if (!run_rotate(g, t, dtype_of(query), run, max_blocks)) {
     check_data_on_host(g.tokens, positions, g.table.rows, op, "cos_sin_cache.size(0)");
   }
 }
 
+// rope.apply_positions: the tables as cos and sin (sin_in given) or as one cos_sin_cache
+// (cos_in, sin_in null).
 template <class Runner>
 Tensor apply_positions_host(const Tensor& x, const Tensor& positions, const Tensor& cos_in,
-                            const Tensor& sin_in, bool interleaved, bool inverse,
+                            const Tensor* sin_in, bool interleaved, bool inverse,
                             const std::optional<std::vector<int64_t>>& section,
                             bool mrope_interleaved, Runner&& run,
                             int64_t max_blocks = kMaxBlocks) {
+  const char* op = sin_in ? "rope.apply_positions" : "rope.apply_positions.cache";
+  auto check = [&](const Tensor& c, const Tensor* s) {
+    const TableArgs tables{s ? nullptr : &c, s ? &c : nullptr, s,
+                           section ? &*section : nullptr, mrope_interleaved};
+    return check_positions_op(x, std::nullopt, positions, tables, interleaved, inverse, false, op,
+                              "x");
+  };
   RotateTensors t;
   const RotateGeometry g =
-      bind_tables(cos_in, sin_in, dtype_of(x), t, [&](const Tensor& c, const Tensor& s) {
-        const TableArgs tables{nullptr, &c, &s, section ? &*section : nullptr, mrope_interleaved};
-        return check_positions_op(x, std::nullopt, positions, tables, interleaved, inverse, false,
-                                  "rope.apply_positions", "x");
-      });
+      sin_in ? bind_tables(cos_in, *sin_in, dtype_of(x), t,
+                           [&](const Tensor& c, const Tensor& s) { return check(c, &s); })
+             : bind_cache(cos_in, check(cos_in, nullptr), dtype_of(x), t,
+                          [&](const Tensor& c) { return check(c, nullptr); });
   Tensor out = new_contiguous(x, x.sizes());
   t.src[0] = &x;
   t.dst[0] = &out;
   t.positions = &positions;
   if (!run_rotate(g, t, dtype_of(x), run, max_blocks)) {
-    check_data_on_host(g.tokens, positions, g.table.rows, "rope.apply_positions", "cos.size(0)");
+    check_data_on_host(g.tokens, positions, g.table.rows, op,
+                       sin_in ? "cos.size(0)" : "cos_sin_cache.size(0)");
   }
   return out;
 }
