@@ -951,10 +951,18 @@ def lfm3_vl_on_an_image():
                        image_grid_thw=torch.tensor([[1, 4, 4]]), mm_token_type_ids=(ids == 5).int())
 
 
-# Listed vision towers, each run in a model on an image: the maker of (model, image batch), the
-# tower's attention class
+def mlcd_images():
+    model = T.MLCDVisionModel(T.MLCDVisionConfig(hidden_size=32, intermediate_size=64,
+                                                 num_hidden_layers=2, num_attention_heads=2,
+                                                 image_size=8, patch_size=2))
+    return model, dict(pixel_values=torch.randn(2, 3, 8, 8))  # 4x4 patches and a class token
+
+
+# Listed vision towers, each run in a model on an image (or, a vision encoder, on images alone):
+# the maker of (model, image batch), the tower's attention class
 ON_IMAGES = {"pixtral": (mistral3_on_images, "PixtralAttention"),  # a 2-D table of patches
-             "lfm3_vl_vision": (lfm3_vl_on_an_image, "Lfm3VlVisionAttention")}  # transformers 5
+             "lfm3_vl_vision": (lfm3_vl_on_an_image, "Lfm3VlVisionAttention"),  # transformers 5
+             "mlcd_vision_model": (mlcd_images, "MLCDAttention")}
 
 
 @pytest.mark.parametrize("tower", ON_IMAGES)
@@ -968,7 +976,8 @@ def test_a_vision_tower_patched(tower):
     model.eval()
     want, _ = logits(model, [image])
     text = {k: v for k, v in image.items() if k in ("input_ids", "mm_token_type_ids")}
-    text_ops = logits(integration.patch(model), [text])[1]
+    integration.patch(model)
+    text_ops = logits(model, [text])[1] if text else 0  # (a vision encoder reads no text)
     assert attention in patched_classes(model)
     got, n = logits(model, [image])
     assert n > text_ops  # the vision tower's too
