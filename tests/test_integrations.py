@@ -958,11 +958,20 @@ def mlcd_images():
     return model, dict(pixel_values=torch.randn(2, 3, 8, 8))  # 4x4 patches and a class token
 
 
+def video_llama_3_images():
+    model = T.VideoLlama3VisionModel(T.VideoLlama3VisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        patch_size=2))
+    return model, dict(pixel_values=torch.randn(16, 12), grid_thw=torch.tensor([[1, 4, 4]]),
+                       merge_sizes=torch.tensor([2]))  # one image of 4x4 patches, merged 2x2
+
+
 # Listed vision towers, each run in a model on an image (or, a vision encoder, on images alone):
 # the maker of (model, image batch), the tower's attention class
 ON_IMAGES = {"pixtral": (mistral3_on_images, "PixtralAttention"),  # a 2-D table of patches
              "lfm3_vl_vision": (lfm3_vl_on_an_image, "Lfm3VlVisionAttention"),  # transformers 5
-             "mlcd_vision_model": (mlcd_images, "MLCDAttention")}
+             "mlcd_vision_model": (mlcd_images, "MLCDAttention"),
+             "video_llama_3_vision": (video_llama_3_images, "VideoLlama3VisionAttention")}  # 5
 
 
 @pytest.mark.parametrize("tower", ON_IMAGES)
