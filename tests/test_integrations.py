@@ -966,12 +966,20 @@ def video_llama_3_images():
                        merge_sizes=torch.tensor([2]))  # one image of 4x4 patches, merged 2x2
 
 
+def kimi_k25_images():
+    model = T.Kimi_K25VisionModel(T.Kimi_K25VisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        patch_size=2, pos_emb_height=8, pos_emb_width=8, pos_emb_time=2))
+    return model, dict(pixel_values=torch.randn(16, 3, 2, 2), grid_thw=torch.tensor([[1, 4, 4]]))
+
+
 # Listed vision towers, each run in a model on an image (or, a vision encoder, on images alone):
 # the maker of (model, image batch), the tower's attention class
 ON_IMAGES = {"pixtral": (mistral3_on_images, "PixtralAttention"),  # a 2-D table of patches
              "lfm3_vl_vision": (lfm3_vl_on_an_image, "Lfm3VlVisionAttention"),  # transformers 5
              "mlcd_vision_model": (mlcd_images, "MLCDAttention"),
-             "video_llama_3_vision": (video_llama_3_images, "VideoLlama3VisionAttention")}  # 5
+             "video_llama_3_vision": (video_llama_3_images, "VideoLlama3VisionAttention"),  # 5
+             "kimi_k25_vision": (kimi_k25_images, "Kimi_K25VisionAttention")}  # 5
 
 
 @pytest.mark.parametrize("tower", ON_IMAGES)

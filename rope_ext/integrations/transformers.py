@@ -401,9 +401,11 @@ FAMILIES = {
     "lfm2_moe": ("lfm2_moe.modeling_lfm2_moe", _ROTATE_HALF),  # transformers >= 5
     # LFM3-VL's vision tower (>= 5; its language model is LFM3, listed)
     "lfm3_vl_vision": ("lfm3_vl.modeling_lfm3_vl", _VISION),
-    # MLCD, a vision encoder, and VideoLLaMA 3's vision tower (>= 5): Qwen2-VL's vision RoPE
+    # MLCD, a vision encoder, and the vision towers of VideoLLaMA 3 and Kimi K2.5 (>= 5):
+    # Qwen2-VL's vision RoPE
     "mlcd_vision_model": ("mlcd.modeling_mlcd", _VISION),
     "video_llama_3_vision": ("video_llama_3.modeling_video_llama_3", _VISION),
+    "kimi_k25_vision": ("kimi_k25.modeling_kimi_k25", _VISION),
 }
 # The model types of GLM-4.1V's and GLM-4.5V's parts, as models built around them hold them
 # (GLM-4.6V: GLM-4.1V's)
