@@ -253,6 +253,11 @@ FAMILIES["moonshine"] = lambda: T.MoonshineForConditionalGeneration(T.MoonshineC
     vocab_size=128, hidden_size=32, intermediate_size=64, encoder_num_hidden_layers=1,
     decoder_num_hidden_layers=1, encoder_num_attention_heads=2, decoder_num_attention_heads=2,
     pad_token_id=0, decoder_start_token_id=1))
+TINY_HEADS = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2)
+FAMILIES["moonshine_streaming"] = lambda: T.MoonshineStreamingForConditionalGeneration(  # 5
+    T.MoonshineStreamingConfig(**TINY_HEADS, encoder_config=TINY_HEADS, vocab_size=128,
+                               pad_token_id=0, decoder_start_token_id=1))
 FAMILIES["glm4v"] = glm4v(T.Glm4vConfig, T.Glm4vForConditionalGeneration, partial=False)
 FAMILIES["glm4v_moe"] = glm4v(T.Glm4vMoeConfig, T.Glm4vMoeForConditionalGeneration,
                               n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=1,
@@ -498,7 +503,7 @@ if HF5:
         "kolibri1": causal_lm(T.Kolibri1Config(**BASE, head_dim=16, **NOPE_GLOBAL)),
     })
 ENCODER_DECODER = {"t5gemma2", "t5gemma"}
-SPEECH = {"moonshine"}
+SPEECH = {"moonshine", "moonshine_streaming"}
 VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm_ocr", "glm4v", "glm4v_moe",
       "paddleocr_vl", "ernie4_5_vl_moe")
 PATCHES = {"paddleocr_vl": (16, 3, 2, 2)}  # pixel_values' shape where not (patches, 12)

@@ -332,8 +332,10 @@ FAMILIES = {
     "glm4": ("glm4.modeling_glm4", _GLM),
     "helium": ("helium.modeling_helium", _GLM),
     "ernie4_5": ("ernie4_5.modeling_ernie4_5", _ERNIE),
-    # Moonshine (speech recognition; its encoder's and decoder's self-attention): GLM's RoPE
+    # Moonshine and Moonshine Streaming (>= 5) (speech recognition; their encoders' and decoders'
+    # self-attention): GLM's RoPE
     "moonshine": ("moonshine.modeling_moonshine", _GLM),
+    "moonshine_streaming": ("moonshine_streaming.modeling_moonshine_streaming", _GLM),
     "ernie4_5_moe": ("ernie4_5_moe.modeling_ernie4_5_moe", _ERNIE),
     "codegen": ("codegen.modeling_codegen", _GPTJ),
     "gpt_oss": ("gpt_oss.modeling_gpt_oss", _HALF_TABLES),
