@@ -253,6 +253,13 @@ FAMILIES["moonshine"] = lambda: T.MoonshineForConditionalGeneration(T.MoonshineC
     vocab_size=128, hidden_size=32, intermediate_size=64, encoder_num_hidden_layers=1,
     decoder_num_hidden_layers=1, encoder_num_attention_heads=2, decoder_num_attention_heads=2,
     pad_token_id=0, decoder_start_token_id=1))
+# Kyutai STT: each step's token ids are its text token and the audio codebooks' codes
+FAMILIES["kyutai_speech_to_text"] = lambda: T.KyutaiSpeechToTextForConditionalGeneration(
+    T.KyutaiSpeechToTextConfig(codebook_vocab_size=128, vocab_size=128, hidden_size=32,
+                               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                               ffn_dim=64, num_codebooks=2, audio_bos_token_id=126,
+                               audio_pad_token_id=127, pad_token_id=0, bos_token_id=1,
+                               max_position_embeddings=64, sliding_window=32))
 TINY_HEADS = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                   num_key_value_heads=2)
 FAMILIES["moonshine_streaming"] = lambda: T.MoonshineStreamingForConditionalGeneration(  # 5
@@ -507,6 +514,7 @@ SPEECH = {"moonshine", "moonshine_streaming"}
 VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm_ocr", "glm4v", "glm4v_moe",
       "paddleocr_vl", "ernie4_5_vl_moe")
 PATCHES = {"paddleocr_vl": (16, 3, 2, 2)}  # pixel_values' shape where not (patches, 12)
+TOKENS = {"kyutai_speech_to_text": (2, 12, 3)}  # input_ids' shape where not (batch, tokens)
 # The families that normalize q and k per head right before RoPE: patched onto the fused op.
 QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "qwen3_next", "glm4_moe", "qwen3_5_text",
            "qwen3_vl", "qwen3_vl_moe", "gemma4_text", "gemma3n_text", "dots1", "apertus",
@@ -556,7 +564,7 @@ def build(family, dtype=torch.float32):
 
 
 def inputs(family):
-    ids = torch.randint(10, 128, (2, 12))
+    ids = torch.randint(10, 128, TOKENS.get(family, (2, 12)))
     if family in ENCODER_DECODER:
         return [dict(input_ids=ids, decoder_input_ids=ids.flip(1))]
     if family in SPEECH:  # 1/8 s of 16 kHz audio
