@@ -260,6 +260,18 @@ FAMILIES["kyutai_speech_to_text"] = lambda: T.KyutaiSpeechToTextForConditionalGe
                                ffn_dim=64, num_codebooks=2, audio_bos_token_id=126,
                                audio_pad_token_id=127, pad_token_id=0, bos_token_id=1,
                                max_position_embeddings=64, sliding_window=32))
+# Dia (text to speech): a text encoder, a decoder over the audio channels' codes
+DIA_TOKENS = dict(pad_token_id=125, eos_token_id=124, bos_token_id=126)  # the decoder's in 5
+FAMILIES["dia"] = lambda: T.DiaForConditionalGeneration(T.DiaConfig(
+    encoder_config=T.DiaEncoderConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                      num_key_value_heads=2, head_dim=16, intermediate_size=64,
+                                      vocab_size=128),
+    decoder_config=T.DiaDecoderConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                      num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                                      cross_num_attention_heads=2, cross_head_dim=16,
+                                      cross_num_key_value_heads=2, cross_hidden_size=32,
+                                      vocab_size=128, num_channels=2, **(DIA_TOKENS if HF5 else {})),
+    delay_pattern=[0, 1], **({} if HF5 else DIA_TOKENS)))
 TINY_HEADS = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                   num_key_value_heads=2)
 FAMILIES["moonshine_streaming"] = lambda: T.MoonshineStreamingForConditionalGeneration(  # 5
@@ -509,7 +521,8 @@ if HF5:
         "flint": causal_lm(T.FlintConfig(**BASE, head_dim=16, **NOPE_GLOBAL)),
         "kolibri1": causal_lm(T.Kolibri1Config(**BASE, head_dim=16, **NOPE_GLOBAL)),
     })
-ENCODER_DECODER = {"t5gemma2", "t5gemma"}
+ENCODER_DECODER = {"t5gemma2", "t5gemma", "dia"}
+DECODER_TOKENS = {"dia": (2, 12, 2)}  # decoder_input_ids' shape where not input_ids' (2 channels)
 SPEECH = {"moonshine", "moonshine_streaming"}
 VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm_ocr", "glm4v", "glm4v_moe",
       "paddleocr_vl", "ernie4_5_vl_moe")
@@ -566,7 +579,9 @@ def build(family, dtype=torch.float32):
 def inputs(family):
     ids = torch.randint(10, 128, TOKENS.get(family, (2, 12)))
     if family in ENCODER_DECODER:
-        return [dict(input_ids=ids, decoder_input_ids=ids.flip(1))]
+        decoder_ids = (torch.randint(10, 124, DECODER_TOKENS[family]) if family in DECODER_TOKENS
+                       else ids.flip(1))
+        return [dict(input_ids=ids, decoder_input_ids=decoder_ids)]
     if family in SPEECH:  # 1/8 s of 16 kHz audio
         return [dict(input_values=torch.randn(2, 2000), decoder_input_ids=ids)]
     if family not in VL:

@@ -336,7 +336,9 @@ FAMILIES = {
     # self-attention): GLM's RoPE
     "moonshine": ("moonshine.modeling_moonshine", _GLM),
     "moonshine_streaming": ("moonshine_streaming.modeling_moonshine_streaming", _GLM),
-    # Kyutai STT (speech to text; its decoder over text and audio codes)
+    # Dia (text to speech: encoder and decoder self-attention) and Kyutai STT (speech to text;
+    # its decoder over text and audio codes)
+    "dia": ("dia.modeling_dia", _ROTATE_HALF),
     "kyutai_speech_to_text": ("kyutai_speech_to_text.modeling_kyutai_speech_to_text", _ROTATE_HALF),
     "ernie4_5_moe": ("ernie4_5_moe.modeling_ernie4_5_moe", _ERNIE),
     "codegen": ("codegen.modeling_codegen", _GPTJ),
