@@ -3,7 +3,7 @@ for the tensors' device, or the reference where none is registered (see `backend
 
 import torch
 
-from . import _library, reference
+from . import _library
 from ._args import check_flag, check_flags, check_int, mrope_section_arg
 from ._registrations import OUT_NOT_DIFFERENTIABLE, check_not_inference
 

@@ -13,6 +13,7 @@ once), within bf16 tolerance."""
 
 import copy
 import os
+import sys
 import gc
 import inspect
 import textwrap
@@ -1001,19 +1002,33 @@ def kimi_k25_images():
     return model, dict(pixel_values=torch.randn(16, 3, 2, 2), grid_thw=torch.tensor([[1, 4, 4]]))
 
 
-# Listed vision towers, each run in a model on an image (or, a vision encoder, on images alone):
-# the maker of (model, image batch), the tower's attention class
-ON_IMAGES = {"pixtral": (mistral3_on_images, "PixtralAttention"),  # a 2-D table of patches
+def glmasr_audio():
+    encoder = T.GlmAsrForConditionalGeneration  # (its encoder alone is not exported)
+    if isinstance(encoder, Missing):
+        return encoder, None
+    encoder = sys.modules[encoder.__module__].GlmAsrEncoder
+    model = encoder(T.GlmAsrEncoderConfig(hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=2, num_attention_heads=2,
+                                          num_key_value_heads=2, num_mel_bins=16,
+                                          max_position_embeddings=64))
+    return model, dict(input_features=torch.randn(2, 16, 40))  # 40 frames of 16 mel bins
+
+
+# Listed towers and encoders, each run on its inputs: a vision tower in a model on an image (a
+# vision encoder on images alone), GLM-ASR's audio encoder on audio features. The maker of
+# (model, batch), the tower's attention class
+TOWERS = {"pixtral": (mistral3_on_images, "PixtralAttention"),  # a 2-D table of patches
              "lfm3_vl_vision": (lfm3_vl_on_an_image, "Lfm3VlVisionAttention"),  # transformers 5
              "mlcd_vision_model": (mlcd_images, "MLCDAttention"),
              "video_llama_3_vision": (video_llama_3_images, "VideoLlama3VisionAttention"),  # 5
-             "kimi_k25_vision": (kimi_k25_images, "Kimi_K25VisionAttention")}  # 5
+             "kimi_k25_vision": (kimi_k25_images, "Kimi_K25VisionAttention"),  # 5
+             "glmasr_encoder": (glmasr_audio, "GlmAsrAttention")}  # 5
 
 
-@pytest.mark.parametrize("tower", ON_IMAGES)
-def test_a_vision_tower_patched(tower):
+@pytest.mark.parametrize("tower", TOWERS)
+def test_a_tower_patched(tower):
     """The tower's RoPE runs on rope_ext too, the model's logits are transformers'."""
-    make, attention = ON_IMAGES[tower]
+    make, attention = TOWERS[tower]
     torch.manual_seed(0)
     model, image = make()
     if isinstance(model, Missing):
@@ -1022,7 +1037,7 @@ def test_a_vision_tower_patched(tower):
     want, _ = logits(model, [image])
     text = {k: v for k, v in image.items() if k in ("input_ids", "mm_token_type_ids")}
     integration.patch(model)
-    text_ops = logits(model, [text])[1] if text else 0  # (a vision encoder reads no text)
+    text_ops = logits(model, [text])[1] if text else 0  # (an encoder alone reads no text)
     assert attention in patched_classes(model)
     got, n = logits(model, [image])
     assert n > text_ops  # the vision tower's too
@@ -1078,7 +1093,7 @@ def test_every_listed_family_is_built_here():
     built = {integration.FAMILIES[f][0] for f in FAMILIES if f in integration.FAMILIES}
     for family, (path, _) in integration.FAMILIES.items():
         package = f"transformers.models.{path.split('.')[0]}"
-        assert (family in FAMILIES or path in built or family in ON_IMAGES
+        assert (family in FAMILIES or path in built or family in TOWERS
                 or importlib.util.find_spec(package) is None), f"{family}: no tiny model in FAMILIES"
 
 

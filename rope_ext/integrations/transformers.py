@@ -412,6 +412,8 @@ FAMILIES = {
     "mlcd_vision_model": ("mlcd.modeling_mlcd", _VISION),
     "video_llama_3_vision": ("video_llama_3.modeling_video_llama_3", _VISION),
     "kimi_k25_vision": ("kimi_k25.modeling_kimi_k25", _VISION),
+    # GLM-ASR's audio encoder (>= 5; its language model is Llama, listed)
+    "glmasr_encoder": ("glmasr.modeling_glmasr", _ROTATE_HALF),
 }
 # The model types of GLM-4.1V's and GLM-4.5V's parts, as models built around them hold them
 # (GLM-4.6V: GLM-4.1V's)
