@@ -1002,27 +1002,34 @@ def kimi_k25_images():
     return model, dict(pixel_values=torch.randn(16, 3, 2, 2), grid_thw=torch.tensor([[1, 4, 4]]))
 
 
-def glmasr_audio():
-    encoder = T.GlmAsrForConditionalGeneration  # (its encoder alone is not exported)
-    if isinstance(encoder, Missing):
-        return encoder, None
-    encoder = sys.modules[encoder.__module__].GlmAsrEncoder
-    model = encoder(T.GlmAsrEncoderConfig(hidden_size=32, intermediate_size=64,
-                                          num_hidden_layers=2, num_attention_heads=2,
-                                          num_key_value_heads=2, num_mel_bins=16,
-                                          max_position_embeddings=64))
-    return model, dict(input_features=torch.randn(2, 16, 40))  # 40 frames of 16 mel bins
+def audio_encoder(model_class, encoder, config, **sizes):
+    """A speech model's audio encoder (not exported by transformers: found in model_class's
+    modeling module) and 40 frames of 16 mel bins for it."""
+    model_class = getattr(T, model_class)
+    if isinstance(model_class, Missing):
+        return model_class, None
+    encoder = getattr(sys.modules[model_class.__module__], encoder)
+    model = encoder(getattr(T, config)(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=2, num_key_value_heads=2,
+                                       num_mel_bins=16, **sizes))
+    return model, dict(input_features=torch.randn(2, 16, 40))
 
 
 # Listed towers and encoders, each run on its inputs: a vision tower in a model on an image (a
-# vision encoder on images alone), GLM-ASR's audio encoder on audio features. The maker of
+# vision encoder on images alone), an audio encoder on audio features. The maker of
 # (model, batch), the tower's attention class
 TOWERS = {"pixtral": (mistral3_on_images, "PixtralAttention"),  # a 2-D table of patches
              "lfm3_vl_vision": (lfm3_vl_on_an_image, "Lfm3VlVisionAttention"),  # transformers 5
              "mlcd_vision_model": (mlcd_images, "MLCDAttention"),
              "video_llama_3_vision": (video_llama_3_images, "VideoLlama3VisionAttention"),  # 5
              "kimi_k25_vision": (kimi_k25_images, "Kimi_K25VisionAttention"),  # 5
-             "glmasr_encoder": (glmasr_audio, "GlmAsrAttention")}  # 5
+             "glmasr_encoder": (lambda: audio_encoder("GlmAsrForConditionalGeneration",  # 5
+                                                      "GlmAsrEncoder", "GlmAsrEncoderConfig",
+                                                      max_position_embeddings=64),
+                                "GlmAsrAttention"),
+             "voxtral_realtime_encoder": (lambda: audio_encoder(  # 5
+                 "VoxtralRealtimeForConditionalGeneration", "VoxtralRealtimeEncoder",
+                 "VoxtralRealtimeEncoderConfig", head_dim=16), "VoxtralRealtimeAttention")}
 
 
 @pytest.mark.parametrize("tower", TOWERS)

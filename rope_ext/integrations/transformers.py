@@ -412,8 +412,11 @@ FAMILIES = {
     "mlcd_vision_model": ("mlcd.modeling_mlcd", _VISION),
     "video_llama_3_vision": ("video_llama_3.modeling_video_llama_3", _VISION),
     "kimi_k25_vision": ("kimi_k25.modeling_kimi_k25", _VISION),
-    # GLM-ASR's audio encoder (>= 5; its language model is Llama, listed)
+    # The audio encoders of GLM-ASR (>= 5; its language model is Llama, listed) and Voxtral
+    # Realtime (>= 5; its language model, whose norms take a time embedding, is not listed: it
+    # has no test here)
     "glmasr_encoder": ("glmasr.modeling_glmasr", _ROTATE_HALF),
+    "voxtral_realtime_encoder": ("voxtral_realtime.modeling_voxtral_realtime", _ROTATE_HALF),
 }
 # The model types of GLM-4.1V's and GLM-4.5V's parts, as models built around them hold them
 # (GLM-4.6V: GLM-4.1V's)
