@@ -273,6 +273,14 @@ FAMILIES["dia"] = lambda: T.DiaForConditionalGeneration(T.DiaConfig(
                                       cross_num_key_value_heads=2, cross_hidden_size=32,
                                       vocab_size=128, num_channels=2, **(DIA_TOKENS if HF5 else {})),
     delay_pattern=[0, 1], **({} if HF5 else DIA_TOKENS)))
+# HunYuan-VL (5): its language model's RoPE (four-axis tables, OLMo's float32 rotation), the
+# per-head norms after it
+FAMILIES["hunyuan_vl"] = lambda: T.HunYuanVLForConditionalGeneration(T.HunYuanVLConfig(
+    text_config=dict(BASE, head_dim=16, rope_parameters=dict(
+        rope_type="default", rope_theta=1e4, mrope_section=[2, 2, 2, 2])),
+    vision_config=dict(hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                       num_hidden_layers=1, out_hidden_size=64, patch_size=2, text_hidden_size=64),
+    image_token_id=120, im_start_id=121, im_end_id=122, im_newline_id=123))
 TINY_HEADS = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                   num_key_value_heads=2)
 FAMILIES["moonshine_streaming"] = lambda: T.MoonshineStreamingForConditionalGeneration(  # 5

@@ -412,6 +412,9 @@ FAMILIES = {
     "mlcd_vision_model": ("mlcd.modeling_mlcd", _VISION),
     "video_llama_3_vision": ("video_llama_3.modeling_video_llama_3", _VISION),
     "kimi_k25_vision": ("kimi_k25.modeling_kimi_k25", _VISION),
+    # HunYuan-VL's language model (>= 5): the rotation in float32, each result in its input's dtype
+    "hunyuan_vl": ("hunyuan_vl.modeling_hunyuan_vl", _IN_FLOAT32),
+    "hunyuan_vl_text": ("hunyuan_vl.modeling_hunyuan_vl", _IN_FLOAT32),
     # The audio encoders of GLM-ASR (>= 5; its language model is Llama, listed) and Voxtral
     # Realtime (>= 5; its language model, whose norms take a time embedding, is not listed: it
     # has no test here)
