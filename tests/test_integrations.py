@@ -281,6 +281,14 @@ FAMILIES["hunyuan_vl"] = lambda: T.HunYuanVLForConditionalGeneration(T.HunYuanVL
     vision_config=dict(hidden_size=32, intermediate_size=64, num_attention_heads=2,
                        num_hidden_layers=1, out_hidden_size=64, patch_size=2, text_hidden_size=64),
     image_token_id=120, im_start_id=121, im_end_id=122, im_newline_id=123))
+# GLM-Image (5): its autoregressive model's RoPE (MRoPE tables, Llama's rotation)
+FAMILIES["glm_image"] = lambda: T.GlmImageForConditionalGeneration(T.GlmImageConfig(
+    text_config=dict(BASE, pad_token_id=0, eos_token_id=2, vision_vocab_size=64,
+                     rope_parameters=dict(rope_type="default", rope_theta=1e4,
+                                          mrope_section=[2, 3, 3])),
+    vision_config=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=2),
+    vq_config=dict(embed_dim=8, num_embeddings=16), image_token_id=120, image_start_token_id=121,
+    image_end_token_id=122))
 TINY_HEADS = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                   num_key_value_heads=2)
 FAMILIES["moonshine_streaming"] = lambda: T.MoonshineStreamingForConditionalGeneration(  # 5

@@ -412,6 +412,9 @@ FAMILIES = {
     "mlcd_vision_model": ("mlcd.modeling_mlcd", _VISION),
     "video_llama_3_vision": ("video_llama_3.modeling_video_llama_3", _VISION),
     "kimi_k25_vision": ("kimi_k25.modeling_kimi_k25", _VISION),
+    # GLM-Image's autoregressive model (>= 5): MRoPE tables, Llama's rotation
+    "glm_image": ("glm_image.modeling_glm_image", _ROTATE_HALF),
+    "glm_image_text": ("glm_image.modeling_glm_image", _ROTATE_HALF),
     # HunYuan-VL's language model (>= 5): the rotation in float32, each result in its input's dtype
     "hunyuan_vl": ("hunyuan_vl.modeling_hunyuan_vl", _IN_FLOAT32),
     "hunyuan_vl_text": ("hunyuan_vl.modeling_hunyuan_vl", _IN_FLOAT32),
