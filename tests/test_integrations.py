@@ -289,6 +289,21 @@ FAMILIES["glm_image"] = lambda: T.GlmImageForConditionalGeneration(T.GlmImageCon
     vision_config=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=2),
     vq_config=dict(embed_dim=8, num_embeddings=16), image_token_id=120, image_start_token_id=121,
     image_end_token_id=122))
+# Qwen2.5-Omni's thinker: its language model's MRoPE (its vision tower's RoPE too under
+# transformers 5; its audio encoder has none)
+FAMILIES["qwen2_5_omni_thinker"] = lambda: T.Qwen2_5OmniThinkerForConditionalGeneration(
+    T.Qwen2_5OmniThinkerConfig(
+        text_config=dict(BASE, **({"rope_parameters": dict(rope_type="default", rope_theta=1e4,
+                                                            mrope_section=[2, 3, 3])} if HF5 else
+                                  {"rope_scaling": dict(rope_type="default",
+                                                        mrope_section=[2, 3, 3])})),
+        vision_config=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64,
+                           patch_size=2, spatial_merge_size=2, temporal_patch_size=1,
+                           out_hidden_size=64, fullatt_block_indexes=[0]),
+        audio_config=dict(encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32,
+                          d_model=32, output_dim=64, num_mel_bins=16),
+        image_token_index=5, video_token_index=6, vision_start_token_id=7, audio_token_index=9,
+        audio_start_token_id=4))
 TINY_HEADS = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                   num_key_value_heads=2)
 FAMILIES["moonshine_streaming"] = lambda: T.MoonshineStreamingForConditionalGeneration(  # 5
@@ -542,7 +557,7 @@ ENCODER_DECODER = {"t5gemma2", "t5gemma", "dia"}
 DECODER_TOKENS = {"dia": (2, 12, 2)}  # decoder_input_ids' shape where not input_ids' (2 channels)
 SPEECH = {"moonshine", "moonshine_streaming"}
 VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm_ocr", "glm4v", "glm4v_moe",
-      "paddleocr_vl", "ernie4_5_vl_moe")
+      "paddleocr_vl", "ernie4_5_vl_moe", "qwen2_5_omni_thinker")
 PATCHES = {"paddleocr_vl": (16, 3, 2, 2)}  # pixel_values' shape where not (patches, 12)
 TOKENS = {"kyutai_speech_to_text": (2, 12, 3)}  # input_ids' shape where not (batch, tokens)
 # The families that normalize q and k per head right before RoPE: patched onto the fused op.

@@ -412,6 +412,10 @@ FAMILIES = {
     "mlcd_vision_model": ("mlcd.modeling_mlcd", _VISION),
     "video_llama_3_vision": ("video_llama_3.modeling_video_llama_3", _VISION),
     "kimi_k25_vision": ("kimi_k25.modeling_kimi_k25", _VISION),
+    # Qwen2.5-Omni's thinker: its language model's MRoPE (transformers 4: Qwen2-VL's function;
+    # 5: the tables composed in its rotary module, Llama's rotation), its vision tower's under 5
+    "qwen2_5_omni_thinker": ("qwen2_5_omni.modeling_qwen2_5_omni",
+                             _QWEN3_VL if _TRANSFORMERS_5 else _MROPE),
     # GLM-Image's autoregressive model (>= 5): MRoPE tables, Llama's rotation
     "glm_image": ("glm_image.modeling_glm_image", _ROTATE_HALF),
     "glm_image_text": ("glm_image.modeling_glm_image", _ROTATE_HALF),
