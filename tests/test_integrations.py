@@ -304,6 +304,9 @@ FAMILIES["qwen2_5_omni_thinker"] = lambda: T.Qwen2_5OmniThinkerForConditionalGen
                           d_model=32, output_dim=64, num_mel_bins=16),
         image_token_index=5, video_token_index=6, vision_start_token_id=7, audio_token_index=9,
         audio_start_token_id=4))
+# Granite 4 Vision's language model (5; tested alone: its last hidden states)
+FAMILIES["granite4_vision_text"] = lambda: T.Granite4VisionTextModel(
+    T.Granite4VisionTextConfig(**BASE))
 TINY_HEADS = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                   num_key_value_heads=2)
 FAMILIES["moonshine_streaming"] = lambda: T.MoonshineStreamingForConditionalGeneration(  # 5
