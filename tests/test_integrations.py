@@ -304,9 +304,24 @@ FAMILIES["qwen2_5_omni_thinker"] = lambda: T.Qwen2_5OmniThinkerForConditionalGen
                           d_model=32, output_dim=64, num_mel_bins=16),
         image_token_index=5, video_token_index=6, vision_start_token_id=7, audio_token_index=9,
         audio_start_token_id=4))
-# Granite 4 Vision's language model (5; tested alone: its last hidden states)
+MOE2_DEEPSEEK = dict(n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
+                     n_shared_experts=1, mlp_layer_types=["dense", "sparse"])
+
+
+def ocr2_part(model, config, **sizes):
+    """A part of DeepSeek-OCR 2 (transformers 5 exports its model, not its parts)."""
+    if isinstance(T.DeepseekOcr2ForConditionalGeneration, Missing):
+        return T.DeepseekOcr2ForConditionalGeneration
+    modeling = sys.modules[T.DeepseekOcr2ForConditionalGeneration.__module__]
+    return getattr(modeling, model)(getattr(modeling, config)(**sizes))
+
+
+# Granite 4 Vision's and DeepSeek-OCR 2's language models (5; tested alone: their last hidden
+# states)
 FAMILIES["granite4_vision_text"] = lambda: T.Granite4VisionTextModel(
     T.Granite4VisionTextConfig(**BASE))
+FAMILIES["deepseek_ocr2_text"] = lambda: ocr2_part("DeepseekOcr2TextModel", "DeepseekOcr2TextConfig",
+                                                   **BASE, **MOE2_DEEPSEEK)
 TINY_HEADS = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                   num_key_value_heads=2)
 FAMILIES["moonshine_streaming"] = lambda: T.MoonshineStreamingForConditionalGeneration(  # 5
@@ -1063,7 +1078,12 @@ TOWERS = {"pixtral": (mistral3_on_images, "PixtralAttention"),  # a 2-D table of
                                 "GlmAsrAttention"),
              "voxtral_realtime_encoder": (lambda: audio_encoder(  # 5
                  "VoxtralRealtimeForConditionalGeneration", "VoxtralRealtimeEncoder",
-                 "VoxtralRealtimeEncoderConfig", head_dim=16), "VoxtralRealtimeAttention")}
+                 "VoxtralRealtimeEncoderConfig", head_dim=16), "VoxtralRealtimeAttention"),
+             # DeepSeek-OCR 2's vision encoder, a Qwen2 over the patches' embeddings (5)
+             "deepseek_ocr2_encoder": (lambda: (ocr2_part(
+                 "DeepseekOcr2VisionEncoder", "DeepseekOcr2VisionEncoderConfig", **BASE),
+                 dict(inputs_embeds=torch.randn(2, 16, 64), num_patches=16)),
+                 "DeepseekOcr2VisionAttention")}
 
 
 @pytest.mark.parametrize("tower", TOWERS)

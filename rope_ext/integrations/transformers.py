@@ -416,8 +416,11 @@ FAMILIES = {
     # 5: the tables composed in its rotary module, Llama's rotation), its vision tower's under 5
     "qwen2_5_omni_thinker": ("qwen2_5_omni.modeling_qwen2_5_omni",
                              _QWEN3_VL if _TRANSFORMERS_5 else _MROPE),
-    # Granite 4 Vision's language model (>= 5; found by its own type inside the model)
+    # The language models of Granite 4 Vision and DeepSeek-OCR 2 and DeepSeek-OCR 2's vision
+    # encoder (>= 5; each found by its own type inside the model)
     "granite4_vision_text": ("granite4_vision.modeling_granite4_vision", _ROTATE_HALF),
+    "deepseek_ocr2_text": ("deepseek_ocr2.modeling_deepseek_ocr2", _ROTATE_HALF),
+    "deepseek_ocr2_encoder": ("deepseek_ocr2.modeling_deepseek_ocr2", _ROTATE_HALF),
     # GLM-Image's autoregressive model (>= 5): MRoPE tables, Llama's rotation
     "glm_image": ("glm_image.modeling_glm_image", _ROTATE_HALF),
     "glm_image_text": ("glm_image.modeling_glm_image", _ROTATE_HALF),
