@@ -98,7 +98,7 @@ Tensor apply_positions_cache_cuda(Tensor x, Tensor positions, Tensor cos_sin_cac
                                   bool mrope_interleaved) {
   return apply_positions_host(x, positions, cos_sin_cache, nullptr, interleaved, inverse,
                               mrope_section, mrope_interleaved,
-                              CudaLaunch(x, "rope.apply_positions"));
+                              CudaLaunch(x, "rope.apply_positions.cache"));
 }
 
 void apply_and_cache_cuda(Tensor query, Tensor key, Tensor value, Tensor positions,
