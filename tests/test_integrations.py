@@ -308,12 +308,18 @@ MOE2_DEEPSEEK = dict(n_routed_experts=2, num_experts_per_tok=1, moe_intermediate
                      n_shared_experts=1, mlp_layer_types=["dense", "sparse"])
 
 
-def ocr2_part(model, config, **sizes):
-    """A part of DeepSeek-OCR 2 (transformers 5 exports its model, not its parts)."""
-    if isinstance(T.DeepseekOcr2ForConditionalGeneration, Missing):
-        return T.DeepseekOcr2ForConditionalGeneration
-    modeling = sys.modules[T.DeepseekOcr2ForConditionalGeneration.__module__]
+def part(exported, model, config, **sizes):
+    """A part of a model that transformers exports whole (`exported`), not part by part: classes
+    `model` and `config` of its modeling module (Missing where this version lacks it)."""
+    exported = getattr(T, exported)
+    if isinstance(exported, Missing):
+        return exported
+    modeling = sys.modules[exported.__module__]
     return getattr(modeling, model)(getattr(modeling, config)(**sizes))
+
+
+def ocr2_part(model, config, **sizes):
+    return part("DeepseekOcr2ForConditionalGeneration", model, config, **sizes)
 
 
 # Granite 4 Vision's and DeepSeek-OCR 2's language models (5; tested alone: their last hidden
@@ -1051,17 +1057,11 @@ def kimi_k25_images():
     return model, dict(pixel_values=torch.randn(16, 3, 2, 2), grid_thw=torch.tensor([[1, 4, 4]]))
 
 
-def audio_encoder(model_class, encoder, config, **sizes):
-    """A speech model's audio encoder (not exported by transformers: found in model_class's
-    modeling module) and 40 frames of 16 mel bins for it."""
-    model_class = getattr(T, model_class)
-    if isinstance(model_class, Missing):
-        return model_class, None
-    encoder = getattr(sys.modules[model_class.__module__], encoder)
-    model = encoder(getattr(T, config)(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=2, num_key_value_heads=2,
-                                       num_mel_bins=16, **sizes))
-    return model, dict(input_features=torch.randn(2, 16, 40))
+def audio_encoder(exported, encoder, config, **sizes):
+    """A speech model's audio encoder (a part: see part()) and 40 frames of 16 mel bins for it."""
+    return part(exported, encoder, config, hidden_size=32, intermediate_size=64,
+                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                num_mel_bins=16, **sizes), dict(input_features=torch.randn(2, 16, 40))
 
 
 # Listed towers and encoders, each run on its inputs: a vision tower in a model on an image (a

@@ -156,6 +156,7 @@ Tensor positions_out(const Tensor& x, const Tensor& positions, const TableArgs& 
   const char* op = tables.cache != nullptr ? "rope.apply_positions.cache" : "rope.apply_positions";
   const RotateGeometry g =
       check_positions_op(x, std::nullopt, positions, tables, interleaved, inverse, false, op, "x");
+  // the table the cos values are read from (the cache's first halves); its dtype is both tables'
   const Tensor& cos = tables.cache != nullptr ? *tables.cache : *tables.cos;
   check_positions_in_range(positions, g.table.rows, op,
                            tables.cache != nullptr ? "cos_sin_cache.size(0)" : "cos.size(0)");
