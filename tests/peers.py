@@ -187,6 +187,16 @@ def hf_apply_rotary_pos_emb_vision(q, k, cos, sin):
     return q_embed.to(q.dtype), k_embed.to(k.dtype)
 
 
+def hf_complex_apply_rotary_emb(xq, xk, freqs_cis):
+    """Llama 4's and DeepSeek-V2's apply_rotary_emb with the table already placed over the heads:
+    pairs (2i, 2i+1) as complex numbers times freqs_cis, in the inputs' precision (complex128 for
+    float64)."""
+    def rotated(x):
+        z = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2).contiguous())
+        return torch.view_as_real(z * freqs_cis).flatten(-2)
+    return rotated(xq), rotated(xk)
+
+
 # ---- flash-attn (flash_attn.layers.rotary) ----
 
 def fa_apply_rotary_emb_torch(x, cos, sin, interleaved=False):

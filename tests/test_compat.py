@@ -251,6 +251,42 @@ def test_hf_gptj(dtype, width):
     assert gradcheck(hf.apply_rotary_pos_emb_gptj, (x, s, c))
 
 
+# Complex tables: each form's q/k shape, its table's shape and where it places the table
+COMPLEX = {
+    "llama4": (hf.apply_rotary_emb_complex, (2, 5, 3, 16), (2, 5, 8), lambda f: f[:, :, None, :]),
+    "deepseek_v2": (hf.apply_rotary_emb_complex_heads_first, (2, 3, 5, 16), (2, 5, 8),
+                    lambda f: f.unsqueeze(1)),
+    "llama4_vision": (hf.vision_apply_rotary_emb, (2, 5, 3, 16), (5, 1, 8),
+                      lambda f: f.view(1, 5, 1, 8)),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
+@pytest.mark.parametrize("form", COMPLEX)
+def test_hf_complex_tables(dtype, form):
+    """Llama 4's (text and vision) and DeepSeek-V2's apply_rotary_emb: complex tables of any
+    modulus; values in the inputs' dtypes, k with fewer heads, and every gradient (float64)."""
+    fn, shape, table_shape, placed = COMPLEX[form]
+    q = torch.randn(shape, dtype=dtype)
+    k = torch.randn(shape[:2] + (shape[2] if form == "llama4_vision" else 1,) + shape[3:],
+                    dtype=dtype) if form != "deepseek_v2" else torch.randn(2, 1, 5, 16, dtype=dtype)
+    table = torch.polar(torch.rand(table_shape, dtype=torch.float64) + 0.5,
+                        torch.randn(table_shape, dtype=torch.float64) * 3)
+    got = fn(q, k, table.to(torch.complex64))
+    want = peers.hf_complex_apply_rotary_emb(*f64(q, k), placed(table.to(torch.complex64)
+                                                                .to(torch.complex128)))
+    for g, w in zip(got, want):
+        check(g, w, dtype)
+    if dtype == torch.float32:  # the gradients once per form
+        x, y = (t[:1].double().requires_grad_() for t in (q, k))
+        f = torch.view_as_real(table[:1] if form != "llama4_vision" else table).clone()
+        assert gradcheck(lambda a, b, f: fn(a, b, torch.view_as_complex(f)),
+                         (x, y, f.requires_grad_()))
+    with pytest.raises(ValueError, match=r"freqs_ci of shape .* must hold query.size\(1\) x query"
+                       if form == "llama4_vision" else r"freqs_cis of shape .* must have xq.size\(-1\) / 2"):
+        fn(q[..., :14], k[..., :14], table.to(torch.complex64))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("unsqueeze_dim", [1, 2])
 def test_hf_indexed_tables(dtype, unsqueeze_dim):

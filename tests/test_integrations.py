@@ -97,6 +97,8 @@ QWEN3_VL_TEXT = dict(BASE, head_dim=16, rope_scaling=dict(
 MOE = dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32)
 SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
               image_size=8, patch_size=2)
+LLAMA4_TEXT = dict(BASE, head_dim=16, intermediate_size_mlp=128, num_local_experts=2,
+                   num_experts_per_tok=1, no_rope_layers=[1, 0], attention_chunk_size=8)
 NOPE_GLOBAL = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
 HF5 = int(transformers.__version__.split(".")[0]) >= 5
 # (text configs the top-level namespace does not export)
@@ -170,6 +172,8 @@ FAMILIES = {
     # Llama 3.2 Vision: its language model's self-attention layers (Llama 3's RoPE), a
     # cross-attention layer (no RoPE); text inputs
     "mllama_text_model": lambda: MLLAMA.MllamaForCausalLM(MLLAMA.MllamaTextConfig(**MLLAMA_TEXT)),
+    # complex tables; its second layer NoPE, the L2 norm after the rotation
+    "llama4_text": causal_lm(T.Llama4TextConfig(**LLAMA4_TEXT)),
     "mllama": lambda: T.MllamaForConditionalGeneration(T.MllamaConfig(
         text_config=MLLAMA_TEXT, image_token_index=5, vision_config=dict(
             hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_global_layers=1,
@@ -385,6 +389,8 @@ FAMILIES.update({  # the rotate-half RoPE of Llama, each family's attention arou
                                         layer_types=["sliding_attention", "full_attention"])),
     # DeepSeek-V3's MLA (latent q and kv, a rotated part of each head): pairs rotated and laid
     # out as halves (rope_interleave), or Llama's RoPE
+    # complex tables; dense layers (transformers 4's MoE does not trace as one graph)
+    "deepseek_v2": causal_lm(T.DeepseekV2Config(**KV4, **MLA, **dict(MOE_DS, first_k_dense_replace=2))),
     "deepseek_v3": causal_lm(T.DeepseekV3Config(**BASE, **MLA, n_routed_experts=2,
                                                 num_experts_per_tok=1, first_k_dense_replace=1,
                                                 n_group=1, topk_group=1)),
@@ -875,7 +881,7 @@ def test_forward_mode_ad_through_a_patched_model(family):
     torch.testing.assert_close(got.tangent, want.tangent, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt_neox", "gptj"])
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "gptj", "llama4_text", "deepseek_v2"])
 def test_training_gradients_match(family):
     model = build(family).train()
     ids = torch.randint(0, 128, (2, 10))
@@ -1057,6 +1063,17 @@ def kimi_k25_images():
     return model, dict(pixel_values=torch.randn(16, 3, 2, 2), grid_thw=torch.tensor([[1, 4, 4]]))
 
 
+def llama4_on_an_image():
+    model = T.Llama4ForConditionalGeneration(T.Llama4Config(
+        text_config=LLAMA4_TEXT, image_token_index=5, vision_config=dict(
+            hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+            image_size=8, patch_size=2, pixel_shuffle_ratio=0.5, projector_input_dim=32,
+            projector_output_dim=32, vision_output_dim=32)))
+    ids = torch.randint(10, 128, (1, 12))
+    ids[0, 2:6] = 5  # 4x4 patches, shuffled into 4 tokens
+    return model, dict(input_ids=ids, pixel_values=torch.randn(1, 3, 8, 8))
+
+
 def audio_encoder(exported, encoder, config, **sizes):
     """A speech model's audio encoder (a part: see part()) and 40 frames of 16 mel bins for it."""
     return part(exported, encoder, config, hidden_size=32, intermediate_size=64,
@@ -1070,6 +1087,7 @@ def audio_encoder(exported, encoder, config, **sizes):
 TOWERS = {"pixtral": (mistral3_on_images, "PixtralAttention"),  # a 2-D table of patches
              "lfm3_vl_vision": (lfm3_vl_on_an_image, "Lfm3VlVisionAttention"),  # transformers 5
              "mlcd_vision_model": (mlcd_images, "MLCDAttention"),
+             "llama4_vision_model": (llama4_on_an_image, "Llama4VisionAttention"),
              "video_llama_3_vision": (video_llama_3_images, "VideoLlama3VisionAttention"),  # 5
              "kimi_k25_vision": (kimi_k25_images, "Kimi_K25VisionAttention"),  # 5
              "glmasr_encoder": (lambda: audio_encoder("GlmAsrForConditionalGeneration",  # 5
@@ -1335,7 +1353,7 @@ class GraphOps:
         return gm.forward
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "exaone4"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "exaone4", "deepseek_v2"])
 def test_torch_compile_fullgraph(family):
     model = build(family)
     ids = torch.randint(10, 128, (2, 12))

@@ -20,6 +20,7 @@ from torch.autograd import forward_ad
 from .._args import mrope_section_arg
 from ._layout import (derivative_wanted, float32_table, join_members, ops, pair_members,
                       rotate_pairs)
+from .llama import cos_sin
 
 
 def _check_width(x, cos, sin, what, name):
@@ -426,3 +427,44 @@ def apply_rotary_pos_emb_gptj(tensor, sin, cos):
     dtype = _promoted(tensor, cos, sin)
     cos, sin = float32_table(cos[:, :, None, :]), float32_table(sin[:, :, None, :])
     return rotate_pairs(tensor, cos, sin, dtype, interleaved=True)
+
+
+def apply_rotary_emb_complex(xq, xk, freqs_cis):
+    """transformers' Llama 4 apply_rotary_emb(xq, xk, freqs_cis): pair (2i, 2i+1) of each head of
+    xq (batch, seq, heads, head_dim) and xk, read as a complex number, times freqs_cis (batch,
+    seq, head_dim / 2) (complex, any modulus: Llama 4 scales it by its attention factor) placed
+    over the heads (`freqs_cis[:, :, None, :]`); computed in float32, each result rounded once to
+    its input's dtype (float64 inputs stay float64, where transformers rounds them to float32
+    first). Differentiable w.r.t. xq, xk and freqs_cis."""
+    return _complex_pairs(xq, xk, freqs_cis[:, :, None, :])
+
+
+def apply_rotary_emb_complex_heads_first(xq, xk, freqs_cis):
+    """DeepSeek-V2's apply_rotary_emb: apply_rotary_emb_complex for xq (batch, heads, seq,
+    rope_dim) and xk, freqs_cis (batch, seq, rope_dim / 2) placed at `freqs_cis.unsqueeze(1)`."""
+    return _complex_pairs(xq, xk, freqs_cis.unsqueeze(1))
+
+
+def vision_apply_rotary_emb(query, key, freqs_ci):
+    """Llama 4's vision_apply_rotary_emb: apply_rotary_emb_complex for query (batch, patches,
+    heads, head_dim) and key, freqs_ci (patches, 1, head_dim / 2) viewed as (1, patches, 1,
+    head_dim / 2) (its reshape_for_broadcast)."""
+    pairs = (*query.shape[:-1], query.shape[-1] // 2)
+    placed = [n if i in (1, len(pairs) - 1) else 1 for i, n in enumerate(pairs)]
+    if query.dim() < 3 or freqs_ci.numel() != placed[1] * placed[-1]:
+        raise ValueError(f"freqs_ci of shape {list(freqs_ci.shape)} must hold query.size(1) x "
+                         f"query.size(-1) / 2 entries for query (batch, patches, heads, head_dim) "
+                         f"of shape {list(query.shape)}")
+    return _complex_pairs(query, key, freqs_ci.view(placed))
+
+
+def _complex_pairs(xq, xk, table):
+    """xq and xk with pair (2i, 2i+1) times table[..., i] (complex, broadcast over them)."""
+    for x, name in ((xq, "xq"), (xk, "xk")):
+        if x.shape[-1] % 2 or table.shape[-1] != x.shape[-1] // 2:
+            raise ValueError(f"freqs_cis of shape {list(table.shape)} (placed over the heads) must "
+                             f"have {name}.size(-1) / 2 entries per row, {name} an even last dim; "
+                             f"got {name} {list(x.shape)}")
+    cos, sin = (float32_table(t) for t in cos_sin(table))
+    return (rotate_pairs(xq, cos, sin, xq.dtype, interleaved=True),
+            rotate_pairs(xk, cos, sin, xk.dtype, interleaved=True))

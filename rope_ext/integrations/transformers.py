@@ -148,6 +148,16 @@ def _probe_vision(original, replacement):
     return all(torch.allclose(x, y, rtol=1e-5, atol=1e-5) for x, y in zip(got, want))
 
 
+def _probe_complex(original, replacement, q_shape, k_shape, table_shape):
+    """Complex tables (Llama 4's, DeepSeek-V2's) of any modulus; float32 inputs, which both
+    compute in float32."""
+    g = _generator()
+    q, k = torch.randn(q_shape, generator=g), torch.randn(k_shape, generator=g)
+    table = torch.polar(torch.rand(table_shape, generator=g) + 0.5,
+                        torch.randn(table_shape, generator=g) * 3)
+    return _same(replacement(q, k, table), original(q, k, table), tol=1e-6)
+
+
 # Where a family's function differs between transformers 4 and 5, its form is chosen by the
 # installed major version (read from the package's metadata: transformers is not imported here);
 # the probe holds whichever is chosen to the code it replaces.
@@ -193,6 +203,16 @@ _MROPE = {"apply_multimodal_rotary_pos_emb": (hf.apply_multimodal_rotary_pos_emb
 # first, and GLM-4.1V's and GLM-4.5V's)
 _VISION = {"apply_rotary_pos_emb_vision": (hf.apply_rotary_pos_emb_vision, _probe_vision)}
 _QWEN_VL = {**_ROTATE_HALF, **_MROPE, **_VISION}
+# Complex tables, pairs (2i, 2i+1): Llama 4's text model (q and k (batch, seq, heads, head_dim))
+# and vision tower (a table per patch), DeepSeek-V2's MLA (q and k (batch, heads, seq, rope_dim))
+_LLAMA4 = {
+    "apply_rotary_emb": (hf.apply_rotary_emb_complex, functools.partial(
+        _probe_complex, q_shape=(2, 4, 3, 8), k_shape=(2, 4, 1, 8), table_shape=(2, 4, 4))),
+    "vision_apply_rotary_emb": (hf.vision_apply_rotary_emb, functools.partial(
+        _probe_complex, q_shape=(2, 5, 3, 8), k_shape=(2, 5, 3, 8), table_shape=(5, 1, 4))),
+}
+_DEEPSEEK_V2 = {"apply_rotary_emb": (hf.apply_rotary_emb_complex_heads_first, functools.partial(
+    _probe_complex, q_shape=(2, 3, 4, 8), k_shape=(2, 1, 4, 8), table_shape=(2, 4, 4)))}
 # GLM-4.1V's language model: interleaved pairs of the first half of each head, rotated by MRoPE
 # tables whose sections transformers 5 chooses in its rotary module, 4 in the function
 _GLM4V = ({"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_glm4v,
@@ -242,6 +262,11 @@ FAMILIES = {
     "mllama_text_model": ("mllama.modeling_mllama", _ROTATE_HALF),
     "emu3": ("emu3.modeling_emu3", _ROTATE_HALF),
     "emu3_text_model": ("emu3.modeling_emu3", _ROTATE_HALF),
+    # Llama 4: its text model (its NoPE layers, and the L2 norm after the rotation, run
+    # transformers' code) and vision tower, alone or in the multimodal model
+    "llama4": ("llama4.modeling_llama4", _LLAMA4),
+    "llama4_text": ("llama4.modeling_llama4", _LLAMA4),
+    "llama4_vision_model": ("llama4.modeling_llama4", _LLAMA4),
     # Aria's language model (MoE; and its text-only model), Sesame CSM's backbone and depth
     # decoder, EuroBERT (an encoder; transformers >= 5): Llama's RoPE
     "aria": ("aria.modeling_aria", _ROTATE_HALF),
@@ -343,6 +368,7 @@ FAMILIES = {
     "ernie4_5_moe": ("ernie4_5_moe.modeling_ernie4_5_moe", _ERNIE),
     "codegen": ("codegen.modeling_codegen", _GPTJ),
     "gpt_oss": ("gpt_oss.modeling_gpt_oss", _HALF_TABLES),
+    "deepseek_v2": ("deepseek_v2.modeling_deepseek_v2", _DEEPSEEK_V2),
     "deepseek_v3": ("deepseek_v3.modeling_deepseek_v3", _DEEPSEEK),
     "longcat_flash": ("longcat_flash.modeling_longcat_flash", _DEEPSEEK),
     "glm4_moe_lite": ("glm4_moe_lite.modeling_glm4_moe_lite", _DEEPSEEK),  # transformers >= 5
