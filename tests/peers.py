@@ -187,6 +187,17 @@ def hf_apply_rotary_pos_emb_vision(q, k, cos, sin):
     return q_embed.to(q.dtype), k_embed.to(k.dtype)
 
 
+def hf_dinov3_apply_rotary_pos_emb(q, k, cos, sin):
+    """DINOv3's ViT: the last cos.size(-2) tokens (the patches) rotated, the tokens before them
+    (class and register tokens) passed through."""
+    n = sin.shape[-2]
+    out = []
+    for x in (q, k):
+        prefix, patches = x.split((x.shape[-2] - n, n), dim=-2)
+        out.append(torch.cat((prefix, patches * cos + hf_rotate_half(patches) * sin), dim=-2))
+    return tuple(out)
+
+
 def hf_complex_apply_rotary_emb(xq, xk, freqs_cis):
     """Llama 4's and DeepSeek-V2's apply_rotary_emb with the table already placed over the heads:
     pairs (2i, 2i+1) as complex numbers times freqs_cis, in the inputs' precision (complex128 for

@@ -251,6 +251,26 @@ def test_hf_gptj(dtype, width):
     assert gradcheck(hf.apply_rotary_pos_emb_gptj, (x, s, c))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("prefix", [0, 5])  # a class token and 4 register tokens
+def test_hf_patches(dtype, prefix):
+    """DINOv3's apply_rotary_pos_emb: the patches rotated, the tokens before them as they are;
+    float32 tables promote bfloat16 q and k as transformers' arithmetic does; gradients."""
+    B, H, P, D = 2, 3, 6, 16
+    q, k = (torch.randn(B, H, prefix + P, D, dtype=dtype) for _ in range(2))
+    cos, sin = tables(P, D // 2)
+    cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+    got = hf.apply_rotary_pos_emb_patches(q, k, cos, sin)
+    want = peers.hf_dinov3_apply_rotary_pos_emb(*f64(q, k, cos, sin))
+    for g, w in zip(got, want):
+        check(g, w, torch.float32)
+    if dtype == torch.float32 and prefix:  # the gradients once
+        x, y, c, s = (t.double().requires_grad_() for t in (q[:1, :1], k[:1, :1], cos, sin))
+        assert gradcheck(hf.apply_rotary_pos_emb_patches, (x, y, c, s))
+    with pytest.raises(ValueError, match=r"must be one \(patches, head_dim\) shape with patches <="):
+        hf.apply_rotary_pos_emb_patches(q[..., :3, :], k[..., :3, :], cos, sin)
+
+
 # Complex tables: each form's q/k shape, its table's shape and where it places the table
 COMPLEX = {
     "llama4": (hf.apply_rotary_emb_complex, (2, 5, 3, 16), (2, 5, 8), lambda f: f[:, :, None, :]),

@@ -1063,6 +1063,13 @@ def kimi_k25_images():
     return model, dict(pixel_values=torch.randn(16, 3, 2, 2), grid_thw=torch.tensor([[1, 4, 4]]))
 
 
+def dinov3_images():
+    model = T.DINOv3ViTModel(T.DINOv3ViTConfig(hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=2, num_attention_heads=2,
+                                               image_size=8, patch_size=2, num_register_tokens=2))
+    return model, dict(pixel_values=torch.randn(2, 3, 8, 8))  # 4x4 patches after 3 tokens
+
+
 def llama4_on_an_image():
     model = T.Llama4ForConditionalGeneration(T.Llama4Config(
         text_config=LLAMA4_TEXT, image_token_index=5, vision_config=dict(
@@ -1088,6 +1095,7 @@ TOWERS = {"pixtral": (mistral3_on_images, "PixtralAttention"),  # a 2-D table of
              "lfm3_vl_vision": (lfm3_vl_on_an_image, "Lfm3VlVisionAttention"),  # transformers 5
              "mlcd_vision_model": (mlcd_images, "MLCDAttention"),
              "llama4_vision_model": (llama4_on_an_image, "Llama4VisionAttention"),
+             "dinov3_vit": (dinov3_images, "DINOv3ViTAttention"),
              "video_llama_3_vision": (video_llama_3_images, "VideoLlama3VisionAttention"),  # 5
              "kimi_k25_vision": (kimi_k25_images, "Kimi_K25VisionAttention"),  # 5
              "glmasr_encoder": (lambda: audio_encoder("GlmAsrForConditionalGeneration",  # 5

@@ -411,6 +411,28 @@ def apply_rotary_pos_emb_vision(q, k, cos, sin):
     return _rotate_half_style((q, k), cos, sin, (q.dtype, k.dtype))
 
 
+def apply_rotary_pos_emb_patches(q, k, cos, sin, **kwargs):
+    """DINOv3's apply_rotary_pos_emb: q, k (batch, heads, tokens, head_dim) whose last
+    cos.size(-2) tokens are an image's patches, rotated by cos, sin (patches, head_dim) (halves
+    equal); the tokens before them (the class and register tokens) pass through. Results in
+    torch's promotion of each input with the tables."""
+    patches = cos.shape[-2] if cos.dim() >= 2 else -1
+    if not 0 <= patches <= min(q.shape[-2], k.shape[-2]) or sin.shape != cos.shape:
+        raise ValueError(f"cos and sin of shapes {list(cos.shape)} and {list(sin.shape)} must be one "
+                         f"(patches, head_dim) shape with patches <= the tokens of q "
+                         f"{list(q.shape)} and k {list(k.shape)}")
+    out = []
+    for x, name in ((q, "q"), (k, "k")):
+        _check_width(x, cos, sin, "head_dim", name)
+        prefix, tail = x.split((x.shape[-2] - patches, patches), dim=-2)
+        # the tables with x's number of dims: the op broadcasts them as they are (torch's
+        # broadcast_shapes, which the general path takes, costs 17 us a call)
+        pad = (None,) * (tail.dim() - cos.dim())
+        rotated, = _rotate_half_style((tail,), cos[pad], sin[pad], (_promoted(tail, cos, sin),))
+        out.append(torch.cat((prefix.to(rotated.dtype), rotated), dim=-2))
+    return tuple(out)
+
+
 def apply_rotary_pos_emb_gptj(tensor, sin, cos):
     """transformers' GPT-J apply_rotary_pos_emb(tensor, sin, cos) (note the order): tensor (batch,
     seq, heads, rotary_dim), sin/cos (batch, seq, rotary_dim / 2), pairs (2i, 2i+1) (GPT-J's

@@ -158,6 +158,15 @@ def _probe_complex(original, replacement, q_shape, k_shape, table_shape):
     return _same(replacement(q, k, table), original(q, k, table), tol=1e-6)
 
 
+def _probe_patches(original, replacement):
+    """DINOv3's: the tables cover the last tokens (the patches) only."""
+    g = _generator()
+    q = torch.randn(2, 3, 6, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 3, 6, 8, generator=g, dtype=torch.float64)
+    emb = _duplicated(torch.randn(4, 4, generator=g, dtype=torch.float64) * 3)
+    return _same(replacement(q, k, emb.cos(), emb.sin()), original(q, k, emb.cos(), emb.sin()))
+
+
 # Where a family's function differs between transformers 4 and 5, its form is chosen by the
 # installed major version (read from the package's metadata: transformers is not imported here);
 # the probe holds whichever is chosen to the code it replaces.
@@ -211,6 +220,8 @@ _LLAMA4 = {
     "vision_apply_rotary_emb": (hf.vision_apply_rotary_emb, functools.partial(
         _probe_complex, q_shape=(2, 5, 3, 8), k_shape=(2, 5, 3, 8), table_shape=(5, 1, 4))),
 }
+# DINOv3's ViT: the image's patches rotated, its class and register tokens passed through
+_PATCHES = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_patches, _probe_patches)}
 _DEEPSEEK_V2 = {"apply_rotary_emb": (hf.apply_rotary_emb_complex_heads_first, functools.partial(
     _probe_complex, q_shape=(2, 3, 4, 8), k_shape=(2, 1, 4, 8), table_shape=(2, 4, 4)))}
 # GLM-4.1V's language model: interleaved pairs of the first half of each head, rotated by MRoPE
@@ -438,6 +449,8 @@ FAMILIES = {
     "mlcd_vision_model": ("mlcd.modeling_mlcd", _VISION),
     "video_llama_3_vision": ("video_llama_3.modeling_video_llama_3", _VISION),
     "kimi_k25_vision": ("kimi_k25.modeling_kimi_k25", _VISION),
+    # DINOv3's ViT (its class and register tokens unrotated)
+    "dinov3_vit": ("dinov3_vit.modeling_dinov3_vit", _PATCHES),
     # Qwen2.5-Omni's thinker: its language model's MRoPE (transformers 4: Qwen2-VL's function;
     # 5: the tables composed in its rotary module, Llama's rotation), its vision tower's under 5
     "qwen2_5_omni_thinker": ("qwen2_5_omni.modeling_qwen2_5_omni",
