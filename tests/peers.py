@@ -187,6 +187,17 @@ def hf_apply_rotary_pos_emb_vision(q, k, cos, sin):
     return q_embed.to(q.dtype), k_embed.to(k.dtype)
 
 
+def hf_deepseek_v4_apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=1):
+    """DeepSeek-V4: the last 2 * cos.size(-1) dims of x, pairs (2i, 2i+1), rotated by tables of
+    one entry per pair; the dims before them passed through."""
+    cos = cos.repeat_interleave(2, dim=-1).unsqueeze(unsqueeze_dim)
+    sin = sin.repeat_interleave(2, dim=-1).unsqueeze(unsqueeze_dim)
+    nope, rope = x[..., :x.shape[-1] - cos.shape[-1]], x[..., x.shape[-1] - cos.shape[-1]:]
+    pairs = rope.unflatten(-1, (-1, 2))
+    turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    return torch.cat((nope, rope * cos + turned * sin), dim=-1)
+
+
 def hf_dinov3_apply_rotary_pos_emb(q, k, cos, sin):
     """DINOv3's ViT: the last cos.size(-2) tokens (the patches) rotated, the tokens before them
     (class and register tokens) passed through."""

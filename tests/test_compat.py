@@ -271,6 +271,24 @@ def test_hf_patches(dtype, prefix):
         hf.apply_rotary_pos_emb_patches(q[..., :3, :], k[..., :3, :], cos, sin)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [24, 8])  # nope dims before the rotated ones, or none
+def test_hf_trailing(dtype, width):
+    """DeepSeek-V4's apply_rotary_pos_emb: the last rope_dim dims rotated (pairs (2i, 2i+1), half
+    tables), by -sin too (its inverse), in x's dtype; gradients."""
+    x = torch.randn(2, 3, 5, width, dtype=dtype)
+    cos, sin = tables(10, 4, dtype)
+    cos, sin = cos.view(2, 5, 4), sin.view(2, 5, 4)
+    for s in (sin, -sin):
+        check(hf.apply_rotary_pos_emb_trailing(x, cos, s),
+              peers.hf_deepseek_v4_apply_rotary_pos_emb(*f64(x, cos, s)), dtype)
+    if dtype == torch.float32 and width > 8:  # the gradients once
+        assert gradcheck(hf.apply_rotary_pos_emb_trailing,
+                         tuple(t[:1].double().requires_grad_() for t in (x, cos, sin)))
+    with pytest.raises(ValueError, match=r"0 < rope_dim <= x.size\(-1\) = 6"):
+        hf.apply_rotary_pos_emb_trailing(x[..., :6], cos, sin)
+
+
 # Complex tables: each form's q/k shape, its table's shape and where it places the table
 COMPLEX = {
     "llama4": (hf.apply_rotary_emb_complex, (2, 5, 3, 16), (2, 5, 8), lambda f: f[:, :, None, :]),

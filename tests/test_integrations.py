@@ -543,6 +543,16 @@ if HF5:
         "youtu": causal_lm(T.YoutuConfig(**BASE, **MLA)),
         # with an indexer (as many kv heads as heads)
         "deepseek_v32": causal_lm(T.DeepseekV32Config(**KV4, **MLA, **MOE_DS, **INDEXER)),
+        # each kind of layer (compressed sparse with its indexer, heavily compressed, sliding)
+        "deepseek_v4": causal_lm(T.DeepseekV4Config(
+            **dict(BASE, num_hidden_layers=3, num_key_value_heads=1), head_dim=32, q_lora_rank=32,
+            moe_intermediate_size=32, num_experts_per_tok=1, n_routed_experts=2, o_groups=2,
+            o_lora_rank=16, **INDEXER, sliding_window=8, qk_rope_head_dim=8, hc_mult=2,
+            hc_sinkhorn_iters=2, num_nextn_predict_layers=0,
+            layer_types=["compressed_sparse_attention", "heavily_compressed_attention",
+                         "sliding_attention"],
+            compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+            mlp_layer_types=["hash_moe", "moe", "moe"])),
         "glm_moe_dsa": causal_lm(T.GlmMoeDsaConfig(**KV4, **MLA, **MOE_DS, **INDEXER)),
         "axk2": causal_lm(T.AXK2Config(**KV4, **MLA, **MOE_DS, **INDEXER)),
         "dots3_note_text": causal_lm(T.Dots3NoteTextConfig(**KV4, **MLA, **MOE_DS, pad_token_id=0)),

@@ -433,6 +433,23 @@ def apply_rotary_pos_emb_patches(q, k, cos, sin, **kwargs):
     return tuple(out)
 
 
+def apply_rotary_pos_emb_trailing(x, cos, sin, unsqueeze_dim=1):
+    """DeepSeek-V4's apply_rotary_pos_emb: one tensor x (..., head_dim) whose last 2 *
+    cos.size(-1) dims are rotated, pairs (2i, 2i+1), by cos and sin of one entry per pair
+    unsqueezed at unsqueeze_dim (its attention passes -sin to undo the rotation); the dims before
+    them pass through. Computed in float32 (float64 for float64 x, where transformers rounds to
+    float32 first), the result in x's dtype."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    rot = 2 * cos.shape[-1]
+    if sin.shape != cos.shape or not 0 < rot <= x.shape[-1]:
+        raise ValueError(f"cos and sin of shapes {list(cos.shape)} and {list(sin.shape)} (unsqueezed) "
+                         f"must be one shape (..., rope_dim / 2) with 0 < rope_dim <= x.size(-1) = "
+                         f"{x.shape[-1]}")
+    nope, rope = x.split((x.shape[-1] - rot, rot), dim=-1)
+    rotated = rotate_pairs(rope, float32_table(cos), float32_table(sin), x.dtype, interleaved=True)
+    return torch.cat((nope, rotated), dim=-1) if rot < x.shape[-1] else rotated
+
+
 def apply_rotary_pos_emb_gptj(tensor, sin, cos):
     """transformers' GPT-J apply_rotary_pos_emb(tensor, sin, cos) (note the order): tensor (batch,
     seq, heads, rotary_dim), sin/cos (batch, seq, rotary_dim / 2), pairs (2i, 2i+1) (GPT-J's

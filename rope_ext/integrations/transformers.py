@@ -167,6 +167,16 @@ def _probe_patches(original, replacement):
     return _same(replacement(q, k, emb.cos(), emb.sin()), original(q, k, emb.cos(), emb.sin()))
 
 
+def _probe_trailing(original, replacement):
+    """DeepSeek-V4's: one tensor, its last dims rotated by half tables, -sin too; float32, as
+    both compute."""
+    g = _generator()
+    x = torch.randn(2, 3, 4, 12, generator=g)
+    ang = torch.randn(2, 4, 4, generator=g) * 3
+    return all(_same([replacement(x, ang.cos(), s)], [original(x, ang.cos(), s)], tol=1e-6)
+               for s in (ang.sin(), -ang.sin()))
+
+
 # Where a family's function differs between transformers 4 and 5, its form is chosen by the
 # installed major version (read from the package's metadata: transformers is not imported here);
 # the probe holds whichever is chosen to the code it replaces.
@@ -222,6 +232,8 @@ _LLAMA4 = {
 }
 # DINOv3's ViT: the image's patches rotated, its class and register tokens passed through
 _PATCHES = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_patches, _probe_patches)}
+# DeepSeek-V4's: the trailing rope dims of one tensor, interleaved pairs, half tables
+_DEEPSEEK_V4 = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_trailing, _probe_trailing)}
 _DEEPSEEK_V2 = {"apply_rotary_emb": (hf.apply_rotary_emb_complex_heads_first, functools.partial(
     _probe_complex, q_shape=(2, 3, 4, 8), k_shape=(2, 1, 4, 8), table_shape=(2, 4, 4)))}
 # GLM-4.1V's language model: interleaved pairs of the first half of each head, rotated by MRoPE
@@ -381,6 +393,8 @@ FAMILIES = {
     "gpt_oss": ("gpt_oss.modeling_gpt_oss", _HALF_TABLES),
     "deepseek_v2": ("deepseek_v2.modeling_deepseek_v2", _DEEPSEEK_V2),
     "deepseek_v3": ("deepseek_v3.modeling_deepseek_v3", _DEEPSEEK),
+    # transformers >= 5; its attention, compressors and indexer, and the output's inverse rotation
+    "deepseek_v4": ("deepseek_v4.modeling_deepseek_v4", _DEEPSEEK_V4),
     "longcat_flash": ("longcat_flash.modeling_longcat_flash", _DEEPSEEK),
     "glm4_moe_lite": ("glm4_moe_lite.modeling_glm4_moe_lite", _DEEPSEEK),  # transformers >= 5
     "mistral4": ("mistral4.modeling_mistral4", _DEEPSEEK),  # transformers >= 5
