@@ -1207,6 +1207,22 @@ def test_a_changed_transformers_function_is_refused(monkeypatch):
     assert not integration.is_patched(model) and modeling.apply_rotary_pos_emb is changed
 
 
+def test_a_function_whose_signature_changed_is_refused(monkeypatch):
+    """A probe's call that fails (the function takes other arguments now) refuses the patch with
+    its message, naming the failure, rather than raising from inside the probe."""
+    modeling = transformers.models.llama.modeling_llama
+
+    def changed(x, cos, sin):  # one tensor now
+        return x * cos + sin
+
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", changed)
+    model = build("llama")
+    with pytest.raises(RuntimeError, match=r"does not compute what its rope_ext replacement does "
+                                           r"\(the probe's call failed: TypeError: .*\); refusing"):
+        integration.patch(model)
+    assert not integration.is_patched(model)
+
+
 def test_a_changed_function_at_a_verified_ones_address_is_refused(monkeypatch):
     # a function that passed the probe, freed; a different one that CPython puts at its address
     # (an id() key once took it for the verified one and patched it silently)

@@ -504,16 +504,22 @@ def _verify(modeling, name, replacement, probe):
     if _verified.get(key) is original:
         return
     # On the CPU whatever torch's defaults are (a model built under set_default_device).
+    # A function whose signature changed fails the probe's call: refused alike, not an error
+    # from inside the probe.
+    failure = None
     with torch.no_grad(), torch.device("cpu"):
-        ok = probe(original, replacement)
+        try:
+            ok = probe(original, replacement)
+        except Exception as e:  # any failure of the call is a mismatch
+            ok, failure = False, f" (the probe's call failed: {type(e).__name__}: {e})"
     if not ok:
         import transformers
 
         raise RuntimeError(
             f"rope_ext.integrations.transformers.patch: {modeling.__name__}.{name} (transformers "
-            f"{transformers.__version__}) does not compute what its rope_ext replacement does; "
-            "refusing to patch. Either it was replaced or wrapped after transformers defined it, "
-            "or this release computes otherwise (please report that)")
+            f"{transformers.__version__}) does not compute what its rope_ext replacement does"
+            f"{failure or ''}; refusing to patch. Either it was replaced or wrapped after "
+            "transformers defined it, or this release computes otherwise (please report that)")
     _verified[key] = original
 
 
