@@ -97,6 +97,11 @@ QWEN3_VL_TEXT = dict(BASE, head_dim=16, rope_scaling=dict(
 MOE = dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32)
 SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
               image_size=8, patch_size=2)
+EVOLLA = dict(BASE, num_hidden_layers=1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+              aligner_num_add_layers=1, resampler_depth=1, resampler_dim_head=8,
+              resampler_heads=2, resampler_num_latents=4, resampler_ff_mult=1,
+              protein_encoder_config=dict(ENCODER, hidden_size=32, intermediate_size=64,
+                                          pad_token_id=1, mask_token_id=4))
 LLAMA4_TEXT = dict(BASE, head_dim=16, intermediate_size_mlp=128, num_local_experts=2,
                    num_experts_per_tok=1, no_rope_layers=[1, 0], attention_chunk_size=8)
 NOPE_GLOBAL = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
@@ -200,6 +205,11 @@ FAMILIES = {
     "jina_embeddings_v3": lambda: T.JinaEmbeddingsV3ForMaskedLM(T.JinaEmbeddingsV3Config(
         **ENCODER, pad_token_id=0)),
     "esmc": lambda: T.EsmcForMaskedLM(T.EsmcConfig(**ENCODER, pad_token_id=0)),
+    "esm": lambda: (T.EsmForMaskedLM if HF5 else Missing("EsmSelfAttention calling RoPE "
+                    "(transformers >= 5)"))(T.EsmConfig(
+        **ENCODER, position_embedding_type="rotary", pad_token_id=1, mask_token_id=32)),
+    # Evolla on text (its language model); its protein encoder in TOWERS
+    "evolla": lambda: T.EvollaForProteinText2Text(T.EvollaConfig(**EVOLLA)),
     "ultrabert": lambda: T.UltrabertForMaskedLM(T.UltrabertConfig(**ENCODER, pad_token_id=0)),
     "neomme": lambda: T.NeoMMEForMaskedLM(T.NeoMMEConfig(**ENCODER, pad_token_id=0)),
     # EmbeddingGemma 2: Gemma's attention, no LM head (its last hidden states compared)
@@ -1080,6 +1090,27 @@ def dinov3_images():
     return model, dict(pixel_values=torch.randn(2, 3, 8, 8))  # 4x4 patches after 3 tokens
 
 
+def evolla_protein_and_text():
+    """Evolla on a protein and text (transformers 5 patches its protein encoder too)."""
+    model = T.EvollaForProteinText2Text(T.EvollaConfig(**EVOLLA)) if HF5 else Missing(
+        "EvollaSaProtSelfAttention calling RoPE (transformers >= 5)")
+    return model, dict(input_ids=torch.randint(10, 128, (2, 10)),
+                       protein_input_ids=torch.randint(5, 128, (2, 12)),
+                       protein_attention_mask=torch.ones(2, 12, dtype=torch.long))
+
+
+def lasr(encoder):
+    """LASR's speech encoder (or its CTC model) on 48 frames of 16 mel bins (11 after its
+    subsampling)."""
+    sizes = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                 conv_kernel_size=5, subsampling_conv_channels=8, num_mel_bins=16,
+                 subsampling_conv_kernel_size=3, max_position_embeddings=256)
+    model = (T.LasrEncoder(T.LasrEncoderConfig(**sizes)) if encoder else
+             T.LasrForCTC(T.LasrCTCConfig(vocab_size=128, encoder_config=sizes)))
+    return model, dict(input_features=torch.randn(2, 48, 16),
+                       attention_mask=torch.ones(2, 48, dtype=torch.long))
+
+
 def llama4_on_an_image():
     model = T.Llama4ForConditionalGeneration(T.Llama4Config(
         text_config=LLAMA4_TEXT, image_token_index=5, vision_config=dict(
@@ -1106,6 +1137,9 @@ TOWERS = {"pixtral": (mistral3_on_images, "PixtralAttention"),  # a 2-D table of
              "mlcd_vision_model": (mlcd_images, "MLCDAttention"),
              "llama4_vision_model": (llama4_on_an_image, "Llama4VisionAttention"),
              "dinov3_vit": (dinov3_images, "DINOv3ViTAttention"),
+             "evolla": (evolla_protein_and_text, "EvollaSaProtSelfAttention"),  # 5
+             "lasr_encoder": (lambda: lasr(encoder=True), "LasrEncoderAttention"),  # 5
+             "lasr_ctc": (lambda: lasr(encoder=False), "LasrEncoderAttention"),  # 5
              "video_llama_3_vision": (video_llama_3_images, "VideoLlama3VisionAttention"),  # 5
              "kimi_k25_vision": (kimi_k25_images, "Kimi_K25VisionAttention"),  # 5
              "glmasr_encoder": (lambda: audio_encoder("GlmAsrForConditionalGeneration",  # 5

@@ -309,6 +309,12 @@ FAMILIES = {
     "nomic_bert": ("nomic_bert.modeling_nomic_bert", _ROTATE_HALF),
     "jina_embeddings_v3": ("jina_embeddings_v3.modeling_jina_embeddings_v3", _ROTATE_HALF),
     "esmc": ("esmc.modeling_esmc", _ROTATE_HALF),
+    # ESM-2 (transformers 4's calls a rotary module of another form: not listed there), in float32
+    **({"esm": ("esm.modeling_esm", _IN_FLOAT32)} if _TRANSFORMERS_5 else {}),
+    # Evolla: its language model, and under transformers 5 its protein encoder (SaProt), in
+    # float32 (transformers 4's config names its type "EvollaModel")
+    "evolla": ("evolla.modeling_evolla", _IN_FLOAT32 if _TRANSFORMERS_5 else _ROTATE_HALF),
+    **({} if _TRANSFORMERS_5 else {"EvollaModel": ("evolla.modeling_evolla", _ROTATE_HALF)}),
     "ultrabert": ("ultrabert.modeling_ultrabert", _ROTATE_HALF),
     "neomme": ("neomme.modeling_neomme", _ROTATE_HALF),
     # EmbeddingGemma 2's text encoder (>= 5; QK norms fused), also inside its multimodal model
@@ -485,6 +491,9 @@ FAMILIES = {
     # has no test here)
     "glmasr_encoder": ("glmasr.modeling_glmasr", _ROTATE_HALF),
     "voxtral_realtime_encoder": ("voxtral_realtime.modeling_voxtral_realtime", _ROTATE_HALF),
+    # LASR's speech encoder, alone or in its CTC model (>= 5)
+    "lasr_encoder": ("lasr.modeling_lasr", _ROTATE_HALF),
+    "lasr_ctc": ("lasr.modeling_lasr", _ROTATE_HALF),
 }
 # The model types of GLM-4.1V's and GLM-4.5V's parts, as models built around them hold them
 # (GLM-4.6V: GLM-4.1V's)
