@@ -97,6 +97,16 @@ QWEN3_VL_TEXT = dict(BASE, head_dim=16, rope_scaling=dict(
 MOE = dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32)
 SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
               image_size=8, patch_size=2)
+BLT_PART = dict(num_attention_heads=4, num_hidden_layers=1, vocab_size=128, hidden_size=32,
+                intermediate_size=64, max_position_embeddings=64)
+
+
+def without_cache(model):
+    if not isinstance(model, Missing):
+        model.config.use_cache = False
+    return model
+
+
 EVOLLA = dict(BASE, num_hidden_layers=1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
               aligner_num_add_layers=1, resampler_depth=1, resampler_dim_head=8,
               resampler_heads=2, resampler_num_latents=4, resampler_ff_mult=1,
@@ -208,6 +218,21 @@ FAMILIES = {
     "esm": lambda: (T.EsmForMaskedLM if HF5 else Missing("EsmSelfAttention calling RoPE "
                     "(transformers >= 5)"))(T.EsmConfig(
         **ENCODER, position_embedding_type="rotary", pad_token_id=1, mask_token_id=32)),
+    # Higgs Audio v2 on text (5)
+    "higgs_audio_v2": lambda: T.HiggsAudioV2ForConditionalGeneration(T.HiggsAudioV2Config(
+        **dict(BASE, max_position_embeddings=2048), head_dim=16, num_codebooks=2,
+        codebook_size=16, audio_stream_bos_id=16, audio_stream_eos_id=17, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, audio_token_id=100, audio_bos_token_id=101,
+        audio_delay_token_id=102)),
+    # BLT: its patcher, local encoder and decoder and global transformer (transformers 5.23's
+    # fails to make its cache: use_cache off)
+    "blt": lambda: without_cache(T.BltForCausalLM(T.BltConfig(
+        vocab_size=128, max_position_embeddings=64, patch_size=4, cross_attn_k=2,
+        local_attention_window_len=16, encoder_hash_byte_group_size=[3, 4],
+        encoder_hash_byte_group_vocab=64, patcher_config=dict(BLT_PART, sliding_window=16),
+        encoder_config=dict(BLT_PART, hidden_size_global=64, cross_attn_k=2),
+        decoder_config=dict(BLT_PART, hidden_size_global=64, cross_attn_k=2),
+        global_config=dict(BLT_PART, hidden_size=64, intermediate_size=128)))),
     # Evolla on text (its language model); its protein encoder in TOWERS
     "evolla": lambda: T.EvollaForProteinText2Text(T.EvollaConfig(**EVOLLA)),
     "ultrabert": lambda: T.UltrabertForMaskedLM(T.UltrabertConfig(**ENCODER, pad_token_id=0)),
@@ -1111,6 +1136,22 @@ def lasr(encoder):
                        attention_mask=torch.ones(2, 48, dtype=torch.long))
 
 
+def sapiens2_images():
+    model = T.Sapiens2Model(T.Sapiens2Config(  # layer 0 of 4 key heads, layer 1 of 2
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        image_size=8, patch_size=2, num_register_tokens=2, num_key_value_attention_heads=2,
+        num_first_full_attention_layers=1, num_last_full_attention_layers=0))
+    return model, dict(pixel_values=torch.randn(2, 3, 8, 8))
+
+
+def timesfm_series():
+    model = T.TimesFm2_5ModelForPrediction(T.TimesFm2_5Config(
+        patch_length=8, context_length=64, horizon_length=16, output_quantile_len=16,
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, head_dim=8,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64))
+    return model, dict(past_values=[torch.randn(64), torch.randn(40)])  # two series
+
+
 def llama4_on_an_image():
     model = T.Llama4ForConditionalGeneration(T.Llama4Config(
         text_config=LLAMA4_TEXT, image_token_index=5, vision_config=dict(
@@ -1137,6 +1178,8 @@ TOWERS = {"pixtral": (mistral3_on_images, "PixtralAttention"),  # a 2-D table of
              "mlcd_vision_model": (mlcd_images, "MLCDAttention"),
              "llama4_vision_model": (llama4_on_an_image, "Llama4VisionAttention"),
              "dinov3_vit": (dinov3_images, "DINOv3ViTAttention"),
+             "sapiens2": (sapiens2_images, "Sapiens2Attention"),  # 5
+             "timesfm2_5": (timesfm_series, "TimesFm2_5Attention"),  # 5
              "evolla": (evolla_protein_and_text, "EvollaSaProtSelfAttention"),  # 5
              "lasr_encoder": (lambda: lasr(encoder=True), "LasrEncoderAttention"),  # 5
              "lasr_ctc": (lambda: lasr(encoder=False), "LasrEncoderAttention"),  # 5

@@ -238,9 +238,11 @@ _DEEPSEEK_V2 = {"apply_rotary_emb": (hf.apply_rotary_emb_complex_heads_first, fu
     _probe_complex, q_shape=(2, 3, 4, 8), k_shape=(2, 1, 4, 8), table_shape=(2, 4, 4)))}
 # GLM-4.1V's language model: interleaved pairs of the first half of each head, rotated by MRoPE
 # tables whose sections transformers 5 chooses in its rotary module, 4 in the function
-_GLM4V = ({"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_glm4v,
-                                    functools.partial(_probe_rotate_half, tables=_repeated))}
-          if _TRANSFORMERS_5 else
+# Interleaved pairs by tables holding each angle at both members, on the first cos.size(-1)
+# dims, torch's promotion (BLT's; GLM-4.1V's under transformers 5)
+_REPEATED_TABLES = {"apply_rotary_pos_emb": (
+    hf.apply_rotary_pos_emb_glm4v, functools.partial(_probe_rotate_half, tables=_repeated))}
+_GLM4V = (_REPEATED_TABLES if _TRANSFORMERS_5 else
           {"apply_multimodal_rotary_pos_emb": (hf.apply_multimodal_rotary_pos_emb_glm4v,
                                                _probe_mrope)})
 # Qwen3-VL's rotary module lays the MRoPE sections out interleaved (T,H,W,...) itself; its
@@ -396,6 +398,10 @@ FAMILIES = {
     "kyutai_speech_to_text": ("kyutai_speech_to_text.modeling_kyutai_speech_to_text", _ROTATE_HALF),
     "ernie4_5_moe": ("ernie4_5_moe.modeling_ernie4_5_moe", _ERNIE),
     "codegen": ("codegen.modeling_codegen", _GPTJ),
+    # BLT (Byte Latent Transformer): its entropy patcher, local encoder and decoder and global
+    # transformer, each a model type of its own
+    **{t: ("blt.modeling_blt", _REPEATED_TABLES) for t in (
+        "blt", "blt_patcher", "blt_local_encoder", "blt_local_decoder", "blt_global_transformer")},
     "gpt_oss": ("gpt_oss.modeling_gpt_oss", _HALF_TABLES),
     "deepseek_v2": ("deepseek_v2.modeling_deepseek_v2", _DEEPSEEK_V2),
     "deepseek_v3": ("deepseek_v3.modeling_deepseek_v3", _DEEPSEEK),
@@ -469,8 +475,12 @@ FAMILIES = {
     "mlcd_vision_model": ("mlcd.modeling_mlcd", _VISION),
     "video_llama_3_vision": ("video_llama_3.modeling_video_llama_3", _VISION),
     "kimi_k25_vision": ("kimi_k25.modeling_kimi_k25", _VISION),
-    # DINOv3's ViT (its class and register tokens unrotated)
+    # DINOv3's ViT and Sapiens2 (>= 5), their class and register tokens unrotated
     "dinov3_vit": ("dinov3_vit.modeling_dinov3_vit", _PATCHES),
+    "sapiens2": ("sapiens2.modeling_sapiens2", _PATCHES),
+    # TimesFM 2.5 (time series; its q/k norms follow the rotation) and Higgs Audio v2 (>= 5)
+    "timesfm2_5": ("timesfm2_5.modeling_timesfm2_5", _ROTATE_HALF),
+    "higgs_audio_v2": ("higgs_audio_v2.modeling_higgs_audio_v2", _ROTATE_HALF),
     # Qwen2.5-Omni's thinker: its language model's MRoPE (transformers 4: Qwen2-VL's function;
     # 5: the tables composed in its rotary module, Llama's rotation), its vision tower's under 5
     "qwen2_5_omni_thinker": ("qwen2_5_omni.modeling_qwen2_5_omni",
