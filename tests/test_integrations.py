@@ -233,6 +233,16 @@ FAMILIES = {
         encoder_config=dict(BLT_PART, hidden_size_global=64, cross_attn_k=2),
         decoder_config=dict(BLT_PART, hidden_size_global=64, cross_attn_k=2),
         global_config=dict(BLT_PART, hidden_size=64, intermediate_size=128)))),
+    # Unlimited OCR's language model, on text (its vision towers have no RoPE) (5)
+    "unlimited_ocr": lambda: T.UnlimitedOcrForConditionalGeneration(T.UnlimitedOcrConfig(
+        text_config=dict(BASE, num_key_value_heads=1, sliding_window=8, n_routed_experts=2,
+                         num_experts_per_tok=1, n_shared_experts=1, moe_intermediate_size=32),
+        image_token_id=5, vision_config=dict(
+            sam_config=dict(hidden_size=16, output_channels=16, num_hidden_layers=1,
+                            num_attention_heads=2, image_size=32, patch_size=4, window_size=0,
+                            global_attn_indexes=[0], mlp_dim=32, downsample_channels=[16, 32]),
+            encoder_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=8, patch_size=4)))),
     # Evolla on text (its language model); its protein encoder in TOWERS
     "evolla": lambda: T.EvollaForProteinText2Text(T.EvollaConfig(**EVOLLA)),
     "ultrabert": lambda: T.UltrabertForMaskedLM(T.UltrabertConfig(**ENCODER, pad_token_id=0)),
@@ -1136,6 +1146,45 @@ def lasr(encoder):
                        attention_mask=torch.ones(2, 48, dtype=torch.long))
 
 
+def muse_on_an_image(name):
+    """Muse Spark or Muse Glimmer (5): a text layer with RoPE, a NoPE one, a vision tower; one
+    image of 4x4 patches (4 merged tokens)."""
+    text = dict(BASE, num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=8,
+                bos_token_id=None, eos_token_id=None)
+    extra = {}
+    if name == "MuseSpark":
+        text.update(moe_intermediate_size=32, moe_hidden_size=32, num_local_experts=2,
+                    num_experts_per_tok=1)
+        extra = dict(audio_token_id=9, audio_config=dict(
+            patch_sizes=[2], hidden_sizes=[8], depths=[1], num_hidden_layers=1, out_hidden_size=64))
+    model = getattr(T, f"{name}ForConditionalGeneration")(getattr(T, f"{name}Config")(
+        text_config=text, out_hidden_size=128, projector_hidden_size=32, image_token_id=5,
+        video_token_id=6, vision_config=dict(
+            patch_size=2, pos_emb_height=4, pos_emb_width=4, num_attention_heads=2,
+            num_hidden_layers=1, hidden_size=32, intermediate_size=64, patch_temporal=1,
+            merge_size=2), **extra))
+    ids = torch.randint(10, 128, (1, 12))
+    ids[0, 3:7] = 5
+    return model, dict(input_ids=ids, pixel_values=torch.randn(16, 12),
+                       image_grid_thw=torch.tensor([[1, 4, 4]]))
+
+
+def cohere_compass_on_an_image():
+    """Cohere Compass (5): an interleaved-MRoPE sliding layer and a NoPE global one."""
+    mrope = dict(rope_type="default", rope_theta=1e4, mrope_section=[2, 3, 3],
+                 mrope_interleaved=True)
+    model = T.CohereCompassForConditionalGeneration(T.CohereCompassConfig(
+        text_config=dict(BASE, num_attention_heads=2, num_key_value_heads=1, sliding_window=8,
+                         layer_types=["sliding_attention", "full_attention"], pad_token_id=0,
+                         rope_parameters={"sliding_attention": mrope, "full_attention": None}),
+        vision_config=dict(QWEN3_VL_VISION, rope_parameters=dict(rope_type="axial", rope_theta=1e4)),
+        image_token_id=5, video_token_id=6, vision_start_token_id=7, vision_end_token_id=8))
+    ids = torch.randint(10, 128, (1, 12))
+    ids[0, 2], ids[0, 3:7], ids[0, 7] = 7, 5, 8
+    return model, dict(input_ids=ids, pixel_values=torch.randn(16, 12),
+                       image_grid_thw=torch.tensor([[1, 4, 4]]), mm_token_type_ids=(ids == 5).int())
+
+
 def sapiens2_images():
     model = T.Sapiens2Model(T.Sapiens2Config(  # layer 0 of 4 key heads, layer 1 of 2
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -1179,6 +1228,10 @@ TOWERS = {"pixtral": (mistral3_on_images, "PixtralAttention"),  # a 2-D table of
              "llama4_vision_model": (llama4_on_an_image, "Llama4VisionAttention"),
              "dinov3_vit": (dinov3_images, "DINOv3ViTAttention"),
              "sapiens2": (sapiens2_images, "Sapiens2Attention"),  # 5
+             "muse_spark": (lambda: muse_on_an_image("MuseSpark"), "MuseSparkVisionAttention"),
+             "muse_glimmer": (lambda: muse_on_an_image("MuseGlimmer"),  # 5
+                              "MuseGlimmerVisionAttention"),
+             "cohere_compass": (cohere_compass_on_an_image, "CohereCompassVisionAttention"),  # 5
              "timesfm2_5": (timesfm_series, "TimesFm2_5Attention"),  # 5
              "evolla": (evolla_protein_and_text, "EvollaSaProtSelfAttention"),  # 5
              "lasr_encoder": (lambda: lasr(encoder=True), "LasrEncoderAttention"),  # 5
@@ -1264,7 +1317,7 @@ def test_every_listed_family_is_built_here():
     this transformers version does not have."""
     import importlib.util
 
-    built = {integration.FAMILIES[f][0] for f in FAMILIES if f in integration.FAMILIES}
+    built = {integration.FAMILIES[f][0] for f in (*FAMILIES, *TOWERS) if f in integration.FAMILIES}
     for family, (path, _) in integration.FAMILIES.items():
         package = f"transformers.models.{path.split('.')[0]}"
         assert (family in FAMILIES or path in built or family in TOWERS

@@ -478,6 +478,14 @@ FAMILIES = {
     # DINOv3's ViT and Sapiens2 (>= 5), their class and register tokens unrotated
     "dinov3_vit": ("dinov3_vit.modeling_dinov3_vit", _PATCHES),
     "sapiens2": ("sapiens2.modeling_sapiens2", _PATCHES),
+    # Muse Spark, Muse Glimmer and Cohere Compass (>= 5): Qwen3-VL's interleaved MRoPE tables
+    # (their weightless q/k norms, shared by q and k and scaled after, run transformers' code)
+    # and vision towers; Unlimited OCR's language model (its towers have no RoPE)
+    **{f"{family}{part}": (f"{family}.modeling_{family}", _QWEN3_VL)
+       for family in ("muse_spark", "muse_glimmer", "cohere_compass")
+       for part in ("", "_text", "_vision")},
+    "unlimited_ocr": ("unlimited_ocr.modeling_unlimited_ocr", _ROTATE_HALF),
+    "unlimited_ocr_text": ("unlimited_ocr.modeling_unlimited_ocr", _ROTATE_HALF),
     # TimesFM 2.5 (time series; its q/k norms follow the rotation) and Higgs Audio v2 (>= 5)
     "timesfm2_5": ("timesfm2_5.modeling_timesfm2_5", _ROTATE_HALF),
     "higgs_audio_v2": ("higgs_audio_v2.modeling_higgs_audio_v2", _ROTATE_HALF),
