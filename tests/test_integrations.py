@@ -12,6 +12,7 @@ bfloat16 logits differ by transformers' extra roundings of its intermediates (ro
 once), within bf16 tolerance."""
 
 import copy
+import functools
 import os
 import sys
 import gc
@@ -1185,6 +1186,28 @@ def cohere_compass_on_an_image():
                        image_grid_thw=torch.tensor([[1, 4, 4]]), mm_token_type_ids=(ids == 5).int())
 
 
+def perception_encoder(kind):
+    """Perception Encoder's audio, video or audio-video encoder (5) on 40 samples of audio (10
+    tokens) and 3 frames of 8x8 pixels (a tiny ViT stands in for its timm vision tower, which
+    has no RoPE)."""
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2, head_dim=16)
+    audio = dict(sizes, dac_config=dict(downsampling_ratios=[2, 2], encoder_hidden_size=4,
+                                        codebook_dim=8))
+    video = dict(sizes, vision_config=T.ViTConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        image_size=8, patch_size=4, num_labels=8))
+    batch = dict(input_values=torch.randn(2, 1, 40), pixel_values_videos=torch.randn(2, 3, 3, 8, 8))
+    if kind == "audio":
+        return T.PeAudioEncoder(T.PeAudioEncoderConfig(**audio)), dict(input_values=batch["input_values"])
+    if kind == "video":
+        return T.PeVideoEncoder(T.PeVideoEncoderConfig(**video)), dict(
+            pixel_values_videos=batch["pixel_values_videos"])
+    return T.PeAudioVideoEncoder(T.PeAudioVideoEncoderConfig(
+        audio_config=dict(audio, model_type="pe_audio_encoder"),
+        video_config=dict(video, model_type="pe_video_encoder"), **sizes)), batch
+
+
 def sapiens2_images():
     model = T.Sapiens2Model(T.Sapiens2Config(  # layer 0 of 4 key heads, layer 1 of 2
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -1228,6 +1251,10 @@ TOWERS = {"pixtral": (mistral3_on_images, "PixtralAttention"),  # a 2-D table of
              "llama4_vision_model": (llama4_on_an_image, "Llama4VisionAttention"),
              "dinov3_vit": (dinov3_images, "DINOv3ViTAttention"),
              "sapiens2": (sapiens2_images, "Sapiens2Attention"),  # 5
+             **{f"pe_{kind}_encoder": (functools.partial(perception_encoder, kind),  # 5
+                                       f"Pe{name}EncoderAttention")
+                for kind, name in (("audio", "Audio"), ("video", "Video"),
+                                   ("audio_video", "AudioVideo"))},
              "muse_spark": (lambda: muse_on_an_image("MuseSpark"), "MuseSparkVisionAttention"),
              "muse_glimmer": (lambda: muse_on_an_image("MuseGlimmer"),  # 5
                               "MuseGlimmerVisionAttention"),

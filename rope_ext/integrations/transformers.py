@@ -486,6 +486,9 @@ FAMILIES = {
        for part in ("", "_text", "_vision")},
     "unlimited_ocr": ("unlimited_ocr.modeling_unlimited_ocr", _ROTATE_HALF),
     "unlimited_ocr_text": ("unlimited_ocr.modeling_unlimited_ocr", _ROTATE_HALF),
+    # Perception Encoder's audio, video and audio-video encoders (>= 5): GLM's interleaved pairs
+    **{f"pe_{kind}_encoder": (f"pe_{kind}.modeling_pe_{kind}", _GLM)
+       for kind in ("audio", "video", "audio_video")},
     # TimesFM 2.5 (time series; its q/k norms follow the rotation) and Higgs Audio v2 (>= 5)
     "timesfm2_5": ("timesfm2_5.modeling_timesfm2_5", _ROTATE_HALF),
     "higgs_audio_v2": ("higgs_audio_v2.modeling_higgs_audio_v2", _ROTATE_HALF),
