@@ -289,6 +289,38 @@ def test_hf_trailing(dtype, width):
         hf.apply_rotary_pos_emb_trailing(x[..., :6], cos, sin)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hf_sam_2d(dtype):
+    """SAM's apply_rotary_pos_emb_2d (memory attention: object pointers excluded, keys of two
+    frames by the tables repeated) and EdgeTAM's cross-attention form (temporal keys passed
+    through): pairs (2i, 2i+1), tables holding each angle at both members; gradients."""
+    def rotated(x, cos, sin):  # float64: the rotation of every pair by its tables
+        return peers.hf_cohere_apply_rotary_pos_emb(x, x, cos, sin, 0)[0]
+
+    angles = (torch.rand(1, 6, 4, dtype=torch.float64) * 20).repeat_interleave(2, -1)
+    cos, sin = angles.cos().float(), angles.sin().float()
+    q, k = torch.randn(2, 3, 6, 8, dtype=dtype), torch.randn(2, 3, 2 * 6 + 4, 8, dtype=dtype)
+    got = hf.apply_rotary_pos_emb_2d(q, k, cos, sin, num_k_exclude_rope=4, repeat_freqs_k=True)
+    q64, k64, c64, s64 = f64(q, k, cos, sin)
+    check(got[0], rotated(q64, c64, s64), dtype)
+    check(got[1], torch.cat((rotated(k64[..., :12, :], c64.repeat(1, 2, 1), s64.repeat(1, 2, 1)),
+                             k64[..., 12:, :]), -2), dtype)
+    # EdgeTAM: 2 groups of 3 temporal keys (as they are) and 2 spatial ones, 1 excluded
+    ck, sk = cos[:, :2], sin[:, :2]
+    k = torch.randn(2, 3, 2 * 5 + 1, 8, dtype=dtype)
+    got = hf.apply_rotary_pos_emb_2d_cross_attn(q, k, cos, sin, ck, sk, num_k_exclude_rope=1,
+                                                repeat_freqs_k=2)
+    k64 = k.double()
+    want = k64.clone()
+    for g in (0, 5):
+        want[..., g + 3:g + 5, :] = rotated(k64[..., g + 3:g + 5, :], c64[:, :2], s64[:, :2])
+    check(got[1], want, dtype)
+    if dtype == torch.float32:  # the gradients once
+        x, y = q[:1, :1].double().requires_grad_(), k[:1, :1].double().requires_grad_()
+        assert gradcheck(lambda a, b: hf.apply_rotary_pos_emb_2d_cross_attn(
+            a, b, c64, s64, c64[:, :2], s64[:, :2], num_k_exclude_rope=1, repeat_freqs_k=2), (x, y))
+
+
 # Complex tables: each form's q/k shape, its table's shape and where it places the table
 COMPLEX = {
     "llama4": (hf.apply_rotary_emb_complex, (2, 5, 3, 16), (2, 5, 8), lambda f: f[:, :, None, :]),

@@ -1279,6 +1279,60 @@ TOWERS = {"pixtral": (mistral3_on_images, "PixtralAttention"),  # a 2-D table of
                  "DeepseekOcr2VisionAttention")}
 
 
+def memory_attention(family):
+    """A video tracker's memory attention (SAM 2's, SAM 3's, EdgeTAM's: 2 layers, each
+    self-attention over a frame's 4x4 features, then cross-attention to the memory of 2 earlier
+    frames and 4 object pointers, which are not rotated) and its inputs."""
+    module = getattr(transformers.models, family, None)
+    if module is None:
+        return Missing(f"transformers.models.{family}"), None
+    modeling = getattr(module, f"modeling_{family}")
+    prefix = {"sam2_video": "Sam2Video", "sam3_tracker_video": "Sam3TrackerVideo",
+              "edgetam_video": "EdgeTamVideo"}[family]
+    sizes = dict(memory_attention_hidden_size=32, memory_attention_num_attention_heads=2,
+                 memory_attention_num_layers=2, memory_attention_rope_feat_sizes=[4, 4],
+                 memory_attention_dropout=0.0, memory_attention_rope_dropout=0.0)
+    edgetam = family == "edgetam_video"
+    sizes.update(dict(memory_attention_mlp_hidden_size=32, memory_attention_rope_k_sizes=[2, 2])
+                 if edgetam else dict(memory_attention_feed_forward_hidden_size=32))
+    config = getattr(modeling, f"{prefix}Config")(**sizes)
+    config.memory_attention_rope_feat_sizes = [4, 4]  # (SAM 3's image_size sets them too)
+    config._attn_implementation = "sdpa"  # (a model sets it; transformers 4 has no default)
+    memory = 2 * (3 + 4) + 4 if edgetam else 2 * 16 + 4  # (EdgeTAM: 3 temporal + 2x2 spatial)
+    batch = dict(current_vision_features=torch.randn(16, 2, 32),
+                 current_vision_position_embeddings=torch.randn(16, 2, 32),
+                 memory=torch.randn(memory, 2, 64), memory_posision_embeddings=torch.randn(
+                     memory, 2, 64), num_object_pointer_tokens=4)
+    if edgetam:
+        batch["num_spatial_memory_tokens"] = 2
+    return getattr(modeling, f"{prefix}MemoryAttention")(config), batch
+
+
+MEMORY_ATTENTION = ["sam2_video", "sam3_tracker_video", "edgetam_video"]
+
+
+@pytest.mark.parametrize("family", MEMORY_ATTENTION)
+def test_a_video_trackers_memory_attention_patched(family):
+    """SAM's 2D RoPE of memory attention (object pointers excluded, keys of several frames by
+    the tables repeated, EdgeTAM's temporal keys passed through) on rope_ext's op, its output
+    transformers'."""
+    torch.manual_seed(0)
+    model, batch = memory_attention(family)
+    if isinstance(model, Missing):
+        pytest.skip(f"transformers {transformers.__version__} has no {model.name}")
+    model.eval()
+    with torch.no_grad():
+        want = model(**batch)
+        integration.patch(model)
+        with RopeOps() as counter:
+            got = model(**batch)
+    assert counter.count == 8  # q and k of each layer's self- and cross-attention
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    integration.unpatch(model)
+    with torch.no_grad():
+        assert torch.equal(model(**batch), want)
+
+
 @pytest.mark.parametrize("tower", TOWERS)
 def test_a_tower_patched(tower):
     """The tower's RoPE runs on rope_ext too, the model's logits are transformers'."""
@@ -1344,7 +1398,8 @@ def test_every_listed_family_is_built_here():
     this transformers version does not have."""
     import importlib.util
 
-    built = {integration.FAMILIES[f][0] for f in (*FAMILIES, *TOWERS) if f in integration.FAMILIES}
+    built = {integration.FAMILIES[f][0] for f in (*FAMILIES, *TOWERS, *MEMORY_ATTENTION)
+             if f in integration.FAMILIES}
     for family, (path, _) in integration.FAMILIES.items():
         package = f"transformers.models.{path.split('.')[0]}"
         assert (family in FAMILIES or path in built or family in TOWERS

@@ -450,6 +450,58 @@ def apply_rotary_pos_emb_trailing(x, cos, sin, unsqueeze_dim=1):
     return torch.cat((nope, rotated), dim=-1) if rot < x.shape[-1] else rotated
 
 
+def _pairs_in_float32(x, cos, sin):
+    """SAM's `(x.float() * cos + rotate_pairwise(x.float()) * sin).type_as(x)`: pairs (2i, 2i+1)
+    by tables holding each angle at both members, rounded once to x's dtype."""
+    return _rotate_half_style((x,), cos, sin, (x.dtype,), interleaved=True)[0]
+
+
+def apply_rotary_pos_emb_2d(q, k, cos, sin, num_k_exclude_rope=0, repeat_freqs_k=False):
+    """SAM 2's and SAM 3 tracker's apply_rotary_pos_emb_2d (their video memory attention): q and
+    the keys before the last num_k_exclude_rope (object pointers, passed through) rotated, pairs
+    (2i, 2i+1), by tables (1, tokens, head_dim) holding each angle at both members; with
+    repeat_freqs_k, keys of several frames (a multiple of q's tokens) by the tables repeated per
+    frame. In float32, each result in its input's dtype."""
+    split = k.shape[-2] - num_k_exclude_rope
+    k_rot, k_pass = k[..., :split, :], k[..., split:, :]
+    q_embed = _pairs_in_float32(q, cos, sin)
+    if k_rot.shape[-2] == 0:
+        return q_embed, torch.cat([k_rot, k_pass], dim=-2)
+    if repeat_freqs_k and k_rot.shape[-2] != q.shape[-2]:
+        frames = k_rot.shape[-2] // q.shape[-2]
+        cos, sin = cos.repeat(1, 1, frames, 1), sin.repeat(1, 1, frames, 1)
+    return q_embed, torch.cat([_pairs_in_float32(k_rot, cos, sin), k_pass], dim=-2)
+
+
+def apply_rotary_pos_emb_2d_qk(q, k, cos, sin):
+    """EdgeTAM's apply_rotary_pos_emb_2d_self_attn: q and k rotated as apply_rotary_pos_emb_2d
+    rotates them."""
+    return _pairs_in_float32(q, cos, sin), _pairs_in_float32(k, cos, sin)
+
+
+def apply_rotary_pos_emb_2d_cross_attn(q, k, cos, sin, cos_k, sin_k, num_k_exclude_rope=0,
+                                       repeat_freqs_k=1):
+    """EdgeTAM's apply_rotary_pos_emb_2d_cross_attn: q rotated by cos/sin; the keys before the
+    last num_k_exclude_rope (passed through) are repeat_freqs_k groups of temporal tokens (passed
+    through) then spatial ones, rotated by cos_k/sin_k."""
+    q_embed = _pairs_in_float32(q, cos, sin)
+    split = k.shape[-2] - num_k_exclude_rope
+    k_rot, k_excluded = k[..., :split, :], k[..., split:, :]
+    if k_rot.shape[-2] == 0:
+        return q_embed, k_excluded
+    batch, heads, tokens, dim = k_rot.shape
+    per_group = tokens // repeat_freqs_k
+    temporal = per_group - cos_k.shape[-2]
+    grouped = k_rot.view(batch, heads, repeat_freqs_k, per_group, dim)
+    if repeat_freqs_k > 1:
+        cos_k, sin_k = cos_k.repeat(1, 1, repeat_freqs_k, 1), sin_k.repeat(1, 1, repeat_freqs_k, 1)
+    spatial = _pairs_in_float32(grouped[..., temporal:, :].reshape(batch, heads, -1, dim),
+                                cos_k, sin_k)
+    joined = torch.cat([grouped[..., :temporal, :],
+                        spatial.view(batch, heads, repeat_freqs_k, -1, dim)], dim=3)
+    return q_embed, torch.cat([joined.view(batch, heads, tokens, dim), k_excluded], dim=-2)
+
+
 def apply_rotary_pos_emb_gptj(tensor, sin, cos):
     """transformers' GPT-J apply_rotary_pos_emb(tensor, sin, cos) (note the order): tensor (batch,
     seq, heads, rotary_dim), sin/cos (batch, seq, rotary_dim / 2), pairs (2i, 2i+1) (GPT-J's

@@ -177,6 +177,42 @@ def _probe_trailing(original, replacement):
                for s in (ang.sin(), -ang.sin()))
 
 
+def _sam_tables(tokens, g):
+    """(1, tokens, 8) tables as SAM's rotary modules build them: each angle at both members."""
+    angles = _repeated(torch.randn(1, tokens, 4, generator=g) * 3)
+    return angles.cos(), angles.sin()
+
+
+def _probe_2d(original, replacement, cases):
+    """SAM's 2D RoPE (float32 inputs: both compute in float32): each case's extra arguments
+    (keys, tables, keywords) after q; then the result dtypes of bfloat16 q and keys."""
+    g = _generator()
+    q = torch.randn(2, 3, 4, 8, generator=g)
+    cos, sin = _sam_tables(4, g)
+    cases = [(torch.randn(2, 3, n, 8, generator=g), tuple(t for n_k in extra for t in
+                                                           _sam_tables(n_k, g)), kw)
+             for n, extra, kw in cases]
+    for k, extra, kw in cases:
+        got, want = replacement(q, k, cos, sin, *extra, **kw), original(q, k, cos, sin, *extra, **kw)
+        if not (_same(got, want, tol=1e-6) and [t.shape for t in got] == [t.shape for t in want]):
+            return False
+    k, extra, kw = cases[0]
+    bf16 = (q.bfloat16(), k.bfloat16(), cos, sin, *extra)
+    return [t.dtype for t in replacement(*bf16, **kw)] == [t.dtype for t in original(*bf16, **kw)]
+
+
+# SAM 2's and SAM 3 tracker's memory attention: keys of one frame, of several (object pointers
+# excluded), of two, all excluded; EdgeTAM's self-attention; its cross-attention (2 groups of 2
+# temporal + 3 spatial keys and 2 excluded, 3 spatial keys, all excluded)
+_probe_sam = functools.partial(_probe_2d, cases=[
+    (14, (), dict(num_k_exclude_rope=2, repeat_freqs_k=True)), (4, (), {}),
+    (8, (), dict(repeat_freqs_k=True)), (3, (), dict(num_k_exclude_rope=3))])
+_probe_sam_qk = functools.partial(_probe_2d, cases=[(4, (), {})])
+_probe_sam_cross = functools.partial(_probe_2d, cases=[
+    (12, (3,), dict(num_k_exclude_rope=2, repeat_freqs_k=2)), (3, (3,), {}),
+    (2, (3,), dict(num_k_exclude_rope=2))])
+
+
 # Where a family's function differs between transformers 4 and 5, its form is chosen by the
 # installed major version (read from the package's metadata: transformers is not imported here);
 # the probe holds whichever is chosen to the code it replaces.
@@ -234,6 +270,13 @@ _LLAMA4 = {
 _PATCHES = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_patches, _probe_patches)}
 # DeepSeek-V4's: the trailing rope dims of one tensor, interleaved pairs, half tables
 _DEEPSEEK_V4 = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_trailing, _probe_trailing)}
+# SAM's 2D RoPE of video memory attention: pairs (2i, 2i+1) of an image's rows and columns
+_SAM_VIDEO = {"apply_rotary_pos_emb_2d": (hf.apply_rotary_pos_emb_2d, _probe_sam)}
+_EDGETAM_VIDEO = {
+    "apply_rotary_pos_emb_2d_self_attn": (hf.apply_rotary_pos_emb_2d_qk, _probe_sam_qk),
+    "apply_rotary_pos_emb_2d_cross_attn": (hf.apply_rotary_pos_emb_2d_cross_attn,
+                                           _probe_sam_cross),
+}
 _DEEPSEEK_V2 = {"apply_rotary_emb": (hf.apply_rotary_emb_complex_heads_first, functools.partial(
     _probe_complex, q_shape=(2, 3, 4, 8), k_shape=(2, 1, 4, 8), table_shape=(2, 4, 4)))}
 # GLM-4.1V's language model: interleaved pairs of the first half of each head, rotated by MRoPE
@@ -475,6 +518,10 @@ FAMILIES = {
     "mlcd_vision_model": ("mlcd.modeling_mlcd", _VISION),
     "video_llama_3_vision": ("video_llama_3.modeling_video_llama_3", _VISION),
     "kimi_k25_vision": ("kimi_k25.modeling_kimi_k25", _VISION),
+    # The memory attention of SAM 2's and SAM 3's video trackers (>= 5) and EdgeTAM's
+    "sam2_video": ("sam2_video.modeling_sam2_video", _SAM_VIDEO),
+    "sam3_tracker_video": ("sam3_tracker_video.modeling_sam3_tracker_video", _SAM_VIDEO),
+    "edgetam_video": ("edgetam_video.modeling_edgetam_video", _EDGETAM_VIDEO),
     # DINOv3's ViT and Sapiens2 (>= 5), their class and register tokens unrotated
     "dinov3_vit": ("dinov3_vit.modeling_dinov3_vit", _PATCHES),
     "sapiens2": ("sapiens2.modeling_sapiens2", _PATCHES),
