@@ -321,12 +321,13 @@ def test_hf_sam_2d(dtype):
             a, b, c64, s64, c64[:, :2], s64[:, :2], num_k_exclude_rope=1, repeat_freqs_k=2), (x, y))
 
 
-# Complex tables: each form's q/k shape, its table's shape and where it places the table
+# Complex tables: each form's q and k shapes, its table's shape and where it places the table
 COMPLEX = {
-    "llama4": (hf.apply_rotary_emb_complex, (2, 5, 3, 16), (2, 5, 8), lambda f: f[:, :, None, :]),
-    "deepseek_v2": (hf.apply_rotary_emb_complex_heads_first, (2, 3, 5, 16), (2, 5, 8),
-                    lambda f: f.unsqueeze(1)),
-    "llama4_vision": (hf.vision_apply_rotary_emb, (2, 5, 3, 16), (5, 1, 8),
+    "llama4": (hf.apply_rotary_emb_complex, (2, 5, 3, 16), (2, 5, 1, 16), (2, 5, 8),
+               lambda f: f[:, :, None, :]),
+    "deepseek_v2": (hf.apply_rotary_emb_complex_heads_first, (2, 3, 5, 16), (2, 1, 5, 16),
+                    (2, 5, 8), lambda f: f.unsqueeze(1)),
+    "llama4_vision": (hf.vision_apply_rotary_emb, (2, 5, 3, 16), (2, 5, 3, 16), (5, 1, 8),
                       lambda f: f.view(1, 5, 1, 8)),
 }
 
@@ -336,10 +337,8 @@ COMPLEX = {
 def test_hf_complex_tables(dtype, form):
     """Llama 4's (text and vision) and DeepSeek-V2's apply_rotary_emb: complex tables of any
     modulus; values in the inputs' dtypes, k with fewer heads, and every gradient (float64)."""
-    fn, shape, table_shape, placed = COMPLEX[form]
-    q = torch.randn(shape, dtype=dtype)
-    k = torch.randn(shape[:2] + (shape[2] if form == "llama4_vision" else 1,) + shape[3:],
-                    dtype=dtype) if form != "deepseek_v2" else torch.randn(2, 1, 5, 16, dtype=dtype)
+    fn, q_shape, k_shape, table_shape, placed = COMPLEX[form]
+    q, k = torch.randn(q_shape, dtype=dtype), torch.randn(k_shape, dtype=dtype)
     table = torch.polar(torch.rand(table_shape, dtype=torch.float64) + 0.5,
                         torch.randn(table_shape, dtype=torch.float64) * 3)
     got = fn(q, k, table.to(torch.complex64))

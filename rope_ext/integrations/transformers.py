@@ -279,12 +279,12 @@ _EDGETAM_VIDEO = {
 }
 _DEEPSEEK_V2 = {"apply_rotary_emb": (hf.apply_rotary_emb_complex_heads_first, functools.partial(
     _probe_complex, q_shape=(2, 3, 4, 8), k_shape=(2, 1, 4, 8), table_shape=(2, 4, 4)))}
-# GLM-4.1V's language model: interleaved pairs of the first half of each head, rotated by MRoPE
-# tables whose sections transformers 5 chooses in its rotary module, 4 in the function
 # Interleaved pairs by tables holding each angle at both members, on the first cos.size(-1)
 # dims, torch's promotion (BLT's; GLM-4.1V's under transformers 5)
 _REPEATED_TABLES = {"apply_rotary_pos_emb": (
     hf.apply_rotary_pos_emb_glm4v, functools.partial(_probe_rotate_half, tables=_repeated))}
+# GLM-4.1V's language model: interleaved pairs of the first half of each head, rotated by MRoPE
+# tables whose sections transformers 5 chooses in its rotary module, 4 in the function
 _GLM4V = (_REPEATED_TABLES if _TRANSFORMERS_5 else
           {"apply_multimodal_rotary_pos_emb": (hf.apply_multimodal_rotary_pos_emb_glm4v,
                                                _probe_mrope)})
@@ -518,7 +518,7 @@ FAMILIES = {
     "mlcd_vision_model": ("mlcd.modeling_mlcd", _VISION),
     "video_llama_3_vision": ("video_llama_3.modeling_video_llama_3", _VISION),
     "kimi_k25_vision": ("kimi_k25.modeling_kimi_k25", _VISION),
-    # The memory attention of SAM 2's and SAM 3's video trackers (>= 5) and EdgeTAM's
+    # The memory attention of the video trackers of SAM 2, SAM 3 (>= 5) and EdgeTAM
     "sam2_video": ("sam2_video.modeling_sam2_video", _SAM_VIDEO),
     "sam3_tracker_video": ("sam3_tracker_video.modeling_sam3_tracker_video", _SAM_VIDEO),
     "edgetam_video": ("edgetam_video.modeling_edgetam_video", _EDGETAM_VIDEO),
