@@ -51,8 +51,8 @@ def cos_sin(freqs_cis):
     zeros (the reference multiplies by a real table too). A conjugate view (`freqs_cis.conj()`,
     the inverse rotation) is resolved first: view_as_real refuses it."""
     if freqs_cis.is_complex():
-        parts = torch.view_as_real(freqs_cis.resolve_conj())  # (dynamo cannot trace is_conj)
-        return parts[..., 0], parts[..., 1]
+        # (dynamo cannot trace is_conj; one unbind makes both views for less than two selects)
+        return torch.view_as_real(freqs_cis.resolve_conj()).unbind(-1)
     return freqs_cis, torch.zeros_like(freqs_cis)
 
 

@@ -527,7 +527,9 @@ def apply_rotary_emb_complex(xq, xk, freqs_cis):
     over the heads (`freqs_cis[:, :, None, :]`); computed in float32, each result rounded once to
     its input's dtype (float64 inputs stay float64, where transformers rounds them to float32
     first). Differentiable w.r.t. xq, xk and freqs_cis."""
-    return _complex_pairs(xq, xk, freqs_cis[:, :, None, :])
+    # freqs_cis[:, :, None, :]; for its 3 dims one unsqueeze, half the cost of the indexing
+    return _complex_pairs(xq, xk, freqs_cis.unsqueeze(2) if freqs_cis.dim() == 3 else
+                          freqs_cis[:, :, None, :])
 
 
 def apply_rotary_emb_complex_heads_first(xq, xk, freqs_cis):
