@@ -351,8 +351,9 @@ def test_hf_complex_tables(dtype, form):
         f = torch.view_as_real(table[:1] if form != "llama4_vision" else table).clone()
         assert gradcheck(lambda a, b, f: fn(a, b, torch.view_as_complex(f)),
                          (x, y, f.requires_grad_()))
-    with pytest.raises(ValueError, match=r"freqs_ci of shape .* must hold query.size\(1\) x query"
-                       if form == "llama4_vision" else r"freqs_cis of shape .* must have xq.size\(-1\) / 2"):
+    refused = (r"freqs_ci of shape .* must hold query.size\(1\) x query" if form == "llama4_vision"
+               else r"freqs_cis of shape .* must have xq.size\(-1\) / 2")
+    with pytest.raises(ValueError, match=refused):
         fn(q[..., :14], k[..., :14], table.to(torch.complex64))
 
 

@@ -436,7 +436,8 @@ FAMILIES.update({  # the rotate-half RoPE of Llama, each family's attention arou
     # DeepSeek-V3's MLA (latent q and kv, a rotated part of each head): pairs rotated and laid
     # out as halves (rope_interleave), or Llama's RoPE
     # complex tables; dense layers (transformers 4's MoE does not trace as one graph)
-    "deepseek_v2": causal_lm(T.DeepseekV2Config(**KV4, **MLA, **dict(MOE_DS, first_k_dense_replace=2))),
+    "deepseek_v2": causal_lm(T.DeepseekV2Config(**KV4, **MLA,
+                                                **dict(MOE_DS, first_k_dense_replace=2))),
     "deepseek_v3": causal_lm(T.DeepseekV3Config(**BASE, **MLA, n_routed_experts=2,
                                                 num_experts_per_tok=1, first_k_dense_replace=1,
                                                 n_group=1, topk_group=1)),
@@ -1199,7 +1200,8 @@ def perception_encoder(kind):
         image_size=8, patch_size=4, num_labels=8))
     batch = dict(input_values=torch.randn(2, 1, 40), pixel_values_videos=torch.randn(2, 3, 3, 8, 8))
     if kind == "audio":
-        return T.PeAudioEncoder(T.PeAudioEncoderConfig(**audio)), dict(input_values=batch["input_values"])
+        return T.PeAudioEncoder(T.PeAudioEncoderConfig(**audio)), dict(
+            input_values=batch["input_values"])
     if kind == "video":
         return T.PeVideoEncoder(T.PeVideoEncoderConfig(**video)), dict(
             pixel_values_videos=batch["pixel_values_videos"])

@@ -442,9 +442,9 @@ def apply_rotary_pos_emb_trailing(x, cos, sin, unsqueeze_dim=1):
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     rot = 2 * cos.shape[-1]
     if sin.shape != cos.shape or not 0 < rot <= x.shape[-1]:
-        raise ValueError(f"cos and sin of shapes {list(cos.shape)} and {list(sin.shape)} (unsqueezed) "
-                         f"must be one shape (..., rope_dim / 2) with 0 < rope_dim <= x.size(-1) = "
-                         f"{x.shape[-1]}")
+        raise ValueError(f"cos and sin of shapes {list(cos.shape)} and {list(sin.shape)} "
+                         f"(unsqueezed) must be one shape (..., rope_dim / 2) with 0 < rope_dim "
+                         f"<= x.size(-1) = {x.shape[-1]}")
     nope, rope = x.split((x.shape[-1] - rot, rot), dim=-1)
     rotated = rotate_pairs(rope, float32_table(cos), float32_table(sin), x.dtype, interleaved=True)
     return torch.cat((nope, rotated), dim=-1) if rot < x.shape[-1] else rotated
