@@ -272,11 +272,13 @@ _AFTER_AD_INPLACE = torch._C._after_ADInplaceOrView_keyset
 def _below_autograd(op, keyset, written, *args, **kwargs):
     """The ADInplaceOrView work (inference-tensor error, version bump), then the backend kernel.
     Also the no-grad path of a mutable op's Autograd kernel, which does that work itself and
-    skips the ADInplaceOrView key: one Python call instead of two on the hot path. Both come
-    before the kernel, as in the native call path (csrc/ops/router.cpp says why)."""
+    skips the ADInplaceOrView key: one Python call instead of two on the hot path. As in the
+    native call path (csrc/ops/router.cpp): inference tensors refused before the kernel, versions
+    moved after it, so a refused call writes nothing and moves no version."""
     check_not_inference(*written)
+    result = op.redispatch(keyset & _AFTER_AD_INPLACE, *args, **kwargs)
     torch._C._increment_version([t for t in written if t is not None])
-    return op.redispatch(keyset & _AFTER_AD_INPLACE, *args, **kwargs)
+    return result
 
 
 _creation_meta = getattr(torch._C._autograd, "_get_creation_meta", None)

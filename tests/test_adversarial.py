@@ -83,6 +83,35 @@ def test_raw_ops_bump_version_counters_of_every_written_tensor():
     assert all(t._version > v for t, v in zip((q, k, kc, vc), versions))
 
 
+def test_a_refused_call_moves_no_version_counter():
+    """As torch's own in-place ops: versions move when the call has written, so a call refused by
+    the op's checks, or for an inference tensor anywhere in its written arguments, moves none (an
+    autograd record of the tensors stays valid)."""
+    with torch.inference_mode():
+        inference = [torch.randn(4, 1, 16), torch.zeros(2, 4, 1, 16)]
+    for mode in (torch.no_grad, torch.enable_grad):
+        q, k, v = torch.randn(4, 2, 16), torch.randn(4, 1, 16), torch.randn(4, 1, 16)
+        kc, vc = torch.zeros(2, 4, 1, 16), torch.zeros(2, 4, 1, 16)
+        calls = [  # (call, its written tensors, the error)
+            (lambda: torch.ops.rope.apply_(q, k, torch.tensor([0, 1, 64, 2]), CACHE, False),
+             (q, k), "positions must lie in"),
+            (lambda: torch.ops.rope.apply_(q, inference[0], torch.arange(4), CACHE, False),
+             (q,), "Inplace update to inference tensor"),
+            (lambda: torch.ops.rope.apply_and_cache_(q, k, v, torch.arange(4), CACHE, kc, vc,
+                                                     torch.tensor([0, 1, 1, 2])),
+             (q, k, kc, vc), "slot_mapping"),
+            (lambda: torch.ops.rope.apply_and_cache_(q, k, v, torch.arange(4), CACHE, kc,
+                                                     inference[1], torch.arange(4)),
+             (q, k, kc), "Inplace update to inference tensor"),
+        ]
+        for call, written, error in calls:
+            before = [(t.clone(), t._version) for t in written]
+            with mode(), pytest.raises(RuntimeError, match=error):
+                call()
+            assert all(torch.equal(t, d) and t._version == n
+                       for t, (d, n) in zip(written, before)), (mode.__name__, error)
+
+
 def test_out_variant_and_cache_write_refuse_autograd():
     x = torch.randn(4, 2, 16, requires_grad=True)
     with pytest.raises(RuntimeError, match="out=... arguments don't support automatic differentiation"):
@@ -103,6 +132,7 @@ for entry in t.IN_PLACE:
     t.test_in_place_op_gradient_is_the_out_of_place_one(entry)
     t.test_in_place_op_follows_torch_rules_for_leaves_and_inference_tensors(entry)
 t.test_raw_ops_bump_version_counters_of_every_written_tensor()
+t.test_a_refused_call_moves_no_version_counter()
 t.test_out_variant_and_cache_write_refuse_autograd()
 for ops in (t.CPU_OPS,):
     t.check_overlaps(ops)

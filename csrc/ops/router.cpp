@@ -1,4 +1,5 @@
 // The Autograd and ADInplaceOrView kernels of the routed (in-place) ops: routes.h says why.
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -77,13 +78,18 @@ torch::stable::Tensor new_reference(AtenTensorHandle t) {
 
 // torch's in-place bookkeeping for a written tensor, through aten::set_(t, t): the version
 // counter (shared with every view of its storage) moves, and an inference tensor outside
-// inference mode is refused with torch's own error, before anything is written. (torch's own
-// ops move it after their kernel, and so write an inference tensor before refusing it; the
-// stable ABI has no cheaper test of one. So a call the kernel refuses has moved the versions.)
+// inference mode is refused with torch's own error.
 void bump_version(const torch::stable::Tensor& tensor) {
   StableIValue stack[2] = {from(tensor), from(tensor)};  // new references, consumed by the call
   call_op("aten::set_", "source_Tensor", stack);
   torch::stable::Tensor returned(to<AtenTensorHandle>(stack[0]));  // releases the alias
+}
+
+// Whether t was made in inference mode (aten::is_inference: the stable ABI has no getter).
+bool is_inference(const torch::stable::Tensor& tensor) {
+  StableIValue stack[1] = {from(tensor)};
+  call_op("aten::is_inference", "", stack);
+  return to<bool>(stack[0]);
 }
 
 bool on_cpu(AtenTensorHandle t) {
@@ -92,20 +98,35 @@ bool on_cpu(AtenTensorHandle t) {
   return type == aoti_torch_device_type_cpu();
 }
 
-// Bookkeeping, then the kernel: the CPU one directly (its errors keep their exact text on every
-// torch), any other device's (and a call with a ZeroTensor) through the kernel-only twin.
+// The kernel between torch's in-place bookkeeping: inference tensors first (refused outside
+// inference mode, with torch's error, before anything is written; they have no version counter
+// to move), the others' versions after the kernel, as torch's own in-place ops move them. So a
+// call refused by torch's rules or by the kernel's checks writes nothing and moves no version.
+// The CPU kernel runs directly, any other device's (and a call with a ZeroTensor) through the
+// kernel-only twin (both consume the stack: the written tensors are held apart).
 template <int R>
 void bump_and_run(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
   constexpr const OpSchema& op = kOps[R];
   check_tensors_given(R, stack);  // before the device of the first is read
+  std::optional<torch::stable::Tensor> versioned[kMaxWritten];
   for (int i = 0; i < op.n_written; ++i) {
-    if (AtenTensorHandle t = borrowed(stack, op.written[i])) bump_version(new_reference(t));
+    if (AtenTensorHandle t = borrowed(stack, op.written[i])) {
+      torch::stable::Tensor held = new_reference(t);
+      if (is_inference(held)) {
+        bump_version(held);
+      } else {
+        versioned[i] = std::move(held);
+      }
+    }
   }
   const BoxedKernel cpu = routed_cpu_kernel(R);
   if (cpu != nullptr && on_cpu(to<AtenTensorHandle>(stack[0])) && tensors_have_memory(R, stack)) {
     cpu(stack, num_args, num_outputs);
   } else {
     call_twin<R>(false, stack);
+  }
+  for (int i = 0; i < op.n_written; ++i) {
+    if (versioned[i]) bump_version(*versioned[i]);
   }
 }
 
