@@ -260,8 +260,12 @@ def check_cos_sin_cache(cache, ref, ref_name, head_dim, op):
 
 
 def check_positions_op(query, key, positions, pos_lead_dim0, cache=None, cos=None, sin=None,
-                       in_place=True, op="rope.apply_", q_name="query", memory=True):
+                       in_place=True, op="rope.apply_", q_name="query", memory=True,
+                       mrope_interleaved=False):
     """Mirrors checks.h check_positions_op; returns rotary_dim / 2."""
+    if mrope_interleaved and pos_lead_dim0 == 0:
+        _fail(f"{op}: mrope_interleaved=True needs mrope_section (the pairs of each of the 3 "
+              "position components)")
     _check_float(query, op, q_name)
     if query.dim() < 2:
         _fail(f"{op}: {q_name} must have shape (..., num_heads, head_dim), got {_shape(query)}")
@@ -355,11 +359,13 @@ def check_mrope(query, key, positions, cache, mrope_section, memory=True, rope_d
     return section
 
 
-def check_apply_positions(x, positions, cos, sin, mrope_section=None, cache=None):
+def check_apply_positions(x, positions, cos, sin, mrope_section=None, cache=None,
+                          mrope_interleaved=False):
     """rope.apply_positions with tables cos and sin, or (its .cache overload) one cos_sin_cache."""
     op = "rope.apply_positions" if cache is None else "rope.apply_positions.cache"
     half = check_positions_op(x, None, positions, 0 if mrope_section is None else 1, cache=cache,
-                              cos=cos, sin=sin, in_place=False, op=op, q_name="x")
+                              cos=cos, sin=sin, in_place=False, op=op, q_name="x",
+                              mrope_interleaved=mrope_interleaved)
     if mrope_section is not None:
         check_mrope_sections(mrope_section, half, op,
                              "cos.size(1)" if cache is None else "cos_sin_cache.size(1)/2")
@@ -389,7 +395,8 @@ def check_rope_and_cache(query, key, value, positions, cache, key_cache, value_c
         _fail(f"{op}: query and key must have shape (num_tokens, num_heads, head_dim), got query "
               f"{_shape(query)} and key {_shape(key)}")
     half = check_positions_op(query, key, positions, 0 if mrope_section is None else 1,
-                              cache=cache, in_place=in_place, op=op, memory=memory)
+                              cache=cache, in_place=in_place, op=op, memory=memory,
+                              mrope_interleaved=mrope_interleaved)
     section = None
     if mrope_section is not None:
         section = check_mrope_sections(mrope_section, half, op, "cos_sin_cache.size(1)/2")

@@ -102,13 +102,15 @@ def _fake_mrope_(query, key, positions, cos_sin_cache, mrope_section, interleave
 
 def _fake_apply_positions(x, positions, cos, sin, interleaved=False, inverse=False,
                           mrope_section=None, mrope_interleaved=False):
-    _checks.check_apply_positions(x, positions, cos, sin, mrope_section)
+    _checks.check_apply_positions(x, positions, cos, sin, mrope_section,
+                                  mrope_interleaved=mrope_interleaved)
     return x.new_empty(x.shape)
 
 
 def _fake_apply_positions_cache(x, positions, cos_sin_cache, interleaved=False, inverse=False,
                                 mrope_section=None, mrope_interleaved=False):
-    _checks.check_apply_positions(x, positions, None, None, mrope_section, cache=cos_sin_cache)
+    _checks.check_apply_positions(x, positions, None, None, mrope_section, cache=cos_sin_cache,
+                                  mrope_interleaved=mrope_interleaved)
     return x.new_empty(x.shape)
 
 

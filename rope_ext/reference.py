@@ -141,7 +141,8 @@ def apply_positions(x, positions, cos, sin, *, interleaved=False, inverse=False,
                     mrope_section=None, mrope_interleaved=False):
     """Rotated copy of x (..., H, D) by the rows of cos/sin (max_position, rotary_dim/2) at
     positions; inverse=True rotates by the negative angle."""
-    _checks.check_apply_positions(x, positions, cos, sin, mrope_section)
+    _checks.check_apply_positions(x, positions, cos, sin, mrope_section,
+                                  mrope_interleaved=mrope_interleaved)
     _checks.check_positions_in_range(positions, cos.shape[0], "rope.apply_positions", "cos.size(0)")
     c, s = gather_tables(positions, cos, sin, mrope_section, mrope_interleaved)
     return _rotate(x, c, s, interleaved, inverse)
@@ -151,7 +152,8 @@ def apply_positions_cache(x, positions, cos_sin_cache, *, interleaved=False, inv
                           mrope_section=None, mrope_interleaved=False):
     """apply_positions with the tables as one cos_sin_cache (max_position, rotary_dim), cos in
     the first half of each row."""
-    _checks.check_apply_positions(x, positions, None, None, mrope_section, cache=cos_sin_cache)
+    _checks.check_apply_positions(x, positions, None, None, mrope_section, cache=cos_sin_cache,
+                                  mrope_interleaved=mrope_interleaved)
     _checks.check_positions_in_range(positions, cos_sin_cache.shape[0],
                                      "rope.apply_positions.cache", "cos_sin_cache.size(0)")
     cos, sin = cache_halves(cos_sin_cache)

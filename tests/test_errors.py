@@ -1,5 +1,7 @@
 """Every bad input raises a clear error that names the argument, and changes nothing."""
 
+import re
+
 import pytest
 import torch
 
@@ -244,3 +246,58 @@ def test_arguments_of_the_wrong_kind_are_named():
         with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
             call()
         assert torch.equal(q, before[0]) and torch.equal(k, before[1]), match
+
+
+def _mrope_interleaved_without_section():
+    """Each op that takes mrope_interleaved beside an optional mrope_section, given the first
+    alone: (the native op's call, the reference's call) on fresh tensors."""
+    from rope_ext._qk_norm import reference as qk_reference
+
+    ref, ops = rope_ext.reference, torch.ops.rope
+    cache = rope_ext.cos_sin_cache(16, 16)
+    cos, sin = cache[:, :8], cache[:, 8:]
+    pos, slots, w = torch.arange(3), torch.arange(3), torch.ones(16)
+
+    def qkv():
+        return torch.randn(3, 4, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+
+    def caches():
+        return torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16)
+
+    return {
+        "apply_positions": (lambda: ops.apply_positions(qkv()[0], pos, cos, sin, False, False, None, True),
+                            lambda: ref.apply_positions(qkv()[0], pos, cos, sin, mrope_interleaved=True)),
+        "apply_positions.cache": (
+            lambda: ops.apply_positions.cache(qkv()[0], pos, cache, False, False, None, True),
+            lambda: ref.apply_positions_cache(qkv()[0], pos, cache, mrope_interleaved=True)),
+        "qk_norm_rope_": (
+            lambda: ops.qk_norm_rope_(*qkv()[:2], w, w, pos, cache, 1e-6, mrope_interleaved=True),
+            lambda: qk_reference.qk_norm_rope_(*qkv()[:2], w, w, pos, cache, 1e-6,
+                                               mrope_interleaved=True)),
+        "qkv_norm_rope_": (
+            lambda: ops.qkv_norm_rope_(torch.randn(3, 8 * 16), 4, 2, 2, 16, w, w, pos, cache, 1e-6,
+                                       mrope_interleaved=True),
+            lambda: qk_reference.qkv_norm_rope_(torch.randn(3, 8 * 16), 4, 2, 2, 16, w, w, pos,
+                                                cache, 1e-6, mrope_interleaved=True)),
+        "qk_norm_rope_and_cache_": (
+            lambda: ops.qk_norm_rope_and_cache_(*qkv(), pos, cache, w, w, *caches(), slots, 1e-6,
+                                                mrope_interleaved=True),
+            lambda: qk_reference.qk_norm_rope_and_cache_(*qkv(), pos, cache, w, w, *caches(),
+                                                         slots, 1e-6, mrope_interleaved=True)),
+        "qk_norm_rope_and_cache": (
+            lambda: ops.qk_norm_rope_and_cache(*qkv(), pos, cache, w, w, *caches(), slots, 1e-6,
+                                               mrope_interleaved=True),
+            lambda: qk_reference.qk_norm_rope_and_cache(*qkv(), pos, cache, w, w, *caches(),
+                                                        slots, 1e-6, mrope_interleaved=True)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_mrope_interleaved_without_section()))
+def test_mrope_interleaved_without_a_section_is_refused_by_every_op(name):
+    """A flag that would be ignored is refused, by the op and its reference with one message
+    (the public functions raise a ValueError of their own before the op)."""
+    native, reference = _mrope_interleaved_without_section()[name]
+    message = f"rope.{name}: mrope_interleaved=True needs mrope_section"
+    for call in (native, reference):
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            call()

@@ -724,6 +724,9 @@ inline RotateGeometry check_positions_op(const Meta& q, const Meta* key_meta,
                                          const char* op, const char* q_name) {
   const Meta pos(positions_t);
   const int64_t pos_lead_dim0 = tables.mrope_section != nullptr ? 1 : 0;  // the components' dim
+  ROPE_CHECK(pos_lead_dim0 == 1 || !tables.mrope_interleaved, op,
+             ": mrope_interleaved=True needs mrope_section (the pairs of each of the 3 position "
+             "components)");
   check_float(q, op, q_name);
   ROPE_CHECK(q.dim >= 2, op, ": ", q_name, " must have shape (..., num_heads, head_dim), got ",
              shape_str(q));

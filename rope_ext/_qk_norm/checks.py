@@ -123,11 +123,13 @@ def check_norm_rope(query, key, q_weight, k_weight, q_bias, k_bias, cos, sin, ep
 
 
 def check_qk_norm_rope_inplace(query, key, q_weight, k_weight, positions, cache, eps,
-                               mrope_section=None, memory=True, op=OP_INPLACE):
+                               mrope_section=None, memory=True, op=OP_INPLACE,
+                               mrope_interleaved=False):
     """The in-place op on query (..., Hq, D) and key (..., Hk, D); returns the mrope section
     (a list) or None."""
     half = _checks.check_positions_op(query, key, positions, 0 if mrope_section is None else 1,
-                                      cache=cache, op=op, memory=memory)
+                                      cache=cache, op=op, memory=memory,
+                                      mrope_interleaved=mrope_interleaved)
     section = None
     if mrope_section is not None:
         section = _checks.check_mrope_sections(mrope_section, half, op, "cos_sin_cache.size(1)/2")
@@ -195,9 +197,11 @@ def packed_views(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, op=OP_PAC
 
 
 def check_qkv_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight, k_weight,
-                        positions, cache, eps, mrope_section=None, memory=True):
+                        positions, cache, eps, mrope_section=None, memory=True,
+                        mrope_interleaved=False):
     """The packed in-place op; returns (query view, key view, mrope section or None)."""
     query, key = packed_views(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim)
     section = check_qk_norm_rope_inplace(query, key, q_weight, k_weight, positions, cache, eps,
-                                         mrope_section, memory=memory, op=OP_PACKED)
+                                         mrope_section, memory=memory, op=OP_PACKED,
+                                         mrope_interleaved=mrope_interleaved)
     return query, key, section

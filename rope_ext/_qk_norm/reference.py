@@ -135,7 +135,8 @@ def qk_norm_rope_(query, key, q_weight, k_weight, positions, cos_sin_cache, eps,
                   unit_offset=False, interleaved=False, mrope_section=None,
                   mrope_interleaved=False):
     section = checks.check_qk_norm_rope_inplace(query, key, q_weight, k_weight, positions,
-                                                cos_sin_cache, eps, mrope_section)
+                                                cos_sin_cache, eps, mrope_section,
+                                                mrope_interleaved=mrope_interleaved)
     positions = reference._checks.positions_read_once(positions, (query, key))
     reference._checks.check_positions_in_range(positions, cos_sin_cache.shape[0], checks.OP_INPLACE)
     _norm_rope_inplace(query, key, q_weight, k_weight, positions, cos_sin_cache, eps, unit_offset,
@@ -147,7 +148,7 @@ def qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weigh
                    mrope_section=None, mrope_interleaved=False):
     query, key, section = checks.check_qkv_norm_rope(
         qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight, k_weight, positions,
-        cos_sin_cache, eps, mrope_section)
+        cos_sin_cache, eps, mrope_section, mrope_interleaved=mrope_interleaved)
     positions = reference._checks.positions_read_once(positions, (qkv,))
     reference._checks.check_positions_in_range(positions, cos_sin_cache.shape[0], checks.OP_PACKED)
     _norm_rope_inplace(query, key, q_weight, k_weight, positions, cos_sin_cache, eps, unit_offset,

@@ -33,7 +33,8 @@ def _fake_qk_norm_rope_(query, key, q_weight, k_weight, positions, cos_sin_cache
                         unit_offset=False, interleaved=False, mrope_section=None,
                         mrope_interleaved=False):
     checks.check_qk_norm_rope_inplace(query, key, q_weight, k_weight, positions, cos_sin_cache,
-                                      eps, mrope_section, memory=False)
+                                      eps, mrope_section, memory=False,
+                                      mrope_interleaved=mrope_interleaved)
 
 
 def _fake_qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight,
@@ -41,7 +42,7 @@ def _fake_qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q
                          interleaved=False, mrope_section=None, mrope_interleaved=False):
     checks.check_qkv_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight,
                                k_weight, positions, cos_sin_cache, eps, mrope_section,
-                               memory=False)
+                               memory=False, mrope_interleaved=mrope_interleaved)
 
 
 def _fake_prologue(in_place):
