@@ -501,6 +501,17 @@ if HF5:
     FAMILIES["qwen3_5_moe"] = lambda: T.Qwen3_5MoeForConditionalGeneration(T.Qwen3_5MoeConfig(
         text_config=dict(QWEN3_5_TEXT, **MOE, shared_expert_intermediate_size=32),
         vision_config=QWEN3_5_VISION))
+    # A linear-attention layer and an indexed one, whose indexer rotates queries alone
+    QWEN4_EXP_TEXT = dict(
+        BASE, head_dim=16, layer_types=["linear_attention", "indexed_attention"],
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, **MOE, shared_expert_intermediate_size=32, hc_count=2,
+        hc_lowrank=8, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
+        indexer_budget=4, indexer_compress_ratio=2,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))
+    FAMILIES["qwen4_exp_text"] = causal_lm(T.Qwen4ExpTextConfig(**QWEN4_EXP_TEXT))
+    FAMILIES["qwen4_exp"] = lambda: T.Qwen4ExpForConditionalGeneration(T.Qwen4ExpConfig(
+        text_config=QWEN4_EXP_TEXT, vision_config=QWEN3_5_VISION))
     # Sliding and global layers (each with its own head dim and table), the last two reusing
     # the keys of the first two (their attention norms and rotates q only).
     GEMMA4_TEXT = dict(BASE, num_hidden_layers=4, head_dim=16, global_head_dim=32,
@@ -654,7 +665,7 @@ QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "qwen3_next", "glm4_moe", "qwen3
            "minimax_m3_vl_text", "lfm3", "qwen3_omni_moe_thinker", "t5gemma2", "step3p7", "exaone4_5",
            "minimax_m3_vl", "gemma3", "gemma4", "qwen3_5", "qwen3_5_moe",
            "molmo2", "glm_ocr", "exaone_moe", "afmoe", "flint", "kolibri1", "lfm2", "lfm2_moe",
-           "lfm2_vl", "beam", "embedding_gemma2_text"}
+           "lfm2_vl", "beam", "embedding_gemma2_text", "qwen4_exp_text", "qwen4_exp"}
 # Of those, the families whose attention norms and rotates q and k in separate calls: the fused
 # op runs once for each (q only in Gemma 4's layers that reuse another layer's keys).
 ONE_TENSOR = {"gemma4_text", "gemma4", "gemma3n_text", "gemma4_unified_text"}

@@ -144,6 +144,15 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     return _q_and_k(q, k, cos, sin, _unsqueeze_dim(position_ids, unsqueeze_dim), in_input_dtype=False)
 
 
+def apply_rotary_pos_emb_optional_key(q, k=None, cos=None, sin=None, unsqueeze_dim=1):
+    """Qwen4-Exp's apply_rotary_pos_emb: apply_rotary_pos_emb's (q_embed, k_embed), k optional:
+    without it, q_embed alone (its indexer rotates its queries, and its pooled keys, in calls of
+    their own, by keyword)."""
+    if k is None:
+        return apply_rotary_pos_emb_single(q, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+
 def apply_rotary_pos_emb_in_input_dtype(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """Olmo 2's and LFM3's apply_rotary_pos_emb: apply_rotary_pos_emb's rotation, each result in
     its input's dtype (float32 tables of a bfloat16 model give bfloat16 q_embed and k_embed, the

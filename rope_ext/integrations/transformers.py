@@ -92,6 +92,23 @@ def _probe_rotate_half(original, replacement, tables=_duplicated, dtype=torch.fl
     return [t.dtype for t in replacement(*mixed)] == [t.dtype for t in original(*mixed)]
 
 
+def _probe_optional_key(original, replacement):
+    """Qwen4-Exp's: apply_rotary_pos_emb's probe, then q alone by keyword (k left out), full and
+    partial rotary, heads at dim 1 and 2."""
+    if not _probe_rotate_half(original, replacement):
+        return False
+    g = _generator()
+    for rot, dim in ((8, 1), (4, 2)):
+        q = torch.randn(2, 3, 4, 8, generator=g, dtype=torch.float64)
+        if dim == 2:
+            q = q.transpose(1, 2)
+        emb = _duplicated(torch.randn(2, 4, rot // 2, generator=g, dtype=torch.float64) * 3)
+        call = dict(cos=emb.cos(), sin=emb.sin(), unsqueeze_dim=dim)
+        if not _same([replacement(q, **call)], [original(q, **call)]):
+            return False
+    return True
+
+
 def _probe_indexed(original, replacement):
     """transformers 4's PhiMoE: (positions, rotary_dim) tables gathered at position_ids, which
     its signature requires; transformers 5's takes the gathered tables (_probe_rotate_half)."""
@@ -270,6 +287,9 @@ _LLAMA4 = {
 _PATCHES = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_patches, _probe_patches)}
 # DeepSeek-V4's: the trailing rope dims of one tensor, interleaved pairs, half tables
 _DEEPSEEK_V4 = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_trailing, _probe_trailing)}
+# Qwen4-Exp's: k optional (its indexer rotates queries alone); its vision tower's as Qwen2-VL's
+_QWEN4_EXP = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_optional_key, _probe_optional_key),
+              **_VISION}
 # SAM's 2D RoPE of video memory attention: pairs (2i, 2i+1) of an image's rows and columns
 _SAM_VIDEO = {"apply_rotary_pos_emb_2d": (hf.apply_rotary_pos_emb_2d, _probe_sam)}
 _EDGETAM_VIDEO = {
@@ -450,6 +470,9 @@ FAMILIES = {
     "deepseek_v3": ("deepseek_v3.modeling_deepseek_v3", _DEEPSEEK),
     # transformers >= 5; its attention, compressors and indexer, and the output's inverse rotation
     "deepseek_v4": ("deepseek_v4.modeling_deepseek_v4", _DEEPSEEK_V4),
+    "qwen4_exp": ("qwen4_exp.modeling_qwen4_exp", _QWEN4_EXP),  # transformers >= 5
+    "qwen4_exp_text": ("qwen4_exp.modeling_qwen4_exp", _QWEN4_EXP),
+    "qwen4_exp_vision": ("qwen4_exp.modeling_qwen4_exp", _QWEN4_EXP),
     "longcat_flash": ("longcat_flash.modeling_longcat_flash", _DEEPSEEK),
     "glm4_moe_lite": ("glm4_moe_lite.modeling_glm4_moe_lite", _DEEPSEEK),  # transformers >= 5
     "mistral4": ("mistral4.modeling_mistral4", _DEEPSEEK),  # transformers >= 5
@@ -806,6 +829,7 @@ def _new_patched(original, names, fused=False):
 
 # The kind of fusion (_qk_norm) of an attention whose one RoPE function is replaced by each.
 _FUSED_KINDS = {hf.apply_rotary_pos_emb: True,
+                hf.apply_rotary_pos_emb_optional_key: True,  # its attention passes q and k
                 hf.apply_rotary_pos_emb_in_input_dtype: _qk_norm.IN_INPUT_DTYPE,
                 hf.apply_rotary_pos_emb_single: _qk_norm.ONE_TENSOR,
                 hf.apply_rotary_pos_emb_vision: _qk_norm.VISION}
