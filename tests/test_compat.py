@@ -107,6 +107,25 @@ def test_hf_apply_rotary_pos_emb_single(dtype, unsqueeze_dim, rot_frac):
                      (x64, c64, s64))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_hf_apply_rotary_pos_emb_optional_key(dtype, unsqueeze_dim):
+    # Qwen4-Exp's form: (q_embed, k_embed) given k, q_embed alone by keyword without it (its
+    # indexer's calls), partial rotary, against float64 math.
+    B, S, D, rot = 2, 7, 32, 16
+    cos, sin = peers.hf_cos_sin(torch.randint(0, 200, (B, S)), rot, dtype=dtype)
+    shape = (lambda h: (B, h, S, D)) if unsqueeze_dim == 1 else (lambda h: (B, S, h, D))
+    q, k = torch.randn(shape(4), dtype=dtype), torch.randn(shape(2), dtype=dtype)
+    want = peers.hf_apply_rotary_pos_emb(*f64(q, k, cos, sin), unsqueeze_dim=unsqueeze_dim)
+    got = hf.apply_rotary_pos_emb_optional_key(q, k, cos, sin, unsqueeze_dim)
+    assert len(got) == 2
+    check(got[0], want[0], dtype)
+    check(got[1], want[1], dtype)
+    alone = hf.apply_rotary_pos_emb_optional_key(q, cos=cos, sin=sin, unsqueeze_dim=unsqueeze_dim)
+    assert isinstance(alone, torch.Tensor)
+    check(alone, want[0], dtype)
+
+
 @pytest.mark.parametrize("q_dtype, table_dtype", [(torch.bfloat16, torch.float32),
                                                    (torch.float32, torch.bfloat16)])
 def test_hf_promotes_dtypes_like_torch(q_dtype, table_dtype):
