@@ -126,6 +126,19 @@ def test_hf_apply_rotary_pos_emb_optional_key(dtype, unsqueeze_dim):
     check(alone, want[0], dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hf_apply_rotary_pos_emb_latest_queries(dtype):
+    # Muse Glimmer assistant's form: q (4 positions) by the last rows of tables spanning k's 9.
+    B, D = 2, 32
+    cos, sin = peers.hf_cos_sin(torch.randint(0, 200, (B, 9)), D, dtype=dtype)
+    q, k = torch.randn(B, 4, 4, D, dtype=dtype), torch.randn(B, 2, 9, D, dtype=dtype)
+    got = hf.apply_rotary_pos_emb_latest_queries(q, k, cos, sin)
+    want_q, _ = peers.hf_apply_rotary_pos_emb(*f64(q, q, cos[:, -4:], sin[:, -4:]))
+    _, want_k = peers.hf_apply_rotary_pos_emb(*f64(k, k, cos, sin))
+    check(got[0], want_q, dtype)
+    check(got[1], want_k, dtype)
+
+
 @pytest.mark.parametrize("q_dtype, table_dtype", [(torch.bfloat16, torch.float32),
                                                    (torch.float32, torch.bfloat16)])
 def test_hf_promotes_dtypes_like_torch(q_dtype, table_dtype):

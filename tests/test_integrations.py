@@ -1346,6 +1346,47 @@ def test_a_video_trackers_memory_attention_patched(family):
         assert torch.equal(model(**batch), want)
 
 
+def muse_glimmer_assistant():
+    """Muse Glimmer's assistant (a draft model: 2 layers, 4 positions of noise embeddings
+    attending to 6 of the target model's context, which its keys hold before their own) and its
+    inputs."""
+    module = getattr(transformers.models, "muse_glimmer_assistant", None)
+    if module is None:
+        return Missing("transformers.models.muse_glimmer_assistant"), None
+    modeling = module.modeling_muse_glimmer_assistant
+    config = modeling.MuseGlimmerAssistantConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=8,
+        block_size=4, target_layer_ids=[0, 1],
+        layer_types=["sliding_attention", "full_attention"])
+    batch = dict(noise_embeds=torch.randn(2, 4, 32), context_hidden_states=torch.randn(2, 6, 64))
+    return modeling.MuseGlimmerAssistantModel(config), batch
+
+
+DRAFT_MODELS = {"muse_glimmer_assistant": muse_glimmer_assistant}
+
+
+@pytest.mark.parametrize("family", DRAFT_MODELS)
+def test_a_draft_model_whose_queries_are_the_latest_positions_patched(family):
+    """Its queries rotated by the last rows of the tables its keys span, on rope_ext's ops; its
+    hidden states transformers'."""
+    torch.manual_seed(0)
+    model, batch = DRAFT_MODELS[family]()
+    if isinstance(model, Missing):
+        pytest.skip(f"transformers {transformers.__version__} has no {model.name}")
+    model.eval()
+    with torch.no_grad():
+        want = model(**batch).last_hidden_state
+        integration.patch(model)
+        with RopeOps() as counter:
+            got = model(**batch).last_hidden_state
+    assert counter.count == 4  # q and k of each layer
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    integration.unpatch(model)
+    with torch.no_grad():
+        assert torch.equal(model(**batch).last_hidden_state, want)
+
+
 @pytest.mark.parametrize("tower", TOWERS)
 def test_a_tower_patched(tower):
     """The tower's RoPE runs on rope_ext too, the model's logits are transformers'."""
@@ -1411,7 +1452,8 @@ def test_every_listed_family_is_built_here():
     this transformers version does not have."""
     import importlib.util
 
-    built = {integration.FAMILIES[f][0] for f in (*FAMILIES, *TOWERS, *MEMORY_ATTENTION)
+    built = {integration.FAMILIES[f][0] for f in (*FAMILIES, *TOWERS, *MEMORY_ATTENTION,
+                                                   *DRAFT_MODELS)
              if f in integration.FAMILIES}
     for family, (path, _) in integration.FAMILIES.items():
         package = f"transformers.models.{path.split('.')[0]}"

@@ -153,6 +153,20 @@ def apply_rotary_pos_emb_optional_key(q, k=None, cos=None, sin=None, unsqueeze_d
     return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
 
+def apply_rotary_pos_emb_latest_queries(q, k, cos, sin, unsqueeze_dim=1):
+    """Muse Glimmer assistant's apply_rotary_pos_emb: k holds the target model's context before
+    the positions of q, so the tables span k's positions and q takes their last q.size(-2) rows
+    (the unsqueezed tables' dim -2, as there); k_embed as apply_rotary_pos_emb's."""
+    rows = cos.dim() + 1
+    if unsqueeze_dim % rows != rows - 2:  # (else dim -2 of the unsqueezed tables is the new one)
+        q_len = q.size(-2)
+        q_embed = apply_rotary_pos_emb_single(q, cos[..., -q_len:, :], sin[..., -q_len:, :],
+                                              unsqueeze_dim=unsqueeze_dim)
+    else:
+        q_embed = apply_rotary_pos_emb_single(q, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    return q_embed, apply_rotary_pos_emb_single(k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+
 def apply_rotary_pos_emb_in_input_dtype(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """Olmo 2's and LFM3's apply_rotary_pos_emb: apply_rotary_pos_emb's rotation, each result in
     its input's dtype (float32 tables of a bfloat16 model give bfloat16 q_embed and k_embed, the

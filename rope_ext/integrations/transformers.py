@@ -109,6 +109,19 @@ def _probe_optional_key(original, replacement):
     return True
 
 
+def _probe_latest_queries(original, replacement):
+    """Muse Glimmer assistant's: q over the last 2 of k's 5 positions, heads at dim 1; dtypes of
+    a bfloat16 model's float32 tables."""
+    g = _generator()
+    q = torch.randn(2, 3, 2, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 1, 5, 8, generator=g, dtype=torch.float64)
+    emb = _duplicated(torch.randn(2, 5, 4, generator=g, dtype=torch.float64) * 3)
+    if not _same(replacement(q, k, emb.cos(), emb.sin()), original(q, k, emb.cos(), emb.sin())):
+        return False
+    mixed = (q.to(torch.bfloat16), k.to(torch.bfloat16), emb.cos().float(), emb.sin().float())
+    return [t.dtype for t in replacement(*mixed)] == [t.dtype for t in original(*mixed)]
+
+
 def _probe_indexed(original, replacement):
     """transformers 4's PhiMoE: (positions, rotary_dim) tables gathered at position_ids, which
     its signature requires; transformers 5's takes the gathered tables (_probe_rotate_half)."""
@@ -287,6 +300,9 @@ _LLAMA4 = {
 _PATCHES = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_patches, _probe_patches)}
 # DeepSeek-V4's: the trailing rope dims of one tensor, interleaved pairs, half tables
 _DEEPSEEK_V4 = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_trailing, _probe_trailing)}
+# Muse Glimmer assistant's: q over the last of k's positions (k holds the target's context too)
+_LATEST_QUERIES = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_latest_queries,
+                                            _probe_latest_queries)}
 # Qwen4-Exp's: k optional (its indexer rotates queries alone); its vision tower's as Qwen2-VL's
 _QWEN4_EXP = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_optional_key, _probe_optional_key),
               **_VISION}
@@ -471,6 +487,8 @@ FAMILIES = {
     # transformers >= 5; its attention, compressors and indexer, and the output's inverse rotation
     "deepseek_v4": ("deepseek_v4.modeling_deepseek_v4", _DEEPSEEK_V4),
     "qwen4_exp": ("qwen4_exp.modeling_qwen4_exp", _QWEN4_EXP),  # transformers >= 5
+    "muse_glimmer_assistant": ("muse_glimmer_assistant.modeling_muse_glimmer_assistant",
+                               _LATEST_QUERIES),  # transformers >= 5
     "qwen4_exp_text": ("qwen4_exp.modeling_qwen4_exp", _QWEN4_EXP),
     "qwen4_exp_vision": ("qwen4_exp.modeling_qwen4_exp", _QWEN4_EXP),
     "longcat_flash": ("longcat_flash.modeling_longcat_flash", _DEEPSEEK),
