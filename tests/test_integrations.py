@@ -501,6 +501,12 @@ if HF5:
     FAMILIES["qwen3_5_moe"] = lambda: T.Qwen3_5MoeForConditionalGeneration(T.Qwen3_5MoeConfig(
         text_config=dict(QWEN3_5_TEXT, **MOE, shared_expert_intermediate_size=32),
         vision_config=QWEN3_5_VISION))
+    # Gemma 4's one-tensor QK-norm + RoPE in an encoder (the prompt) and a decoder (the canvas)
+    FAMILIES["diffusion_gemma"] = lambda: T.DiffusionGemmaForBlockDiffusion(T.DiffusionGemmaConfig(
+        text_config=dict(BASE, head_dim=16, sliding_window=8, num_experts=2, top_k_experts=1,
+                         moe_intermediate_size=32,
+                         layer_types=["sliding_attention", "full_attention"]),
+        vision_config=None, canvas_length=4))
     # A linear-attention layer and an indexed one, whose indexer rotates queries alone
     QWEN4_EXP_TEXT = dict(
         BASE, head_dim=16, layer_types=["linear_attention", "indexed_attention"],
@@ -651,8 +657,9 @@ if HF5:
         "flint": causal_lm(T.FlintConfig(**BASE, head_dim=16, **NOPE_GLOBAL)),
         "kolibri1": causal_lm(T.Kolibri1Config(**BASE, head_dim=16, **NOPE_GLOBAL)),
     })
-ENCODER_DECODER = {"t5gemma2", "t5gemma", "dia"}
-DECODER_TOKENS = {"dia": (2, 12, 2)}  # decoder_input_ids' shape where not input_ids' (2 channels)
+ENCODER_DECODER = {"t5gemma2", "t5gemma", "dia", "diffusion_gemma"}
+DECODER_TOKENS = {"dia": (2, 12, 2),  # decoder_input_ids' shape where not input_ids' (2 channels)
+                  "diffusion_gemma": (2, 4)}  # (its canvas)
 SPEECH = {"moonshine", "moonshine_streaming"}
 VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm_ocr", "glm4v", "glm4v_moe",
       "paddleocr_vl", "ernie4_5_vl_moe", "qwen2_5_omni_thinker")
@@ -665,10 +672,11 @@ QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "qwen3_next", "glm4_moe", "qwen3
            "minimax_m3_vl_text", "lfm3", "qwen3_omni_moe_thinker", "t5gemma2", "step3p7", "exaone4_5",
            "minimax_m3_vl", "gemma3", "gemma4", "qwen3_5", "qwen3_5_moe",
            "molmo2", "glm_ocr", "exaone_moe", "afmoe", "flint", "kolibri1", "lfm2", "lfm2_moe",
-           "lfm2_vl", "beam", "embedding_gemma2_text", "qwen4_exp_text", "qwen4_exp"}
+           "lfm2_vl", "beam", "embedding_gemma2_text", "qwen4_exp_text", "qwen4_exp",
+           "diffusion_gemma"}
 # Of those, the families whose attention norms and rotates q and k in separate calls: the fused
 # op runs once for each (q only in Gemma 4's layers that reuse another layer's keys).
-ONE_TENSOR = {"gemma4_text", "gemma4", "gemma3n_text", "gemma4_unified_text"}
+ONE_TENSOR = {"gemma4_text", "gemma4", "gemma3n_text", "gemma4_unified_text", "diffusion_gemma"}
 # And those whose attention rotates on some layers only (it norms on all): the fused op runs on
 # those, the norms alone on the others.
 SOME_LAYERS = {"exaone4", "exaone4_5", "exaone_moe", "afmoe", "flint", "kolibri1", "beam"}
@@ -758,8 +766,13 @@ def gradients(model, ids):
     """Every parameter's gradient of the language-model loss on ids (an embedding model's: the
     mean square of its last hidden states), fresh: grads zeroed first."""
     model.zero_grad()
+    torch.manual_seed(0)  # (DiffusionGemma's training forward draws its noise)
     out = model(**text_batch(model, ids), labels=ids)
-    (out.last_hidden_state.pow(2).mean() if out.get("loss") is None else out.loss).backward()
+    if out.get("loss") is None:  # an embedding model's, or DiffusionGemma's (its logits)
+        last = out.get("last_hidden_state")
+        (out.logits if last is None else last).pow(2).mean().backward()
+    else:
+        out.loss.backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -1737,12 +1750,19 @@ def test_qk_norm_families_generate_the_same_tokens(family):
     model = perturbed(build(family), 3)  # norm weights away from their initial 1 (or 0)
     ids = torch.randint(10, 128, (2, 6))
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
-    want = model.generate(ids, **kw)
+    torch.manual_seed(0)  # (DiffusionGemma's canvas starts from noise)
+    want = tokens(model.generate(ids, **kw))
     integration.patch(model)
     assert any(getattr(type(m), "_rope_ext_spec", (0, 0, False))[2] for m in model.modules())
-    got = model.generate(ids, **kw)
+    torch.manual_seed(0)
+    got = tokens(model.generate(ids, **kw))
     integration.unpatch(model)
     assert torch.equal(got, want)
+
+
+def tokens(generated):
+    """generate's tokens (DiffusionGemma's come in an output object)."""
+    return generated if isinstance(generated, torch.Tensor) else generated.sequences
 
 
 # Families with norms under other names, one-tensor fusion, and the common case.

@@ -487,6 +487,9 @@ FAMILIES = {
     # transformers >= 5; its attention, compressors and indexer, and the output's inverse rotation
     "deepseek_v4": ("deepseek_v4.modeling_deepseek_v4", _DEEPSEEK_V4),
     "qwen4_exp": ("qwen4_exp.modeling_qwen4_exp", _QWEN4_EXP),  # transformers >= 5
+    # Gemma 4's one-tensor RoPE in an encoder and a decoder (transformers >= 5)
+    "diffusion_gemma": ("diffusion_gemma.modeling_diffusion_gemma", _ONE_TENSOR),
+    "diffusion_gemma_text": ("diffusion_gemma.modeling_diffusion_gemma", _ONE_TENSOR),
     "muse_glimmer_assistant": ("muse_glimmer_assistant.modeling_muse_glimmer_assistant",
                                _LATEST_QUERIES),  # transformers >= 5
     "qwen4_exp_text": ("qwen4_exp.modeling_qwen4_exp", _QWEN4_EXP),
