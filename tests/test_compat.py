@@ -127,6 +127,23 @@ def test_hf_apply_rotary_pos_emb_optional_key(dtype, unsqueeze_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_hf_apply_rotary_pos_emb_interleaved_half_tables(dtype, unsqueeze_dim):
+    # OpenAI Privacy Filter's form: pairs (2i, 2i+1), tables of one entry per pair (any angles).
+    B, S, D = 2, 7, 16
+    ang = torch.randn(B, S, D // 2, dtype=torch.float64) * 3
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    shape = (lambda h: (B, h, S, D)) if unsqueeze_dim == 1 else (lambda h: (B, S, h, D))
+    q, k = torch.randn(shape(4), dtype=dtype), torch.randn(shape(2), dtype=dtype)
+    got = hf.apply_rotary_pos_emb_interleaved_half_tables(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    c64, s64 = (t.double().unsqueeze(unsqueeze_dim) for t in (cos, sin))
+    for x, g in zip((q, k), got):
+        a, b = x.double()[..., ::2], x.double()[..., 1::2]
+        want = torch.stack((a * c64 - b * s64, b * c64 + a * s64), dim=-1).flatten(-2)
+        check(g, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_hf_apply_rotary_pos_emb_latest_queries(dtype):
     # Muse Glimmer assistant's form: q (4 positions) by the last rows of tables spanning k's 9.
     B, D = 2, 32

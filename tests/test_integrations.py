@@ -501,6 +501,11 @@ if HF5:
     FAMILIES["qwen3_5_moe"] = lambda: T.Qwen3_5MoeForConditionalGeneration(T.Qwen3_5MoeConfig(
         text_config=dict(QWEN3_5_TEXT, **MOE, shared_expert_intermediate_size=32),
         vision_config=QWEN3_5_VISION))
+    # GPT-OSS's tables (one entry per pair) on interleaved pairs, a token classifier
+    FAMILIES["openai_privacy_filter"] = lambda: T.OpenAIPrivacyFilterForTokenClassification(
+        T.OpenAIPrivacyFilterConfig(**dict(BASE, num_key_value_heads=1), head_dim=16,
+                                    num_local_experts=2, num_experts_per_tok=1, sliding_window=4,
+                                    pad_token_id=0, eos_token_id=0))
     # Gemma 4's one-tensor QK-norm + RoPE in an encoder (the prompt) and a decoder (the canvas)
     FAMILIES["diffusion_gemma"] = lambda: T.DiffusionGemmaForBlockDiffusion(T.DiffusionGemmaConfig(
         text_config=dict(BASE, head_dim=16, sliding_window=8, num_experts=2, top_k_experts=1,

@@ -14,6 +14,8 @@ half is read where transformers reads it (two passes), so the tables' gradients 
 transformers' own, half by half.
 """
 
+import functools
+
 import torch
 from torch.autograd import forward_ad
 
@@ -273,13 +275,22 @@ def _glm4v_pairs(q, k, cos, sin, dtypes):
     return _cohere_pairs(q, k, cos, sin, dtypes, what="rotary_dim")
 
 
-def _one_entry_per_pair(q, k, cos, sin, dtypes):
+def _one_entry_per_pair(q, k, cos, sin, dtypes, interleaved=False):
     for x, name in ((q, "q"), (k, "k")):
         if sin.shape[-1] != cos.shape[-1] or 2 * cos.shape[-1] != x.shape[-1]:
             raise ValueError(f"cos and sin of shapes {list(cos.shape)} and {list(sin.shape)}: "
                              f"their last dim must be {name}.size(-1) / 2 = {x.shape[-1] / 2:g}")
     c, s = float32_table(cos), float32_table(sin)
-    return tuple(rotate_pairs(x, c, s, d) for x, d in zip((q, k), dtypes))
+    return tuple(rotate_pairs(x, c, s, d, interleaved=interleaved) for x, d in zip((q, k), dtypes))
+
+
+def apply_rotary_pos_emb_interleaved_half_tables(q, k, cos, sin, position_ids=None,
+                                                 unsqueeze_dim=1):
+    """OpenAI Privacy Filter's apply_rotary_pos_emb: GPT-OSS's (tables of one entry per pair,
+    any tables exact; torch's promotion of q (k) with the tables) on interleaved pairs (2i, 2i+1)
+    of the whole head. Arguments as apply_rotary_pos_emb's."""
+    return _pairs_rotated(functools.partial(_one_entry_per_pair, interleaved=True), q, k, cos, sin,
+                          position_ids, unsqueeze_dim)
 
 
 def _deinterleaved_pairs(q, k, cos, sin, dtypes):

@@ -268,6 +268,10 @@ _ERNIE = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_ernie, _probe_rotate_
 # GPT-OSS's: rotate_half pairs, tables of one entry per pair
 _HALF_TABLES = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_half_tables,
                                          functools.partial(_probe_rotate_half, tables=_as_they_are))}
+# OpenAI Privacy Filter's: GPT-OSS's tables on interleaved pairs
+_INTERLEAVED_HALF_TABLES = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_interleaved_half_tables,
+                                                     functools.partial(_probe_rotate_half,
+                                                                       tables=_as_they_are))}
 # DeepSeek-V3's MLA: pairs (2i, 2i+1) rotated, then laid out as halves (`rope_interleave`, its
 # default), or Llama's RoPE
 _DEEPSEEK = {
@@ -482,6 +486,8 @@ FAMILIES = {
     **{t: ("blt.modeling_blt", _REPEATED_TABLES) for t in (
         "blt", "blt_patcher", "blt_local_encoder", "blt_local_decoder", "blt_global_transformer")},
     "gpt_oss": ("gpt_oss.modeling_gpt_oss", _HALF_TABLES),
+    "openai_privacy_filter": ("openai_privacy_filter.modeling_openai_privacy_filter",
+                              _INTERLEAVED_HALF_TABLES),  # transformers >= 5
     "deepseek_v2": ("deepseek_v2.modeling_deepseek_v2", _DEEPSEEK_V2),
     "deepseek_v3": ("deepseek_v3.modeling_deepseek_v3", _DEEPSEEK),
     # transformers >= 5; its attention, compressors and indexer, and the output's inverse rotation
