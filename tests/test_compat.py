@@ -144,6 +144,36 @@ def test_hf_apply_rotary_pos_emb_interleaved_half_tables(dtype, unsqueeze_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_hf_apply_rotary_pos_emb_qkv_indexed(dtype):
+    # CLVP's form: (positions, rot) tables gathered at (batch, seq) position_ids; q, k and v.
+    B, S, D = 2, 7, 32
+    cos, sin = peers.hf_cos_sin(torch.arange(50)[None], D, dtype=dtype)
+    cos, sin = cos[0], sin[0]  # (positions, D)
+    pos = torch.randint(0, 50, (B, S))
+    q, k, v = (torch.randn(B, h, S, D, dtype=dtype) for h in (4, 2, 2))
+    got = hf.apply_rotary_pos_emb_qkv_indexed(q, k, v, cos, sin, pos)
+    for x, g in zip((q, k, v), got):
+        want, _ = peers.hf_apply_rotary_pos_emb(*f64(x, x, cos[pos], sin[pos]))
+        check(g, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hf_apply_rotary_pos_emb_vision_pairs(dtype):
+    # Inkling 2's vision form: q, k (seq, heads, D); tables (seq, D) holding each angle at both
+    # members of pair (2i, 2i+1); computed in float32, results in q's and k's dtypes.
+    S, D = 9, 16
+    ang = torch.randn(S, D // 2, dtype=torch.float64) * 3
+    cos, sin = (t.repeat_interleave(2, dim=-1).float() for t in (ang.cos(), ang.sin()))
+    q, k = torch.randn(S, 4, D, dtype=dtype), torch.randn(S, 2, D, dtype=dtype)
+    got = hf.apply_rotary_pos_emb_vision_pairs(q, k, cos, sin)
+    c, s_ = ang.cos()[:, None], ang.sin()[:, None]
+    for x, g in zip((q, k), got):
+        assert g.dtype == dtype
+        a, b = x.double()[..., ::2], x.double()[..., 1::2]
+        check(g, torch.stack((a * c - b * s_, b * c + a * s_), dim=-1).flatten(-2), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_hf_apply_rotary_pos_emb_latest_queries(dtype):
     # Muse Glimmer assistant's form: q (4 positions) by the last rows of tables spanning k's 9.
     B, D = 2, 32

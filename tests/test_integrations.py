@@ -160,6 +160,10 @@ FAMILIES = {
     "phi": causal_lm(T.PhiConfig(**BASE, partial_rotary_factor=0.5)),
     # (transformers 4's gathers its tables at position_ids)
     "phimoe": causal_lm(T.PhimoeConfig(**BASE, num_local_experts=2, num_experts_per_tok=1)),
+    # CLVP's text encoder: q, k and v rotated, on the first 32 of 64 dims
+    "clvp_encoder": lambda: T.ClvpEncoder(T.ClvpEncoderConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, projection_dim=16,
+        num_hidden_layers=2, num_attention_heads=1)),
     "gpt_neox": causal_lm(T.GPTNeoXConfig(**BASE, rotary_pct=0.25)),  # partial rotary
     "stablelm": causal_lm(T.StableLmConfig(**BASE, partial_rotary_factor=0.25)),
     "olmo2": causal_lm(T.Olmo2Config(**BASE)),
@@ -921,10 +925,10 @@ def test_bf16_model_patched_runs_as_accurately_as_unpatched(family):
     # model must do what its family does, and be as close to the float32 model as transformers.
     if family == "ernie4_5_moe" and not HF5:
         pytest.skip("transformers 4's own bfloat16 ERNIE 4.5 MoE fails (its router's matmul)")
-    model = build(family)
+    reference = build(family)
     batches = inputs(family)
-    exact, _ = logits(model, batches)
-    model.to(torch.bfloat16)
+    exact, _ = logits(reference, batches)
+    model = build(family).to(torch.bfloat16)  # fresh: CLVP's rotary module keeps its first table
     if family in SPEECH:  # audio goes in as the model's dtype (its first layer is a convolution)
         batches = [{k: v.bfloat16() if v.is_floating_point() else v for k, v in b.items()}
                    for b in batches]
@@ -1149,6 +1153,27 @@ def kimi_k25_images():
     return model, dict(pixel_values=torch.randn(16, 3, 2, 2), grid_thw=torch.tensor([[1, 4, 4]]))
 
 
+def glm5_next_images():
+    """GLM-5 Next's vision tower (its language model has no RoPE): two images of 4x4 and 6x6
+    patches."""
+    model = T.Glm5NextVisionModel(T.Glm5NextVisionConfig(
+        depth=2, hidden_size=32, num_heads=2, patch_size=2, spatial_merge_size=2,
+        temporal_patch_size=1, out_hidden_size=64, intermediate_size=64,
+        projection_intermediate_size=64))
+    return model, dict(hidden_states=torch.randn(16 + 36, 12),
+                       grid_thw=torch.tensor([[1, 4, 4], [1, 6, 6]]))
+
+
+def inkling2_images():
+    """Inkling 2's vision tower (its language model has no RoPE: a learned relative bias): two
+    images of 2x2 and 3x3 merged patches."""
+    model = T.Inkling2VisionModel(T.Inkling2VisionConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, patch_size=2,
+        spatial_merge_size=2, posemb_grid_size=4, projection_hidden_dim=32, text_hidden_size=32))
+    return model, dict(pixel_values=torch.randn(4 + 9, 4, 4, 3),
+                       image_grid_thw=torch.tensor([[1, 2, 2], [1, 3, 3]]))
+
+
 def dinov3_images():
     model = T.DINOv3ViTModel(T.DINOv3ViTConfig(hidden_size=32, intermediate_size=64,
                                                num_hidden_layers=2, num_attention_heads=2,
@@ -1296,6 +1321,8 @@ TOWERS = {"pixtral": (mistral3_on_images, "PixtralAttention"),  # a 2-D table of
              "lasr_ctc": (lambda: lasr(encoder=False), "LasrEncoderAttention"),  # 5
              "video_llama_3_vision": (video_llama_3_images, "VideoLlama3VisionAttention"),  # 5
              "kimi_k25_vision": (kimi_k25_images, "Kimi_K25VisionAttention"),  # 5
+             "glm5_next_vision": (glm5_next_images, "Glm5NextVisionAttention"),  # 5
+             "inkling2_vision": (inkling2_images, "Inkling2VisionAttention"),  # 5
              "glmasr_encoder": (lambda: audio_encoder("GlmAsrForConditionalGeneration",  # 5
                                                       "GlmAsrEncoder", "GlmAsrEncoderConfig",
                                                       max_position_embeddings=64),

@@ -211,6 +211,15 @@ def apply_rotary_pos_emb_indexed(q, k, cos, sin, position_ids=None, unsqueeze_di
     return apply_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim)
 
 
+def apply_rotary_pos_emb_qkv_indexed(q, k, v, cos, sin, position_ids, unsqueeze_dim=1):
+    """CLVP's apply_rotary_pos_emb: cos and sin (positions, rotary_dim) gathered at position_ids
+    (batch, seq) first, then q, k and v each rotated as apply_rotary_pos_emb rotates q (its
+    attention passes the first rotary_dim dims of each); (q_embed, k_embed, v_embed)."""
+    cos, sin = cos[position_ids], sin[position_ids]
+    q_embed, k_embed = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    return q_embed, k_embed, apply_rotary_pos_emb_single(v, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+
 def apply_rotary_pos_emb_negative(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """NanoChat's apply_rotary_pos_emb: its rotate_half flips the signs (x2, -x1), so each pair
     turns by the negative angle; apply_rotary_pos_emb with sin negated (exactly: a sign)."""
@@ -511,6 +520,13 @@ def apply_rotary_pos_emb_2d_qk(q, k, cos, sin):
     """EdgeTAM's apply_rotary_pos_emb_2d_self_attn: q and k rotated as apply_rotary_pos_emb_2d
     rotates them."""
     return _pairs_in_float32(q, cos, sin), _pairs_in_float32(k, cos, sin)
+
+
+def apply_rotary_pos_emb_vision_pairs(q, k, cos, sin):
+    """Inkling 2's vision apply_rotary_pos_emb_vision: Qwen2-VL's (q and k (seq, heads, head_dim),
+    tables (seq, head_dim) over the heads, computed in float32, each result in its input's dtype)
+    on pairs (2i, 2i+1) by tables holding each angle at both members (SAM's pairs)."""
+    return apply_rotary_pos_emb_2d_qk(q, k, cos.unsqueeze(-2), sin.unsqueeze(-2))
 
 
 def apply_rotary_pos_emb_2d_cross_attn(q, k, cos, sin, cos_k, sin_k, num_k_exclude_rope=0,

@@ -137,6 +137,21 @@ def _probe_indexed(original, replacement):
                  original(q, k, emb.cos(), emb.sin(), positions))
 
 
+def _probe_qkv_indexed(original, replacement):
+    """CLVP's: q, k and v rotated by (positions, rotary_dim) tables gathered at position_ids; the
+    result dtypes of bfloat16 q, k and v with float32 tables."""
+    g = _generator()
+    q, k, v = (torch.randn(2, 3, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    emb = _duplicated(torch.randn(9, 4, generator=g, dtype=torch.float64) * 3)
+    positions = torch.randint(0, 9, (2, 4), generator=g)
+    if not _same(replacement(q, k, v, emb.cos(), emb.sin(), positions),
+                 original(q, k, v, emb.cos(), emb.sin(), positions)):
+        return False
+    mixed = (q.bfloat16(), k.bfloat16(), v.bfloat16(), emb.cos().float(), emb.sin().float(),
+             positions)
+    return [t.dtype for t in replacement(*mixed)] == [t.dtype for t in original(*mixed)]
+
+
 def _probe_one_tensor(original, replacement):
     g = _generator()
     x = torch.randn(2, 4, 3, 8, generator=g, dtype=torch.float64)  # (batch, seq, heads, dim)
@@ -169,13 +184,17 @@ def _probe_mrope(original, replacement):
     return True
 
 
-def _probe_vision(original, replacement):
+def _probe_vision(original, replacement, tables=_duplicated, dtypes=False):
+    """dtypes: also the results' dtypes of bfloat16 q and k with float32 tables."""
     g = _generator()
     q = torch.randn(5, 2, 8, generator=g, dtype=torch.float32)
     k = torch.randn(5, 2, 8, generator=g, dtype=torch.float32)
-    emb = _duplicated(torch.randn(5, 4, generator=g, dtype=torch.float32) * 3)
+    emb = tables(torch.randn(5, 4, generator=g, dtype=torch.float32) * 3)
     got, want = replacement(q, k, emb.cos(), emb.sin()), original(q, k, emb.cos(), emb.sin())
-    return all(torch.allclose(x, y, rtol=1e-5, atol=1e-5) for x, y in zip(got, want))
+    if not all(torch.allclose(x, y, rtol=1e-5, atol=1e-5) for x, y in zip(got, want)):
+        return False
+    mixed = (q.bfloat16(), k.bfloat16(), emb.cos(), emb.sin())
+    return not dtypes or [t.dtype for t in replacement(*mixed)] == [t.dtype for t in original(*mixed)]
 
 
 def _probe_complex(original, replacement, q_shape, k_shape, table_shape):
@@ -282,6 +301,8 @@ _COHERE = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_cohere,
                                     functools.partial(_probe_rotate_half, tables=_repeated))}
 # transformers 4's PhiMoE gathers its tables at position_ids inside apply_rotary_pos_emb.
 _INDEXED = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_indexed, _probe_indexed)}
+# CLVP's: PhiMoE's gathered tables, v rotated too
+_QKV_INDEXED = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_qkv_indexed, _probe_qkv_indexed)}
 # Gemma 3n's and Gemma 4's apply_rotary_pos_emb rotates one tensor; their attention calls it for q
 # and for k.
 _ONE_TENSOR = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_single, _probe_one_tensor)}
@@ -291,6 +312,9 @@ _MROPE = {"apply_multimodal_rotary_pos_emb": (hf.apply_multimodal_rotary_pos_emb
 # Vision towers' RoPE in Qwen2-VL's form (also GLM-OCR's, whose attention norms q and k per head
 # first, and GLM-4.1V's and GLM-4.5V's)
 _VISION = {"apply_rotary_pos_emb_vision": (hf.apply_rotary_pos_emb_vision, _probe_vision)}
+# Inkling 2's vision tower: pairs (2i, 2i+1), each angle at both members
+_VISION_PAIRS = {"apply_rotary_pos_emb_vision": (hf.apply_rotary_pos_emb_vision_pairs, functools.partial(
+    _probe_vision, tables=_repeated, dtypes=True))}
 _QWEN_VL = {**_ROTATE_HALF, **_MROPE, **_VISION}
 # Complex tables, pairs (2i, 2i+1): Llama 4's text model (q and k (batch, seq, heads, head_dim))
 # and vision tower (a table per patch), DeepSeek-V2's MLA (q and k (batch, heads, seq, rope_dim))
@@ -486,12 +510,19 @@ FAMILIES = {
     **{t: ("blt.modeling_blt", _REPEATED_TABLES) for t in (
         "blt", "blt_patcher", "blt_local_encoder", "blt_local_decoder", "blt_global_transformer")},
     "gpt_oss": ("gpt_oss.modeling_gpt_oss", _HALF_TABLES),
+    "clvp": ("clvp.modeling_clvp", _QKV_INDEXED),
+    "clvp_encoder": ("clvp.modeling_clvp", _QKV_INDEXED),
     "openai_privacy_filter": ("openai_privacy_filter.modeling_openai_privacy_filter",
                               _INTERLEAVED_HALF_TABLES),  # transformers >= 5
     "deepseek_v2": ("deepseek_v2.modeling_deepseek_v2", _DEEPSEEK_V2),
     "deepseek_v3": ("deepseek_v3.modeling_deepseek_v3", _DEEPSEEK),
     # transformers >= 5; its attention, compressors and indexer, and the output's inverse rotation
     "deepseek_v4": ("deepseek_v4.modeling_deepseek_v4", _DEEPSEEK_V4),
+    # vision towers of models whose language models have no RoPE (transformers >= 5)
+    "glm5_next": ("glm5_next.modeling_glm5_next", _VISION),
+    "glm5_next_vision": ("glm5_next.modeling_glm5_next", _VISION),
+    "inkling2": ("inkling2.modeling_inkling2", _VISION_PAIRS),
+    "inkling2_vision": ("inkling2.modeling_inkling2", _VISION_PAIRS),
     "qwen4_exp": ("qwen4_exp.modeling_qwen4_exp", _QWEN4_EXP),  # transformers >= 5
     # Gemma 4's one-tensor RoPE in an encoder and a decoder (transformers >= 5)
     "diffusion_gemma": ("diffusion_gemma.modeling_diffusion_gemma", _ONE_TENSOR),
