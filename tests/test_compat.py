@@ -135,7 +135,8 @@ def test_hf_apply_rotary_pos_emb_interleaved_half_tables(dtype, unsqueeze_dim):
     cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
     shape = (lambda h: (B, h, S, D)) if unsqueeze_dim == 1 else (lambda h: (B, S, h, D))
     q, k = torch.randn(shape(4), dtype=dtype), torch.randn(shape(2), dtype=dtype)
-    got = hf.apply_rotary_pos_emb_interleaved_half_tables(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    got = hf.apply_rotary_pos_emb_interleaved_half_tables(q, k, cos, sin,
+                                                          unsqueeze_dim=unsqueeze_dim)
     c64, s64 = (t.double().unsqueeze(unsqueeze_dim) for t in (cos, sin))
     for x, g in zip((q, k), got):
         a, b = x.double()[..., ::2], x.double()[..., 1::2]

@@ -265,8 +265,9 @@ def _mrope_interleaved_without_section():
         return torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16)
 
     return {
-        "apply_positions": (lambda: ops.apply_positions(qkv()[0], pos, cos, sin, False, False, None, True),
-                            lambda: ref.apply_positions(qkv()[0], pos, cos, sin, mrope_interleaved=True)),
+        "apply_positions": (
+            lambda: ops.apply_positions(qkv()[0], pos, cos, sin, False, False, None, True),
+            lambda: ref.apply_positions(qkv()[0], pos, cos, sin, mrope_interleaved=True)),
         "apply_positions.cache": (
             lambda: ops.apply_positions.cache(qkv()[0], pos, cache, False, False, None, True),
             lambda: ref.apply_positions_cache(qkv()[0], pos, cache, mrope_interleaved=True)),

@@ -1432,6 +1432,127 @@ def test_a_draft_model_whose_queries_are_the_latest_positions_patched(family):
         assert torch.equal(model(**batch).last_hidden_state, want)
 
 
+def spiced(model):
+    """model with every Linear and convolution weight drawn at unit gain and batch norms' scales
+    at 1: at transformers' initial 0.02 the attention scores of these models are near 0, and
+    their outputs barely see how q and k were rotated."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (torch.nn.Linear, torch.nn.modules.conv._ConvNd)):
+                fan_in = m.weight[0].numel()
+                m.weight.copy_(torch.randn(m.weight.shape, generator=g) / fan_in ** 0.5)
+            elif isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.weight is not None:
+                m.weight.fill_(1.0)
+    return model
+
+
+def image_matcher(name):
+    """EfficientLoFTR's backbone (its coarse features) or LightGlue with a SuperPoint detector
+    (its matches and scores) on two pairs of 64x64 images."""
+    pixels = torch.rand(2, 2, 3, 64, 64)
+    if name == "efficientloftr":
+        model = T.EfficientLoFTRModel(T.EfficientLoFTRConfig(
+            stage_num_blocks=[1, 1, 1, 1], out_features=[8, 8, 16, 32], stage_stride=[2, 1, 2, 2],
+            hidden_size=32, num_attention_heads=8, num_attention_layers=2,
+            q_aggregation_kernel_size=2, q_aggregation_stride=2, kv_aggregation_kernel_size=2,
+            kv_aggregation_stride=2, fine_kernel_size=4, fine_matching_slice_dim=4))
+        return model, lambda m: (m(pixel_values=pixels).feature_maps[0],)
+    model = T.LightGlueForKeypointMatching(T.LightGlueConfig(
+        descriptor_dim=32, num_hidden_layers=2, num_attention_heads=2, depth_confidence=-1.0,
+        width_confidence=-1.0, keypoint_detector_config=dict(
+            model_type="superpoint", encoder_hidden_sizes=[8, 8, 16, 16], decoder_hidden_size=16,
+            descriptor_decoder_dim=32, max_keypoints=24, keypoint_threshold=0.0, nms_radius=1,
+            border_removal_distance=2)))
+
+    def run(m):
+        out = m(pixel_values=pixels, output_hidden_states=True)
+        return out.matching_scores, out.matches.float(), *out.hidden_states
+
+    return model, run
+
+
+NEMOTRON_AUDIO = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_mel_bins=16, subsampling_factor=8)
+NEMOTRON_DIARIZATION = dict(
+    head_config=dict(hidden_size=16, num_speakers=4, audio_hidden_size=32, subsampling_factor=8),
+    streaming_config=dict(fifo_length=8, speaker_cache_update_period=6, speaker_cache_length=12,
+                          num_speakers=4, subsampling_factor=8),
+    chunk_length=10, chunk_right_context=2, fifo_length=8, speaker_cache_update_period=6)
+HALF_ROTARY = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)
+
+
+def speech_model(name):
+    """Nemotron 3's diarization model on 3 chunks of audio frames, or Nemotron 3.5 Transcribe
+    (its ASR encoder, the diarization model inside and its word-timestamp encoder) on a prompt
+    holding 24 audio frames."""
+    features = torch.randn(2, 8 * 30, 16)
+    if name == "nemotron3_diarization":
+        model = T.Nemotron3DiarizationForAudioFrameClassification(T.Nemotron3DiarizationConfig(
+            audio_config=dict(NEMOTRON_AUDIO, rope_parameters=HALF_ROTARY), **NEMOTRON_DIARIZATION))
+        return model, lambda m: (m(input_features=features).logits,)
+    model = T.Nemotron3_5TranscribeForConditionalGeneration(T.Nemotron3_5TranscribeConfig(
+        audio_token_id=5,
+        audio_config=dict(asr_config=dict(NEMOTRON_AUDIO, rope_parameters=HALF_ROTARY),
+                          diarization_config=dict(NEMOTRON_DIARIZATION,
+                                                  model_type="nemotron3_diarization",
+                                                  audio_config=NEMOTRON_AUDIO,
+                                                  chunk_left_context=2)),
+        word_timestamp_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, vocab_size=20, blank_token_id=19,
+                                   rope_parameters=HALF_ROTARY),
+        text_config=dict(model_type="nemotron_h", vocab_size=128, hidden_size=64,
+                         hybrid_override_pattern="*-", num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, intermediate_size=64,
+                         mamba_num_heads=4, mamba_head_dim=16, n_groups=1, ssm_state_size=16,
+                         n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
+                         moe_shared_expert_intermediate_size=32, max_position_embeddings=256)))
+    features, mask = torch.randn(2, 8 * 24, 16), torch.ones(2, 8 * 24, dtype=torch.long)
+    ids = torch.randint(10, 128, (2, 30))
+    ids[:, 3:27] = 5
+
+    def run(m):
+        out = m(input_ids=ids, input_features=features, input_features_mask=mask)
+        audio = m.get_audio_features(features, mask)
+        words = m.get_word_timestamp_logits(audio.asr_last_hidden_state, mask)
+        return out.logits, audio.asr_last_hidden_state, audio.speaker_logits, words
+
+    return model, run
+
+
+# Models whose outputs are not logits or hidden states: name -> (model and a function of it
+# returning its outputs, the rope ops one run makes).
+OTHER_OUTPUTS = {"efficientloftr": (functools.partial(image_matcher, "efficientloftr"), 4),
+                 "lightglue": (functools.partial(image_matcher, "lightglue"), 4),
+                 # transformers 5: Nemotron 3's diarization model, Nemotron 3.5 Transcribe
+                 "nemotron3_diarization": (functools.partial(speech_model, "nemotron3_diarization"),
+                                           6),
+                 "nemo_speechlm": (functools.partial(speech_model, "transcribe"), 27)}
+
+
+@pytest.mark.parametrize("family", OTHER_OUTPUTS)
+def test_a_model_of_other_outputs_patched(family):
+    """Its outputs transformers' (on weights at which the rotation shows in them), its RoPE on
+    rope_ext's ops, and transformers' code back after unpatch."""
+    make, ops = OTHER_OUTPUTS[family]
+    torch.manual_seed(0)
+    model, run = make()
+    if isinstance(model, Missing):
+        pytest.skip(f"transformers {transformers.__version__} has no {model.name}")
+    model = spiced(model).eval()
+    with torch.no_grad():
+        want = run(model)
+        integration.patch(model)
+        with RopeOps() as counter:
+            got = run(model)
+        integration.unpatch(model)
+        again = run(model)
+    assert counter.count == ops
+    for g, w, a in zip(got, want, again):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        assert torch.equal(a, w)
+
+
 @pytest.mark.parametrize("tower", TOWERS)
 def test_a_tower_patched(tower):
     """The tower's RoPE runs on rope_ext too, the model's logits are transformers'."""
@@ -1498,7 +1619,7 @@ def test_every_listed_family_is_built_here():
     import importlib.util
 
     built = {integration.FAMILIES[f][0] for f in (*FAMILIES, *TOWERS, *MEMORY_ATTENTION,
-                                                   *DRAFT_MODELS)
+                                                   *DRAFT_MODELS, *OTHER_OUTPUTS)
              if f in integration.FAMILIES}
     for family, (path, _) in integration.FAMILIES.items():
         package = f"transformers.models.{path.split('.')[0]}"

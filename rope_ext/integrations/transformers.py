@@ -194,7 +194,8 @@ def _probe_vision(original, replacement, tables=_duplicated, dtypes=False):
     if not all(torch.allclose(x, y, rtol=1e-5, atol=1e-5) for x, y in zip(got, want)):
         return False
     mixed = (q.bfloat16(), k.bfloat16(), emb.cos(), emb.sin())
-    return not dtypes or [t.dtype for t in replacement(*mixed)] == [t.dtype for t in original(*mixed)]
+    return not dtypes or ([t.dtype for t in replacement(*mixed)]
+                          == [t.dtype for t in original(*mixed)])
 
 
 def _probe_complex(original, replacement, q_shape, k_shape, table_shape):
@@ -288,9 +289,9 @@ _ERNIE = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_ernie, _probe_rotate_
 _HALF_TABLES = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_half_tables,
                                          functools.partial(_probe_rotate_half, tables=_as_they_are))}
 # OpenAI Privacy Filter's: GPT-OSS's tables on interleaved pairs
-_INTERLEAVED_HALF_TABLES = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_interleaved_half_tables,
-                                                     functools.partial(_probe_rotate_half,
-                                                                       tables=_as_they_are))}
+_INTERLEAVED_HALF_TABLES = {"apply_rotary_pos_emb": (
+    hf.apply_rotary_pos_emb_interleaved_half_tables,
+    functools.partial(_probe_rotate_half, tables=_as_they_are))}
 # DeepSeek-V3's MLA: pairs (2i, 2i+1) rotated, then laid out as halves (`rope_interleave`, its
 # default), or Llama's RoPE
 _DEEPSEEK = {
@@ -313,8 +314,9 @@ _MROPE = {"apply_multimodal_rotary_pos_emb": (hf.apply_multimodal_rotary_pos_emb
 # first, and GLM-4.1V's and GLM-4.5V's)
 _VISION = {"apply_rotary_pos_emb_vision": (hf.apply_rotary_pos_emb_vision, _probe_vision)}
 # Inkling 2's vision tower: pairs (2i, 2i+1), each angle at both members
-_VISION_PAIRS = {"apply_rotary_pos_emb_vision": (hf.apply_rotary_pos_emb_vision_pairs, functools.partial(
-    _probe_vision, tables=_repeated, dtypes=True))}
+_VISION_PAIRS = {"apply_rotary_pos_emb_vision": (
+    hf.apply_rotary_pos_emb_vision_pairs,
+    functools.partial(_probe_vision, tables=_repeated, dtypes=True))}
 _QWEN_VL = {**_ROTATE_HALF, **_MROPE, **_VISION}
 # Complex tables, pairs (2i, 2i+1): Llama 4's text model (q and k (batch, seq, heads, head_dim))
 # and vision tower (a table per patch), DeepSeek-V2's MLA (q and k (batch, heads, seq, rope_dim))
@@ -518,6 +520,17 @@ FAMILIES = {
     "deepseek_v3": ("deepseek_v3.modeling_deepseek_v3", _DEEPSEEK),
     # transformers >= 5; its attention, compressors and indexer, and the output's inverse rotation
     "deepseek_v4": ("deepseek_v4.modeling_deepseek_v4", _DEEPSEEK_V4),
+    # image matchers: Cohere's pairs over the whole hidden size (EfficientLoFTR) or each head
+    "efficientloftr": ("efficientloftr.modeling_efficientloftr", _COHERE),
+    "lightglue": ("lightglue.modeling_lightglue", _COHERE),
+    # speech encoders (transformers >= 5); Nemotron 3.5 Transcribe's holds a Nemotron 3
+    # diarization model too (its language model, Nemotron-H, has no RoPE)
+    "nemotron3_diarization": ("nemotron3_diarization.modeling_nemotron3_diarization", _ROTATE_HALF),
+    "nemotron3_diarization_audio": ("nemotron3_diarization.modeling_nemotron3_diarization",
+                                    _ROTATE_HALF),
+    **{t: ("nemotron3_5_transcribe.modeling_nemotron3_5_transcribe", _ROTATE_HALF)
+       for t in ("nemo_speechlm", "nemotron3_5_transcribe_audio",
+                 "nemotron3_5_transcribe_asr_audio", "nemotron3_5_transcribe_word_timestamp")},
     # vision towers of models whose language models have no RoPE (transformers >= 5)
     "glm5_next": ("glm5_next.modeling_glm5_next", _VISION),
     "glm5_next_vision": ("glm5_next.modeling_glm5_next", _VISION),
