@@ -1520,6 +1520,60 @@ def speech_model(name):
     return model, run
 
 
+ESMFOLD2_ATOMS = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      intermediate_size=64, num_spatial_rope_pairs_per_axis=1, num_uid_rope_pairs=2)
+
+
+def esmfold2_trunk():
+    """ESMFold2's trunk on 2 chains of 6 residues of 2 atoms each: its atom encoder rotates by
+    the atoms' 3-D positions and space ids (its ESMC language model by the residues')."""
+    if not HF5:
+        return Missing("transformers.models.esmfold2"), None
+    from transformers.models.esmfold2.modeling_esmfold2 import EsmFold2AtomInputs
+
+    model = T.EsmFold2Model(T.EsmFold2Config(
+        hidden_size=32, pairwise_hidden_size=16, pair_transition_intermediate_size=32,
+        single_inputs_size=32 + 2 * 33 + 1, sliding_window=8, chunk_size=None, num_loops=1,
+        max_atomic_number=16, char_vocab_size=8, max_chars=2, max_atoms_per_token=4,
+        folding_trunk_num_hidden_layers=1, parcae_num_coda_layers=1,
+        atom_encoder=dict(ESMFOLD2_ATOMS, output_dim=32),
+        structure_head=dict(num_diffusion_samples=1, inference_num_steps=3, num_distogram_bins=8,
+                            diffusion_module=dict(
+                                hidden_size=32, fourier_dim=16, num_hidden_layers=1,
+                                num_attention_heads=2, intermediate_size=64,
+                                pair_intermediate_size=32,
+                                atom_encoder=dict(ESMFOLD2_ATOMS, output_dim=32,
+                                                  num_hidden_layers=1))),
+        confidence_head=dict(num_hidden_layers=1, num_plddt_bins=8, num_pde_bins=8,
+                             num_pae_bins=8, distogram_bins=8),
+        msa_encoder=dict(hidden_size=16, outer_hidden_size=4, num_hidden_layers=1,
+                         num_attention_heads=2, head_dim=8, intermediate_size=32),
+        lm_encoder=dict(num_hidden_layers=1),
+        esmc_config=dict(model_type="esmc", vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=64)))
+    B, N, A = 2, 6, 12
+    atom_to_token = torch.arange(A).div(2, rounding_mode="floor").expand(B, A).contiguous()
+    atoms = dict(ref_pos=torch.randn(B, A, 3) * 3, ref_charge=torch.zeros(B, A),
+                 atom_attention_mask=torch.ones(B, A, dtype=torch.bool),
+                 ref_element=torch.randint(1, 16, (B, A)),
+                 ref_atom_name_chars=torch.randint(0, 8, (B, A, 2)),
+                 ref_space_uid=atom_to_token.clone(), atom_to_token=atom_to_token)
+    zeros = torch.zeros(B, N, dtype=torch.long)
+    residues = dict(token_index=torch.arange(N).expand(B, N),
+                    residue_index=torch.arange(N).expand(B, N), asym_id=zeros, sym_id=zeros,
+                    entity_id=zeros, mol_type=zeros, res_type=torch.randint(0, 20, (B, N)),
+                    token_bonds=torch.zeros(B, N, N, 1),
+                    attention_mask=torch.ones(B, N, dtype=torch.bool),
+                    input_ids=torch.randint(4, 24, (B, N)))
+
+    def run(m):
+        inputs = EsmFold2AtomInputs(**{k: v.clone() for k, v in atoms.items()})
+        out = m(atom_inputs=inputs, **residues)
+        return out.single_inputs, out.distogram_logits
+
+    return model, run
+
+
 # Models whose outputs are not logits or hidden states: name -> (model and a function of it
 # returning its outputs, the rope ops one run makes).
 OTHER_OUTPUTS = {"efficientloftr": (functools.partial(image_matcher, "efficientloftr"), 4),
@@ -1527,7 +1581,9 @@ OTHER_OUTPUTS = {"efficientloftr": (functools.partial(image_matcher, "efficientl
                  # transformers 5: Nemotron 3's diarization model, Nemotron 3.5 Transcribe
                  "nemotron3_diarization": (functools.partial(speech_model, "nemotron3_diarization"),
                                            6),
-                 "nemo_speechlm": (functools.partial(speech_model, "transcribe"), 27)}
+                 "nemo_speechlm": (functools.partial(speech_model, "transcribe"), 27),
+                 # its atom attention's 2 layers and ESMC's
+                 "esmfold2": (esmfold2_trunk, 4)}
 
 
 @pytest.mark.parametrize("family", OTHER_OUTPUTS)
@@ -1540,13 +1596,18 @@ def test_a_model_of_other_outputs_patched(family):
     if isinstance(model, Missing):
         pytest.skip(f"transformers {transformers.__version__} has no {model.name}")
     model = spiced(model).eval()
+
+    def outputs():
+        torch.manual_seed(1)  # (ESMFold2's trunk draws random numbers)
+        return run(model)
+
     with torch.no_grad():
-        want = run(model)
+        want = outputs()
         integration.patch(model)
         with RopeOps() as counter:
-            got = run(model)
+            got = outputs()
         integration.unpatch(model)
-        again = run(model)
+        again = outputs()
     assert counter.count == ops
     for g, w, a in zip(got, want, again):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

@@ -520,6 +520,8 @@ FAMILIES = {
     "deepseek_v3": ("deepseek_v3.modeling_deepseek_v3", _DEEPSEEK),
     # transformers >= 5; its attention, compressors and indexer, and the output's inverse rotation
     "deepseek_v4": ("deepseek_v4.modeling_deepseek_v4", _DEEPSEEK_V4),
+    # ESMFold2's atom attention (the atoms' 3-D positions as angles), transformers >= 5
+    "esmfold2": ("esmfold2.modeling_esmfold2", _ROTATE_HALF),
     # image matchers: Cohere's pairs over the whole hidden size (EfficientLoFTR) or each head
     "efficientloftr": ("efficientloftr.modeling_efficientloftr", _COHERE),
     "lightglue": ("lightglue.modeling_lightglue", _COHERE),
