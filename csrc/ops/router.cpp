@@ -98,21 +98,26 @@ bool on_cpu(AtenTensorHandle t) {
   return type == aoti_torch_device_type_cpu();
 }
 
-// The kernel between torch's in-place bookkeeping: inference tensors first (refused outside
-// inference mode, with torch's error, before anything is written; they have no version counter
-// to move), the others' versions after the kernel, as torch's own in-place ops move them. So a
-// call refused by torch's rules or by the kernel's checks writes nothing and moves no version.
+// The kernel between torch's in-place bookkeeping. With grad mode off (the call path's case),
+// inference tensors first (refused outside inference mode, with torch's error, before anything
+// is written; they have no version counter to move), the others' versions after the kernel, as
+// torch's own in-place ops move them: a call refused by torch's rule or by the kernel's checks
+// writes nothing and moves no version. With grad mode on (the `_grad_` twin where no Python
+// registered autograd: a C++-only deployment) every version moves first, so that torch's
+// autograd rules (a leaf that requires grad, a view of one, ...), which only aten::set_ can
+// check through the stable ABI, refuse the call before anything is written.
 // The CPU kernel runs directly, any other device's (and a call with a ZeroTensor) through the
 // kernel-only twin (both consume the stack: the written tensors are held apart).
 template <int R>
 void bump_and_run(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
   constexpr const OpSchema& op = kOps[R];
   check_tensors_given(R, stack);  // before the device of the first is read
+  const bool rules_first = aoti_torch_grad_mode_is_enabled();
   std::optional<torch::stable::Tensor> versioned[kMaxWritten];
   for (int i = 0; i < op.n_written; ++i) {
     if (AtenTensorHandle t = borrowed(stack, op.written[i])) {
       torch::stable::Tensor held = new_reference(t);
-      if (is_inference(held)) {
+      if (rules_first || is_inference(held)) {
         bump_version(held);
       } else {
         versioned[i] = std::move(held);
