@@ -1393,8 +1393,8 @@ def test_a_video_trackers_memory_attention_patched(family):
 
 def muse_glimmer_assistant():
     """Muse Glimmer's assistant (a draft model: 2 layers, 4 positions of noise embeddings
-    attending to 6 of the target model's context, which its keys hold before their own) and its
-    inputs."""
+    attending to 6 of the target model's context, which its keys hold before their own: its
+    queries take the last rows of the tables) and its last hidden states."""
     module = getattr(transformers.models, "muse_glimmer_assistant", None)
     if module is None:
         return Missing("transformers.models.muse_glimmer_assistant"), None
@@ -1405,31 +1405,8 @@ def muse_glimmer_assistant():
         block_size=4, target_layer_ids=[0, 1],
         layer_types=["sliding_attention", "full_attention"])
     batch = dict(noise_embeds=torch.randn(2, 4, 32), context_hidden_states=torch.randn(2, 6, 64))
-    return modeling.MuseGlimmerAssistantModel(config), batch
-
-
-DRAFT_MODELS = {"muse_glimmer_assistant": muse_glimmer_assistant}
-
-
-@pytest.mark.parametrize("family", DRAFT_MODELS)
-def test_a_draft_model_whose_queries_are_the_latest_positions_patched(family):
-    """Its queries rotated by the last rows of the tables its keys span, on rope_ext's ops; its
-    hidden states transformers'."""
-    torch.manual_seed(0)
-    model, batch = DRAFT_MODELS[family]()
-    if isinstance(model, Missing):
-        pytest.skip(f"transformers {transformers.__version__} has no {model.name}")
-    model.eval()
-    with torch.no_grad():
-        want = model(**batch).last_hidden_state
-        integration.patch(model)
-        with RopeOps() as counter:
-            got = model(**batch).last_hidden_state
-    assert counter.count == 4  # q and k of each layer
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    integration.unpatch(model)
-    with torch.no_grad():
-        assert torch.equal(model(**batch).last_hidden_state, want)
+    return (modeling.MuseGlimmerAssistantModel(config),
+            lambda m: (m(**batch).last_hidden_state,))
 
 
 def spiced(model):
@@ -1582,6 +1559,7 @@ OTHER_OUTPUTS = {"efficientloftr": (functools.partial(image_matcher, "efficientl
                  "nemotron3_diarization": (functools.partial(speech_model, "nemotron3_diarization"),
                                            6),
                  "nemo_speechlm": (functools.partial(speech_model, "transcribe"), 27),
+                 "muse_glimmer_assistant": (muse_glimmer_assistant, 4),  # q and k of each layer
                  # its atom attention's 2 layers and ESMC's
                  "esmfold2": (esmfold2_trunk, 4)}
 
@@ -1680,7 +1658,7 @@ def test_every_listed_family_is_built_here():
     import importlib.util
 
     built = {integration.FAMILIES[f][0] for f in (*FAMILIES, *TOWERS, *MEMORY_ATTENTION,
-                                                   *DRAFT_MODELS, *OTHER_OUTPUTS)
+                                                   *OTHER_OUTPUTS)
              if f in integration.FAMILIES}
     for family, (path, _) in integration.FAMILIES.items():
         package = f"transformers.models.{path.split('.')[0]}"

@@ -68,6 +68,13 @@ def _same(a, b, tol=1e-10):
     return all(torch.allclose(x, y, rtol=tol, atol=tol) for x, y in zip(a, b))
 
 
+def _same_dtypes(original, replacement, *args, **kwargs):
+    """Whether both functions return tensors of the same dtypes on these arguments (bfloat16
+    inputs beside float32 tables, where families differ: torch's promotion or the inputs')."""
+    return ([t.dtype for t in replacement(*args, **kwargs)]
+            == [t.dtype for t in original(*args, **kwargs)])
+
+
 def _probe_rotate_half(original, replacement, tables=_duplicated, dtype=torch.float64):
     """dtype: of the inputs compared; float32 for a function that computes in float32 whatever
     its inputs' dtype (rope_ext's twin computes float64 inputs in float64)."""
@@ -89,7 +96,7 @@ def _probe_rotate_half(original, replacement, tables=_duplicated, dtype=torch.fl
     # and LFM3 cast the results back to q's and k's dtypes, which their attention relies on.
     emb = tables(torch.randn(2, 4, 4, generator=g, dtype=torch.float32) * 3)
     mixed = (q.to(torch.bfloat16), k.to(torch.bfloat16), emb.cos(), emb.sin())
-    return [t.dtype for t in replacement(*mixed)] == [t.dtype for t in original(*mixed)]
+    return _same_dtypes(original, replacement, *mixed)
 
 
 def _probe_optional_key(original, replacement):
@@ -119,7 +126,7 @@ def _probe_latest_queries(original, replacement):
     if not _same(replacement(q, k, emb.cos(), emb.sin()), original(q, k, emb.cos(), emb.sin())):
         return False
     mixed = (q.to(torch.bfloat16), k.to(torch.bfloat16), emb.cos().float(), emb.sin().float())
-    return [t.dtype for t in replacement(*mixed)] == [t.dtype for t in original(*mixed)]
+    return _same_dtypes(original, replacement, *mixed)
 
 
 def _probe_indexed(original, replacement):
@@ -149,7 +156,7 @@ def _probe_qkv_indexed(original, replacement):
         return False
     mixed = (q.bfloat16(), k.bfloat16(), v.bfloat16(), emb.cos().float(), emb.sin().float(),
              positions)
-    return [t.dtype for t in replacement(*mixed)] == [t.dtype for t in original(*mixed)]
+    return _same_dtypes(original, replacement, *mixed)
 
 
 def _probe_one_tensor(original, replacement):
@@ -194,8 +201,7 @@ def _probe_vision(original, replacement, tables=_duplicated, dtypes=False):
     if not all(torch.allclose(x, y, rtol=1e-5, atol=1e-5) for x, y in zip(got, want)):
         return False
     mixed = (q.bfloat16(), k.bfloat16(), emb.cos(), emb.sin())
-    return not dtypes or ([t.dtype for t in replacement(*mixed)]
-                          == [t.dtype for t in original(*mixed)])
+    return not dtypes or _same_dtypes(original, replacement, *mixed)
 
 
 def _probe_complex(original, replacement, q_shape, k_shape, table_shape):
@@ -248,7 +254,7 @@ def _probe_2d(original, replacement, cases):
             return False
     k, extra, kw = cases[0]
     bf16 = (q.bfloat16(), k.bfloat16(), cos, sin, *extra)
-    return [t.dtype for t in replacement(*bf16, **kw)] == [t.dtype for t in original(*bf16, **kw)]
+    return _same_dtypes(original, replacement, *bf16, **kw)
 
 
 # SAM 2's and SAM 3 tracker's memory attention: keys of one frame, of several (object pointers
