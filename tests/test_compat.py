@@ -145,6 +145,45 @@ def test_hf_apply_rotary_pos_emb_interleaved_half_tables(dtype, unsqueeze_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_value", [False, True])
+def test_hf_apply_rotary_position_embeddings(dtype, with_value):
+    # RoFormer's form: one table (1, 1, seq, D) of each pair's sin, then its cos; pairs (2i, 2i+1)
+    # of q, k and, with rotary_value, v (batch, heads, seq, D).
+    B, S, D = 2, 7, 16
+    ang = torch.randn(1, 1, S, D // 2, dtype=torch.float64) * 3
+    table = torch.cat((ang.sin(), ang.cos()), dim=-1).to(dtype)
+    tensors = [torch.randn(B, h, S, D, dtype=dtype) for h in (4, 2, 2)[:2 + with_value]]
+    got = hf.apply_rotary_position_embeddings(table, *tensors)
+    assert len(got) == len(tensors)
+    s64, c64 = table.double().chunk(2, dim=-1)
+    for x, g in zip(tensors, got):
+        a, b = x.double()[..., ::2], x.double()[..., 1::2]
+        check(g, torch.stack((a * c64 - b * s64, b * c64 + a * s64), dim=-1).flatten(-2), dtype)
+    with pytest.raises(ValueError, match=r"sinusoidal_pos .* key_layer.size\(-1\) = 8"):
+        hf.apply_rotary_position_embeddings(table, tensors[0], tensors[1][..., :8])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hf_apply_rotary_embedding_to_hidden_states(dtype):
+    # The speech encoders' form: hidden states (batch, seq, heads * D) rotated as heads
+    # (rotate_half pairs) by tables (2, >= seq, 1, 1, D) of cos, then sin, each angle twice.
+    import types
+
+    B, S, H, D = 2, 5, 3, 16
+    attention = types.SimpleNamespace(num_heads=H, head_size=D)
+    ang = torch.randn(S + 3, D // 2, dtype=torch.float64) * 3
+    emb = torch.cat((ang, ang), dim=-1)[:, None, None, :]
+    tables = torch.stack((emb.cos(), emb.sin())).to(dtype)
+    x = torch.randn(B, S, H * D, dtype=dtype)
+    got = hf.apply_rotary_embedding_to_hidden_states(attention, x, tables)
+    c64, s64 = (t[:S, 0, 0, : D // 2].double()[:, None] for t in tables)  # (S, 1, D/2)
+    heads = x.double().view(B, S, H, D)
+    a, b = heads[..., : D // 2], heads[..., D // 2 :]
+    want = torch.cat((a * c64 - b * s64, b * c64 + a * s64), dim=-1).view(B, S, H * D)
+    check(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_hf_apply_rotary_pos_emb_qkv_indexed(dtype):
     # CLVP's form: (positions, rot) tables gathered at (batch, seq) position_ids; q, k and v.
     B, S, D = 2, 7, 32

@@ -1551,8 +1551,50 @@ def esmfold2_trunk():
     return model, run
 
 
-# Models whose outputs are not logits or hidden states: name -> (model and a function of it
-# returning its outputs, the rope ops one run makes).
+def roformer():
+    """RoFormer (its RoPE a static method of its attention) rotating q, k and v (rotary_value)."""
+    model = T.RoFormerModel(T.RoFormerConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4,
+                                             embedding_size=64, rotary_value=True))
+    ids = torch.randint(0, 128, (2, 12))
+    return model, lambda m: (m(input_ids=ids).last_hidden_state,)
+
+
+SPEECH_ENCODER = dict(hidden_size=32, num_attention_heads=2, position_embeddings_type="rotary")
+
+
+def speech_encoder(name):
+    """Wav2Vec2-Conformer on 1/4 s of 16 kHz audio, Wav2Vec2-BERT on 20 frames of features, or
+    SeamlessM4T's speech-to-text model on them: their rotary encoders (the RoPE a method of
+    their attention, on the hidden states before the projections)."""
+    features = torch.randn(2, 20, 16)
+    if name == "wav2vec2-conformer":
+        model = T.Wav2Vec2ConformerModel(T.Wav2Vec2ConformerConfig(
+            **SPEECH_ENCODER, num_hidden_layers=2, intermediate_size=64, conv_dim=(16, 16),
+            conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=16,
+            num_conv_pos_embedding_groups=2))
+        audio = torch.randn(2, 4000)
+        return model, lambda m: (m(input_values=audio).last_hidden_state,)
+    encoder = dict(SPEECH_ENCODER, feature_projection_input_dim=16, conv_depthwise_kernel_size=3,
+                   add_adapter=False)
+    if name == "wav2vec2-bert":
+        model = T.Wav2Vec2BertModel(T.Wav2Vec2BertConfig(
+            **encoder, num_hidden_layers=2, intermediate_size=64))
+        return model, lambda m: (m(input_features=features).last_hidden_state,)
+    del encoder["num_attention_heads"], encoder["hidden_size"]
+    model = T.SeamlessM4TForSpeechToText(T.SeamlessM4TConfig(
+        **encoder, vocab_size=128, hidden_size=32, encoder_layers=1, decoder_layers=1,
+        speech_encoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+        speech_encoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        speech_encoder_intermediate_size=64, max_position_embeddings=64, pad_token_id=0,
+        bos_token_id=2, eos_token_id=3, decoder_start_token_id=2))
+    decoder_ids = torch.randint(4, 128, (2, 5))
+    return model, lambda m: (m(input_features=features, decoder_input_ids=decoder_ids).logits,)
+
+
+# Models whose outputs are not logits or hidden states, or whose RoPE is a method of their
+# attention: name -> (model and a function of it returning its outputs, the rope ops one run
+# makes).
 OTHER_OUTPUTS = {"efficientloftr": (functools.partial(image_matcher, "efficientloftr"), 4),
                  "lightglue": (functools.partial(image_matcher, "lightglue"), 4),
                  # transformers 5: Nemotron 3's diarization model, Nemotron 3.5 Transcribe
@@ -1561,7 +1603,10 @@ OTHER_OUTPUTS = {"efficientloftr": (functools.partial(image_matcher, "efficientl
                  "nemo_speechlm": (functools.partial(speech_model, "transcribe"), 27),
                  "muse_glimmer_assistant": (muse_glimmer_assistant, 4),  # q and k of each layer
                  # its atom attention's 2 layers and ESMC's
-                 "esmfold2": (esmfold2_trunk, 4)}
+                 "esmfold2": (esmfold2_trunk, 4),
+                 "roformer": (roformer, 6),  # q, k and v of each layer
+                 **{name: (functools.partial(speech_encoder, name), 2) for name in (
+                     "wav2vec2-conformer", "wav2vec2-bert", "seamless_m4t")}}
 
 
 @pytest.mark.parametrize("family", OTHER_OUTPUTS)
@@ -1637,8 +1682,7 @@ def test_a_module_holding_models_patches_them():
 
 
 @pytest.mark.parametrize("config", [
-    T.RoFormerConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                     num_attention_heads=4, is_decoder=True),  # RoPE of its own code: not listed
+    T.BloomConfig(vocab_size=128, hidden_size=64, n_layer=1, n_head=4),  # ALiBi: no RoPE
     T.GPT2Config(vocab_size=128, n_embd=64, n_layer=1, n_head=4),  # no RoPE at all
 ])
 def test_unsupported_family_is_an_error(config):

@@ -552,6 +552,42 @@ def apply_rotary_pos_emb_2d_cross_attn(q, k, cos, sin, cos_k, sin_k, num_k_exclu
     return q_embed, torch.cat([joined.view(batch, heads, tokens, dim), k_excluded], dim=-2)
 
 
+def apply_rotary_position_embeddings(sinusoidal_pos, query_layer, key_layer, value_layer=None):
+    """RoFormer's self-attention method (a static method) of this name: the table (..., seq,
+    head_dim) holds each pair's sin in its first half and its cos in the second (one entry per
+    pair), the pairs (2i, 2i+1) of the whole head; value_layer rotated too where given (RoFormer's
+    rotary_value). Returns (query, key) or (query, key, value), each in torch's promotion of its
+    input with the table."""
+    tensors = (query_layer, key_layer) if value_layer is None else (query_layer, key_layer,
+                                                                   value_layer)
+    width = sinusoidal_pos.shape[-1]
+    for x, name in zip(tensors, ("query_layer", "key_layer", "value_layer")):
+        if width % 2 or x.shape[-1] != width:
+            raise ValueError(f"sinusoidal_pos of shape {list(sinusoidal_pos.shape)}: its last dim "
+                             f"must be {name}.size(-1) = {x.shape[-1]}, even (sin then cos of "
+                             "each pair)")
+    sin, cos = sinusoidal_pos.chunk(2, dim=-1)
+    c, s = float32_table(cos), float32_table(sin)
+    return tuple(rotate_pairs(x, c, s, _promoted(x, sinusoidal_pos), interleaved=True)
+                 for x in tensors)
+
+
+def apply_rotary_embedding_to_hidden_states(self, hidden_states, relative_position_embeddings):
+    """Wav2Vec2-Conformer's self-attention method `_apply_rotary_embedding` (Wav2Vec2-BERT's and
+    SeamlessM4T's speech encoder's are copies): hidden_states (batch, seq, heads * head_size),
+    seen as self.num_heads heads of self.head_size, rotated before the q and k projections
+    (rotate_half pairs (i, i + head_size / 2)) by relative_position_embeddings (2, >= seq, 1, 1,
+    head_size): cos, then sin, each angle at both members of its pair (the first half is read).
+    The result (batch, seq, heads * head_size), in torch's promotion with the tables."""
+    batch, seq, _ = hidden_states.size()
+    x = hidden_states.view(batch, seq, self.num_heads, self.head_size)
+    tables = relative_position_embeddings[:, :seq].transpose(1, 2)  # (2, 1, seq, 1, head_size)
+    cos, sin = tables[0], tables[1]
+    _check_width(x, cos, sin, "head_size", "hidden_states viewed as heads")
+    out = _rotate_half_style((x,), cos, sin, (_promoted(x, cos, sin),))[0]
+    return out.view(batch, seq, self.num_heads * self.head_size)
+
+
 def apply_rotary_pos_emb_gptj(tensor, sin, cos):
     """transformers' GPT-J apply_rotary_pos_emb(tensor, sin, cos) (note the order): tensor (batch,
     seq, heads, rotary_dim), sin/cos (batch, seq, rotary_dim / 2), pairs (2i, 2i+1) (GPT-J's

@@ -9,7 +9,8 @@ What is patched: each attention module whose forward calls its modeling module's
 (`apply_rotary_pos_emb`, Qwen2-VL's `apply_multimodal_rotary_pos_emb` and vision
 `apply_rotary_pos_emb_vision`) changes class, to a subclass of its own class whose forward is
 transformers' forward, the same code, with that one call resolved to its
-rope_ext.compat.transformers twin. Nothing else changes: no instance attribute is set, no
+rope_ext.compat.transformers twin (an attention calling its RoPE as its own method, RoFormer's,
+gets a subclass overriding that method). Nothing else changes: no instance attribute is set, no
 transformers function is replaced (other models, patched or not, run transformers' code), and
 `unpatch` sets the original class back.
 
@@ -97,6 +98,27 @@ def _probe_rotate_half(original, replacement, tables=_duplicated, dtype=torch.fl
     emb = tables(torch.randn(2, 4, 4, generator=g, dtype=torch.float32) * 3)
     mixed = (q.to(torch.bfloat16), k.to(torch.bfloat16), emb.cos(), emb.sin())
     return _same_dtypes(original, replacement, *mixed)
+
+
+def _probe_roformer(original, replacement):
+    """RoFormer's table: each pair's sin, then its cos, one entry per pair; with and without v."""
+    g = _generator()
+    angles = torch.randn(1, 1, 4, 4, generator=g, dtype=torch.float64) * 3
+    table = torch.cat((angles.sin(), angles.cos()), dim=-1)
+    q, k, v = (torch.randn(2, 3, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    return all(_same(replacement(*args), original(*args)) and len(original(*args)) == len(args) - 1
+               for args in ((table, q, k), (table, q, k, v)))
+
+
+def _probe_hidden_states(original, replacement):
+    """The speech encoders' rotation of the hidden states: a self of 3 heads of 8, tables for
+    more positions than the sequence has."""
+    g = _generator()
+    attention = types.SimpleNamespace(num_heads=3, head_size=8)
+    emb = _duplicated(torch.randn(6, 1, 1, 4, generator=g, dtype=torch.float64) * 3)
+    tables = torch.stack((emb.cos(), emb.sin()))
+    x = torch.randn(2, 5, 24, generator=g, dtype=torch.float64)
+    return _same((replacement(attention, x, tables),), (original(attention, x, tables),))
 
 
 def _probe_optional_key(original, replacement):
@@ -342,6 +364,15 @@ _LATEST_QUERIES = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_latest_queri
 # Qwen4-Exp's: k optional (its indexer rotates queries alone); its vision tower's as Qwen2-VL's
 _QWEN4_EXP = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb_optional_key, _probe_optional_key),
               **_VISION}
+# RoPE an attention module calls as its own method (SELF + its name): the patched class overrides
+# the method. RoFormer's (a static method) on pairs (2i, 2i+1), value too with rotary_value;
+# the speech encoders' (Wav2Vec2-Conformer's, copied into Wav2Vec2-BERT and SeamlessM4T) rotate
+# the hidden states, seen as heads, before the q and k projections.
+SELF = "self."
+_ROFORMER = {SELF + "apply_rotary_position_embeddings": (hf.apply_rotary_position_embeddings,
+                                                         _probe_roformer)}
+_HIDDEN_STATES = {SELF + "_apply_rotary_embedding": (hf.apply_rotary_embedding_to_hidden_states,
+                                                     _probe_hidden_states)}
 # SAM's 2D RoPE of video memory attention: pairs (2i, 2i+1) of an image's rows and columns
 _SAM_VIDEO = {"apply_rotary_pos_emb_2d": (hf.apply_rotary_pos_emb_2d, _probe_sam)}
 _EDGETAM_VIDEO = {
@@ -520,6 +551,11 @@ FAMILIES = {
     "gpt_oss": ("gpt_oss.modeling_gpt_oss", _HALF_TABLES),
     "clvp": ("clvp.modeling_clvp", _QKV_INDEXED),
     "clvp_encoder": ("clvp.modeling_clvp", _QKV_INDEXED),
+    "roformer": ("roformer.modeling_roformer", _ROFORMER),
+    # speech encoders with position_embeddings_type="rotary" (SeamlessM4T's: its speech encoder)
+    "wav2vec2-conformer": ("wav2vec2_conformer.modeling_wav2vec2_conformer", _HIDDEN_STATES),
+    "wav2vec2-bert": ("wav2vec2_bert.modeling_wav2vec2_bert", _HIDDEN_STATES),
+    "seamless_m4t": ("seamless_m4t.modeling_seamless_m4t", _HIDDEN_STATES),
     "openai_privacy_filter": ("openai_privacy_filter.modeling_openai_privacy_filter",
                               _INTERLEAVED_HALF_TABLES),  # transformers >= 5
     "deepseek_v2": ("deepseek_v2.modeling_deepseek_v2", _DEEPSEEK_V2),
@@ -677,9 +713,20 @@ _lock = threading.Lock()
 _verified = {}
 
 
-def _verify(modeling, name, replacement, probe):
-    original = getattr(modeling, name)
-    key = (modeling.__name__, name)
+def _original(cls, modeling, name):
+    """What `name` of FAMILIES names for attention class cls: a function of its modeling
+    module, or (SELF + method) the method cls has, as defined in that module (a staticmethod's
+    function); None if cls has no such method of that module."""
+    if not name.startswith(SELF):
+        return getattr(modeling, name, None)
+    method = next((c.__dict__[name[len(SELF):]] for c in cls.__mro__
+                   if name[len(SELF):] in c.__dict__), None)
+    method = getattr(method, "__func__", method)  # a staticmethod's function
+    return method if getattr(method, "__module__", None) == modeling.__name__ else None
+
+
+def _verify(modeling, name, replacement, probe, original):
+    key = (modeling.__name__, getattr(original, "__qualname__", name))
     if _verified.get(key) is original:
         return
     # On the CPU whatever torch's defaults are (a model built under set_default_device).
@@ -802,8 +849,8 @@ def _rope_calls(cls, modeling, functions):
     code = getattr(fn, "__code__", None)
     if code is None or getattr(fn, "__globals__", None) is not vars(modeling):
         return ()
-    used = _code_names(code)
-    called = {n for n in functions if n in used and hasattr(modeling, n)}
+    used = _code_names(code) | {SELF + n for n in code.co_names}  # (self.<method> as SELF names)
+    called = {n for n in functions if n in used and _original(cls, modeling, n) is not None}
     return tuple(sorted(called - _given_a_slice_of_the_table(fn, called)))
 
 
@@ -858,7 +905,7 @@ def _patched_class(original, names, fused=False):
     functions = _functions_of(modeling)
     for name in names:
         replacement, probe = functions[name]
-        _verify(modeling, name, replacement, probe)
+        _verify(modeling, name, replacement, probe, _original(original, modeling, name))
     # The class a super().forward(...) in the forward reaches, patched too where it calls the
     # functions (transformers 4's SDPA attention classes hand output_attentions=True to their
     # eager parents: Qwen2-MoE's, StableLM's, DBRX's, ...): the patched class's bases
@@ -880,12 +927,19 @@ def _patched_class(original, names, fused=False):
                 return None
             setattr(modeling, *_qk_norm.FUSED_CALLS[fused])
         else:
-            for name in names:
+            global_names = [n for n in names if not n.startswith(SELF)]
+            for name in global_names:
                 setattr(modeling, _PREFIX + name, functions[name][0])
-            forward = _rebuilt(source, _renaming({n: _PREFIX + n for n in names}))
+            forward = _rebuilt(source, _renaming({n: _PREFIX + n for n in global_names}))
         namespace = {"__slots__": (), "__module__": original.__module__,
                      "__qualname__": original.__qualname__, "__doc__": original.__doc__,
                      "forward": forward, "_rope_ext_spec": key}
+        for name in names:
+            if name.startswith(SELF):  # the method overridden, a staticmethod by a staticmethod
+                method = name[len(SELF):]
+                replacement = functions[name][0]
+                namespace[method] = (staticmethod(replacement) if isinstance(
+                    inspect.getattr_static(original, method), staticmethod) else replacement)
         patched = type(original)(original.__name__, (original, base), namespace)
         _classes[key] = (source, patched)
     return patched
