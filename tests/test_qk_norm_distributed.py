@@ -251,6 +251,29 @@ def case_weight_gradients_with_uneven_token_shards(run):
                                        atol=1e-5)
 
 
+@case
+def case_gradients_with_one_output_unused(run):
+    """Only the queries reach the loss, the tables and k_weight requiring grad: the gradients are
+    one process's (autograd's zeros for the keys, plain tensors, once met the tables' DTensors in
+    the backward and failed)."""
+    Sh, R = run.S, run.R
+    q, k = torch.randn(T, HQ, D), torch.randn(T, HK, D)
+    cos, sin = torch.randn(T, 1, ROT // 2), torch.randn(T, 1, ROT // 2)
+    wq, wk = _weights()
+    for fn in (qk_norm_rope, norm_rope):
+        def grads(q, k, cos, sin, wq, wk):
+            leaves = [t.requires_grad_() for t in (q, cos, sin, wq, wk)]
+            fn(q, k, wq, wk, cos, sin, table_width="half")[0].square().sum().backward()
+            return [leaf.grad for leaf in leaves]
+
+        want = grads(q.clone(), k, cos.clone(), sin.clone(), wq.clone(), wk.clone())
+        got = grads(run.d(q, Sh(1)), run.d(k, Sh(1)), run.d(cos, R), run.d(sin, R),
+                    run.d(wq, R), run.d(wk, R))
+        assert want[-1] is None and got[-1] is None  # k_weight: nothing reached it
+        for g, w in zip(got[:-1], want[:-1]):
+            torch.testing.assert_close(g.full_tensor(), w, rtol=1e-5, atol=1e-5)
+
+
 outcomes, test_case = td.case_tests(__file__, CASES)
 
 

@@ -70,6 +70,9 @@ def _setup(ctx, inputs, output):
         inputs, (None,) * 7 + (False, False))
     ctx.args = (eps, unit_offset, interleaved)
     ctx.save_for_backward(query, key, q_weight, k_weight, cos, sin)
+    # An output no loss reached gets None, not zeros autograd would make as plain tensors (a
+    # DTensor call's tables would then meet them in rope.apply_backward): its pair is skipped.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_q, grad_k):
@@ -109,6 +112,7 @@ def _setup_forms(ctx, inputs, output):
      interleaved) = base._with_defaults(inputs, (None,) * 9 + ("rms", False))
     ctx.args = (eps, norm, interleaved)
     ctx.save_for_backward(query, key, q_weight, k_weight, q_bias, k_bias, cos, sin)
+    ctx.set_materialize_grads(False)  # (as _setup's)
 
 
 def _backward_forms(ctx, grad_q, grad_k):
