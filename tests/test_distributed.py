@@ -362,6 +362,24 @@ def case_at_tokens_and_heads(run):
 
 
 @case
+def case_at_flattened_batch(run):
+    """(batch, tokens, ...) x with its tokens sharded, then flattened to (batch * tokens, ...),
+    positions flattened alike: both _StridedShard, the one layout of positions that fits x
+    (refused once as "split over the mesh dims in another order"); apply_rope_at and
+    apply_rope_ in place, no collective."""
+    S, R = run.S, run.R
+    table = _table()
+    x, pos = torch.randn(2, T, HQ, D), torch.randint(0, MAXPOS, (2, T))
+    want = rope_ext.apply_rope_at(x.flatten(0, 1), pos.flatten(), table)
+    dx, dpos = run.d(x, S(1)).flatten(0, 1), run.d(pos, S(1)).flatten()
+    got = run.no_comm(rope_ext.apply_rope_at, dx, dpos, run.d(table, R))
+    assert got.placements == dx.placements
+    close(got.full_tensor(), want, x.dtype)
+    run.no_comm(rope_ext.apply_rope_, dx, None, dpos, run.d(table, R))
+    close(dx.full_tensor(), want, x.dtype)
+
+
+@case
 def case_at_mrope(run):
     """apply_rope_at with mrope_section: positions (3, T) sharded over dim 1 like x's tokens."""
     S, R = run.S, run.R
