@@ -429,6 +429,31 @@ def test_a_hooked_norm_over_text_and_image_tokens_sees_them_at_once():
     torch.testing.assert_close(got, want, **TOLS[torch.float32])
 
 
+def test_flux_tables_that_are_not_one_row_per_joint_token():
+    """FLUX's double-stream attention cuts the joint [text, image] tables into each part's rows:
+    a one-row table broadcasts over every token, as in diffusers, and a table a row short of
+    the text's and the image's tokens fails as it fails there (a cut once fitted the image part
+    and broadcast its one row silently)."""
+    model, _ = dm.build("flux")
+    attn = model.transformer_blocks[0].attn
+    image, text = torch.randn(2, 16, 32), torch.randn(2, 5, 32)
+    one_row = model.pos_embed(torch.tensor([[0.0, 3.0, 4.0]]))
+    short = model.pos_embed(torch.cat([torch.zeros(5, 3), torch.tensor([[0.0, 3.0, 4.0]])]))
+    with torch.no_grad():
+        want = attn(image, text, image_rotary_emb=one_row)
+        with pytest.raises(RuntimeError):
+            attn(image, text, image_rotary_emb=short)
+        rdi.patch(model)
+        try:
+            got = attn(image, text, image_rotary_emb=one_row)
+            with pytest.raises((RuntimeError, ValueError), match="broadcast|size"):
+                attn(image, text, image_rotary_emb=short)
+        finally:
+            rdi.unpatch(model)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOLS[torch.float32])
+
+
 def test_a_norm_class_whose_forward_was_replaced_is_not_fused(monkeypatch):
     """A forward replaced on a norm class (by a library, say) computes otherwise: not fused."""
     model, inputs = dm.build("flux")

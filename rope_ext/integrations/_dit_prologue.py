@@ -98,11 +98,16 @@ def norm_rope_span(norms, query, key, dim, start, stop, rope, *args, **kwargs):
                  for module, x, middle in zip(norms, (query, key), rotated))
 
 
-def rows(freqs, start, stop):
-    """FLUX's (cos, sin) tables (tokens, D) of the joint [text, image] sequence cut to the rows
-    [start:stop], one part's: diffusers norms the parts apart and rotates them joined."""
-    if not isinstance(freqs, (tuple, list)):
-        return freqs  # (not FLUX's form: the drop-in raises diffusers' error)
+def rows(freqs, start, stop, total):
+    """FLUX's (cos, sin) tables (tokens, D) of the joint [text, image] sequence of `total` tokens
+    cut to the rows [start:stop], one part's: diffusers norms the parts apart and rotates them
+    joined. Tables of another row count are given whole: one row broadcasts over every token, as
+    diffusers broadcasts it over the joint sequence, and any other count fails the rotation, as
+    it fails diffusers' (a cut would have fitted one part, the image's a row short of the text's,
+    and broadcast it silently)."""
+    if not isinstance(freqs, (tuple, list)) or any(t.dim() != 2 or t.shape[0] != total
+                                                   for t in freqs):
+        return freqs  # (not FLUX's form, or not one row per token: the drop-in decides)
     return tuple(t[start:stop] for t in freqs)
 
 
@@ -211,7 +216,8 @@ _FLUX_IMAGE = (_source(_QK_NORMS), _source("""
         query, key = _rope_ext_norm_rope(
             (attn.norm_q, attn.norm_k), query, key, apply_rotary_emb,
             _rope_ext_rows(
-                image_rotary_emb, encoder_query.shape[1] if attn.added_kv_proj_dim is not None else 0, None
+                image_rotary_emb, encoder_query.shape[1] if attn.added_kv_proj_dim is not None else 0, None,
+                query.shape[1] + (encoder_query.shape[1] if attn.added_kv_proj_dim is not None else 0),
             ),
             sequence_dim=1,
         )
@@ -226,7 +232,9 @@ _FLUX_TEXT = (_source("""
     else:
         encoder_query, encoder_key = _rope_ext_norm_rope(
             (attn.norm_added_q, attn.norm_added_k), encoder_query, encoder_key, apply_rotary_emb,
-            _rope_ext_rows(image_rotary_emb, 0, encoder_query.shape[1]), sequence_dim=1,
+            _rope_ext_rows(image_rotary_emb, 0, encoder_query.shape[1],
+                           encoder_query.shape[1] + query.shape[1]),
+            sequence_dim=1,
         )
 """))
 _FLUX_ROPE = (_source("""
