@@ -207,9 +207,10 @@ def _deepseek_yarn(scaling, rotary_dim, base, seq_len, device):
 
 def llama3_parameters(scaling, prefix="cos_sin_cache: rope scaling 'llama3'", ordered=True):
     """(factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) of a Llama 3
-    dict, each a finite number > 0 and, if `ordered`, high > low (transformers' configs), or a
-    ValueError naming the key after `prefix`: rope_ext.scaling's and gpt-fast's (whose formula
-    gives a step function for high <= low: not `ordered`)."""
+    dict, each a finite number > 0 and, if `ordered`, high >= low (transformers' configs: equal
+    factors, as Llama 4 Scout's, leave no band between the scaled and the unscaled frequencies:
+    a step), or a ValueError naming the key after `prefix`: rope_ext.scaling's and gpt-fast's
+    (whose formula gives a step function for high <= low: not `ordered`)."""
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     if not isinstance(scaling, dict):
         raise ValueError(f"{prefix} must be a dict with the keys {', '.join(keys)}, got "
@@ -218,8 +219,8 @@ def llama3_parameters(scaling, prefix="cos_sin_cache: rope scaling 'llama3'", or
         if scaling.get(key) is None:
             raise ValueError(f"{prefix} needs the key {key!r}")
     factor, low, high, original = (check_positive(scaling[key], f"{prefix}: {key}") for key in keys)
-    if ordered and not high > low:
-        raise ValueError(f"{prefix}: high_freq_factor ({high}) must be > low_freq_factor ({low})")
+    if ordered and not high >= low:
+        raise ValueError(f"{prefix}: high_freq_factor ({high}) must be >= low_freq_factor ({low})")
     return factor, low, high, original
 
 
@@ -227,7 +228,8 @@ def _llama3(scaling, rotary_dim, base, seq_len, device):
     factor, low_ff, high_ff, original = llama3_parameters(scaling)
     inv_freq = default_inv_freq(rotary_dim, base, device)
     wavelen = 2 * math.pi / inv_freq
-    smooth = (original / wavelen - low_ff) / (high_ff - low_ff)
+    # (equal factors: no band to blend in; a wavelength exactly at the step keeps its frequency)
+    smooth = (original / wavelen - low_ff) / (high_ff - low_ff) if high_ff > low_ff else 1.0
     blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
     out = torch.where(wavelen > original / low_ff, inv_freq / factor, blended)
     return torch.where(wavelen < original / high_ff, inv_freq, out), 1.0

@@ -64,6 +64,10 @@ ROPE_PARAMETERS = {
                  "long_factor": [1.0 + 0.5 * i for i in range(RANKS)], "rope_theta": 10000.0},
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 256, "rope_theta": 500000.0},
+    # Llama 4 Scout's: equal factors, a step between the scaled and the unscaled frequencies
+    "llama3_step": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+                    "high_freq_factor": 1.0, "original_max_position_embeddings": 256,
+                    "rope_theta": 500000.0},
     "proportional": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "factor": 2.0,
                      "rope_theta": 10000.0},
 }

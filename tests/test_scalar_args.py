@@ -223,9 +223,9 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
     (dict(scaling={"rope_type": "linear", "factor": 1e-320}), r"rope scaling 'linear' .* gives non-finite"),
     (dict(scaling={**YARN, "attention_factor": 1e300}), r"rope scaling 'yarn' .* attention factor outside "
                                                          r"float32's range \(1e\+300\)"),
-    (dict(scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+    (dict(scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 1.0,
                    "original_max_position_embeddings": 8}),
-     r"rope scaling 'llama3': high_freq_factor \(1.0\) must be > low_freq_factor"),
+     r"rope scaling 'llama3': high_freq_factor \(1.0\) must be >= low_freq_factor"),
 ])
 def test_scalings_whose_values_give_no_finite_table_are_refused(kw, match):
     with pytest.raises(ValueError, match="cos_sin_cache: " + match):

@@ -283,7 +283,7 @@ def test_null_means_unset():
         ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 64},
          r"'llama3' needs the key 'high_freq_factor'"),
         ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
-          "original_max_position_embeddings": 64}, r"high_freq_factor \(1.0\) must be > low_freq_factor"),
+          "original_max_position_embeddings": 64}, r"high_freq_factor \(1.0\) must be >= low_freq_factor"),
         ({"rope_type": "longrope", "short_factor": [1.0] * 4, "original_max_position_embeddings": 64},
          r"'longrope' needs the key 'long_factor'"),
         ({"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [1.0] * 3,
