@@ -65,6 +65,10 @@ _KEY_ALIASES = {
     "kimi_linear": {"max_position_embeddings": "model_max_length"},
 }
 _ALIASED_KEYS = ("hidden_size", "num_attention_heads", "max_position_embeddings", "head_dim")
+# Keys a model type's file keeps in a sub-dict: DBRX's rope_theta in attn_config (which
+# transformers 4's DBRX attention reads, and the checkpoints were trained with; transformers
+# 5.23's rotary module reads the top level's default instead).
+_NESTED_KEYS = {"dbrx": {"rope_theta": "attn_config"}}
 # MRoPE as model code lays it out whatever its config says: model type -> (the sections it takes
 # where the config gives none, whether it interleaves them, T, H, W, T, ..., or lays them one
 # after another, ignoring mrope_interleaved). The text rotary classes of transformers 5.23 (and
@@ -143,6 +147,10 @@ class _Config:
             for d in (self.own, self.fallback):
                 if std not in d and alt in d:
                     d[std] = d[alt]
+        for key, holder in _NESTED_KEYS.get(self.model_type, {}).items():
+            nested = _set(_as_dict(self.own.get(holder) or {}, holder))
+            if key not in self.own and key in nested:
+                self.own[key] = nested[key]
         self.defaults = MODEL_DEFAULTS.get(self.model_type, {})
 
     def file(self, key):

@@ -520,6 +520,28 @@ def test_deepseek_v3_yarn_attention_and_scaling():
     assert m.cos_sin_cache[0, 0].item() == 1.0
 
 
+def dbrx_instruct():
+    return {"model_type": "dbrx", "d_model": 6144, "n_heads": 48, "n_layers": 40,
+            "max_seq_len": 32768, "vocab_size": 100352,
+            "attn_config": {"clip_qkv": 8, "kv_n_heads": 8, "rope_theta": 500000},
+            "ffn_config": {"ffn_hidden_size": 10752, "moe_num_experts": 16, "moe_top_k": 4}}
+
+
+@pytest.mark.parametrize("as_object", [False, True])
+def test_dbrx_base_is_read_in_its_attn_config(as_object):
+    # (transformers 4's DBRX attention reads it there; the checkpoints were trained with it)
+    from transformers import DbrxConfig
+
+    cfg = dbrx_instruct()
+    if as_object:
+        cfg = DbrxConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+        if getattr(cfg, "rope_parameters", None) is not None:
+            pytest.skip("transformers 5's DbrxConfig sets rope_parameters to its default base, "
+                        "which its model runs and the object holds")
+    k = rope_kwargs_from_config(cfg)
+    assert (k["head_dim"], k["rotary_dim"], k["max_position"], k["base"]) == (128, 128, 32768, 500000)
+
+
 # ---- the rotations, through transformers' own apply functions ---------------------------------
 
 
