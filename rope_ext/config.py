@@ -233,8 +233,8 @@ def _rope_dict(cfg, layer_type):
         _check_local_layer_type(layer_type, "global and local attention layers their own bases "
                                             "(global_rope_theta, local_rope_theta)")
         theta = bases[layer_type] if bases[layer_type] is not None else bases["full_attention"]
-        if layer_type == "sliding_attention":
-            return {"rope_type": "default", "rope_theta": theta}, "local"
+        # (a rope_scaling serves both kinds of layer, each at its base: transformers 4 builds
+        # each attention's rotary module from the config, 5 merges it into both layer types')
         return dict(src, rope_theta=theta), "local"
     if cfg.get("rope_local_base_freq") is not None:  # Gemma 3 in transformers 4
         _check_local_layer_type(layer_type, "sliding-window layers their own base "

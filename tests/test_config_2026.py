@@ -98,6 +98,12 @@ def test_modernbert_global_and_local_bases():
         rope_kwargs_from_config(file, layer_type="chunked")
     assert rope_kwargs_from_config(file, layer_type="full_attention")["base"] == 160000.0
     assert rope_kwargs_from_config(file, layer_type="sliding_attention")["base"] == 10000.0
+    # A rope_scaling serves both kinds of layer, each at its base (as transformers 4 and 5 build
+    # them; the local layers once dropped it)
+    scaled = dict(file, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    for layer_type, base in (("full_attention", 160000.0), ("sliding_attention", 10000.0)):
+        k = rope_kwargs_from_config(scaled, layer_type=layer_type)
+        assert k["base"] == base and k["scaling"]["factor"] == 4.0
     del file["local_rope_theta"]  # the local layers then take the global base
     assert rope_kwargs_from_config(file, layer_type="sliding_attention")["base"] == 160000.0
 
