@@ -226,7 +226,13 @@ def _rope_dict(cfg, layer_type):
             _fail(f"the config sets RoPE per layer type ({', '.join(names)}); pass layer_type= one of them")
         if src.get(layer_type) is None:
             _fail(f"layer_type {layer_type!r} has no RoPE parameters in this config (it has: {', '.join(names)})")
-        return dict(src[layer_type]), "v5_layer"
+        entry = dict(src[layer_type])
+        if (layer_type == "sliding_attention" and entry.get("rope_theta") is None
+                and cfg.get("rope_local_base_freq") is not None):
+            # (Gemma 3: transformers 5 fills a sliding entry's missing base with the local one,
+            # the file's or its class default, not with the top level's rope_theta)
+            entry["rope_theta"] = cfg.get("rope_local_base_freq")
+        return entry, "v5_layer"
     bases = {"full_attention": cfg.get("global_rope_theta"),
              "sliding_attention": cfg.get("local_rope_theta")}
     if any(v is not None for v in bases.values()):  # ModernBERT in transformers 4, and its files

@@ -374,3 +374,25 @@ def test_default_sections_that_do_not_fit_leave_plain_rope(model_type):
     want = mod.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
     for g, w in zip(rope(q[0], k[0], torch.arange(T)), want):
         torch.testing.assert_close(g, w[0], rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("local", [None, 50000.0])
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gemma3n_text"])
+def test_a_sliding_entry_without_a_base_takes_the_local_one(model_type, local):
+    # Gemma 3's per-layer rope_parameters written sparse: transformers 5 fills the sliding entry's
+    # base with rope_local_base_freq (the file's, else its default 10000), not with rope_theta
+    from transformers import CONFIG_MAPPING
+
+    params = {"full_attention": {"rope_type": "linear", "factor": 8.0},
+              "sliding_attention": {"rope_type": "default"}}
+    extra = {} if local is None else {"rope_local_base_freq": local}
+    config = CONFIG_MAPPING[model_type](rope_parameters=copy.deepcopy(params), rope_theta=1e6,
+                                        **extra)
+    file = {"model_type": model_type, "rope_parameters": params, "rope_theta": 1e6, **extra,
+            "hidden_size": config.hidden_size, "num_attention_heads": config.num_attention_heads,
+            "head_dim": config.head_dim}
+    for layer_type in params:
+        want = config.rope_parameters[layer_type]["rope_theta"]
+        assert rope_kwargs_from_config(file, layer_type=layer_type)["base"] == want
+        assert rope_kwargs_from_config(config, layer_type=layer_type)["base"] == want
+    assert config.rope_parameters["sliding_attention"]["rope_theta"] == (local or 10000.0)
