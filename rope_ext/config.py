@@ -62,6 +62,7 @@ _KEY_ALIASES = {
     "jetmoe": {"head_dim": "kv_channels"},
     "zamba": {"head_dim": "attention_head_dim"}, "zamba2": {"head_dim": "attention_head_dim"},
     "bailing_hybrid": {"max_position_embeddings": "model_max_length"},
+    "chatglm": {"head_dim": "kv_channels", "max_position_embeddings": "seq_length"},
     "kimi_linear": {"max_position_embeddings": "model_max_length"},
 }
 _ALIASED_KEYS = ("hidden_size", "num_attention_heads", "max_position_embeddings", "head_dim")
@@ -147,6 +148,20 @@ class _Config:
             for d in (self.own, self.fallback):
                 if std not in d and alt in d:
                     d[std] = d[alt]
+        if self.model_type == "chatglm":
+            # ChatGLM2/3's and GLM-4's own model code (trust_remote_code; no transformers class):
+            # RoPE on the first half of each head, base 10000. Their rope_ratio means two things:
+            # the base's multiplier in ChatGLM3's and GLM-4's code, the positions' divisor in
+            # ChatGLM2-32K's; the file does not say which code it goes with.
+            self.own.setdefault("partial_rotary_factor", 0.5)
+            ratio = self.own.get("rope_ratio", 1)
+            if ratio != 1:
+                _fail(f"a chatglm config with rope_ratio {ratio!r}: ChatGLM3's and GLM-4's code "
+                      "multiply the base by it, ChatGLM2-32K's divides the positions by it, and "
+                      "the file does not say which; build RotaryEmbedding(head_dim=..., "
+                      "rotary_dim=head_dim // 2, interleaved=True) with base=10000 * rope_ratio "
+                      "(ChatGLM3, GLM-4) or scaling={'rope_type': 'linear', 'factor': "
+                      "rope_ratio} (ChatGLM2-32K)")
         for key, holder in _NESTED_KEYS.get(self.model_type, {}).items():
             nested = _set(_as_dict(self.own.get(holder) or {}, holder))
             if key not in self.own and key in nested:

@@ -174,3 +174,19 @@ def test_module_refuses_heads_of_another_size(method):
         getattr(m, method)(q, k, pos)
     with pytest.raises(ValueError, match="key of shape \\[3, 1, 160\\]"):
         getattr(m, method)(k.new_zeros(3, 2, 80), q[:, :1], pos)
+
+
+def test_chatglm_rotates_half_of_each_head():
+    # ChatGLM2/3's and GLM-4's own code (no transformers class): interleaved pairs of the first
+    # kv_channels // 2 dims, base 10000, seq_length positions; a rope_ratio other than 1 is
+    # refused (the base's multiplier in ChatGLM3's and GLM-4's code, the positions' divisor in
+    # ChatGLM2-32K's: the file does not say which), where it once built base 10000 on the head
+    chatglm3_6b = {"model_type": "chatglm", "hidden_size": 4096, "num_attention_heads": 32,
+                   "kv_channels": 128, "multi_query_group_num": 2, "num_layers": 28,
+                   "seq_length": 8192}
+    k = rope_kwargs_from_config(chatglm3_6b)
+    assert (k["head_dim"], k["rotary_dim"], k["interleaved"], k["max_position"], k["base"]) == (
+        128, 64, True, 8192, 10000.0)
+    glm4_9b_chat = dict(chatglm3_6b, num_layers=40, seq_length=131072, rope_ratio=500)
+    with pytest.raises(ValueError, match="rope_ratio 500: ChatGLM3's and GLM-4's code multiply"):
+        rope_kwargs_from_config(glm4_9b_chat, max_position=131072)
