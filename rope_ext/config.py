@@ -98,6 +98,14 @@ _GEMMA4_TYPES = frozenset({"gemma4", "gemma4_text"})
 # dict: Ministral 3's and Mistral 4's query scaling by position (applied by their attention, after
 # RoPE) and their copy of max_position_embeddings (the top-level one is read).
 _NOT_THE_TABLE = ("llama_4_scaling_beta", "max_position_embeddings")
+# Configs of models without RoPE, refused rather than given a table: BERT's
+# position_embedding_type (ESM's and XLM-RoBERTa's "rotary" is RoPE), and model types whose
+# positions are something else where the file says nothing (BERT and RoBERTa default to
+# absolute ones).
+_NOT_ROPE_POSITIONS = ("absolute", "relative_key", "relative_key_query")
+_NOT_ROPE_TYPES = {"bert": "absolute", "roberta": "absolute", "gpt2": "absolute",
+                   "opt": "absolute", "bart": "absolute", "t5": "relative (bucketed)",
+                   "bloom": "ALiBi", "mpt": "ALiBi"}
 
 
 def _fail(msg):
@@ -328,7 +336,14 @@ def _dims(cfg, params, layer_type=None):
         if partial is not None:
             params["partial_rotary_factor"] = _positive(partial, "partial_rotary_factor")
         return head_dim, head_dim
-    # The top level wins over rope_parameters (transformers 5 copies it in); GPT-NeoX says rotary_pct.
+    # The top level and rope_parameters say the same where both say it (transformers 5 copies
+    # the top level's in, keeping a dict's own; its attention classes read the top level's:
+    # differing factors are refused); GPT-NeoX says rotary_pct.
+    top, inside = cfg.file("partial_rotary_factor"), params.get("partial_rotary_factor")
+    if top is not None and inside is not None and \
+            _positive(top, "partial_rotary_factor") != _positive(inside, "partial_rotary_factor"):
+        _fail(f"partial_rotary_factor is {top} but rope_parameters holds partial_rotary_factor "
+              f"{inside}; keep one")
     key, partial = next(((k, v) for k, v in (
         ("partial_rotary_factor", cfg.file("partial_rotary_factor")),
         ("partial_rotary_factor", params.get("partial_rotary_factor")),
@@ -451,6 +466,10 @@ def rope_kwargs_from_config(config, *, layer_type=None, interleaved=None, max_po
     cfg = _Config(config)
     if cfg.file("alibi") is True:
         _fail("the config uses ALiBi position biases, not RoPE")
+    kind = cfg.file("position_embedding_type")
+    if kind in _NOT_ROPE_POSITIONS or (kind is None and cfg.model_type in _NOT_ROPE_TYPES):
+        _fail(f"the config's model ({cfg.model_type or 'no model_type'}) uses "
+              f"{kind or _NOT_ROPE_TYPES[cfg.model_type]} position embeddings, not RoPE")
     params, form = _rope_dict(cfg, layer_type)
     for key in _NOT_THE_TABLE:
         params.pop(key, None)

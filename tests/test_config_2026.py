@@ -190,3 +190,35 @@ def test_chatglm_rotates_half_of_each_head():
     glm4_9b_chat = dict(chatglm3_6b, num_layers=40, seq_length=131072, rope_ratio=500)
     with pytest.raises(ValueError, match="rope_ratio 500: ChatGLM3's and GLM-4's code multiply"):
         rope_kwargs_from_config(glm4_9b_chat, max_position=131072)
+
+
+def test_differing_partial_rotary_factors_are_refused():
+    # transformers 5 keeps a rope_parameters' own factor while its attention classes (StableLM's,
+    # Phi's) read the top level's: a file giving two is refused, not read one way silently
+    file = {"model_type": "stablelm", "hidden_size": 512, "num_attention_heads": 4,
+            "max_position_embeddings": 4096, "partial_rotary_factor": 0.5,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                "partial_rotary_factor": 0.25}}
+    with pytest.raises(ValueError, match="partial_rotary_factor is 0.5 but rope_parameters holds "
+                                         "partial_rotary_factor 0.25; keep one"):
+        rope_kwargs_from_config(file)
+    file["rope_parameters"]["partial_rotary_factor"] = 0.5
+    assert rope_kwargs_from_config(file)["rotary_dim"] == 64
+
+
+@pytest.mark.parametrize("config, kind", [
+    ({"model_type": "bert", "hidden_size": 768, "num_attention_heads": 12,
+      "max_position_embeddings": 512}, "absolute"),
+    ({"model_type": "esm", "hidden_size": 320, "num_attention_heads": 20,
+      "max_position_embeddings": 1026, "position_embedding_type": "absolute"}, "absolute"),
+    ({"model_type": "opt", "hidden_size": 768, "num_attention_heads": 12,
+      "max_position_embeddings": 2048}, "absolute"),
+    ({"model_type": "bloom", "hidden_size": 64, "n_head": 4}, "ALiBi"),
+])
+def test_a_config_without_rope_is_refused(config, kind):
+    with pytest.raises(ValueError, match=f"uses {kind} position embeddings, not RoPE"):
+        rope_kwargs_from_config(config)
+    # the same model family with RoPE (ESM-2, Jina's XLM-RoBERTa) is read
+    rotary = dict(config, position_embedding_type="rotary", num_attention_heads=4,
+                  hidden_size=64, max_position_embeddings=64)
+    assert rope_kwargs_from_config(rotary)["head_dim"] == 16
