@@ -103,8 +103,8 @@ def rows(freqs, start, stop, total):
     cut to the rows [start:stop], one part's: diffusers norms the parts apart and rotates them
     joined. Tables of another row count are given whole: one row broadcasts over every token, as
     diffusers broadcasts it over the joint sequence, and any other count fails the rotation, as
-    it fails diffusers' (a cut would have fitted one part, the image's a row short of the text's,
-    and broadcast it silently)."""
+    it fails diffusers' (cut, a table of the text's rows and one more gave the image part one
+    row, which broadcast over its tokens silently)."""
     if not isinstance(freqs, (tuple, list)) or any(t.dim() != 2 or t.shape[0] != total
                                                    for t in freqs):
         return freqs  # (not FLUX's form, or not one row per token: the drop-in decides)
