@@ -107,12 +107,13 @@ def _flux_prologue(x, n, emb, rd):
                 emb.apply_rotary_emb(key, (cos, sin), sequence_dim=1))
 
     def ours(query, key, encoder_query, encoder_key, cos, sin):
-        text, joint = encoder_query.shape[1], encoder_query.shape[1] + query.shape[1]
-        query, key = prologue.norm_rope((norm_q, norm_k), query, key, rd.apply_rotary_emb,
-                                        prologue.rows((cos, sin), text, None, joint), sequence_dim=1)
+        text, image = encoder_query.shape[1], query.shape[1]
+        query, key = prologue.norm_rope(
+            (norm_q, norm_k), query, key, rd.apply_rotary_emb,
+            prologue.rows((cos, sin), text, image, "image"), sequence_dim=1)
         encoder_query, encoder_key = prologue.norm_rope(
             (norm_added_q, norm_added_k), encoder_query, encoder_key, rd.apply_rotary_emb,
-            prologue.rows((cos, sin), 0, text, joint), sequence_dim=1)
+            prologue.rows((cos, sin), text, image, "text"), sequence_dim=1)
         return torch.cat([encoder_query, query], dim=1), torch.cat([encoder_key, key], dim=1)
 
     return Row(ours, theirs, (x(1, img, 24, 128), x(1, img, 24, 128), x(1, txt, 24, 128),

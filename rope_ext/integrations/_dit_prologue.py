@@ -98,17 +98,17 @@ def norm_rope_span(norms, query, key, dim, start, stop, rope, *args, **kwargs):
                  for module, x, middle in zip(norms, (query, key), rotated))
 
 
-def rows(freqs, start, stop, total):
-    """FLUX's (cos, sin) tables (tokens, D) of the joint [text, image] sequence of `total` tokens
-    cut to the rows [start:stop], one part's: diffusers norms the parts apart and rotates them
-    joined. Tables of another row count are given whole: one row broadcasts over every token, as
-    diffusers broadcasts it over the joint sequence, and any other count fails the rotation, as
-    it fails diffusers' (cut, a table of the text's rows and one more gave the image part one
-    row, which broadcast over its tokens silently)."""
-    if not isinstance(freqs, (tuple, list)) or any(t.dim() != 2 or t.shape[0] != total
+def rows(freqs, text, image, part):
+    """FLUX's (cos, sin) tables (tokens, D) of the joint [text, image] sequence cut to one part's
+    rows (`part` "text" or "image"): diffusers norms the parts apart and rotates them joined.
+    Tables of another row count than text + image are given whole: one row broadcasts over every
+    token, as diffusers broadcasts it over the joint sequence, and any other count fails the
+    rotation, as it fails diffusers' (cut, a table of the text's rows and one more gave the image
+    part one row, which broadcast over its tokens silently)."""
+    if not isinstance(freqs, (tuple, list)) or any(t.dim() != 2 or t.shape[0] != text + image
                                                    for t in freqs):
         return freqs  # (not FLUX's form, or not one row per token: the drop-in decides)
-    return tuple(t[start:stop] for t in freqs)
+    return tuple(t[:text] if part == "text" else t[text:] for t in freqs)
 
 
 # The globals the rewritten __call__ reads, each under the prefix rope_ext's globals in diffusers'
@@ -216,8 +216,8 @@ _FLUX_IMAGE = (_source(_QK_NORMS), _source("""
         query, key = _rope_ext_norm_rope(
             (attn.norm_q, attn.norm_k), query, key, apply_rotary_emb,
             _rope_ext_rows(
-                image_rotary_emb, encoder_query.shape[1] if attn.added_kv_proj_dim is not None else 0, None,
-                query.shape[1] + (encoder_query.shape[1] if attn.added_kv_proj_dim is not None else 0),
+                image_rotary_emb, encoder_query.shape[1] if attn.added_kv_proj_dim is not None else 0,
+                query.shape[1], "image",
             ),
             sequence_dim=1,
         )
@@ -232,8 +232,7 @@ _FLUX_TEXT = (_source("""
     else:
         encoder_query, encoder_key = _rope_ext_norm_rope(
             (attn.norm_added_q, attn.norm_added_k), encoder_query, encoder_key, apply_rotary_emb,
-            _rope_ext_rows(image_rotary_emb, 0, encoder_query.shape[1],
-                           encoder_query.shape[1] + query.shape[1]),
+            _rope_ext_rows(image_rotary_emb, encoder_query.shape[1], query.shape[1], "text"),
             sequence_dim=1,
         )
 """))

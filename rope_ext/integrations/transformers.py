@@ -930,7 +930,8 @@ def _patched_class(original, names, fused=False):
             global_names = [n for n in names if not n.startswith(SELF)]
             for name in global_names:
                 setattr(modeling, _PREFIX + name, functions[name][0])
-            forward = _rebuilt(source, _renaming({n: _PREFIX + n for n in global_names}))
+            forward = (_rebuilt(source, _renaming({n: _PREFIX + n for n in global_names}))
+                       if global_names else source)  # (a method overridden alone: as it is)
         namespace = {"__slots__": (), "__module__": original.__module__,
                      "__qualname__": original.__qualname__, "__doc__": original.__doc__,
                      "forward": forward, "_rope_ext_spec": key}
