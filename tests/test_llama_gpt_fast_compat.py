@@ -69,6 +69,21 @@ def test_llama_values(dtype, head_dim, table, contiguous):
     assert torch.equal(xq, xq0) and torch.equal(xk, xk0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wide_tables_compute_as_the_peers_promote(dtype):
+    """A float64 (complex128) table: the peers' x.float() * table promotes to float64 and rounds
+    once to x's dtype; the drop-ins give those bits, not a float32 computation's."""
+    B, S, H, D = 2, 7, 3, 16
+    x = torch.randn(B, S, H, D).to(dtype)
+    fc = random_cis(S, D // 2).to(torch.complex128)
+    got = llama.apply_rotary_emb(x, x, fc)
+    want = ref.llama_apply_rotary_emb(x, x, fc)
+    assert got[0].dtype == dtype and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    table = torch.view_as_real(fc)
+    got = gpt_fast.apply_rotary_emb(x, table)
+    assert got.dtype == dtype and torch.equal(got, ref.gpt_fast_apply_rotary_emb(x, table))
+
+
 def test_llama_odd_shapes_are_the_references():
     """3-D inputs come back in the reference's own shape ((..., head_dim / 2, 2)), and a real
     table multiplies as the reference multiplies by it."""

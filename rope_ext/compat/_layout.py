@@ -143,6 +143,15 @@ def rotate_pairs(x, cos, sin, dtype, interleaved=False):
     return ops.apply(x, cos[pad], sin[pad], interleaved)
 
 
+def rotate_pairs_promoted(x, cos, sin, interleaved=False):
+    """rotate_pairs with the arithmetic of the peers that compute `x.float() * table` (gpt-fast,
+    Meta's complex multiply): float32, or float64 where x or the table is float64 (torch's
+    promotion), one rounding to x's dtype."""
+    if cos.dtype != torch.float64 or x.dtype == torch.float64:
+        return rotate_pairs(x, cos, sin, x.dtype, interleaved)
+    return rotate_pairs(x, cos, sin, torch.float64, interleaved).to(x.dtype)
+
+
 _wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # vmap's, grad's, functionalize's
 
 

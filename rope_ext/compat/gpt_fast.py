@@ -6,7 +6,7 @@ rope_ext's op.
 
 The cache is real: freqs_cis (seq, head_dim / 2, 2) holds (cos, sin) of each pair (2i, 2i+1),
 bfloat16 by default. Same signatures, layouts, values (float32 arithmetic, as gpt-fast's x.float();
-one rounding to x's dtype; float64 x in float64) and gradients (w.r.t. x, and w.r.t. freqs_cis
+float64 where x or the cache is float64, as its product promotes; one rounding to x's dtype) and gradients (w.r.t. x, and w.r.t. freqs_cis
 where it requires one). Arguments gpt-fast fails on raise a ValueError naming them.
 """
 
@@ -16,7 +16,7 @@ import torch
 
 from .._args import check_positive
 from ..scaling import llama3_parameters
-from ._layout import float32_table, rotate_pairs
+from ._layout import float32_table, rotate_pairs_promoted
 from .llama import cis, inv_freq
 
 
@@ -72,5 +72,5 @@ def apply_rotary_emb(x, freqs_cis):
         raise ValueError(f"freqs_cis (shape {list(freqs_cis.shape)}, strides "
                          f"{list(freqs_cis.stride())}) cannot be viewed as {list(want)}, as gpt-fast "
                          f"views it: {e}") from None
-    return rotate_pairs(x, float32_table(table[..., 0]), float32_table(table[..., 1]), x.dtype,
-                        interleaved=True)
+    return rotate_pairs_promoted(x, float32_table(table[..., 0]), float32_table(table[..., 1]),
+                                 interleaved=True)

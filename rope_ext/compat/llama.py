@@ -8,9 +8,9 @@ freqs_cis (max_seqlen, head_dim / 2) is complex: pair (2i, 2i+1) of every head o
 the complex number x[2i] + j x[2i+1], is multiplied by freqs_cis[s, i] (any value: the table need
 not be unit-modulus), or by freqs_cis[positions[b, s], i] with torchtitan's positions. The result
 is the reference's: its shape (for 4-D xq/xk their own), its dtypes (xq's and xk's), gradients
-w.r.t. xq, xk and freqs_cis. Arithmetic in float32 as the reference's complex64 multiply, one
-rounding to the output dtype (float64 inputs: float64, where the reference rounds them to float32
-first). Arguments the reference asserts on or fails on raise a ValueError naming them; a table
+w.r.t. xq, xk and freqs_cis. Arithmetic in float32 as the reference's complex64 multiply
+(float64 with a complex128 table, as its multiply promotes), one rounding to the output dtype
+(float64 inputs: float64, where the reference rounds them to float32 first). Arguments the reference asserts on or fails on raise a ValueError naming them; a table
 longer than seqlen is torchtitan's call, whose first seqlen rows serve.
 """
 
@@ -18,7 +18,7 @@ import torch
 
 from .._args import check_positive
 from .._checks import below
-from ._layout import check_index_tensor, check_values, float32_table, rotate_pairs
+from ._layout import check_index_tensor, check_values, float32_table, rotate_pairs_promoted
 
 
 def inv_freq(dim, theta):
@@ -57,7 +57,7 @@ def cos_sin(freqs_cis):
 
 
 def _rotated(x, cos, sin):
-    out = rotate_pairs(x, cos, sin, x.dtype, interleaved=True)
+    out = rotate_pairs_promoted(x, cos, sin, interleaved=True)
     # the reference's shape: its view_as_real(...).flatten(3) (x itself for 4-D x)
     return out if x.dim() == 4 else out.unflatten(-1, (-1, 2)).flatten(3)
 
