@@ -242,6 +242,8 @@ def _proportional(scaling, rotary_dim, base, seq_len, device):
     partial = _number(scaling, "partial_rotary_factor", "proportional", default=1.0)
     if partial > 1:
         _fail(f"rope scaling 'proportional': partial_rotary_factor must be in (0, 1], got {partial!r}")
+    if rotary_dim % 2:  # (its table spans the head: no odd dim's extra pair, as transformers builds it)
+        _fail(f"rope scaling 'proportional': rotary_dim (the head dim) must be even, got {rotary_dim}")
     angles = int(partial * rotary_dim // 2)  # as transformers rounds it
     inv_freq = torch.zeros(rotary_dim // 2, dtype=torch.float64, device=device)
     i = torch.arange(angles, dtype=torch.float64, device=device)

@@ -32,6 +32,11 @@ def test_proportional_errors():
         rope_ext.cos_sin_cache(4, 8, scaling={"rope_type": "proportional", "partial_rotary_factor": 2})
     with pytest.raises(ValueError, match="'proportional' does not understand the key 'beta_fast'"):
         rope_ext.cos_sin_cache(4, 8, scaling={"rope_type": "proportional", "beta_fast": 2})
+    # an odd rotary_dim would be a table of d - 1 columns where the module splits d + 1
+    with pytest.raises(ValueError, match="'proportional': rotary_dim \\(the head dim\\) must be even, got 9"):
+        rope_ext.cos_sin_cache(16, 9, scaling={"rope_type": "proportional"})
+    with pytest.raises(ValueError, match="must be even, got 9"):
+        rope_ext.RotaryEmbedding(10, rotary_dim=9, max_position=16, scaling={"rope_type": "proportional"})
 
 
 def test_gemma4_file():
