@@ -164,10 +164,8 @@ def test_fp8_shift_within_quantization_error(backend, kind, kv_cache_dtype, inte
 
 
 def assert_same_result(a, b, dtype, k_scale=None):
-    """Native and reference results agree to the last rounding (bit for bit where the math runs
-    in float32: test_reference_bits_equal_native); a float64 cache's reference normalizes with
-    torch.sqrt, which on CPU is not always correctly rounded (the kernels' square root is), so a
-    result may differ by a unit in the last place."""
+    """Native and reference results agree to the last rounding (bit for bit:
+    test_reference_bits_equal_native)."""
     if k_scale is None:
         # A unit in the last place of the pair's larger member: relative to the largest key.
         eps = torch.finfo(dtype).eps
@@ -180,15 +178,17 @@ def assert_same_result(a, b, dtype, k_scale=None):
 
 
 @pytest.mark.parametrize("dtype,kv_cache_dtype", [
-    (torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.float8_e4m3fn, "fp8")])
+    (torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.float64, "auto"),
+    (torch.float8_e4m3fn, "fp8")])
 def test_reference_bits_equal_native(dtype, kv_cache_dtype):
-    """Where the math runs in float32, the reference gives the kernels' bits: its table rows are
-    normalized with a correctly rounded square root, as the kernels' are. 1024 rows of random
-    lengths (torch's own float32 sqrt misrounds about one in 500 of them)."""
+    """The reference gives the kernels' bits: its table rows are normalized with a correctly
+    rounded square root, as the kernels' are. 1024 rows of random lengths (torch's own CPU sqrt
+    misrounds about one in 500 of them in float32, one in 70 in float64)."""
     if not native_cpu():
         pytest.skip("no native CPU library")
     cache = (torch.randn(64, 16, 2, 64) * 3).to(dtype)
-    cos_sin = torch.rand(1024, 64) * 2 + 0.1
+    cos_sin = (torch.rand(1024, 64, dtype=torch.float64) * 2 + 0.1).to(
+        torch.float64 if dtype == torch.float64 else torch.float32)
     slots = torch.randperm(64 * 16)
     delta = torch.randint(-1023, 1024, (slots.numel(),))
     scale = torch.tensor([0.3]) if kv_cache_dtype != "auto" else None

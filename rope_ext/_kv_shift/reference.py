@@ -124,6 +124,35 @@ def _acc_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _square_error(c):
+    """c * c - fl(c * c), exactly (Dekker's product of c's two 26-bit halves; float64 c, no
+    overflow or underflow in the split)."""
+    p = c * c
+    t = 134217729.0 * c  # 2^27 + 1
+    hi = t - (t - c)
+    lo = c - hi
+    return ((hi * hi - p) + 2.0 * hi * lo) + lo * lo
+
+
+def _sqrt_rn(x):
+    """The correctly rounded square root of a float64 tensor (x >= 0): torch's CPU sqrt is within
+    1 ulp of it; of that root and its two neighbours, the one whose square is nearest x. (The
+    nearest square is the nearest root: x is a whole multiple of the roots' squared ulp, which
+    no midpoint's square is. Each |x - c^2| is exact: below 2^53 of those units where it
+    decides.) Where the product could overflow or underflow, torch's root stays."""
+    r = torch.sqrt(x)
+    best, gap = r, None
+    for c in (torch.nextafter(r, torch.zeros_like(r)), r, torch.nextafter(r, torch.full_like(r, math.inf))):
+        p = c * c
+        d = ((x - p) - _square_error(c)).abs()
+        if gap is None:
+            best, gap = c, d
+        else:
+            best, gap = torch.where(d < gap, c, best), torch.minimum(d, gap)
+    safe = (r > 2.0 ** -480) & (r < 2.0 ** 480)
+    return torch.where(safe, best, r)
+
+
 def unit_rows(cos_sin_cache, delta, acc):
     """(cos, sin) of the unit rotation by `delta` positions (one row per delta): table row
     |delta| normalized to length 1, sin negated for a negative delta."""
@@ -132,9 +161,14 @@ def unit_rows(cos_sin_cache, delta, acc):
     c, s = rows[..., :half], rows[..., half:]
     n2 = c * c + s * s
     # torch's CPU sqrt is not correctly rounded (its vector code is within 1 ulp); the kernels'
-    # IEEE one is. A float32 root taken in float64 and rounded once is the correctly rounded one.
-    exact = acc == torch.float32 and n2.device.type == "cpu"
-    n = torch.sqrt(n2.double()).to(acc) if exact else torch.sqrt(n2)
+    # IEEE one is. A float32 root taken in float64 and rounded once is the correctly rounded
+    # one; a float64 root is corrected by _sqrt_rn.
+    if n2.device.type != "cpu":
+        n = torch.sqrt(n2)
+    elif acc == torch.float32:
+        n = torch.sqrt(n2.double()).to(acc)
+    else:
+        n = _sqrt_rn(n2)
     c, s = c / n, s / n
     return c, torch.where(delta[..., None] < 0, -s, s)
 
