@@ -6,8 +6,9 @@ rope_ext's op.
 
 The cache is real: freqs_cis (seq, head_dim / 2, 2) holds (cos, sin) of each pair (2i, 2i+1),
 bfloat16 by default. Same signatures, layouts, values (float32 arithmetic, as gpt-fast's x.float();
-float64 where x or the cache is float64, as its product promotes; one rounding to x's dtype) and gradients (w.r.t. x, and w.r.t. freqs_cis
-where it requires one). Arguments gpt-fast fails on raise a ValueError naming them.
+float64 where x or the cache is float64, as its product promotes; one rounding to x's dtype) and
+gradients (w.r.t. x, and w.r.t. freqs_cis where it requires one). Arguments gpt-fast fails on
+raise a ValueError naming them.
 """
 
 import math

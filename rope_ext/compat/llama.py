@@ -10,8 +10,9 @@ not be unit-modulus), or by freqs_cis[positions[b, s], i] with torchtitan's posi
 is the reference's: its shape (for 4-D xq/xk their own), its dtypes (xq's and xk's), gradients
 w.r.t. xq, xk and freqs_cis. Arithmetic in float32 as the reference's complex64 multiply
 (float64 with a complex128 table, as its multiply promotes), one rounding to the output dtype
-(float64 inputs: float64, where the reference rounds them to float32 first). Arguments the reference asserts on or fails on raise a ValueError naming them; a table
-longer than seqlen is torchtitan's call, whose first seqlen rows serve.
+(float64 inputs: float64, where the reference rounds them to float32 first). Arguments the
+reference asserts on or fails on raise a ValueError naming them; a table longer than seqlen is
+torchtitan's call, whose first seqlen rows serve.
 """
 
 import torch
