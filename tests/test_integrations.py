@@ -985,6 +985,25 @@ def test_training_gradients_match(family):
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
 
 
+def test_twins_tables_gradients_are_the_installed_transformers():
+    """A twin whose function changed between transformers 4 and 5 follows the installed one,
+    with tables whose halves differ and need gradients too (DeepSeek-V3's interleave reads
+    both halves in 4, the first halves in 5): values and every gradient, float64."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as modeling
+
+    from rope_ext.compat import transformers as hf
+
+    args = [torch.randn(shape, dtype=torch.float64, requires_grad=True)
+            for shape in ((2, 3, 4, 8), (2, 1, 4, 8), (2, 4, 8), (2, 4, 8))]
+    got = hf.apply_rotary_pos_emb_interleave(*args)
+    want = modeling.apply_rotary_pos_emb_interleave(*args)
+    w = [torch.randn_like(t) for t in want]
+    g_got = torch.autograd.grad(sum((a * b).sum() for a, b in zip(got, w)), args)
+    g_want = torch.autograd.grad(sum((a * b).sum() for a, b in zip(want, w)), args)
+    for a, b in zip(list(got) + list(g_got), list(want) + list(g_want)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_generate_with_kv_cache_same_tokens():
     model = build("llama")
     ids = torch.randint(10, 128, (2, 6))

@@ -15,6 +15,7 @@ transformers' own, half by half.
 """
 
 import functools
+import importlib.metadata
 
 import torch
 from torch.autograd import forward_ad
@@ -23,6 +24,13 @@ from .._args import mrope_section_arg
 from ._layout import (derivative_wanted, float32_table, join_members, ops, pair_members,
                       rotate_pairs)
 from .llama import cos_sin
+
+# Where a function differs between transformers 4 and 5, the installed major version picks the
+# form (read from the package's metadata: transformers is not imported here).
+try:
+    TRANSFORMERS_5 = int(importlib.metadata.version("transformers").split(".")[0]) >= 5
+except (importlib.metadata.PackageNotFoundError, ValueError):
+    TRANSFORMERS_5 = False
 
 
 def _check_width(x, cos, sin, what, name):
@@ -309,7 +317,7 @@ def _deinterleaved_pairs(q, k, cos, sin, dtypes):
             raise ValueError(f"cos and sin of shapes {list(cos.shape)} and {list(sin.shape)}: "
                              f"their last dim must be {name}.size(-1) = {x.shape[-1]}, even (the "
                              "whole head rotates)")
-    if derivative_wanted(cos, sin):
+    if derivative_wanted(cos, sin) and not TRANSFORMERS_5:  # (5 reads the first halves only)
         return _rotate_half_style([_deinterleaved(x) for x in (q, k)], cos, sin, dtypes)
     c, s = cos[..., : width // 2], sin[..., : width // 2]
     if (q.dim() == k.dim() == cos.dim() == 4 and cos.shape[1] == 1 and q.dtype == k.dtype
@@ -379,8 +387,9 @@ def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze
     """DeepSeek-V3's apply_rotary_pos_emb_interleave (its MLA's `rope_interleave` weights, also
     LongCat-Flash's, GLM-4 MoE Lite's, Mistral 4's): pairs (2i, 2i+1) of the whole head rotated,
     and each result laid out de-interleaved, pair i's members at i and i + head_dim/2, as its
-    attention reads them. The tables as apply_rotary_pos_emb's (halves equal; read where
-    transformers 4 reads them when they need gradients); arguments as its. At small sizes, when
+    attention reads them. The tables as apply_rotary_pos_emb's (halves equal; when they need
+    gradients, read where the installed transformers reads them: both halves in 4, the first
+    half in 5); arguments as its. At small sizes, when
     neither q nor k requires grad, q_embed and k_embed may be views of one tensor, as there.
     k None: q alone, (q_embed, None) (Mistral Large 4's layers that reuse another's keys)."""
     if k is None:  # an empty k beside q: no heads along the dim the tables are unsqueezed at

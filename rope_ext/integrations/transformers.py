@@ -30,7 +30,6 @@ import ast
 import dis
 import functools
 import importlib
-import importlib.metadata
 import inspect
 import sys
 import threading
@@ -292,12 +291,9 @@ _probe_sam_cross = functools.partial(_probe_2d, cases=[
 
 
 # Where a family's function differs between transformers 4 and 5, its form is chosen by the
-# installed major version (read from the package's metadata: transformers is not imported here);
-# the probe holds whichever is chosen to the code it replaces.
-try:
-    _TRANSFORMERS_5 = int(importlib.metadata.version("transformers").split(".")[0]) >= 5
-except (importlib.metadata.PackageNotFoundError, ValueError):
-    _TRANSFORMERS_5 = False
+# installed major version (hf.TRANSFORMERS_5); the probe holds whichever is chosen to the code it
+# replaces.
+_TRANSFORMERS_5 = hf.TRANSFORMERS_5
 
 _ROTATE_HALF = {"apply_rotary_pos_emb": (hf.apply_rotary_pos_emb, _probe_rotate_half)}
 _ROTATE_HALF_IN_INPUT_DTYPE = {
