@@ -21,6 +21,8 @@ def check_int(value, name, minimum=None):
         raise ValueError(f"{name} must be an int, got {value!r}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if not -2**63 <= value < 2**63:  # (torch takes sizes and indices as int64)
+        raise ValueError(f"{name} must fit in int64, got {value}")
     return int(value)
 
 
@@ -39,7 +41,8 @@ def check_float(value, name):
     bool or a string (float("2") and float(True) would otherwise pass)."""
     if type(value) is float:
         return value
-    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)):
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)) or (
+            isinstance(value, torch.Tensor) and value.numel() != 1):
         raise ValueError(f"{name} must be a float, got {value!r}")
     return float(value)
 

@@ -227,8 +227,8 @@ def check_not_inference(*written):
     """torch's error for an in-place update of an inference tensor outside inference mode.
     (Not traced: torch.compile graphs hold no inference tensors outside inference mode.)"""
     if not torch.compiler.is_compiling() and not torch.is_inference_mode_enabled():
-        for t in written:
-            if t is not None and t.is_inference():
+        for t in written:  # (not a tensor: the op names it)
+            if isinstance(t, torch.Tensor) and t.is_inference():
                 raise RuntimeError(INFERENCE_TENSOR_UPDATE)
 
 

@@ -45,6 +45,6 @@ def shift_kv_cache_(key_cache, slot_mapping, delta, cos_sin_cache, *, interleave
     before anything is written. Not differentiable. Returns None."""
     check_not_inference(key_cache)
     check_flag(interleaved, "interleaved")
-    device = key_cache.device if key_cache is not None else None  # None: the op names it
+    device = key_cache.device if isinstance(key_cache, torch.Tensor) else None  # (the op names it)
     ops.shift_kv_cache_(key_cache, slot_mapping, _delta_tensor(delta, device),
                         cos_sin_cache, interleaved, kv_cache_dtype, k_scale)

@@ -394,16 +394,21 @@ class RotaryEmbedding(torch.nn.Module):
 
         off = self.rope_dim_offset
 
-        def rotate(t):
+        def rotate(t, name):
             if t is None:
                 return None
             # Text-only positions (no section) are plain RoPE, whatever the sections' layout.
-            out = apply_rope_at(t[..., off:] if off else t, index, table,
-                                interleaved=self.interleaved, mrope_section=section,
-                                mrope_interleaved=self.mrope_interleaved and section is not None)
+            try:
+                out = apply_rope_at(t[..., off:] if off else t, index, table,
+                                    interleaved=self.interleaved, mrope_section=section,
+                                    mrope_interleaved=self.mrope_interleaved and section is not None)
+            except (ValueError, RuntimeError) as e:  # the op calls each tensor x: name it
+                if type(e) not in (ValueError, RuntimeError):
+                    raise
+                raise type(e)(f"RotaryEmbedding: {name} (the op's x): {e}") from None
             return torch.cat((t[..., :off], out), dim=-1) if off else out
 
-        out = rotate(query), rotate(key)
+        out = rotate(query, "query"), rotate(key, "key")
         self._keep(length)
         return out
 

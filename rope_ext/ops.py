@@ -24,6 +24,9 @@ def heads(t, head_size, name, lead=None):
         return t
     if type(head_size) is not int or head_size < 1:  # the common case costs no call (decode)
         head_size = check_head_size(head_size)
+    if not isinstance(t, torch.Tensor) or t.layout is not torch.strided:
+        got = f"layout {t.layout}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise TypeError(f"{name} must be a dense (strided) tensor, got {got}")
     shape = t.shape
     nd = len(shape)
     if lead is not None and nd == lead + 2:
@@ -60,8 +63,8 @@ def apply_rope(x, cos, sin, *, interleaved=False, out=None):
         return ops.apply(x, cos, sin, interleaved)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"apply_rope(): out must be a tensor, got {type(out).__name__}")
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad  # None: the op names it
-                                       for t in (x, cos, sin, out)):
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                       for t in (x, cos, sin, out)):  # (else the op names it)
         raise RuntimeError(f"apply_rope(): {OUT_NOT_DIFFERENTIABLE}")
     check_not_inference(out)
     ops.apply.out(x, cos, sin, interleaved, out=out)

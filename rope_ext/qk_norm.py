@@ -21,7 +21,7 @@ is rounded once to the input dtype. Values (V) are never touched.
 
 import torch
 
-from ._args import check_eps, check_flags, mrope_section_arg
+from ._args import check_eps, check_flags, check_int, mrope_section_arg
 from ._call import ops  # torch.ops.rope, without autograd where none is needed
 from .ops import heads
 
@@ -190,6 +190,11 @@ def qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weigh
     Returns qkv."""
     if type(eps) is not float:
         eps = check_eps(eps)
+    sizes = (num_heads_q, num_heads_k, num_heads_v, head_dim)
+    if not all(type(n) is int for n in sizes):  # (torch's int takes True for 1)
+        names = ("num_heads_q", "num_heads_k", "num_heads_v", "head_dim")
+        num_heads_q, num_heads_k, num_heads_v, head_dim = (
+            check_int(n, f"qkv_norm_rope_: {name}") for n, name in zip(sizes, names))
     ops.qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight, k_weight,
                        positions, cos_sin_cache, eps,
                        *_flags(unit_offset, interleaved, mrope_section, mrope_interleaved))

@@ -46,6 +46,9 @@ def check_base(base, fn):
 def _check_table_args(max_position, rotary_dim, base):
     check_int(max_position, "cos_sin_cache: max_position", 1)
     check_int(rotary_dim, "cos_sin_cache: rotary_dim", 1)
+    if max_position * (rotary_dim + 1) * 8 >= 2**63:  # (its bytes in the widest dtype, float64)
+        raise ValueError(f"cos_sin_cache: a table of max_position x rotary_dim = {max_position} x "
+                         f"{rotary_dim} elements is larger than a tensor can hold")
     check_base(base, "cos_sin_cache")
 
 

@@ -234,6 +234,37 @@ def test_arguments_of_the_wrong_kind_are_named():
         "k_scale must be a float, got 'x'": lambda: sglang.apply_rope_with_cos_sin_cache_inplace(
             pos, q.flatten(1), k.flatten(1), 8, rope_ext.cos_sin_cache(8, 8),
             fused_set_kv_buffer_arg=sglang.FusedSetKVBufferArg(k_scale="x", **kv)),
+        # (each written tensor of an in-place call is read for torch's inference-tensor rule
+        # first: a number there is the op's error, naming it)
+        "argument 'query' but instead found type 'int'": lambda: rope_ext.apply_mrope_(
+            3, None, torch.stack([pos] * 3), rope_ext.cos_sin_cache(8, 8), [1, 1, 2]),
+        "for argument 'key' but instead found type 'list'": lambda: rope_ext.apply_mrope_(
+            q.clone(), [1], torch.stack([pos] * 3), rope_ext.cos_sin_cache(8, 8), [1, 1, 2]),
+        "argument 'key_cache' but instead found type 'list'": lambda: rope_ext.shift_kv_cache_(
+            [1], pos, 1, rope_ext.cos_sin_cache(8, 8)),
+        "argument 'value_cache' but instead found type 'int'": lambda: rope_ext.apply_rope_and_cache_(
+            q.clone(), k.clone(), k.clone(), pos, rope_ext.cos_sin_cache(8, 8), torch.zeros(2, 2, 1, 8),
+            7, pos),
+        "argument 'x' but instead found type 'int'": lambda: rope_ext.apply_rope(
+            3, cos[:, None, :4], cos[:, None, :4], out=torch.empty(3)),
+        "query must be a dense \\(strided\\) tensor, got int": lambda: rope_ext.apply_rope_(
+            3, None, pos, rope_ext.cos_sin_cache(8, 8), head_size=8),
+        "query must be a dense \\(strided\\) tensor, got layout torch.sparse_coo": lambda: rope_ext.apply_rope_(
+            q.flatten(1).to_sparse(), None, pos, rope_ext.cos_sin_cache(8, 8), head_size=8),
+        "eps must be a float, got tensor": lambda: rope_ext.qk_norm_rope_(
+            q.clone(), k.clone(), w, w, pos, rope_ext.cos_sin_cache(8, 8), eps=torch.ones(2)),
+        "qkv_norm_rope_: num_heads_k must be an int, got True": lambda: rope_ext.qkv_norm_rope_(
+            torch.randn(3, 32), 2, True, True, 8, w, w, pos, rope_ext.cos_sin_cache(8, 8)),
+        "RotaryEmbedding: key \\(the op's x\\): .*x must be float16": lambda: rope_ext.RotaryEmbedding(
+            8, max_position=16)(q, k.long(), pos),
+        "q_rope_out must be a tensor, got int": lambda: flashinfer.rope_quantize_fp8(
+            q, k, None, None, rope_ext.cos_sin_cache(8, 8), pos, q_rope_out=3),
+        "k_rope must be a tensor, got ndarray": lambda: flashinfer.rope_quantize_fp8_append_paged_kv_cache(
+            q, k.numpy(), None, None, k, rope_ext.cos_sin_cache(8, 8), pos, None, pos, pos, pos, pos),
+        "cos_sin_cache: max_position must fit in int64": lambda: rope_ext.cos_sin_cache(2**64, 8),
+        "cos_sin_cache: a table of max_position x rotary_dim = .* is larger than a tensor can hold":
+            lambda: rope_ext.cos_sin_cache(2**62, 8),
+        "total_tokens must fit in int64": lambda: rope_ext.varlen_positions(pos, 2**63),
         "unpatch: expected a torch.nn.Module, got NoneType": lambda: hf_patch.unpatch(None),
         "is_patched: expected a torch.nn.Module, got NoneType": lambda: hf_patch.is_patched(None),
         "patch: expected a torch.nn.Module, got SimpleNamespace": lambda: hf_patch.patch(
