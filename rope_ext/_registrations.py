@@ -556,9 +556,10 @@ def _given(name, kernel, with_keyset=False, dense=True):
     need them: a `Tensor` one not None (None would reach the kernels, which would fail on it
     later, after writing, in place, or with no word of which argument it was), and (dense)
     each one dense (strided): a sparse, mkldnn or jagged tensor would fail inside torch's ops
-    with no word of which argument it was. Mirrors csrc/ops/routes.h check_tensors_given; an
-    autograd kernel, which reaches the device kernels (and that check) before it reads a
-    tensor's data, leaves the layouts to them (dense=False: it costs 0.1 us a tensor)."""
+    with no word of which argument it was. Mirrors csrc/ops/routes.h check_tensors_given. The
+    Autograd kernel checks the layouts too: a jagged tensor (a Python subclass) would otherwise
+    reach its own dispatch table, which has no rope op, not the kernels' check; the
+    ADInplaceOrView kernel, below it, leaves them (dense=False: it costs 0.1 us a tensor)."""
     base, _, overload = name.partition(".")
     schema = getattr(getattr(ops, base), overload or "default")._schema
     tensors = [(i, a.name, a.kwarg_only, isinstance(a.type, torch._C.OptionalType))
@@ -612,7 +613,7 @@ def register():
         torch.library.register_fake(f"rope::{name}", _given(name, op.fake), lib=lib)
         if routed(name):
             continue  # the library's C++ kernels serve Autograd and ADInplaceOrView: see below
-        lib.impl(name, _given(name, _autograd_kernel(name, op), True, dense=False), "Autograd",
+        lib.impl(name, _given(name, _autograd_kernel(name, op), True), "Autograd",
                  with_keyset=True)
         if op.functional_autograd is None:
             lib.impl(name, _given(name, _ad_inplace_or_view_kernel(name), True, dense=False),
