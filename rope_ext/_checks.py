@@ -15,8 +15,13 @@ _DTYPE_NAMES = {
     torch.float64: "Double", torch.int8: "Char", torch.uint8: "Byte", torch.int16: "Short",
     torch.int32: "Int", torch.int64: "Long", torch.bool: "Bool", torch.complex64: "ComplexFloat",
     torch.complex128: "ComplexDouble", torch.float8_e4m3fn: "Float8_e4m3fn",
-    torch.float8_e5m2: "Float8_e5m2",
+    torch.float8_e5m2: "Float8_e5m2", torch.complex32: "ComplexHalf",
+    torch.float8_e4m3fnuz: "Float8_e4m3fnuz", torch.float8_e5m2fnuz: "Float8_e5m2fnuz",
+    torch.uint16: "UInt16", torch.uint32: "UInt32", torch.uint64: "UInt64",
 }
+# Any other dtype, as the native library names it (csrc/ops/checks.h: kUnnamedDtype; the stable
+# ABI of the torch it targets has no name for it).
+UNNAMED_DTYPE = "a dtype no op takes (float8_e8m0fnu, float4_e2m1fn_x2, a quantized or bits dtype)"
 
 INTERNAL_OVERLAP = (
     "unsupported operation: more than one element of the written-to tensor refers to a single "
@@ -30,7 +35,7 @@ MROPE_COMPONENTS = 3
 
 
 def dtype_name(dtype):
-    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+    return _DTYPE_NAMES.get(dtype, UNNAMED_DTYPE)
 
 
 def _shape(t):

@@ -141,10 +141,11 @@ def test_cos_sin_cache_rejects_bad_arguments():
 
 
 # Dtypes no op takes (the native library reads a tensor's dtype through a table of the ones it
-# does; any other takes the stable ABI's own lookup): a clear error on both paths, in every
-# argument role, never a crash.
+# does; any other takes the stable ABI's own lookup, which has no name for the last three): a
+# clear error on both paths, in every argument role, never a crash, the dtype named alike.
 ODD_DTYPES = [torch.bool, torch.int8, torch.int16, torch.uint16, torch.complex64,
-              torch.float8_e4m3fnuz]
+              torch.float8_e4m3fnuz, torch.uint32, torch.complex32, torch.float8_e8m0fnu,
+              torch.float4_e2m1fn_x2, torch.bits8]
 
 
 @pytest.mark.parametrize("dtype", ODD_DTYPES)
@@ -153,12 +154,13 @@ def test_dtypes_no_op_takes_are_named_in_every_role(dtype, impl):
     ref = impl == "reference"
     q, pos = torch.randn(2, 3, 8), torch.zeros(2, dtype=torch.long)
     cache = rope_ext.cos_sin_cache(16, 8)
-    odd = lambda t: torch.zeros(t.shape, dtype=dtype)  # noqa: E731
+    odd = lambda t: torch.empty(t.shape, dtype=dtype)  # noqa: E731
     apply_ = rope_ext.reference.apply_rope_ if ref else torch.ops.rope.apply_
+    named = re.escape(rope_ext._checks.dtype_name(dtype))
     for args, name in (((odd(q), None, pos, cache), "query"),
                        ((q, None, odd(pos), cache), "positions"),
                        ((q, None, pos, odd(cache)), "cos_sin_cache")):
-        with pytest.raises(RuntimeError, match=rf"rope.apply_: {name} must be .*got"):
+        with pytest.raises(RuntimeError, match=rf"rope.apply_: {name} must be .*got {named}$"):
             apply_(*args)
     kc, vc = torch.zeros(2, 4, 3, 8), torch.zeros(2, 4, 3, 8)
     cache_op = rope_ext.reference.apply_and_cache_ if ref else torch.ops.rope.apply_and_cache_

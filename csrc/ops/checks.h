@@ -62,6 +62,10 @@ inline std::string list_str(const Seq& v, int64_t n) {
 // ---- overflow-free size arithmetic (sizes and strides of torch tensors are never negative) ----
 
 constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
+// What the messages call a dtype that the stable ABI of the torch this library targets cannot
+// name (rope_ext/_checks.py: UNNAMED_DTYPE).
+constexpr const char* kUnnamedDtype =
+    "a dtype no op takes (float8_e8m0fnu, float4_e2m1fn_x2, a quantized or bits dtype)";
 
 // a * b for a, b >= 0; false (and r untouched) when it does not fit in int64.
 inline bool mul_fits(int64_t a, int64_t b, int64_t& r) {
@@ -103,7 +107,13 @@ inline ScalarType dtype_of(const Tensor& t) {
       if (c == code) return type;
     }
   }
-  return t.scalar_type();  // another dtype: the header's way
+  try {
+    return t.scalar_type();  // another dtype: the header's way
+  } catch (const std::exception&) {
+    // A dtype the stable ABI of the torch this library targets cannot name (float8_e8m0fnu,
+    // float4_e2m1fn_x2, the quantized and bits dtypes): no op takes it; dtype_str says so.
+    return ScalarType::Undefined;
+  }
 }
 
 struct Meta {
@@ -145,7 +155,10 @@ struct Meta {
 
 inline std::string shape_str(const Meta& m) { return list_str(m.sizes, m.dim); }
 
-inline std::string dtype_str(ScalarType t) { return torch::headeronly::toString(t); }
+inline std::string dtype_str(ScalarType t) {
+  // (rope_ext/_checks.py's dtype_name names the dtypes alike)
+  return t == ScalarType::Undefined ? std::string(kUnnamedDtype) : torch::headeronly::toString(t);
+}
 
 // Spelled as Python's str(torch.device), so messages match the Python paths.
 inline std::string device_str(const torch::stable::Device& d) {
