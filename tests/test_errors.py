@@ -148,6 +148,7 @@ ODD_DTYPES = [torch.bool, torch.int8, torch.int16, torch.uint16, torch.complex64
               torch.float4_e2m1fn_x2, torch.bits8]
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 @pytest.mark.parametrize("dtype", ODD_DTYPES)
 @pytest.mark.parametrize("impl", ["op", "reference"])
 def test_dtypes_no_op_takes_are_named_in_every_role(dtype, impl):
