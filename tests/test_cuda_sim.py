@@ -389,6 +389,24 @@ def test_cache_write_with_empty_key_rows():
         assert torch.equal(vc, ref[6])
 
 
+@pytest.mark.parametrize("slots,match", [
+    ([0, 1, 99, 2], "slot_mapping must lie below"),
+    ([0, 1, 1, 2],  # the CPU op's message, not the slot-set kernel's device-side assert
+     r"must not repeat a slot \(negative: padding, skipped\), got 1 at indices 1 and 2")])
+def test_cache_write_without_kv_heads_checks_slots_on_the_host(slots, match):
+    # Query heads but no key heads: no row reads a slot, so the host checks the slots with the
+    # CPU op's messages (a repeat too, not the slot-set kernel's device-side assert).
+    q, k, v = torch.randn(4, 2, 16), torch.randn(4, 0, 16), torch.randn(4, 0, 16)
+    kc, vc = torch.zeros(2, 4, 0, 16), torch.zeros(2, 4, 0, 16)
+    args = (torch.arange(4), rope_ext.cos_sin_cache(8, 16), kc, vc, torch.tensor(slots))
+    before = q.clone()
+    with pytest.raises(RuntimeError, match=match):
+        cuda_sim.apply_and_cache_(q, k, v, *args)
+    assert torch.equal(q, before)
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.rope.apply_and_cache_(q, k, v, *args)
+
+
 def _no_rows_cases():
     """(name, simulated call, CPU call) with tokens but no rows (no heads, head_dim 0, rows of
     0 elements) and a bad position (7 of 4) or slot (9 of 4)."""

@@ -170,18 +170,22 @@ def test_prologue_values_only():
 
 
 @pytest.mark.parametrize("in_place", [True, False])
-def test_prologue_without_kv_heads_checks_slots(in_place):
+@pytest.mark.parametrize("slots,match", [
+    ([0, 1, 999, 2], "slot_mapping must lie below"),
+    ([0, 1, 1, 2],  # the CPU op's message, not the slot-set kernel's device-side assert
+     r"must not repeat a slot \(negative: padding, skipped\), got 1 at indices 1 and 2")])
+def test_prologue_without_kv_heads_checks_slots(in_place, slots, match):
     """No key heads: no kernel row reads a slot, so the host checks them, as the CPU op does."""
     q, k, v = torch.randn(4, 2, 16), torch.randn(4, 0, 16), torch.randn(4, 0, 16)
     kc, vc = torch.zeros(2, 4, 0, 16), torch.zeros(2, 4, 0, 16)
     args = (torch.arange(4), torch.randn(8, 16), torch.ones(16), torch.ones(16), kc, vc,
-            torch.tensor([0, 1, 999, 2]))
+            torch.tensor(slots))
     before = q.clone()
     run = sim.qk_norm_rope_and_cache_ if in_place else sim.qk_norm_rope_and_cache
-    with pytest.raises(RuntimeError, match="slot_mapping must lie below"):
+    with pytest.raises(RuntimeError, match=match):
         run(q, k, v, *args, eps=1e-6)
     assert torch.equal(q, before)
-    with pytest.raises(RuntimeError, match="slot_mapping must lie below"):
+    with pytest.raises(RuntimeError, match=match):
         torch.ops.rope.qk_norm_rope_and_cache_(q, k, v, *args, 1e-6)
 
 

@@ -394,7 +394,13 @@ void apply_and_cache_host(const Tensor& query, const Tensor& key, const Tensor& 
   };
   // Rows to rotate or values to store; key rows of head_dim 0 still carry their values.
   if (g.tokens == 0 || g.target[0].heads + cg.kv_heads == 0) return check_on_host();
-  check_slots_on_device(cg, slots, run, max_blocks);
+  // No key heads: no row reads a slot on the device, so the host checks the slots (a repeat
+  // too, with the CPU op's message, before the slot-set kernel's assert could stop the stream).
+  if (cg.kv_heads == 0) {
+    check_on_host();
+  } else {
+    check_slots_on_device(cg, slots, run, max_blocks);
+  }
   dispatch_types(dtype_of(query), dtype_of(cache), [&](auto x0, auto tab0) {
     using x_t = decltype(x0);
     using tab_t = decltype(tab0);

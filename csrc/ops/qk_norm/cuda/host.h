@@ -264,7 +264,7 @@ void qk_norm_rope_and_cache_host(
   const ScalarType xt = dtype_of(query);
   const Tensor cache = table_for(cache_in, xt);
   if (cache.get() != cache_in.get()) cg = check(cache);
-  check_slots_on_device(cg, slots, run, max_blocks);
+  if (cg.kv_heads > 0) check_slots_on_device(cg, slots, run, max_blocks);  // (else: the host's)
   const Tensor wq = norm_weight_for(q_weight, xt), wk = norm_weight_for(k_weight, xt);
   NormRopeTensors t = inplace_operands(Meta(query), Meta(key), wq, wk, cache, cg.rot, positions);
   NormStore st{};
