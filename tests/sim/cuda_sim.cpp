@@ -186,18 +186,20 @@ struct SimRunner {
                }
                for (int64_t i = 0; i <= a.mask; ++i) rec.allow(a.set + i, 8, kRead | kWrite | kAtomic);
              },
-             [&](const ThreadPos& tp) { gpu::slot_set_thread(a, tp); });
+             [&](const ThreadPos& tp) { gpu::slot_set_thread(a, tp); },
+             gpu::kThreadsPerBlock);  // slot_set_kernel's bound
   }
 
  private:
   // One simulated launch: record every access the threads make, check it against the operands
   // the launch was allowed to touch, and report the plan it ran with.
   template <typename Allow, typename Thread>
-  void simulate(const LaunchPlan& plan, bool idx32, Allow allow, Thread thread) const {
+  void simulate(const LaunchPlan& plan, bool idx32, Allow allow, Thread thread,
+                int64_t max_threads = gpu::kMaxBlockThreads) const {
     LaunchPlan p = plan;
     p.idx32 = idx32;
     Recorder rec;
-    simulate_launch(rec, p, op, allow, thread);
+    simulate_launch(rec, p, op, allow, thread, max_threads);
     fill_info(*info, p, rec);
   }
 };
