@@ -515,3 +515,47 @@ def test_a_zero_tensor_reads_as_zeros(case, mode):
     with mode():
         want = ZERO_CALLS[case](lambda *s, **kw: torch.zeros(s, **kw))
     assert torch.equal(got, want)
+
+
+def _refused_calls():
+    """([(name, a call the C++ call path refuses before a kernel or the dispatcher takes its
+    stack, its grad mode)], the tensors the calls take): each wrapper's refusal, with the
+    argument kinds a stack carries (tensors, `Tensor?`, `int[]`, `str`)."""
+    q, k, pos = torch.randn(4, 2, 16), torch.randn(4, 1, 16), torch.arange(4)
+    kc, vc = torch.zeros(2, 4, 1, 16), torch.zeros(2, 4, 1, 16)
+    with torch.inference_mode():
+        made_in_inference = torch.randn(4, 2, 16)
+    sparse = torch.randn(4, 16).to_sparse()
+    return [
+        # bump_and_run: torch's inference-tensor rule refuses the write
+        ("apply_ inference query", lambda: OPS.apply_(made_in_inference, k, pos, CACHE), False),
+        ("mrope_ inference query", lambda: OPS.mrope_(made_in_inference, k, torch.stack([pos] * 3),
+                                                       CACHE, [2, 3, 3]), False),
+        ("apply_and_cache_ inference query", lambda: OPS.apply_and_cache_(
+            made_in_inference, k, k, pos, CACHE, kc, vc, pos, False, "auto"), False),
+        # autograd_router and bump_and_run: a tensor not given dense
+        ("apply_ sparse key, grad mode", lambda: OPS.apply_(q, sparse, pos, CACHE), True),
+        ("apply_ sparse key, no grad", lambda: OPS.apply_(q, sparse, pos, CACHE), False),
+        # the kernel's own check (inference mode skips the router): a required tensor missing
+        ("apply_and_cache_ no key, inference mode", lambda: _in_inference_mode(
+            lambda: OPS.apply_and_cache_(q, None, k, pos, CACHE, kc, vc, pos, False, "auto")), False),
+    ], (q, k, pos, kc, vc, made_in_inference, sparse)
+
+
+def _in_inference_mode(fn):
+    with torch.inference_mode():
+        fn()
+
+
+@needs_routes
+def test_a_refused_call_keeps_none_of_its_tensors():
+    # The boxed stack holds a new handle for each tensor: a wrapper that refuses the call before
+    # handing the stack on releases them (each refused call once kept all of its tensors alive).
+    calls, tensors = _refused_calls()
+    held = [CACHE, *tensors]
+    for name, call, grad in calls:
+        before = [t._use_count() for t in held]
+        for _ in range(3):
+            with torch.set_grad_enabled(grad), pytest.raises(RuntimeError):
+                call()
+        assert [t._use_count() for t in held] == before, name

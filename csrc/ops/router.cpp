@@ -111,21 +111,26 @@ bool on_cpu(AtenTensorHandle t) {
 template <int R>
 void bump_and_run(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
   constexpr const OpSchema& op = kOps[R];
-  check_tensors_given(R, stack);  // before the device of the first is read
-  const bool rules_first = aoti_torch_grad_mode_is_enabled();
   std::optional<torch::stable::Tensor> versioned[kMaxWritten];
-  for (int i = 0; i < op.n_written; ++i) {
-    if (AtenTensorHandle t = borrowed(stack, op.written[i])) {
-      torch::stable::Tensor held = new_reference(t);
-      if (rules_first || is_inference(held)) {
-        bump_version(held);
-      } else {
-        versioned[i] = std::move(held);
+  const BoxedKernel cpu = routed_cpu_kernel(R);
+  bool direct = false;
+  refuse_releasing(R, stack, [&] {
+    check_tensors_given(R, stack);  // before the device of the first is read
+    const bool rules_first = aoti_torch_grad_mode_is_enabled();
+    for (int i = 0; i < op.n_written; ++i) {
+      if (AtenTensorHandle t = borrowed(stack, op.written[i])) {
+        torch::stable::Tensor held = new_reference(t);
+        if (rules_first || is_inference(held)) {
+          bump_version(held);  // torch's rules may refuse the call here
+        } else {
+          versioned[i] = std::move(held);
+        }
       }
     }
-  }
-  const BoxedKernel cpu = routed_cpu_kernel(R);
-  if (cpu != nullptr && on_cpu(to<AtenTensorHandle>(stack[0])) && tensors_have_memory(R, stack)) {
+    direct = cpu != nullptr && on_cpu(to<AtenTensorHandle>(stack[0])) &&
+             tensors_have_memory(R, stack);
+  });
+  if (direct) {
     cpu(stack, num_args, num_outputs);
   } else {
     call_twin<R>(false, stack);
@@ -139,7 +144,7 @@ void bump_and_run(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) 
 // with grad mode on, the autograd path (Python, or bump_and_run where no Python registered it).
 template <int R>
 void autograd_router(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
-  check_tensors_given(R, stack);
+  refuse_releasing(R, stack, [&] { check_tensors_given(R, stack); });
   if (aoti_torch_grad_mode_is_enabled()) {
     call_twin<R>(true, stack);
   } else {

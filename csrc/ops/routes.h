@@ -26,13 +26,16 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/tensor.h>
 
 namespace rope {
 
@@ -211,6 +214,45 @@ inline void check_tensors_given(int op, const StableIValue* stack) {
   }
 }
 
+// A boxed call's arguments belong to the kernel that receives the stack: a new handle for each
+// tensor, a box for each optional, a handle for each list or string. A kernel (TORCH_BOX) takes
+// them into values that release them, and the dispatcher consumes a stack handed on to it; a
+// wrapper that refuses the call before either (check_tensors_given, torch's in-place rules)
+// releases them here, or every refused call would keep its tensors alive.
+inline void release_arguments(int op, StableIValue* stack) {
+  using torch::stable::Tensor;
+  using torch::stable::detail::to;
+  for_each_argument(kOps[op].signature, [&](int arg, std::string_view text) {
+    std::string_view type = type_and_name(text).first;
+    const bool optional = !type.empty() && type.back() == '?';
+    if (optional) type.remove_suffix(1);
+    if (type.substr(0, 7) == "Tensor(") type = "Tensor";
+    const StableIValue v = stack[arg];
+    if (type == "Tensor") {
+      optional ? (void)to<std::optional<Tensor>>(v) : (void)to<Tensor>(v);
+    } else if (type == "int[]") {
+      optional ? (void)to<std::optional<std::vector<int64_t>>>(v)
+               : (void)to<std::vector<int64_t>>(v);
+    } else if (type == "str") {
+      optional ? (void)to<std::optional<std::string>>(v) : (void)to<std::string>(v);
+    } else if (optional) {  // an optional number's box
+      (void)to<std::optional<double>>(v);
+    }
+  });
+}
+
+// Runs `check`, which may refuse op `op`'s call before its stack is handed on; a refusal
+// releases the stack's arguments first (release_arguments).
+template <class Check>
+void refuse_releasing(int op, StableIValue* stack, Check&& check) {
+  try {
+    check();
+  } catch (...) {
+    release_arguments(op, stack);
+    throw;
+  }
+}
+
 // Whether each tensor of op `op`'s call (checked given) has memory, for the router's direct call
 // of a CPU kernel: torch's ZeroTensor (an efficient zero, as some of torch's derivative formulas
 // make) has a null data pointer, which the dispatcher's ZeroTensor key materializes before a
@@ -254,7 +296,7 @@ inline void impl_routed_cpu(torch::stable::detail::StableLibrary& m, const char*
 // Device kernel K of op R, after the check that its tensors were given.
 template <int R, BoxedKernel K>
 void tensors_given_then(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
-  check_tensors_given(R, stack);
+  refuse_releasing(R, stack, [&] { check_tensors_given(R, stack); });
   K(stack, num_args, num_outputs);
 }
 
