@@ -196,11 +196,7 @@ def cpu_isas():
     of ("baseline", "avx2", "avx512", "avx512_bf16"); () when no native library is loaded."""
     if not has_kernel("cpu"):
         return ()
-    ops = torch.ops.rope
-    serving = int(ops.cpu_isa())
-    best = int(ops.set_cpu_isa(-1))
-    ops.set_cpu_isa(serving)
-    return CPU_ISA_NAMES[: best + 1]
+    return CPU_ISA_NAMES[: int(torch.ops.rope.cpu_isa(True)) + 1]  # (a query: no setting moves)
 
 
 def set_cpu_isa(name):

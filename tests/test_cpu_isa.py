@@ -72,6 +72,30 @@ def test_cpu_isa_names_the_serving_variant():
 
 
 @native
+def test_listing_the_variants_changes_no_setting(variant):
+    # cpu_isas() once found the best variant by switching to it and back: meanwhile another
+    # thread's calls ran on it (past a cap), and a set_cpu_isa made then was undone.
+    import threading
+
+    variant("baseline", stream_all=False)
+    stop, seen = threading.Event(), set()
+
+    def list_variants():
+        while not stop.is_set():
+            rope_ext.cpu_isas()
+
+    lister = threading.Thread(target=list_variants)
+    lister.start()
+    try:
+        for _ in range(20000):
+            seen.add(rope_ext.cpu_isa())
+    finally:
+        stop.set()
+        lister.join()
+    assert seen == {"baseline"}
+
+
+@native
 def test_best_variant_is_chosen_by_default():
     if not cpu_flags():
         pytest.skip("no /proc/cpuinfo")

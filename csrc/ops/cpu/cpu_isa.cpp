@@ -72,8 +72,11 @@ int64_t default_stream_threshold() {
 
 std::atomic<int64_t> g_stream_threshold{-1};  // -1: the default
 
-// rope.cpu_isa() -> int: 0 baseline, 1 avx2, 2 avx512, 3 avx512_bf16.
-int64_t cpu_isa_op() { return static_cast<int64_t>(selected_cpu_isa()); }
+// rope.cpu_isa(bool best=False) -> int: 0 baseline, 1 avx2, 2 avx512, 3 avx512_bf16. A query:
+// it changes no setting (another thread's calls keep the variant they were given).
+int64_t cpu_isa_op(bool best) {
+  return static_cast<int64_t>(best ? best_supported() : selected_cpu_isa());
+}
 
 // rope.set_cpu_isa(int isa) -> int: serve with variant `isa` (-1: the best this CPU supports);
 // returns the variant now serving. A variant this CPU lacks is an error.
@@ -100,9 +103,9 @@ int64_t set_cpu_stream_threshold_op(int64_t bytes) {
 
 CpuIsa selected_cpu_isa() {
   int isa = g_isa.load(std::memory_order_relaxed);
-  if (isa < 0) {
-    isa = static_cast<int>(best_supported());
-    g_isa.store(isa);
+  if (isa < 0) {  // first use: the best, unless a set_cpu_isa got there first
+    const int best = static_cast<int>(best_supported());
+    isa = g_isa.compare_exchange_strong(isa, best) ? best : isa;
   }
   return static_cast<CpuIsa>(isa);
 }
