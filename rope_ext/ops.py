@@ -171,9 +171,7 @@ def sequence_positions(cu_seqlens, total_tokens, seqlen_offsets, dtype=torch.int
             raise ValueError(f"seqlen_offsets must be on cu_seqlens' device ({cu_seqlens.device}), "
                              f"got {seqlen_offsets.device}")
     else:
-        seqlen_offsets = check_int(seqlen_offsets, "seqlen_offsets")
-        if not -2**63 <= seqlen_offsets < 2**63:
-            raise ValueError(f"seqlen_offsets must fit int64, got {seqlen_offsets}")
+        seqlen_offsets = check_int(seqlen_offsets, "seqlen_offsets")  # (int64: checked there)
     starts = cu_seqlens.long()
     _check_bounds(starts, total_tokens, names)
     token, seq = token_sequences(starts, total_tokens)

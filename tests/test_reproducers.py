@@ -229,7 +229,7 @@ def test_flash_attn_varlen_refuses_tokens_before_the_first_sequence():
     ((torch.tensor([0, 2]), True), "total_tokens must be an int, got True"),
     ((torch.tensor([0, 2]), 2, 1.7), "seqlen_offsets must be an int, got 1.7"),
     ((torch.tensor([0, 2]), 2, torch.tensor([1.5])), "seqlen_offsets must be an int or an int32/int64 tensor"),
-    ((torch.tensor([0, 2]), 2, 2**64), "seqlen_offsets must fit int64"),
+    ((torch.tensor([0, 2]), 2, 2**64), "seqlen_offsets must fit in int64"),
 ])
 def test_varlen_positions_rejects_bad_arguments_by_name(args, msg):
     with pytest.raises(ValueError, match=msg):
