@@ -124,14 +124,15 @@ def _acc_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _square_error(c):
-    """c * c - fl(c * c), exactly (Dekker's product of c's two 26-bit halves; float64 c, no
-    overflow or underflow in the split)."""
+def _square_gap(x, c):
+    """|x - c^2|, exactly: c^2 is fl(c * c) plus its rounding error, Dekker's product of c's two
+    26-bit halves (float64 c, no overflow or underflow in the split)."""
     p = c * c
     t = 134217729.0 * c  # 2^27 + 1
     hi = t - (t - c)
     lo = c - hi
-    return ((hi * hi - p) + 2.0 * hi * lo) + lo * lo
+    error = ((hi * hi - p) + 2.0 * hi * lo) + lo * lo
+    return ((x - p) - error).abs()
 
 
 def _sqrt_rn(x):
@@ -141,14 +142,9 @@ def _sqrt_rn(x):
     no midpoint's square is. Each |x - c^2| is exact: below 2^53 of those units where it
     decides.) Where the product could overflow or underflow, torch's root stays."""
     r = torch.sqrt(x)
-    best, gap = r, None
-    for c in (torch.nextafter(r, torch.zeros_like(r)), r, torch.nextafter(r, torch.full_like(r, math.inf))):
-        p = c * c
-        d = ((x - p) - _square_error(c)).abs()
-        if gap is None:
-            best, gap = c, d
-        else:
-            best, gap = torch.where(d < gap, c, best), torch.minimum(d, gap)
+    roots = torch.stack((torch.nextafter(r, torch.zeros_like(r)), r,
+                         torch.nextafter(r, torch.full_like(r, math.inf))))
+    best = roots.gather(0, _square_gap(x, roots).argmin(0, keepdim=True))[0]
     safe = (r > 2.0 ** -480) & (r < 2.0 ** 480)
     return torch.where(safe, best, r)
 

@@ -252,7 +252,7 @@ def _nope_parts(q_rope, k_rope, q_nope, k_nope):
     return q_nope, k_nope
 
 
-def _check_table(cos_sin_cache, q_rope, k_rope, **optional):
+def _check_inputs(cos_sin_cache, q_rope, k_rope, **optional):
     """The tensors named (the optional ones may be None; a non-tensor is named here, not by
     empty_like or an attribute); a float32 table."""
     if not (isinstance(q_rope, torch.Tensor) and isinstance(k_rope, torch.Tensor)
@@ -285,9 +285,9 @@ def rope_quantize_fp8(q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is
     if backend not in ("cuda", "cutile"):
         raise ValueError(f"Unsupported backend for rope_quantize_fp8: {backend!r}; "
                          "expected 'cuda' or 'cutile'.")
-    _check_table(cos_sin_cache, q_rope, k_rope, q_nope=q_nope, k_nope=k_nope,
-                 q_rope_out=q_rope_out, k_rope_out=k_rope_out, q_nope_out=q_nope_out,
-                 k_nope_out=k_nope_out)
+    _check_inputs(cos_sin_cache, q_rope, k_rope, q_nope=q_nope, k_nope=k_nope,
+                  q_rope_out=q_rope_out, k_rope_out=k_rope_out, q_nope_out=q_nope_out,
+                  k_nope_out=k_nope_out)
     q_nope, k_nope = _nope_parts(q_rope, k_rope, q_nope, k_nope)
     if quantize_dtype is None:
         given = [o for o in (q_rope_out, k_rope_out, q_nope_out, k_nope_out) if o is not None]
@@ -328,8 +328,8 @@ def rope_quantize_fp8_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, c
     batch_indices[t] (negative: padding, not stored) at in-request position positions[t] goes to
     page kv_indices[kv_indptr[b] + positions[t] // page_size], entry positions[t] % page_size.
     One fused rope_ext op (torch.ops.rope.quantize_fp8_append_paged_kv_cache)."""
-    _check_table(cos_sin_cache, q_rope, k_rope, q_nope=q_nope, k_nope=k_nope, v=v,
-                 q_rope_out=q_rope_out, q_nope_out=q_nope_out)
+    _check_inputs(cos_sin_cache, q_rope, k_rope, q_nope=q_nope, k_nope=k_nope, v=v,
+                  q_rope_out=q_rope_out, q_nope_out=q_nope_out)
     mla = k_rope.dim() == 2
     q_nope, k_nope = _nope_parts(q_rope, k_rope, q_nope, k_nope)
     if quantize_dtype is None:
