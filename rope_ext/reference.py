@@ -4,6 +4,8 @@ Same signatures, semantics and errors as the native ops (README "The ops"); math
 (float64 for float64 inputs), like the kernels. docs/math.md has the formulas.
 """
 
+import math
+
 import torch
 
 from . import _checks
@@ -166,13 +168,14 @@ def positions_table_grads(x, grad, positions, cos, sin, interleaved, inverse=Fal
     """Gradients w.r.t. the tables cos, sin of apply_positions: each token's per-pair gradient,
     summed over heads, added into the row it read."""
     half = cos.shape[1]
+    tokens = math.prod(x.shape[:-2])  # (not reshape(-1, half): ambiguous for a rotary_dim 0 table)
     d_cos, d_sin = _pair_grads(x, grad, half, interleaved, inverse)
-    d_cos, d_sin = d_cos.sum(-2).reshape(-1, half), d_sin.sum(-2).reshape(-1, half)
+    d_cos, d_sin = d_cos.sum(-2).reshape(tokens, half), d_sin.sum(-2).reshape(tokens, half)
     if mrope_section is None:
-        rows = positions.long().reshape(-1, 1).expand(-1, half)
+        rows = positions.long().reshape(tokens, 1).expand(tokens, half)
     else:
         comp = mrope_components(mrope_section, half, mrope_interleaved, positions.device)
-        rows = positions.long().movedim(0, -1)[..., comp].reshape(-1, half)
+        rows = positions.long().movedim(0, -1)[..., comp].reshape(tokens, half)
     g_cos = cos.new_zeros(cos.shape, dtype=d_cos.dtype).scatter_add(0, rows, d_cos)
     g_sin = sin.new_zeros(sin.shape, dtype=d_sin.dtype).scatter_add(0, rows, d_sin)
     return g_cos.to(cos.dtype), g_sin.to(sin.dtype)

@@ -138,3 +138,27 @@ def test_odd_width_table_is_refused_like_apply_():
         rope_ext.apply_rope_at(x, torch.arange(3), cache)
     with pytest.raises(RuntimeError, match=r"rotary_dim = cos_sin_cache.size\(1\) = 9 must be even"):
         rope_ext.apply_rope_(x, None, torch.arange(3), cache)
+
+
+@pytest.mark.parametrize("call", ["apply_rope_at", "apply_positions", "apply_rope_", "apply_mrope_"])
+def test_a_zero_width_table_passes_x_through_and_gets_a_zero_width_gradient(call):
+    # rotary_dim 0 is a legal table: x is copied, and the table's gradient is (max_position, 0)
+    # (the backward once reshaped an empty gradient to (-1, 0), which torch calls ambiguous)
+    x = torch.randn(3, 2, 8, dtype=torch.float64, requires_grad=True)
+    cache = torch.rand(5, 0, dtype=torch.float64, requires_grad=True)
+    positions = torch.randint(0, 5, (3,))
+    if call == "apply_rope_at":
+        y = rope_ext.apply_rope_at(x, positions, cache)
+    elif call == "apply_positions":
+        y = torch.ops.rope.apply_positions(x, positions, cache[:, :0], cache[:, :0])
+    elif call == "apply_rope_":
+        y = x.clone()
+        rope_ext.apply_rope_(y, None, positions, cache)
+    else:
+        y = x.clone()
+        rope_ext.apply_mrope_(y, None, positions.expand(3, 3), cache, [0, 0, 0])
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    assert torch.equal(y.detach(), x.detach())
+    assert torch.equal(x.grad, grad)
+    assert cache.grad.shape == (5, 0)
