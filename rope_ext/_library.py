@@ -39,7 +39,7 @@ def define_from_python():
     lib = torch.library.Library("rope", "DEF")
     for schema in SCHEMAS.values():
         lib.define(schema)
-    lib.impl("cpu_isa", lambda: -1, "CompositeExplicitAutograd")
+    lib.impl("cpu_isa", lambda best=False: -1, "CompositeExplicitAutograd")
     lib.impl("set_cpu_isa", lambda isa: -1, "CompositeExplicitAutograd")
     lib.impl("set_cpu_stream_threshold", lambda nbytes: -1, "CompositeExplicitAutograd")
     _python_defs.append(lib)

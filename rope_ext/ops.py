@@ -76,7 +76,7 @@ def _rotation_args(interleaved, rope_dim_offset, inverse):
     for a bool and True for an int (before any write)."""
     if not ((interleaved is True or interleaved is False) and (inverse is True or inverse is False)):
         check_flags("interleaved inverse", interleaved, inverse)  # (the test above: 40 ns, this 250)
-    if type(rope_dim_offset) is not int:
+    if type(rope_dim_offset) is not int or not -2**63 <= rope_dim_offset < 2**63:
         check_int(rope_dim_offset, "rope_dim_offset")
 
 

@@ -191,7 +191,7 @@ def qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weigh
     if type(eps) is not float:
         eps = check_eps(eps)
     sizes = (num_heads_q, num_heads_k, num_heads_v, head_dim)
-    if not all(type(n) is int for n in sizes):  # (torch's int takes True for 1)
+    if not all(type(n) is int and -2**63 <= n < 2**63 for n in sizes):  # (torch's int takes True for 1)
         names = ("num_heads_q", "num_heads_k", "num_heads_v", "head_dim")
         num_heads_q, num_heads_k, num_heads_v, head_dim = (
             check_int(n, f"qkv_norm_rope_: {name}") for n, name in zip(sizes, names))

@@ -211,7 +211,7 @@ def test_arguments_of_the_wrong_kind_are_named():
     # (a list for a tensor, a dict key that cannot be hashed, a None where a tuple is read).
     from types import SimpleNamespace
 
-    from rope_ext.compat import diffusers, flashinfer, sglang
+    from rope_ext.compat import diffusers, flashinfer, sglang, vllm
     from rope_ext.integrations import transformers as hf_patch
     q, k, pos = torch.randn(3, 2, 8), torch.randn(3, 1, 8), torch.arange(3)
     w, cos = torch.ones(8), torch.randn(3, 8)
@@ -268,6 +268,14 @@ def test_arguments_of_the_wrong_kind_are_named():
         "cos_sin_cache: a table of max_position x rotary_dim = .* is larger than a tensor can hold":
             lambda: rope_ext.cos_sin_cache(2**62, 8),
         "total_tokens must fit in int64": lambda: rope_ext.varlen_positions(pos, 2**63),
+        # (plain ints take a fast path past the check: it must still bound them)
+        "qkv_norm_rope_: num_heads_k must fit in int64": lambda: rope_ext.qkv_norm_rope_(
+            torch.randn(3, 32), 2, 2**64, 1, 8, w, w, pos, rope_ext.cos_sin_cache(8, 8)),
+        "rope_dim_offset must fit in int64": lambda: rope_ext.apply_rope_(
+            q, k, pos, rope_ext.cos_sin_cache(8, 8), rope_dim_offset=-2**63 - 1),
+        "num_kv_heads must fit in int64": lambda: vllm.fused_qknorm_rope_cache(
+            torch.randn(3, 32), w, w, rope_ext.cos_sin_cache(8, 8), pos, pos, torch.zeros(2, 2, 1, 8),
+            torch.zeros(2, 2, 1, 8), 2, 2**64, 8, 8, 1e-6),
         "unpatch: expected a torch.nn.Module, got NoneType": lambda: hf_patch.unpatch(None),
         "is_patched: expected a torch.nn.Module, got NoneType": lambda: hf_patch.is_patched(None),
         "patch: expected a torch.nn.Module, got SimpleNamespace": lambda: hf_patch.patch(

@@ -24,6 +24,8 @@ CHECK = textwrap.dedent("""
     from rope_oracle import rope
     print("WARNINGS", len([w for w in caught if "rope_ext" in str(w.message)]))
     print("BACKEND", rope_ext.backend("cpu"))
+    best = int(torch.ops.rope.cpu_isa(True))  # the op's query form answers on either path
+    assert (best >= 0) == (rope_ext.backend("cpu") == "native"), best
     x = torch.randn(3, 5, 2, 32, dtype=torch.float64, requires_grad=True)
     cos, sin = torch.randn(1, 5, 1, 12, dtype=torch.float64), torch.randn(1, 5, 1, 12, dtype=torch.float64)
     y = torch.ops.rope.apply(x, cos, sin, True)

@@ -8,6 +8,7 @@ import threading
 
 import torch
 
+from .._args import check_int
 from ..qk_norm import qk_norm_rope_and_cache, qkv_norm_rope_
 from ._layout import interleaved_of, tracing
 
@@ -40,11 +41,11 @@ _VLLM_FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
 
 
 def _int_arg(name, v, low=0):
-    if type(v) is int and v >= low:  # the common case, without the ABC check (decode calls)
+    if type(v) is int and low <= v < 2**63:  # the common case, without the ABC check (decode calls)
         return v
     if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low:
         raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
-    return int(v)
+    return check_int(v, name)  # (its int64 bound, its message)
 
 
 def fused_qknorm_rope_cache(qkv, q_weight, k_weight, cos_sin_cache, positions, slot_mapping,
