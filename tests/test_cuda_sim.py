@@ -393,12 +393,14 @@ def test_cache_write_with_empty_key_rows():
     ([0, 1, 99, 2], "slot_mapping must lie below"),
     ([0, 1, 1, 2],  # the CPU op's message, not the slot-set kernel's device-side assert
      r"must not repeat a slot \(negative: padding, skipped\), got 1 at indices 1 and 2")])
-def test_cache_write_without_kv_heads_checks_slots_on_the_host(slots, match):
-    # Query heads but no key heads: no row reads a slot, so the host checks the slots with the
-    # CPU op's messages (a repeat too, not the slot-set kernel's device-side assert).
-    q, k, v = torch.randn(4, 2, 16), torch.randn(4, 0, 16), torch.randn(4, 0, 16)
-    kc, vc = torch.zeros(2, 4, 0, 16), torch.zeros(2, 4, 0, 16)
-    args = (torch.arange(4), rope_ext.cos_sin_cache(8, 16), kc, vc, torch.tensor(slots))
+@pytest.mark.parametrize("hk,d", [(0, 16), (1, 0)], ids=["no key heads", "rows of 0 elements"])
+def test_cache_write_with_no_row_to_store_checks_slots_on_the_host(slots, match, hk, d):
+    # Query heads but no key heads, or rows of 0 elements: no row reads a slot, so the host
+    # checks the slots with the CPU op's messages (a repeat too, not the slot-set kernel's
+    # device-side assert).
+    q, k, v = torch.randn(4, 2, d), torch.randn(4, hk, d), torch.randn(4, hk, d)
+    kc, vc = torch.zeros(2, 4, hk, d), torch.zeros(2, 4, hk, d)
+    args = (torch.arange(4), torch.randn(8, d), kc, vc, torch.tensor(slots))
     before = q.clone()
     with pytest.raises(RuntimeError, match=match):
         cuda_sim.apply_and_cache_(q, k, v, *args)

@@ -174,11 +174,13 @@ def test_prologue_values_only():
     ([0, 1, 999, 2], "slot_mapping must lie below"),
     ([0, 1, 1, 2],  # the CPU op's message, not the slot-set kernel's device-side assert
      r"must not repeat a slot \(negative: padding, skipped\), got 1 at indices 1 and 2")])
-def test_prologue_without_kv_heads_checks_slots(in_place, slots, match):
-    """No key heads: no kernel row reads a slot, so the host checks them, as the CPU op does."""
-    q, k, v = torch.randn(4, 2, 16), torch.randn(4, 0, 16), torch.randn(4, 0, 16)
-    kc, vc = torch.zeros(2, 4, 0, 16), torch.zeros(2, 4, 0, 16)
-    args = (torch.arange(4), torch.randn(8, 16), torch.ones(16), torch.ones(16), kc, vc,
+@pytest.mark.parametrize("hk,d", [(0, 16), (1, 0)], ids=["no key heads", "rows of 0 elements"])
+def test_prologue_with_no_row_to_store_checks_slots(in_place, slots, match, hk, d):
+    """No key heads, or rows of 0 elements: no kernel row reads a slot, so the host checks them,
+    as the CPU op does."""
+    q, k, v = torch.randn(4, 2, d), torch.randn(4, hk, d), torch.randn(4, hk, d)
+    kc, vc = torch.zeros(2, 4, hk, d), torch.zeros(2, 4, hk, d)
+    args = (torch.arange(4), torch.randn(8, d), torch.ones(d), torch.ones(d), kc, vc,
             torch.tensor(slots))
     before = q.clone()
     run = sim.qk_norm_rope_and_cache_ if in_place else sim.qk_norm_rope_and_cache

@@ -392,8 +392,12 @@ void apply_and_cache_host(const Tensor& query, const Tensor& key, const Tensor& 
     check_data_on_host(g.tokens, positions, g.table.rows, "rope.apply_and_cache_",
                        "cos_sin_cache.size(0)", &slots, cg.slots);
   };
-  // Rows to rotate or values to store; key rows of head_dim 0 still carry their values.
-  if (g.tokens == 0 || g.target[0].heads + cg.kv_heads == 0) return check_on_host();
+  // Rows to rotate or values to store (key rows of head_dim 0 still carry their values): with
+  // none, or only rows of 0 elements, nothing launches and the host checks.
+  if (g.tokens == 0 || g.target[0].heads + cg.kv_heads == 0 ||
+      (g.head_dim == 0 && cg.value_dim == 0)) {
+    return check_on_host();
+  }
   // No key heads: no row reads a slot on the device, so the host checks the slots (a repeat
   // too, with the CPU op's message, before the slot-set kernel's assert could stop the stream).
   if (cg.kv_heads == 0) {
@@ -428,7 +432,7 @@ void apply_and_cache_host(const Tensor& query, const Tensor& key, const Tensor& 
     a.value_vecs = g.interleaved ? 1 : 2;  // a value chunk as wide as a rotary one
     a.value_chunks = ceil_div(cg.value_dim, a.value_vecs * W);
     const int64_t chunks = std::max(a.key_chunks, a.value_chunks);
-    if (chunks == 0) return check_on_host();  // rows of 0 elements
+    if (chunks == 0) return;  // (rows of 0 elements: returned above)
     p.tail_chunks = chunks - p.rot_chunks;
     const void* src[2] = {r.src[0], r.src[1]};
     p.vec = vectorizable<x_t>(g, src, src, true);  // key rows' tails go to the cache too

@@ -264,7 +264,11 @@ void qk_norm_rope_and_cache_host(
   const ScalarType xt = dtype_of(query);
   const Tensor cache = table_for(cache_in, xt);
   if (cache.get() != cache_in.get()) cg = check(cache);
-  if (cg.kv_heads > 0) check_slots_on_device(cg, slots, run, max_blocks);  // (else: the host's)
+  // The kernel checks a slot where a key or value row reads it. With no key heads no row does,
+  // nor do rows of 0 elements, and with no rows nothing launches: such calls check positions
+  // and slots on the host (a copy, in degenerate calls only), before anything is written.
+  const bool host_checks = cg.kv_heads == 0 || (cg.rot.head_dim == 0 && cg.value_dim == 0);
+  if (!host_checks) check_slots_on_device(cg, slots, run, max_blocks);
   const Tensor wq = norm_weight_for(q_weight, xt), wk = norm_weight_for(k_weight, xt);
   NormRopeTensors t = inplace_operands(Meta(query), Meta(key), wq, wk, cache, cg.rot, positions);
   NormStore st{};
@@ -288,10 +292,6 @@ void qk_norm_rope_and_cache_host(
     st.v_scale = static_cast<const float*>(v_scale->const_data_ptr());
   }
   st.v_norm = v_norm;
-  // The kernel checks a slot where a key or value row reads it. With no key heads no row does,
-  // and with no rows nothing launches: such calls check positions and slots here (a copy to
-  // the host, in degenerate calls only), before anything is written.
-  const bool host_checks = cg.kv_heads == 0;
   auto check_on_host = [&] {
     check_data_on_host(cg.rot.tokens, positions, cg.rot.table.rows,
                        in_place ? kQkNormCacheOp : kQkNormCacheOutOp, "cos_sin_cache.size(0)",
