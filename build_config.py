@@ -236,5 +236,8 @@ if __name__ == "__main__":
         print(cuda_home() or "")
     elif sys.argv[1:] == ["--native-cpu-flags"]:
         print(*native_cpu_flags())
+    elif sys.argv[1:]:
+        sys.exit(f"build_config.py: unknown arguments {' '.join(sys.argv[1:])} (one of --cuda-lib, "
+                 "--cuda-home, --native-cpu-flags, or none: whether the CUDA library is built)")
     else:
         print(want_cuda())

@@ -18,6 +18,7 @@ for _name in ("_kv_shift_reference", "_qk_norm_checks", "_qk_norm_reference",
 del _name
 from ._version import __version__
 
+envs.read_runtime()  # (a bad value stops the import here, naming its variable)
 if envs.JIT != "0":
     if envs.BACKEND == "reference":
         import warnings as _warnings

@@ -1,8 +1,9 @@
 """Every environment variable rope_ext reads, in one place, each read once.
 
-Runtime variables are read when rope_ext is imported; build variables when setup.py or the JIT
-loader first asks for them (build_config.py loads this file by path, without importing rope_ext or
-torch), so a build-only setting never stops an installed package from importing. The
+Runtime variables are read when rope_ext is imported (read_runtime); build variables when setup.py
+or the JIT loader first asks for them (build_config.py loads this file by path, without importing
+rope_ext or torch). So a build-only setting never stops an installed package from importing, and a
+run-time one never stops a build. The
 table in docs/packaging.md ("Environment variables") lists the same names; a test checks that
 the two agree. A value outside the allowed ones is an error that names the variable.
 """
@@ -70,18 +71,27 @@ def _read(name):
     return int(raw)
 
 
-BACKEND = _read("ROPE_EXT_BACKEND")
-JIT = _read("ROPE_EXT_JIT")
-CPU_ISA = _read("ROPE_EXT_CPU_ISA")
-CPU_STREAM_MB = _read("ROPE_EXT_CPU_STREAM_MB")
-
+_RUNTIME_NAMES = {"BACKEND": "ROPE_EXT_BACKEND", "JIT": "ROPE_EXT_JIT",
+                  "CPU_ISA": "ROPE_EXT_CPU_ISA", "CPU_STREAM_MB": "ROPE_EXT_CPU_STREAM_MB"}
 _BUILD_NAMES = {"CUDA": "ROPE_EXT_CUDA", "BUILD": "ROPE_EXT_BUILD",
                 "CPU_VARIANTS": "ROPE_EXT_CPU_VARIANTS", "BUILD_VERBOSE": "ROPE_EXT_BUILD_VERBOSE"}
+assert set(_RUNTIME_NAMES.values()) == {n for n, v in VARIABLES.items() if v[0] == "import"}
 assert set(_BUILD_NAMES.values()) == {n for n, v in VARIABLES.items() if v[0] == "build"}
 
 
+def read_runtime():
+    """Reads every run-time variable once (envs.BACKEND, envs.JIT, ...): rope_ext's import calls
+    it first, so a bad value stops the import, naming the variable."""
+    for attr, name in _RUNTIME_NAMES.items():
+        globals()[attr] = _read(name)
+
+
 def __getattr__(attr):
-    """The build variables (envs.CUDA, envs.BUILD, ...), read when a build asks for them."""
+    """The build variables (envs.CUDA, envs.BUILD, ...), read when a build asks for them; a
+    run-time variable asked for before read_runtime ran reads them all."""
     if attr in _BUILD_NAMES:
         return _read(_BUILD_NAMES[attr])
+    if attr in _RUNTIME_NAMES:
+        read_runtime()
+        return globals()[attr]
     raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")

@@ -293,6 +293,24 @@ def test_cuda_home_of_the_command_line_tool(toolkits):
     assert f"CUDA_HOME={bad} holds no bin/nvcc" in result.stderr
 
 
+def test_run_time_variables_stop_no_build():
+    # They are read at rope_ext's import, not by a build: a bad value once failed setup.py, and
+    # made the Makefile export an empty CUDA_HOME (and rebuild everything once it was fixed).
+    bad = clean_env(ROPE_EXT_CPU_STREAM_MB="64MB", ROPE_EXT_BACKEND="cpu", ROPE_EXT_CPU_ISA="sse",
+                    ROPE_EXT_JIT="true")
+    tool = os.path.join(ROOT, "build_config.py")
+    result = subprocess.run([sys.executable, tool, "--cuda-home"], env=bad, capture_output=True,
+                            text=True)
+    assert result.returncode == 0 and result.stdout.strip() == (build_config.cuda_home() or ""), \
+        result.stderr
+    result = subprocess.run([sys.executable, "-c", "import rope_ext"], cwd=ROOT, env=bad,
+                            capture_output=True, text=True)
+    assert result.returncode != 0 and "ROPE_EXT_BACKEND='cpu': expected one of" in result.stderr
+    result = subprocess.run([sys.executable, tool, "--cuda_lib"], env=clean_env(),
+                            capture_output=True, text=True)
+    assert result.returncode != 0 and "unknown arguments --cuda_lib" in result.stderr
+
+
 def test_a_valid_cuda_home_is_kept(toolkits, monkeypatch, capsys):
     good, _ = toolkits
     monkeypatch.setenv("CUDA_HOME", good)
