@@ -12,10 +12,17 @@ Develop with `make build` (python setup.py build_ext --inplace); build a wheel w
 import os
 import sys
 
+import setuptools
 from setuptools import find_packages, setup
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import build_config  # noqa: E402
+
+# pyproject.toml's SPDX license needs setuptools 77. An older one (a --no-build-isolation build
+# in an older env) would fail on that field with a message that names no version.
+if build_config._release(setuptools.__version__) < (77,):
+    sys.exit(f"rope_ext: building needs setuptools >= 77 (pyproject.toml's license field), found "
+             f"{setuptools.__version__}: pip install 'setuptools>=77'")
 
 # Before torch.utils.cpp_extension is imported: it reads CUDA_HOME and the arch list at import.
 BUILD_CUDA, CUDA_REASON = build_config.configure_environment()

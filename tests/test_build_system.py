@@ -311,6 +311,17 @@ def test_run_time_variables_stop_no_build():
     assert result.returncode != 0 and "unknown arguments --cuda_lib" in result.stderr
 
 
+def test_setup_names_the_setuptools_it_needs():
+    # An older setuptools (a --no-build-isolation build in an older env) failed on pyproject's
+    # license field with a message that named no version.
+    code = ("import runpy, sys, setuptools; setuptools.__version__ = '65.5.0'; "
+            "sys.argv = ['setup.py', '--version']; runpy.run_path('setup.py', run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=clean_env(ROPE_EXT_CUDA="0"),
+                            capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "building needs setuptools >= 77 (pyproject.toml's license field), found 65.5.0" in result.stderr
+
+
 def test_a_valid_cuda_home_is_kept(toolkits, monkeypatch, capsys):
     good, _ = toolkits
     monkeypatch.setenv("CUDA_HOME", good)
