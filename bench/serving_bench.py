@@ -115,6 +115,14 @@ def eager_prologue(q, k, v, positions, table, wq, wk, key_cache, value_cache, sl
 
     q.copy_(rotate(norm(q, wq)))
     k.copy_(rotate(norm(k, wk)))
+    store_paged(k, v, key_cache, value_cache, slots, k_scale, v_scale)
+
+
+def store_paged(k, v, key_cache, value_cache, slots, k_scale, v_scale):
+    """key and value into the paged caches at every token's slot (float8: x / scale,
+    saturated), by plain indexing: the prologue's store stage as a model writes it, for the eager
+    and compiled peers and the unfused sequence alike. (rope_ext.reference's store skips padding
+    slots through a mask: a gather of k and v, and on CUDA a sync, that the cases don't need.)"""
     block = key_cache.shape[1]
     s, kk, vv = slots, k, v
     if key_cache.dtype != k.dtype:  # float8
@@ -146,14 +154,13 @@ def prologue_case(device, tokens, kv_cache_dtype, heads=(32, 8), head_dim=128):
     slots = torch.randperm(256 * 16, device=device)[:tokens]  # no padding (eager_prologue)
     ks = torch.tensor([0.5], device=device) if fp8 else None
     vs = torch.tensor([0.25], device=device) if fp8 else None
-    fmt = torch.float8_e4m3fn if fp8 else None
     eps = 1e-6
     kw = dict(eps=eps, kv_cache_dtype=kv_cache_dtype, k_scale=ks, v_scale=vs)
     compiled = torch.compile(eager_prologue, dynamic=False, fullgraph=True)  # one graph, or an error
 
     def unfused():
         rope_ext.qk_norm_rope_(q, k, wq, wk, positions, table, eps=eps)
-        reference.store_paged(k, v, key_cache, value_cache, slots, fmt, ks, vs)
+        store_paged(k, v, key_cache, value_cache, slots, ks, vs)
 
     es, ces = 2, key_cache.element_size()
     nbytes = (2 * tokens * (hq + hk) * head_dim * es + tokens * hk * head_dim * es
