@@ -308,10 +308,13 @@ def vllm_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_ne
     for t in (query, key):
         if t is None:
             continue
-        heads = t.reshape(positions.numel(), -1, head_size)  # a copy when t is not viewable
-        rotated = heads.clone()
-        rotated[..., lo:hi] = kernel_rotate(heads[..., lo:hi], cos, sin, is_neox)
-        t.copy_(rotated.reshape(t.shape))
+        try:  # rotated where it lies (a benchmark times this peer: no extra pass)
+            heads, copied = t.view(positions.numel(), -1, head_size), False
+        except RuntimeError:  # strides no view can take: through a copy
+            heads, copied = t.reshape(positions.numel(), -1, head_size), True
+        heads[..., lo:hi] = kernel_rotate(heads[..., lo:hi], cos, sin, is_neox)
+        if copied:
+            t.copy_(heads.reshape(t.shape))
 
 
 # ---- FlashInfer (flashinfer.rope) ----

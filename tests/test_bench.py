@@ -19,6 +19,7 @@ if not os.path.isfile(os.path.join(ROOT, "bench", "bench.py")):
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import rope_ext  # noqa: E402
+from rope_ext import reference  # noqa: E402
 from rope_bench import cases, dropins, report  # noqa: E402
 from rope_bench.rows import OPS, limit_rows, op_rows  # noqa: E402
 
@@ -133,11 +134,29 @@ def _assert_same_state(got, expected, what):
                                    msg=lambda m: f"{what} {name}: {m}")
 
 
+# Each op of the bench's table by rope_ext's reference (its data checks included): the float64
+# state every row must leave.
+REFERENCE = {
+    "apply": lambda i: reference.apply_rope(i.q, i.cos, i.sin),
+    "apply.out": lambda i: reference.apply_rope_out(i.q, i.cos, i.sin, out=i.out),
+    "apply_backward": lambda i: reference.apply_rope_backward(i.grad, i.cos, i.sin),
+    "apply_rope_at": lambda i: reference.apply_positions(i.q, i.positions, i.cos_t, i.sin_t),
+    "apply_": lambda i: reference.apply_rope_(i.q, i.k, i.positions, i.cache),
+    "apply_mrope_": lambda i: reference.apply_mrope_(i.q, i.k, i.positions3, i.cache, i.section),
+    "apply_rope_and_cache_": lambda i: reference.apply_and_cache_(
+        i.q, i.k, i.v, i.positions, i.cache, i.key_cache, i.value_cache, i.slots),
+}
+
+
+def test_every_op_of_the_table_has_a_reference():
+    assert set(REFERENCE) == set(OPS)
+
+
 @pytest.mark.parametrize("op", list(OPS))
 def test_every_row_computes_what_the_float64_reference_does(op):
     """The rows of a comparison must do the same work, or their ratios mean nothing: rope_ext's
-    call, the bench's equivalents (the functions the compile rows compile, run eagerly here) and
-    the unfused path, on fresh random float32 inputs, against the reference in float64."""
+    call, the bench's equivalents (the functions of the eager rows, which the compile rows
+    compile) and the unfused path, on fresh random float32 inputs, against the reference in float64."""
     shape = cases.Shape(5, 4, 2, 32)
     seed = int(torch.randint(0, 2**31, ()))
 
@@ -147,9 +166,9 @@ def test_every_row_computes_what_the_float64_reference_does(op):
         return i
 
     ref = fresh(torch.float64)
-    expected = _state(ref, OPS[op].eager(ref)())
+    expected = _state(ref, REFERENCE[op](ref))
     o = OPS[op]
-    fn, args = o.compiled
+    fn, args = o.math
     for label, run in (("rope_ext", lambda i: o.rope_ext(i)()),
                        ("equivalent", lambda i: fn(*args(i))),
                        ("unfused", (lambda i: o.unfused(i)()) if o.unfused else None)):

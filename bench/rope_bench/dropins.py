@@ -43,14 +43,21 @@ def load():
 
 def _hf(i, peers, compat):
     """transformers' apply_rotary_pos_emb: q, k (batch, heads, seq, head_dim) as the attention
-    module's transpose makes them, cos/sin (batch, seq, head_dim) in the activations' dtype."""
+    module's transpose makes them, cos/sin (batch, seq, head_dim) in the activations' dtype.
+    The peer is transformers' own Llama function where transformers is installed (tests/peers.py's
+    also passes a partial rotary's tail through: a concatenation Llama's does not make)."""
     q, k = i.q.unsqueeze(0).transpose(1, 2), i.k.unsqueeze(0).transpose(1, 2)
     cos = torch.cat((i.cos[:, 0], i.cos[:, 0]), -1).unsqueeze(0).to(i.dtype)
     sin = torch.cat((i.sin[:, 0], i.sin[:, 0]), -1).unsqueeze(0).to(i.dtype)
     n = rw_bytes(i, i.q, i.k) + 2 * i.nbytes(cos)
+    try:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as theirs
+        peer = "transformers.models.llama.apply_rotary_pos_emb"
+    except ImportError:
+        theirs, peer = peers.hf_apply_rotary_pos_emb, "hf_apply_rotary_pos_emb"
     return ("transformers.apply_rotary_pos_emb", "clone", n,
             lambda: compat.transformers.apply_rotary_pos_emb(q, k, cos, sin),
-            "hf_apply_rotary_pos_emb", lambda: peers.hf_apply_rotary_pos_emb(q, k, cos, sin))
+            peer, lambda: theirs(q, k, cos, sin))
 
 
 def _hf_family(fn_name, peer_name, table):
@@ -158,8 +165,13 @@ def rows(loaded, inputs):
             continue
         op = "compat." + op
         out.append(Row(op, "dropin", op, f"rope_ext.{op}", n, ours, limit))
-        out.append(Row(f"{op} eager", "eager", op, f"tests/peers.py {peer_name}", n, theirs, limit))
+        out.append(Row(f"{op} eager", "eager", op, peer_label(peer_name), n, theirs, limit))
     return out, notes
+
+
+def peer_label(peer_name):
+    """Where a peer's code comes from: its own package (a dotted name), or tests/peers.py."""
+    return peer_name if "." in peer_name else f"tests/peers.py {peer_name}"
 
 
 # ---- training stacks: forward + backward steps ------------------------------------------------

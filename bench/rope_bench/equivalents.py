@@ -1,4 +1,4 @@
-"""The PyTorch formulations that the "compile" rows hand to torch.compile.
+"""The PyTorch formulations of the "eager" rows, which the "compile" rows hand to torch.compile.
 
 Each is the reference's math (rope_ext.reference.apply_rope and gather_tables) without the
 reference's data checks: those read the positions (`bool((positions < 0).any())`), which would

@@ -1,9 +1,9 @@
 """What is timed in one case: named rows, each a zero-argument callable.
 
 Rows of kind "limit" are the memory-copy limits of the case. Every other row belongs to an op's
-comparison: the rope_ext call, the eager reference (rope_ext.reference, checks included, as a
-user calling it gets it), torch.compile of the same math (equivalents.py), and for the fused op
-the unfused rope_ext equivalent. All rows of one comparison count the same bytes (the least
+comparison: the rope_ext call, the same math in eager PyTorch and under torch.compile
+(equivalents.py: rope_ext.reference's math without its data checks, which read the positions
+and slots and, on CUDA, sync), and for the fused op the unfused rope_ext equivalent. All rows of one comparison count the same bytes (the least
 traffic the work needs, as the copy limit counts its own), so their GB/s compare directly.
 """
 
@@ -13,7 +13,6 @@ from typing import Callable
 import torch
 
 import rope_ext
-from rope_ext import reference
 
 from . import equivalents as eq
 
@@ -40,8 +39,7 @@ class Op:
     what: str
     nbytes: Callable  # Inputs -> bytes
     rope_ext: Callable  # Inputs -> callable
-    eager: Callable  # Inputs -> callable
-    compiled: tuple  # (function of equivalents.py, Inputs -> args tuple)
+    math: tuple  # (function of equivalents.py, Inputs -> args tuple): the eager and compile rows
     unfused: Callable = None  # Inputs -> callable, or None
 
 
@@ -74,38 +72,30 @@ OPS = {
     o.name: o for o in (
         Op("apply", "clone", "rope_ext.apply_rope(x, cos, sin): a new rotated tensor", apply_bytes,
            lambda i: lambda: rope_ext.apply_rope(i.q, i.cos, i.sin),
-           lambda i: lambda: reference.apply_rope(i.q, i.cos, i.sin),
            (eq.apply, lambda i: (i.q, i.cos, i.sin))),
         Op("apply.out", "copy", "rope_ext.apply_rope(x, cos, sin, out=out)", apply_bytes,
            lambda i: lambda: rope_ext.apply_rope(i.q, i.cos, i.sin, out=i.out),
-           lambda i: lambda: reference.apply_rope_out(i.q, i.cos, i.sin, out=i.out),
            (eq.apply_out, lambda i: (i.q, i.cos, i.sin, i.out))),
         Op("apply_backward", "clone", "torch.ops.rope.apply_backward(grad, cos, sin)", apply_bytes,
            lambda i: lambda: torch.ops.rope.apply_backward(i.grad, i.cos, i.sin, False),
-           lambda i: lambda: reference.apply_rope_backward(i.grad, i.cos, i.sin),
            (eq.apply_backward, lambda i: (i.grad, i.cos, i.sin))),
         Op("apply_rope_at", "clone",
            "rope_ext.apply_rope_at(x, positions, cos_sin_cache) (rope.apply_positions)",
            lambda i: apply_bytes(i) + i.nbytes(i.positions),
            lambda i: lambda: rope_ext.apply_rope_at(i.q, i.positions, i.cache),
-           lambda i: lambda: reference.apply_positions(i.q, i.positions, i.cos_t, i.sin_t),
            (eq.apply_positions, lambda i: (i.q, i.positions, i.cos_t, i.sin_t))),
         Op("apply_", "copy", "rope_ext.apply_rope_(q, k, positions, cos_sin_cache): q and k in place",
            lambda i: inplace_bytes(i, i.positions),
            lambda i: lambda: rope_ext.apply_rope_(i.q, i.k, i.positions, i.cache),
-           lambda i: lambda: reference.apply_rope_(i.q, i.k, i.positions, i.cache),
            (eq.apply_, lambda i: (i.q, i.k, i.positions, i.cache))),
         Op("apply_mrope_", "copy", "rope_ext.apply_mrope_(q, k, positions (3, T), cache, section)",
            lambda i: inplace_bytes(i, i.positions3),
            lambda i: lambda: rope_ext.apply_mrope_(i.q, i.k, i.positions3, i.cache, i.section),
-           lambda i: lambda: reference.apply_mrope_(i.q, i.k, i.positions3, i.cache, i.section),
            (eq.mrope_, lambda i: (i.q, i.k, i.positions3, i.cache, i.section))),
         Op("apply_rope_and_cache_", "copy",
            "rope_ext.apply_rope_and_cache_: q, k in place + k, v into paged caches at slots",
            cache_bytes,
            lambda i: lambda: rope_ext.apply_rope_and_cache_(
-               i.q, i.k, i.v, i.positions, i.cache, i.key_cache, i.value_cache, i.slots),
-           lambda i: lambda: reference.apply_and_cache_(
                i.q, i.k, i.v, i.positions, i.cache, i.key_cache, i.value_cache, i.slots),
            (eq.apply_and_cache_, lambda i: (i.q, i.k, i.v, i.positions, i.cache, i.key_cache,
                                             i.value_cache, i.slots)),
@@ -126,6 +116,10 @@ def limit_rows(i):
     ]
 
 
+def _eager(fn, args):
+    return lambda: fn(*args)
+
+
 def _compiled(fn, args):
     # A fresh wrapper per case; the caller resets dynamo between cases, so no case runs into the
     # recompile limit and falls back to eager unnoticed (fullgraph: a graph break is an error).
@@ -144,11 +138,11 @@ def op_rows(i, ops, kinds):
             rows.append(Row(f"{name} unfused", "unfused", name,
                             "rope_ext.apply_rope_ then index_copy_ of k and v into the caches", n,
                             o.unfused(i), o.limit))
+        fn, args = o.math
         if "eager" in kinds:
-            rows.append(Row(f"{name} eager", "eager", name, "rope_ext.reference, eager", n,
-                            o.eager(i), o.limit))
+            rows.append(Row(f"{name} eager", "eager", name, f"bench equivalents.{fn.__name__}, eager",
+                            n, _eager(fn, args(i)), o.limit))
         if "compile" in kinds:
-            fn, args = o.compiled
             rows.append(Row(f"{name} compile", "compile", name,
                             f"torch.compile(bench equivalents.{fn.__name__}), fullgraph", n,
                             _compiled(fn, args(i)), o.limit))

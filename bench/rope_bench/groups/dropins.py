@@ -155,7 +155,7 @@ def run(ctx):
                     timed = ctx.time(fns, f"dropins {size} {dtype_name}")
                 for op, peer_name in made:
                     _record(ctx, rows, "compat." + op, size, dtype_name, "inference_mode", timed,
-                            op, op + " peer", f"tests/peers.py {peer_name}")
+                            op, op + " peer", dropins.peer_label(peer_name))
                 print(f"  dropins {size:13s} {dtype_name:8s} " + ", ".join(
                     f"{r['drop_in'][len('compat.'):]} {r['x_peer']:.2f}x" for r in rows
                     if r["size"] == size and r["dtype"] == dtype_name), flush=True)
