@@ -6,8 +6,10 @@ Two small models with random weights from their configs, both 8 layers, hidden 5
 RMSNorms and RoPE in one fused op), float32 unless --dtypes says otherwise. The unpatched model
 is a deep copy made before patching, so both hold the same weights. Per model and block, each of
 the four calls runs once: generate 48 new tokens from a 16-token prompt (greedy, no early stop),
-then a 2048-token prefill (a forward under no_grad); blocks interleave patched and unpatched, and
-the table gives medians.
+then a 2048-token prefill (a forward under no_grad); blocks interleave patched and unpatched,
+each block in the other order from the last (so neither side always runs right after the other's
+same call), and the table gives medians with each side's interquartile range: a speed-up inside
+them is noise.
 Whether both models generated the same tokens is recorded (a check that the patch computes what
 the model does, not a timing).
 """
@@ -82,9 +84,10 @@ def run(ctx):
         times = {k: [] for k in fns}
         for f in fns.values():  # warm-up
             f()
-        for _ in range(repeat):
-            for k, f in fns.items():
-                times[k].append(ctx.clock.block(f, 1))
+        keys = list(fns)
+        for b in range(repeat):
+            for k in keys if b % 2 == 0 else keys[::-1]:
+                times[k].append(ctx.clock.block(fns[k], 1))
         from . import stats
 
         same = torch.equal(out["unpatched"], out["patched"])
@@ -108,6 +111,9 @@ def run(ctx):
 def table(result):
     from . import md_table, ms, x
 
+    def spread(s):  # the interquartile range, relative to the median
+        return f"{(s['p75_s'] - s['p25_s']) / s['median_s'] * 100:.0f}%"
+
     lines = []
     for r in result["rows"]:
         if r["what"] == "generate":
@@ -118,6 +124,7 @@ def table(result):
             what = f"prefill {r['tokens']} tokens: ms"
             u, p, note = ms(r["unpatched"]["median_s"]), ms(r["patched"]["median_s"]), ""
         lines.append([r.get("model", "llama"), what, r["dtype"], u, p, x(r["x_unpatched"]),
-                      r["blocks"], note or "-"])
+                      f"{spread(r['unpatched'])} / {spread(r['patched'])}", r["blocks"],
+                      note or "-"])
     return md_table(["model", "measure", "dtype", "unpatched", "patched", "patched speed-up",
-                     "blocks", "check"], lines)
+                     "IQR unpatched / patched", "blocks", "check"], lines)
