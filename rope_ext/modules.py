@@ -405,7 +405,7 @@ class RotaryEmbedding(torch.nn.Module):
             except (ValueError, RuntimeError) as e:  # the op calls each tensor x: name it
                 if type(e) not in (ValueError, RuntimeError):
                     raise
-                raise type(e)(f"RotaryEmbedding: {name} (the op's x): {e}") from None
+                raise type(e)(f"RotaryEmbedding, rotating {name} (the op's x): {e}") from None
             return torch.cat((t[..., :off], out), dim=-1) if off else out
 
         out = rotate(query, "query"), rotate(key, "key")

@@ -258,7 +258,7 @@ def test_arguments_of_the_wrong_kind_are_named():
             q.clone(), k.clone(), w, w, pos, rope_ext.cos_sin_cache(8, 8), eps=torch.ones(2)),
         "qkv_norm_rope_: num_heads_k must be an int, got True": lambda: rope_ext.qkv_norm_rope_(
             torch.randn(3, 32), 2, True, True, 8, w, w, pos, rope_ext.cos_sin_cache(8, 8)),
-        "RotaryEmbedding: key \\(the op's x\\): .*x must be float16": lambda: rope_ext.RotaryEmbedding(
+        "RotaryEmbedding, rotating key \\(the op's x\\): .*x must be float16": lambda: rope_ext.RotaryEmbedding(
             8, max_position=16)(q, k.long(), pos),
         "q_rope_out must be a tensor, got int": lambda: flashinfer.rope_quantize_fp8(
             q, k, None, None, rope_ext.cos_sin_cache(8, 8), pos, q_rope_out=3),
