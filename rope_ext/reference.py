@@ -5,6 +5,7 @@ Same signatures, semantics and errors as the native ops (README "The ops"); math
 """
 
 import math
+import sys
 
 import torch
 
@@ -175,7 +176,13 @@ def positions_table_grads(x, grad, positions, cos, sin, interleaved, inverse=Fal
         rows = positions.long().reshape(tokens, 1).expand(tokens, half)
     else:
         comp = mrope_components(mrope_section, half, mrope_interleaved, positions.device)
-        rows = positions.long().movedim(0, -1)[..., comp].reshape(tokens, half)
+        by_token = positions.long().movedim(0, -1)
+        dtensor = sys.modules.get("torch.distributed.tensor")
+        if dtensor is not None and isinstance(by_token, dtensor.DTensor):  # (refuses a plain index)
+            comp = dtensor.DTensor.from_local(comp, by_token.device_mesh,
+                                              [dtensor.Replicate()] * by_token.device_mesh.ndim,
+                                              run_check=False)
+        rows = by_token[..., comp].reshape(tokens, half)
     g_cos = cos.new_zeros(cos.shape, dtype=d_cos.dtype).scatter_add(0, rows, d_cos)
     g_sin = sin.new_zeros(sin.shape, dtype=d_sin.dtype).scatter_add(0, rows, d_sin)
     return g_cos.to(cos.dtype), g_sin.to(sin.dtype)

@@ -449,6 +449,36 @@ def case_table_grads(run):
         close(dt.grad.full_tensor(), t2.grad, torch.float32)
 
 
+@case
+def case_mrope_table_grads(run):
+    """The same through apply_mrope_ and apply_rope_at with mrope_section, positions (3, T)
+    sharded over their tokens (the gradient's index of each pair's component was once a plain
+    tensor, which DTensor refused: "got mixed torch.Tensor and DTensor")."""
+    S, R = run.S, run.R
+    x, y = torch.randn(T, HQ, D), torch.randn(T, HK, D)
+    wq, wk = torch.randn(T, HQ, D), torch.randn(T, HK, D)
+    pos = torch.randint(0, MAXPOS, (3, T))
+    table, section = _table(), [2, 2, 2]
+    for mi in (False, True):
+        t1 = table.clone().requires_grad_()
+        (rope_ext.apply_rope_at(x, pos, t1, mrope_section=section, mrope_interleaved=mi)
+         * wq).sum().backward()
+        t2 = table.clone().requires_grad_()
+        q, k = x.clone(), y.clone()
+        rope_ext.apply_mrope_(q, k, pos, t2, section, mrope_interleaved=mi)
+        ((q * wq).sum() + (k * wk).sum()).backward()
+        for p, pp in ((S(0), S(1)), (S(1), R)):
+            dt = run.d(table, R).requires_grad_()
+            (rope_ext.apply_rope_at(run.d(x, p), run.d(pos, pp), dt, mrope_section=section,
+                                    mrope_interleaved=mi) * run.d(wq, p)).sum().backward()
+            close(dt.grad.full_tensor(), t1.grad, torch.float32)
+            dt = run.d(table, R).requires_grad_()
+            q, k = run.d(x, p), run.d(y, p)
+            rope_ext.apply_mrope_(q, k, run.d(pos, pp), dt, section, mrope_interleaved=mi)
+            ((q * run.d(wq, p)).sum() + (k * run.d(wk, p)).sum()).backward()
+            close(dt.grad.full_tensor(), t2.grad, torch.float32)
+
+
 def _in_place(run, q, k, pos, qp, kp, pp, **kw):
     """apply_rope_ on DTensors placed (qp, kp, pp) against the single-process call."""
     R = run.R

@@ -107,6 +107,15 @@ def case_gradients(run):
         td.close(local.grad, _local(x_ref.grad, fmt, lengths, rank), torch.float32)
         # (a sum over tokens, batch and heads, rounded in another order: float32 sums' tolerance)
         torch.testing.assert_close(f.grad.full_tensor(), f_ref.grad, rtol=1e-5, atol=1e-5)
+    # t replicated, or sharded over heads only: freqs' gradient is each rank's whole (it was
+    # once a partial sum there, the world size times the gradient)
+    full, freqs, grad = torch.randn(8, B, H, D), _freqs("per-element", 8), torch.randn(8, B, H, D)
+    f_ref = freqs.clone().requires_grad_()
+    te.apply_rotary_pos_emb(full, f_ref).backward(grad)
+    for p in (run.R, run.S(2)):
+        f = run.d(freqs, run.R).requires_grad_()
+        te.apply_rotary_pos_emb(run.d(full, p), f).backward(run.d(grad, p))
+        torch.testing.assert_close(f.grad.full_tensor(), f_ref.grad, rtol=1e-5, atol=1e-5)
 
 
 @case
@@ -126,9 +135,13 @@ def case_refused(run):
             (run.partial(full, "max"), freqs, "only partial sums and averages", CP),
             (run.d(full, run.S(0)), run.d(freqs, run.S(0)), "freqs must be Replicate()", CP),
             # sequence-sharded with the default cp_size: each rank would rotate from position 0
-            (run.d(full, run.S(0)), freqs, seq_sharded, 1)):
+            (run.d(full, run.S(0)), freqs, seq_sharded, 1),
+            # another rank's part: cp_rank must be this rank's coordinate on the mesh dim
+            (run.d(full, run.S(0)), freqs, "cp_rank must be", -CP)):
+        rank = run.mesh.get_local_rank()
+        cp_rank = (rank + 1) % CP if cp < 0 else rank if cp > 1 else 0
         try:
-            te.apply_rotary_pos_emb(x, f, cp_size=cp, cp_rank=run.mesh.get_local_rank() if cp > 1 else 0)
+            te.apply_rotary_pos_emb(x, f, cp_size=abs(cp), cp_rank=cp_rank)
         except ValueError as e:
             assert fragment in str(e), str(e)
         else:

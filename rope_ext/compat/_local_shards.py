@@ -25,17 +25,22 @@ def _check_rotated(t):
                              "rotated shard by shard; redistribute it to Replicate() first")
 
 
-def _local(arg, name):
+def _local(arg, name, t):
     """A DTensor argument other than the rotated one, as its local tensor: it must be Replicate()
-    (each rank reads its rows); a gradient flowing back to it is a partial sum over the ranks."""
+    (each rank reads its rows). The gradient flowing back to it is linear in t, so it is placed
+    as t is on each mesh dim: a partial sum where t is sharded (each rank's tokens' part),
+    partial like t where t is partial, and whole on every rank where t is replicated (each
+    rank's part is then all of it: a partial sum there would count it once per rank)."""
     if not is_dtensor(arg):
         return arg
-    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor import Partial, Replicate
 
     if not all(p.is_replicate() for p in arg.placements):
         raise ValueError(f"{name} must be Replicate() on every mesh dim (each rank reads the rows "
                          f"of its own tokens), got {list(arg.placements)}")
-    return arg.to_local(grad_placements=[Partial()] * arg.device_mesh.ndim)
+    grads = [Partial("sum") if p.is_shard() else Partial(p.reduce_op) if p.is_partial()
+             else Replicate() for p in t.placements]
+    return arg.to_local(grad_placements=grads)
 
 
 def on_local_shards(fn, t, *args, names):
@@ -43,6 +48,6 @@ def on_local_shards(fn, t, *args, names):
     from torch.distributed.tensor import DTensor
 
     _check_rotated(t)
-    out = fn(t.to_local(), *(_local(a, n) for a, n in zip(args, names)))
+    out = fn(t.to_local(), *(_local(a, n, t) for a, n in zip(args, names)))
     return DTensor.from_local(out, t.device_mesh, t.placements, run_check=False,
                               shape=t.shape, stride=_contiguous_strides(t.shape))

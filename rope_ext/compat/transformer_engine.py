@@ -194,20 +194,29 @@ def _packed_angles(t, freqs, cu_seqlens, start_positions, cp_size, cp_rank):
     return freqs[pos][:, None]
 
 
-def _check_sequence_shards(t, tensor_format, cp_size):
+def _check_sequence_shards(t, tensor_format, cp_size, cp_rank):
     """A DTensor t sharded over its sequence dim holds one rank's part of each sequence: cp_size
     must say how many parts there are (with cp_size 1 each rank would take its part for the
-    whole sequence, and rotate it from position 0)."""
+    whole sequence, and rotate it from position 0), and, sharded over one mesh dim, cp_rank which
+    part (this rank's coordinate on it). A t not sharded over its sequence dim is context
+    parallelism outside the mesh: cp_size and cp_rank are the caller's, the same on every rank."""
     seq_dim = 1 if tensor_format == "bshd" else 0
     parts, where = 1, []
     for m, p in enumerate(t.placements):
         if p.is_shard() and p.dim % t.dim() == seq_dim:
             parts *= t.device_mesh.size(m)
-            where.append(f"Shard({seq_dim}) on mesh dim {m}")
+            where.append((m, f"Shard({seq_dim}) on mesh dim {m}"))
     if parts != 1 and parts != cp_size:
-        raise ValueError(f"t is sharded over its sequence dim ({', '.join(where)}) into {parts} "
-                         f"parts, so cp_size must be {parts} (and cp_rank this rank's part, in "
-                         f"Transformer Engine's context-parallel layout), got cp_size={cp_size}")
+        raise ValueError(f"t is sharded over its sequence dim ({', '.join(w for _, w in where)}) "
+                         f"into {parts} parts, so cp_size must be {parts} (and cp_rank this rank's "
+                         f"part, in Transformer Engine's context-parallel layout), got "
+                         f"cp_size={cp_size}")
+    if len(where) == 1 and parts > 1:
+        m = where[0][0]
+        part = t.device_mesh.get_local_rank(m)
+        if cp_rank != part:
+            raise ValueError(f"t is sharded over its sequence dim on mesh dim {m}, where this rank "
+                             f"holds part {part}: cp_rank must be {part}, got cp_rank={cp_rank}")
 
 
 def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
@@ -231,7 +240,7 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
     if is_dtensor(t):
         from ._local_shards import on_local_shards
 
-        _check_sequence_shards(t, tensor_format, cp_size)
+        _check_sequence_shards(t, tensor_format, cp_size, cp_rank)
         return on_local_shards(apply_rotary_pos_emb, t, freqs, tensor_format, start_positions,
                                interleaved, fused, cu_seqlens, cp_size, cp_rank, names=_ARGS)
     _check_t(t, tensor_format)
