@@ -22,21 +22,21 @@ def _dtensor_module(t):
 
 
 def _global_extremes(dtensor, positions):
-    """(smallest, largest) of DTensor positions over every rank, plain 0-d int64 tensors (within
-    +-2^62, so that the smallest can be negated): one all-reduce (max) where positions are
-    sharded. A rank whose shard is empty (uneven shards) contributes nothing; reducing there
-    would fail on it alone."""
-    limit = 1 << 62
-    local = positions.to_local().reshape(-1).long().clamp(-limit, limit)
+    """(smallest, largest) of DTensor positions over every rank, plain 0-d int64 tensors: one
+    all-reduce (max) where positions are sharded, of the largest and of the largest bitwise
+    complement (~x = -x - 1, which maps int64 onto itself, where -x would overflow). A rank whose
+    shard is empty (uneven shards) contributes int64's least; reducing there would fail on it
+    alone."""
+    local = positions.to_local().reshape(-1).long()
     if local.numel():
-        ext = torch.stack((-local.amin(), local.amax()))
+        ext = torch.stack((~local.amin(), local.amax()))
     else:  # below anything a shard gives
-        ext = torch.full((2,), -limit - 1, dtype=torch.int64, device=local.device)
+        ext = torch.full((2,), -(1 << 63), dtype=torch.int64, device=local.device)
     placements = [dtensor.Partial("max") if p.is_shard() else dtensor.Replicate()
                   for p in positions.placements]
     ext = dtensor.DTensor.from_local(ext, positions.device_mesh, placements, run_check=False)
     ext = ext.full_tensor()
-    return -ext[0], ext[1]
+    return ~ext[0], ext[1]
 
 
 def _largest(positions):
