@@ -108,13 +108,15 @@ def test_every_repeated_slot_is_found_among_many_tokens(cache_blocks, tokens):
     # take a bitmap, with one of many a sort.
     for _ in range(4):
         T = int(torch.randint(*tokens, ()))
-        blocks = T if cache_blocks == "few" else 2**20  # head_dim 0: no memory for the rows
+        # many blocks: keys of head_dim 0 and values of one element, little memory for the rows
+        # (not none: with rows of 0 elements alone no kernel runs, and the host checks)
+        blocks = T if cache_blocks == "few" else 2**20
         slots = torch.randperm(4 * blocks)[:T]
         i, j = sorted(torch.randperm(T)[:2].tolist())
         slots[j] = slots[i]
-        d = 4 if cache_blocks == "few" else 0
-        q, k, v = torch.randn(T, 1, d), torch.randn(T, 1, d), torch.randn(T, 1, d)
-        kc, vc = torch.zeros(blocks, 4, 1, d), torch.zeros(blocks, 4, 1, d)
+        d, dv = (4, 4) if cache_blocks == "few" else (0, 1)
+        q, k, v = torch.randn(T, 1, d), torch.randn(T, 1, d), torch.randn(T, 1, dv)
+        kc, vc = torch.zeros(blocks, 4, 1, d), torch.zeros(blocks, 4, 1, dv)
         pos, cache = torch.zeros(T, dtype=torch.long), rope_ext.cos_sin_cache(1, 4)[:, :d]
         for impl, msg in (("op", f"got {int(slots[i])} at indices {i} and {j}"),
                           ("reference", f"got {int(slots[i])} at indices {i} and {j}"),
