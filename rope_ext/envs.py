@@ -3,9 +3,9 @@
 Runtime variables are read when rope_ext is imported (read_runtime); build variables when setup.py
 or the JIT loader first asks for them (build_config.py loads this file by path, without importing
 rope_ext or torch). So a build-only setting never stops an installed package from importing, and a
-run-time one never stops a build. The
-table in docs/packaging.md ("Environment variables") lists the same names; a test checks that
-the two agree. A value outside the allowed ones is an error that names the variable.
+run-time one never stops a build. The table in docs/packaging.md ("Environment variables") lists
+the same names; a test checks that the two agree. A value outside the allowed ones is an error
+that names the variable.
 """
 
 import os
