@@ -3,8 +3,9 @@
 Rows of kind "limit" are the memory-copy limits of the case. Every other row belongs to an op's
 comparison: the rope_ext call, the same math in eager PyTorch and under torch.compile
 (equivalents.py: rope_ext.reference's math without its data checks, which read the positions
-and slots and, on CUDA, sync), and for the fused op the unfused rope_ext equivalent. All rows of one comparison count the same bytes (the least
-traffic the work needs, as the copy limit counts its own), so their GB/s compare directly.
+and slots and, on CUDA, sync), and for the fused op the unfused rope_ext equivalent. All rows of
+one comparison count the same bytes (the least traffic the work needs, as the copy limit counts
+its own), so their GB/s compare directly.
 """
 
 from dataclasses import dataclass, field
