@@ -1043,6 +1043,28 @@ def test_patch_twice_and_unpatch_unpatched_are_harmless():
     assert logits(model, inputs("qwen2"))[1] == 0
 
 
+def test_a_class_whose_fusion_was_refused_patches_again():
+    """A class whose norms look fusable but whose forward is not of the fusable shape (OLMoE with
+    one head: its norms over all heads are then head_dim wide) keeps transformers' QK-norm and
+    rope_ext's RoPE, for a second model and after unpatching alike (the refusal is remembered)."""
+    cfg = dict(BASE, num_attention_heads=1, num_key_value_heads=1)
+    config = T.OlmoeConfig(**cfg, num_experts=2, num_experts_per_tok=1)
+    torch.manual_seed(0)
+    first, second = T.OlmoeForCausalLM(config).eval(), T.OlmoeForCausalLM(config).eval()
+    ids = torch.randint(0, config.vocab_size, (2, 7))
+    with torch.no_grad():
+        want = first(ids).logits, second(ids).logits
+        for model in (first, second, first):
+            integration.unpatch(first)
+            integration.patch(model)
+            assert integration.is_patched(model)
+        got = first(ids).logits, second(ids).logits
+    integration.unpatch(first)
+    integration.unpatch(second)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
 def test_patch_and_unpatch_follow_an_instance_forward_installed_before():
     model = build("mistral")
     batches = inputs("mistral")

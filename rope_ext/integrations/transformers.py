@@ -912,7 +912,8 @@ def _patched_class(original, names, fused=False):
     with _lock:
         source = original.forward
         made = _classes.get(key)
-        if made is not None and made[0] is source and base in made[1].__bases__:
+        if made is not None and made[0] is source and (made[1] is None  # (not fusable)
+                                                       or base in made[1].__bases__):
             return made[1]
         if fused:
             (rope_name,) = names
