@@ -267,6 +267,23 @@ def test_unsupported_model_changes_nothing():
     assert rdi.unpatch(model) is model
 
 
+def test_a_copy_of_a_listed_processor_elsewhere_is_refused_by_its_module():
+    """ChronoEdit's attention processor is a copy of Wan's under the same name in its own module:
+    not the class rope_ext checked, so the model is refused, and the message says which class."""
+    if not hasattr(diffusers, "ChronoEditTransformer3DModel"):
+        pytest.skip("no ChronoEdit in this diffusers")
+    model = diffusers.ChronoEditTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
+        out_channels=4, text_dim=8, freq_dim=8, ffn_dim=16, num_layers=1, rope_max_seq_len=32)
+    classes = processor_classes(model)
+    with pytest.raises(rdi.UnsupportedModelError,
+                       match=r"\(diffusers\.models\.transformers\.transformer_chronoedit\."
+                             r"WanAttnProcessor, not the listed diffusers\.models\.transformers\."
+                             r"transformer_wan\.WanAttnProcessor\)"):
+        rdi.patch(model)
+    assert processor_classes(model) == classes and not rdi.is_patched(model)
+
+
 def test_a_diffusers_rope_that_differs_is_refused(monkeypatch):
     model, inputs = dm.build("wan")
     classes = processor_classes(model)

@@ -421,6 +421,15 @@ def _patchable_name(proc):
     return cls.__name__
 
 
+def _processor_label(cls):
+    """cls's name in a refusal; with its module where a listed processor has that name elsewhere
+    (ChronoEdit's and Wan-Animate's copies of WanAttnProcessor are not diffusers' Wan class)."""
+    entry = PROCESSORS.get(cls.__name__)
+    if entry is None or cls.__module__ == entry[0]:
+        return cls.__name__
+    return f"{cls.__module__}.{cls.__name__}, not the listed {entry[0]}.{cls.__name__}"
+
+
 def _models(obj, caller):
     """The models behind `obj`: obj itself (a torch.nn.Module), or the nn.Module components of
     a diffusers pipeline (its transformer, and Wan 2.2's transformer_2)."""
@@ -443,7 +452,7 @@ def patch(model):
     targets = [(p, _patchable_name(p)) for p in processors]
     targets = [(p, name) for p, name in targets if name is not None]
     if not targets and not any(_is_ours(p) for p in processors):
-        found = sorted({type(p).__name__ for p in processors}) or ["none"]
+        found = sorted({_processor_label(type(p)) for p in processors}) or ["none"]
         raise UnsupportedModelError(
             f"rope_ext.integrations.diffusers.patch: cannot patch {type(model).__name__}: none of "
             f"its attention processors ({', '.join(found)}) is one whose RoPE rope_ext reproduces. "
