@@ -199,6 +199,49 @@ def test_reference_bits_equal_native(dtype, kv_cache_dtype):
     assert not torch.equal(a.view(torch.uint8), cache.view(torch.uint8))
 
 
+def unit_table_with_edges(rows, rotary_dim, dtype):
+    """A plain table (in 99% of its entries the norm rounds to 1) with edges: subnormal cos or
+    sin beside an exact unit, rows just off unit length (their division changes bits), an exact
+    (1, 0), a (0, 0)."""
+    t = rope_ext.cos_sin_cache(rows, rotary_dim, dtype=dtype)
+    half = rotary_dim // 2
+    tiny = torch.finfo(dtype).tiny
+    t[3, 5], t[3, half + 5] = tiny / 4, 1.0                   # subnormal cos
+    t[4, half + 40], t[4, 40] = -tiny / 8, -1.0               # subnormal sin
+    t[5] *= 1 + torch.finfo(dtype).eps                        # norms of 1 + eps
+    t[8] *= 1 - torch.finfo(dtype).eps / 2                    # norms of the float below 1
+    t[6, :half], t[6, half:] = 1.0, 0.0                       # exact
+    t[7, 9], t[7, half + 9] = 0.0, 0.0                        # no length at all: 0 / 0
+    return t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("flush_denormal", [False, True])
+def test_unit_table_bits_equal_reference(dtype, flush_denormal):
+    """A model's own table, unit rows to float precision, with its edges: the reference's bits,
+    also where denormals are flushed (which reads a subnormal table entry as zero)."""
+    if not native_cpu():
+        pytest.skip("no native CPU library")
+    table_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    cos_sin = unit_table_with_edges(64, 128, table_dtype)
+    cache = (torch.randn(16, 4, 2, 128) * 3).to(dtype)
+    slots = torch.randperm(64)
+    delta = torch.randint(-63, 64, (64,))
+    delta[:12] = torch.tensor([3, -3, 4, -4, 5, -5, 6, -6, 7, -7, 8, -8])
+    a, b = cache.clone(), cache.clone()
+    if not torch.set_flush_denormal(flush_denormal):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        rope_ext.shift_kv_cache_(a, slots, delta, cos_sin)
+        ref.shift_kv_cache_(b, slots, delta, cos_sin)
+    finally:
+        torch.set_flush_denormal(False)
+    nan = a.isnan()
+    assert torch.equal(nan, b.isnan()) and nan.any()  # the 0 / 0 row
+    assert torch.equal(a[~nan].view(torch.uint8), b[~nan].view(torch.uint8))  # -0 too
+    assert not torch.equal(a[~nan], cache[~nan])
+
+
 @pytest.mark.parametrize("dtype,kv_cache_dtype", [
     (torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.float16, "auto"),
     (torch.float64, "auto"), (torch.float8_e4m3fn, "fp8"), (torch.float8_e5m2, "fp8_e5m2")])
