@@ -68,6 +68,9 @@ def _restored(new, old, dtype, build):
 
 
 _STATE = ("_tables", "dynamic_len")  # RotaryEmbedding's buffers: built from its settings
+# The settings the table is built from: fixed once it is (a cast or move builds it again, so an
+# edit would take effect at some later cast: results depending on the module's history).
+_BUILT_FROM = ("rotary_dim", "max_position", "base", "scaling", "seq_len")
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -92,6 +95,9 @@ class RotaryEmbedding(torch.nn.Module):
     (3,) + query.shape[:-2] then give each section its own position component, and positions of
     shape query.shape[:-2] (text only) stay plain RoPE. mrope_interleaved: the sections are laid
     out T,H,W,T,H,W,... across the pairs (Qwen3-VL) instead of one after another.
+
+    The settings the table is built from (rotary_dim, max_position, base, scaling, seq_len) are
+    fixed once it is: setting one is an error, and `scaling` reads as a copy.
 
     Positions outside [0, max_position) are an error on every device. forward does no
     host-device sync (no .item(), no Python branch on tensor values), so it runs under
@@ -157,23 +163,23 @@ class RotaryEmbedding(torch.nn.Module):
         self.base = base
         self.interleaved = interleaved
         # a copy of its own: a config edited later must not change the tables it rebuilds
-        self.scaling = None if scaling is None else copy.deepcopy(dict(scaling))
+        self._scaling = None if scaling is None else copy.deepcopy(dict(scaling))
         self.seq_len = seq_len
         self.mrope_section = mrope_section
         self.mrope_interleaved = mrope_interleaved
 
         # "static": one table; "longrope": short rows then long rows; "dynamic": growing base.
         self.mode, self._original = "static", None
-        kind = scaling_type(self.scaling)
+        kind = scaling_type(self._scaling)
         # The module's state is made outside inference mode even when built in it: an inference
         # tensor could not be updated (dynamic_len) or saved for backward (the table) outside.
         with torch.inference_mode(False):
             if seq_len is None and kind == "longrope":
-                original = original_length(self.scaling)
+                original = original_length(self._scaling)
                 if max_position > original:  # otherwise every call reads the short rows
                     self.mode, self._original = "longrope", original
             elif seq_len is None and kind == "dynamic":
-                self._factor, original = dynamic_parameters(self.scaling, freq_dim)
+                self._factor, original = dynamic_parameters(self._scaling, freq_dim)
                 if max_position > original:  # otherwise no call can grow it: the plain table is exact
                     self.mode, self._original = "dynamic", original
                     self.register_buffer("dynamic_len", torch.tensor(original, dtype=torch.int64),
@@ -196,7 +202,7 @@ class RotaryEmbedding(torch.nn.Module):
     # ---- tables --------------------------------------------------------------------------
 
     def _rows_for(self, length, seq_len, device):
-        inv_freq, attention = rope_parameters(self.scaling, self._freq_dim, self.base, self.max_position,
+        inv_freq, attention = rope_parameters(self._scaling, self._freq_dim, self.base, self.max_position,
                                               seq_len, device)
         return table_rows(length, inv_freq, attention, torch.float32, device)
 
@@ -206,6 +212,11 @@ class RotaryEmbedding(torch.nn.Module):
             return torch.cat((short, self._rows_for(self.max_position, self._original + 1, device)))
         # For dynamic NTK: the table of a call covering every position (grown to max_position).
         return self._rows_for(self.max_position, self.seq_len, device)
+
+    @property
+    def scaling(self):
+        """The `rope_scaling` dict the table was built from (a copy), or None."""
+        return copy.deepcopy(self._scaling)
 
     @property
     def cos_sin_cache(self):
@@ -247,17 +258,27 @@ class RotaryEmbedding(torch.nn.Module):
         # State with values takes what is assigned, as any buffer does. (Swaps by
         # torch.func.functional_call and export write _buffers directly: not seen here.)
         buffers = self.__dict__.get("_buffers")
+        if name in _BUILT_FROM and buffers is not None and "_tables" in buffers:
+            raise AttributeError(f"RotaryEmbedding: {name} is fixed once the table is built from "
+                                 f"it; build a new RotaryEmbedding (from_config, or the "
+                                 f"constructor) with {name}={value!r}")
         if name in _STATE and buffers is not None and isinstance(value, torch.Tensor):
             old = buffers.get(name)
             if old is not None and old.is_meta and not value.is_meta:
                 value = self._restore(name, value, old)
         super().__setattr__(name, value)
 
+    def __setstate__(self, state):
+        # (modules pickled before the scaling was kept as _scaling)
+        if "scaling" in state:
+            state["_scaling"] = state.pop("scaling")
+        super().__setstate__(state)
+
     def extra_repr(self):
         s = (f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, "
              f"max_position={self.max_position}, base={self.base}, interleaved={self.interleaved}")
-        if self.scaling is not None:
-            s += f", scaling={self.scaling}"
+        if self._scaling is not None:
+            s += f", scaling={self._scaling}"
         if self.mode != "static":
             s += f", mode={self.mode}"
         if self.mrope_section is not None:

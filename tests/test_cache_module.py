@@ -214,6 +214,32 @@ def test_rotary_embedding_checks_base_seq_len_positions_and_copies_scaling():
     assert torch.equal(m._tables, before)
 
 
+@pytest.mark.parametrize("name,value", [("base", 5e5), ("max_position", 64), ("rotary_dim", 4),
+                                        ("seq_len", 32), ("scaling", {"rope_type": "linear",
+                                                                     "factor": 2.0})])
+def test_rotary_embedding_settings_of_its_table_are_fixed(name, value):
+    """An edit of what the table was built from would take effect at the next cast or move (which
+    builds the table again): results depending on the module's history. It is refused, and the
+    scaling dict reads as a copy; a cast still gives what a fresh module gives."""
+    dyn = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 64}
+    m = rope_ext.RotaryEmbedding(8, max_position=256, scaling=dyn)
+    x, pos = torch.randn(1, 3, 2, 8), torch.arange(200, 203)[None]
+    want = m(x, None, pos)[0]
+    with pytest.raises(AttributeError, match=f"RotaryEmbedding: {name} is fixed once the table is "
+                                             f"built from it; build a new RotaryEmbedding"):
+        setattr(m, name, value)
+    m.scaling["factor"] = 4.0  # a copy
+    assert m.scaling == dyn and m._factor == 2.0
+    m.half().float()
+    assert torch.equal(m(x, None, pos)[0], want)
+    fresh = rope_ext.RotaryEmbedding(8, max_position=256, scaling=dyn)
+    assert torch.equal(fresh(x, None, pos)[0], want)
+    m.interleaved = True  # read at call time, not built into the table: takes effect at once
+    assert torch.equal(m(x, None, pos)[0],
+                       rope_ext.RotaryEmbedding(8, max_position=256, scaling=dyn,
+                                                interleaved=True)(x, None, pos)[0])
+
+
 def test_rotary_embedding_rejects_out_of_range_positions():
     m = rope_ext.RotaryEmbedding(16, max_position=8)
     with pytest.raises(RuntimeError, match=r"positions must lie in \[0, 8\)"):
