@@ -16,6 +16,7 @@ import functools
 import os
 import sys
 import gc
+import importlib
 import inspect
 import textwrap
 import types
@@ -905,6 +906,27 @@ def test_patch_whatever_torch_defaults_are(family, default, monkeypatch):
     assert (calls["fused attention"] > 0) == (family in QK_NORM)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("default", ["bfloat16", "float16", "meta"])
+def test_every_probe_holds_whatever_torch_defaults_are(default, monkeypatch):
+    """Every listed function's probe passes while torch's default dtype or device is another:
+    another thread's from_pretrained(dtype=...) sets the default dtype for the whole process
+    while it loads, and a patch made meanwhile must not be refused."""
+    monkeypatch.setattr(integration, "_verified", {})
+    probed = 0
+    for path, functions in integration.FAMILIES.values():
+        try:
+            modeling = importlib.import_module(f"transformers.models.{path}")
+        except ImportError:  # a family of another transformers release
+            continue
+        for name, (replacement, probe) in functions.items():
+            original = None if name.startswith(integration.SELF) else getattr(modeling, name, None)
+            if original is not None:
+                with torch_defaults(default):
+                    integration._verify(modeling, name, replacement, probe, original)
+                probed += 1
+    assert probed > 50
 
 
 def test_bf16_logits():

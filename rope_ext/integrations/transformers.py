@@ -229,9 +229,10 @@ def _probe_complex(original, replacement, q_shape, k_shape, table_shape):
     """Complex tables (Llama 4's, DeepSeek-V2's) of any modulus; float32 inputs, which both
     compute in float32."""
     g = _generator()
-    q, k = torch.randn(q_shape, generator=g), torch.randn(k_shape, generator=g)
-    table = torch.polar(torch.rand(table_shape, generator=g) + 0.5,
-                        torch.randn(table_shape, generator=g) * 3)
+    f32 = torch.float32  # (the probes run whatever torch's default dtype is)
+    q, k = torch.randn(q_shape, generator=g, dtype=f32), torch.randn(k_shape, generator=g, dtype=f32)
+    table = torch.polar(torch.rand(table_shape, generator=g, dtype=f32) + 0.5,
+                        torch.randn(table_shape, generator=g, dtype=f32) * 3)
     return _same(replacement(q, k, table), original(q, k, table), tol=1e-6)
 
 
@@ -248,15 +249,15 @@ def _probe_trailing(original, replacement):
     """DeepSeek-V4's: one tensor, its last dims rotated by half tables, -sin too; float32, as
     both compute."""
     g = _generator()
-    x = torch.randn(2, 3, 4, 12, generator=g)
-    ang = torch.randn(2, 4, 4, generator=g) * 3
+    x = torch.randn(2, 3, 4, 12, generator=g, dtype=torch.float32)
+    ang = torch.randn(2, 4, 4, generator=g, dtype=torch.float32) * 3
     return all(_same([replacement(x, ang.cos(), s)], [original(x, ang.cos(), s)], tol=1e-6)
                for s in (ang.sin(), -ang.sin()))
 
 
 def _sam_tables(tokens, g):
     """(1, tokens, 8) tables as SAM's rotary modules build them: each angle at both members."""
-    angles = _repeated(torch.randn(1, tokens, 4, generator=g) * 3)
+    angles = _repeated(torch.randn(1, tokens, 4, generator=g, dtype=torch.float32) * 3)
     return angles.cos(), angles.sin()
 
 
@@ -264,10 +265,10 @@ def _probe_2d(original, replacement, cases):
     """SAM's 2D RoPE (float32 inputs: both compute in float32): each case's extra arguments
     (keys, tables, keywords) after q; then the result dtypes of bfloat16 q and keys."""
     g = _generator()
-    q = torch.randn(2, 3, 4, 8, generator=g)
+    q = torch.randn(2, 3, 4, 8, generator=g, dtype=torch.float32)
     cos, sin = _sam_tables(4, g)
-    cases = [(torch.randn(2, 3, n, 8, generator=g), tuple(t for n_k in extra for t in
-                                                           _sam_tables(n_k, g)), kw)
+    cases = [(torch.randn(2, 3, n, 8, generator=g, dtype=torch.float32),
+              tuple(t for n_k in extra for t in _sam_tables(n_k, g)), kw)
              for n, extra, kw in cases]
     for k, extra, kw in cases:
         got, want = replacement(q, k, cos, sin, *extra, **kw), original(q, k, cos, sin, *extra, **kw)
@@ -981,13 +982,16 @@ def _fused_class(module, names, functions):
     return _patched_class(type(module), names, fused=fused)
 
 
-_functions_by_module = {}  # modeling module name -> {function name: (replacement, probe)}
+_functions_by_module = None  # modeling module name -> {function name: (replacement, probe)}
 
 
 def _functions_of(modeling):
-    if not _functions_by_module:
+    global _functions_by_module
+    if _functions_by_module is None:  # made whole, then published: threads see all or none
+        table = {}
         for path, functions in FAMILIES.values():
-            _functions_by_module.setdefault(f"transformers.models.{path}", functions)
+            table.setdefault(f"transformers.models.{path}", functions)
+        _functions_by_module = table
     try:
         return _functions_by_module[modeling.__name__]
     except KeyError:
