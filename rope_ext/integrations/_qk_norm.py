@@ -26,6 +26,7 @@ import ast
 import copy
 import inspect
 import textwrap
+import threading
 import types
 import warnings
 import weakref
@@ -499,6 +500,9 @@ def _settings(probe, eps_attr, width):
                  and not (type(value) is int and value == width) and value != 0.25)
 
 
+_warnings_lock = threading.Lock()  # (see _probe_norm)
+
+
 def _probe_norm(norm, instance=False):
     """(form, settings) of norm's class (_norm_forms), from the outputs of a fresh instance of
     it, or (instance) of a copy of norm."""
@@ -538,7 +542,9 @@ def _probe_norm(norm, instance=False):
     try:
         # bfloat16 rows, a float32 weight (autocast, or a model that keeps its norms in
         # float32): transformers' Qwen3 norm returns float32, Gemma 3's the rows' dtype
-        with torch.no_grad(), torch.device("cpu"), warnings.catch_warnings():
+        # (catch_warnings saves and restores the process's filters: two threads inside it at
+        # once can leave "ignore" installed for good, so rope_ext's probes take turns)
+        with _warnings_lock, torch.no_grad(), torch.device("cpu"), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch.nn.RMSNorm's note on the mixed dtypes
             promotes = call(probe, x.bfloat16()).dtype != torch.bfloat16
     except Exception:  # noqa: BLE001 - refuses mixed dtypes: fused only where they agree
