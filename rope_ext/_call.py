@@ -17,12 +17,12 @@ of `ops` (the public functions, the drop-ins, the model patches) gets that from 
 import torch
 from torch.autograd import forward_ad
 
+from ._compiling import compiling
 from ._registrations import OPS, tangent_aware
 
 _grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 _any_requires_grad = torch._C._any_requires_grad  # tensors, and tensors in lists, at C speed
-_compiling = torch.compiler.is_compiling
 _transforming = torch._C._functorch.peek_interpreter_stack  # None outside torch.func transforms
 
 
@@ -54,7 +54,7 @@ def without_autograd_if_unneeded(op):
             return tangent_aware(name, *args, **kwargs)
         # (vmap's and functionalize's wrappers report no requires_grad of the tensors they wrap:
         # inside a torch.func transform grad mode stays as it is.)
-        if _grad_enabled() and not _compiling() and not _any_requires_grad(*args, **kwargs) \
+        if _grad_enabled() and not compiling() and not _any_requires_grad(*args, **kwargs) \
                 and _transforming() is None:
             _set_grad_enabled(False)
             try:

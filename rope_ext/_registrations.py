@@ -12,6 +12,7 @@ import torch
 from torch.autograd import forward_ad
 
 from . import _checks, reference
+from ._compiling import compiling
 from ._kv_shift import reference as _kv_shift_reference
 
 _libraries = []  # keeps the torch.library.Library objects (and so their registrations) alive
@@ -226,7 +227,7 @@ INFERENCE_TENSOR_UPDATE = (
 def check_not_inference(*written):
     """torch's error for an in-place update of an inference tensor outside inference mode.
     (Not traced: torch.compile graphs hold no inference tensors outside inference mode.)"""
-    if not torch.compiler.is_compiling() and not torch.is_inference_mode_enabled():
+    if not compiling() and not torch.is_inference_mode_enabled():
         for t in written:  # (not a tensor: the op names it)
             if isinstance(t, torch.Tensor) and t.is_inference():
                 raise RuntimeError(INFERENCE_TENSOR_UPDATE)
@@ -362,7 +363,7 @@ def _rotate_each(op, keyset, query, key, positions, cos_sin_cache, interleaved, 
     else:  # recorded after the write: what recording refuses is checked before it
         check_savable(positions, cos_sin_cache)
     with torch._C._AutoDispatchBelowAutograd():
-        if table_grad and torch.compiler.is_compiling():
+        if table_grad and compiling():
             # Traced (torch.compile), the copies saved for the table's gradient and the in-place
             # kernel's write can be reordered by Inductor: the copies then read the rotated rows
             # (a wrong gradient, no error). As the out-of-place rotation of each copy, written

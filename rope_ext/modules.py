@@ -8,6 +8,7 @@ import torch
 
 from ._args import check_flag, check_int, mrope_section_arg
 from ._checks import _check_positions_dtype, check_positions_in_range
+from ._compiling import compiling
 from .config import rope_kwargs_from_config
 from .ops import apply_mrope_, apply_rope_, apply_rope_at
 from .scaling import (default_inv_freq, dynamic_base, dynamic_parameters, original_length, rotated_dims,
@@ -43,7 +44,7 @@ def _largest(positions):
     """positions' largest value, or -1 where there are none: a traced call (torch.compile,
     export) takes this path for every token count, 0 included, and amax of nothing is an
     error. (Eager calls with no positions return before it.)"""
-    if not torch.compiler.is_compiling():
+    if not compiling():
         return positions.amax()
     flat = positions.reshape(-1)
     return torch.cat((flat, flat.new_full((1,), -1))).amax()
@@ -299,7 +300,7 @@ class RotaryEmbedding(torch.nn.Module):
             # raising alone would leave the others waiting in the next collective).
             lo, hi = _global_extremes(dtensor, positions)
             ok = (lo >= 0) & (hi < self.max_position)
-            if positions.device.type == "cpu" and not torch.compiler.is_compiling():
+            if positions.device.type == "cpu" and not compiling():
                 if not bool(ok):
                     got = int(lo) if int(lo) < 0 else int(hi)
                     raise RuntimeError(f"RotaryEmbedding: positions must lie in [0, {self.max_position}) "
@@ -307,7 +308,7 @@ class RotaryEmbedding(torch.nn.Module):
             else:
                 torch._assert_async(ok, f"RotaryEmbedding: positions must lie in [0, {self.max_position})")
             return hi
-        if positions.device.type == "cpu" and not torch.compiler.is_compiling():
+        if positions.device.type == "cpu" and not compiling():
             check_positions_in_range(positions, self.max_position, "RotaryEmbedding",
                                      "RotaryEmbedding.max_position")
         else:  # no sync: an assert on the device
@@ -349,7 +350,7 @@ class RotaryEmbedding(torch.nn.Module):
                 "does not do: the table is not in a state_dict); call .to_empty(device=...) on "
                 "the module, which builds it")
         if self.mode == "static" or (
-                (not torch.compiler.is_compiling() or _dtensor_module(positions) is not None)
+                (not compiling() or _dtensor_module(positions) is not None)
                 and positions.numel() == 0):
             return table, positions, None
         largest = self._check_positions(positions)

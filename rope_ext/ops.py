@@ -5,6 +5,7 @@ import torch
 
 from . import _library
 from ._args import check_flag, check_flags, check_int, mrope_section_arg
+from ._compiling import compiling
 from ._registrations import OUT_NOT_DIFFERENTIABLE, check_not_inference
 
 from ._call import ops  # noqa: E402  (torch.ops.rope, without autograd where none is needed)
@@ -206,10 +207,10 @@ def _check_bounds(starts, total_tokens, names):
     total_tokens (else positions of overlapping sequences, or of tokens the batch lacks)."""
     cu, total = names
     rule = f"{cu} must be non-decreasing, from >= 0 up to <= {total}"
-    if starts.device.type != "cpu" or torch.compiler.is_compiling():  # no sync: a device assert
+    if starts.device.type != "cpu" or compiling():  # no sync: a device assert
         # (a traced total_tokens is not formatted: that would specialize the graph to its value)
         torch._assert_async(_bounds_hold(starts, total_tokens),
-                            rule if torch.compiler.is_compiling() else f"{rule} = {total_tokens}")
+                            rule if compiling() else f"{rule} = {total_tokens}")
         return
     rule += f" = {total_tokens}"
     if starts.numel() <= 64:  # the usual few sequences: a list is ten times quicker than tensor ops
@@ -234,7 +235,7 @@ def _check_int64(pos, offset, inside, offsets, total_tokens):
     it wrapped past int64."""
     if offsets is not None and offsets.dtype == torch.int32:
         return  # (below 2^31 + total_tokens: no position can wrap)
-    eager_cpu = pos.device.type == "cpu" and not torch.compiler.is_compiling()
+    eager_cpu = pos.device.type == "cpu" and not compiling()
     if offsets is not None and eager_cpu and (
             offsets.numel() == 0 or int(offsets.max()) <= 2**63 - 1 - total_tokens):
         return  # the usual offsets: no position can wrap
@@ -251,7 +252,7 @@ def _check_int64(pos, offset, inside, offsets, total_tokens):
 
 def _check_int32(pos):
     low, high = -2**31, 2**31 - 1
-    if pos.device.type == "cpu" and not torch.compiler.is_compiling():
+    if pos.device.type == "cpu" and not compiling():
         bad = (pos < low) | (pos > high)
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])

@@ -23,6 +23,7 @@ import torch
 
 from ._args import check_eps, check_flags, check_int, mrope_section_arg
 from ._call import ops  # torch.ops.rope, without autograd where none is needed
+from ._compiling import compiling
 from .ops import heads
 
 __all__ = ["qk_norm_rope", "norm_rope", "qk_norm_rope_", "qk_norm_rope_and_cache_",
@@ -216,7 +217,7 @@ def qk_norm_rope_and_cache_(query, key, value, positions, cos_sin_cache, q_weigh
     projection output included). Serving only: not differentiable. A rejected call (bad
     shapes, dtypes, positions or slots out of range, a repeated slot, a missing scale) writes
     nothing. Returns (query, key)."""
-    if v_norm is False and _is_compiling():
+    if v_norm is False and compiling():
         value = _readable_value(value)
     _prologue("qk_norm_rope_and_cache_", (query, key, value, positions, cos_sin_cache, q_weight,
                                           k_weight, key_cache, value_cache, slot_mapping),
@@ -242,7 +243,6 @@ def qk_norm_rope_and_cache(query, key, value, positions, cos_sin_cache, q_weight
                      kv_cache_dtype, k_scale, v_scale)
 
 
-_is_compiling = torch.compiler.is_compiling
 
 
 def _readable_value(value):

@@ -15,6 +15,7 @@ import math
 import torch
 
 from ._args import check_positive
+from ._compiling import compiling
 
 # Older names of a type. "mrope" (Qwen2-VL configs) does default RoPE: it only changes how
 # positions pick cache rows (rope_ext.apply_mrope_). "su" is what early Phi-3 configs call longrope.
@@ -329,7 +330,7 @@ _F32_TINY, _F32_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32
 def _finite(t):
     """Whether every value of t is finite, where that can be read (a plain tensor off the meta
     device: not a FakeTensor or other subclass, not traced)."""
-    if type(t) is not torch.Tensor or t.device.type == "meta" or torch.compiler.is_compiling():
+    if type(t) is not torch.Tensor or t.device.type == "meta" or compiling():
         return True
     return bool(torch.isfinite(t).all())
 

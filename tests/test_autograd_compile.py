@@ -458,3 +458,19 @@ def test_selective_checkpointing_whose_policy_saves_the_rope_ops_still_rotates(n
     context = functools.partial(create_selective_checkpoint_contexts, saves_rope_ops)
     checkpoint(block, x, use_reentrant=False, context_fn=context).backward()
     assert torch.equal(x.grad, want)
+
+
+def test_another_threads_compilation_leaves_eager_checks_on(monkeypatch):
+    """torch sets torch.compiler.is_compiling()'s flag for the whole process while any thread
+    compiles; an eager call of this thread meanwhile still checks its data (as it does alone):
+    torch's inference-tensor rule, the ValueErrors of values read on the host."""
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)  # another thread compiling
+    assert torch.compiler.is_compiling()
+    with torch.inference_mode():
+        q = torch.randn(4, 2, 16)
+    before = q.clone()
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+        rope_ext.apply_rope_(q, None, torch.arange(4), rope_ext.cos_sin_cache(64, 16))
+    assert torch.equal(q, before)
+    with pytest.raises(ValueError, match=r"cu_seqlens must be non-decreasing"):
+        rope_ext.varlen_positions(torch.tensor([0, 5, 3]), 8)

@@ -10,6 +10,7 @@ import sys
 import torch
 
 from .._args import check_flag, check_int, check_tensors  # noqa: F401  (re-exported for the drop-ins)
+from .._compiling import compiling
 from ..ops import check_head_size, heads  # noqa: F401
 
 from .._call import ops  # noqa: E402  (torch.ops.rope, without autograd where none is needed)
@@ -76,7 +77,7 @@ def tracing():
     """Whether tensors made now belong to a trace, not to eager code: torch.compile or export,
     a dispatch mode (FakeTensorMode, make_fx), or torch.jit.trace. A cache must neither keep
     them nor hand a kept real tensor to the trace."""
-    return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+    return (compiling() or torch._C._len_torch_dispatch_stack() > 0
             or torch.jit.is_tracing())
 
 
@@ -190,12 +191,12 @@ def check_values(ok, message, **sizes):
     device-side assert with the same message. With `sizes`, message is a str.format template of
     them; while torch.compile traces, each size is written as its name (formatting a symbolic
     size would specialize the graph to its value)."""
-    if ok.device.type == "cpu" and not torch.compiler.is_compiling():
+    if ok.device.type == "cpu" and not compiling():
         if not bool(ok.all()):
             raise ValueError(message.format(**sizes) if sizes else message)
     else:
         if sizes:
-            traced = torch.compiler.is_compiling()
+            traced = compiling()
             message = message.format(**{k: k if traced else v for k, v in sizes.items()})
         torch._assert_async(ok.all(), message)
 

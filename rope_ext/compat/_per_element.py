@@ -12,6 +12,7 @@ is remembered. Under torch.compile the comparison runs in the graph and torch.co
 
 import torch
 
+from .._compiling import compiling
 from ._layout import comparable, derivative_wanted, float32_table, join_members, pair_members
 
 from .._call import ops  # noqa: E402  (torch.ops.rope, without autograd where none is needed)
@@ -57,7 +58,7 @@ def rotate(x, angles, interleaved):
     Differentiable w.r.t. x and the angles."""
     if derivative_wanted(angles):  # each member's angle its own derivative, tangents included
         return _two_passes(x, angles, interleaved)
-    if torch.compiler.is_compiling():
+    if compiling():
         first, second = pair_members(angles, interleaved)
         return torch.cond((first == second).all(),
                           _one_pass_true if interleaved else _one_pass_false,

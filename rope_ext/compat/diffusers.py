@@ -21,6 +21,7 @@ docs/diffusers.md.
 
 import torch
 
+from .._compiling import compiling
 from ._layout import (broadcasts_within, comparable, derivative_wanted, float32_table,
                       join_members, pair_members, rotate_pairs)
 
@@ -34,7 +35,7 @@ def _one_per_pair(table, interleaved, compact):
     compact: the entries copied into a contiguous table, which the kernel reads fastest when
     each table row serves several of x's rows; a table as large as x is read once either way,
     and the copy would be a third pass over it."""
-    if torch.compiler.is_compiling() or not comparable(table):
+    if compiling() or not comparable(table):
         return None  # no data to compare here
     first, second = pair_members(table, interleaved)
     if not torch.equal(first, second):
@@ -121,7 +122,7 @@ def _real(x, cos, sin, interleaved, place=lambda t: t):
     cos, sin = cos.to(x.device), sin.to(x.device)
     _check_tables(x, place(cos), place(sin))
     grads = derivative_wanted(cos, sin)
-    if not grads and torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad):
+    if not grads and compiling() and not (torch.is_grad_enabled() and x.requires_grad):
         # In a graph the comparison runs each call too (a table's size, next to x's heads times
         # that), and torch.cond takes the one pass where it may.
         return torch.cond(_paired_pred(cos, sin, interleaved),

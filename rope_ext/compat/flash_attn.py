@@ -19,6 +19,7 @@ from torch.autograd import forward_ad
 
 from .._args import check_flag, check_flags
 from .._checks import FLOAT_DTYPES, below, check_positions_in_range
+from .._compiling import compiling
 from .._registrations import check_not_inference
 from ..ops import sequence_positions
 from ._layout import check_int, check_values, float32_table, rotate_pairs
@@ -64,7 +65,7 @@ def _rows_view(table, rows, head_dims):
     """float32_table(table[rows]) as (1, seqlen, 1 x head_dims, rotary_dim / 2), broadcasting
     over the batch and the heads; a float32 table in one view op (a call at decode sizes costs
     about as much per tensor op as the rotation itself)."""
-    if torch.compiler.is_compiling():  # a traced graph has no storage offsets
+    if compiling():  # a traced graph has no storage offsets
         return float32_table(table[rows])[(None, slice(None)) + (None,) * head_dims]
     offset = rows.start
     if table.dtype in (torch.float16, torch.bfloat16):
@@ -193,7 +194,7 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
                 # The kernel checks the positions, as apply_positions's does, but its message
                 # would name the table it is given: on the CPU they are checked here first,
                 # with the message of the copy path (elsewhere that would cost a sync).
-                if x.device.type == "cpu" and not torch.compiler.is_compiling():
+                if x.device.type == "cpu" and not compiling():
                     check_positions_in_range(positions, cos.shape[0], "rope.apply_positions",
                                              "cos.size(0)")
                 _rotate_in_one_pass(x, positions, cos, sin, interleaved)

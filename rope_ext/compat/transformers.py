@@ -21,6 +21,7 @@ import torch
 from torch.autograd import forward_ad
 
 from .._args import mrope_section_arg
+from .._compiling import compiling
 from ._layout import (derivative_wanted, float32_table, join_members, ops, pair_members,
                       rotate_pairs)
 from .llama import cos_sin
@@ -109,7 +110,7 @@ def _fast_path(q, k, cos, sin, unsqueeze_dim):
         out = _fast_path(q.transpose(1, 2), None if k is None else k.transpose(1, 2), cos, sin, 2)
         return None if out is None else tuple(t.transpose(1, 2) for t in out)
     half = rot // 2
-    if torch.compiler.is_compiling():
+    if compiling():
         # A traced graph has no storage offsets, and no per-call cost for a copy to save.
         c = float32_table(cos.unsqueeze(unsqueeze_dim)[..., :half])
         s = float32_table(sin.unsqueeze(unsqueeze_dim)[..., :half])

@@ -36,6 +36,7 @@ from torch.nn.modules import module as _module_hooks
 
 from .. import qk_norm as _api
 from .._call import without_autograd_if_unneeded
+from .._compiling import compiling
 from ..compat import transformers as hf
 
 FUSED_NAME = "_rope_ext_qk_norm_rope"
@@ -594,7 +595,7 @@ def _tables(cos, sin, unsqueeze_dim):
     nothing keeps a forward's tables alive. Not while torch.compile traces, nor for tables that
     require grad."""
     global _last_tables
-    if torch.compiler.is_compiling() or cos.requires_grad or sin.requires_grad:
+    if compiling() or cos.requires_grad or sin.requires_grad:
         return _api.half_tables(cos, sin, head_first=unsqueeze_dim == 1, ndim=4)
     last = _last_tables
     if last is not None and last[0]() is cos and last[1]() is sin and last[2] == unsqueeze_dim:
