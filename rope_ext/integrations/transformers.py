@@ -229,10 +229,10 @@ def _probe_complex(original, replacement, q_shape, k_shape, table_shape):
     """Complex tables (Llama 4's, DeepSeek-V2's) of any modulus; float32 inputs, which both
     compute in float32."""
     g = _generator()
-    f32 = torch.float32  # (the probes run whatever torch's default dtype is)
-    q, k = torch.randn(q_shape, generator=g, dtype=f32), torch.randn(k_shape, generator=g, dtype=f32)
-    table = torch.polar(torch.rand(table_shape, generator=g, dtype=f32) + 0.5,
-                        torch.randn(table_shape, generator=g, dtype=f32) * 3)
+    q = torch.randn(q_shape, generator=g, dtype=torch.float32)
+    k = torch.randn(k_shape, generator=g, dtype=torch.float32)
+    table = torch.polar(torch.rand(table_shape, generator=g, dtype=torch.float32) + 0.5,
+                        torch.randn(table_shape, generator=g, dtype=torch.float32) * 3)
     return _same(replacement(q, k, table), original(q, k, table), tol=1e-6)
 
 
@@ -726,7 +726,9 @@ def _verify(modeling, name, replacement, probe, original):
     key = (modeling.__name__, getattr(original, "__qualname__", name))
     if _verified.get(key) is original:
         return
-    # On the CPU whatever torch's defaults are (a model built under set_default_device).
+    # On the CPU whatever torch's defaults are (a model built under set_default_device); the
+    # probes name their inputs' dtypes (the default dtype is the process's: another thread's
+    # from_pretrained(dtype=...) sets it while it loads).
     # A function whose signature changed fails the probe's call: refused alike, not an error
     # from inside the probe.
     failure = None
@@ -982,16 +984,13 @@ def _fused_class(module, names, functions):
     return _patched_class(type(module), names, fused=fused)
 
 
-_functions_by_module = None  # modeling module name -> {function name: (replacement, probe)}
+# modeling module name -> {function name: (replacement, probe)}, the first family's where
+# several share a module; made at import, so that no thread sees it half filled
+_functions_by_module = {f"transformers.models.{path}": functions
+                        for path, functions in reversed(list(FAMILIES.values()))}
 
 
 def _functions_of(modeling):
-    global _functions_by_module
-    if _functions_by_module is None:  # made whole, then published: threads see all or none
-        table = {}
-        for path, functions in FAMILIES.values():
-            table.setdefault(f"transformers.models.{path}", functions)
-        _functions_by_module = table
     try:
         return _functions_by_module[modeling.__name__]
     except KeyError:
