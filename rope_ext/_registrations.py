@@ -595,11 +595,13 @@ def _reference_kernel(name, reference):
     """The reference as op `name`'s kernel: the tensors checked given, and its own torch ops run
     below ADInplaceOrView, so that what it writes (copy_) is not bumped a second time: one version
     per call, the ADInplaceOrView work's (Python's or the C++ router's), as with the native
-    kernel and torch's own in-place ops."""
+    kernel and torch's own in-place ops. Autocast is off inside, as it is in a native kernel: the
+    op's result has x's dtype either way (a float16 x under bfloat16 autocast would otherwise
+    meet autocast's promotion rules in the reference's own torch ops, which refuse the mix)."""
     given = _given(name, reference)
 
     def kernel(*args, **kwargs):
-        with torch._C._AutoDispatchBelowADInplaceOrView():
+        with torch._C._AutoDispatchBelowADInplaceOrView(), torch._C._DisableAutocast():
             return given(*args, **kwargs)
 
     return kernel

@@ -60,6 +60,17 @@ CHECK = textwrap.dedent("""
         assert "a leaf Variable that requires grad" in str(e), e
     else:
         raise AssertionError("in-place update of a leaf that requires grad accepted")
+    # Autocast leaves the ops alone on either path: x's dtype in and out, even where autocast's
+    # dtype is the other 16-bit one (whose mix torch's own promotion refuses).
+    for x_dtype, amp_dtype in ((torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)):
+        xh = torch.randn(5, 4, 32, dtype=x_dtype)
+        with torch.autocast("cpu", dtype=amp_dtype):
+            y = rope_ext.apply_rope(xh, rows[..., :16].float(), rows[..., 16:].float())
+            qh = rope_ext.apply_rope_(xh.clone(), None, pos, cache)[0]
+        assert y.dtype == qh.dtype == x_dtype, (y.dtype, qh.dtype)
+        expected = rope(xh, rows[..., :16], rows[..., 16:], False)
+        torch.testing.assert_close(y.double(), expected, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(qh.double(), expected, rtol=1e-2, atol=1e-2)
     print("OK")
 """)
 
