@@ -36,6 +36,16 @@ def check_tensors(optional=(), **named):
             raise TypeError(f"{name} must be a tensor, got {got}")
 
 
+def check_dense(t, name):
+    """t, or a TypeError naming it unless it is a dense (strided) tensor: a sparse, MKL-DNN or
+    nested one would fail inside the torch op that first views it, with a message naming none of
+    the caller's arguments."""
+    if not isinstance(t, torch.Tensor) or t.layout is not torch.strided:
+        got = f"layout {t.layout}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise TypeError(f"{name} must be a dense (strided) tensor, got {got}")
+    return t
+
+
 def check_float(value, name):
     """value as a float, or a ValueError naming it: a real number or a one-element tensor, not a
     bool or a string (float("2") and float(True) would otherwise pass)."""

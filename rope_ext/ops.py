@@ -4,7 +4,7 @@ for the tensors' device, or the reference where none is registered (see `backend
 import torch
 
 from . import _library
-from ._args import check_flag, check_flags, check_int, mrope_section_arg
+from ._args import check_dense, check_flag, check_flags, check_int, mrope_section_arg
 from ._compiling import compiling
 from ._registrations import OUT_NOT_DIFFERENTIABLE, check_not_inference
 
@@ -25,9 +25,7 @@ def heads(t, head_size, name, lead=None):
         return t
     if type(head_size) is not int or head_size < 1:  # the common case costs no call (decode)
         head_size = check_head_size(head_size)
-    if not isinstance(t, torch.Tensor) or t.layout is not torch.strided:
-        got = f"layout {t.layout}" if isinstance(t, torch.Tensor) else type(t).__name__
-        raise TypeError(f"{name} must be a dense (strided) tensor, got {got}")
+    check_dense(t, name)
     shape = t.shape
     nd = len(shape)
     if lead is not None and nd == lead + 2:
@@ -160,6 +158,7 @@ def sequence_positions(cu_seqlens, total_tokens, seqlen_offsets, dtype=torch.int
         got = (f"{cu_seqlens.dtype} of shape {list(cu_seqlens.shape)}" if isinstance(cu_seqlens, torch.Tensor)
                else type(cu_seqlens).__name__)
         raise ValueError(f"cu_seqlens must be a 1-D int32 or int64 tensor (B + 1,), got {got}")
+    check_dense(cu_seqlens, "cu_seqlens")
     total_tokens = check_int(total_tokens, "total_tokens", 0)
     if dtype not in (torch.int32, torch.int64):
         raise ValueError(f"dtype must be torch.int32 or torch.int64, got {dtype}")

@@ -21,7 +21,7 @@ is rounded once to the input dtype. Values (V) are never touched.
 
 import torch
 
-from ._args import check_eps, check_flags, check_int, mrope_section_arg
+from ._args import check_dense, check_eps, check_flags, check_int, mrope_section_arg
 from ._call import ops  # torch.ops.rope, without autograd where none is needed
 from ._compiling import compiling
 from .ops import heads
@@ -44,6 +44,8 @@ def half_tables(cos, sin, *, interleaved=False, head_first=False, ndim=4):
     if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)):
         raise ValueError(f"cos and sin must be tensors (..., seq, rotary_dim), got "
                          f"{type(cos).__name__} and {type(sin).__name__}")
+    check_dense(cos, "cos")
+    check_dense(sin, "sin")
     if cos.dim() < 2 or cos.shape != sin.shape:
         raise ValueError(f"cos and sin must have one shape (..., seq, rotary_dim), got cos "
                          f"{list(cos.shape)} and sin {list(sin.shape)}")

@@ -254,6 +254,17 @@ def test_arguments_of_the_wrong_kind_are_named():
             3, None, pos, rope_ext.cos_sin_cache(8, 8), head_size=8),
         "query must be a dense \\(strided\\) tensor, got layout torch.sparse_coo": lambda: rope_ext.apply_rope_(
             q.flatten(1).to_sparse(), None, pos, rope_ext.cos_sin_cache(8, 8), head_size=8),
+        # (each once failed inside the first torch op to view it, naming no argument)
+        "cos must be a dense \\(strided\\) tensor, got layout torch.sparse_coo": lambda: rope_ext.qk_norm_rope(
+            q[None], k[None], w, w, cos[None].to_sparse(), cos[None]),
+        "sin must be a dense \\(strided\\) tensor, got layout torch.sparse_coo": lambda: rope_ext.norm_rope(
+            q[None], k[None], w, w, cos[None], cos[None].to_sparse()),
+        "cu_seqlens must be a dense \\(strided\\) tensor": lambda: rope_ext.varlen_positions(
+            torch.tensor([0, 1, 3]).to_sparse(), 3),
+        "^query must be a dense \\(strided\\) tensor, got layout torch.sparse_coo": lambda: vllm.rotary_embedding(
+            pos, q.flatten(1).to_sparse(), k.flatten(1), 8, rope_ext.cos_sin_cache(8, 8), True),
+        "pos_ids must be a dense \\(strided\\) tensor": lambda: flashinfer.apply_rope_pos_ids(
+            q, k, pos.to_sparse()),
         "eps must be a float, got tensor": lambda: rope_ext.qk_norm_rope_(
             q.clone(), k.clone(), w, w, pos, rope_ext.cos_sin_cache(8, 8), eps=torch.ones(2)),
         "qkv_norm_rope_: num_heads_k must be an int, got True": lambda: rope_ext.qkv_norm_rope_(

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from .._args import check_flag, check_int, check_tensors  # noqa: F401  (re-exported for the drop-ins)
+from .._args import check_dense, check_flag, check_int, check_tensors  # noqa: F401  (re-exported for the drop-ins)
 from .._compiling import compiling
 from ..ops import check_head_size, heads  # noqa: F401
 
@@ -39,7 +39,7 @@ def check_index_tensor(t, name, shape=None):
         raise ValueError(f"{name} must be an int32 or int64 tensor, got {got}")
     if shape is not None and tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-    return t
+    return check_dense(t, name)
 
 
 def check_cache_views(positions, query, key, head_size, cos_sin_cache, key_required=None):

@@ -44,8 +44,13 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, r
     if lead == 1 and len(qs) == 2 and qs[1] % head_size == 0 and (
             ks is None or (len(ks) == 2 and ks[1] % head_size == 0)):
         # vLLM's own layout, flat (num_tokens, heads * head_size): the views alone (decode calls)
-        q = query.view(qs[0], qs[1] // head_size, head_size)
-        k = None if key is None else key.view(ks[0], ks[1] // head_size, head_size)
+        try:
+            q = query.view(qs[0], qs[1] // head_size, head_size)
+            k = None if key is None else key.view(ks[0], ks[1] // head_size, head_size)
+        except NotImplementedError:  # a sparse or MKL-DNN tensor has no view: named below
+            heads(query, head_size, "query", lead)
+            heads(key, head_size, "key", lead)
+            raise
     else:
         q = heads(query, head_size, "query", lead)
         k = heads(key, head_size, "key", lead)
