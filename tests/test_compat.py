@@ -1041,6 +1041,21 @@ def test_vllm_rotary_embedding(dtype, is_neox, layout, lead, with_key):
     check(qkv, want, dtype)
 
 
+@pytest.mark.parametrize("is_neox", [None, True, False])
+def test_sglang_rotary_embedding_is_vllms_op(is_neox):
+    # sgl_kernel.rotary_embedding: vLLM's kernel under SGLang's name, is_neox=True by default
+    T, Hq, Hk, hs = 7, 4, 2, 32
+    qkv = torch.randn(T, (Hq + 2 * Hk) * hs)
+    query, key = qkv[:, : Hq * hs], qkv[:, Hq * hs : (Hq + Hk) * hs]
+    cache, positions = cos_sin_cache(64, hs), torch.randint(0, 64, (T,))
+    want = qkv.double()
+    peers.vllm_rotary_embedding(positions, want[:, : Hq * hs], want[:, Hq * hs : (Hq + Hk) * hs], hs,
+                                cache.double(), is_neox is not False)
+    args = (positions, query, key, hs, cache) + (() if is_neox is None else (is_neox,))
+    assert sglang.rotary_embedding(*args) is None
+    check(qkv, want, torch.float32)
+
+
 def test_vllm_errors_change_nothing():
     query, key = torch.randn(5, 3 * 16), torch.randn(5, 16)
     q0, k0 = query.clone(), key.clone()

@@ -1,5 +1,5 @@
-"""SGLang's RoPE kernel entry point (`sgl_kernel.apply_rope_with_cos_sin_cache_inplace`), with its
-fused KV-cache store, on rope_ext's ops.
+"""SGLang's RoPE kernel entry points (`sgl_kernel.apply_rope_with_cos_sin_cache_inplace`, with its
+fused KV-cache store, `rotary_embedding`, `fused_qk_norm_rope`) on rope_ext's ops.
 
     from sgl_kernel import apply_rope_with_cos_sin_cache_inplace, FusedSetKVBufferArg
  -> from rope_ext.compat.sglang import apply_rope_with_cos_sin_cache_inplace, FusedSetKVBufferArg
@@ -14,6 +14,7 @@ from .._args import check_float
 from ..ops import apply_rope_, apply_rope_and_cache_
 from ._layout import (check_cache_views, check_index_tensor, float32_scalar, heads,
                       interleaved_of)
+from . import vllm
 
 _FP8 = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
@@ -97,6 +98,12 @@ def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_
             raise
         raise RuntimeError(str(e).replace("slot_mapping", "cache_loc").replace(
             "num_blocks * block_size", "k_buffer.size(0)")) from None
+
+
+def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox=True):
+    """`sgl_kernel.rotary_embedding`: vLLM's op (`rope_ext.compat.vllm.rotary_embedding`) under
+    SGLang's name, is_neox True unless given. Returns None."""
+    vllm.rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
 
 
 # fused QK-RMSNorm + RoPE (`sgl_kernel.fused_qk_norm_rope`: angles from base and YaRN)
