@@ -16,19 +16,23 @@
 #   5. the serving benchmark on the GPU (bench/serving_bench.py --device cuda), if time is left
 #   6. the rest of the test suite, if time is left
 # Everything goes to $OUT (default ./gpu-results): log, env, build log, junit xml, cuda.json/.md.
-# Exit status: 0 only if the libraries serve CUDA and the CUDA tests pass.
+# Exit status: 0 only if a GPU is visible, the libraries serve CUDA and the CUDA tests pass
+# (3: no GPU visible).
 #
 # Knobs: PYTHON=...             interpreter with torch (default: first of python3, python)
 #        GPU_CHECK_REBUILD=1    skip the carried libraries, rebuild
-#        GPU_CHECK_DRY=1        no GPU here: run every step anyway (benchmark on the CPU, tiny)
-#        GPU_CHECK_BUDGET_S=480 stop starting new steps (and benchmark cases) after this many seconds
+#        GPU_CHECK_DRY=1        no GPU here: try the script itself (the tests, whose GPU cases
+#                               skip, and a tiny CPU benchmark; no profile, sanitizer, serving)
+#        GPU_CHECK_BUDGET_S=480 the time budget: steps 3b-6 (and benchmark cases) start only while
+#                               it lasts, each limited to what is left of it; steps 2 and 3 run at
+#                               least 60 s each
 #        GPU_CHECK_FUZZ=4000    fuzz cases on the GPU (a tenth of them under memcheck)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-results}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
-exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+exec > >(tee "$OUT/gpu_check.log") 2>&1
 BUDGET="${GPU_CHECK_BUDGET_S:-480}"
 SECONDS=0
 step() { echo; echo "=== [${SECONDS}s] $*"; }
@@ -40,6 +44,9 @@ if [ -z "$PY" ]; then
   done
 fi
 [ -n "$PY" ] || { echo "gpu_check: no python with torch found (set PYTHON=...)"; exit 2; }
+# absolute (the rebuild may run from a copy elsewhere), the venv's link itself kept
+case "$PY" in */*) PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" ;; *) PY="$(command -v "$PY")" ;; esac
+DRY="${GPU_CHECK_DRY:-0}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 step "environment"
@@ -50,6 +57,13 @@ step "environment"
   command -v nvcc >/dev/null && nvcc --version | tail -1 || echo "no nvcc on PATH"
   ls -la rope_ext/*.so 2>&1
 } | tee "$OUT/env.txt"
+# Without a visible GPU every CUDA test would skip and the check would pass having checked
+# nothing (a box whose CUDA_VISIBLE_DEVICES hides the GPU, a CPU machine).
+if [ "$DRY" != "1" ] && ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+  echo "gpu_check: no CUDA device visible (torch.cuda.is_available() is False): nothing to check;"
+  echo "  GPU_CHECK_DRY=1 runs the script anyway"
+  exit 3
+fi
 
 # True if rope_ext loads both libraries, CUDA is served natively, and (with a GPU) one call of
 # each op agrees with the float64 reference.
@@ -76,14 +90,17 @@ if torch.cuda.is_available():
 EOF
 }
 
+# The arch of the GPU here unless TORCH_CUDA_ARCH_LIST names others (9.0 without a GPU).
+ARCH="$("$PY" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())" 2>/dev/null)"
 build_here() {
-  MAX_JOBS="$(nproc)" ROPE_EXT_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0+PTX}" \
+  MAX_JOBS="$(nproc)" ROPE_EXT_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-${ARCH:-9.0}+PTX}" \
     timeout 360 "$PY" setup.py build_ext --inplace >>"$OUT/build.log" 2>&1
 }
 
 # setuptools < 77 rejects pyproject.toml's SPDX license string; the build itself does not need
 # the project metadata, so then build from a copy without pyproject.toml.
 build_libs() {
+  : > "$OUT/build.log"  # (an earlier run's error must not steer this one)
   build_here && return 0
   grep -q "project.license" "$OUT/build.log" || return 1
   echo "old setuptools: building from a copy without pyproject.toml"
@@ -95,15 +112,17 @@ build_libs() {
 step "1. libraries"
 LIBS="none"
 if [ "${GPU_CHECK_REBUILD:-0}" != "1" ] && libs_ok; then
-  LIBS="carried (built elsewhere, loaded unchanged)"
+  LIBS="as found (carried or built before; loaded unchanged)"
 else
-  echo "rebuilding against the local torch (log: $OUT/build.log)"
   stash="$(mktemp -d)"
+  echo "rebuilding against the local torch (log: $OUT/build.log; the libraries found: $stash)"
   mv rope_ext/*.so "$stash"/ 2>/dev/null || true
   if build_libs && libs_ok; then
     LIBS="rebuilt here"
   else
     tail -30 "$OUT/build.log"
+    # (the libraries found go back when the script ends: the checkout as it was)
+    trap 'rm -f rope_ext/*.so; mv -f "$stash"/*.so rope_ext/ 2>/dev/null' EXIT
     echo "gpu_check: no working CUDA library; the remaining steps show what the fallback does"
   fi
 fi
@@ -125,15 +144,18 @@ SANITIZER_S="${GPU_CHECK_SANITIZER_S:-200}"
 left=$((BUDGET - SECONDS - 60 - SANITIZER_S))
 [ "$left" -lt 60 ] && left=60
 BENCH_ARGS=(--device cuda --out "$OUT" --time-budget "$((left - 60 > 30 ? left - 60 : 30))")
-if [ "${GPU_CHECK_DRY:-0}" = "1" ]; then BENCH_ARGS=(--device cpu --quick --out "$OUT" --stem cuda); fi
+if [ "$DRY" = "1" ]; then BENCH_ARGS=(--device cpu --quick --out "$OUT" --stem cuda); fi
 timeout "$left" "$PY" bench/bench.py "${BENCH_ARGS[@]}" 2> >(grep -v "^W[0-9]" >&2) | tee "$OUT/bench.txt"
 BENCH=${PIPESTATUS[0]}
 
 step "3b. where each call's time goes"
 # Kernel GPU time beside wall time per call (bench/gpu_profile.py): about 20 s on an H200.
-PROFILE="skipped"
-if [ "${GPU_CHECK_DRY:-0}" != "1" ]; then
-  timeout 90 "$PY" bench/gpu_profile.py --out "$OUT" 2> >(grep -v -i "warn" >&2) | tee "$OUT/gpu-profile.md"
+# skipped: why a step did not run.
+skipped() { if [ "$DRY" = "1" ]; then echo "skipped (GPU_CHECK_DRY)"; else echo "skipped (time budget)"; fi; }
+PROFILE="$(skipped)"
+left=$((BUDGET - SECONDS)); [ "$left" -gt 90 ] && left=90
+if [ "$DRY" != "1" ] && [ "$left" -ge 30 ]; then
+  timeout "$left" "$PY" bench/gpu_profile.py --out "$OUT" 2> >(grep -v -i "warn" >&2) | tee "$OUT/gpu-profile.md"
   PROFILE="exit ${PIPESTATUS[0]} ($OUT/gpu-profile.md, .json)"
 fi
 
@@ -154,10 +176,10 @@ sanitize() {
     | tee "$OUT/sanitizer_$tool.txt"
   SANITIZER="$SANITIZER$tool exit ${PIPESTATUS[0]}, "
 }
-if [ -n "$CS" ] && [ "${GPU_CHECK_DRY:-0}" != "1" ]; then
+left=$((BUDGET - SECONDS)); [ "$left" -gt "$SANITIZER_S" ] && left="$SANITIZER_S"
+if [ -n "$CS" ] && { [ "$DRY" = "1" ] || [ "$left" -lt 60 ]; }; then SANITIZER="$(skipped)"; fi
+if [ -n "$CS" ] && [ "$DRY" != "1" ] && [ "$left" -ge 60 ]; then
   SAN_K="not device_side_assert and not more_than_2_pow_31 and not opcheck_and_compile"
-  left=$((BUDGET - SECONDS)); [ "$left" -gt "$SANITIZER_S" ] && left="$SANITIZER_S"
-  [ "$left" -lt 100 ] && left=100
   SANITIZER=""
   sanitize memcheck "$((left * 2 / 5))" tests/test_cuda_device.py "$FUZZ_TEST" \
     --fuzz-cases "$((FUZZ / 5))" -k "$SAN_K"
@@ -171,9 +193,9 @@ fi
 echo "sanitizer: $SANITIZER"
 
 step "5. serving benchmark"
-SERVING="skipped (time budget)"
+SERVING="$(skipped)"
 left=$((BUDGET - SECONDS))
-if [ "$left" -gt 60 ] && [ "${GPU_CHECK_DRY:-0}" != "1" ]; then
+if [ "$left" -gt 60 ] && [ "$DRY" != "1" ]; then
   timeout "$left" "$PY" bench/serving_bench.py --device cuda --out "$OUT" 2>&1 | tee "$OUT/serving.txt"
   SERVING="exit ${PIPESTATUS[0]} ($OUT/serving-cuda.md)"
 fi

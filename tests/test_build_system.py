@@ -412,3 +412,20 @@ def test_packaging_doc_names_every_data_file_of_the_wheel():
     section = doc.split("## The wheel", 1)[1].split("\n## ", 1)[0]
     data = [f for f in os.listdir(os.path.join(ROOT, "rope_ext")) if f.endswith((".json", ".def"))]
     assert data and all(f"`{f}`" in section for f in data), data
+
+
+# ---- make gpu-check ----------------------------------------------------------------------------
+
+def test_gpu_check_without_a_gpu_stops_instead_of_passing(tmp_path):
+    """Where no GPU is visible every CUDA test skips: the check would pass having checked nothing
+    (a CPU machine, or a GPU box whose CUDA_VISIBLE_DEVICES hides its GPU). It stops at once,
+    saying so, with its own exit status."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: scripts/gpu_check.sh runs for real there")
+    res = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh")],
+                         env=clean_env(OUT=str(tmp_path), PYTHON=sys.executable),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 3, res.stdout + res.stderr
+    assert "no CUDA device visible" in res.stdout and "GPU_CHECK_DRY=1" in res.stdout, res.stdout
+    assert "1. libraries" not in res.stdout, res.stdout
