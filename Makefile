@@ -116,19 +116,25 @@ BENCH_ARGS ?=
 bench: build
 	$(PY) bench/bench.py --device cpu $(BENCH_ARGS)
 
-# The benchmarks of the op families with scripts of their own (results under bench/results/):
-# fused QK-RMSNorm + RoPE, RoPE + FP8 quantization, K-shift and rope_dim_offset; the diffusers
-# rows need the second environment (diffusers).
+# The benchmarks of the op families with scripts of their own: fused QK-RMSNorm + RoPE, RoPE +
+# FP8 quantization, K-shift and rope_dim_offset; the diffusers rows need the second environment
+# (diffusers). Their tables and JSON go to BENCH_OUT, not over the records under bench/results/
+# that the docs quote (each names its machine): BENCH_OUT=bench/results/<machine> records one.
+BENCH_OUT ?= build/bench-results
 .PHONY: bench-ops bench-diffusers
 bench-ops: build
-	$(PY) bench/rope_bench/qk_norm.py --device cpu
-	cd bench && PYTHONPATH=..:. $(CURDIR)/$(PY) -m rope_bench.quant --device cpu --out results
-	$(PY) bench/serving_bench.py --device cpu
+	@mkdir -p $(BENCH_OUT)
+	$(PY) bench/rope_bench/qk_norm.py --device cpu --out $(BENCH_OUT)
+	cd bench && PYTHONPATH=..:. $(CURDIR)/$(PY) -m rope_bench.quant --device cpu --out $(abspath $(BENCH_OUT))
+	$(PY) bench/serving_bench.py --device cpu --out $(BENCH_OUT)
+	@echo "rope_ext: results in $(BENCH_OUT)/"
 
-# On a machine with a GPU: build or reuse the libraries, run the tests on CUDA and the GPU
-# benchmark; results under $$OUT (default gpu-results/).
+# On a machine with a GPU: reuse (or rebuild) the libraries, run the tests on CUDA and the GPU
+# benchmark; results under $$OUT (default gpu-results/). No build prerequisite: a lent GPU box has
+# no internet to set up .venv, and takes the libraries built elsewhere. It runs with .venv's
+# Python where there is one (PYTHON=... to choose), else the first python3 with torch.
 gpu-check:
-	bash scripts/gpu_check.sh
+	PYTHON="$${PYTHON:-$(if $(wildcard $(PY)),$(CURDIR)/$(PY))}" bash scripts/gpu_check.sh
 
 clean:
 	rm -rf build dist *.egg-info rope_ext/*.so
@@ -164,7 +170,9 @@ hf5-test: $(HF5_DEPS) build
 	$(HF5_PY) -m pytest $(HF5_TESTS) -q -p no:cacheprovider
 
 bench-diffusers: $(HF5_DEPS) build
-	$(HF5_PY) bench/diffusers_bench.py --threads 1
+	@mkdir -p $(BENCH_OUT)
+	$(HF5_PY) bench/diffusers_bench.py --threads 1 --out $(BENCH_OUT)
+	@echo "rope_ext: results in $(BENCH_OUT)/"
 
 # ---- Three ways in (docs/packaging.md): a wheel, JIT loading, CMake/libtorch ----
 .PHONY: wheel wheel-test torch213-test jit-test cmake-build cmake-test packaging-test
