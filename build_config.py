@@ -197,7 +197,9 @@ def want_cuda():
     (home, passed_over), tcuda = _find_cuda_home(), torch_cuda_version()
     bad = _no_nvcc(passed_over) if passed_over else ""
     missing = []
-    if not tcuda:
+    if not _torch_version_file().get("__version__"):
+        missing.append("torch is not installed")
+    elif not tcuda:
         missing.append("torch is a CPU-only build")
     if not home:
         missing.append(f"no CUDA toolkit ({bad + '; ' if bad else ''}"

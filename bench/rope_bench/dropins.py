@@ -38,7 +38,8 @@ def load():
         compat = importlib.import_module("rope_ext.compat")
     except Exception as e:  # noqa: BLE001 - reported, never fatal
         return None, f"skipped: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
-    return (peers, compat), "rope_ext.compat against tests/peers.py"
+    return (peers, compat), ("rope_ext.compat against the peers' code (transformers' own where "
+                             "installed, else tests/peers.py's)")
 
 
 def _hf(i, peers, compat):
