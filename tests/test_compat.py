@@ -1396,9 +1396,9 @@ def test_compat_caches_keep_no_traced_tensors(how, monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from rope_ext.compat import _layout, _qk_norm
+    from rope_ext.compat import _layout
 
-    monkeypatch.setattr(_qk_norm, "_TABLES", {})  # room for this test's sets
+    monkeypatch.setattr(_layout, "_TABLES", {})  # room for this test's sets
     q, k, pos = torch.randn(5, 4, 16), torch.randn(5, 2, 16), torch.arange(5)
     qkv = torch.randn(5, 4 * 16)
     w = torch.randn(16)
@@ -1421,7 +1421,7 @@ def test_compat_caches_keep_no_traced_tensors(how, monkeypatch):
             make_fx(calls, tracing_mode="fake")(q, k, pos, qkv, w)
         a = calls(q.clone(), k.clone(), pos, qkv.clone(), w)
         assert type(_layout.float32_scalar(theta, torch.device("cpu"))) is torch.Tensor
-        assert all(type(t) is torch.Tensor for t in _qk_norm._TABLES.values())
+        assert all(type(t) is torch.Tensor for t in _layout._TABLES.values())
         b = calls(q.clone(), k.clone(), pos, qkv.clone(), w)
         assert all(torch.equal(x, y) for x, y in zip(a, b))
         theta += 1.0
@@ -1431,9 +1431,9 @@ def test_compat_tables_follow_the_inputs_not_the_default_device(monkeypatch):
     # A call under `with torch.device("meta")` (or set_default_device) with CPU tensors: the
     # drop-ins' own tables (SGLang's cached per-position set, FlashInfer's Llama 3.1 blend) are
     # made on the inputs' device, and a cached table stays usable after the context.
-    from rope_ext.compat import _qk_norm
+    from rope_ext.compat import _layout
 
-    monkeypatch.setattr(_qk_norm, "_TABLES", {})
+    monkeypatch.setattr(_layout, "_TABLES", {})
     qkv, w, pos = torch.randn(4, 4 * 8), torch.randn(8), torch.arange(4)
     q, k = torch.randn(4, 2, 64), torch.randn(4, 1, 64)
     kw = dict(rope_scale=8, rope_theta=5e5, low_freq_factor=1, high_freq_factor=4,
@@ -1447,5 +1447,5 @@ def test_compat_tables_follow_the_inputs_not_the_default_device(monkeypatch):
     with torch.device("meta"):
         inside = calls()
     outside = calls()
-    assert all(t.device.type == "cpu" for t in _qk_norm._TABLES.values())
+    assert all(t.device.type == "cpu" for t in _layout._TABLES.values())
     assert all(a.device.type == "cpu" and torch.equal(a, b) for a, b in zip(inside, outside))

@@ -542,10 +542,10 @@ def test_sglang_fused_qk_norm_rope(factor, rotary_dim):
 
 
 def test_sglang_fused_qk_norm_rope_cached_table_gives_the_per_token_bits(monkeypatch):
-    from rope_ext.compat import _qk_norm as impl
+    from rope_ext.compat import _layout, _qk_norm as impl
     from rope_ext.compat.sglang import fused_qk_norm_rope
 
-    monkeypatch.setattr(impl, "_TABLES", {})  # none kept by earlier tests
+    monkeypatch.setattr(_layout, "_TABLES", {})  # none kept by earlier tests
     T, Hq, Hk, Hv, D = 7, 2, 1, 1, 64
     qkv = torch.randn(T, (Hq + Hk + Hv) * D, dtype=torch.bfloat16)
     wq, wk = torch.randn(D, dtype=torch.bfloat16), torch.randn(D, dtype=torch.bfloat16)
@@ -558,26 +558,57 @@ def test_sglang_fused_qk_norm_rope_cached_table_gives_the_per_token_bits(monkeyp
         x = torch.randn(pos.shape[0], qkv.shape[1], dtype=torch.bfloat16)
         got = x.clone()
         fused_qk_norm_rope(got, Hq, Hk, Hv, D, 1e-6, wq, wk, *args, pos, *yarn)
-        cached = (48, 1e6, 4.0, 3.0, 20.0, 1.2) in impl._TABLES
+        cached = ("sglang", 48, 1e6, 4.0, 3.0, 20.0, 1.2) in _layout._TABLES
         assert cached == (int(pos.min()) >= 0 and int(pos.max()) < 1 << 19)
         with monkeypatch.context() as m:  # the per-token rows
-            m.setattr(impl, "_cached_table", lambda positions, key: None)
+            m.setattr(impl, "positions_table", lambda *args: None)
             want = x.clone()
             fused_qk_norm_rope(want, Hq, Hk, Hv, D, 1e-6, wq, wk, *args, pos, *yarn)
         assert torch.equal(got, want)
         assert not torch.equal(got, x)
-        impl._TABLES.clear()
+        _layout._TABLES.clear()
     # a table grows by the rows past its end; past _TABLES_KEPT sets, calls build their own rows
+    freqs = (48, 1e6, 4.0, 3.0, 20.0, 1.2)
     for pos in (torch.tensor([3, 100]), torch.tensor([9000, 2])):
-        impl._cached_table(pos, (48, 1e6, 4.0, 3.0, 20.0, 1.2))
-    kept = impl._TABLES[(48, 1e6, 4.0, 3.0, 20.0, 1.2)]
+        _layout.positions_table(pos, ("sglang",) + freqs, 48, lambda p: impl._yarn_tables(p, *freqs))
+    kept = _layout._TABLES[("sglang",) + freqs]
     assert kept.shape[0] == 16384
-    assert torch.equal(kept, impl._yarn_tables(torch.arange(16384), 48, 1e6, 4.0, 3.0, 20.0, 1.2))
-    for base in range(impl._TABLES_KEPT + 2):
-        table = impl._cached_table(torch.tensor([7]), (48, 10.0 + base, 1.0, 0.0, 0.0, 1.0))
-        assert (table is None) == (base >= impl._TABLES_KEPT - 1)
-    assert len(impl._TABLES) == impl._TABLES_KEPT
-    impl._TABLES.clear()
+    assert torch.equal(kept, impl._yarn_tables(torch.arange(16384), *freqs))
+    for base in range(_layout._TABLES_KEPT + 2):
+        other = (48, 10.0 + base, 1.0, 0.0, 0.0, 1.0)
+        table = _layout.positions_table(torch.tensor([7]), ("sglang",) + other, 48,
+                                        lambda p: impl._yarn_tables(p, *other))
+        assert (table is None) == (base >= _layout._TABLES_KEPT - 1)
+    assert len(_layout._TABLES) == _layout._TABLES_KEPT
+    _layout._TABLES.clear()
+
+
+def test_flashinfer_pos_ids_kept_table_gives_the_per_token_bits(monkeypatch):
+    # FlashInfer's pos_ids functions read a kept table of positions 0 .. n-1 on the CPU: the same
+    # bits as the table of the call's own tokens, in place and out of place, Llama 3.1 too.
+    from rope_ext.compat import _layout, flashinfer
+
+    monkeypatch.setattr(_layout, "_TABLES", {})
+    for rot, nnz, llama31, dtype in [(128, 1, False, torch.bfloat16), (40, 17, True, torch.float32),
+                                     (8, 70, False, torch.float16), (96, 8, True, torch.bfloat16)]:
+        q, k = torch.randn(nnz, 4, 128, dtype=dtype), torch.randn(nnz, 2, 128, dtype=dtype)
+        pos = torch.randint(0, 20000, (nnz,))
+        kw = dict(rotary_dim=rot, rope_theta=1e4 + rot, rope_scale=2)
+        if llama31:
+            out_of_place, in_place = (flashinfer.apply_llama31_rope_pos_ids,
+                                      flashinfer.apply_llama31_rope_pos_ids_inplace)
+        else:
+            out_of_place, in_place = flashinfer.apply_rope_pos_ids, flashinfer.apply_rope_pos_ids_inplace
+        got = out_of_place(q, k, pos, **kw)
+        got_q, got_k = q.clone(), k.clone()
+        in_place(got_q, got_k, pos, **kw)
+        assert any(key[0] == "flashinfer" and key[1] == rot for key in _layout._TABLES)
+        with monkeypatch.context() as m:  # the per-token rows
+            m.setattr(flashinfer, "positions_table", lambda *args: None)
+            want = out_of_place(q, k, pos, **kw)
+        for a, b in zip(got + (got_q, got_k), want + want):
+            assert torch.equal(a, b)
+        assert not torch.equal(got_q, q)
 
 
 # ---- every compiled CPU variant, and rows past the kernel's stack buffers ----

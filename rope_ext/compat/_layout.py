@@ -6,6 +6,7 @@ members of full-width tables, checks of tensor values, DTensor detection)."""
 import functools
 import math
 import sys
+import threading
 
 import torch
 
@@ -85,6 +86,51 @@ def uncached_when_tracing(cached):
     """`cached` (an lru_cache'd function), or its uncached body while tracing(): the cache
     spares eager calls their host-to-device copies; a traced graph builds its own tensors."""
     return cached.__wrapped__ if tracing() else cached
+
+
+# Where a peer computes each token's angles in registers (SGLang's fused_qk_norm_rope,
+# FlashInfer's pos_ids functions), a table of each call's tokens costs a dozen small ops (20-60 us
+# at decode on one CPU thread, where the rotation takes 5). So on the CPU a table of positions
+# 0 .. n-1 is kept per frequency set (its rows are the per-token rows' values) and the positions
+# index it, grown (by the rows past its end) to the next power of two past the largest position.
+# At most _TABLES_KEPT sets are kept, each at most _TABLE_BYTES: a call past either (another set,
+# a later position), on another device (a host sync would break CUDA graphs) or while tracing
+# builds the per-token table, as a call did before the cache.
+_TABLES = {}
+_TABLES_KEPT = 8
+_TABLE_BYTES = 64 << 20  # 131072 positions at rotary_dim 128
+_TABLES_LOCK = threading.Lock()
+
+
+def positions_table(positions, key, rotary_dim, build):
+    """The kept (n, rotary_dim) table of frequency set `key` (a tuple naming its drop-in first)
+    whose rows `positions` index, made by build(positions) -> their rows; or None: the caller
+    builds the rows of its tokens itself."""
+    if (type(positions) is not torch.Tensor or positions.device.type != "cpu"
+            or positions.numel() == 0 or tracing()):
+        return None
+    if positions.numel() <= 64:  # decode: cheaper than a reduction
+        values = positions.tolist()
+        low, high = min(values), max(values)
+    else:
+        low, high = (int(v) for v in positions.aminmax())
+    table = _TABLES.get(key)
+    if table is not None and 0 <= low and high < table.shape[0]:
+        return table
+    size = max(4096, 1 << high.bit_length())
+    if low < 0 or size * 4 * max(rotary_dim, 2) > _TABLE_BYTES:
+        return None
+    with _TABLES_LOCK:
+        table = _TABLES.get(key)
+        if table is None and len(_TABLES) >= _TABLES_KEPT:
+            return None
+        start = 0 if table is None else table.shape[0]
+        if start < size:
+            with torch.inference_mode(False), torch.no_grad():  # usable in any mode later
+                rows = build(torch.arange(start, size, device="cpu"))
+                table = rows if table is None else torch.cat((table, rows))
+            _TABLES[key] = table
+        return table
 
 
 @functools.lru_cache(maxsize=64)

@@ -4,13 +4,12 @@ by rope_ext.compat.vllm and rope_ext.compat.sglang."""
 
 import math
 import numbers
-import threading
 
 import torch
 
 from .._args import check_int
 from ..qk_norm import qk_norm_rope_and_cache, qkv_norm_rope_
-from ._layout import interleaved_of, tracing
+from ._layout import interleaved_of, positions_table
 
 
 def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight,
@@ -150,8 +149,8 @@ def sglang_fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_d
     (factor 1.0: plain RoPE), the rotated dims scaled by attention_factor; rotary_dim defaults
     to head_dim. Returns None. Unlike SGLang's kernel: any head_dim and float dtype, int32 or
     int64 positions, errors before anything is written; on the CPU a table of positions
-    0 .. n-1 is kept for each of up to 4 sets of base, factor, low, high, attention_factor and
-    rotary_dim, each at most 64 MiB (see _cached_table)."""
+    0 .. n-1 is kept for each set of base, factor, low, high, attention_factor and rotary_dim
+    (see _layout.positions_table)."""
     if rotary_dim is None:
         rotary_dim = head_dim
     for name, v in (("base", base), ("factor", factor), ("low", low), ("high", high),
@@ -170,54 +169,14 @@ def sglang_fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_d
         raise ValueError("position_ids must be a 1-D tensor (num_tokens,)")
     if position_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"position_ids must be int32 or int64, got {position_ids.dtype}")
-    key = (int(rotary_dim), float(base), float(factor), float(low), float(high),
-           float(attention_factor))
-    table = _cached_table(position_ids, key)
+    freqs = (int(rotary_dim), float(base), float(factor), float(low), float(high),
+             float(attention_factor))
+    table = positions_table(position_ids, ("sglang",) + freqs, freqs[0],
+                            lambda positions: _yarn_tables(positions, *freqs))
     if table is not None:  # rows at the positions themselves
         rows = position_ids
     else:  # one row per token
-        table = _yarn_tables(position_ids, *key)
+        table = _yarn_tables(position_ids, *freqs)
         rows = torch.arange(position_ids.shape[0], device=position_ids.device)
     qkv_norm_rope_(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, q_weight, k_weight,
                    rows, table, eps=eps, interleaved=interleaved_of(is_neox))
-
-
-# SGLang's kernel computes the angles in registers. A table of each call's tokens costs a dozen
-# small ops (66 us against vLLM's drop-in's 6 at decode, one CPU thread), so on the CPU a table
-# of positions 0 .. n-1 is kept per frequency set (its rows are the per-token rows' values) and
-# the positions index it, grown (by the rows past its end) to the next power of two past the
-# largest position. At most _TABLES_KEPT sets are kept, each at most _TABLE_BYTES: a call past
-# either (another set, a later position), on another device (a host sync would break CUDA
-# graphs) or while tracing builds the per-token table, as a call did before the cache.
-_TABLES = {}
-_TABLES_KEPT = 4
-_TABLE_BYTES = 64 << 20  # 131072 positions at rotary_dim 128
-_TABLES_LOCK = threading.Lock()
-
-
-def _cached_table(positions, key):
-    if (type(positions) is not torch.Tensor or positions.device.type != "cpu"
-            or positions.numel() == 0 or tracing()):
-        return None
-    if positions.numel() <= 64:  # decode: cheaper than a reduction
-        values = positions.tolist()
-        low, high = min(values), max(values)
-    else:
-        low, high = (int(v) for v in positions.aminmax())
-    table = _TABLES.get(key)
-    if table is not None and 0 <= low and high < table.shape[0]:
-        return table
-    size = max(4096, 1 << high.bit_length())
-    if low < 0 or size * 4 * max(key[0], 2) > _TABLE_BYTES:
-        return None
-    with _TABLES_LOCK:
-        table = _TABLES.get(key)
-        if table is None and len(_TABLES) >= _TABLES_KEPT:
-            return None
-        start = 0 if table is None else table.shape[0]
-        if start < size:
-            with torch.inference_mode(False), torch.no_grad():  # usable in any mode later
-                rows = _yarn_tables(torch.arange(start, size, device="cpu"), *key)
-                table = rows if table is None else torch.cat((table, rows))
-            _TABLES[key] = table
-        return table
