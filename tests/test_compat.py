@@ -1227,6 +1227,21 @@ def test_cos_sin_cache_drop_ins_view_3d_heads_as_the_peers_do(fn):
     check(qkv, want, torch.float32)
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+def test_fi_pos_ids_under_vmap_and_functionalize():
+    # torch.func's wrappers have no values to read: the kept position table is not looked up
+    # for them (it once read them, and failed), the per-token table serves
+    q, k = torch.randn(4, 3, 2, 32), torch.randn(4, 3, 1, 32)
+    pos = torch.randint(0, 5000, (4, 3))
+    got = torch.vmap(flashinfer.apply_rope_pos_ids)(q, k, pos)
+    for b in range(4):
+        for a, want in zip(got, flashinfer.apply_rope_pos_ids(q[b], k[b], pos[b])):
+            assert torch.equal(a[b], want)
+    once = torch.func.functionalize(flashinfer.apply_llama31_rope_pos_ids)(q[0], k[0], pos[0])
+    for a, want in zip(once, flashinfer.apply_llama31_rope_pos_ids(q[0], k[0], pos[0])):
+        assert torch.equal(a, want)
+
+
 def test_fi_errors_change_nothing():
     q, k = fi_inputs(torch.float32)
     q0 = q.clone()

@@ -107,8 +107,8 @@ def positions_table(positions, key, rotary_dim, build):
     whose rows `positions` index, made by build(positions) -> their rows; or None: the caller
     builds the rows of its tokens itself."""
     if (type(positions) is not torch.Tensor or positions.device.type != "cpu"
-            or positions.numel() == 0 or tracing()):
-        return None
+            or positions.numel() == 0 or tracing() or _wrapped(positions)):
+        return None  # (a torch.func transform's wrapper has no values to read)
     if positions.numel() <= 64:  # decode: cheaper than a reduction
         values = positions.tolist()
         low, high = min(values), max(values)
