@@ -263,6 +263,8 @@ def test_arguments_of_the_wrong_kind_are_named():
             torch.tensor([0, 1, 3]).to_sparse(), 3),
         "^query must be a dense \\(strided\\) tensor, got layout torch.sparse_coo": lambda: vllm.rotary_embedding(
             pos, q.flatten(1).to_sparse(), k.flatten(1), 8, rope_ext.cos_sin_cache(8, 8), True),
+        "^key must be a dense \\(strided\\) tensor, got layout torch._mkldnn": lambda: vllm.rotary_embedding(
+            pos, q.flatten(1), k.flatten(1).to_mkldnn(), 8, rope_ext.cos_sin_cache(8, 8), True),
         "pos_ids must be a dense \\(strided\\) tensor": lambda: flashinfer.apply_rope_pos_ids(
             q, k, pos.to_sparse()),
         "eps must be a float, got tensor": lambda: rope_ext.qk_norm_rope_(

@@ -47,7 +47,8 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, r
         try:
             q = query.view(qs[0], qs[1] // head_size, head_size)
             k = None if key is None else key.view(ks[0], ks[1] // head_size, head_size)
-        except NotImplementedError:  # a sparse or MKL-DNN tensor has no view: named below
+        except (NotImplementedError, RuntimeError):  # a sparse or MKL-DNN tensor has no view:
+            # named below (a dense one always splits its last dim)
             heads(query, head_size, "query", lead)
             heads(key, head_size, "key", lead)
             raise
