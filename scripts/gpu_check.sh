@@ -45,7 +45,8 @@ if [ -z "$PY" ]; then
 fi
 [ -n "$PY" ] || { echo "gpu_check: no python with torch found (set PYTHON=...)"; exit 2; }
 # absolute (the rebuild may run from a copy elsewhere), the venv's link itself kept
-case "$PY" in */*) PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" ;; *) PY="$(command -v "$PY")" ;; esac
+case "$PY" in */*) PY="$(cd "$(dirname "$PY")" 2>/dev/null && pwd)/$(basename "$PY")" ;; *) PY="$(command -v "$PY")" ;; esac
+"$PY" -c "import torch" 2>/dev/null || { echo "gpu_check: PYTHON=${PYTHON:-$PY} cannot import torch"; exit 2; }
 DRY="${GPU_CHECK_DRY:-0}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 

@@ -429,3 +429,9 @@ def test_gpu_check_without_a_gpu_stops_instead_of_passing(tmp_path):
     assert res.returncode == 3, res.stdout + res.stderr
     assert "no CUDA device visible" in res.stdout and "GPU_CHECK_DRY=1" in res.stdout, res.stdout
     assert "1. libraries" not in res.stdout, res.stdout
+    # an interpreter that is not there, or has no torch, is said as such (not as "no GPU")
+    res = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh")],
+                         env=clean_env(OUT=str(tmp_path), PYTHON="no-such-python"),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "PYTHON=no-such-python cannot import torch" in res.stdout, \
+        res.stdout + res.stderr
