@@ -129,8 +129,10 @@ def _fast_path(q, k, cos, sin, unsqueeze_dim):
     c = cos.as_strided(size, stride)  # the storage offset is cos's own
     sb, st, sd = sin.stride()
     s = sin.as_strided(size, (sb, 0, st, sd) if unsqueeze_dim == 1 else (sb, st, 0, sd))
-    if k is None:
-        return (ops.apply(q, float32_table(c), float32_table(s), False),)
+    if k is None:  # (small: the tables as they are, as for q and k in one call below)
+        if q.numel() > ONE_CALL_NUMEL:
+            c, s = float32_table(c), float32_table(s)
+        return (ops.apply(q, c, s, False),)
     # Small q and k in one call, but not where they need gradients: views of one output refuse
     # in-place ops under autograd (q_embed *= scale would fail).
     if same_rest and q.numel() + k.numel() <= ONE_CALL_NUMEL and \
