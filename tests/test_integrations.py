@@ -813,6 +813,32 @@ def patched_calls(model, batches):
     return out, n, calls
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "gemma3n_text"])
+def test_fused_qk_norm_keeps_the_projections_memory_order(family, monkeypatch):
+    """The fused QK-norm + RoPE takes transformers' q and k, (batch, heads, seq, head_dim) views
+    of (batch, seq, heads, head_dim) projections, in the projections' order, as the plain RoPE
+    drop-in does: attention's output then follows it, and the transpose after attention is a
+    view, not a copy (saved for backward in training)."""
+    if family not in FAMILIES:
+        pytest.skip(f"{family} is not in this transformers")
+    model = build(family)
+    batches = inputs(family)
+    want, _ = logits(model, batches)
+    integration.patch(model)
+    api, orders = _qk_norm.fused_op, []
+
+    def recorded(q, k, *args):
+        out = api(q, k, *args)
+        orders.append((q.is_contiguous(), out[0].is_contiguous()))
+        return out
+
+    monkeypatch.setattr(_qk_norm, "fused_op", recorded)
+    got, _ = logits(model, batches)
+    assert orders and all(order == (True, True) for order in orders), orders
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_patched_model_same_logits(family):
     model = build(family)

@@ -691,13 +691,22 @@ def _qk_norm_rope_call(rope):
         if norms is None or unsqueeze_dim not in (1, 2) or q.dim() != 4:  # transformers' layouts
             q_norm, k_norm = _submodule(module, _norms[0]), _submodule(module, _norms[1])
             return rope(q_norm(q), k_norm(k), cos, sin, unsqueeze_dim=unsqueeze_dim)
+        # q and k (batch, heads, seq, head_dim) views of (batch, seq, heads, head_dim) projections
+        # are rotated in that order (as compat.transformers' RoPE does): results in the
+        # projection's order keep attention's output in it, whose transpose is then a view, not
+        # a copy (saved for backward in training).
+        seq_major = (unsqueeze_dim == 1 and k.dim() == 4 and not q.is_contiguous()
+                     and hf._seq_major(q) and hf._seq_major(k))
+        if seq_major:
+            q, k, unsqueeze_dim = q.transpose(1, 2), k.transpose(1, 2), 2
         if cos.dim() == 3:  # transformers' (batch, seq, rotary_dim)
             cos, sin = _tables(cos, sin, unsqueeze_dim)
         else:
             cos, sin = _api.half_tables(cos, sin, head_first=unsqueeze_dim == 1, ndim=4)
         q_weight, k_weight, eps, unit_offset = norms
         # rope_ext.qk_norm.qk_norm_rope(..., table_width="half") without its Python frames.
-        return fused_op(q, k, q_weight, k_weight, cos, sin, eps, unit_offset, False)
+        q, k = fused_op(q, k, q_weight, k_weight, cos, sin, eps, unit_offset, False)
+        return (q.transpose(1, 2), k.transpose(1, 2)) if seq_major else (q, k)
 
     return call
 
@@ -730,10 +739,14 @@ def norm_rope_one_call(module, norm_name, x, cos, sin, position_ids=None, unsque
     if (fused is None or unsqueeze_dim not in (1, 2) or x.dim() != 4 or cos.dim() != 3
             or cos.requires_grad or sin.requires_grad):
         return hf.apply_rotary_pos_emb_single(norm(x), cos, sin, unsqueeze_dim=unsqueeze_dim)
+    seq_major = unsqueeze_dim == 1 and not x.is_contiguous() and hf._seq_major(x)
+    if seq_major:  # in the projection's order (qk_norm_rope_call says why)
+        x, unsqueeze_dim = x.transpose(1, 2), 2
     cos, sin = _tables(cos, sin, unsqueeze_dim)
     none = x.narrow(unsqueeze_dim, 0, 0)
     weight, eps, unit_offset = fused
-    return fused_op(x, none, weight, weight, cos, sin, eps, unit_offset, False)[0]
+    out = fused_op(x, none, weight, weight, cos, sin, eps, unit_offset, False)[0]
+    return out.transpose(1, 2) if seq_major else out
 
 
 # The op qk_norm_rope_call runs (looked up at each call: tests count its calls through it),
