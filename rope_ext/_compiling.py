@@ -23,3 +23,10 @@ def compiling():
     """torch.compiler.is_compiling(), for this thread."""
     return _is_compiling() and (_is_dynamo_compiling() or _tracing_context() is not None
                                 or _dispatch_modes() > 0)
+
+
+def tracing():
+    """Whether tensors made now belong to a trace, not to eager code: torch.compile or export,
+    a dispatch mode (FakeTensorMode, make_fx), or torch.jit.trace. A cache must neither keep
+    them nor hand a kept real tensor to the trace."""
+    return compiling() or _dispatch_modes() > 0 or torch.jit.is_tracing()

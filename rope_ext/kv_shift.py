@@ -2,11 +2,13 @@
 context shift, StreamingLLM's attention sinks, a cached prefix reused at new positions).
 docs/kv-shift.md has the semantics and their limits."""
 
+import functools
 import numbers
 
 import torch
 
 from ._args import check_flag
+from ._compiling import tracing
 from ._registrations import check_not_inference
 
 from ._call import ops  # noqa: E402  (torch.ops.rope, without autograd where none is needed)
@@ -21,7 +23,18 @@ def _delta_tensor(delta, device):
         raise ValueError(f"delta must be an int or an int32/int64 tensor, got {delta!r}")
     if not _INT64[0] <= delta <= _INT64[1]:
         raise ValueError(f"delta must fit in int64, got {delta}")
-    return torch.tensor(int(delta), dtype=torch.int64, device=device)
+    if device is None or tracing():  # (no cache: the op names key_cache; a trace's own tensor)
+        return torch.tensor(int(delta), dtype=torch.int64, device=device)
+    return _int64_scalar(int(delta), device)
+
+
+@functools.lru_cache(maxsize=64)
+def _int64_scalar(value, device):
+    """A 0-dim int64 tensor of `value` on `device`, kept: a tensor made per call was 4 of a 10 us
+    decode-sized shift (a host-to-device copy on a GPU). Read-only: the op never writes it. Made
+    outside inference mode, so that any later mode can use it."""
+    with torch.inference_mode(False):
+        return torch.tensor(value, dtype=torch.int64, device=device)
 
 
 def shift_kv_cache_(key_cache, slot_mapping, delta, cos_sin_cache, *, interleaved=False,

@@ -11,7 +11,7 @@ import threading
 import torch
 
 from .._args import check_dense, check_flag, check_int, check_tensors  # noqa: F401  (re-exported for the drop-ins)
-from .._compiling import compiling
+from .._compiling import compiling, tracing  # noqa: F401  (re-exported for the drop-ins)
 from ..ops import check_head_size, heads  # noqa: F401
 
 from .._call import ops  # noqa: E402  (torch.ops.rope, without autograd where none is needed)
@@ -72,14 +72,6 @@ def _peer_view(t, head_size, name):
     if t is not None and t.dim() == 3 and t.shape[-1] != head_size and t.shape[-1] % head_size == 0:
         return t.view(t.shape[0], -1, head_size)
     return heads(t, head_size, name, 1)
-
-
-def tracing():
-    """Whether tensors made now belong to a trace, not to eager code: torch.compile or export,
-    a dispatch mode (FakeTensorMode, make_fx), or torch.jit.trace. A cache must neither keep
-    them nor hand a kept real tensor to the trace."""
-    return (compiling() or torch._C._len_torch_dispatch_stack() > 0
-            or torch.jit.is_tracing())
 
 
 def uncached_when_tracing(cached):
