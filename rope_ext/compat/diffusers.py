@@ -22,8 +22,8 @@ docs/diffusers.md.
 import torch
 
 from .._compiling import compiling
-from ._layout import (broadcasts_within, comparable, derivative_wanted, float32_table,
-                      join_members, pair_members, rotate_pairs)
+from ._layout import (broadcast_shape, broadcasts_within, comparable, derivative_wanted,
+                      float32_table, join_members, pair_members, rotate_pairs)
 
 
 def _one_per_pair(table, interleaved, compact):
@@ -65,7 +65,7 @@ def _check_tables(x, cos, sin):
             raise ValueError(f"freqs_cis: {name} of shape {list(t.shape)} must have the head dim "
                              f"x.size(-1) = {x.shape[-1]} as its last dim")
     try:
-        torch.broadcast_shapes(x.shape, cos.shape, sin.shape)
+        broadcast_shape(x.shape, cos.shape, sin.shape)
     except RuntimeError:
         raise ValueError(f"freqs_cis: cos {list(cos.shape)} and sin {list(sin.shape)} (as placed "
                          f"against x) do not broadcast with x of shape {list(x.shape)}") from None
@@ -186,7 +186,7 @@ def _complex(x, freqs_cis, unsqueeze_dim):
     f_shape = freqs_cis.unsqueeze(unsqueeze_dim).shape
     pairs = x.shape[:-1] + (x.shape[-1] // 2,)
     try:
-        shape = torch.broadcast_shapes(pairs, f_shape)
+        shape = broadcast_shape(pairs, f_shape)
     except RuntimeError:
         shape = None
     if shape is None or len(shape) != 4 or shape[-1] != pairs[-1]:
