@@ -172,7 +172,9 @@ def _packed_angles(t, freqs, cu_seqlens, start_positions, cp_size, cp_rank):
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise ValueError(f"cu_seqlens must have shape [b + 1], got {list(cu_seqlens.shape)}")
     total, rows = t.shape[0], freqs.shape[0]
-    bounds = cu_seqlens.to(t.device).long() // cp_size
+    bounds = cu_seqlens.to(t.device).long()
+    if cp_size != 1:
+        bounds = bounds // cp_size
     starts = bounds - bounds[:1]
     lengths = starts[1:] - starts[:-1]
     check_values((lengths >= 0) & (starts[-1] == total),
@@ -183,9 +185,13 @@ def _packed_angles(t, freqs, cu_seqlens, start_positions, cp_size, cp_rank):
                      "(from cu_seqlens) must be even: the two chunks this rank holds")
     offsets = 0 if start_positions is None else _check_starts(start_positions, lengths.numel(),
                                                               t.device)
-    check_values(offsets <= rows - lengths * cp_size,  # no int64 wrap for a huge offset
-                 f"freqs has {rows} positions (freqs.size(0)); a sequence needs start_positions "
-                 "+ cp_size * (its length over cp_size)")
+    # (without offsets, every sequence fits where all of them do: the lengths, checked
+    # non-negative, sum to total; a decode call is then spared five tensor ops)
+    if not (start_positions is None and type(total) is int and type(rows) is int
+            and total * cp_size <= rows):
+        check_values(offsets <= rows - lengths * cp_size,  # no int64 wrap for a huge offset
+                     f"freqs has {rows} positions (freqs.size(0)); a sequence needs "
+                     "start_positions + cp_size * (its length over cp_size)")
     token, seq = token_sequences(starts, total)
     local = token - starts[seq]
     pos = _rank_positions(local, lengths[seq], cp_size, cp_rank)
