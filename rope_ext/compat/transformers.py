@@ -53,6 +53,17 @@ def _seq_major(x):
     return x.transpose(1, 2).is_contiguous()
 
 
+def in_projection_order(unsqueeze_dim, q, k=None):
+    """Whether transformers' q (and k), (batch, heads, seq, head_dim) for unsqueeze_dim 1, are
+    views of (batch, seq, heads, head_dim) projections, not contiguous as they are. Its
+    elementwise RoPE keeps that memory order, and attention's output (SDPA's on the CPU) follows
+    q's, so that the transpose after it is a view: a contiguous (batch, heads, seq, head_dim)
+    result would cost a copy of the attention output there (saved for backward in training).
+    Rotated as their transposes, the results keep the order."""
+    return (unsqueeze_dim == 1 and not q.is_contiguous() and _seq_major(q)
+            and (k is None or (k.dim() == 4 and _seq_major(k))))
+
+
 def _rotate_half_style(tensors, cos, sin, dtypes, interleaved=False):
     """Each x of `tensors`: x * cos + rotate_half(x) * sin on its first cos.size(-1) dims, the
     rest passed through, in its dtype of `dtypes`. rotate_half pairs dims (i, i + width/2), or
@@ -101,12 +112,7 @@ def _fast_path(q, k, cos, sin, unsqueeze_dim):
     if (b != 1 and not b == q_shape[0] == k_shape[0]) or \
             (t != 1 and not t == q_shape[seq] == k_shape[seq]):
         return None  # the tables broadcast q or k to more rows: the general path expands them
-    if unsqueeze_dim == 1 and not q.is_contiguous() and _seq_major(q) and (k is None or _seq_major(k)):
-        # transformers' q and k: (batch, seq, heads, head_dim) projections seen as (batch,
-        # heads, seq, head_dim). Its elementwise RoPE keeps that memory order, and attention's
-        # output (SDPA's on the CPU) follows q's, so that the transpose after it is a view. A
-        # contiguous (batch, heads, seq, head_dim) result would cost a copy of the attention
-        # output there (saved for backward in training): rotate in the projection's order.
+    if in_projection_order(unsqueeze_dim, q, k):
         out = _fast_path(q.transpose(1, 2), None if k is None else k.transpose(1, 2), cos, sin, 2)
         return None if out is None else tuple(t.transpose(1, 2) for t in out)
     half = rot // 2

@@ -691,12 +691,7 @@ def _qk_norm_rope_call(rope):
         if norms is None or unsqueeze_dim not in (1, 2) or q.dim() != 4:  # transformers' layouts
             q_norm, k_norm = _submodule(module, _norms[0]), _submodule(module, _norms[1])
             return rope(q_norm(q), k_norm(k), cos, sin, unsqueeze_dim=unsqueeze_dim)
-        # q and k (batch, heads, seq, head_dim) views of (batch, seq, heads, head_dim) projections
-        # are rotated in that order (as compat.transformers' RoPE does): results in the
-        # projection's order keep attention's output in it, whose transpose is then a view, not
-        # a copy (saved for backward in training).
-        seq_major = (unsqueeze_dim == 1 and k.dim() == 4 and not q.is_contiguous()
-                     and hf._seq_major(q) and hf._seq_major(k))
+        seq_major = hf.in_projection_order(unsqueeze_dim, q, k)  # (rotated in that order)
         if seq_major:
             q, k, unsqueeze_dim = q.transpose(1, 2), k.transpose(1, 2), 2
         if cos.dim() == 3:  # transformers' (batch, seq, rotary_dim)
@@ -739,8 +734,8 @@ def norm_rope_one_call(module, norm_name, x, cos, sin, position_ids=None, unsque
     if (fused is None or unsqueeze_dim not in (1, 2) or x.dim() != 4 or cos.dim() != 3
             or cos.requires_grad or sin.requires_grad):
         return hf.apply_rotary_pos_emb_single(norm(x), cos, sin, unsqueeze_dim=unsqueeze_dim)
-    seq_major = unsqueeze_dim == 1 and not x.is_contiguous() and hf._seq_major(x)
-    if seq_major:  # in the projection's order (qk_norm_rope_call says why)
+    seq_major = hf.in_projection_order(unsqueeze_dim, x)
+    if seq_major:  # rotated in the projection's order
         x, unsqueeze_dim = x.transpose(1, 2), 2
     cos, sin = _tables(cos, sin, unsqueeze_dim)
     none = x.narrow(unsqueeze_dim, 0, 0)
