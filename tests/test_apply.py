@@ -4,8 +4,9 @@ import pytest
 import torch
 
 import rope_ext
-from conftest import DTYPES, assert_close
+from conftest import DTYPES, assert_close, native_cpu, poison_like
 from rope_oracle import rope, table_for
+from test_cpu_isa import runnable
 
 IMPLS = {
     "op": rope_ext.apply_rope,
@@ -109,6 +110,43 @@ def test_any_memory_order_of_leading_dims(perm, dtype):
     assert torch.equal(poisoned, out)
     grad = torch.ops.rope.apply_backward(x, cos, sin, False)
     assert_close(grad, rope(x, cos, sin, False, inverse=True), dtype)
+
+
+@pytest.mark.parametrize("isa", runnable())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("table_rows", ["S", "BS"])
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_rows_sharing_a_table_row_far_apart(isa, dtype, table_rows, n_threads):
+    # x (B, H, S, D) contiguous with (1, 1, S, h) or (B, 1, S, h) tables: a table row's rows lie
+    # S rows apart, and the CPU walk takes them as one token's heads (rope_cpu.cpp
+    # take_outer_heads). Every row written (a poisoned out=), forward and inverse, partial
+    # rotary with its pass-through dims, both pair layouts, a strided x too, on every kernel
+    # variant, split across threads or not.
+    if not native_cpu():
+        pytest.skip("native library not built")
+    Bn, Hn, Sn, D, rd = 2, 5, 601, 96, 64  # over 1 MiB: a fresh output is backed at once
+    pos = torch.randint(0, 4096, (Bn if table_rows == "BS" else 1, Sn))
+    cos64, sin64 = table_for(pos, rd)
+    cos, sin = cos64[:, None].float(), sin64[:, None].float()
+    if dtype == torch.bfloat16:
+        cos, sin = cos.bfloat16(), sin.bfloat16()
+    before, serving = torch.get_num_threads(), rope_ext.cpu_isa()
+    try:
+        torch.set_num_threads(n_threads)
+        rope_ext.set_cpu_isa(isa)
+        for x in (torch.randn(Bn, Hn, Sn, D, dtype=dtype),
+                  torch.randn(Bn, Hn, Sn, 2 * D, dtype=dtype)[..., ::2]):
+            for interleaved in (False, True):
+                out = poison_like(x.contiguous())
+                torch.ops.rope.apply.out(x, cos, sin, interleaved, out=out)
+                assert_close(out, rope(x, cos, sin, interleaved), dtype)
+                assert torch.equal(out[..., rd:], x[..., rd:])
+                assert torch.equal(torch.ops.rope.apply(x, cos, sin, interleaved), out)
+                back = torch.ops.rope.apply_backward(x, cos, sin, interleaved)
+                assert_close(back, rope(x, cos, sin, interleaved, inverse=True), dtype)
+    finally:
+        torch.set_num_threads(before)
+        rope_ext.set_cpu_isa(serving)
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])

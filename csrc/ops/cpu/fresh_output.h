@@ -99,6 +99,13 @@ FreshOutput fresh_output(const RotateGeometry& g, void* out, int64_t bytes) {
   return f;
 }
 
+// A fresh output small enough to stay in the cache, written in an order other than token after
+// token, backed at once (one madvise); returns no FreshOutput (nothing left to back).
+FreshOutput back_at_once(const FreshOutput& f, int64_t bytes) {
+  if (f.per_token != 0) populate(f.base, f.base + bytes);
+  return FreshOutput{};
+}
+
 // fn(b, e) over tokens [b, e), each kFirstTouchChunk of the output backed just before it is
 // written; plain fn(b, e) when f is not a fresh output.
 template <typename F>

@@ -78,10 +78,50 @@ RotateJob job_for(const RotateGeometry& g, const Tensor& x, void* dst, const Ten
 
 // An allocating op's job into its new `out`: streamed as job_for says, unless out is fresh
 // (then plain stores after a chunked first touch: fresh_output.h).
-void run_rotate_new(RotateJob job, const Tensor& out, ScalarType x_type) {
-  const FreshOutput fresh = fresh_output(*job.g, job.dst[0], nbytes(out));
+void run_rotate_new(RotateJob job, const FreshOutput& fresh, ScalarType x_type) {
   if (fresh.per_token != 0) job.stream = false;
   run_rotate(job, x_type, fresh);
+}
+void run_rotate_new(RotateJob job, const Tensor& out, ScalarType x_type) {
+  run_rotate_new(job, fresh_output(*job.g, job.dst[0], nbytes(out)), x_type);
+}
+
+// rope.apply's rows where no leading dim shares its table rows innermost but an outer one does
+// (x (B, H, S, D) contiguous with tables (1, 1, S, rotary_dim/2): a table row's B * H rows lie S
+// rows apart): that dim becomes the heads, so a table row is read (and converted) once for all of
+// them rather than once per row. Returns whether g changed.
+bool take_outer_heads(RotateGeometry& g) {
+  LeadIndexer& ix = g.lead;
+  if (g.target[0].heads != 1) return false;
+  for (int d = ix.ndim - 2; d >= 0; --d) {
+    if (ix.strides[kTab0][d] != 0 || ix.strides[kTab1][d] != 0) continue;
+    g.target[0].heads = ix.sizes[d];
+    g.target[0].src_head = ix.strides[kSrc0][d];
+    g.target[0].dst_head = ix.strides[kDst0][d];
+    g.tokens /= ix.sizes[d];
+    for (int i = d; i + 1 < ix.ndim; ++i) {
+      ix.sizes[i] = ix.sizes[i + 1];
+      for (int t = 0; t < kMaxOperands; ++t) ix.strides[t][i] = ix.strides[t][i + 1];
+    }
+    --ix.ndim;
+    return true;
+  }
+  return false;
+}
+
+// rope.apply's rows of x into out (`fresh_out`: allocated by this call). Outer heads
+// (take_outer_heads) only for a call that stays in the cache, x and out together below the
+// streaming threshold: at DRAM sizes a token's rows megabytes apart stream worse than the walk
+// in memory order (docs/cpu-performance.md "Heads far apart"). Its fresh output, no longer
+// written token after token, is backed at once.
+void run_apply(RotateGeometry g, const Tensor& x, const Tensor& cos, const Tensor& sin,
+               const Tensor& out, bool fresh_out) {
+  void* dst = out.mutable_data_ptr();
+  FreshOutput fresh = fresh_out ? fresh_output(g, dst, nbytes(out)) : FreshOutput{};
+  if (2 * nbytes(out) < cpu_stream_threshold_bytes() && take_outer_heads(g)) {
+    fresh = back_at_once(fresh, nbytes(out));
+  }
+  run_rotate_new(job_for(g, x, dst, cos, sin, nbytes(out)), fresh, dtype_of(x));
 }
 
 // rope.apply (kInverse = false) and rope.apply_backward (true) into a fresh tensor.
@@ -91,14 +131,12 @@ Tensor apply_cpu(Tensor x, Tensor cos, Tensor sin, bool interleaved) {
                                        kInverse ? "rope.apply_backward" : "rope.apply",
                                        kInverse ? "grad" : "x");
   Tensor out = new_contiguous(x, x.sizes());
-  run_rotate_new(job_for(g, x, out.mutable_data_ptr(), cos, sin, nbytes(out)), out,
-                 dtype_of(x));
+  run_apply(g, x, cos, sin, out, true);
   return out;
 }
 
 void apply_out_cpu(Tensor x, Tensor cos, Tensor sin, bool interleaved, Tensor out) {
-  const RotateGeometry g = check_apply_out(x, cos, sin, out, interleaved);
-  run_rotate(job_for(g, x, out.mutable_data_ptr(), cos, sin, nbytes(out)), dtype_of(x));
+  run_apply(check_apply_out(x, cos, sin, out, interleaved), x, cos, sin, out, false);
 }
 
 // The in-place ops on query/key: positions copied if they share memory with what is written,
