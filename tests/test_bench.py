@@ -270,20 +270,27 @@ def test_case_groups_are_modules_with_the_group_interface():
     from rope_bench import groups
 
     found = groups.discover()
-    assert {"calls", "dropins", "models"} <= set(found)
+    assert {"calls", "dropins", "layouts", "models"} <= set(found)
     for name, mod in found.items():
         assert mod.NAME == name and mod.ABOUT and callable(mod.run) and callable(mod.table)
 
 
 def test_quick_run_of_the_case_groups_writes_their_tables(tmp_path):
-    run = _run("--quick", "--cases", "calls,dropins,models", "--dtypes", "float32", "--threads", "1",
-               "--clock", "thread", "--out", str(tmp_path))
+    run = _run("--quick", "--cases", "calls,dropins,layouts,models", "--dtypes", "float32",
+               "--threads", "1", "--clock", "thread", "--out", str(tmp_path))
     assert run.returncode == 0, run.stdout + run.stderr
-    doc = json.loads((tmp_path / f"cpu{VARIANT}-calls-dropins-models-quick.json").read_text())
-    md = (tmp_path / f"cpu{VARIANT}-calls-dropins-models-quick.md").read_text()
+    stem = f"cpu{VARIANT}-calls-dropins-layouts-models-quick"
+    doc = json.loads((tmp_path / f"{stem}.json").read_text())
+    md = (tmp_path / f"{stem}.md").read_text()
     assert doc["results"] == [] and doc["errors"] == [], doc["errors"]
     assert doc["meta"]["timing"].startswith("time.thread_time")
-    assert list(doc["groups"]) == ["calls", "dropins", "models"]
+    assert list(doc["groups"]) == ["calls", "dropins", "layouts", "models"]
+    layouts = doc["groups"]["layouts"]["rows"]
+    assert {r["call"] for r in layouts} >= {"floor: x.clone()", "(B, S, H, D)",
+                                            "(B, H, S, D) transposed view",
+                                            "(B, H, S, D) contiguous"}
+    for r in layouts:
+        assert r["x_floor"] == pytest.approx(r["median_s"] / r["floor_s"], rel=1e-9)
     calls = doc["groups"]["calls"]["rows"]
     assert {r["mode"] for r in calls} == {"inference_mode", "no_grad", "grad_mode"}
     names = {r["call"] for r in calls}
