@@ -174,6 +174,48 @@ def test_every_cpu_variant_agrees_with_the_oracle(dtype, isa):
         rope_ext.set_cpu_isa(before)
 
 
+@pytest.mark.parametrize("isa", runnable())
+@pytest.mark.parametrize("table_rows", ["S", "BS"])
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_head_first_contiguous_rows_far_apart(isa, table_rows, n_threads):
+    # q and k (B, H, S, D) contiguous with (1, 1, S, h) or (B, 1, S, h) tables: the CPU walk
+    # takes a table row's B * H (or H) rows as one token's heads (checks.h take_outer_heads), the
+    # norm across heads keeps the view's order. rope.qk_norm_rope and every norm_rope form
+    # against float64, on every kernel variant, the rows split across threads or not.
+    if not native_cpu():
+        pytest.skip("no native CPU library")
+    B, Hq, Hk, S, D, rd = 2, 4, 2, 150, 64, 48
+    ang = torch.rand(B if table_rows == "BS" else 1, 1, S, rd // 2) * 40
+    cos, sin = ang.cos(), ang.sin()
+    before, serving = torch.get_num_threads(), rope_ext.cpu_isa()
+    try:
+        torch.set_num_threads(n_threads)
+        rope_ext.set_cpu_isa(isa)
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k = torch.randn(B, Hq, S, D, dtype=dtype), torch.randn(B, Hk, S, D, dtype=dtype)
+            wq, wk = torch.randn(D, dtype=dtype), torch.randn(D, dtype=dtype)
+            for interleaved in (False, True):
+                poison_heap(q, k)
+                oq, ok = ops.qk_norm_rope(q, k, wq, wk, cos, sin, 1e-6, False, interleaved)
+                close(oq, oracle(q, wq, None, cos, sin, 1e-6, "rms", interleaved), dtype)
+                close(ok, oracle(k, wk, None, cos, sin, 1e-6, "rms", interleaved), dtype)
+                for norm in FORMS:
+                    if norm == "rms_across_heads":  # the norm runs over dims -2, -1: heads there
+                        xq, xk = q.transpose(1, 2), k.transpose(1, 2)
+                        c, s_ = cos.transpose(1, 2), sin.transpose(1, 2)
+                    else:
+                        xq, xk, c, s_ = q, k, cos, sin
+                    pq, bq = params(norm, Hq, D, dtype, True, norm == "layer")
+                    pk, bk = params(norm, Hk, D, dtype, True, False)
+                    poison_heap(xq, xk)
+                    oq, ok = ops.norm_rope(xq, xk, pq, pk, bq, bk, c, s_, 1e-6, norm, interleaved)
+                    close(oq, oracle(xq, pq, bq, c, s_, 1e-6, norm, interleaved), dtype)
+                    close(ok, oracle(xk, pk, bk, c, s_, 1e-6, norm, interleaved), dtype)
+    finally:
+        torch.set_num_threads(before)
+        rope_ext.set_cpu_isa(serving)
+
+
 @pytest.mark.parametrize("isa", rope_ext._library.CPU_ISA_NAMES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_longer_than_the_stack_buffers(dtype, isa):

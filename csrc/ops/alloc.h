@@ -43,4 +43,9 @@ inline torch::stable::Tensor new_contiguous(const torch::stable::Tensor& like,
   return torch::stable::Tensor(out);
 }
 
+// The bytes of an allocated tensor's elements (which fit: they were allocated).
+inline int64_t nbytes(const torch::stable::Tensor& t) {
+  return t.numel() * static_cast<int64_t>(t.element_size());
+}
+
 }  // namespace rope

@@ -688,6 +688,31 @@ inline RotateGeometry check_apply(const Tensor& x_t, const Tensor& cos_t, const 
   return g;
 }
 
+// Rows of one target where no leading dim shares its table rows innermost but an outer one does
+// (x (B, H, S, D) contiguous with tables (1, 1, S, rotary_dim/2): a table row's B * H rows lie S
+// rows apart): that dim becomes the heads, so a table row is read (and converted) once for all of
+// them rather than once per row. Returns whether g changed. The CPU ops that rotate by broadcast
+// tables (rope.apply, rope.qk_norm_rope, rope.norm_rope but across heads) take it for calls that
+// stay in the cache (docs/cpu-performance.md "Heads far apart").
+inline bool take_outer_heads(RotateGeometry& g) {
+  LeadIndexer& ix = g.lead;
+  if (g.target[0].heads != 1) return false;
+  for (int d = ix.ndim - 2; d >= 0; --d) {
+    if (ix.strides[kTab0][d] != 0 || ix.strides[kTab1][d] != 0) continue;
+    g.target[0].heads = ix.sizes[d];
+    g.target[0].src_head = ix.strides[kSrc0][d];
+    g.target[0].dst_head = ix.strides[kDst0][d];
+    g.tokens /= ix.sizes[d];
+    for (int i = d; i + 1 < ix.ndim; ++i) {
+      ix.sizes[i] = ix.sizes[i + 1];
+      for (int t = 0; t < kMaxOperands; ++t) ix.strides[t][i] = ix.strides[t][i + 1];
+    }
+    --ix.ndim;
+    return true;
+  }
+  return false;
+}
+
 // rope.apply.out: check_apply, then out has x's device, dtype and shape, is contiguous, and
 // shares no memory with x, cos or sin.
 inline RotateGeometry check_apply_out(const Tensor& x_t, const Tensor& cos_t, const Tensor& sin_t,

@@ -167,6 +167,11 @@ CpuIsa selected_cpu_isa();
 const CpuKernels* selected_cpu_kernels();
 // Outputs of at least this many bytes are written with non-temporal stores.
 int64_t cpu_stream_threshold_bytes();
+// Whether a call that reads and writes `out_bytes` each stays in the cache: both below the
+// threshold of non-temporal stores (the last-level cache's size unless set).
+inline bool stays_in_cache(int64_t out_bytes) {
+  return out_bytes < cpu_stream_threshold_bytes() / 2;
+}
 
 // The entry of variant `isa` of a kernel family, from the family's entry function per variant
 // (a family without a bfloat16 variant names its avx512 entry twice): the one mapping every

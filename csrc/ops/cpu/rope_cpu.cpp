@@ -50,10 +50,6 @@ void run_tokens(const RotateGeometry& g, const F& fn, int64_t more_per_token = 0
   }
 }
 
-int64_t nbytes(const Tensor& t) {
-  return t.numel() * static_cast<int64_t>(t.element_size());  // an allocated tensor: fits
-}
-
 // `fresh`: the output of an allocating op not yet backed by the OS (fresh_output.h), first
 // touched chunk by chunk by the thread that writes it.
 void run_rotate(const RotateJob& job, ScalarType x_type, const FreshOutput& fresh = {}) {
@@ -86,39 +82,16 @@ void run_rotate_new(RotateJob job, const Tensor& out, ScalarType x_type) {
   run_rotate_new(job, fresh_output(*job.g, job.dst[0], nbytes(out)), x_type);
 }
 
-// rope.apply's rows where no leading dim shares its table rows innermost but an outer one does
-// (x (B, H, S, D) contiguous with tables (1, 1, S, rotary_dim/2): a table row's B * H rows lie S
-// rows apart): that dim becomes the heads, so a table row is read (and converted) once for all of
-// them rather than once per row. Returns whether g changed.
-bool take_outer_heads(RotateGeometry& g) {
-  LeadIndexer& ix = g.lead;
-  if (g.target[0].heads != 1) return false;
-  for (int d = ix.ndim - 2; d >= 0; --d) {
-    if (ix.strides[kTab0][d] != 0 || ix.strides[kTab1][d] != 0) continue;
-    g.target[0].heads = ix.sizes[d];
-    g.target[0].src_head = ix.strides[kSrc0][d];
-    g.target[0].dst_head = ix.strides[kDst0][d];
-    g.tokens /= ix.sizes[d];
-    for (int i = d; i + 1 < ix.ndim; ++i) {
-      ix.sizes[i] = ix.sizes[i + 1];
-      for (int t = 0; t < kMaxOperands; ++t) ix.strides[t][i] = ix.strides[t][i + 1];
-    }
-    --ix.ndim;
-    return true;
-  }
-  return false;
-}
-
 // rope.apply's rows of x into out (`fresh_out`: allocated by this call). Outer heads
-// (take_outer_heads) only for a call that stays in the cache, x and out together below the
-// streaming threshold: at DRAM sizes a token's rows megabytes apart stream worse than the walk
-// in memory order (docs/cpu-performance.md "Heads far apart"). Its fresh output, no longer
+// (take_outer_heads, checks.h) only for a call that stays in the cache, x and out together below
+// the streaming threshold: at DRAM sizes a token's rows megabytes apart stream worse than the
+// walk in memory order (docs/cpu-performance.md "Heads far apart"). Its fresh output, no longer
 // written token after token, is backed at once.
 void run_apply(RotateGeometry g, const Tensor& x, const Tensor& cos, const Tensor& sin,
                const Tensor& out, bool fresh_out) {
   void* dst = out.mutable_data_ptr();
   FreshOutput fresh = fresh_out ? fresh_output(g, dst, nbytes(out)) : FreshOutput{};
-  if (2 * nbytes(out) < cpu_stream_threshold_bytes() && take_outer_heads(g)) {
+  if (stays_in_cache(nbytes(out)) && take_outer_heads(g)) {
     fresh = back_at_once(fresh, nbytes(out));
   }
   run_rotate_new(job_for(g, x, dst, cos, sin, nbytes(out)), fresh, dtype_of(x));

@@ -79,13 +79,16 @@ NormJob make_job(const RotateGeometry& g, double eps, bool unit_offset, const Te
 std::tuple<Tensor, Tensor> qk_norm_rope_cpu(Tensor query, Tensor key, Tensor q_weight,
                                             Tensor k_weight, Tensor cos, Tensor sin, double eps,
                                             bool unit_offset, bool interleaved) {
-  const auto [gq, gk] =
-      check_qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps, interleaved);
+  auto [gq, gk] = check_qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps, interleaved);
   const ScalarType xt = dtype_of(query);
   const Tensor wq = norm_weight(q_weight, xt, query.size(-1));
   const Tensor wk = norm_weight(k_weight, xt, query.size(-1));
   Tensor oq = new_contiguous(query, query.sizes());
   Tensor ok = new_contiguous(key, key.sizes());
+  if (stays_in_cache(nbytes(oq) + nbytes(ok))) {  // the rows are normed one by one
+    take_outer_heads(gq);
+    take_outer_heads(gk);
+  }
   const std::pair<const RotateGeometry*, std::pair<const Tensor*, const Tensor*>> parts[] = {
       {&gq, {&query, &oq}}, {&gk, {&key, &ok}}};
   for (int i = 0; i < 2; ++i) {
@@ -123,11 +126,16 @@ std::tuple<Tensor, Tensor> norm_rope_cpu(Tensor query, Tensor key, std::optional
                                          std::optional<Tensor> q_bias,
                                          std::optional<Tensor> k_bias, Tensor cos, Tensor sin,
                                          double eps, std::string norm, bool interleaved) {
-  const NormRopeCheck c =
+  NormRopeCheck c =
       check_norm_rope(query, key, q_weight, k_weight, q_bias, k_bias, cos, sin, eps, norm,
                       interleaved);
   const ScalarType xt = dtype_of(query);
   Tensor out[2] = {new_contiguous(query, query.sizes()), new_contiguous(key, key.sizes())};
+  // (Not across heads: there a token's heads must be its innermost rows.)
+  if (c.form != NormForm::kRmsAcrossHeads && stays_in_cache(nbytes(out[0]) + nbytes(out[1]))) {
+    take_outer_heads(c.gq);
+    take_outer_heads(c.gk);
+  }
   const Tensor* xs[2] = {&query, &key};
   const std::optional<Tensor>* ws[2] = {&q_weight, &k_weight};
   const std::optional<Tensor>* bs[2] = {&q_bias, &k_bias};
