@@ -85,7 +85,7 @@ std::tuple<Tensor, Tensor> qk_norm_rope_cpu(Tensor query, Tensor key, Tensor q_w
   const Tensor wk = norm_weight(k_weight, xt, query.size(-1));
   Tensor oq = new_contiguous(query, query.sizes());
   Tensor ok = new_contiguous(key, key.sizes());
-  if (stays_in_cache(nbytes(oq) + nbytes(ok))) {  // the rows are normed one by one
+  if (stays_in_cache(nbytes(oq) + nbytes(ok))) {  // a per-head norm: any rows can be heads
     take_outer_heads(gq);
     take_outer_heads(gk);
   }
