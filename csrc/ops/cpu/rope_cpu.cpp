@@ -72,8 +72,9 @@ RotateJob job_for(const RotateGeometry& g, const Tensor& x, void* dst, const Ten
   return job;
 }
 
-// An allocating op's job into its new `out`: streamed as job_for says, unless out is fresh
-// (then plain stores after a chunked first touch: fresh_output.h).
+// An allocating op's job into its new `out` (or with `fresh`, what fresh_output found of it):
+// streamed as job_for says, unless out is fresh (then plain stores after a chunked first touch:
+// fresh_output.h).
 void run_rotate_new(RotateJob job, const FreshOutput& fresh, ScalarType x_type) {
   if (fresh.per_token != 0) job.stream = false;
   run_rotate(job, x_type, fresh);
@@ -90,11 +91,10 @@ void run_rotate_new(RotateJob job, const Tensor& out, ScalarType x_type) {
 void run_apply(RotateGeometry g, const Tensor& x, const Tensor& cos, const Tensor& sin,
                const Tensor& out, bool fresh_out) {
   void* dst = out.mutable_data_ptr();
-  FreshOutput fresh = fresh_out ? fresh_output(g, dst, nbytes(out)) : FreshOutput{};
-  if (stays_in_cache(nbytes(out)) && take_outer_heads(g)) {
-    fresh = back_at_once(fresh, nbytes(out));
-  }
-  run_rotate_new(job_for(g, x, dst, cos, sin, nbytes(out)), fresh, dtype_of(x));
+  const int64_t bytes = nbytes(out);
+  FreshOutput fresh = fresh_out ? fresh_output(g, dst, bytes) : FreshOutput{};
+  if (stays_in_cache(bytes) && take_outer_heads(g)) fresh = back_at_once(fresh, bytes);
+  run_rotate_new(job_for(g, x, dst, cos, sin, bytes), fresh, dtype_of(x));
 }
 
 // rope.apply (kInverse = false) and rope.apply_backward (true) into a fresh tensor.
