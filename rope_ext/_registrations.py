@@ -248,15 +248,16 @@ def _ad_inplace_or_view_kernel(name):
     return kernel
 
 
-def serving_autograd(name, instead="it under torch.no_grad() or torch.inference_mode()"):
-    """The Autograd kernel of serving op `name` (not differentiable): torch's refusal when an
-    argument requires grad (`instead`: what the message suggests), else the ADInplaceOrView work
-    on what the schema marks written, then the kernel."""
+def serving_autograd(name, instead="it under torch.no_grad() or torch.inference_mode()",
+                     kind="a serving op"):
+    """The Autograd kernel of serving op `name` (not differentiable; `kind`: what the message
+    calls it): torch's refusal when an argument requires grad (`instead`: what the message
+    suggests), else the ADInplaceOrView work on what the schema marks written, then the kernel."""
     below = []  # built on first use: the op is registered after this module is imported
 
     def kernel(keyset, *args, **kwargs):
         if _needs_grad(*[a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]):
-            raise RuntimeError(f"rope.{name}: a serving op, not differentiable, but one of the "
+            raise RuntimeError(f"rope.{name}: {kind}, not differentiable, but one of the "
                                f"arguments requires grad; call {instead}")
         if not below:
             below.append(_ad_inplace_or_view_kernel(name))

@@ -134,7 +134,8 @@ def test_choosing_a_variant_this_cpu_lacks_is_an_error():
 
 
 def _digest(seed):
-    """One digest of every op's outputs (the rotations, the fused QK-norm, the K-shift) over dtypes, layouts, head dims with vector tails and
+    """One digest of every op's outputs (the rotations, the fused QK-norm and its backward, the
+    K-shift) over dtypes, layouts, head dims with vector tails and
     partial rotary, on inputs fixed by the seed."""
     g = torch.Generator().manual_seed(seed)
     h = hashlib.sha256()
@@ -162,6 +163,9 @@ def _digest(seed):
                 w = torch.randn(head_dim, generator=g).to(dtype)
                 torch.ops.rope.qk_norm_rope_(n[:, :3], n[:, 3:], w, w.flip(0), pos, cache,
                                              1e-6, False, interleaved)
+                # its backward (rope.qk_norm_rope_backward): grad_x and grad_weight
+                outs += torch.ops.rope.qk_norm_rope_backward(x.flip(0), x, w, cos, sin, 1e-6,
+                                                             interleaved, interleaved)
                 # K-shift: listed slots of a (37 blocks, 1, 3 heads) cache, each its own delta;
                 # a cache whose rows are strided along the head dim; float8 caches of both formats
                 slots = torch.randperm(37, generator=g)[:29]

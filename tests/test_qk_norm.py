@@ -276,6 +276,110 @@ def test_gradients_equal_unfused_eager():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+# ---- the backward op (rope.qk_norm_rope_backward) ----
+
+def oracle_grads(grad, x, w, cos, sin, eps, unit_offset, interleaved):
+    """float64 gradients (of x, of w) of the oracle, by autograd."""
+    xd = x.detach().double().requires_grad_()
+    wd = w.detach().double().requires_grad_()
+    y = oracle(xd, wd, cos, sin, eps, unit_offset, interleaved)
+    return torch.autograd.grad(y, (xd, wd), grad.double())
+
+
+def backward_cases(dtype, D, rotary_dim):
+    """(grad, x, cos, sin) in the layouts qk_norm_rope meets: (B, S, H, D) with (B, S, 1, h)
+    tables; (B, H, S, D) contiguous with (1, 1, S, h) bfloat16 tables and a grad whose memory is
+    (B, S, H, D) (transformers' transposed attention output); strided x with strided tables."""
+    B, S, H, h = 2, (301 if D <= 128 else 23), 3, rotary_dim // 2  # 2 threads: 2 tasks
+    yield (torch.randn(B, S, H, D, dtype=dtype), torch.randn(B, S, H, D, dtype=dtype),
+           torch.randn(B, S, 1, h), torch.randn(B, S, 1, h))
+    yield (torch.randn(B, S, H, D, dtype=dtype).transpose(1, 2),
+           torch.randn(B, H, S, D, dtype=dtype),
+           torch.randn(1, 1, S, h, dtype=torch.bfloat16), torch.randn(1, 1, S, h,
+                                                                      dtype=torch.bfloat16))
+    yield (torch.randn(B, S, H, D, dtype=dtype), torch.randn(B, S, H, 2 * D, dtype=dtype)[..., ::2],
+           torch.randn(B, S, 1, 2 * h)[..., ::2], torch.randn(B, S, 1, 2 * h)[..., ::2])
+
+
+@pytest.mark.parametrize("isa", rope_ext._library.CPU_ISA_NAMES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D,rotary_dim", [(128, 128), (96, 64), (2050, 1030)])
+def test_backward_op_against_float64(isa, dtype, D, rotary_dim):
+    # Every kernel variant, 1 and 2 threads (grad_weight's per-thread shares added), both pair
+    # layouts, the Gemma form, partial rotary (its pass-through dims), rows past 1024 dims.
+    if not native_cpu():
+        pytest.skip("no native CPU library")
+    if isa not in rope_ext.cpu_isas():
+        pytest.skip(f"this CPU cannot run the {isa} kernels")
+    before, serving = torch.get_num_threads(), rope_ext.cpu_isa()
+    w = torch.randn(D, dtype=torch.bfloat16)
+    try:
+        rope_ext.set_cpu_isa(isa)
+        for n_threads, (grad, x, cos, sin) in zip((1, 2, 1), backward_cases(dtype, D, rotary_dim)):
+            torch.set_num_threads(n_threads)
+            for interleaved in (False, True):
+                for unit_offset in (False, True):
+                    gx, gw = ops.qk_norm_rope_backward(grad, x, w, cos, sin, 1e-6, unit_offset,
+                                                       interleaved)
+                    ex, ew = oracle_grads(grad, x, w, cos, sin, 1e-6, unit_offset, interleaved)
+                    assert gx.dtype == dtype and gx.shape == x.shape and gx.is_contiguous()
+                    assert gw.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+                    close(gx, ex, dtype)
+                    # grad_weight: sums over every row, in the arithmetic type
+                    rtol = 1e-10 if dtype == torch.float64 else 1e-5
+                    torch.testing.assert_close(gw.double(), ew, rtol=rtol,
+                                               atol=rtol * ew.abs().max().item())
+                    rx, rw = reference.qk_norm_rope_backward(grad, x, w, cos, sin, 1e-6,
+                                                             unit_offset, interleaved)
+                    close(gx, rx, dtype)
+    finally:
+        torch.set_num_threads(before)
+        rope_ext.set_cpu_isa(serving)
+
+
+def test_backward_takes_the_backward_op_and_double_backward_does_not():
+    q = torch.randn(2, 5, 4, 16, requires_grad=True)
+    k = torch.randn(2, 5, 2, 16, requires_grad=True)
+    wq, wk = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
+    cos, sin = torch.randn(2, 5, 1, 8), torch.randn(2, 5, 1, 8)
+    a, b = ops.qk_norm_rope(q, k, wq, wk, cos, sin, 1e-6)
+    with torch.profiler.profile() as prof:
+        torch.autograd.backward((a, b), (torch.randn_like(a), torch.randn_like(b)))
+    names = [e.name for e in prof.events()]
+    assert names.count("rope::qk_norm_rope_backward") == 2, names
+    d = dict(dtype=torch.float64, requires_grad=True)
+    args = (torch.randn(2, 3, 2, 8, **d), torch.randn(2, 3, 1, 8, **d), torch.randn(8, **d),
+            torch.randn(8, **d), torch.randn(2, 3, 1, 3), torch.randn(2, 3, 1, 3))
+
+    def f(q, k, wq, wk):
+        return ops.qk_norm_rope(q, k, wq, wk, *args[4:], 1e-3, True, False)
+
+    assert torch.autograd.gradgradcheck(f, args[:4])
+
+
+def test_backward_op_refuses_grad_and_bad_inputs_alike_on_both_paths():
+    x, g = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    w, c = torch.randn(8), torch.randn(2, 1, 3)
+    with pytest.raises(RuntimeError, match="rope.qk_norm_rope_backward: the backward of "
+                                           "rope.qk_norm_rope, not differentiable"):
+        ops.qk_norm_rope_backward(g, x.requires_grad_(), w, c, c, 1e-6)
+    x = x.detach()
+    bad = [dict(g=g.double()), dict(g=torch.randn(2, 3, 6)), dict(g=torch.randn(3, 2, 8)),
+           dict(w=torch.randn(2, 8)), dict(w=torch.ones(8, dtype=torch.int32)),
+           dict(c=torch.randn(2, 1, 5)), dict(eps=float("nan")), dict(x=torch.zeros(2, 3, 8,
+                                                                                    dtype=torch.long))]
+    paths = [reference.qk_norm_rope_backward] + ([ops.qk_norm_rope_backward] if native_cpu() else [])
+    for change in bad:
+        a = dict(g=g, x=x, w=w, c=c, eps=1e-6)
+        a.update(change)
+        msgs = set()
+        for fn in paths:
+            with pytest.raises(RuntimeError, match="^rope.qk_norm_rope_backward: ") as e:
+                fn(a["g"], a["x"], a["w"], a["c"], a["c"], a["eps"])
+            msgs.add(str(e.value))
+        assert len(msgs) == 1, (change, msgs)
+
+
 def test_in_place_ops_refuse_grad():
     q = torch.randn(3, 2, 8, requires_grad=True)
     with pytest.raises(RuntimeError, match="rope.qk_norm_rope_: a serving op, not differentiable"):
@@ -425,10 +529,13 @@ def _opcheck_samples():
                                      cache, 1e-6, True, False, [2, 2, 2], True)),
         (ops.qkv_norm_rope_.default, (torch.randn(7, 8 * 16), 4, 2, 2, 16, w, w, pos, cache,
                                       1e-6)),
+        (ops.qk_norm_rope_backward.default, (torch.randn(2, 5, 3, 16), torch.randn(2, 5, 3, 16),
+                                             w, torch.randn(2, 5, 1, 6), torch.randn(2, 5, 1, 6),
+                                             1e-6, True, True)),
     ]
 
 
-@pytest.mark.parametrize("i", range(5))
+@pytest.mark.parametrize("i", range(6))
 def test_opcheck(i):
     op, args = _opcheck_samples()[i]
     torch.library.opcheck(op, args)

@@ -611,9 +611,14 @@ inline const void* sin_of_cache(const Tensor& cache, const RotateGeometry& g) {
 // x's shape. Pointers are not part of the geometry; the caller binds x, cos, sin and out.
 // The rows are walked in x's memory order (in_memory_order), but with view_order in the order of
 // x's dims (the norm across heads: a token's heads must be its innermost rows).
+//
+// `also` (rope.qk_norm_rope_backward's grad): a second tensor read row for row with x, of x's
+// device, dtype and shape; its strides ride in the geometry as operand kSrc1 and target[1]'s
+// src_head / src_last (target 1 is no target of its own: targets stays 1).
 inline RotateGeometry check_apply(const Tensor& x_t, const Tensor& cos_t, const Tensor& sin_t,
                                   bool interleaved, bool inverse, const char* op,
-                                  const char* x_name, bool view_order = false) {
+                                  const char* x_name, bool view_order = false,
+                                  const Tensor* also_t = nullptr, const char* also_name = nullptr) {
   const Meta x(x_t), cos(cos_t), sin(sin_t);
   check_float(x, op, x_name);
   check_float(cos, op, "cos");
@@ -646,6 +651,17 @@ inline RotateGeometry check_apply(const Tensor& x_t, const Tensor& cos_t, const 
   }
   ROPE_CHECK(broadcasts, op, ": cos and sin of shape ", shape_str(cos), " must broadcast to ",
              x_name, ".shape[:-1] + (rotary_dim/2,) for ", x_name, " of shape ", shape_str(x));
+  std::optional<Meta> also;
+  if (also_t != nullptr) {
+    also.emplace(*also_t);
+    check_same_device(x, x_name, *also, op, also_name);
+    ROPE_CHECK(also->dtype == x.dtype, op, ": ", also_name, " must have the dtype of ", x_name,
+               " (", dtype_str(x.dtype), "), got ", dtype_str(also->dtype));
+    bool same_shape = also->dim == x.dim;
+    for (int64_t d = 0; same_shape && d < x.dim; ++d) same_shape = also->sizes[d] == x.sizes[d];
+    ROPE_CHECK(same_shape, op, ": ", also_name, " must have the shape of ", x_name, " ",
+               shape_str(x), ", got ", shape_str(*also));
+  }
 
   RotateGeometry g;
   g.head_dim = head_dim;
@@ -655,6 +671,7 @@ inline RotateGeometry check_apply(const Tensor& x_t, const Tensor& cos_t, const 
   g.copy_tail = true;
   g.targets = 1;
   g.target[0] = TargetDesc{1, 0, 0, x.stride(-1), 1};
+  if (also) g.target[1].src_last = also->stride(-1);
   g.table.kind = TableKind::kStrided;
   g.table.cos_col = cos.stride(-1);
   g.table.sin_col = sin.stride(-1);
@@ -667,6 +684,7 @@ inline RotateGeometry check_apply(const Tensor& x_t, const Tensor& cos_t, const 
     lead.size(d) = x.sizes[d];
     lead.stride(kSrc0, d) = x.strides[d];
     lead.stride(kDst0, d) = out_stride;
+    if (also) lead.stride(kSrc1, d) = also->strides[d];
     if (cos.dim > 1 && cos.sizes[d] != 1) {
       lead.stride(kTab0, d) = cos.strides[d];
       lead.stride(kTab1, d) = sin.strides[d];
@@ -683,6 +701,7 @@ inline RotateGeometry check_apply(const Tensor& x_t, const Tensor& cos_t, const 
     g.target[0].heads = ix.sizes[d];
     g.target[0].src_head = ix.strides[kSrc0][d];
     g.target[0].dst_head = ix.strides[kDst0][d];
+    g.target[1].src_head = ix.strides[kSrc1][d];
     g.tokens /= ix.sizes[d];
   }
   return g;

@@ -16,6 +16,7 @@ OP_PACKED = "rope.qkv_norm_rope_"
 OP_CACHE = "rope.qk_norm_rope_and_cache_"
 OP_CACHE_OUT = "rope.qk_norm_rope_and_cache"
 OP_FORMS = "rope.norm_rope"
+OP_BACKWARD = "rope.qk_norm_rope_backward"
 
 NORM_FORMS = ("rms", "rms_across_heads", "layer")
 # The norm forms other than a weighted per-head RMSNorm run each row through the kernels' stack
@@ -38,15 +39,20 @@ def check_eps(eps, op):
         _fail(f"{op}: eps must be at most 3.40282e+38 (float32's largest), got {_eps_str(eps)}")
 
 
+def check_weight(w, name, head_dim, ref, ref_name, op):
+    """A norm weight: 1-D (head_dim,), floating point, on ref's device."""
+    _checks._check_same_device(ref, ref_name, w, op, name)
+    if w.dtype not in _checks.FLOAT_DTYPES:
+        _fail(f"{op}: {name} must be float16, bfloat16, float32 or float64, got "
+              f"{dtype_name(w.dtype)}")
+    if w.dim() != 1 or w.shape[0] != head_dim:
+        _fail(f"{op}: {name} must have shape (head_dim,) = ({head_dim},), got {_shape(w)}")
+
+
 def check_weights(q_weight, k_weight, head_dim, ref, ref_name, op):
-    """q_weight and k_weight: 1-D (head_dim,), floating point, on ref's device."""
-    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
-        _checks._check_same_device(ref, ref_name, w, op, name)
-        if w.dtype not in _checks.FLOAT_DTYPES:
-            _fail(f"{op}: {name} must be float16, bfloat16, float32 or float64, got "
-                  f"{dtype_name(w.dtype)}")
-        if w.dim() != 1 or w.shape[0] != head_dim:
-            _fail(f"{op}: {name} must have shape (head_dim,) = ({head_dim},), got {_shape(w)}")
+    """q_weight and k_weight: check_weight each."""
+    check_weight(q_weight, "q_weight", head_dim, ref, ref_name, op)
+    check_weight(k_weight, "k_weight", head_dim, ref, ref_name, op)
 
 
 def check_weights_disjoint(q_weight, k_weight, written, op):
@@ -66,6 +72,21 @@ def check_qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps):
     _checks.check_apply(key, cos, sin, op=op, x_name="key")
     _check_query_key(query, key, op)
     check_weights(q_weight, k_weight, query.shape[-1], query, "query", op)
+    check_eps(eps, op)
+
+
+def check_qk_norm_rope_backward(grad, x, weight, cos, sin, eps):
+    """rope.qk_norm_rope_backward: x (..., D) with cos/sin as rope.apply takes them, grad of x's
+    device, dtype and shape, weight (D,)."""
+    op = OP_BACKWARD
+    _checks.check_apply(x, cos, sin, op=op, x_name="x")
+    _checks._check_same_device(x, "x", grad, op, "grad")
+    if grad.dtype != x.dtype:
+        _fail(f"{op}: grad must have the dtype of x ({dtype_name(x.dtype)}), got "
+              f"{dtype_name(grad.dtype)}")
+    if _checks.differ(grad.shape, x.shape):
+        _fail(f"{op}: grad must have the shape of x {_shape(x)}, got {_shape(grad)}")
+    check_weight(weight, "weight", x.shape[-1], x, "x", op)
     check_eps(eps, op)
 
 

@@ -121,6 +121,16 @@ def norm_forms_rope_backward(x, weight, bias, grad, cos, sin, eps, norm, interle
     return gx, gw, gb, gc, gs
 
 
+def qk_norm_rope_backward(grad, x, weight, cos, sin, eps, unit_offset=False, interleaved=False):
+    """rope.qk_norm_rope_backward: (grad_x, grad_weight) of rms_norm_rope's x and weight given
+    its output's gradient grad; grad_weight in the arithmetic type (float32, float64)."""
+    checks.check_qk_norm_rope_backward(grad, x, weight, cos, sin, eps)
+    gx, gw = norm_forms_rope_backward(x, weight.to(_acc_dtype(x.dtype)), None, grad, cos, sin, eps,
+                                      "rms", interleaved, (True, True, False, False),
+                                      unit_offset)[:2]
+    return gx.contiguous(), gw
+
+
 def _norm_rope_inplace(query, key, q_weight, k_weight, positions, cache, eps, unit_offset,
                        interleaved, section, mrope_interleaved):
     if query.numel() == 0 and key.numel() == 0:

@@ -6,6 +6,10 @@ bookkeeping, a refusal under autograd). Their entries join rope_ext._registratio
 import, which registers them like every op.
 """
 
+import sys
+
+import torch
+
 from . import checks
 from . import reference as ref
 from .. import _registrations as base
@@ -63,6 +67,12 @@ def _fake_prologue(in_place):
     return fake
 
 
+def _fake_qk_norm_rope_backward(grad, x, weight, cos, sin, eps, unit_offset=False,
+                                interleaved=False):
+    checks.check_qk_norm_rope_backward(grad, x, weight, cos, sin, eps)
+    return x.new_empty(x.shape), x.new_empty(x.shape[-1:], dtype=ref._acc_dtype(x.dtype))
+
+
 # ---- autograd of rope.qk_norm_rope ----
 
 def _setup(ctx, inputs, output):
@@ -75,10 +85,31 @@ def _setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+def _one_pass(*tensors):
+    """Whether rope.qk_norm_rope's backward takes rope.qk_norm_rope_backward (one pass per tensor
+    on the CPU): not when it is itself recorded (double backward: the op is not differentiable)
+    nor for DTensors (the op has no sharding rule; the torch ops of the composed path do)."""
+    if torch.is_grad_enabled():
+        return False
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is None or not any(isinstance(t, dtensor.DTensor) for t in tensors)
+
+
 def _backward(ctx, grad_q, grad_k):
     query, key, q_weight, k_weight, cos, sin = ctx.saved_tensors
     eps, unit_offset, interleaved = ctx.args
     need = ctx.needs_input_grad
+    if not (need[4] or need[5]) and _one_pass(query, key, grad_q, grad_k, cos):
+        grads = []  # (x, weight) per tensor
+        for x, w, g, need_x, need_w in ((query, q_weight, grad_q, need[0], need[2]),
+                                        (key, k_weight, grad_k, need[1], need[3])):
+            if g is None or not (need_x or need_w):
+                grads.append((None, None))
+                continue
+            gx, gw = torch.ops.rope.qk_norm_rope_backward(g, x, w, cos, sin, eps, unit_offset,
+                                                          interleaved)
+            grads.append((gx if need_x else None, gw.to(w.dtype) if need_w else None))
+        return grads[0][0], grads[1][0], grads[0][1], grads[1][1], None, None, None, None, None
     (gq, gk), gc, gs = _norm_rope_grads(
         ((query, q_weight, None, grad_q, need[0], need[2], False),
          (key, k_weight, None, grad_k, need[1], need[3], False)),
@@ -142,6 +173,13 @@ def ops_table(op_type):
     return {
         "qk_norm_rope": op_type(ref.qk_norm_rope, _fake_qk_norm_rope, (_backward, _setup)),
         "norm_rope": op_type(ref.norm_rope, _fake_norm_rope, (_backward_forms, _setup_forms)),
+        "qk_norm_rope_backward": op_type(
+            ref.qk_norm_rope_backward, _fake_qk_norm_rope_backward,
+            mutable_autograd=base.serving_autograd(
+                "qk_norm_rope_backward", "rope.qk_norm_rope's backward with create_graph=True "
+                "(a double backward: its torch ops), or this under torch.no_grad()",
+                kind="the backward of rope.qk_norm_rope"),
+            differentiable=False),
         "qk_norm_rope_": serving("qk_norm_rope_", ref.qk_norm_rope_, _fake_qk_norm_rope_),
         "qkv_norm_rope_": serving("qkv_norm_rope_", ref.qkv_norm_rope_, _fake_qkv_norm_rope_),
         "qk_norm_rope_and_cache_": serving("qk_norm_rope_and_cache_",

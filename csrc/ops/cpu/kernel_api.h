@@ -90,6 +90,27 @@ struct NormJob {
   TokenHook after_token;  // a later stage per token (the paged-cache store), or {nullptr}
 };
 
+// One call of rope.qk_norm_rope_backward: per row of x (target 0: x at src, grad_x at dst) and
+// of grad (operand kSrc1, target[1].src_*), grad rotated back, then the RMSNorm's backward.
+// scratch: per task, kNormBackwardScratch * head_dim elements of the arithmetic type, from
+// torch; the first head_dim of them receive the task's share of grad_weight.
+struct NormBackwardJob {
+  const RotateGeometry* g;
+  double eps;
+  bool unit_offset;
+  const void* x;
+  const void* grad;
+  void* grad_x;
+  const void* w;
+  int w_dt;
+  int64_t w_stride;
+  const void* cos;
+  const void* sin;
+  int x_dt, table_dt;
+};
+// grad_weight; the rows of x, of grad, of grad rotated back; w; cos and sin
+constexpr int64_t kNormBackwardScratch = 6;
+
 // Rows of at most this many elements convert their weights into stack buffers in the norm
 // kernel; longer ones get weights the host cast to the arithmetic type.
 constexpr int64_t kQkNormStackHeadDim = 1024;
@@ -109,6 +130,8 @@ using RotateTokensFn = void (*)(const RotateJob&, int64_t begin_token, int64_t e
 using ShiftSlotsFn = void (*)(const ShiftJob&, int64_t begin_entry, int64_t end_entry);
 using NormRopeTokensFn = void (*)(const NormJob&, int64_t begin_token, int64_t end_token);
 using CacheTokensFn = void (*)(const CacheJob&, int64_t begin_token, int64_t end_token);
+using NormBackwardTokensFn = void (*)(const NormBackwardJob&, int64_t begin_token,
+                                      int64_t end_token, void* scratch);
 // args: a gpu::QuantArgs (quant/cuda/thread.h) of the entry's element type.
 using QuantTokensFn = void (*)(const void* args, int64_t begin_token, int64_t end_token);
 
@@ -120,6 +143,7 @@ using QuantTokensFn = void (*)(const void* args, int64_t begin_token, int64_t en
 struct CpuKernels {
   RotateTokensFn rotate[kNumDt];
   NormRopeTokensFn norm_rope[kNumDt];
+  NormBackwardTokensFn norm_rope_backward[kNumDt];
   CacheTokensFn cache[kNumDt][3];
   TokenHookFn store[kNumDt][3];
   ShiftSlotsFn shift[kNumDt];

@@ -664,6 +664,7 @@ template <typename x_t>
 void fill(CpuKernels& k, int xi) {
   k.rotate[xi] = rotate_tokens<x_t>;
   k.norm_rope[xi] = norm_rope_layout<x_t>;
+  k.norm_rope_backward[xi] = norm_rope_backward_layout<x_t>;
   // Both float8 formats: one kernel, which reads the format from the call's description.
   k.cache[xi][int(CacheFormat::kSame)] = cache_tokens<x_t, false>;
   k.cache[xi][int(CacheFormat::kE4M3FN)] = cache_tokens<x_t, true>;

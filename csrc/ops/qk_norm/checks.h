@@ -26,6 +26,7 @@ constexpr const char* kQkvNormOp = "rope.qkv_norm_rope_";
 constexpr const char* kQkNormCacheOp = "rope.qk_norm_rope_and_cache_";
 constexpr const char* kQkNormCacheOutOp = "rope.qk_norm_rope_and_cache";
 constexpr const char* kNormFormsOp = "rope.norm_rope";
+constexpr const char* kQkNormBackwardOp = "rope.qk_norm_rope_backward";
 // rope.norm_rope's general rows (any form but kRms, or biases) go through the kernels' stack
 // buffer: head_dim at most this (rope_ext/_qk_norm/checks.py MAX_GENERAL_HEAD_DIM).
 constexpr int64_t kMaxGeneralHeadDim = 1024;
@@ -38,17 +39,19 @@ inline void check_eps(double eps, const char* op) {
              ": eps must be at most 3.40282e+38 (float32's largest), got ", eps);
 }
 
+inline void check_norm_weight(const Tensor& t, const char* name, int64_t head_dim, const Meta& ref,
+                              const char* ref_name, const char* op) {
+  const Meta w(t);
+  check_same_device(ref, ref_name, w, op, name);
+  check_float(w, op, name);
+  ROPE_CHECK(w.dim == 1 && w.sizes[0] == head_dim, op, ": ", name,
+             " must have shape (head_dim,) = (", head_dim, ",), got ", shape_str(w));
+}
+
 inline void check_norm_weights(const Tensor& q_weight, const Tensor& k_weight, int64_t head_dim,
                                const Meta& ref, const char* ref_name, const char* op) {
-  const std::pair<const char*, const Tensor*> ws[] = {{"q_weight", &q_weight},
-                                                      {"k_weight", &k_weight}};
-  for (const auto& [name, t] : ws) {
-    const Meta w(*t);
-    check_same_device(ref, ref_name, w, op, name);
-    check_float(w, op, name);
-    ROPE_CHECK(w.dim == 1 && w.sizes[0] == head_dim, op, ": ", name,
-               " must have shape (head_dim,) = (", head_dim, ",), got ", shape_str(w));
-  }
+  check_norm_weight(q_weight, "q_weight", head_dim, ref, ref_name, op);
+  check_norm_weight(k_weight, "k_weight", head_dim, ref, ref_name, op);
 }
 
 // The weights are read while the written tensors are written: no byte may be both.
@@ -90,6 +93,20 @@ inline std::pair<RotateGeometry, RotateGeometry> check_qk_norm_rope(
   check_norm_weights(q_weight, k_weight, q.size(-1), q, "query", op);
   check_eps(eps, op);
   return {gq, gk};
+}
+
+// rope.qk_norm_rope_backward: x (..., D) with cos/sin as rope.apply takes them (the conjugate
+// rotation), grad of x's shape and dtype read alongside (kSrc1), weight (D,). The geometry
+// writes grad_x, contiguous.
+inline RotateGeometry check_qk_norm_rope_backward(const Tensor& grad, const Tensor& x,
+                                                  const Tensor& weight, const Tensor& cos,
+                                                  const Tensor& sin, double eps, bool interleaved) {
+  const char* op = kQkNormBackwardOp;
+  RotateGeometry g = check_apply(x, cos, sin, interleaved, true, op, "x", false, &grad, "grad");
+  const Meta xm(x);
+  check_norm_weight(weight, "weight", xm.size(-1), xm, "x", op);
+  check_eps(eps, op);
+  return g;
 }
 
 // rope.norm_rope: rope.qk_norm_rope's query, key and tables (one geometry each), the norm

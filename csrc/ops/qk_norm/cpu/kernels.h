@@ -907,5 +907,128 @@ void norm_rope_layout(const NormJob& job, int64_t b, int64_t e) {
                      : norm_rope_tokens_impl<x_t, false>(job, b, e);
 }
 
+// ---- the backward of rope.qk_norm_rope (rope.qk_norm_rope_backward) ----
+// Per row, with its x and grad converted into the task's scratch rows (L1): r = rsqrt(mean(x^2) +
+// eps); gz = grad rotated back (the conjugate rotation: a * c + b * s, b * c - a * s; the dims
+// past rotary_dim as they are); then, with gn = gz * w and n = x * r,
+//   grad_x = r * (gn - n * mean(gn * n)) = r * gn - x * (r^3 * sum(gn * x) / D),
+// rounded once, and grad_weight += gz * n (the task's partial sums; the host adds the tasks').
+// One read of x and grad and one write of grad_x, where the same in torch ops is about a dozen
+// passes over float32 copies (docs/qk_norm.md "Backward").
+// A row's grad_x (contiguous: the output is) and its share of grad_weight; restrict, so both
+// loops vectorize (o may be float, as gw is).
+// bfloat16 rows where the variant converts a vector at once (kVectorBf16Rows): 32 results at a
+// time in float, then store_bf16_row (the tail as from_f rounds it: the same bits).
+template <typename x_t, typename acc>
+ROPE_QK_INLINE void backward_row_out(x_t* __restrict__ o, acc* __restrict__ gw,
+                                     const acc* __restrict__ gr, const acc* __restrict__ xr,
+                                     const acc* __restrict__ w, acc r, acc coef, int64_t D) {
+  int64_t k = 0;
+  if constexpr (kVectorBf16Rows<x_t>) {
+    for (; k + 32 <= D; k += 32) {
+      alignas(64) float out[32];
+      for (int l = 0; l < 32; ++l) out[l] = r * (gr[k + l] * w[k + l]) - xr[k + l] * coef;
+      store_bf16_row<32>(o + k, out);
+    }
+  }
+  for (; k < D; ++k) o[k] = from_f<x_t>(r * (gr[k] * w[k]) - xr[k] * coef);
+  for (k = 0; k < D; ++k) gw[k] += gr[k] * (xr[k] * r);
+}
+
+// grad's row g rotated back into gz (the conjugate rotation; the dims past rotary_dim as they
+// are); returns sum(gz * w * x) (kSumLanes partial sums, so the loop vectorizes).
+template <typename acc, bool kI>
+ROPE_QK_INLINE acc rotate_back(const acc* __restrict__ g, acc* __restrict__ gz,
+                               const acc* __restrict__ c, const acc* __restrict__ s,
+                               const acc* __restrict__ w, const acc* __restrict__ x, int64_t half,
+                               int64_t D) {
+  if constexpr (kI) {  // through two arrays, as rotate_pairs: no fused add-subtract lanes
+    for (int64_t b0 = 0; b0 < half; b0 += kQkBlockPairs) {
+      const int64_t n = std::min(kQkBlockPairs, half - b0);
+      alignas(64) acc lo[kQkBlockPairs];
+      alignas(64) acc hi[kQkBlockPairs];
+      const acc* gb = g + 2 * b0;
+      for (int64_t i = 0; i < n; ++i) {
+        lo[i] = gb[2 * i] * c[b0 + i] + gb[2 * i + 1] * s[b0 + i];
+        hi[i] = gb[2 * i + 1] * c[b0 + i] - gb[2 * i] * s[b0 + i];
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        gz[2 * (b0 + i)] = lo[i];
+        gz[2 * (b0 + i) + 1] = hi[i];
+      }
+    }
+  } else {
+    for (int64_t i = 0; i < half; ++i) {
+      gz[i] = g[i] * c[i] + g[i + half] * s[i];
+      gz[i + half] = g[i + half] * c[i] - g[i] * s[i];
+    }
+  }
+  for (int64_t j = 2 * half; j < D; ++j) gz[j] = g[j];
+  acc part[kSumLanes] = {};
+  int64_t j = 0;
+  for (; j + kSumLanes <= D; j += kSumLanes) {
+    for (int l = 0; l < kSumLanes; ++l) part[l] += gz[j + l] * w[j + l] * x[j + l];
+  }
+  for (int l = 0; j < D; ++j, ++l) part[l] += gz[j] * w[j] * x[j];
+  return sum_partials<false>(part);
+}
+
+template <typename x_t, bool kI>
+void norm_rope_backward_impl(const NormBackwardJob& job, int64_t b, int64_t e, void* scratch) {
+  using acc = opmath_t<x_t>;
+  const RotateGeometry& g = *job.g;
+  const TableDesc& t = g.table;
+  const int64_t half = g.half, D = g.head_dim;
+  const acc eps = static_cast<acc>(job.eps);
+  acc* const gw = static_cast<acc*>(scratch);
+  acc* const xr = gw + D;  // this row of x, of grad, and of grad rotated back
+  acc* const gr = xr + D;
+  acc* const gz = gr + D;
+  acc* const w = gz + D;
+  acc* const c = w + D;    // the token's cos (half), then sin (half)
+  acc* const s = c + half;
+  std::fill(gw, gw + D, acc(0));
+  load_weights<acc>(job.w_dt, job.w, job.w_stride, D, job.unit_offset ? acc(1) : acc(0), w);
+  const int64_t tes = dt_size(job.table_dt);
+  const char* const cos_base = static_cast<const char*>(job.cos);
+  const char* const sin_base = static_cast<const char*>(job.sin);
+  const char* loaded[2] = {nullptr, nullptr};  // the table rows in c and s
+  const TargetDesc& tx = g.target[0];
+  const TargetDesc& tg = g.target[1];  // grad's strides
+  const acc inv_d = acc(1) / static_cast<acc>(D);
+  int64_t off[kMaxOperands];
+  for (int64_t tok = b; tok < e; ++tok) {
+    g.lead.offsets(tok, off);
+    const char* cr[kMropeComponents];
+    const char* sr[kMropeComponents];
+    for (int j = 0; j < kMropeComponents; ++j) {
+      cr[j] = cos_base + off[kTab0] * tes;
+      sr[j] = sin_base + off[kTab1] * tes;
+    }
+    if (half > 0 && (cr[0] != loaded[0] || sr[0] != loaded[1])) {
+      load_table_block<acc>(job.table_dt, t, cr, sr, 0, half, c, s);
+      loaded[0] = cr[0];
+      loaded[1] = sr[0];
+    }
+    const x_t* xs = static_cast<const x_t*>(job.x) + off[kSrc0];
+    const x_t* gs = static_cast<const x_t*>(job.grad) + off[kSrc1];
+    x_t* out = static_cast<x_t*>(job.grad_x) + off[kDst0];
+    for (int64_t h = 0; h < tx.heads; ++h) {
+      load_row<x_t, acc>(xs + h * tx.src_head, tx.src_last, D, xr);
+      load_row<x_t, acc>(gs + h * tg.src_head, tg.src_last, D, gr);
+      const acc r = acc(1) / std::sqrt(sum_squares_buf<acc>(xr, D) * inv_d + eps);
+      const acc dot = rotate_back<acc, kI>(gr, gz, c, s, w, xr, half, D);
+      backward_row_out<x_t, acc>(out + h * tx.dst_head, gw, gz, xr, w, r, r * r * r * dot * inv_d,
+                                 D);
+    }
+  }
+}
+
+template <typename x_t>
+void norm_rope_backward_layout(const NormBackwardJob& job, int64_t b, int64_t e, void* scratch) {
+  job.g->interleaved ? norm_rope_backward_impl<x_t, true>(job, b, e, scratch)
+                     : norm_rope_backward_impl<x_t, false>(job, b, e, scratch);
+}
+
 }  // namespace
 }  // namespace rope

@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include <torch/csrc/stable/library.h>
@@ -102,6 +103,75 @@ std::tuple<Tensor, Tensor> qk_norm_rope_cpu(Tensor query, Tensor key, Tensor q_w
     run_norm_rope(job);
   }
   return {oq, ok};
+}
+
+// rope.qk_norm_rope_backward: the tokens in one task per thread (none for a small call), each
+// with its scratch rows and its share of grad_weight from one torch allocation; the shares are
+// added in task order (the same sums for the same number of threads).
+std::tuple<Tensor, Tensor> qk_norm_rope_backward_cpu(Tensor grad, Tensor x, Tensor weight,
+                                                     Tensor cos, Tensor sin, double eps,
+                                                     bool unit_offset, bool interleaved) {
+  const RotateGeometry g = check_qk_norm_rope_backward(grad, x, weight, cos, sin, eps, interleaved);
+  const ScalarType xt = dtype_of(x);
+  const ScalarType acc = xt == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
+  const int64_t D = g.head_dim;
+  Tensor grad_x = new_contiguous(x, x.sizes());
+  Tensor grad_w = torch::stable::new_empty(x, {D}, std::optional<ScalarType>(acc));
+  int64_t per_token = 0, width = 0;
+  if (!mul_fits(g.target[0].heads, D, per_token)) per_token = kInt64Max;
+  // (grad_w's D elements were allocated: D * kNormBackwardScratch fits.)
+  ROPE_CHECK(mul_fits(D, kNormBackwardScratch, width), kQkNormBackwardOp,
+             ": internal error: scratch of ", D, " elements per row");
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(per_token, 1));
+  const int64_t tasks =
+      g.tokens <= grain ? 1
+                        : std::min<int64_t>(std::max<int64_t>(1, torch::stable::get_num_threads()),
+                                            g.tokens / grain + 1);
+  Tensor scratch = torch::stable::new_empty(x, {tasks, width}, std::optional<ScalarType>(acc));
+  NormBackwardJob job{};
+  job.g = &g;
+  job.eps = eps;
+  job.unit_offset = unit_offset;
+  job.x = x.const_data_ptr();
+  job.grad = grad.const_data_ptr();
+  job.grad_x = grad_x.mutable_data_ptr();
+  job.w = weight.const_data_ptr();
+  job.w_dt = dt_index(dtype_of(weight));
+  job.w_stride = weight.stride(0);
+  job.cos = cos.const_data_ptr();
+  job.sin = sin.const_data_ptr();
+  job.x_dt = dt_index(xt);
+  job.table_dt = dt_index(dtype_of(cos));
+  const NormBackwardTokensFn kernel = selected_cpu_kernels()->norm_rope_backward[job.x_dt];
+  char* const rows = static_cast<char*>(scratch.mutable_data_ptr());
+  const int64_t task_bytes = width * static_cast<int64_t>(scratch.element_size());
+  const int64_t share = g.tokens / tasks, extra = g.tokens % tasks;
+  auto run = [&](int64_t t0, int64_t t1) {
+    for (int64_t k = t0; k < t1; ++k) {  // task k: tokens [k * share + min(k, extra), ...)
+      const int64_t b = k * share + std::min(k, extra);
+      kernel(job, b, b + share + (k < extra ? 1 : 0), rows + k * task_bytes);
+    }
+  };
+  if (tasks == 1) {
+    run(0, 1);
+  } else {
+    torch::stable::parallel_for(0, tasks, 1, run);
+  }
+  auto add_shares = [&](auto* out) {
+    using acc_t = std::remove_pointer_t<decltype(out)>;
+    const acc_t* part = reinterpret_cast<const acc_t*>(rows);
+    for (int64_t j = 0; j < D; ++j) {
+      acc_t sum = part[j];
+      for (int64_t k = 1; k < tasks; ++k) sum += part[k * width + j];
+      out[j] = sum;
+    }
+  };
+  if (acc == ScalarType::Double) {
+    add_shares(static_cast<double*>(grad_w.mutable_data_ptr()));
+  } else {
+    add_shares(static_cast<float*>(grad_w.mutable_data_ptr()));
+  }
+  return {grad_x, grad_w};
 }
 
 // rope.norm_rope's weight or bias for the kernel: the general rows read them contiguous in the
@@ -310,6 +380,7 @@ std::tuple<Tensor, Tensor, Tensor> qk_norm_rope_and_cache_out_cpu(
 STABLE_TORCH_LIBRARY_IMPL(rope, CPU, m) {
   ROPE_IMPL_CPU(m, "qk_norm_rope", &rope::qk_norm_rope_cpu);
   ROPE_IMPL_CPU(m, "norm_rope", &rope::norm_rope_cpu);
+  ROPE_IMPL_CPU(m, "qk_norm_rope_backward", &rope::qk_norm_rope_backward_cpu);
   ROPE_IMPL_CPU(m, "qk_norm_rope_", &rope::qk_norm_rope_inplace_cpu);
   ROPE_IMPL_CPU(m, "qkv_norm_rope_", &rope::qkv_norm_rope_inplace_cpu);
   ROPE_IMPL_CPU(m, "qk_norm_rope_and_cache_", &rope::qk_norm_rope_and_cache_cpu);
