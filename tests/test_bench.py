@@ -270,21 +270,21 @@ def test_case_groups_are_modules_with_the_group_interface():
     from rope_bench import groups
 
     found = groups.discover()
-    assert {"calls", "dropins", "layouts", "models"} <= set(found)
+    assert {"calls", "dropins", "layouts", "models", "training"} <= set(found)
     for name, mod in found.items():
         assert mod.NAME == name and mod.ABOUT and callable(mod.run) and callable(mod.table)
 
 
 def test_quick_run_of_the_case_groups_writes_their_tables(tmp_path):
-    run = _run("--quick", "--cases", "calls,dropins,layouts,models", "--dtypes", "float32",
-               "--threads", "1", "--clock", "thread", "--out", str(tmp_path))
+    run = _run("--quick", "--cases", "calls,dropins,layouts,models,training", "--dtypes",
+               "float32", "--threads", "1", "--clock", "thread", "--out", str(tmp_path))
     assert run.returncode == 0, run.stdout + run.stderr
-    stem = f"cpu{VARIANT}-calls-dropins-layouts-models-quick"
+    stem = f"cpu{VARIANT}-calls-dropins-layouts-models-training-quick"
     doc = json.loads((tmp_path / f"{stem}.json").read_text())
     md = (tmp_path / f"{stem}.md").read_text()
     assert doc["results"] == [] and doc["errors"] == [], doc["errors"]
     assert doc["meta"]["timing"].startswith("time.thread_time")
-    assert list(doc["groups"]) == ["calls", "dropins", "layouts", "models"]
+    assert list(doc["groups"]) == ["calls", "dropins", "layouts", "models", "training"]
     layouts = doc["groups"]["layouts"]["rows"]
     assert {r["call"] for r in layouts} >= {"floor: x.clone()", "(B, S, H, D)",
                                             "(B, H, S, D) transposed view",
@@ -305,6 +305,11 @@ def test_quick_run_of_the_case_groups_writes_their_tables(tmp_path):
         assert r["x_floor"] == pytest.approx(r["median_s"] / r["floor_s"], rel=1e-9)
     for r in doc["groups"]["dropins"]["rows"]:
         assert r["x_peer"] == pytest.approx(r["peer_median_s"] / r["median_s"], rel=1e-9)
+    training = doc["groups"]["training"]["rows"]
+    assert {r["call"] for r in training} >= {"floor: clone q, k and their output gradients",
+                                             "rope_ext.qk_norm.qk_norm_rope"}
+    for r in training:
+        assert r["x_ours"] > 0
     models = doc["groups"]["models"]
     if models["rows"]:  # transformers importable
         assert {r["what"] for r in models["rows"]} == {"generate", "prefill"}

@@ -338,6 +338,8 @@ def test_backward_op_against_float64(isa, dtype, D, rotary_dim):
 
 
 def test_backward_takes_the_backward_op_and_double_backward_does_not():
+    if not native_cpu():
+        pytest.skip("no native CPU library: the backward is the torch ops")
     q = torch.randn(2, 5, 4, 16, requires_grad=True)
     k = torch.randn(2, 5, 2, 16, requires_grad=True)
     wq, wk = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
@@ -347,6 +349,14 @@ def test_backward_takes_the_backward_op_and_double_backward_does_not():
         torch.autograd.backward((a, b), (torch.randn_like(a), torch.randn_like(b)))
     names = [e.name for e in prof.events()]
     assert names.count("rope::qk_norm_rope_backward") == 2, names
+    # rope.norm_rope: a per-head RMSNorm without biases (a weight or none) takes it too, the
+    # other forms not
+    for norm, q_bias, calls in (("rms", None, 2), ("layer", None, 0), ("rms", torch.zeros(16), 0)):
+        a, b = ops.norm_rope(q, k, wq, None, q_bias, None, cos, sin, 1e-6, norm)
+        with torch.profiler.profile() as prof:
+            torch.autograd.backward((a, b), (torch.randn_like(a), torch.randn_like(b)))
+        names = [e.name for e in prof.events()]
+        assert names.count("rope::qk_norm_rope_backward") == calls, (norm, names)
     d = dict(dtype=torch.float64, requires_grad=True)
     args = (torch.randn(2, 3, 2, 8, **d), torch.randn(2, 3, 1, 8, **d), torch.randn(8, **d),
             torch.randn(8, **d), torch.randn(2, 3, 1, 3), torch.randn(2, 3, 1, 3))

@@ -85,14 +85,21 @@ def _setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _one_pass(*tensors):
-    """Whether rope.qk_norm_rope's backward takes rope.qk_norm_rope_backward (one pass per tensor
-    on the CPU): not when it is itself recorded (double backward: the op is not differentiable)
-    nor for DTensors (the op has no sharding rule; the torch ops of the composed path do)."""
-    if torch.is_grad_enabled():
+def _native_cpu_backward():
+    return torch._C._dispatch_has_kernel_for_dispatch_key("rope::qk_norm_rope_backward", "CPU")
+
+
+def _one_pass(x, *tensors):
+    """Whether rope.qk_norm_rope's backward (and rope.norm_rope's, for a per-head RMSNorm without
+    biases) takes rope.qk_norm_rope_backward: where its native kernel serves x (the CPU: one pass
+    per tensor; elsewhere the op would run the torch ops below as one opaque call, which
+    torch.compile could no longer fuse), not when the backward is itself recorded (double
+    backward: the op is not differentiable), not for DTensors (the op has no sharding rule; the
+    torch ops of the composed path do)."""
+    if torch.is_grad_enabled() or x.device.type != "cpu" or not _native_cpu_backward():
         return False
     dtensor = sys.modules.get("torch.distributed.tensor")
-    return dtensor is None or not any(isinstance(t, dtensor.DTensor) for t in tensors)
+    return dtensor is None or not any(isinstance(t, dtensor.DTensor) for t in (x, *tensors))
 
 
 def _backward(ctx, grad_q, grad_k):
@@ -100,21 +107,33 @@ def _backward(ctx, grad_q, grad_k):
     eps, unit_offset, interleaved = ctx.args
     need = ctx.needs_input_grad
     if not (need[4] or need[5]) and _one_pass(query, key, grad_q, grad_k, cos):
-        grads = []  # (x, weight) per tensor
-        for x, w, g, need_x, need_w in ((query, q_weight, grad_q, need[0], need[2]),
-                                        (key, k_weight, grad_k, need[1], need[3])):
-            if g is None or not (need_x or need_w):
-                grads.append((None, None))
-                continue
-            gx, gw = torch.ops.rope.qk_norm_rope_backward(g, x, w, cos, sin, eps, unit_offset,
-                                                          interleaved)
-            grads.append((gx if need_x else None, gw.to(w.dtype) if need_w else None))
-        return grads[0][0], grads[1][0], grads[0][1], grads[1][1], None, None, None, None, None
+        (gq, gw_q), (gk, gw_k) = _one_pass_grads(
+            ((query, q_weight, grad_q, need[0], need[2]),
+             (key, k_weight, grad_k, need[1], need[3])), cos, sin, eps, unit_offset, interleaved)
+        return gq, gk, gw_q, gw_k, None, None, None, None, None
     (gq, gk), gc, gs = _norm_rope_grads(
         ((query, q_weight, None, grad_q, need[0], need[2], False),
          (key, k_weight, None, grad_k, need[1], need[3], False)),
         cos, sin, eps, "rms", interleaved, unit_offset, need[4] or need[5])
     return gq[0], gk[0], gq[1], gk[1], gc, gs, None, None, None
+
+
+def _one_pass_grads(pairs, cos, sin, eps, unit_offset, interleaved):
+    """The gradients of query's and key's per-head RMSNorm (weighted; None: weights of 1) and
+    rotation by rope.qk_norm_rope_backward. pairs: per tensor (x, weight, grad, need x, need
+    weight); returns [(gx, gw)] per tensor."""
+    grads = []
+    for x, w, g, need_x, need_w in pairs:
+        if g is None or not (need_x or need_w):
+            grads.append((None, None))
+            continue
+        ones = w is None
+        if ones:
+            w = x.new_ones(x.shape[-1:])
+        gx, gw = torch.ops.rope.qk_norm_rope_backward(g, x, w, cos, sin, eps, unit_offset,
+                                                      interleaved)
+        grads.append((gx if need_x else None, gw.to(w.dtype) if need_w and not ones else None))
+    return grads
 
 
 def _norm_rope_grads(pairs, cos, sin, eps, norm, interleaved, unit_offset, tables):
@@ -150,6 +169,12 @@ def _backward_forms(ctx, grad_q, grad_k):
     query, key, q_weight, k_weight, q_bias, k_bias, cos, sin = ctx.saved_tensors
     eps, norm, interleaved = ctx.args
     need = ctx.needs_input_grad
+    if (norm == "rms" and q_bias is None and k_bias is None and not (need[6] or need[7])
+            and _one_pass(query, key, grad_q, grad_k, cos)):
+        (gq, gw_q), (gk, gw_k) = _one_pass_grads(
+            ((query, q_weight, grad_q, need[0], need[2]),
+             (key, k_weight, grad_k, need[1], need[3])), cos, sin, eps, False, interleaved)
+        return gq, gk, gw_q, gw_k, None, None, None, None, None, None, None
     (gq, gk), gc, gs = _norm_rope_grads(
         ((query, q_weight, q_bias, grad_q, need[0], need[2], need[4]),
          (key, k_weight, k_bias, grad_k, need[1], need[3], need[5])),
