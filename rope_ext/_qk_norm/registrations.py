@@ -130,8 +130,11 @@ def _one_pass_grads(pairs, cos, sin, eps, unit_offset, interleaved):
         ones = w is None
         if ones:
             w = x.new_ones(x.shape[-1:])
-        gx, gw = torch.ops.rope.qk_norm_rope_backward(g, x, w, cos, sin, eps, unit_offset,
-                                                      interleaved)
+        # Below autograd (grad mode is off here, so its kernel would only pass the call on: a
+        # Python call of tens of microseconds); fake and functional tensors still see the op.
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            gx, gw = torch.ops.rope.qk_norm_rope_backward(g, x, w, cos, sin, eps, unit_offset,
+                                                          interleaved)
         grads.append((gx if need_x else None, gw.to(w.dtype) if need_w and not ones else None))
     return grads
 
