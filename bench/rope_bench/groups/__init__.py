@@ -75,3 +75,38 @@ def md_table(header, rows):
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+# ---- groups whose rows are calls timed per (sequence length, dtype) against one of them ----
+
+def seq_rows(ctx, group, S, dtype_name, fns, ref, ratio, ref_key=None):
+    """The rows of one (S, dtype) of a group: fns timed round-robin, each row's median over
+    row `ref`'s as `ratio` (and ref's median as `ref_key`, if given); prints a line."""
+    timed = ctx.time(fns, f"{group} S={S} {dtype_name}")
+    base = timed.get(ref, {}).get("median_s")
+    out = []
+    for name, s in timed.items():
+        row = {"call": name, "seq": S, "dtype": dtype_name, **s}
+        if ref_key:
+            row[ref_key] = base
+        row[ratio] = s["median_s"] / base if base else None
+        out.append(row)
+    print(f"  {group} S={S:5d} {dtype_name:8s} " + ", ".join(
+        f"{n} {s['median_s'] * 1e6:.1f} us" for n, s in timed.items()), flush=True)
+    return out
+
+
+def seq_table(rows, corner, ratio, ratio_label, label=lambda call: call):
+    """A table of seq_rows' rows: a row per call, a column per (S, dtype), each cell the median
+    in us and `ratio` (headed `ratio_label`)."""
+    cols = sorted({(r["seq"], r["dtype"]) for r in rows}, key=lambda c: (c[1], c[0]))
+    header = [corner] + [f"S={s} {d}: us ({ratio_label})" for s, d in cols]
+    by = {(r["call"], r["seq"], r["dtype"]): r for r in rows}
+    lines = []
+    for call in dict.fromkeys(r["call"] for r in rows):
+        cells = []
+        for s, d in cols:
+            r = by.get((call, s, d))
+            cells.append("-" if r is None else f"{us(r['median_s'])} ({x(r[ratio])})")
+        lines.append([label(call)] + cells)
+    return md_table(header, lines)

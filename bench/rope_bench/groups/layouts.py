@@ -54,6 +54,7 @@ def _rows(S, dtype, compile_too):
 
 
 def run(ctx):
+    from . import seq_rows
     from ..cases import DTYPES
 
     notes = ["--quick: no torch.compile row"] if ctx.quick else []
@@ -61,30 +62,15 @@ def run(ctx):
     with torch.inference_mode():
         for dtype_name in ctx.dtypes:
             for S in SEQS[:1] if ctx.quick else SEQS:
-                timed = ctx.time(_rows(S, DTYPES[dtype_name], not ctx.quick),
-                                 f"layouts S={S} {dtype_name}")
-                floor = timed.get(FLOOR, {}).get("median_s")
-                for name, s in timed.items():
-                    out.append({"call": name, "seq": S, "dtype": dtype_name, **s, "floor_s": floor,
-                                "x_floor": s["median_s"] / floor if floor else None})
-                print(f"  layouts S={S:5d} {dtype_name:8s} " + ", ".join(
-                    f"{n} {s['median_s'] * 1e6:.1f} us" for n, s in timed.items()), flush=True)
+                out += seq_rows(ctx, NAME, S, dtype_name,
+                                _rows(S, DTYPES[dtype_name], not ctx.quick), FLOOR, "x_floor",
+                                ref_key="floor_s")
     return {"rows": out, "notes": notes}
 
 
 def table(result):
-    from . import md_table, us, x
+    from . import seq_table
 
-    rows = result["rows"]
-    cols = sorted({(r["seq"], r["dtype"]) for r in rows}, key=lambda c: (c[1], c[0]))
-    header = ["x (1 sequence, 32 heads of 128)"] + [f"S={s} {d}: us (x clone)" for s, d in cols]
-    by = {(r["call"], r["seq"], r["dtype"]): r for r in rows}
-    lines = []
-    for call in dict.fromkeys(r["call"] for r in rows):
-        cells = []
-        for s, d in cols:
-            r = by.get((call, s, d))
-            cells.append("-" if r is None else f"{us(r['median_s'])} ({x(r['x_floor'])})")
-        lines.append([call if call in (FLOOR, EAGER, COMPILED) else f"rope_ext.apply_rope, {call}"]
-                     + cells)
-    return md_table(header, lines)
+    return seq_table(result["rows"], "x (1 sequence, 32 heads of 128)", "x_floor", "x clone",
+                     lambda call: call if call in (FLOOR, EAGER, COMPILED)
+                     else f"rope_ext.apply_rope, {call}")

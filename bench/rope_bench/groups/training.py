@@ -90,6 +90,7 @@ def _rows(S, dtype, qwen3, compile_too):
 
 
 def run(ctx):
+    from . import seq_rows
     from ..cases import DTYPES
 
     qwen3 = _qwen3()
@@ -99,30 +100,13 @@ def run(ctx):
     out = []
     for dtype_name in ctx.dtypes:
         for S in QUICK_SEQS if ctx.quick else SEQS:
-            timed = ctx.time(_rows(S, DTYPES[dtype_name], qwen3, not ctx.quick),
-                             f"training S={S} {dtype_name}")
-            ref = timed.get(OURS, {}).get("median_s")
-            for name, s in timed.items():
-                out.append({"call": name, "seq": S, "dtype": dtype_name, **s,
-                            "x_ours": s["median_s"] / ref if ref else None})
-            print(f"  training S={S:5d} {dtype_name:8s} " + ", ".join(
-                f"{n} {s['median_s'] * 1e6:.1f} us" for n, s in timed.items()), flush=True)
+            out += seq_rows(ctx, NAME, S, dtype_name,
+                            _rows(S, DTYPES[dtype_name], qwen3, not ctx.quick), OURS, "x_ours")
     return {"rows": out, "notes": notes}
 
 
 def table(result):
-    from . import md_table, us, x
+    from . import seq_table
 
-    rows = result["rows"]
-    cols = sorted({(r["seq"], r["dtype"]) for r in rows}, key=lambda c: (c[1], c[0]))
-    header = ["forward + backward (q 32 heads, k 8, of 128)"] + [
-        f"S={s} {d}: us (x rope_ext)" for s, d in cols]
-    by = {(r["call"], r["seq"], r["dtype"]): r for r in rows}
-    lines = []
-    for call in dict.fromkeys(r["call"] for r in rows):
-        cells = []
-        for s, d in cols:
-            r = by.get((call, s, d))
-            cells.append("-" if r is None else f"{us(r['median_s'])} ({x(r['x_ours'])})")
-        lines.append([call] + cells)
-    return md_table(header, lines)
+    return seq_table(result["rows"], "forward + backward (q 32 heads, k 8, of 128)", "x_ours",
+                     "x rope_ext")
