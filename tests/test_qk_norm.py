@@ -337,6 +337,24 @@ def test_backward_op_against_float64(isa, dtype, D, rotary_dim):
         rope_ext.set_cpu_isa(serving)
 
 
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_backward_op_grad_weight_keeps_float32_accuracy_over_many_rows(n_threads):
+    # grad_weight sums a term per row: half a million rows whose terms share a sign (a running
+    # float32 sum loses about four digits there; torch's pairwise sum keeps float32's).
+    if not native_cpu():
+        pytest.skip("no native CPU library")
+    x, g = torch.randn(500_000, 8), torch.randn(500_000, 8) + 1.0
+    w, tables = torch.ones(8), torch.randn(500_000, 2)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(n_threads)
+        gw = ops.qk_norm_rope_backward(g, x, w, tables, tables.flip(1), 1e-6)[1]
+    finally:
+        torch.set_num_threads(before)
+    expected = oracle_grads(g, x, w, tables, tables.flip(1), 1e-6, False, False)[1]
+    assert ((gw.double() - expected).abs().max() / expected.abs().max()).item() < 1e-6
+
+
 def test_backward_takes_the_backward_op_and_double_backward_does_not():
     if not native_cpu():
         pytest.skip("no native CPU library: the backward is the torch ops")

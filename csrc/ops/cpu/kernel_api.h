@@ -108,8 +108,9 @@ struct NormBackwardJob {
   const void* sin;
   int x_dt, table_dt;
 };
-// grad_weight; the rows of x, of grad, of grad rotated back; w; cos and sin
-constexpr int64_t kNormBackwardScratch = 6;
+// grad_weight, its compensation and the current block's sums; the rows of x, of grad, of grad
+// rotated back; w; cos and sin
+constexpr int64_t kNormBackwardScratch = 8;
 
 // Rows of at most this many elements convert their weights into stack buffers in the norm
 // kernel; longer ones get weights the host cast to the arithmetic type.

@@ -912,13 +912,17 @@ void norm_rope_layout(const NormJob& job, int64_t b, int64_t e) {
 // eps); gz = grad rotated back (the conjugate rotation: a * c + b * s, b * c - a * s; the dims
 // past rotary_dim as they are); then, with gn = gz * w and n = x * r,
 //   grad_x = r * (gn - n * mean(gn * n)) = r * gn - x * (r^3 * sum(gn * x) / D),
-// rounded once, and grad_weight += gz * n (the task's partial sums; the host adds the tasks').
-// One read of x and grad and one write of grad_x, where the same in torch ops is about a dozen
-// passes over float32 copies (docs/qk_norm.md "Backward").
-// A row's grad_x (contiguous: the output is) and its share of grad_weight; restrict, so both
-// loops vectorize (o may be float, as gw is).
-// bfloat16 rows where the variant converts a vector at once (kVectorBf16Rows): 32 results at a
-// time in float, then store_bf16_row (the tail as from_f rounds it: the same bits).
+// rounded once, and grad_weight += gz * n: summed over blocks of kGwBlockRows rows, each block
+// added into the task's total with a compensated (Kahan) sum, so that the error stays at a few
+// roundings however many rows a task has (a running sum over a million rows lost four digits);
+// the host adds the tasks' totals. One read of x and grad and one write of grad_x, where the
+// same in torch ops is about a dozen passes over float32 copies (docs/qk_norm.md "Backward").
+constexpr int64_t kGwBlockRows = 16;
+
+// A row's grad_x (contiguous: the output is) and its share of grad_weight (into the block's
+// sums gw); restrict, so both loops vectorize (o may be float, as gw is). bfloat16 rows where
+// the variant converts a vector at once (kVectorBf16Rows): 32 results at a time in float, then
+// store_bf16_row (the tail as from_f rounds it: the same bits).
 template <typename x_t, typename acc>
 ROPE_QK_INLINE void backward_row_out(x_t* __restrict__ o, acc* __restrict__ gw,
                                      const acc* __restrict__ gr, const acc* __restrict__ xr,
@@ -980,14 +984,27 @@ void norm_rope_backward_impl(const NormBackwardJob& job, int64_t b, int64_t e, v
   const TableDesc& t = g.table;
   const int64_t half = g.half, D = g.head_dim;
   const acc eps = static_cast<acc>(job.eps);
-  acc* const gw = static_cast<acc*>(scratch);
+  acc* const total = static_cast<acc*>(scratch);  // the task's grad_weight
+  acc* const comp = total + D;                      // its compensation
+  acc* const gw = comp + D;                         // the current block's
   acc* const xr = gw + D;  // this row of x, of grad, and of grad rotated back
   acc* const gr = xr + D;
   acc* const gz = gr + D;
   acc* const w = gz + D;
   acc* const c = w + D;    // the token's cos (half), then sin (half)
   acc* const s = c + half;
-  std::fill(gw, gw + D, acc(0));
+  std::fill(total, total + 3 * D, acc(0));
+  int64_t block_rows = 0;
+  auto add_block = [&] {  // (-ffp-contract=off and no fast-math: the compensation stays)
+    for (int64_t k = 0; k < D; ++k) {
+      const acc y = gw[k] - comp[k];
+      const acc sum = total[k] + y;
+      comp[k] = (sum - total[k]) - y;
+      total[k] = sum;
+      gw[k] = acc(0);
+    }
+    block_rows = 0;
+  };
   load_weights<acc>(job.w_dt, job.w, job.w_stride, D, job.unit_offset ? acc(1) : acc(0), w);
   const int64_t tes = dt_size(job.table_dt);
   const char* const cos_base = static_cast<const char*>(job.cos);
@@ -1020,8 +1037,10 @@ void norm_rope_backward_impl(const NormBackwardJob& job, int64_t b, int64_t e, v
       const acc dot = rotate_back<acc, kI>(gr, gz, c, s, w, xr, half, D);
       backward_row_out<x_t, acc>(out + h * tx.dst_head, gw, gz, xr, w, r, r * r * r * dot * inv_d,
                                  D);
+      if (++block_rows == kGwBlockRows) add_block();
     }
   }
+  add_block();
 }
 
 template <typename x_t>

@@ -157,13 +157,13 @@ std::tuple<Tensor, Tensor> qk_norm_rope_backward_cpu(Tensor grad, Tensor x, Tens
   } else {
     torch::stable::parallel_for(0, tasks, 1, run);
   }
-  auto add_shares = [&](auto* out) {
+  auto add_shares = [&](auto* out) {  // (in double: a handful of tasks, rounded once)
     using acc_t = std::remove_pointer_t<decltype(out)>;
     const acc_t* part = reinterpret_cast<const acc_t*>(rows);
     for (int64_t j = 0; j < D; ++j) {
-      acc_t sum = part[j];
-      for (int64_t k = 1; k < tasks; ++k) sum += part[k * width + j];
-      out[j] = sum;
+      double sum = 0;
+      for (int64_t k = 0; k < tasks; ++k) sum += static_cast<double>(part[k * width + j]);
+      out[j] = static_cast<acc_t>(sum);
     }
   };
   if (acc == ScalarType::Double) {
