@@ -106,11 +106,11 @@ def _backward(ctx, grad_q, grad_k):
     query, key, q_weight, k_weight, cos, sin = ctx.saved_tensors
     eps, unit_offset, interleaved = ctx.args
     need = ctx.needs_input_grad
-    if not (need[4] or need[5]) and _one_pass(query, key, grad_q, grad_k, cos):
-        (gq, gw_q), (gk, gw_k) = _one_pass_grads(
-            ((query, q_weight, grad_q, need[0], need[2]),
-             (key, k_weight, grad_k, need[1], need[3])), cos, sin, eps, unit_offset, interleaved)
-        return gq, gk, gw_q, gw_k, None, None, None, None, None
+    grads = None if need[4] or need[5] else _one_pass_grads(
+        query, key, q_weight, k_weight, grad_q, grad_k, need, cos, sin, eps, unit_offset,
+        interleaved)
+    if grads is not None:
+        return (*grads, None, None, None, None, None)
     (gq, gk), gc, gs = _norm_rope_grads(
         ((query, q_weight, None, grad_q, need[0], need[2], False),
          (key, k_weight, None, grad_k, need[1], need[3], False)),
@@ -118,12 +118,16 @@ def _backward(ctx, grad_q, grad_k):
     return gq[0], gk[0], gq[1], gk[1], gc, gs, None, None, None
 
 
-def _one_pass_grads(pairs, cos, sin, eps, unit_offset, interleaved):
-    """The gradients of query's and key's per-head RMSNorm (weighted; None: weights of 1) and
-    rotation by rope.qk_norm_rope_backward. pairs: per tensor (x, weight, grad, need x, need
-    weight); returns [(gx, gw)] per tensor."""
+def _one_pass_grads(query, key, q_weight, k_weight, grad_q, grad_k, need, cos, sin, eps,
+                    unit_offset, interleaved):
+    """The gradients (query, key, q_weight, k_weight) of a per-head RMSNorm (weighted; None:
+    weights of 1) and rotation by rope.qk_norm_rope_backward, or None where it does not serve
+    (_one_pass). need: the autograd's needs_input_grad, those four first."""
+    if not _one_pass(query, key, grad_q, grad_k, cos):
+        return None
     grads = []
-    for x, w, g, need_x, need_w in pairs:
+    for x, w, g, need_x, need_w in ((query, q_weight, grad_q, need[0], need[2]),
+                                    (key, k_weight, grad_k, need[1], need[3])):
         if g is None or not (need_x or need_w):
             grads.append((None, None))
             continue
@@ -136,7 +140,8 @@ def _one_pass_grads(pairs, cos, sin, eps, unit_offset, interleaved):
             gx, gw = torch.ops.rope.qk_norm_rope_backward(g, x, w, cos, sin, eps, unit_offset,
                                                           interleaved)
         grads.append((gx if need_x else None, gw.to(w.dtype) if need_w and not ones else None))
-    return grads
+    (gq, gw_q), (gk, gw_k) = grads
+    return gq, gk, gw_q, gw_k
 
 
 def _norm_rope_grads(pairs, cos, sin, eps, norm, interleaved, unit_offset, tables):
@@ -172,12 +177,11 @@ def _backward_forms(ctx, grad_q, grad_k):
     query, key, q_weight, k_weight, q_bias, k_bias, cos, sin = ctx.saved_tensors
     eps, norm, interleaved = ctx.args
     need = ctx.needs_input_grad
-    if (norm == "rms" and q_bias is None and k_bias is None and not (need[6] or need[7])
-            and _one_pass(query, key, grad_q, grad_k, cos)):
-        (gq, gw_q), (gk, gw_k) = _one_pass_grads(
-            ((query, q_weight, grad_q, need[0], need[2]),
-             (key, k_weight, grad_k, need[1], need[3])), cos, sin, eps, False, interleaved)
-        return gq, gk, gw_q, gw_k, None, None, None, None, None, None, None
+    per_head_rms = norm == "rms" and q_bias is None and k_bias is None
+    grads = None if not per_head_rms or need[6] or need[7] else _one_pass_grads(
+        query, key, q_weight, k_weight, grad_q, grad_k, need, cos, sin, eps, False, interleaved)
+    if grads is not None:
+        return (*grads, None, None, None, None, None, None, None)
     (gq, gk), gc, gs = _norm_rope_grads(
         ((query, q_weight, q_bias, grad_q, need[0], need[2], need[4]),
          (key, k_weight, k_bias, grad_k, need[1], need[3], need[5])),
