@@ -355,6 +355,33 @@ def test_backward_op_grad_weight_keeps_float32_accuracy_over_many_rows(n_threads
     assert ((gw.double() - expected).abs().max() / expected.abs().max()).item() < 1e-6
 
 
+@pytest.mark.parametrize("isa", rope_ext._library.CPU_ISA_NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale,eps", [(1e-13, 0.0), (1e-6, 0.0), (1e15, 1e-6), (1e18, 1e-6)])
+def test_backward_op_keeps_its_accuracy_at_extreme_row_scales(isa, dtype, scale, eps):
+    # grad_x is scale-free in x's own units: r^3 alone overflows float at rows of RMS 1e-13
+    # (eps 0) and loses digits to subnormals at 1e13 and above, the kernel's form must not.
+    if not native_cpu():
+        pytest.skip("no native CPU library")
+    if isa not in rope_ext.cpu_isas():
+        pytest.skip(f"this CPU cannot run the {isa} kernels")
+    serving = rope_ext.cpu_isa()
+    D = 128
+    x = (torch.randn(3, 17, 4, D, dtype=torch.float64) * scale).to(dtype)
+    grad, w = torch.randn(3, 17, 4, D, dtype=dtype), torch.randn(D, dtype=dtype)
+    cos, sin = torch.randn(3, 17, 1, D // 2), torch.randn(3, 17, 1, D // 2)
+    try:
+        rope_ext.set_cpu_isa(isa)
+        gx, gw = ops.qk_norm_rope_backward(grad, x, w, cos, sin, eps)
+    finally:
+        rope_ext.set_cpu_isa(serving)
+    ex, ew = oracle_grads(grad, x, w, cos, sin, eps, False, False)
+    assert gx.isfinite().all()
+    rel = ((gx.double() - ex).abs().max() / ex.abs().max()).item()
+    assert rel < (1e-5 if dtype == torch.float32 else 2e-2), rel
+    torch.testing.assert_close(gw.double(), ew, rtol=1e-5, atol=1e-5 * ew.abs().max().item())
+
+
 def test_backward_takes_the_backward_op_and_double_backward_does_not():
     if not native_cpu():
         pytest.skip("no native CPU library: the backward is the torch ops")

@@ -911,11 +911,13 @@ void norm_rope_layout(const NormJob& job, int64_t b, int64_t e) {
 // Per row, with its x and grad converted into the task's scratch rows (L1): r = rsqrt(mean(x^2) +
 // eps); gz = grad rotated back (the conjugate rotation: a * c + b * s, b * c - a * s; the dims
 // past rotary_dim as they are); then, with gn = gz * w and n = x * r,
-//   grad_x = r * (gn - n * mean(gn * n)) = r * gn - x * (r^3 * sum(gn * x) / D),
-// rounded once, and grad_weight += gz * n: summed over blocks of kGwBlockRows rows, each block
-// added into the task's total with a compensated (Kahan) sum, so that the error stays at a few
-// roundings however many rows a task has (a running sum over a million rows lost four digits);
-// the host adds the tasks' totals. One read of x and grad and one write of grad_x, where the
+//   grad_x = r * (gn - n * m), m = mean(gn * n) = r * sum(gn * x) / D,
+// rounded once. (In this form every factor stays in range wherever grad_x does; the expanded
+// r * gn - x * r^3 * sum(gn * x) / D overflows float in r^3 at rows of RMS below 1e-13 with
+// eps 0, and loses digits to subnormals at RMS above 1e13.) grad_weight += gz * n: summed over
+// blocks of kGwBlockRows rows, each block added into the task's total with a compensated (Kahan)
+// sum, so that the error stays at a few roundings however many rows a task has (a running sum
+// over a million rows lost four digits); the host adds the tasks' totals. One read of x and grad and one write of grad_x, where the
 // same in torch ops is about a dozen passes over float32 copies (docs/qk_norm.md "Backward").
 constexpr int64_t kGwBlockRows = 16;
 
@@ -926,16 +928,16 @@ constexpr int64_t kGwBlockRows = 16;
 template <typename x_t, typename acc>
 ROPE_QK_INLINE void backward_row_out(x_t* __restrict__ o, acc* __restrict__ gw,
                                      const acc* __restrict__ gr, const acc* __restrict__ xr,
-                                     const acc* __restrict__ w, acc r, acc coef, int64_t D) {
+                                     const acc* __restrict__ w, acc r, acc m, int64_t D) {
   int64_t k = 0;
   if constexpr (kVectorBf16Rows<x_t>) {
     for (; k + 32 <= D; k += 32) {
       alignas(64) float out[32];
-      for (int l = 0; l < 32; ++l) out[l] = r * (gr[k + l] * w[k + l]) - xr[k + l] * coef;
+      for (int l = 0; l < 32; ++l) out[l] = r * (gr[k + l] * w[k + l] - (xr[k + l] * r) * m);
       store_bf16_row<32>(o + k, out);
     }
   }
-  for (; k < D; ++k) o[k] = from_f<x_t>(r * (gr[k] * w[k]) - xr[k] * coef);
+  for (; k < D; ++k) o[k] = from_f<x_t>(r * (gr[k] * w[k] - (xr[k] * r) * m));
   for (k = 0; k < D; ++k) gw[k] += gr[k] * (xr[k] * r);
 }
 
@@ -1035,8 +1037,7 @@ void norm_rope_backward_impl(const NormBackwardJob& job, int64_t b, int64_t e, v
       load_row<x_t, acc>(gs + h * tg.src_head, tg.src_last, D, gr);
       const acc r = acc(1) / std::sqrt(sum_squares_buf<acc>(xr, D) * inv_d + eps);
       const acc dot = rotate_back<acc, kI>(gr, gz, c, s, w, xr, half, D);
-      backward_row_out<x_t, acc>(out + h * tx.dst_head, gw, gz, xr, w, r, r * r * r * dot * inv_d,
-                                 D);
+      backward_row_out<x_t, acc>(out + h * tx.dst_head, gw, gz, xr, w, r, r * dot * inv_d, D);
       if (++block_rows == kGwBlockRows) add_block();
     }
   }
