@@ -303,6 +303,26 @@ def test_gradients_equal_torch_norms_then_rotation(norm):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("norm", FORMS)
+def test_batched_gradients_equal_a_loop(norm):
+    # autograd.grad(..., is_grads_batched=True) vmaps the backward over the gradients: the
+    # composed backward must not write a batched tensor into one derived from x alone.
+    B, S, H, D = 2, 3, 2, 16
+    q = torch.randn(B, S, H, D, requires_grad=True)
+    k = torch.randn(B, S, 1, D, requires_grad=True)
+    n = H * D if norm == "rms_across_heads" else D
+    wq = torch.randn(n, requires_grad=True)
+    wk = torch.randn(n // H if norm == "rms_across_heads" else n, requires_grad=True)
+    b = torch.randn(n) if norm == "layer" else None
+    cos, sin = torch.randn(1, S, 1, D // 2), torch.randn(1, S, 1, D // 2)
+    fq, _ = norm_rope(q, k, wq, wk, cos, sin, q_bias=b, norm=norm, table_width="half")
+    grads = torch.randn(4, *fq.shape)
+    batched = torch.autograd.grad(fq, (q, wq), grads, is_grads_batched=True, retain_graph=True)
+    for i, g in enumerate(grads):
+        for got, want in zip(batched, torch.autograd.grad(fq, (q, wq), g, retain_graph=True)):
+            torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-5)
+
+
 # ---- errors ----
 
 def _args(**change):

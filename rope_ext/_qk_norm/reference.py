@@ -114,7 +114,9 @@ def norm_forms_rope_backward(x, weight, bias, grad, cos, sin, eps, norm, interle
         gn = g if w is None else (g.mul_(w) if inplace else g * w)
         m = (gn * n).mean(dims, keepdim=True)
         centre = gn.mean(dims, keepdim=True) if norm == "layer" else None
-        gn = gn.sub_(n.mul_(m)) if inplace else gn - n * m
+        # (gn - n * m in place in gn, which derives from grad: n derives from x, and under
+        # is_grads_batched's vmap an in-place write of batched m into unbatched n is an error)
+        gn = gn.addcmul_(n, m, value=-1) if inplace else gn - n * m
         if centre is not None:
             gn = gn.sub_(centre) if inplace else gn - centre
         gx = (gn.mul_(r) if inplace else gn * r).to(x.dtype)
