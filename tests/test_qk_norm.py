@@ -303,10 +303,11 @@ def backward_cases(dtype, D, rotary_dim):
 
 @pytest.mark.parametrize("isa", rope_ext._library.CPU_ISA_NAMES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("D,rotary_dim", [(128, 128), (96, 64), (2050, 1030)])
+@pytest.mark.parametrize("D,rotary_dim", [(128, 128), (64, 64), (128, 64), (96, 64), (2050, 1030)])
 def test_backward_op_against_float64(isa, dtype, D, rotary_dim):
     # Every kernel variant, 1 and 2 threads (grad_weight's per-thread shares added), both pair
-    # layouts, the Gemma form, partial rotary (its pass-through dims), rows past 1024 dims.
+    # layouts, the Gemma form, partial rotary (its pass-through dims), rows past 1024 dims; the
+    # fixed paths (head_dim 64 and 128, 128 rotating 64) and the general rows.
     if not native_cpu():
         pytest.skip("no native CPU library")
     if isa not in rope_ext.cpu_isas():
