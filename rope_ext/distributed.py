@@ -459,6 +459,26 @@ def _rule_qk_norm_rope(op, a):
                     "sin": tables}
 
 
+def _rule_qk_norm_rope_backward(op, a):
+    """qk_norm_rope_backward: x as qk_norm_rope's query (Partial reduced first), grad and the
+    tables read in x's layout, the weight Replicate. grad_x comes back in x's layout; grad_weight
+    sums a term per row of x, so each rank's sum over its own rows is a Partial('sum') over every
+    mesh dim that shards x (the all-reduce, where the weight's gradient needs one, is DTensor's,
+    after the op), Replicate over the others."""
+    x = a["x"]
+    _check_normed(op, "x", x, written=False)
+    _check_rotated(op, "grad", a["grad"], written=False)
+    x = _whole(x)
+    nd, t_shape = _ndim(x), a["cos"].tensor_meta.shape
+    full = len(t_shape) == nd
+    tables = _aligned(x, lambda d: d if full and t_shape[d] != 1 else None)
+    summed = [_dt.Partial() if _shard_dim(p, nd) is not None else _dt.Replicate()
+              for p in x.placements]
+    grad_weight = _spec(x.mesh, summed, None)
+    return (x, grad_weight), {"grad": x, "x": x, "weight": _replicated(x.mesh), "cos": tables,
+                              "sin": tables}
+
+
 def _rule_norm_rope(op, a):
     """norm_rope: as qk_norm_rope, the biases Replicate too; across heads the heads dim may not
     be sharded (a token's statistic spans all its heads)."""
@@ -555,6 +575,7 @@ _RULES.update({
     "qk_norm_rope_and_cache_": (_rule_qk_norm_rope_and_cache, 10),
     "qk_norm_rope_and_cache": (_rule_qk_norm_rope_and_cache_out, 10),
     "qk_norm_rope": (_rule_qk_norm_rope, 6),
+    "qk_norm_rope_backward": (_rule_qk_norm_rope_backward, 5),
     "norm_rope": (_rule_norm_rope, 8),
     "qk_norm_rope_": (_rule_qk_norm_rope_in_place, 6),
     "qkv_norm_rope_": (_rule_qkv_norm_rope, 1),

@@ -8,6 +8,8 @@ import sys
 
 import torch
 
+import rope_ext
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
@@ -272,6 +274,40 @@ def case_gradients_with_one_output_unused(run):
         assert want[-1] is None and got[-1] is None  # k_weight: nothing reached it
         for g, w in zip(got[:-1], want[:-1]):
             torch.testing.assert_close(g.full_tensor(), w, rtol=1e-5, atol=1e-5)
+
+
+@case
+def case_backward_op(run):
+    """rope.qk_norm_rope_backward with x sharded over heads or tokens and grad in x's layout: no
+    communication, grad_x in x's layout, grad_weight each rank's sum over its own rows as a
+    Partial('sum'); grad in another layout is moved to x's, a Partial x reduced first. The
+    autograd of qk_norm_rope takes the op on DTensors too."""
+    import torch.distributed.tensor as dt
+    Sh, R = run.S, run.R
+    w = torch.randn(D)
+    x, g = torch.randn(B, S, HQ, D), torch.randn(B, S, HQ, D)
+    cos, sin = torch.randn(B, S, 1, ROT // 2), torch.randn(B, S, 1, ROT // 2)
+    want = torch.ops.rope.qk_norm_rope_backward(g, x, w, cos, sin, 1e-6)
+    op = torch.ops.rope.qk_norm_rope_backward
+    for px, pt in ((Sh(2), R), (Sh(1), Sh(1)), (R, R)):  # (tables: sharded like the tokens)
+        args = (run.d(g, px), run.d(x, px), run.d(w, R), run.d(cos, pt), run.d(sin, pt), 1e-6)
+        gx, gw = run.no_comm(op, *args)
+        run.expect(gx, want[0], (px,))
+        assert gw.placements == ((R,) if px == R else (dt.Partial(),)), gw.placements
+        local = op(*(a.to_local() if isinstance(a, dt.DTensor) else a for a in args))[1]
+        torch.testing.assert_close(gw.to_local(), local, rtol=0, atol=0)
+        torch.testing.assert_close(gw.full_tensor(), want[1], rtol=1e-5, atol=1e-5)
+    gx, gw = op(run.d(g, Sh(1)), run.partial(x), run.d(w, R), run.d(cos, R), run.d(sin, R), 1e-6)
+    run.expect(gx, want[0], (R,))
+    torch.testing.assert_close(gw.full_tensor(), want[1], rtol=1e-5, atol=1e-5)
+    q = run.d(x, Sh(2)).requires_grad_()
+    out = qk_norm_rope(q, run.d(x[:, :, :HK], Sh(2)), run.d(w, R).requires_grad_(), run.d(w, R),
+                       run.d(cos, R), run.d(sin, R), table_width="half")[0]
+    with torch.profiler.profile() as prof:
+        out.backward(run.d(g, Sh(2)))
+    if rope_ext.backend("cpu") == "native":  # (the reference backend keeps the torch ops)
+        assert "rope::qk_norm_rope_backward" in [e.name for e in prof.events()]
+    run.expect(q.grad, want[0], (Sh(2),))
 
 
 outcomes, test_case = td.case_tests(__file__, CASES)

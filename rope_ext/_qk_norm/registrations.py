@@ -94,12 +94,15 @@ def _one_pass(x, *tensors):
     biases) takes rope.qk_norm_rope_backward: where its native kernel serves x (the CPU: one pass
     per tensor; elsewhere the op would run the torch ops below as one opaque call, which
     torch.compile could no longer fuse), not when the backward is itself recorded (double
-    backward: the op is not differentiable), not for DTensors (the op has no sharding rule; the
-    torch ops of the composed path do)."""
+    backward: the op is not differentiable). DTensors take it through its sharding rule
+    (rope_ext/distributed.py), unless registering the rules failed."""
     if torch.is_grad_enabled() or x.device.type != "cpu" or not _native_cpu_backward():
         return False
     dtensor = sys.modules.get("torch.distributed.tensor")
-    return dtensor is None or not any(isinstance(t, dtensor.DTensor) for t in (x, *tensors))
+    if dtensor is None or not any(isinstance(t, dtensor.DTensor) for t in (x, *tensors)):
+        return True
+    from .. import distributed
+    return distributed.registered()
 
 
 def _backward(ctx, grad_q, grad_k):
