@@ -301,38 +301,37 @@ def backward_cases(dtype, D, rotary_dim):
            torch.randn(B, S, 1, 2 * h)[..., ::2], torch.randn(B, S, 1, 2 * h)[..., ::2])
 
 
-@pytest.mark.parametrize("isa", rope_ext._library.CPU_ISA_NAMES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("D,rotary_dim", [(128, 128), (64, 64), (128, 64), (96, 64), (2050, 1030)])
-def test_backward_op_against_float64(isa, dtype, D, rotary_dim):
-    # Every kernel variant, 1 and 2 threads (grad_weight's per-thread shares added), both pair
-    # layouts, the Gemma form, partial rotary (its pass-through dims), rows past 1024 dims; the
-    # fixed paths (head_dim 64 and 128, 128 rotating 64) and the general rows.
+def test_backward_op_against_float64(dtype, D, rotary_dim):
+    # Every kernel variant this CPU runs (the oracle computed once for all of them), 1 and 2
+    # threads (grad_weight's per-thread shares added), both pair layouts, the Gemma form, partial
+    # rotary (its pass-through dims), rows past 1024 dims; the fixed paths (head_dim 64 and 128,
+    # 128 rotating 64) and the general rows.
     if not native_cpu():
         pytest.skip("no native CPU library")
-    if isa not in rope_ext.cpu_isas():
-        pytest.skip(f"this CPU cannot run the {isa} kernels")
     before, serving = torch.get_num_threads(), rope_ext.cpu_isa()
     w = torch.randn(D, dtype=torch.bfloat16)
     try:
-        rope_ext.set_cpu_isa(isa)
         for n_threads, (grad, x, cos, sin) in zip((1, 2, 1), backward_cases(dtype, D, rotary_dim)):
             torch.set_num_threads(n_threads)
             for interleaved in (False, True):
                 for unit_offset in (False, True):
-                    gx, gw = ops.qk_norm_rope_backward(grad, x, w, cos, sin, 1e-6, unit_offset,
-                                                       interleaved)
-                    ex, ew = oracle_grads(grad, x, w, cos, sin, 1e-6, unit_offset, interleaved)
-                    assert gx.dtype == dtype and gx.shape == x.shape and gx.is_contiguous()
-                    assert gw.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-                    close(gx, ex, dtype)
-                    # grad_weight: sums over every row, in the arithmetic type
-                    rtol = 1e-10 if dtype == torch.float64 else 1e-5
-                    torch.testing.assert_close(gw.double(), ew, rtol=rtol,
-                                               atol=rtol * ew.abs().max().item())
-                    rx, rw = reference.qk_norm_rope_backward(grad, x, w, cos, sin, 1e-6,
-                                                             unit_offset, interleaved)
-                    close(gx, rx, dtype)
+                    args = (grad, x, w, cos, sin, 1e-6, unit_offset, interleaved)
+                    ex, ew = oracle_grads(*args)
+                    rx = reference.qk_norm_rope_backward(*args)[0]
+                    rtol = 1e-10 if dtype == torch.float64 else 1e-5  # (grad_weight's)
+                    for isa in rope_ext.cpu_isas():
+                        rope_ext.set_cpu_isa(isa)
+                        gx, gw = ops.qk_norm_rope_backward(*args)
+                        assert gx.dtype == dtype and gx.shape == x.shape and gx.is_contiguous()
+                        assert gw.dtype == (torch.float64 if dtype == torch.float64
+                                            else torch.float32)
+                        close(gx, ex, dtype)
+                        # grad_weight: sums over every row, in the arithmetic type
+                        torch.testing.assert_close(gw.double(), ew, rtol=rtol,
+                                                   atol=rtol * ew.abs().max().item())
+                        close(gx, rx, dtype)
     finally:
         torch.set_num_threads(before)
         rope_ext.set_cpu_isa(serving)
