@@ -436,6 +436,14 @@ def _whole(spec):
     return _spec(spec.mesh, placements, order, spec.tensor_meta)
 
 
+def _tables_like(x, cos):
+    """The layout of qk_norm_rope's cos/sin read with x (normalized and rotated): sharded like x
+    along the dims where they vary (x's number of dims), Replicate where they broadcast."""
+    t_shape = cos.tensor_meta.shape
+    full = len(t_shape) == _ndim(x)
+    return _aligned(x, lambda d: d if full and t_shape[d] != 1 else None)
+
+
 def _rule_qk_norm_rope(op, a):
     """qk_norm_rope: query and key (..., H, D) each sharded over any dim but head_dim (Partial
     reduced first); cos/sin sharded like both along the dims where they have their size (query
@@ -444,14 +452,8 @@ def _rule_qk_norm_rope(op, a):
     _check_normed(op, "query", q, written=False)
     _check_normed(op, "key", k, written=False)
     q, k = _whole(q), _whole(k)
-    q_shape, t_shape = q.tensor_meta.shape, a["cos"].tensor_meta.shape
-    full = len(t_shape) == len(q_shape)
-
-    def table_dims(d):
-        return d if full and t_shape[d] != 1 else None
-
-    tables = _aligned(q, table_dims)
-    if _layout(_aligned(k, table_dims)) != _layout(tables):
+    tables = _tables_like(q, a["cos"])
+    if _layout(_tables_like(k, a["cos"])) != _layout(tables):
         _fail(op, f"query {_names(q)} and key {_names(k)} must be sharded alike over the dims "
                   "along which cos and sin vary, since they read the same tables")
     r = _replicated(q.mesh)
@@ -469,10 +471,8 @@ def _rule_qk_norm_rope_backward(op, a):
     _check_normed(op, "x", x, written=False)
     _check_rotated(op, "grad", a["grad"], written=False)
     x = _whole(x)
-    nd, t_shape = _ndim(x), a["cos"].tensor_meta.shape
-    full = len(t_shape) == nd
-    tables = _aligned(x, lambda d: d if full and t_shape[d] != 1 else None)
-    summed = [_dt.Partial() if _shard_dim(p, nd) is not None else _dt.Replicate()
+    tables = _tables_like(x, a["cos"])
+    summed = [_dt.Partial() if _shard_dim(p, _ndim(x)) is not None else _dt.Replicate()
               for p in x.placements]
     grad_weight = _spec(x.mesh, summed, None)
     return (x, grad_weight), {"grad": x, "x": x, "weight": _replicated(x.mesh), "cos": tables,

@@ -917,8 +917,9 @@ void norm_rope_layout(const NormJob& job, int64_t b, int64_t e) {
 // eps 0, and loses digits to subnormals at RMS above 1e13.) grad_weight += gz * n: summed over
 // blocks of kGwBlockRows rows, each block added into the task's total with a compensated (Kahan)
 // sum, so that the error stays at a few roundings however many rows a task has (a running sum
-// over a million rows lost four digits); the host adds the tasks' totals. One read of x and grad and one write of grad_x, where the
-// same in torch ops is about a dozen passes over float32 copies (docs/qk_norm.md "Backward").
+// over a million rows lost four digits); the host adds the tasks' totals. One read of x and grad
+// and one write of grad_x, where the same in torch ops is about a dozen passes over float32
+// copies (docs/qk_norm.md "Backward").
 constexpr int64_t kGwBlockRows = 16;
 
 // A row's grad_x (contiguous: the output is) and its share of grad_weight (into the block's
