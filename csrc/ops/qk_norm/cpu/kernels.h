@@ -120,7 +120,8 @@ ROPE_QK_INLINE void add_squares(const acc* buf, int64_t n, acc* part) {
   for (; j + kSumLanes <= n; j += kSumLanes) {
     for (int l = 0; l < kSumLanes; ++l) part[l] += buf[j + l] * buf[j + l];
   }
-  for (int l = 0; j < n; ++j, ++l) part[l] += buf[j] * buf[j];
+  // (the bound on l, which holds anyway, keeps GCC from a false -Waggressive-loop-optimizations)
+  for (int l = 0; l < kSumLanes && j < n; ++j, ++l) part[l] += buf[j] * buf[j];
 }
 
 template <typename acc>
@@ -930,16 +931,21 @@ template <typename x_t, typename acc>
 ROPE_QK_INLINE void backward_row_out(x_t* __restrict__ o, acc* __restrict__ gw,
                                      const acc* __restrict__ gr, const acc* __restrict__ xr,
                                      const acc* __restrict__ w, acc r, acc m, int64_t D) {
-  int64_t k = 0;
   if constexpr (kVectorBf16Rows<x_t>) {
+    int64_t k = 0;
     for (; k + 32 <= D; k += 32) {
       alignas(64) float out[32];
       for (int l = 0; l < 32; ++l) out[l] = r * (gr[k + l] * w[k + l] - (xr[k + l] * r) * m);
       store_bf16_row<32>(o + k, out);
     }
+    // (the bound on l, which holds anyway, keeps GCC from a false -Waggressive-loop-optimizations)
+    for (int l = 0; l < 32 && k < D; ++l, ++k) {
+      o[k] = from_f<x_t>(r * (gr[k] * w[k] - (xr[k] * r) * m));
+    }
+  } else {
+    for (int64_t k = 0; k < D; ++k) o[k] = from_f<x_t>(r * (gr[k] * w[k] - (xr[k] * r) * m));
   }
-  for (; k < D; ++k) o[k] = from_f<x_t>(r * (gr[k] * w[k] - (xr[k] * r) * m));
-  for (k = 0; k < D; ++k) gw[k] += gr[k] * (xr[k] * r);
+  for (int64_t k = 0; k < D; ++k) gw[k] += gr[k] * (xr[k] * r);
 }
 
 // grad's row g rotated back into gz (the conjugate rotation; the dims past rotary_dim as they
