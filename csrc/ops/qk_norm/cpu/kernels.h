@@ -300,6 +300,22 @@ ROPE_QK_INLINE void norm_rotate_even_odd(const float* a_row, const float* b_row,
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(db), F32Ops::join_even_odd_raw(hi[0], hi[1]));
 }
 
+// 8 interleaved pairs of a row in even/odd order (their 16 elements: a_row the 8 even ones,
+// b_row = a_row + 8 the odd ones): normalized by r, rotated with the folded tables (in pair
+// order), rounded and written in order to d (pair i's results to elements 2i and 2i + 1).
+ROPE_QK_INLINE void norm_rotate_even_odd_pairs(const float* a_row, float r, const float* ca,
+                                               const float* sb, const float* cb, const float* sa,
+                                               BF16Bits* d) {
+  const __m256 rv = _mm256_set1_ps(r);
+  const __m256 a = _mm256_mul_ps(_mm256_load_ps(a_row), rv);
+  const __m256 b = _mm256_mul_ps(_mm256_load_ps(a_row + 8), rv);
+  const __m256 lo = _mm256_sub_ps(_mm256_mul_ps(a, _mm256_loadu_ps(ca)),
+                                  _mm256_mul_ps(b, _mm256_loadu_ps(sb)));
+  const __m256 hi = _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(cb)),
+                                  _mm256_mul_ps(a, _mm256_loadu_ps(sa)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), F32Ops::join_even_odd_raw(lo, hi));
+}
+
 // 16 elements of a row in even/odd order past the rotary dims: normalized by r, scaled by their
 // weights w (even/odd order too), rounded and written in order to d.
 ROPE_QK_INLINE void norm_scale_even_odd(const float* row, float r, const float* w, BF16Bits* d) {
@@ -317,10 +333,12 @@ template <typename T>
 inline void even_odd_floats(const T*, float*, int) {}
 inline void norm_rotate_even_odd(const float*, const float*, float, const float*, const float*,
                                  const float*, const float*, BF16Bits*, BF16Bits*) {}
+inline void norm_rotate_even_odd_pairs(const float*, float, const float*, const float*,
+                                       const float*, const float*, BF16Bits*) {}
 inline void norm_scale_even_odd(const float*, float, const float*, BF16Bits*) {}
 #endif
 
-// The common rows: unit strides, half-split pairs, head_dim kD (64, 128, 256) and the pairs
+// The common rows: unit strides, either pair layout (kI), head_dim kD (64, 128, 256) and the pairs
 // rotated kHalf (all of them, or 32: partial rotary as GLM-4.5's 64 of 128 and Qwen3-Next's 64
 // of 256, the rest normalized and scaled) compile-time constants. Every loop has a constant trip
 // count, so the compiler keeps the rows in registers (or L1) and vectorizes each step. Rows go
@@ -383,7 +401,7 @@ ROPE_QK_INLINE void group_norm(const x_t* src, int64_t src_head, acc eps,
 // loaded once for all of them (loads and stores, not arithmetic, bound this loop).
 // Then the dims past the rotary ones, normalized and scaled by their weights w (in the rows'
 // order), likewise.
-template <typename x_t, typename acc, int kD, int kHalf, int kG>
+template <typename x_t, typename acc, int kD, int kHalf, int kG, bool kI>
 ROPE_QK_INLINE void group_rotate(const x_t* src, x_t* dst, int64_t src_head, int64_t dst_head,
                                  const GroupRows<x_t, acc, kD, kG>& rows,
                                  const acc* __restrict__ ca, const acc* __restrict__ sb,
@@ -391,7 +409,40 @@ ROPE_QK_INLINE void group_rotate(const x_t* src, x_t* dst, int64_t src_head, int
                                  const acc* __restrict__ w) {
   constexpr int kChunk = 32;
   static_assert(kHalf % kChunk == 0 && 2 * kHalf <= kD, "whole chunks");
-  for (int j = 0; j < kHalf; j += kChunk) {
+  for (int j = 0; kI && j < kHalf; j += kChunk) {  // interleaved: chunk j's 2 * kChunk elements
+    for (int g = 0; g < kG; ++g) {
+      const acc* rx = rows.row_of(src, src_head, g) + 2 * j;
+      x_t* d = dst + g * dst_head + 2 * j;
+      const acc r = rows.r[g];
+      if constexpr (kEvenOddRows<x_t>) {  // each 16 elements: their 8 pairs' a, then their b
+        for (int i = 0; i < kChunk; i += 8) {
+          norm_rotate_even_odd_pairs(rx + 2 * i, r, ca + j + i, sb + j + i, cb + j + i, sa + j + i,
+                                     d + 2 * i);
+        }
+        continue;
+      }
+      // The results in two arrays, then interleaved (as rotate_pairs computes them, so that no
+      // fused multiply-add-subtract of adjacent lanes rounds them otherwise). In place, every
+      // element of the chunk is read before any is written.
+      alignas(64) acc lo[kChunk], hi[kChunk];
+      for (int l = 0; l < kChunk; ++l) {
+        const acc a = rx[2 * l] * r, b = rx[2 * l + 1] * r;
+        lo[l] = a * ca[j + l] - b * sb[j + l];
+        hi[l] = b * cb[j + l] + a * sa[j + l];
+      }
+      if constexpr (kVectorBf16Rows<x_t>) {
+        alignas(64) float out[2 * kChunk];
+        for (int l = 0; l < kChunk; ++l) out[2 * l] = lo[l], out[2 * l + 1] = hi[l];
+        store_bf16_row<2 * kChunk>(d, out);
+      } else {
+        for (int l = 0; l < kChunk; ++l) {
+          d[2 * l] = from_f<x_t>(lo[l]);
+          d[2 * l + 1] = from_f<x_t>(hi[l]);
+        }
+      }
+    }
+  }
+  for (int j = 0; !kI && j < kHalf; j += kChunk) {
     for (int g = 0; g < kG; ++g) {
       const acc* ra = rows.row_of(src, src_head, g) + j;  // the chunk's first and second members
       const acc* rb = ra + kHalf;
@@ -456,7 +507,7 @@ struct NextRows {
 // Every head of one target of one token (not inlined: one copy per element type, kD and kHalf,
 // not one per layout). ca, sb, cb and sa are the caller's stack buffers, so no write through dst
 // reaches them (__restrict__: the stores need not be ordered against their loads).
-template <typename x_t, typename acc, int kD, int kHalf>
+template <typename x_t, typename acc, int kD, int kHalf, bool kI>
 __attribute__((noinline)) void norm_rope_heads_fixed(const x_t* src, x_t* dst, int64_t src_head,
                                                      int64_t dst_head, int64_t heads,
                                                      const acc* __restrict__ ca,
@@ -474,12 +525,14 @@ __attribute__((noinline)) void norm_rope_heads_fixed(const x_t* src, x_t* dst, i
   constexpr int kLineElems = 64 / static_cast<int>(sizeof(x_t));
   const int64_t groups = heads / kG;
   constexpr bool kEvenOdd = kEvenOddRows<x_t>;
-  alignas(32) acc t[kEvenOdd ? 4 : 1][kEvenOdd ? kHalf : 1];
+  alignas(32) acc t[kEvenOdd && !kI ? 4 : 1][kEvenOdd && !kI ? kHalf : 1];
   alignas(32) acc wt[kEvenOdd && 2 * kHalf < kD ? kD : 1];
   if constexpr (kEvenOdd) {  // the tables, and the weights past the rotary dims, in the rows' order
-    const acc* in[4] = {ca, sb, cb, sa};
-    for (int k = 0; k < 4; ++k) even_odd_floats(in[k], t[k], kHalf);
-    ca = t[0], sb = t[1], cb = t[2], sa = t[3];
+    if constexpr (!kI) {  // (interleaved rows in even/odd order hold their pairs' a and b apart)
+      const acc* in[4] = {ca, sb, cb, sa};
+      for (int k = 0; k < 4; ++k) even_odd_floats(in[k], t[k], kHalf);
+      ca = t[0], sb = t[1], cb = t[2], sa = t[3];
+    }
     if constexpr (2 * kHalf < kD) {
       even_odd_floats(w + 2 * kHalf, wt + 2 * kHalf, kD - 2 * kHalf);
       w = wt;
@@ -501,26 +554,29 @@ __attribute__((noinline)) void norm_rope_heads_fixed(const x_t* src, x_t* dst, i
     if (q + 1 < groups) {
       group_norm<x_t, acc, kD, kG>(src + (h + kG) * src_head, src_head, eps, rows[(q + 1) & 1]);
     }
-    group_rotate<x_t, acc, kD, kHalf, kG>(src + h * src_head, dst + h * dst_head, src_head,
-                                          dst_head, rows[q & 1], ca, sb, cb, sa, w);
+    group_rotate<x_t, acc, kD, kHalf, kG, kI>(src + h * src_head, dst + h * dst_head, src_head,
+                                              dst_head, rows[q & 1], ca, sb, cb, sa, w);
   }
   for (int64_t h = groups * kG; h < heads; ++h) {
     GroupRows<x_t, acc, kD, 1> one;
     group_norm<x_t, acc, kD, 1>(src + h * src_head, src_head, eps, one);
-    group_rotate<x_t, acc, kD, kHalf, 1>(src + h * src_head, dst + h * dst_head, src_head,
-                                         dst_head, one, ca, sb, cb, sa, w);
+    group_rotate<x_t, acc, kD, kHalf, 1, kI>(src + h * src_head, dst + h * dst_head, src_head,
+                                             dst_head, one, ca, sb, cb, sa, w);
   }
 }
 
 // The fixed paths: head_dim kD, rotated pairs kHalf (all, or 32: partial rotary of 64 dims).
+// The forward takes them for interleaved pairs too but at head_dim 256 (no model we know of
+// normalizes interleaved rows of 256; 150 KB of library), the backward for half-split pairs.
 enum class FixedRows { kNone, k64, k128, k256, k128Rot64, k256Rot64 };
 
 // Which fixed path the rows of target tg take.
 inline FixedRows fixed_rows(const RotateGeometry& g, const TargetDesc& tg) {
-  if (g.interleaved || tg.src_last != 1 || tg.dst_last != 1 || g.rot_offset != 0) {
+  if (tg.src_last != 1 || tg.dst_last != 1 || g.rot_offset != 0) {
     return FixedRows::kNone;
   }
   const int64_t D = g.head_dim, half = g.half;
+  if (D == 256 && g.interleaved) return FixedRows::kNone;
   if (2 * half == D) {
     return D == 64 ? FixedRows::k64 : D == 128 ? FixedRows::k128 : D == 256 ? FixedRows::k256
                                                                             : FixedRows::kNone;
@@ -822,11 +878,9 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
         continue;
       }
       const bool unit_strides = tg.src_last == 1 && tg.dst_last == 1 && ws[k] == 1;
-      // Only half-split rows take a fixed path (fixed_rows): the interleaved walk is compiled
-      // without them.
       // (float64 rows, which tests and references use, take the general rows: each fixed path
-      // is a copy per element type and instruction set.)
-      constexpr bool kFixedRows = !kI && !std::is_same_v<x_t, double>;
+      // is a copy per element type, pair layout and instruction set.)
+      constexpr bool kFixedRows = !std::is_same_v<x_t, double>;
       if (const FixedRows fixed = kFixedRows && D <= kQkNormStackHeadDim ? fixed_rows(g, tg)
                                                                          : FixedRows::kNone;
           fixed != FixedRows::kNone) {
@@ -844,11 +898,17 @@ void norm_rope_tokens_impl(const NormJob& job, int64_t b, int64_t e) {
                    fold[3], w[k], eps, rows_after);
         };
         switch (fixed) {
-          case FixedRows::k64: run(norm_rope_heads_fixed<x_t, acc, 64, 32>); break;
-          case FixedRows::k128: run(norm_rope_heads_fixed<x_t, acc, 128, 64>); break;
-          case FixedRows::k256: run(norm_rope_heads_fixed<x_t, acc, 256, 128>); break;
-          case FixedRows::k128Rot64: run(norm_rope_heads_fixed<x_t, acc, 128, 32>); break;
-          default: run(norm_rope_heads_fixed<x_t, acc, 256, 32>);
+          case FixedRows::k64: run(norm_rope_heads_fixed<x_t, acc, 64, 32, kI>); break;
+          case FixedRows::k128: run(norm_rope_heads_fixed<x_t, acc, 128, 64, kI>); break;
+          case FixedRows::k128Rot64: run(norm_rope_heads_fixed<x_t, acc, 128, 32, kI>); break;
+          default:  // (fixed_rows gives interleaved rows of 256 none)
+            if constexpr (!kI) {
+              if (fixed == FixedRows::k256) {
+                run(norm_rope_heads_fixed<x_t, acc, 256, 128, false>);
+              } else {
+                run(norm_rope_heads_fixed<x_t, acc, 256, 32, false>);
+              }
+            }
         }
         continue;
       }
