@@ -36,6 +36,8 @@ BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 ENCODER = {k: v for k, v in BASE.items() if k != "num_key_value_heads"}
 MROPE = {"type": "mrope", "mrope_section": [2, 3, 3]}  # head_dim 16: 8 pairs
+# A vision tower that text-only tests build but never run (the defaults hold 100-400M weights).
+TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
 
 
 class Missing:
@@ -202,12 +204,15 @@ FAMILIES = {
             intermediate_layers_indices=[0]))),
     "aria_text": lambda: T.AriaTextForCausalLM(T.AriaTextConfig(  # (MoE)
         **BASE, pad_token_id=0, moe_num_experts=2, moe_topk=1, moe_intermediate_size=32)),
-    "csm": lambda: T.CsmForConditionalGeneration(T.CsmConfig(**BASE)),  # backbone, depth decoder
+    # backbone, depth decoder (small: the default depth decoder and codebooks make 400M weights)
+    "csm": lambda: T.CsmForConditionalGeneration(T.CsmConfig(
+        **BASE, num_codebooks=4, text_vocab_size=128,
+        depth_decoder_config=dict(BASE, backbone_hidden_size=64, num_codebooks=4))),
     "eurobert": lambda: T.EuroBertForMaskedLM(T.EuroBertConfig(**BASE, pad_token_id=0)),  # encoder
     "nanochat": causal_lm(T.NanoChatConfig(**BASE)),  # rotate_half with flipped signs
     # Vision-language models of transformers 5, text inputs: their language models' RoPE
     "cosmos3_edge": lambda: T.Cosmos3EdgeForConditionalGeneration(T.Cosmos3EdgeConfig(
-        text_config=BASE)),
+        text_config=BASE, vision_config=TINY_VISION)),
     "granite_docling": lambda: T.GraniteDoclingForConditionalGeneration(T.GraniteDoclingConfig(
         text_config=dict(BASE, pad_token_id=0), pad_token_id=0, vision_config=dict(
             hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -562,7 +567,8 @@ if HF5:
     # Encoder-decoder: the encoder's and decoder's self-attention fused; the decoder's merged
     # self- and cross-attention too (its k_norm of the cross keys stays as it is).
     FAMILIES["t5gemma2"] = lambda: T.T5Gemma2ForConditionalGeneration(T.T5Gemma2Config(
-        encoder=dict(text_config=dict(BASE, head_dim=16)), decoder=dict(BASE, head_dim=16)))
+        encoder=dict(text_config=dict(BASE, head_dim=16), vision_config=TINY_VISION),
+        decoder=dict(BASE, head_dim=16)))
     FAMILIES["step3p7"] = lambda: T.Step3p7ForConditionalGeneration(T.Step3p7Config(
         text_config=dict(BASE, head_dim=16, sliding_window=8),
         vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
