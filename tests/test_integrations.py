@@ -36,8 +36,6 @@ BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 ENCODER = {k: v for k, v in BASE.items() if k != "num_key_value_heads"}
 MROPE = {"type": "mrope", "mrope_section": [2, 3, 3]}  # head_dim 16: 8 pairs
-# A vision tower that text-only tests build but never run (the defaults hold 100-400M weights).
-TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
 
 
 class Missing:
@@ -212,7 +210,7 @@ FAMILIES = {
     "nanochat": causal_lm(T.NanoChatConfig(**BASE)),  # rotate_half with flipped signs
     # Vision-language models of transformers 5, text inputs: their language models' RoPE
     "cosmos3_edge": lambda: T.Cosmos3EdgeForConditionalGeneration(T.Cosmos3EdgeConfig(
-        text_config=BASE, vision_config=TINY_VISION)),
+        text_config=BASE, vision_config=SIGLIP)),  # (a vision tower unrun: small)
     "granite_docling": lambda: T.GraniteDoclingForConditionalGeneration(T.GraniteDoclingConfig(
         text_config=dict(BASE, pad_token_id=0), pad_token_id=0, vision_config=dict(
             hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -567,7 +565,7 @@ if HF5:
     # Encoder-decoder: the encoder's and decoder's self-attention fused; the decoder's merged
     # self- and cross-attention too (its k_norm of the cross keys stays as it is).
     FAMILIES["t5gemma2"] = lambda: T.T5Gemma2ForConditionalGeneration(T.T5Gemma2Config(
-        encoder=dict(text_config=dict(BASE, head_dim=16), vision_config=TINY_VISION),
+        encoder=dict(text_config=dict(BASE, head_dim=16), vision_config=SIGLIP),
         decoder=dict(BASE, head_dim=16)))
     FAMILIES["step3p7"] = lambda: T.Step3p7ForConditionalGeneration(T.Step3p7Config(
         text_config=dict(BASE, head_dim=16, sliding_window=8),

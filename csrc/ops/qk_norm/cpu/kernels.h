@@ -280,6 +280,17 @@ ROPE_QK_INLINE void even_odd_floats(const T* in, float* out, int n) {
   }
 }
 
+// 8 pairs: their a and b elements (8 floats each, aligned) normalized by rv, rotated with the
+// folded tables (the pairs' 8 entries of each) into lo and hi.
+ROPE_QK_INLINE void norm_rotate_8(const float* a_row, const float* b_row, __m256 rv,
+                                  const float* ca, const float* sb, const float* cb,
+                                  const float* sa, __m256& lo, __m256& hi) {
+  const __m256 a = _mm256_mul_ps(_mm256_load_ps(a_row), rv);
+  const __m256 b = _mm256_mul_ps(_mm256_load_ps(b_row), rv);
+  lo = _mm256_sub_ps(_mm256_mul_ps(a, _mm256_loadu_ps(ca)), _mm256_mul_ps(b, _mm256_loadu_ps(sb)));
+  hi = _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(cb)), _mm256_mul_ps(a, _mm256_loadu_ps(sa)));
+}
+
 // 16 pairs of a row in even/odd order: elements of a and b (the row's first and second half)
 // normalized by r, rotated with the folded tables, rounded and written in order to da and db.
 ROPE_QK_INLINE void norm_rotate_even_odd(const float* a_row, const float* b_row, float r,
@@ -289,30 +300,20 @@ ROPE_QK_INLINE void norm_rotate_even_odd(const float* a_row, const float* b_row,
   __m256 lo[2], hi[2];
   for (int h = 0; h < 2; ++h) {
     const int e = 8 * h;
-    const __m256 a = _mm256_mul_ps(_mm256_load_ps(a_row + e), rv);
-    const __m256 b = _mm256_mul_ps(_mm256_load_ps(b_row + e), rv);
-    lo[h] = _mm256_sub_ps(_mm256_mul_ps(a, _mm256_load_ps(ca + e)),
-                          _mm256_mul_ps(b, _mm256_load_ps(sb + e)));
-    hi[h] = _mm256_add_ps(_mm256_mul_ps(b, _mm256_load_ps(cb + e)),
-                          _mm256_mul_ps(a, _mm256_load_ps(sa + e)));
+    norm_rotate_8(a_row + e, b_row + e, rv, ca + e, sb + e, cb + e, sa + e, lo[h], hi[h]);
   }
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(da), F32Ops::join_even_odd_raw(lo[0], lo[1]));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(db), F32Ops::join_even_odd_raw(hi[0], hi[1]));
 }
 
 // 8 interleaved pairs of a row in even/odd order (their 16 elements: a_row the 8 even ones,
-// b_row = a_row + 8 the odd ones): normalized by r, rotated with the folded tables (in pair
-// order), rounded and written in order to d (pair i's results to elements 2i and 2i + 1).
+// a_row + 8 the odd ones): normalized by r, rotated with the folded tables (in pair order),
+// rounded and written in order to d (pair i's results to elements 2i and 2i + 1).
 ROPE_QK_INLINE void norm_rotate_even_odd_pairs(const float* a_row, float r, const float* ca,
                                                const float* sb, const float* cb, const float* sa,
                                                BF16Bits* d) {
-  const __m256 rv = _mm256_set1_ps(r);
-  const __m256 a = _mm256_mul_ps(_mm256_load_ps(a_row), rv);
-  const __m256 b = _mm256_mul_ps(_mm256_load_ps(a_row + 8), rv);
-  const __m256 lo = _mm256_sub_ps(_mm256_mul_ps(a, _mm256_loadu_ps(ca)),
-                                  _mm256_mul_ps(b, _mm256_loadu_ps(sb)));
-  const __m256 hi = _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(cb)),
-                                  _mm256_mul_ps(a, _mm256_loadu_ps(sa)));
+  __m256 lo, hi;
+  norm_rotate_8(a_row, a_row + 8, _mm256_set1_ps(r), ca, sb, cb, sa, lo, hi);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), F32Ops::join_even_odd_raw(lo, hi));
 }
 
